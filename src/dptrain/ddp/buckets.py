@@ -1,0 +1,120 @@
+"""Gradient buckets: which parameters share one all-reduce, and the flat buffer they share.
+
+One all-reduce per parameter pays the collective's fixed latency (α) once per tensor;
+one all-reduce for the whole model cannot start until the last gradient exists, so
+nothing overlaps with backward. Buckets sit between: parameters are grouped, in the
+order their gradients become ready (the reverse of registration order, since backward
+visits layers last-to-first), into buckets of about ``cap_bytes``, and each bucket is
+reduced as soon as its last gradient is ready (Li et al., "PyTorch Distributed:
+Experiences on Accelerating Data Parallel Training", VLDB 2020, section 3.2.3).
+
+A bucket is closed once it reaches the cap, so it may exceed the cap by at most one
+parameter, and a parameter larger than the cap gets a bucket of its own. This is
+torch DDP's rule too, which keeps "matched bucket sizes" comparisons honest. Buckets
+never mix dtypes or devices: a flat buffer has one of each.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["ParamInfo", "assign_buckets", "Bucket"]
+
+MiB = 1024 * 1024
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What bucket assignment needs to know of a parameter."""
+
+    numel: int
+    element_size: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def of(cls, param: torch.Tensor) -> "ParamInfo":
+        return cls(param.numel(), param.element_size(), param.dtype, param.device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.element_size
+
+
+def assign_buckets(
+    params: Sequence[ParamInfo],
+    cap_bytes: int,
+    first_cap_bytes: int | None = None,
+    order: Sequence[int] | None = None,
+) -> list[list[int]]:
+    """Group parameter indices into buckets, in gradient-ready order.
+
+    ``order`` is the order gradients are expected to become ready; by default the
+    reverse of ``params`` (registration order). ``first_cap_bytes`` caps the first
+    bucket of each (dtype, device) group separately: a small first bucket gets the
+    first collective started early. Returns buckets in launch order, each a list of
+    parameter indices in ready order.
+    """
+    if cap_bytes <= 0:
+        raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
+    first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
+    order = list(reversed(range(len(params)))) if order is None else list(order)
+    open_buckets: dict[tuple, tuple[list[int], int]] = {}  # key -> (indices, bytes)
+    started: set[tuple] = set()  # keys whose first bucket was already closed
+    closed: list[list[int]] = []
+    for index in order:
+        info = params[index]
+        key = (info.dtype, info.device)
+        indices, size = open_buckets.get(key, ([], 0))
+        indices.append(index)
+        size += info.nbytes
+        limit = cap_bytes if key in started else first_cap
+        if size >= limit:
+            closed.append(indices)
+            started.add(key)
+            open_buckets.pop(key, None)
+        else:
+            open_buckets[key] = (indices, size)
+    closed.extend(indices for indices, _ in open_buckets.values())
+    return _in_launch_order(closed, order)
+
+
+def _in_launch_order(buckets: list[list[int]], order: list[int]) -> list[list[int]]:
+    # A bucket can launch only once its last parameter is ready, so order buckets by
+    # the ready position of their last member; ties cannot happen (disjoint members).
+    position = {index: pos for pos, index in enumerate(order)}
+    return sorted(buckets, key=lambda bucket: position[bucket[-1]])
+
+
+class Bucket:
+    """A flat buffer holding the gradients of a group of parameters, back to back.
+
+    ``views[i]`` is ``params[i]``'s slice of the buffer, shaped like the parameter.
+    With ``gradient_as_bucket_view`` the parameters' ``.grad`` point at those views,
+    so no copy is needed in or out; otherwise gradients are copied in before the
+    collective and the reduced values copied back after.
+    """
+
+    def __init__(self, index: int, params: list[torch.nn.Parameter], param_indices: list[int]):
+        self.index = index
+        self.params = params
+        self.param_indices = param_indices
+        first = params[0]
+        self.numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def __repr__(self) -> str:
+        return (f"Bucket(index={self.index}, params={len(self.params)}, "
+                f"numel={self.numel}, dtype={self.buffer.dtype}, bytes={self.nbytes})")

@@ -1,0 +1,116 @@
+"""The communication-hook protocol: how a bucket's gradients travel between ranks.
+
+The DDP engine hands every bucket to a hook the moment the bucket's last gradient is
+ready. A hook is any callable ``hook(state, bucket) -> handle`` where
+
+- ``bucket`` is a :class:`GradBucket`: ``bucket.buffer()`` is the flat tensor of the
+  bucket's *local, un-averaged* gradients (the hook may modify it in place);
+  ``bucket.gradients()`` and ``bucket.parameters()`` are per-parameter views and
+  parameters; ``bucket.index()`` and ``bucket.is_last()`` place it in the step;
+- ``handle.wait()`` blocks until the reduction is done and returns a flat tensor of
+  ``bucket.buffer()``'s size, dtype and device holding the *averaged* gradients.
+
+``torch.futures.Future`` satisfies the handle contract, and ``GradBucket`` offers the
+methods torch's own ``GradBucket`` does, so hooks written for
+``torch.nn.parallel.DistributedDataParallel.register_comm_hook`` (``allreduce_hook``,
+``fp16_compress_hook``, PowerSGD, ...) run here unchanged. The hook owns the
+averaging: the engine never divides.
+
+Compression codecs plug in here: encode in the hook, reduce, decode in ``wait()``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradBucket", "CommHook", "ReduceHandle", "allreduce_hook", "AllReduceState"]
+
+
+class ReduceHandle(Protocol):
+    def wait(self) -> torch.Tensor: ...
+
+
+class CommHook(Protocol):
+    def __call__(self, state: Any, bucket: "GradBucket") -> ReduceHandle: ...
+
+
+class GradBucket:
+    """A bucket as a communication hook sees it (mirrors ``torch.distributed.GradBucket``)."""
+
+    def __init__(self, index: int, buffer: torch.Tensor, gradients: list[torch.Tensor],
+                 parameters: list[torch.Tensor], is_last: bool):
+        self._index = index
+        self._buffer = buffer
+        self._gradients = gradients
+        self._parameters = parameters
+        self._is_last = is_last
+
+    def index(self) -> int:
+        """Position of this bucket in the step's launch order (0 is reduced first)."""
+        return self._index
+
+    def buffer(self) -> torch.Tensor:
+        """The flat, contiguous tensor of this bucket's local gradients."""
+        return self._buffer
+
+    def set_buffer(self, tensor: torch.Tensor) -> None:
+        """Replace the buffer's contents (torch API compatibility)."""
+        self._buffer.copy_(tensor)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Per-parameter views into :meth:`buffer`, shaped like the parameters."""
+        return self._gradients
+
+    def parameters(self) -> list[torch.Tensor]:
+        return self._parameters
+
+    def is_last(self) -> bool:
+        """True for the last bucket of the step (hooks with per-step state use it)."""
+        return self._is_last
+
+
+class _WorkHandle:
+    """Adapts a ``torch.distributed.Work`` to the handle contract: ``wait()`` returns the tensor."""
+
+    __slots__ = ("_work", "_tensor")
+
+    def __init__(self, work: dist.Work, tensor: torch.Tensor):
+        self._work = work
+        self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._tensor
+
+
+class AllReduceState:
+    """State of the default hook: the process group and the divisor for the average.
+
+    The divisor is the world size, except under uneven inputs with
+    ``divide_by_initial_world_size=False``, where the engine sets it each step to the
+    number of ranks that still have data.
+    """
+
+    def __init__(self, process_group: dist.ProcessGroup):
+        self.process_group = process_group
+        self.divisor = dist.get_world_size(process_group)
+
+
+def allreduce_hook(state: AllReduceState | dist.ProcessGroup | None, bucket: GradBucket) -> ReduceHandle:
+    """The default: average the bucket in place with one asynchronous all-reduce.
+
+    Dividing before the sum (not after) keeps fp16/bf16 buckets from overflowing.
+    """
+    if isinstance(state, AllReduceState):
+        group, divisor = state.process_group, state.divisor
+    else:
+        group = state
+        divisor = dist.get_world_size(group)
+    tensor = bucket.buffer()
+    if divisor != 1:
+        tensor.div_(divisor)
+    work = dist.all_reduce(tensor, group=group, async_op=True)
+    return _WorkHandle(work, tensor)

@@ -1,0 +1,323 @@
+"""dptrain's ``DistributedDataParallel``: a drop-in for ``torch.nn.parallel.DistributedDataParallel``.
+
+Data parallelism replicates the model on every rank, feeds each rank a different shard
+of the global batch, and averages gradients with an all-reduce so that every replica
+takes the same optimizer step. The wrapper below
+
+- checks at construction that every rank wrapped the same model, and broadcasts rank
+  0's parameters and buffers so the replicas start identical;
+- re-broadcasts buffers (BatchNorm running statistics) before a forward, following
+  torch's rule: once per synchronised step, not inside ``no_sync``;
+- hands gradients to a :class:`~dptrain.ddp.reducer.Reducer`, which all-reduces them in
+  buckets while backward is still running (the communication/computation overlap);
+- supports ``no_sync()`` for gradient accumulation, unused parameters, activation
+  checkpointing (reentrant and not), communication hooks, and uneven inputs through
+  torch's ``Join`` context manager (it is a ``Joinable``).
+
+On CUDA with NCCL, each bucket's all-reduce runs on NCCL's own stream, ordered after
+the gradient copy on the compute stream and waited for by the compute stream at the
+end of backward, so no host synchronisation is added. On CPU it runs on gloo's
+background threads.
+
+A torch DDP script works unchanged with ``from dptrain import DistributedDataParallel``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from dptrain.ddp.autograd import map_tensors, sink_outputs
+from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.ddp.comm_hooks import AllReduceState, CommHook, allreduce_hook
+from dptrain.ddp.reducer import Reducer, StepCommStats
+from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
+
+__all__ = ["DistributedDataParallel"]
+
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
+
+# Arguments of torch's DDP that dptrain does not implement, with what to do instead.
+_UNSUPPORTED = {
+    "mixed_precision": "use torch.autocast around the forward (see dptrain's mixed-precision docs)",
+    "device_mesh": "pass process_group= (a 1-D data-parallel group) instead",
+    "delay_all_reduce_named_params": "not supported; all parameters are reduced in buckets",
+    "param_to_hook_all_reduce": "not supported",
+    "skip_all_reduce_unused_params": "not supported; unused parameters are reduced as zeros",
+    "bucket_cap_mb_list": "pass a single bucket_cap_mb",
+}
+
+
+class DistributedDataParallel(nn.Module, Joinable):
+    """Data-parallel wrapper with bucketed all-reduce overlapped with backward.
+
+    Arguments follow ``torch.nn.parallel.DistributedDataParallel``:
+
+    - ``module``: the model, already on its device. All parameters must be on one device.
+    - ``device_ids``: ``None`` for CPU modules, or ``[device]`` for a single-device module;
+      inputs are moved there before the forward. ``output_device`` and ``dim`` are
+      accepted for compatibility (they matter only for multi-device modules, which
+      torch itself has deprecated).
+    - ``broadcast_buffers``: re-broadcast rank 0's buffers before forwards (default True).
+    - ``init_sync``: broadcast rank 0's parameters and buffers at construction.
+    - ``process_group``: the data-parallel group; default the world group.
+    - ``bucket_cap_mb``: bucket size in MiB. ``None`` means 25 MiB with a 1 MiB first
+      bucket (torch's default); an explicit value applies to every bucket.
+    - ``find_unused_parameters``: allow parameters to get no gradient in a step (walks
+      the autograd graph after each forward to find them early).
+    - ``gradient_as_bucket_view``: make ``.grad`` views into the flat buckets, saving the
+      copy in and out and one gradient-sized buffer of memory.
+    - ``static_graph``: the set of used parameters never changes; learned on the first
+      step, then no graph walk is needed.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        device_ids: Sequence[int | torch.device] | None = None,
+        output_device: int | torch.device | None = None,
+        dim: int = 0,
+        broadcast_buffers: bool = True,
+        init_sync: bool = True,
+        process_group: dist.ProcessGroup | None = None,
+        bucket_cap_mb: float | None = None,
+        find_unused_parameters: bool = False,
+        check_reduction: bool = False,
+        gradient_as_bucket_view: bool = False,
+        static_graph: bool = False,
+        **unsupported: Any,
+    ):
+        super().__init__()
+        Joinable.__init__(self)
+        _check_arguments(unsupported, bucket_cap_mb, device_ids)
+        self.module = module
+        self.process_group = process_group if process_group is not None else dist.group.WORLD
+        self.device_ids = list(device_ids) if device_ids else None
+        self.output_device = output_device
+        self.dim = dim
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.static_graph = static_graph
+        self.require_backward_grad_sync = True
+        self.require_forward_param_sync = True
+        self._divide_by_initial_world_size = True
+        self._comm_hook_registered = False
+        self._forward_calls = 0
+
+        named = _trainable_parameters(module)
+        self._check_replicas(named)
+        self._param_names = [name for name, _ in named]
+        params = [p for _, p in named]
+        self.device = _single_device(params, self._param_names)
+        if init_sync:
+            broadcast_coalesced(params + list(module.buffers()), 0, self.process_group)
+        self._comm_state = AllReduceState(self.process_group)
+        self.reducer = Reducer(
+            params, self._param_names,
+            _bucket_assignment(params, bucket_cap_mb),
+            self.process_group, allreduce_hook, self._comm_state,
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            find_unused_parameters=find_unused_parameters,
+            static_graph=static_graph,
+        )
+
+    def _check_replicas(self, named: list[tuple[str, nn.Parameter]]) -> None:
+        # Collective first: a rank whose model differs must fail together with the rest.
+        signature = tensor_signature(self.module.named_parameters(), "parameter")
+        signature += tensor_signature(self.module.named_buffers(), "buffer")
+        verify_replicas(signature, self.process_group)
+        if not named:
+            raise ValueError(
+                f"{type(self.module).__name__} has no parameters that require a gradient, so "
+                "there is nothing for data parallelism to synchronise. Check that the model "
+                "is not frozen (requires_grad=False everywhere) and that its layers are "
+                "registered as submodules (nn.ModuleList, not a Python list).")
+
+    # ---------------------------------------------------------------------- forward
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with torch.autograd.profiler.record_function("dptrain.DistributedDataParallel.forward"):
+            forward_comm = self._pre_forward()
+            if self.device_ids:
+                inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
+            output = self.module(*inputs, **kwargs)
+            return self._post_forward(output, forward_comm)
+
+    def _pre_forward(self) -> tuple[int, int]:
+        self._forward_calls += 1
+        join_work = Join.notify_join_context(self)
+        if join_work is not None and not self._divide_by_initial_world_size:
+            join_work.wait()  # its result is the number of ranks that still have data
+            self._comm_state.divisor = int(join_work.result()[0].item())
+        else:
+            self._comm_state.divisor = dist.get_world_size(self.process_group)
+        comm = (0, 0)
+        if self._will_sync_buffers():
+            comm = self._sync_buffers(is_active=True)
+        if self._join_config.enable:
+            self._agree_on_grad_sync(is_joined=False)
+        return comm
+
+    def _post_forward(self, output: Any, forward_comm: tuple[int, int]) -> Any:
+        if not torch.is_grad_enabled():
+            self.require_forward_param_sync = False
+            return output
+        if not self.require_backward_grad_sync:
+            self.require_forward_param_sync = False
+            self.reducer.prepare_for_accumulation()
+            return output
+        self.require_forward_param_sync = True
+        tensors: list[torch.Tensor] = []
+        map_tensors(output, lambda t: tensors.append(t) or t)
+        generation = self.reducer.prepare_for_backward(tensors, forward_comm)
+        return sink_outputs(output, self.reducer.sink_callback(generation))
+
+    def _will_sync_buffers(self) -> bool:
+        return (self.broadcast_buffers and self.require_forward_param_sync
+                and any(True for _ in self.module.buffers()))
+
+    def _sync_buffers(self, is_active: bool) -> tuple[int, int]:
+        """Broadcast buffers from rank 0, or under Join from the highest rank with data."""
+        src = 0
+        if self._join_config.enable:
+            src = self._highest_rank_where(is_active)
+        return broadcast_coalesced(list(self.module.buffers()), src, self.process_group)
+
+    def _highest_rank_where(self, condition: bool) -> int:
+        rank = dist.get_rank(self.process_group)
+        candidate = torch.tensor([rank if condition else -1], device=self.device)
+        dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=self.process_group)
+        return int(candidate.item())
+
+    def _agree_on_grad_sync(self, is_joined: bool) -> bool:
+        """Under Join: tell joined ranks whether this step's backward communicates."""
+        wants_sync = (not is_joined) and self.require_backward_grad_sync
+        flag = torch.tensor([1.0 if wants_sync else 0.0], device=self.device)
+        dist.all_reduce(flag, group=self.process_group)
+        return bool(flag.item() > 0)
+
+    # ------------------------------------------------------------ runtime switches
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Skip gradient communication inside the block; gradients accumulate locally.
+
+        The first synced backward after it reduces the accumulated sum: k micro-steps
+        under ``no_sync`` plus one outside equal one step on a k+1 times bigger batch.
+        """
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """The switch ``no_sync()`` flips, for loops that prefer a call to a context."""
+        self.require_backward_grad_sync = requires_gradient_sync
+
+    def register_comm_hook(self, state: object, hook: CommHook) -> None:
+        """Replace the default all-reduce with ``hook(state, bucket) -> handle``.
+
+        See :mod:`dptrain.ddp.comm_hooks` for the protocol; torch's DDP hooks work as is.
+        Must be called once, before the first forward.
+        """
+        if self._comm_hook_registered:
+            raise RuntimeError("register_comm_hook can only be called once per model")
+        if self._forward_calls:
+            raise RuntimeError("register_comm_hook must be called before the first forward")
+        if not callable(hook):
+            raise TypeError(f"hook must be callable, got {type(hook).__name__}")
+        self.reducer.comm_hook = hook
+        self.reducer.comm_state = state
+        self._comm_hook_registered = True
+
+    @property
+    def last_step_comm(self) -> StepCommStats:
+        """Calls, bytes and timing of the most recent synced step (this rank)."""
+        return self.reducer.last_stats
+
+    @property
+    def bucket_assignment(self) -> list[list[str]]:
+        """Parameter names per bucket, in launch order."""
+        return [[self._param_names[i] for i in b.param_indices] for b in self.reducer.buckets]
+
+    # ------------------------------------------------------------- uneven inputs
+
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> Join:
+        """Context manager for uneven inputs: ranks that run out of data keep shadowing.
+
+        Equivalent to ``torch.distributed.algorithms.join.Join([self], ...)``. With
+        ``divide_by_initial_world_size=True`` (the default) gradients are always divided
+        by the full world size, so a joined rank counts as contributing zeros; with
+        False, by the number of ranks that still have data.
+        """
+        return Join([self], enable, throw_on_early_termination,
+                    divide_by_initial_world_size=divide_by_initial_world_size)
+
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        from dptrain.ddp.join import DDPJoinHook
+        return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.process_group
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None:
+        src = self._highest_rank_where(is_last_joiner)
+        tensors = list(self.reducer.params)
+        if self.broadcast_buffers:
+            tensors += list(self.module.buffers())
+        broadcast_coalesced(tensors, src, self.process_group)
+
+
+def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids) -> None:
+    for name in unsupported:
+        hint = _UNSUPPORTED.get(name)
+        if hint is None:
+            raise TypeError(f"DistributedDataParallel() got an unexpected keyword argument {name!r}")
+        raise TypeError(f"dptrain's DistributedDataParallel does not support torch's {name!r}: {hint}")
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group("
+            "backend='gloo' or 'nccl') on every rank before wrapping the model (torchrun and "
+            "dptrain's launcher set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it).")
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; "
+                         f"use None for the default ({DEFAULT_BUCKET_CAP_MB:g} MiB)")
+    if device_ids is not None and len(device_ids) > 1:
+        raise ValueError(f"device_ids={list(device_ids)}: one device per process is supported; "
+                         "launch one process per device (torchrun --nproc-per-node N)")
+
+
+def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+
+
+def _single_device(params: list[nn.Parameter], names: list[str]) -> torch.device:
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        where = {str(p.device): n for n, p in zip(names, params)}
+        raise ValueError(f"parameters are on several devices {where}; move the module to one "
+                         "device (one process per device) before wrapping it")
+    return params[0].device
+
+
+def _bucket_assignment(params: list[nn.Parameter], bucket_cap_mb: float | None) -> list[list[int]]:
+    infos = [ParamInfo.of(p) for p in params]
+    if bucket_cap_mb is None:
+        return assign_buckets(infos, int(DEFAULT_BUCKET_CAP_MB * MiB), int(DEFAULT_FIRST_BUCKET_CAP_MB * MiB))
+    return assign_buckets(infos, max(1, int(bucket_cap_mb * MiB)))
+

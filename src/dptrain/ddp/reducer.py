@@ -1,0 +1,391 @@
+"""The reducer: turns gradient-ready events into bucket all-reduces that overlap backward.
+
+Algorithm (Li et al., VLDB 2020, section 3.2; torch's ``reducer.cpp`` does the same):
+
+1. After a synced forward, every parameter gets an *expected* number of gradient
+   accumulations for the coming backward: normally 1; 0 for a parameter known to be
+   unused (``find_unused_parameters`` graph walk, or a static graph's first step);
+   2 or more for a parameter whose gradient arrived in pieces last step (a weight
+   shared between reentrant-checkpoint segments accumulates once per segment).
+2. A post-accumulate-grad hook on each parameter counts arrivals. When a parameter
+   reaches its expected count it is ready; when a bucket's last parameter is ready and
+   every earlier bucket has been launched, the bucket's gradients are copied into its
+   flat buffer and handed to the communication hook, which starts an asynchronous
+   all-reduce while backward continues on earlier layers.
+3. At the end of the outermost backward (see [Note: finalize on the outermost backward]
+   in ``autograd.py``) buckets not yet launched are launched, in order, all handles are
+   waited for, in order, and the averaged gradients are written to ``.grad``.
+
+[Note: buckets launch in index order]
+Collectives must be issued in the same order on every rank. A parameter unused on one
+rank but used on another makes buckets *ready* in different orders, so a bucket is
+launched only after all lower-numbered buckets, never merely because it is ready.
+
+The first synced backward is a discovery pass: nothing is launched before the end (as
+in torch DDP 2.13, whose first iteration uses a single bucket), and the observed
+arrival counts become the next step's expectations. A gradient that arrives after its
+bucket was launched (a dynamic graph that changed between steps) is not lost: the
+bucket is reduced again at the end of backward with the complete local gradients.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from dptrain.ddp.autograd import queue_on_current_backward, reachable_params
+from dptrain.ddp.buckets import Bucket
+from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle
+
+__all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
+
+
+class UnusedParametersError(RuntimeError):
+    """Some parameters received no gradient while ``find_unused_parameters=False``."""
+
+
+class _Phase(enum.Enum):
+    IDLE = "idle"                  # no backward expected
+    ACCUMULATE = "accumulate"      # a no_sync forward ran: gradients accumulate locally
+    EXPECT_SYNC = "expect_sync"    # a synced forward ran: its backward will reduce
+    REDUCING = "reducing"          # that backward is running: buckets launch when ready
+
+
+@dataclass
+class StepCommStats:
+    """What one synced backward communicated (this rank), and when."""
+
+    calls: int = 0
+    bytes: int = 0
+    bucket_bytes: list[int] = field(default_factory=list)
+    launch_order: list[int] = field(default_factory=list)
+    launched_during_backward: int = 0
+    backward_start: float = 0.0   # time.perf_counter() when the backward reached the outputs
+    backward_end: float = 0.0     # when the last gradient was computed (finalize began)
+    comm_end: float = 0.0         # when every reduction had been waited for
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication time not hidden behind backward: the wait after backward ended."""
+        return self.comm_end - self.backward_end
+
+
+class Reducer:
+    """Bucketed, overlapped gradient averaging for a fixed list of parameters."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        names: list[str],
+        bucket_indices: list[list[int]],
+        process_group: dist.ProcessGroup,
+        comm_hook: CommHook,
+        comm_state: Any,
+        gradient_as_bucket_view: bool = False,
+        find_unused_parameters: bool = False,
+        static_graph: bool = False,
+    ):
+        self.params = params
+        self.names = names
+        self.process_group = process_group
+        self.comm_hook = comm_hook
+        self.comm_state = comm_state
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.find_unused_parameters = find_unused_parameters
+        self.static_graph = static_graph
+        self.buckets = [Bucket(b, [params[i] for i in idx], idx) for b, idx in enumerate(bucket_indices)]
+        self._bucket_of = [0] * len(params)
+        for bucket in self.buckets:
+            for i in bucket.param_indices:
+                self._bucket_of[i] = bucket.index
+        self._phase = _Phase.IDLE
+        self._fired_last: list[int] | None = None   # arrivals in the last synced backward
+        self._static_unused: set[int] | None = None  # static graph: learned globally unused
+        self._locally_used = [False] * len(params)   # since the last sync (spans no_sync)
+        self._generation = 0                          # synced forwards so far
+        self._finalized_through = 0                   # generations whose backward is reduced
+        self._reset_step()
+        self.last_stats = StepCommStats()
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(self._make_grad_hook(i)) for i, p in enumerate(params)
+        ]
+
+    # ----------------------------------------------------------------- forward side
+
+    def prepare_for_backward(self, outputs: list[torch.Tensor], forward_comm: tuple[int, int] = (0, 0)) -> int:
+        """Called at the end of a synced forward; returns the generation its sink must carry.
+
+        ``forward_comm`` is the (calls, bytes) the forward itself communicated (buffer
+        broadcasts), counted into this step's statistics.
+        """
+        expected = self._expected_arrivals(outputs)
+        if self._phase is _Phase.EXPECT_SYNC:  # several forwards before one backward
+            expected = [max(a, b) for a, b in zip(expected, self._expected)]
+        else:
+            self._generation += 1
+        self._reset_step()
+        self._expected = expected
+        self._pending = [sum(1 for i in b.param_indices if expected[i] > 0) for b in self.buckets]
+        self._phase = _Phase.EXPECT_SYNC
+        self._stats.calls, self._stats.bytes = forward_comm
+        return self._generation
+
+    def prepare_for_accumulation(self) -> None:
+        """Called at the end of a ``no_sync`` forward: the backward will not communicate."""
+        self._phase = _Phase.ACCUMULATE
+
+    def _expected_arrivals(self, outputs: list[torch.Tensor]) -> list[int]:
+        last = self._fired_last
+        if last is None:
+            expected = [1] * len(self.params)
+        else:
+            expected = [max(1, n) for n in last]
+        if self.static_graph and self._static_unused is not None:
+            return [0 if i in self._static_unused else max(1, last[i]) for i in range(len(self.params))]
+        if self.find_unused_parameters and not self.static_graph:
+            reached = reachable_params(outputs)
+            for i, p in enumerate(self.params):
+                # Parameters behind a reentrant checkpoint are invisible to the graph
+                # walk; trust the walk only for those that got no gradient last step.
+                if id(p) not in reached and (last is None or last[i] == 0):
+                    expected[i] = 0
+        return expected
+
+    def sink_callback(self, generation: int) -> Callable[[], None]:
+        """The function the backward sink of forward ``generation`` calls."""
+        reducer_ref = weakref.ref(self)
+
+        def on_backward() -> None:
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._begin_reduction(generation)
+
+        return on_backward
+
+    # ---------------------------------------------------------------- backward side
+
+    def _begin_reduction(self, generation: int) -> None:
+        if generation <= self._finalized_through:
+            raise RuntimeError(
+                "backward ran through a forward whose gradients were already reduced "
+                "(e.g. a second loss.backward(retain_graph=True) on the same output). "
+                "Run the forward again for each backward, or wrap the extra backward "
+                "passes in model.no_sync().")
+        if self._phase is not _Phase.EXPECT_SYNC:
+            return  # a second sink of the same backward
+        self._phase = _Phase.REDUCING
+        self._stats.backward_start = time.perf_counter()
+        queue_on_current_backward(self._finalize)
+        self._launch_ready_buckets()
+
+    def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        reducer_ref = weakref.ref(self)
+
+        def hook(param: torch.Tensor) -> None:
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._on_grad_accumulated(index, param)
+
+        return hook
+
+    def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        phase = self._phase
+        if phase is _Phase.ACCUMULATE:
+            self._locally_used[index] = True
+            return
+        if phase is _Phase.EXPECT_SYNC:
+            # The loss did not flow through the module's outputs, so the sink never
+            # ran; start here (correct except under reentrant checkpointing).
+            self._begin_reduction(self._generation)
+        elif phase is not _Phase.REDUCING:
+            return
+        if param.grad is not None and param.grad.is_sparse:
+            raise RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's "
+                               "DDP reduces dense gradients only (use sparse=False)")
+        self._locally_used[index] = True
+        self._fired[index] += 1
+        bucket = self._bucket_of[index]
+        if bucket < self._next_bucket:
+            self._on_late_gradient(index, bucket)
+        elif self._fired[index] == self._expected[index]:
+            self._pending[bucket] -= 1
+            if self._pending[bucket] == 0:
+                self._launch_ready_buckets()
+
+    def _on_late_gradient(self, index: int, bucket: int) -> None:
+        if self.gradient_as_bucket_view:
+            # The gradient was accumulated in place into a buffer that is being
+            # all-reduced right now: the bucket's result cannot be trusted.
+            raise RuntimeError(
+                f"parameter {self.names[index]!r} received gradient #{self._fired[index]} after "
+                f"its bucket was reduced (expected {self._expected[index]}): the graph changed "
+                "between steps. Use gradient_as_bucket_view=False for dynamic graphs.")
+        self._stale.add(bucket)
+
+    def _launch_ready_buckets(self) -> None:
+        if self._fired_last is None:
+            return  # discovery pass: everything is launched at the end
+        while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
+            self._launch(self._next_bucket)
+            self._stats.launched_during_backward += 1
+
+    def _launch(self, b: int) -> None:
+        bucket = self.buckets[b]
+        self._copy_in(bucket)
+        grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params,
+                                 is_last=(b == len(self.buckets) - 1))
+        self._handles.append(self.comm_hook(self.comm_state, grad_bucket))
+        self._next_bucket = b + 1
+        self._stats.calls += 1
+        self._stats.bytes += bucket.nbytes
+        self._stats.bucket_bytes.append(bucket.nbytes)
+        self._stats.launch_order.append(b)
+
+    def _copy_in(self, bucket: Bucket) -> None:
+        for param, view in zip(bucket.params, bucket.views):
+            grad = param.grad
+            if grad is None:
+                view.zero_()
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)
+                if self.gradient_as_bucket_view:
+                    param.grad = view
+
+    # ------------------------------------------------------------------- finalize
+
+    def _finalize(self) -> None:
+        """End of the outermost backward: launch the rest, wait, write ``.grad``."""
+        stats = self._stats
+        stats.backward_end = time.perf_counter()
+        try:
+            while self._next_bucket < len(self.buckets):
+                self._launch(self._next_bucket)
+            used_work, used = self._launch_used_map()
+            for bucket, handle in zip(self.buckets, self._handles):
+                _store_result(bucket, handle)
+            for b in sorted(self._stale):
+                self._reduce_again(self.buckets[b])
+            if used_work is not None:
+                used_work.wait()
+            globally_used = self._globally_used(used)
+            for bucket in self.buckets:
+                self._copy_out(bucket, globally_used)
+            stats.comm_end = time.perf_counter()
+            missing = [self.names[i] for i, n in enumerate(self._fired) if n == 0 and self._expected[i] > 0]
+            self._learn(globally_used)
+        finally:
+            self.last_stats = stats
+            self._phase = _Phase.IDLE
+            self._finalized_through = self._generation
+            self._locally_used = [False] * len(self.params)
+            self._handles = []
+        if missing and not (self.find_unused_parameters or self.static_graph):
+            raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
+
+    def _launch_used_map(self) -> tuple[dist.Work | None, torch.Tensor | None]:
+        needs_map = self.find_unused_parameters or (self.static_graph and self._static_unused is None)
+        if not needs_map:
+            return None, None
+        device = self.params[0].device
+        used = torch.tensor(self._locally_used, dtype=torch.int32, device=device)
+        work = dist.all_reduce(used, group=self.process_group, async_op=True)
+        self._stats.calls += 1
+        self._stats.bytes += used.numel() * used.element_size()
+        return work, used
+
+    def _globally_used(self, used: torch.Tensor | None) -> list[bool]:
+        if used is not None:
+            return (used > 0).tolist()
+        if self._static_unused is not None:
+            return [i not in self._static_unused for i in range(len(self.params))]
+        return [True] * len(self.params)
+
+    def _reduce_again(self, bucket: Bucket) -> None:
+        self._copy_in(bucket)
+        grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views, bucket.params,
+                                 is_last=(bucket.index == len(self.buckets) - 1))
+        _store_result(bucket, self.comm_hook(self.comm_state, grad_bucket))
+        self._stats.calls += 1
+        self._stats.bytes += bucket.nbytes
+
+    def _copy_out(self, bucket: Bucket, globally_used: list[bool]) -> None:
+        for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
+            if not globally_used[i]:
+                continue  # no rank used it since the last sync: leave .grad untouched
+            grad = param.grad
+            if self.gradient_as_bucket_view:
+                param.grad = view
+            elif grad is None:
+                param.grad = view.clone()
+            else:
+                grad.copy_(view)
+
+    def _learn(self, globally_used: list[bool]) -> None:
+        self._fired_last = list(self._fired)
+        if self.static_graph and self._static_unused is None:
+            self._static_unused = {i for i, used in enumerate(globally_used) if not used}
+
+    def _reset_step(self) -> None:
+        n = len(self.params)
+        self._fired = [0] * n
+        self._expected = [1] * n
+        self._pending = [len(b.param_indices) for b in self.buckets]
+        self._next_bucket = 0
+        self._handles: list[ReduceHandle] = []
+        self._stale: set[int] = set()
+        self._stats = StepCommStats()
+
+    # ----------------------------------------------------------------- join support
+
+    def reduce_zeros(self) -> None:
+        """Shadow one synced backward with zero gradients (a rank out of data, see join.py).
+
+        Fresh zero buffers, not the buckets' own: with ``gradient_as_bucket_view`` those
+        are the parameters' ``.grad``.
+        """
+        handles = []
+        for bucket in self.buckets:
+            zeros = torch.zeros_like(bucket.buffer)
+            views = [zeros[v.storage_offset() - bucket.buffer.storage_offset():][:v.numel()].view_as(v)
+                     for v in bucket.views]
+            grad_bucket = GradBucket(bucket.index, zeros, views, bucket.params,
+                                     is_last=(bucket.index == len(self.buckets) - 1))
+            handles.append(self.comm_hook(self.comm_state, grad_bucket))
+        for handle in handles:
+            handle.wait()
+        if self.find_unused_parameters or (self.static_graph and self._static_unused is None):
+            zeros = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
+            dist.all_reduce(zeros, group=self.process_group)
+
+    @property
+    def discovery_done(self) -> bool:
+        """Whether the first synced backward (the discovery pass) has completed."""
+        return self._fired_last is not None
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+
+
+def _store_result(bucket: Bucket, handle: ReduceHandle) -> None:
+    result = handle.wait()
+    if result is not bucket.buffer and result.data_ptr() != bucket.buffer.data_ptr():
+        bucket.buffer.copy_(result.view(-1))
+
+
+def _unused_message(missing: list[str], rank: int) -> str:
+    shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+    return (
+        f"rank {rank}: {len(missing)} parameter(s) received no gradient in this backward "
+        f"pass: {shown}. Their buckets were still reduced (with zeros), so no rank hangs, "
+        "but gradients of unused parameters are ambiguous. If the model uses different "
+        "parameters on different steps or ranks, pass find_unused_parameters=True (or "
+        "static_graph=True if the set never changes); otherwise make sure every output "
+        "that depends on these parameters contributes to the loss.")

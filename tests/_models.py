@@ -1,0 +1,137 @@
+"""Tiny models covering what data parallelism must get right, and their data.
+
+Each model exercises one hazard: BatchNorm buffers, tied weights, parameters unused on
+some steps (or some ranks), and activation checkpointing where a weight is shared
+between two checkpointed segments (its gradient arrives twice under reentrant
+checkpointing).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+IN, HIDDEN, OUT, VOCAB = 6, 12, 3, 11
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(IN, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, HIDDEN),
+                                    nn.Tanh(), nn.Linear(HIDDEN, OUT))
+
+    def forward(self, x):
+        return self.layers(x)
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # No bias before BatchNorm: its true gradient is exactly zero, so what is left is
+        # rounding noise, which Adam would amplify into full-size steps of random sign.
+        self.fc1 = nn.Linear(IN, HIDDEN, bias=False)
+        self.bn = nn.BatchNorm1d(HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+class TiedLM(nn.Module):
+    """Embedding and output projection share one weight (as in GPT-2)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN)
+        self.mix = nn.Linear(HIDDEN, HIDDEN)
+
+    def forward(self, tokens):
+        h = torch.tanh(self.mix(self.embed(tokens)))  # (B, T, H)
+        return h @ self.embed.weight.t()  # (B, T, V)
+
+
+class Branchy(nn.Module):
+    """A trunk, plus a branch that only some forwards use."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(IN, HIDDEN)
+        self.branch = nn.Linear(HIDDEN, HIDDEN)
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x, use_branch: bool = True):
+        h = torch.tanh(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+class Checkpointed(nn.Module):
+    """Two checkpointed segments that both apply ``shared``, with a private block each."""
+
+    def __init__(self, use_reentrant: bool):
+        super().__init__()
+        self.use_reentrant = use_reentrant
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.shared = nn.Linear(HIDDEN, HIDDEN)
+        self.private = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(2)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def _segment(self, h, i):
+        return torch.tanh(self.private[i](torch.tanh(self.shared(h))))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for i in range(2):
+            h = checkpoint(self._segment, h, i, use_reentrant=self.use_reentrant)
+        return self.head(h)
+
+
+def build(name: str) -> nn.Module:
+    builders = {
+        "mlp": MLP,
+        "bn": BatchNormNet,
+        "tied": TiedLM,
+        "branchy": Branchy,
+        "ckpt_reentrant": lambda: Checkpointed(use_reentrant=True),
+        "ckpt_nonreentrant": lambda: Checkpointed(use_reentrant=False),
+    }
+    return builders[name]()
+
+
+def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The step's global batch, identical on every rank (seeded by the step)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    if name == "tied":
+        tokens = torch.randint(0, VOCAB, (size, 5), generator=g)
+        return tokens, torch.roll(tokens, -1, dims=1)
+    return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
+
+
+def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    if name == "tied":
+        return nn.functional.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
+    return nn.functional.mse_loss(output, target)
+
+
+def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def max_relative_diff(model: nn.Module, reference: nn.Module) -> float:
+    """max over parameters of max|p - p_ref| / max|p_ref|."""
+    worst = 0.0
+    for p, q in zip(model.parameters(), reference.parameters()):
+        scale = q.detach().abs().max().clamp_min(1e-12)
+        worst = max(worst, ((p.detach() - q.detach()).abs().max() / scale).item())
+    return worst
+
+
+def flat_state(model: nn.Module) -> torch.Tensor:
+    """All parameters and floating buffers, flattened, for cross-rank identity checks."""
+    tensors = [p.detach().reshape(-1) for p in model.parameters()]
+    tensors += [b.detach().reshape(-1).float() for b in model.buffers()]
+    return torch.cat(tensors)

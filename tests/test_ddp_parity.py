@@ -1,0 +1,202 @@
+"""Parity: N ranks with micro-batch b step exactly like one process on the N*b global batch.
+
+Each rank trains the DDP model and, beside it, a single-process reference on the whole
+global batch; parameters are compared after every step (FSDP's test pattern). Replicas
+are initialised from different seeds on purpose: construction must broadcast rank 0's.
+
+Two references are used:
+- "full": one forward/backward of the whole global batch. Exact for models whose loss
+  over a batch is the mean of per-sample losses.
+- "per_replica": the global batch run as N separate micro-batches whose losses are
+  averaged. Needed where a replica's computation depends on its own micro-batch as a
+  whole (BatchNorm normalises with micro-batch statistics; data-parallel BatchNorm is
+  not SyncBatchNorm) or differs by rank (a branch used on one rank only). Running
+  statistics follow DDP's rule: rank 0's are broadcast before the next forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from _models import build, flat_state, global_batch, loss_fn, make_optimizer, max_relative_diff
+from dptrain import DistributedDataParallel, NaiveDataParallel
+from dptrain.testing import run_on_ranks
+
+MICRO = 4
+STEPS = 6
+TOLERANCE = 1e-5
+TINY_BUCKETS = 0.0004  # MiB: a few hundred bytes, so tiny models still get several buckets
+
+
+@dataclass(frozen=True)
+class Case:
+    model: str
+    ddp: dict = field(default_factory=dict)
+    reference: str = "full"            # "full" or "per_replica"
+    branch: str = "always"             # branchy only: "always", "odd_steps", "one_rank", "never"
+    accum: int = 1                     # micro-steps per optimizer step (no_sync for all but last)
+    wrapper: str = "ddp"               # "ddp" or "naive"
+
+
+CASES = {
+    "mlp": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}),
+    "mlp_default_buckets": Case("mlp"),
+    "mlp_grad_as_bucket_view": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "gradient_as_bucket_view": True}),
+    "batchnorm": Case("bn", {"bucket_cap_mb": TINY_BUCKETS}, reference="per_replica"),
+    "tied_weights": Case("tied", {"bucket_cap_mb": TINY_BUCKETS}),
+    "unused_on_some_steps": Case("branchy", {"bucket_cap_mb": TINY_BUCKETS, "find_unused_parameters": True},
+                                 branch="odd_steps"),
+    "unused_on_some_ranks": Case("branchy", {"bucket_cap_mb": TINY_BUCKETS, "find_unused_parameters": True},
+                                 reference="per_replica", branch="one_rank"),
+    "static_graph_unused": Case("branchy", {"bucket_cap_mb": TINY_BUCKETS, "static_graph": True}, branch="never"),
+    "checkpoint_reentrant": Case("ckpt_reentrant", {"bucket_cap_mb": TINY_BUCKETS}),
+    "checkpoint_reentrant_view": Case("ckpt_reentrant", {"bucket_cap_mb": TINY_BUCKETS,
+                                                         "gradient_as_bucket_view": True}),
+    "checkpoint_reentrant_find_unused": Case("ckpt_reentrant", {"bucket_cap_mb": TINY_BUCKETS,
+                                                                "find_unused_parameters": True}),
+    "checkpoint_nonreentrant": Case("ckpt_nonreentrant", {"bucket_cap_mb": TINY_BUCKETS}),
+    "no_sync_accumulation": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}, accum=3),
+    "no_sync_accumulation_batchnorm": Case("bn", {"bucket_cap_mb": TINY_BUCKETS}, reference="per_replica",
+                                           accum=2),
+    "naive": Case("mlp", wrapper="naive"),
+    "naive_unused_on_some_ranks": Case("branchy", reference="per_replica", branch="one_rank", wrapper="naive"),
+}
+
+
+def _forward_kwargs(case: Case, step: int, replica: int, world_size: int) -> dict:
+    if case.model != "branchy":
+        return {}
+    use = {"always": True, "never": False, "odd_steps": step % 2 == 1,
+           "one_rank": replica == step % world_size}[case.branch]
+    return {"use_branch": use}
+
+
+def _micro_slice(case: Case, k: int, replica: int, world_size: int) -> slice:
+    # Micro-step k of replica r takes rows [(k * N + r) * b, ... + b) of the global batch.
+    start = (k * world_size + replica) * MICRO
+    return slice(start, start + MICRO)
+
+
+def _wrap(case: Case, module: torch.nn.Module):
+    if case.wrapper == "naive":
+        return NaiveDataParallel(module)
+    return DistributedDataParallel(module, **case.ddp)
+
+
+def _dp_step(case, model, opt, x, y, rank, world_size, step) -> None:
+    opt.zero_grad(set_to_none=True)
+    for k in range(case.accum):
+        rows = _micro_slice(case, k, rank, world_size)
+        sync = contextlib.nullcontext() if k == case.accum - 1 else model.no_sync()
+        with sync:
+            out = model(x[rows], **_forward_kwargs(case, step, rank, world_size))
+            (loss_fn(case.model, out, y[rows]) / case.accum).backward()
+    opt.step()
+
+
+def _reference_step(case, reference, opt, x, y, world_size, step) -> None:
+    opt.zero_grad(set_to_none=True)
+    if case.reference == "full":
+        out = reference(x, **_forward_kwargs(case, step, 0, world_size))
+        loss_fn(case.model, out, y).backward()
+        opt.step()
+        return
+    # Per replica. Buffers follow DDP's rule: every replica starts the step from rank 0's
+    # buffers (broadcast before the step's first forward), updates its own during the
+    # step's micro-steps, and rank 0's are the ones the next step starts from.
+    replica_buffers = [[b.clone() for b in reference.buffers()]] * world_size
+    for k in range(case.accum):
+        for replica in range(world_size):
+            _load_buffers(reference, replica_buffers[replica])
+            rows = _micro_slice(case, k, replica, world_size)
+            out = reference(x[rows], **_forward_kwargs(case, step, replica, world_size))
+            (loss_fn(case.model, out, y[rows]) / (case.accum * world_size)).backward()
+            replica_buffers[replica] = [b.clone() for b in reference.buffers()]
+    _load_buffers(reference, replica_buffers[0])
+    opt.step()
+
+
+def _load_buffers(module, values) -> None:
+    with torch.no_grad():
+        for b, v in zip(module.buffers(), values):
+            b.copy_(v)
+
+
+def _run_case(rank: int, world_size: int, case: Case) -> dict:
+    errors, states = {}, {}
+    for opt_kind in ("sgd", "adam"):
+        torch.manual_seed(0)
+        reference = build(case.model)
+        torch.manual_seed(0 if rank == 0 else 100 + rank)  # others differ: DDP must broadcast rank 0's
+        local = build(case.model)
+        model = _wrap(case, local)
+        opt = make_optimizer(opt_kind, model.parameters())
+        ref_opt = make_optimizer(opt_kind, reference.parameters())
+        errors[opt_kind] = []
+        for step in range(STEPS):
+            x, y = global_batch(case.model, step, MICRO * world_size * case.accum)
+            _dp_step(case, model, opt, x, y, rank, world_size, step)
+            _reference_step(case, reference, ref_opt, x, y, world_size, step)
+            errors[opt_kind].append(max_relative_diff(local, reference))
+            if rank == 0:
+                errors[opt_kind][-1] = max(errors[opt_kind][-1], _buffer_diff(local, reference))
+        with torch.no_grad():  # an eval forward re-broadcasts buffers: replicas now identical
+            model(global_batch(case.model, 0, MICRO)[0], **_forward_kwargs(case, 0, rank, world_size))
+        states[opt_kind] = flat_state(local)
+    return {"errors": errors, "states": states}
+
+
+def _buffer_diff(model, reference) -> float:
+    worst = 0.0
+    for b, r in zip(model.buffers(), reference.buffers()):
+        if b.is_floating_point():
+            worst = max(worst, ((b - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
+        elif not torch.equal(b, r):
+            worst = float("inf")
+    return worst
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("name", list(CASES))
+def test_parity_with_single_process(name: str, world_size: int) -> None:
+    case = CASES[name]
+    results = run_on_ranks(_run_case, world_size, case)
+    for rank, result in enumerate(results):
+        for opt_kind, per_step in result["errors"].items():
+            assert max(per_step) <= TOLERANCE, (
+                f"{name}, world {world_size}, rank {rank}, {opt_kind}: relative difference from the "
+                f"single-process reference per step = {per_step}")
+    for opt_kind in ("sgd", "adam"):
+        for rank, result in enumerate(results[1:], start=1):
+            assert torch.equal(result["states"][opt_kind], results[0]["states"][opt_kind]), (
+                f"{name}, {opt_kind}: rank {rank}'s parameters or buffers differ from rank 0's")
+
+
+def _bucketed_vs_naive(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(7 + rank)
+    a = build("mlp")
+    b = copy.deepcopy(a)
+    bucketed = DistributedDataParallel(a, bucket_cap_mb=TINY_BUCKETS)
+    naive = NaiveDataParallel(b)
+    opt_a, opt_b = make_optimizer("adam", a.parameters()), make_optimizer("adam", b.parameters())
+    diffs = []
+    for step in range(STEPS):
+        x, y = global_batch("mlp", step, MICRO * world_size)
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        for model, opt in ((bucketed, opt_a), (naive, opt_b)):
+            opt.zero_grad()
+            loss_fn("mlp", model(x[rows]), y[rows]).backward()
+            opt.step()
+        diffs.append(max_relative_diff(a, b))
+    return diffs
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bucketed_equals_naive(world_size: int) -> None:
+    for rank, diffs in enumerate(run_on_ranks(_bucketed_vs_naive, world_size)):
+        assert max(diffs) <= TOLERANCE, f"rank {rank}: bucketed vs naive per step {diffs}"
