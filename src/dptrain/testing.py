@@ -71,6 +71,7 @@ def run_on_ranks(
     world_size: int,
     *args: Any,
     timeout: float = 90.0,
+    collective_timeout: float | None = None,
     backend: str = "gloo",
     threads_per_rank: int = 1,
     start_method: str = "forkserver",
@@ -81,7 +82,8 @@ def run_on_ranks(
 
     ``fn`` must be importable by name (defined at module level) and its results
     picklable. The process group is initialised before ``fn`` runs and destroyed
-    after. ``timeout`` bounds the whole call and each collective inside it.
+    after. ``timeout`` bounds the whole call; ``collective_timeout`` (default: the same)
+    bounds each collective inside it.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -94,7 +96,7 @@ def run_on_ranks(
         procs, readers = [], []
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            spec = _RankSpec(rank, world_size, store.port, backend, timeout,
+            spec = _RankSpec(rank, world_size, store.port, backend, collective_timeout or timeout,
                              threads_per_rank, os.path.join(tmp, f"stack{rank}.txt"), env or {})
             proc = ctx.Process(target=_rank_main, args=(fn, spec, args, kwargs, writer),
                                name=f"dptrain-rank{rank}", daemon=True)

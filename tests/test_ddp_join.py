@@ -1,0 +1,107 @@
+"""Uneven inputs: ranks with fewer batches join early and shadow the others, no hang.
+
+Rank r gets 2 + r batches. At step s the active ranks are those with a batch left; each
+contributes its micro-batch gradient, joined ranks contribute zeros, and the sum is
+divided by the initial world size (default) or by the number of active ranks. The
+reference replays exactly that in one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from torch.distributed.algorithms.join import Join
+
+from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
+from dptrain import DistributedDataParallel
+from dptrain.testing import run_on_ranks
+
+MICRO = 4
+
+
+def _batches(rank: int) -> int:
+    return 2 + rank
+
+
+def _train_uneven(rank: int, world_size: int, model_name: str, how: str, divide_by_initial: bool) -> dict:
+    torch.manual_seed(0)
+    reference = build(model_name)
+    torch.manual_seed(0 if rank == 0 else rank + 50)
+    local = build(model_name)
+    ddp = DistributedDataParallel(local, bucket_cap_mb=0.0004)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    if how == "torch_join":
+        context = Join([ddp], divide_by_initial_world_size=divide_by_initial)
+    else:
+        context = ddp.join(divide_by_initial_world_size=divide_by_initial)
+    with context:
+        for step in range(_batches(rank)):
+            x, y = global_batch(model_name, step, MICRO * world_size)
+            rows = slice(rank * MICRO, (rank + 1) * MICRO)
+            opt.zero_grad()
+            loss_fn(model_name, ddp(x[rows]), y[rows]).backward()
+            opt.step()
+    _replay(reference, model_name, world_size, divide_by_initial)
+    return {"diff": max_relative_diff(local, reference), "state": flat_state(local)}
+
+
+def _replay(reference, model_name: str, world_size: int, divide_by_initial: bool) -> None:
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(_batches(world_size - 1)):
+        active = [r for r in range(world_size) if step < _batches(r)]
+        divisor = world_size if divide_by_initial else len(active)
+        x, y = global_batch(model_name, step, MICRO * world_size)
+        opt.zero_grad()
+        for r in active:
+            rows = slice(r * MICRO, (r + 1) * MICRO)
+            (loss_fn(model_name, reference(x[rows]), y[rows]) / divisor).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("how", ["torch_join", "ddp_join"])
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_uneven_inputs_match_the_replayed_reference(how: str, divide_by_initial: bool) -> None:
+    results = run_on_ranks(_train_uneven, 3, "mlp", how, divide_by_initial)
+    for rank, result in enumerate(results):
+        assert result["diff"] <= 1e-5, f"rank {rank} differs from the reference by {result['diff']}"
+        assert torch.equal(result["state"], results[0]["state"]), f"rank {rank} left Join unsynchronised"
+
+
+def _train_uneven_batchnorm(rank: int, world_size: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(build("bn"), find_unused_parameters=True)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with ddp.join():
+        for step in range(_batches(rank)):
+            x, y = global_batch("bn", step, MICRO)
+            opt.zero_grad()
+            with ddp.no_sync() if step % 2 == 0 else contextlib.nullcontext():
+                loss_fn("bn", ddp(x), y).backward()
+            opt.step()
+    return flat_state(ddp.module)
+
+
+def test_uneven_inputs_with_buffers_no_sync_and_unused_map_do_not_hang() -> None:
+    states = run_on_ranks(_train_uneven_batchnorm, 3, timeout=60)
+    for rank, state in enumerate(states):
+        assert torch.equal(state, states[0]), f"rank {rank}'s parameters or buffers differ after Join"
+
+
+def _early_termination(rank: int, world_size: int) -> str:
+    ddp = DistributedDataParallel(build("mlp"))
+    try:
+        with ddp.join(throw_on_early_termination=True):
+            for step in range(_batches(rank)):
+                x, y = global_batch("mlp", step, MICRO)
+                loss_fn("mlp", ddp(x), y).backward()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
+def test_throw_on_early_termination_stops_every_rank() -> None:
+    errors = run_on_ranks(_early_termination, 3)
+    assert "exhausted all inputs" in errors[0]
+    assert all("exhausted inputs" in e for e in errors[1:]), errors
