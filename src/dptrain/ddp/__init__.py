@@ -1,6 +1,6 @@
 """The data-parallel engine: bucketed, overlapped DDP and its naive baseline."""
 
-from dptrain.ddp.comm_hooks import AllReduceState, GradBucket, allreduce_hook
+from dptrain.ddp.comm_hooks import GradBucket, allreduce_hook
 from dptrain.ddp.module import DistributedDataParallel
 from dptrain.ddp.naive import NaiveDataParallel
 from dptrain.ddp.reducer import StepCommStats, UnusedParametersError
@@ -10,7 +10,6 @@ __all__ = [
     "DistributedDataParallel",
     "NaiveDataParallel",
     "GradBucket",
-    "AllReduceState",
     "allreduce_hook",
     "StepCommStats",
     "UnusedParametersError",

@@ -39,6 +39,14 @@ class ParamInfo:
     def of(cls, param: torch.Tensor) -> "ParamInfo":
         return cls(param.numel(), param.element_size(), param.dtype, param.device)
 
+    def views_into(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views into another flat buffer of this bucket's size."""
+        views, offset = [], 0
+        for p in self.params:
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return views
+
     @property
     def nbytes(self) -> int:
         return self.numel * self.element_size
@@ -105,11 +113,15 @@ class Bucket:
         first = params[0]
         self.numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(self.numel, dtype=first.dtype, device=first.device)
-        self.views: list[torch.Tensor] = []
-        offset = 0
-        for p in params:
-            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+        self.views = self.views_into(self.buffer)
+
+    def views_into(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-parameter views into another flat buffer of this bucket's size."""
+        views, offset = [], 0
+        for p in self.params:
+            views.append(buffer[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
+        return views
 
     @property
     def nbytes(self) -> int:

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradBucket", "CommHook", "ReduceHandle", "allreduce_hook", "AllReduceState"]
+__all__ = ["GradBucket", "CommHook", "ReduceHandle", "allreduce_hook"]
 
 
 class ReduceHandle(Protocol):
@@ -85,32 +85,20 @@ class _WorkHandle:
         self._work.wait()
         return self._tensor
 
-
-class AllReduceState:
-    """State of the default hook: the process group and the divisor for the average.
-
-    The divisor is the world size, except under uneven inputs with
-    ``divide_by_initial_world_size=False``, where the engine sets it each step to the
-    number of ranks that still have data.
-    """
-
-    def __init__(self, process_group: dist.ProcessGroup):
-        self.process_group = process_group
-        self.divisor = dist.get_world_size(process_group)
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
 
 
-def allreduce_hook(state: AllReduceState | dist.ProcessGroup | None, bucket: GradBucket) -> ReduceHandle:
-    """The default: average the bucket in place with one asynchronous all-reduce.
+def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> ReduceHandle:
+    """Average the bucket in place with one asynchronous all-reduce.
 
+    What the engine does when no hook is registered (there, the division is fused into
+    the copy of gradients into the bucket); a starting point for hooks that wrap it.
     Dividing before the sum (not after) keeps fp16/bf16 buckets from overflowing.
     """
-    if isinstance(state, AllReduceState):
-        group, divisor = state.process_group, state.divisor
-    else:
-        group = state
-        divisor = dist.get_world_size(group)
     tensor = bucket.buffer()
-    if divisor != 1:
-        tensor.div_(divisor)
-    work = dist.all_reduce(tensor, group=group, async_op=True)
+    world_size = dist.get_world_size(process_group)
+    if world_size != 1:
+        tensor.div_(world_size)
+    work = dist.all_reduce(tensor, group=process_group, async_op=True)
     return _WorkHandle(work, tensor)

@@ -34,7 +34,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from dptrain.ddp.autograd import map_tensors, sink_outputs
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
-from dptrain.ddp.comm_hooks import AllReduceState, CommHook, allreduce_hook
+from dptrain.ddp.comm_hooks import CommHook
 from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 
@@ -118,11 +118,10 @@ class DistributedDataParallel(nn.Module, Joinable):
         self.device = _single_device(params, self._param_names)
         if init_sync:
             broadcast_coalesced(params + list(module.buffers()), 0, self.process_group)
-        self._comm_state = AllReduceState(self.process_group)
         self.reducer = Reducer(
             params, self._param_names,
             _bucket_assignment(params, bucket_cap_mb),
-            self.process_group, allreduce_hook, self._comm_state,
+            self.process_group,
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
@@ -155,9 +154,9 @@ class DistributedDataParallel(nn.Module, Joinable):
         join_work = Join.notify_join_context(self)
         if join_work is not None and not self._divide_by_initial_world_size:
             join_work.wait()  # its result is the number of ranks that still have data
-            self._comm_state.divisor = int(join_work.result()[0].item())
+            self.reducer.divisor = int(join_work.result()[0].item())
         else:
-            self._comm_state.divisor = dist.get_world_size(self.process_group)
+            self.reducer.divisor = dist.get_world_size(self.process_group)
         comm = (0, 0)
         if self._will_sync_buffers():
             comm = self._sync_buffers(is_active=True)

@@ -8,10 +8,12 @@ Algorithm (Li et al., VLDB 2020, section 3.2; torch's ``reducer.cpp`` does the s
    2 or more for a parameter whose gradient arrived in pieces last step (a weight
    shared between reentrant-checkpoint segments accumulates once per segment).
 2. A post-accumulate-grad hook on each parameter counts arrivals. When a parameter
-   reaches its expected count it is ready; when a bucket's last parameter is ready and
-   every earlier bucket has been launched, the bucket's gradients are copied into its
-   flat buffer and handed to the communication hook, which starts an asynchronous
-   all-reduce while backward continues on earlier layers.
+   reaches its expected count it is ready and its gradient is copied into its slice of
+   the bucket's flat buffer, divided by the world size on the way (one pass over the
+   memory instead of a copy and a division; dividing before the sum also keeps fp16
+   buckets from overflowing). When a bucket's last parameter is ready and every earlier
+   bucket has been launched, the bucket is all-reduced asynchronously (or handed to the
+   communication hook) while backward continues on earlier layers.
 3. At the end of the outermost backward (see [Note: finalize on the outermost backward]
    in ``autograd.py``) buckets not yet launched are launched, in order, all handles are
    waited for, in order, and the averaged gradients are written to ``.grad``.
@@ -41,7 +43,7 @@ import torch.distributed as dist
 
 from dptrain.ddp.autograd import queue_on_current_backward, reachable_params
 from dptrain.ddp.buckets import Bucket
-from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle
+from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, _WorkHandle
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
 
@@ -85,8 +87,8 @@ class Reducer:
         names: list[str],
         bucket_indices: list[list[int]],
         process_group: dist.ProcessGroup,
-        comm_hook: CommHook,
-        comm_state: Any,
+        comm_hook: CommHook | None = None,
+        comm_state: Any = None,
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -94,16 +96,19 @@ class Reducer:
         self.params = params
         self.names = names
         self.process_group = process_group
-        self.comm_hook = comm_hook
+        self.comm_hook = comm_hook    # None: the built-in averaging all-reduce
         self.comm_state = comm_state
+        self.divisor = dist.get_world_size(process_group)  # see join.py for when it changes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.buckets = [Bucket(b, [params[i] for i in idx], idx) for b, idx in enumerate(bucket_indices)]
         self._bucket_of = [0] * len(params)
+        self._view_of: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for bucket in self.buckets:
-            for i in bucket.param_indices:
+            for i, view in zip(bucket.param_indices, bucket.views):
                 self._bucket_of[i] = bucket.index
+                self._view_of[i] = view
         self._phase = _Phase.IDLE
         self._fired_last: list[int] | None = None   # arrivals in the last synced backward
         self._static_unused: set[int] | None = None  # static graph: learned globally unused
@@ -213,7 +218,11 @@ class Reducer:
         bucket = self._bucket_of[index]
         if bucket < self._next_bucket:
             self._on_late_gradient(index, bucket)
-        elif self._fired[index] == self._expected[index]:
+            return
+        if self._fired[index] < self._expected[index]:
+            return  # more pieces of this gradient are coming (reentrant checkpointing)
+        self._copy_in(index)  # again if a piece arrives after "ready": the latest sum wins
+        if self._fired[index] == self._expected[index]:
             self._pending[bucket] -= 1
             if self._pending[bucket] == 0:
                 self._launch_ready_buckets()
@@ -237,25 +246,45 @@ class Reducer:
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        self._copy_in(bucket)
-        grad_bucket = GradBucket(b, bucket.buffer, bucket.views, bucket.params,
-                                 is_last=(b == len(self.buckets) - 1))
-        self._handles.append(self.comm_hook(self.comm_state, grad_bucket))
+        self._handles.append(self._reduce(bucket))
         self._next_bucket = b + 1
+        self._stats.launch_order.append(b)
+
+    def _reduce(self, bucket: Bucket) -> ReduceHandle:
+        """Start reducing a bucket: fill in gradients not copied yet, then communicate."""
+        for i in bucket.param_indices:
+            if not self._copied[i]:
+                self._copy_in(i)
         self._stats.calls += 1
         self._stats.bytes += bucket.nbytes
         self._stats.bucket_bytes.append(bucket.nbytes)
-        self._stats.launch_order.append(b)
+        if self.comm_hook is not None:
+            return self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer))
+        if self.gradient_as_bucket_view and self.divisor != 1:
+            bucket.buffer.div_(self.divisor)  # gradients were accumulated in place, unscaled
+        work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        return _WorkHandle(work, bucket.buffer)
 
-    def _copy_in(self, bucket: Bucket) -> None:
-        for param, view in zip(bucket.params, bucket.views):
-            grad = param.grad
-            if grad is None:
-                view.zero_()
-            elif grad.data_ptr() != view.data_ptr():
+    def _copy_in(self, index: int) -> None:
+        """Put parameter ``index``'s gradient into its bucket slice (averaging on the way)."""
+        param, view = self.params[index], self._view_of[index]
+        grad = param.grad
+        self._copied[index] = True
+        if grad is None:
+            view.zero_()
+        elif self.gradient_as_bucket_view:
+            if grad.data_ptr() != view.data_ptr():
                 view.copy_(grad)
-                if self.gradient_as_bucket_view:
-                    param.grad = view
+                param.grad = view
+        elif self.comm_hook is None and self.divisor != 1:
+            torch.mul(grad, 1.0 / self.divisor, out=view)
+        else:
+            view.copy_(grad)
+
+    def _grad_bucket(self, bucket: Bucket, buffer: torch.Tensor) -> GradBucket:
+        views = bucket.views if buffer is bucket.buffer else bucket.views_into(buffer)
+        return GradBucket(bucket.index, buffer, views, bucket.params,
+                          is_last=(bucket.index == len(self.buckets) - 1))
 
     # ------------------------------------------------------------------- finalize
 
@@ -266,15 +295,13 @@ class Reducer:
         try:
             while self._next_bucket < len(self.buckets):
                 self._launch(self._next_bucket)
-            used_work, used = self._launch_used_map()
+            globally_used = self._globally_used()
+            # Wait and copy out bucket by bucket: bucket k's copy overlaps bucket k+1's
+            # reduction. Every rank re-reduces the same stale buckets in the same order.
             for bucket, handle in zip(self.buckets, self._handles):
                 _store_result(bucket, handle)
-            for b in sorted(self._stale):
-                self._reduce_again(self.buckets[b])
-            if used_work is not None:
-                used_work.wait()
-            globally_used = self._globally_used(used)
-            for bucket in self.buckets:
+                if bucket.index in self._stale:
+                    self._reduce_again(bucket)
                 self._copy_out(bucket, globally_used)
             stats.comm_end = time.perf_counter()
             missing = [self.names[i] for i, n in enumerate(self._fired) if n == 0 and self._expected[i] > 0]
@@ -288,31 +315,23 @@ class Reducer:
         if missing and not (self.find_unused_parameters or self.static_graph):
             raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
 
-    def _launch_used_map(self) -> tuple[dist.Work | None, torch.Tensor | None]:
-        needs_map = self.find_unused_parameters or (self.static_graph and self._static_unused is None)
-        if not needs_map:
-            return None, None
-        device = self.params[0].device
-        used = torch.tensor(self._locally_used, dtype=torch.int32, device=device)
-        work = dist.all_reduce(used, group=self.process_group, async_op=True)
-        self._stats.calls += 1
-        self._stats.bytes += used.numel() * used.element_size()
-        return work, used
-
-    def _globally_used(self, used: torch.Tensor | None) -> list[bool]:
-        if used is not None:
+    def _globally_used(self) -> list[bool]:
+        """Which parameters some rank used since the last sync (exchanged only when needed)."""
+        if self.find_unused_parameters or (self.static_graph and self._static_unused is None):
+            device = self.params[0].device
+            used = torch.tensor(self._locally_used, dtype=torch.int32, device=device)
+            dist.all_reduce(used, group=self.process_group)
+            self._stats.calls += 1
+            self._stats.bytes += used.numel() * used.element_size()
             return (used > 0).tolist()
         if self._static_unused is not None:
             return [i not in self._static_unused for i in range(len(self.params))]
         return [True] * len(self.params)
 
     def _reduce_again(self, bucket: Bucket) -> None:
-        self._copy_in(bucket)
-        grad_bucket = GradBucket(bucket.index, bucket.buffer, bucket.views, bucket.params,
-                                 is_last=(bucket.index == len(self.buckets) - 1))
-        _store_result(bucket, self.comm_hook(self.comm_state, grad_bucket))
-        self._stats.calls += 1
-        self._stats.bytes += bucket.nbytes
+        for i in bucket.param_indices:
+            self._copied[i] = False
+        _store_result(bucket, self._reduce(bucket))
 
     def _copy_out(self, bucket: Bucket, globally_used: list[bool]) -> None:
         for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
@@ -337,6 +356,7 @@ class Reducer:
         self._expected = [1] * n
         self._pending = [len(b.param_indices) for b in self.buckets]
         self._next_bucket = 0
+        self._copied = [False] * n
         self._handles: list[ReduceHandle] = []
         self._stale: set[int] = set()
         self._stats = StepCommStats()
@@ -352,11 +372,10 @@ class Reducer:
         handles = []
         for bucket in self.buckets:
             zeros = torch.zeros_like(bucket.buffer)
-            views = [zeros[v.storage_offset() - bucket.buffer.storage_offset():][:v.numel()].view_as(v)
-                     for v in bucket.views]
-            grad_bucket = GradBucket(bucket.index, zeros, views, bucket.params,
-                                     is_last=(bucket.index == len(self.buckets) - 1))
-            handles.append(self.comm_hook(self.comm_state, grad_bucket))
+            if self.comm_hook is not None:
+                handles.append(self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)))
+            else:
+                handles.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
         for handle in handles:
             handle.wait()
         if self.find_unused_parameters or (self.static_graph and self._static_unused is None):

@@ -1,0 +1,1 @@
+"""Benchmarks: variants measured side by side in one run (not tests)."""

@@ -1,0 +1,173 @@
+"""Benchmark: dptrain's DDP against torch's DDP, the naive baseline and no communication.
+
+One run trains the same ~16M-parameter MLP on every variant, interleaved: each round
+runs a few steps of every variant, in an order shuffled anew each round (the same on
+every rank), so slow phases of a shared machine and position effects hit all variants
+alike. The dptrain/torch ratio at a bucket size is computed *per round*, from steps
+taken minutes apart at most, and the report gives the median of those paired ratios
+with a bootstrap 90% interval over rounds. Variants:
+
+- ``no_comm``: the bare module, no gradient sync (the compute floor);
+- ``naive``: one all-reduce per parameter after backward (the communication floor);
+- ``torch_ddp/<cap>``: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=cap)``;
+- ``dptrain_ddp/<cap>``: ``dptrain.DistributedDataParallel(bucket_cap_mb=cap)``;
+- with ``--views``, also ``torch_ddp_view/<cap>`` and ``dptrain_ddp_view/<cap>``: the same
+  with ``gradient_as_bucket_view=True`` (no copy of the reduced bucket back to ``.grad``).
+
+A step is zero_grad, forward, MSE loss, backward (with the sync), SGD step; its time is
+the slowest rank's. Timings are meaningful only side by side within one run.
+
+    python -m dptrain.bench.ddp --world-size 2 --rounds 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
+from dptrain.testing import run_on_ranks
+
+
+def build_model(width: int, depth: int) -> nn.Module:
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _wrap(variant: str, module: nn.Module) -> nn.Module:
+    kind, _, cap = variant.partition("/")
+    if kind == "no_comm":
+        return module
+    if kind == "naive":
+        return NaiveDataParallel(module)
+    engine, _, view = kind.partition("_ddp")
+    wrapper = {"torch": nn.parallel.DistributedDataParallel, "dptrain": DistributedDataParallel}[engine]
+    return wrapper(module, bucket_cap_mb=float(cap), gradient_as_bucket_view=view == "_view")
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
+    opt.zero_grad(set_to_none=True)
+    model(x).pow(2).mean().backward()
+    opt.step()
+
+
+def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
+    variants = args["variants"]
+    torch.manual_seed(0)
+    reference = build_model(args["width"], args["depth"])
+    models, opts = {}, {}
+    for variant in variants:
+        module = build_model(args["width"], args["depth"])
+        module.load_state_dict(reference.state_dict())
+        models[variant] = _wrap(variant, module)
+        opts[variant] = torch.optim.SGD(models[variant].parameters(), lr=1e-4)
+    x = torch.randn(args["micro_batch"], args["width"], generator=torch.Generator().manual_seed(rank))
+    for variant in variants:  # warm-up: torch DDP rebuilds its buckets after step 1
+        for _ in range(args["warmup"]):
+            _step(models[variant], opts[variant], x)
+    times: dict[str, list[list[float]]] = {v: [] for v in variants}  # [round][step]
+    for round_index in range(args["rounds"]):
+        order = list(variants)
+        random.Random(round_index).shuffle(order)  # same seed, same order on every rank
+        for variant in order:
+            times[variant].append([])
+            for _ in range(args["steps"]):
+                dist.barrier()
+                start = time.perf_counter()
+                _step(models[variant], opts[variant], x)
+                times[variant][-1].append(time.perf_counter() - start)
+    return times
+
+
+def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
+        steps: int, warmup: int, threads: int, views: bool = False) -> dict:
+    variants = ["no_comm", "naive"]
+    pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
+    for cap in caps:
+        for ours, theirs in pairs:
+            variants += [f"{theirs}/{cap:g}", f"{ours}/{cap:g}"]
+    args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
+                rounds=rounds, steps=steps, warmup=warmup)
+    per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads)
+    # A step takes as long as its slowest rank.
+    step_times = {v: [[max(r[v][k][i] for r in per_rank) for i in range(steps)] for k in range(rounds)]
+                  for v in variants}
+    medians = {v: statistics.median(t for rnd in per_round for t in rnd) for v, per_round in step_times.items()}
+    ratios = {}
+    for cap in caps:
+        for ours_kind, theirs_kind in pairs:
+            ours, theirs = step_times[f"{ours_kind}/{cap:g}"], step_times[f"{theirs_kind}/{cap:g}"]
+            paired = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs)]
+            ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": _bootstrap_ci(paired)}
+    params = sum(p.numel() for p in build_model(width, depth).parameters())
+    return {
+        "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
+                       rounds=rounds, steps_per_round=steps, threads_per_rank=threads, backend="gloo",
+                       torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
+        "median_step_s": medians,
+        "ratios": ratios,
+        "step_times_s": step_times,
+    }
+
+
+def _bootstrap_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """90% percentile-bootstrap interval of the median."""
+    rng = random.Random(seed)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    return medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
+
+
+def to_markdown(result: dict) -> str:
+    cfg, med = result["config"], result["median_step_s"]
+    floor = med["no_comm"]
+    lines = [f"{cfg['params'] / 1e6:.1f}M-parameter MLP ({cfg['depth']} x Linear({cfg['width']})), "
+             f"world size {cfg['world_size']}, gloo, {cfg['threads_per_rank']} thread per rank, micro-batch "
+             f"{cfg['micro_batch']}; median of {cfg['rounds']} rounds x {cfg['steps_per_round']} steps, "
+             f"torch {cfg['torch']}.", "",
+             "| variant | median step (ms) | vs no_comm |", "|---|---:|---:|"]
+    for variant, seconds in med.items():
+        lines.append(f"| {variant} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |")
+    lines += ["", "| dptrain variant | dptrain / torch DDP, same settings (median of per-round ratios) "
+              "| 90% interval |", "|---|---:|---:|"]
+    for variant, ratio in result["ratios"].items():
+        low, high = ratio["ci90"]
+        lines.append(f"| {variant} | {ratio['median']:.3f} | {low:.3f} - {high:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1408)
+    parser.add_argument("--depth", type=int, default=8)
+    parser.add_argument("--micro-batch", type=int, default=32)
+    parser.add_argument("--caps", type=float, nargs="+", default=[1, 4, 25], help="bucket sizes in MiB")
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--views", action="store_true", help="also compare gradient_as_bucket_view=True")
+    parser.add_argument("--out", type=Path, default=Path("bench_results/ddp.json"))
+    a = parser.parse_args(argv)
+    result = run(a.world_size, a.width, a.depth, a.micro_batch, a.caps, a.rounds, a.steps, a.warmup, a.threads,
+                 a.views)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    print(to_markdown(result))
+    print(f"\nraw step times: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
