@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from dptrain import BatchPlan, DistributedSampler
+from dptrain import BatchPlan, DistributedSampler, tune_cpu_allocator
 from dptrain import DistributedDataParallel as DDP  # the drop-in for torch's DDP
 
 
@@ -73,6 +73,7 @@ class ByteMLP(nn.Module):
 
 def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
+    tune_cpu_allocator()  # CPU only: keep freed gradient memory instead of page-faulting it back
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     plan = BatchPlan.resolve(world_size, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch)
     corpus = load_corpus(args.corpus_bytes)

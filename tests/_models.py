@@ -68,22 +68,27 @@ class Branchy(nn.Module):
 
 
 class Checkpointed(nn.Module):
-    """Two checkpointed segments that both apply ``shared``, with a private block each."""
+    """Checkpointed segments that all apply ``shared``, each with a private block.
+
+    ``segments`` (all 3 by default) may change from step to step: then the number of
+    gradient pieces ``shared`` receives under reentrant checkpointing changes too, and
+    private blocks go unused.
+    """
 
     def __init__(self, use_reentrant: bool):
         super().__init__()
         self.use_reentrant = use_reentrant
         self.inp = nn.Linear(IN, HIDDEN)
         self.shared = nn.Linear(HIDDEN, HIDDEN)
-        self.private = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(2)])
+        self.private = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(3)])
         self.head = nn.Linear(HIDDEN, OUT)
 
     def _segment(self, h, i):
         return torch.tanh(self.private[i](torch.tanh(self.shared(h))))
 
-    def forward(self, x):
+    def forward(self, x, segments: int = 3):
         h = self.inp(x)
-        for i in range(2):
+        for i in range(segments):
             h = checkpoint(self._segment, h, i, use_reentrant=self.use_reentrant)
         return self.head(h)
 

@@ -123,3 +123,22 @@ def _hook_after_forward(rank: int, world_size: int) -> str | None:
 def test_comm_hook_must_be_registered_before_the_first_forward() -> None:
     for error in run_on_ranks(_hook_after_forward, 2):
         assert error and "before the first forward" in error
+
+
+def _dynamic_graph_with_bucket_views(rank: int, world_size: int) -> list:
+    torch.manual_seed(0)
+    ddp = DistributedDataParallel(build("ckpt_reentrant"), bucket_cap_mb=0.0004, gradient_as_bucket_view=True,
+                                  find_unused_parameters=True)
+    x, y = global_batch("ckpt_reentrant", 0, 4)
+    outcomes = []
+    for segments in (2, 2, 3):  # the third step uses a new block and gives `shared` an extra piece
+        outcomes.append(_error_of(lambda: loss_fn("mlp", ddp(x, segments=segments), y).backward()))
+    return outcomes
+
+
+def test_a_changed_graph_with_bucket_views_is_refused_not_silently_wrong() -> None:
+    for outcomes in run_on_ranks(_dynamic_graph_with_bucket_views, 2):
+        assert outcomes[:2] == [None, None]
+        error = outcomes[2]
+        assert error and ("'private.2." in error or "'shared." in error), error
+        assert "received gradient piece" in error and "gradient_as_bucket_view=False" in error

@@ -39,6 +39,7 @@ class Case:
     ddp: dict = field(default_factory=dict)
     reference: str = "full"            # "full" or "per_replica"
     branch: str = "always"             # branchy only: "always", "odd_steps", "one_rank", "never"
+    dynamic_segments: bool = False     # checkpointed only: 2 segments on even steps, 3 on odd
     accum: int = 1                     # micro-steps per optimizer step (no_sync for all but last)
     wrapper: str = "ddp"               # "ddp" or "naive"
 
@@ -60,6 +61,11 @@ CASES = {
     "checkpoint_reentrant_find_unused": Case("ckpt_reentrant", {"bucket_cap_mb": TINY_BUCKETS,
                                                                 "find_unused_parameters": True}),
     "checkpoint_nonreentrant": Case("ckpt_nonreentrant", {"bucket_cap_mb": TINY_BUCKETS}),
+    # The shared weight's gradient arrives in 2 pieces on even steps and 3 on odd ones:
+    # the extra piece comes after the bucket was launched and is reduced again, exactly.
+    "checkpoint_reentrant_dynamic": Case("ckpt_reentrant", {"bucket_cap_mb": TINY_BUCKETS,
+                                                            "find_unused_parameters": True},
+                                         dynamic_segments=True),
     "no_sync_accumulation": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}, accum=3),
     "no_sync_accumulation_batchnorm": Case("bn", {"bucket_cap_mb": TINY_BUCKETS}, reference="per_replica",
                                            accum=2),
@@ -69,6 +75,8 @@ CASES = {
 
 
 def _forward_kwargs(case: Case, step: int, replica: int, world_size: int) -> dict:
+    if case.dynamic_segments:
+        return {"segments": 2 + step % 2}
     if case.model != "branchy":
         return {}
     use = {"always": True, "never": False, "odd_steps": step % 2 == 1,

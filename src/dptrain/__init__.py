@@ -6,6 +6,7 @@ The public surface a training script needs::
     from dptrain import DistributedSampler, BatchPlan
 """
 
+from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.data.sampler import DistributedSampler
 from dptrain.ddp import (
@@ -32,4 +33,5 @@ __all__ = [
     "BatchSizeError",
     "ReplicaMismatchError",
     "UnusedParametersError",
+    "tune_cpu_allocator",
 ]

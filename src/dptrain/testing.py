@@ -43,6 +43,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from dptrain.allocator import tune_cpu_allocator
+
 __all__ = ["run_on_ranks", "RankFailedError", "RankTimeoutError"]
 
 # torch._dynamo is imported lazily by the first optimizer a process builds and costs
@@ -74,6 +76,7 @@ def run_on_ranks(
     collective_timeout: float | None = None,
     backend: str = "gloo",
     threads_per_rank: int = 1,
+    tune_allocator: bool = True,
     start_method: str = "forkserver",
     env: dict[str, str] | None = None,
     **kwargs: Any,
@@ -83,7 +86,8 @@ def run_on_ranks(
     ``fn`` must be importable by name (defined at module level) and its results
     picklable. The process group is initialised before ``fn`` runs and destroyed
     after. ``timeout`` bounds the whole call; ``collective_timeout`` (default: the same)
-    bounds each collective inside it.
+    bounds each collective inside it. ``tune_allocator`` applies
+    :func:`dptrain.allocator.tune_cpu_allocator` in each rank.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -97,7 +101,7 @@ def run_on_ranks(
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
             spec = _RankSpec(rank, world_size, store.port, backend, collective_timeout or timeout,
-                             threads_per_rank, os.path.join(tmp, f"stack{rank}.txt"), env or {})
+                             threads_per_rank, tune_allocator, os.path.join(tmp, f"stack{rank}.txt"), env or {})
             proc = ctx.Process(target=_rank_main, args=(fn, spec, args, kwargs, writer),
                                name=f"dptrain-rank{rank}", daemon=True)
             proc.start()
@@ -119,6 +123,7 @@ class _RankSpec:
     backend: str
     timeout: float
     threads: int
+    tune_allocator: bool
     stack_path: str
     env: dict[str, str]
 
@@ -128,6 +133,8 @@ def _rank_main(fn, spec: _RankSpec, args, kwargs, writer) -> None:
     stack_file = open(spec.stack_path, "w")
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(spec.threads)
+    if spec.tune_allocator:
+        tune_cpu_allocator()
     try:
         store = dist.TCPStore("127.0.0.1", spec.port, is_master=False,
                               timeout=timedelta(seconds=spec.timeout))

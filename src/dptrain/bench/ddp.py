@@ -15,7 +15,10 @@ with a bootstrap 90% interval over rounds. Variants:
   with ``gradient_as_bucket_view=True`` (no copy of the reduced bucket back to ``.grad``).
 
 A step is zero_grad, forward, MSE loss, backward (with the sync), SGD step; its time is
-the slowest rank's. Timings are meaningful only side by side within one run.
+the slowest rank's. Timings are meaningful only side by side within one run. Workers
+run with :func:`dptrain.allocator.tune_cpu_allocator` (``--default-malloc`` to turn it
+off): with glibc's defaults every step page-faults its gradients back in, which costs
+all variants alike but adds noise that depends on heap layout, not on the engine.
 
     python -m dptrain.bench.ddp --world-size 2 --rounds 10
 """
@@ -92,7 +95,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
 
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
-        steps: int, warmup: int, threads: int, views: bool = False) -> dict:
+        steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True) -> dict:
     variants = ["no_comm", "naive"]
     pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
     for cap in caps:
@@ -100,7 +103,8 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
             variants += [f"{theirs}/{cap:g}", f"{ours}/{cap:g}"]
     args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
                 rounds=rounds, steps=steps, warmup=warmup)
-    per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads)
+    per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
+                            tune_allocator=tune_allocator)
     # A step takes as long as its slowest rank.
     step_times = {v: [[max(r[v][k][i] for r in per_rank) for i in range(steps)] for k in range(rounds)]
                   for v in variants}
@@ -115,6 +119,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
     return {
         "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
                        rounds=rounds, steps_per_round=steps, threads_per_rank=threads, backend="gloo",
+                       tuned_allocator=tune_allocator,
                        torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
         "median_step_s": medians,
         "ratios": ratios,
@@ -135,7 +140,7 @@ def to_markdown(result: dict) -> str:
     lines = [f"{cfg['params'] / 1e6:.1f}M-parameter MLP ({cfg['depth']} x Linear({cfg['width']})), "
              f"world size {cfg['world_size']}, gloo, {cfg['threads_per_rank']} thread per rank, micro-batch "
              f"{cfg['micro_batch']}; median of {cfg['rounds']} rounds x {cfg['steps_per_round']} steps, "
-             f"torch {cfg['torch']}.", "",
+             f"{'tuned' if cfg['tuned_allocator'] else 'default'} glibc malloc, torch {cfg['torch']}.", "",
              "| variant | median step (ms) | vs no_comm |", "|---|---:|---:|"]
     for variant, seconds in med.items():
         lines.append(f"| {variant} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |")
@@ -159,10 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--views", action="store_true", help="also compare gradient_as_bucket_view=True")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's default malloc settings (see dptrain.allocator)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/ddp.json"))
     a = parser.parse_args(argv)
     result = run(a.world_size, a.width, a.depth, a.micro_batch, a.caps, a.rounds, a.steps, a.warmup, a.threads,
-                 a.views)
+                 a.views, not a.default_malloc)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     print(to_markdown(result))

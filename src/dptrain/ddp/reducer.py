@@ -219,8 +219,12 @@ class Reducer:
         if bucket < self._next_bucket:
             self._on_late_gradient(index, bucket)
             return
-        if self._fired[index] < self._expected[index]:
-            return  # more pieces of this gradient are coming (reentrant checkpointing)
+        if self._fired_last is None or self._fired[index] < self._expected[index]:
+            # Discovery pass (everything is copied and launched at the end, once the
+            # number of pieces per gradient is known), or more pieces are coming.
+            return
+        if self._copied[index] and self.gradient_as_bucket_view:
+            self._on_late_gradient(index, bucket)  # it landed in an already averaged slice
         self._copy_in(index)  # again if a piece arrives after "ready": the latest sum wins
         if self._fired[index] == self._expected[index]:
             self._pending[bucket] -= 1
@@ -229,12 +233,13 @@ class Reducer:
 
     def _on_late_gradient(self, index: int, bucket: int) -> None:
         if self.gradient_as_bucket_view:
-            # The gradient was accumulated in place into a buffer that is being
-            # all-reduced right now: the bucket's result cannot be trusted.
+            # The piece was accumulated in place into the bucket slice, after that slice
+            # was averaged (and perhaps while it is being all-reduced): it cannot be undone.
             raise RuntimeError(
-                f"parameter {self.names[index]!r} received gradient #{self._fired[index]} after "
-                f"its bucket was reduced (expected {self._expected[index]}): the graph changed "
-                "between steps. Use gradient_as_bucket_view=False for dynamic graphs.")
+                f"parameter {self.names[index]!r} received gradient piece #{self._fired[index]} of "
+                f"this backward, but the previous step led dptrain to expect "
+                f"{self._expected[index]} and its bucket slice was already averaged: the graph "
+                "changed between steps. Use gradient_as_bucket_view=False for dynamic graphs.")
         self._stale.add(bucket)
 
     def _launch_ready_buckets(self) -> None:
@@ -260,26 +265,32 @@ class Reducer:
         self._stats.bucket_bytes.append(bucket.nbytes)
         if self.comm_hook is not None:
             return self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer))
-        if self.gradient_as_bucket_view and self.divisor != 1:
-            bucket.buffer.div_(self.divisor)  # gradients were accumulated in place, unscaled
         work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         return _WorkHandle(work, bucket.buffer)
 
     def _copy_in(self, index: int) -> None:
-        """Put parameter ``index``'s gradient into its bucket slice (averaging on the way)."""
+        """Put parameter ``index``'s gradient into its bucket slice, averaging on the way.
+
+        Runs when the gradient is ready (or at launch for a parameter that never got one).
+        A gradient that already is its bucket slice (``gradient_as_bucket_view`` after the
+        first step, with ``zero_grad(set_to_none=False)``) is divided in place.
+        """
         param, view = self.params[index], self._view_of[index]
         grad = param.grad
         self._copied[index] = True
+        scale = self.comm_hook is None and self.divisor != 1
         if grad is None:
             view.zero_()
-        elif self.gradient_as_bucket_view:
-            if grad.data_ptr() != view.data_ptr():
-                view.copy_(grad)
-                param.grad = view
-        elif self.comm_hook is None and self.divisor != 1:
-            torch.mul(grad, 1.0 / self.divisor, out=view)
+        elif grad.data_ptr() == view.data_ptr():
+            if scale:
+                view.div_(self.divisor)
         else:
-            view.copy_(grad)
+            if scale:
+                torch.mul(grad, 1.0 / self.divisor, out=view)
+            else:
+                view.copy_(grad)
+            if self.gradient_as_bucket_view:
+                param.grad = view
 
     def _grad_bucket(self, bucket: Bucket, buffer: torch.Tensor) -> GradBucket:
         views = bucket.views if buffer is bucket.buffer else bucket.views_into(buffer)
