@@ -9,8 +9,8 @@ code, present on every machine that runs Python.
     torchrun --nproc-per-node 2 examples/train_ddp.py       # or let torchrun launch them
 
 The model predicts the next byte from the previous ``--context`` bytes (an MLP over byte
-embeddings, Bengio et al. 2003). Loss starts at ln(256) = 5.55 nats and falls below 2.5
-within a few hundred steps.
+embeddings, Bengio et al. 2003). Loss starts at ln(256) = 5.55 nats per byte and falls
+to about 2 in 600 steps (half a minute on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -94,6 +94,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     step, batches, start = 0, iter(loader), time.perf_counter()
     while step < args.steps:
         optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
         for micro in range(plan.grad_accum_steps):
             x, y = next(batches)
             sync = micro == plan.grad_accum_steps - 1
@@ -102,12 +103,13 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
                 # steps makes the accumulated gradient the mean over the global batch.
                 loss = nn.functional.cross_entropy(model(x), y) / plan.grad_accum_steps
                 loss.backward()
+            step_loss += loss.item()
         optimizer.step()
         step += 1
         if step % args.log_every == 0 or step == 1:
             elapsed = time.perf_counter() - start
             comm = model.last_step_comm
-            log(f"step {step:4d}  loss {loss.item() * plan.grad_accum_steps:.3f}  "
+            log(f"step {step:4d}  loss {step_loss:.3f} (rank 0's micro-batches)  "
                 f"{step * plan.global_batch_size / elapsed:,.0f} samples/s  "
                 f"{comm.calls} all-reduces, {comm.bytes / 1e6:.2f} MB/step")
     val_loss = evaluate(model, val_set, world_size, rank)
@@ -137,14 +139,14 @@ def _free_port() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=2, help="local workers to spawn (ignored under torchrun)")
-    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--global-batch", type=int, default=256)
     parser.add_argument("--micro-batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=16)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
-    parser.add_argument("--log-every", type=int, default=50)
+    parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if "RANK" in os.environ:  # launched by torchrun (or Slurm with these variables set)

@@ -53,11 +53,13 @@ def main(argv: list[str] | None = None) -> None:
                                               tune_allocator=tuned, timeout=1800)[0])
     print(f"plain {a.depth} x Linear({a.width}) MLP, batch {a.micro_batch}, 1 thread, "
           f"{a.trials} alternating processes per setting, median of {a.steps} steps each\n")
-    print("| malloc | step (ms), median over processes | minor page faults per step |")
-    print("|---|---:|---:|")
+    print("| malloc | step (ms), median over processes | minor page faults per step, median | "
+          "each process: step ms / faults |")
+    print("|---|---:|---:|---|")
     for name, rows in results.items():
+        each = ", ".join(f"{t * 1e3:.0f} / {f:,.0f}" for t, f in rows)
         print(f"| {name} | {statistics.median(r[0] for r in rows) * 1e3:.1f} "
-              f"| {statistics.median(r[1] for r in rows):,.0f} |")
+              f"| {statistics.median(r[1] for r in rows):,.0f} | {each} |")
 
 
 if __name__ == "__main__":

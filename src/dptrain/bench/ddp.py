@@ -80,6 +80,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
     for variant in variants:  # warm-up: torch DDP rebuilds its buckets after step 1
         for _ in range(args["warmup"]):
             _step(models[variant], opts[variant], x)
+    buckets = {v: _bucket_mib(models[v]) for v in variants if "ddp" in v}
     times: dict[str, list[list[float]]] = {v: [] for v in variants}  # [round][step]
     for round_index in range(args["rounds"]):
         order = list(variants)
@@ -91,7 +92,22 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
                 start = time.perf_counter()
                 _step(models[variant], opts[variant], x)
                 times[variant][-1].append(time.perf_counter() - start)
-    return times
+    return {"times": times, "buckets": buckets}
+
+
+def _bucket_mib(model: nn.Module) -> list[float]:
+    """Bucket sizes in MiB, in launch order, after warm-up (torch rebuilds after step 1)."""
+    if isinstance(model, DistributedDataParallel):
+        sizes = [b.nbytes for b in model.reducer.buckets]
+    else:
+        # torch exposes its rebuilt buckets only through a private method; the layout is
+        # reported for information, so a torch without it just reports nothing.
+        try:
+            sizes = [b.buffer().numel() * b.buffer().element_size()
+                     for b in model.reducer._get_zeros_like_grad_buckets()]
+        except AttributeError:
+            return []
+    return [round(n / 2**20, 2) for n in sizes]
 
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
@@ -106,7 +122,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
     per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
                             tune_allocator=tune_allocator)
     # A step takes as long as its slowest rank.
-    step_times = {v: [[max(r[v][k][i] for r in per_rank) for i in range(steps)] for k in range(rounds)]
+    step_times = {v: [[max(r["times"][v][k][i] for r in per_rank) for i in range(steps)] for k in range(rounds)]
                   for v in variants}
     medians = {v: statistics.median(t for rnd in per_round for t in rnd) for v, per_round in step_times.items()}
     ratios = {}
@@ -123,6 +139,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
                        torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
         "median_step_s": medians,
         "ratios": ratios,
+        "buckets_mib": per_rank[0]["buckets"],
         "step_times_s": step_times,
     }
 
@@ -149,6 +166,9 @@ def to_markdown(result: dict) -> str:
     for variant, ratio in result["ratios"].items():
         low, high = ratio["ci90"]
         lines.append(f"| {variant} | {ratio['median']:.3f} | {low:.3f} - {high:.3f} |")
+    lines += ["", "| variant | buckets (MiB, launch order) |", "|---|---|"]
+    for variant, sizes in result.get("buckets_mib", {}).items():
+        lines.append(f"| {variant} | {', '.join(f'{s:g}' for s in sizes) or 'not available'} |")
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["ParamInfo", "assign_buckets", "Bucket"]
+__all__ = ["ParamInfo", "assign_buckets", "Bucket", "copy_into_slice"]
 
 MiB = 1024 * 1024
 
@@ -38,14 +38,6 @@ class ParamInfo:
     @classmethod
     def of(cls, param: torch.Tensor) -> "ParamInfo":
         return cls(param.numel(), param.element_size(), param.dtype, param.device)
-
-    def views_into(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Per-parameter views into another flat buffer of this bucket's size."""
-        views, offset = [], 0
-        for p in self.params:
-            views.append(buffer[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return views
 
     @property
     def nbytes(self) -> int:
@@ -127,6 +119,50 @@ class Bucket:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def store(self, result: torch.Tensor) -> None:
+        """Take a reduction's result: a no-op when it was computed in place."""
+        if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
+            self.buffer.copy_(result.view(-1))
+
+    def write_back(self, used: list[bool], as_view: bool) -> None:
+        """Hand the reduced gradients to the parameters whose index ``used`` marks.
+
+        The others (no rank used them since the last sync) keep ``.grad`` untouched, as
+        in a single process, so optimizers skip them.
+        """
+        for i, param, view in zip(self.param_indices, self.params, self.views):
+            if not used[i]:
+                continue
+            if as_view:
+                param.grad = view
+            elif param.grad is None:
+                param.grad = view.clone()
+            else:
+                param.grad.copy_(view)
+
     def __repr__(self) -> str:
         return (f"Bucket(index={self.index}, params={len(self.params)}, "
                 f"numel={self.numel}, dtype={self.buffer.dtype}, bytes={self.nbytes})")
+
+
+def copy_into_slice(param: torch.nn.Parameter, view: torch.Tensor, divisor: int | None, as_view: bool) -> None:
+    """Put ``param``'s gradient into its bucket slice ``view``, divided by ``divisor``.
+
+    One pass over memory (``mul`` with an ``out``, as torch's reducer does), not a copy
+    and a division. A gradient that already is the slice (``as_view`` with
+    ``zero_grad(set_to_none=False)``) is divided in place; with ``as_view`` a separate
+    gradient is re-pointed at the slice. A missing gradient contributes zeros.
+    """
+    grad = param.grad
+    if grad is None:
+        view.zero_()
+    elif grad.data_ptr() == view.data_ptr():
+        if divisor is not None:
+            view.div_(divisor)
+    else:
+        if divisor is not None:
+            torch.mul(grad, 1.0 / divisor, out=view)
+        else:
+            view.copy_(grad)
+        if as_view:
+            param.grad = view

@@ -24,8 +24,7 @@ A torch DDP script works unchanged with ``from dptrain import DistributedDataPar
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,6 +36,7 @@ from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
 from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
+from dptrain.ddp.sync_switch import GradSyncSwitch
 
 __all__ = ["DistributedDataParallel"]
 
@@ -54,7 +54,7 @@ _UNSUPPORTED = {
 }
 
 
-class DistributedDataParallel(nn.Module, Joinable):
+class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
     """Data-parallel wrapper with bucketed all-reduce overlapped with backward.
 
     Arguments follow ``torch.nn.parallel.DistributedDataParallel``:
@@ -203,24 +203,6 @@ class DistributedDataParallel(nn.Module, Joinable):
         return bool(flag.item() > 0)
 
     # ------------------------------------------------------------ runtime switches
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Skip gradient communication inside the block; gradients accumulate locally.
-
-        The first synced backward after it reduces the accumulated sum: k micro-steps
-        under ``no_sync`` plus one outside equal one step on a k+1 times bigger batch.
-        """
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """The switch ``no_sync()`` flips, for loops that prefer a call to a context."""
-        self.require_backward_grad_sync = requires_gradient_sync
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
         """Replace the default all-reduce with ``hook(state, bucket) -> handle``.

@@ -14,21 +14,21 @@ skips communication.
 
 from __future__ import annotations
 
-import contextlib
 import weakref
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.ddp.autograd import map_tensors, queue_on_current_backward, sink_outputs
+from dptrain.ddp.autograd import queue_on_current_backward, sink_outputs
 from dptrain.ddp.replicas import broadcast_coalesced
+from dptrain.ddp.sync_switch import GradSyncSwitch
 
 __all__ = ["NaiveDataParallel"]
 
 
-class NaiveDataParallel(nn.Module):
+class NaiveDataParallel(GradSyncSwitch, nn.Module):
     def __init__(self, module: nn.Module, process_group: dist.ProcessGroup | None = None,
                  broadcast_buffers: bool = True):
         super().__init__()
@@ -69,15 +69,6 @@ class NaiveDataParallel(nn.Module):
             dist.all_reduce(grad, group=self.process_group)
             p.grad = grad.div_(world)
         self._used = [False] * len(self.params)
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        previous = self.require_backward_grad_sync
-        self.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            self.require_backward_grad_sync = previous
 
 
 def _mark_used(naive_ref: "weakref.ref[NaiveDataParallel]", index: int):

@@ -3,10 +3,9 @@
 Algorithm (Li et al., VLDB 2020, section 3.2; torch's ``reducer.cpp`` does the same):
 
 1. After a synced forward, every parameter gets an *expected* number of gradient
-   accumulations for the coming backward: normally 1; 0 for a parameter known to be
-   unused (``find_unused_parameters`` graph walk, or a static graph's first step);
-   2 or more for a parameter whose gradient arrived in pieces last step (a weight
-   shared between reentrant-checkpoint segments accumulates once per segment).
+   accumulations for the coming backward (``arrivals.py``): normally 1; 0 for a
+   parameter known to be unused; 2 or more for a parameter whose gradient arrived in
+   pieces last step (a weight shared between reentrant-checkpoint segments).
 2. A post-accumulate-grad hook on each parameter counts arrivals. When a parameter
    reaches its expected count it is ready and its gradient is copied into its slice of
    the bucket's flat buffer, divided by the world size on the way (one pass over the
@@ -23,11 +22,11 @@ Collectives must be issued in the same order on every rank. A parameter unused o
 rank but used on another makes buckets *ready* in different orders, so a bucket is
 launched only after all lower-numbered buckets, never merely because it is ready.
 
-The first synced backward is a discovery pass: nothing is launched before the end (as
-in torch DDP 2.13, whose first iteration uses a single bucket), and the observed
-arrival counts become the next step's expectations. A gradient that arrives after its
-bucket was launched (a dynamic graph that changed between steps) is not lost: the
-bucket is reduced again at the end of backward with the complete local gradients.
+The first synced backward is a discovery pass: nothing is copied or launched before the
+end (as in torch DDP 2.13, whose first iteration uses a single bucket), and the
+observed arrival counts become the next step's expectations. A gradient that arrives
+after its bucket was launched (a dynamic graph that changed between steps) is not lost:
+the bucket is reduced again at the end of backward with the complete local gradients.
 """
 
 from __future__ import annotations
@@ -41,8 +40,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from dptrain.ddp.autograd import queue_on_current_backward, reachable_params
-from dptrain.ddp.buckets import Bucket
+from dptrain.ddp.arrivals import GradientArrivals
+from dptrain.ddp.autograd import queue_on_current_backward
+from dptrain.ddp.buckets import Bucket, copy_into_slice
 from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, _WorkHandle
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
@@ -102,6 +102,7 @@ class Reducer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
+        self.arrivals = GradientArrivals(params, find_unused_parameters, static_graph)
         self.buckets = [Bucket(b, [params[i] for i in idx], idx) for b, idx in enumerate(bucket_indices)]
         self._bucket_of = [0] * len(params)
         self._view_of: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
@@ -110,9 +111,6 @@ class Reducer:
                 self._bucket_of[i] = bucket.index
                 self._view_of[i] = view
         self._phase = _Phase.IDLE
-        self._fired_last: list[int] | None = None   # arrivals in the last synced backward
-        self._static_unused: set[int] | None = None  # static graph: learned globally unused
-        self._locally_used = [False] * len(params)   # since the last sync (spans no_sync)
         self._generation = 0                          # synced forwards so far
         self._finalized_through = 0                   # generations whose backward is reduced
         self._reset_step()
@@ -129,7 +127,7 @@ class Reducer:
         ``forward_comm`` is the (calls, bytes) the forward itself communicated (buffer
         broadcasts), counted into this step's statistics.
         """
-        expected = self._expected_arrivals(outputs)
+        expected = self.arrivals.expected(outputs)
         if self._phase is _Phase.EXPECT_SYNC:  # several forwards before one backward
             expected = [max(a, b) for a, b in zip(expected, self._expected)]
         else:
@@ -144,23 +142,6 @@ class Reducer:
     def prepare_for_accumulation(self) -> None:
         """Called at the end of a ``no_sync`` forward: the backward will not communicate."""
         self._phase = _Phase.ACCUMULATE
-
-    def _expected_arrivals(self, outputs: list[torch.Tensor]) -> list[int]:
-        last = self._fired_last
-        if last is None:
-            expected = [1] * len(self.params)
-        else:
-            expected = [max(1, n) for n in last]
-        if self.static_graph and self._static_unused is not None:
-            return [0 if i in self._static_unused else max(1, last[i]) for i in range(len(self.params))]
-        if self.find_unused_parameters and not self.static_graph:
-            reached = reachable_params(outputs)
-            for i, p in enumerate(self.params):
-                # Parameters behind a reentrant checkpoint are invisible to the graph
-                # walk; trust the walk only for those that got no gradient last step.
-                if id(p) not in reached and (last is None or last[i] == 0):
-                    expected[i] = 0
-        return expected
 
     def sink_callback(self, generation: int) -> Callable[[], None]:
         """The function the backward sink of forward ``generation`` calls."""
@@ -202,7 +183,7 @@ class Reducer:
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
         phase = self._phase
         if phase is _Phase.ACCUMULATE:
-            self._locally_used[index] = True
+            self.arrivals.mark_used(index)
             return
         if phase is _Phase.EXPECT_SYNC:
             # The loss did not flow through the module's outputs, so the sink never
@@ -213,13 +194,13 @@ class Reducer:
         if param.grad is not None and param.grad.is_sparse:
             raise RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's "
                                "DDP reduces dense gradients only (use sparse=False)")
-        self._locally_used[index] = True
+        self.arrivals.mark_used(index)
         self._fired[index] += 1
         bucket = self._bucket_of[index]
         if bucket < self._next_bucket:
             self._on_late_gradient(index, bucket)
             return
-        if self._fired_last is None or self._fired[index] < self._expected[index]:
+        if self.arrivals.discovering or self._fired[index] < self._expected[index]:
             # Discovery pass (everything is copied and launched at the end, once the
             # number of pieces per gradient is known), or more pieces are coming.
             return
@@ -243,8 +224,8 @@ class Reducer:
         self._stale.add(bucket)
 
     def _launch_ready_buckets(self) -> None:
-        if self._fired_last is None:
-            return  # discovery pass: everything is launched at the end
+        if self.arrivals.discovering:
+            return  # everything is launched at the end
         while self._next_bucket < len(self.buckets) and self._pending[self._next_bucket] == 0:
             self._launch(self._next_bucket)
             self._stats.launched_during_backward += 1
@@ -269,28 +250,10 @@ class Reducer:
         return _WorkHandle(work, bucket.buffer)
 
     def _copy_in(self, index: int) -> None:
-        """Put parameter ``index``'s gradient into its bucket slice, averaging on the way.
-
-        Runs when the gradient is ready (or at launch for a parameter that never got one).
-        A gradient that already is its bucket slice (``gradient_as_bucket_view`` after the
-        first step, with ``zero_grad(set_to_none=False)``) is divided in place.
-        """
-        param, view = self.params[index], self._view_of[index]
-        grad = param.grad
+        """Fill parameter ``index``'s bucket slice (when ready, or at launch if it never got a gradient)."""
         self._copied[index] = True
-        scale = self.comm_hook is None and self.divisor != 1
-        if grad is None:
-            view.zero_()
-        elif grad.data_ptr() == view.data_ptr():
-            if scale:
-                view.div_(self.divisor)
-        else:
-            if scale:
-                torch.mul(grad, 1.0 / self.divisor, out=view)
-            else:
-                view.copy_(grad)
-            if self.gradient_as_bucket_view:
-                param.grad = view
+        divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
+        copy_into_slice(self.params[index], self._view_of[index], divisor, self.gradient_as_bucket_view)
 
     def _grad_bucket(self, bucket: Bucket, buffer: torch.Tensor) -> GradBucket:
         views = bucket.views if buffer is bucket.buffer else bucket.views_into(buffer)
@@ -306,60 +269,33 @@ class Reducer:
         try:
             while self._next_bucket < len(self.buckets):
                 self._launch(self._next_bucket)
-            globally_used = self._globally_used()
+            globally_used, map_bytes = self.arrivals.globally_used(self.process_group)
+            if map_bytes:
+                stats.calls += 1
+                stats.bytes += map_bytes
             # Wait and copy out bucket by bucket: bucket k's copy overlaps bucket k+1's
             # reduction. Every rank re-reduces the same stale buckets in the same order.
             for bucket, handle in zip(self.buckets, self._handles):
-                _store_result(bucket, handle)
+                bucket.store(handle.wait())
                 if bucket.index in self._stale:
                     self._reduce_again(bucket)
-                self._copy_out(bucket, globally_used)
+                bucket.write_back(globally_used, self.gradient_as_bucket_view)
             stats.comm_end = time.perf_counter()
             missing = [self.names[i] for i, n in enumerate(self._fired) if n == 0 and self._expected[i] > 0]
-            self._learn(globally_used)
+            self.arrivals.learn(self._fired, globally_used)
         finally:
             self.last_stats = stats
             self._phase = _Phase.IDLE
             self._finalized_through = self._generation
-            self._locally_used = [False] * len(self.params)
+            self.arrivals.forget_used()
             self._handles = []
         if missing and not (self.find_unused_parameters or self.static_graph):
             raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
 
-    def _globally_used(self) -> list[bool]:
-        """Which parameters some rank used since the last sync (exchanged only when needed)."""
-        if self.find_unused_parameters or (self.static_graph and self._static_unused is None):
-            device = self.params[0].device
-            used = torch.tensor(self._locally_used, dtype=torch.int32, device=device)
-            dist.all_reduce(used, group=self.process_group)
-            self._stats.calls += 1
-            self._stats.bytes += used.numel() * used.element_size()
-            return (used > 0).tolist()
-        if self._static_unused is not None:
-            return [i not in self._static_unused for i in range(len(self.params))]
-        return [True] * len(self.params)
-
     def _reduce_again(self, bucket: Bucket) -> None:
         for i in bucket.param_indices:
             self._copied[i] = False
-        _store_result(bucket, self._reduce(bucket))
-
-    def _copy_out(self, bucket: Bucket, globally_used: list[bool]) -> None:
-        for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
-            if not globally_used[i]:
-                continue  # no rank used it since the last sync: leave .grad untouched
-            grad = param.grad
-            if self.gradient_as_bucket_view:
-                param.grad = view
-            elif grad is None:
-                param.grad = view.clone()
-            else:
-                grad.copy_(view)
-
-    def _learn(self, globally_used: list[bool]) -> None:
-        self._fired_last = list(self._fired)
-        if self.static_graph and self._static_unused is None:
-            self._static_unused = {i for i, used in enumerate(globally_used) if not used}
+        bucket.store(self._reduce(bucket).wait())
 
     def _reset_step(self) -> None:
         n = len(self.params)
@@ -389,25 +325,7 @@ class Reducer:
                 handles.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
         for handle in handles:
             handle.wait()
-        if self.find_unused_parameters or (self.static_graph and self._static_unused is None):
-            zeros = torch.zeros(len(self.params), dtype=torch.int32, device=self.params[0].device)
-            dist.all_reduce(zeros, group=self.process_group)
-
-    @property
-    def discovery_done(self) -> bool:
-        """Whether the first synced backward (the discovery pass) has completed."""
-        return self._fired_last is not None
-
-    def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-
-
-def _store_result(bucket: Bucket, handle: ReduceHandle) -> None:
-    result = handle.wait()
-    if result is not bucket.buffer and result.data_ptr() != bucket.buffer.data_ptr():
-        bucket.buffer.copy_(result.view(-1))
+        self.arrivals.globally_used(self.process_group, zeros=True)
 
 
 def _unused_message(missing: list[str], rank: int) -> str:
