@@ -121,3 +121,16 @@ def test_buffers_and_unused_map_are_counted_too() -> None:
             assert len(grads) == step["buckets"]
             assert sum(grads) == result["param_bytes"]
             assert used_map == result["n_params"] * 4
+
+
+def _frozen_layer_is_synced(rank: int, world_size: int) -> list[float]:
+    torch.manual_seed(rank)  # every rank initialises differently
+    model = nn.Sequential(nn.Linear(IN, IN), nn.Tanh(), nn.Linear(IN, OUT))
+    model[0].requires_grad_(False)  # a frozen layer: no gradient, but it must still match
+    DistributedDataParallel(model)
+    return [p.detach().sum().item() for p in model.parameters()]
+
+
+def test_construction_broadcasts_frozen_parameters_too() -> None:
+    results = run_on_ranks(_frozen_layer_is_synced, 3)
+    assert results[1] == results[0] and results[2] == results[0]

@@ -116,8 +116,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self._param_names = [name for name, _ in named]
         params = [p for _, p in named]
         self.device = _single_device(params, self._param_names)
-        if init_sync:
-            broadcast_coalesced(params + list(module.buffers()), 0, self.process_group)
+        if init_sync:  # every parameter, frozen ones too, and every buffer
+            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), 0, self.process_group)
         self.reducer = Reducer(
             params, self._param_names,
             _bucket_assignment(params, bucket_cap_mb),
@@ -258,7 +258,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         src = self._highest_rank_where(is_last_joiner)
-        tensors = list(self.reducer.params)
+        tensors = list(self.module.parameters())
         if self.broadcast_buffers:
             tensors += list(self.module.buffers())
         broadcast_coalesced(tensors, src, self.process_group)

@@ -37,7 +37,7 @@ class NaiveDataParallel(GradSyncSwitch, nn.Module):
         self.broadcast_buffers = broadcast_buffers
         self.require_backward_grad_sync = True
         self.params = [p for p in module.parameters() if p.requires_grad]
-        broadcast_coalesced(self.params + list(module.buffers()), 0, self.process_group)
+        broadcast_coalesced(list(module.parameters()) + list(module.buffers()), 0, self.process_group)
         self._used = [False] * len(self.params)
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(_mark_used(weakref.ref(self), i))
