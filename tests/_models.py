@@ -93,6 +93,31 @@ class Checkpointed(nn.Module):
         return self.head(h)
 
 
+class Regrouped(nn.Module):
+    """Three private blocks split into 2 or 3 reentrant-checkpointed groups, each group
+    starting with ``shared``: every parameter is always used, but ``shared``'s gradient
+    arrives in as many pieces as there are groups, which the caller chooses per step."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.shared = nn.Linear(HIDDEN, HIDDEN)
+        self.private = nn.ModuleList([nn.Linear(HIDDEN, HIDDEN) for _ in range(3)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def _group(self, h, blocks):
+        h = torch.tanh(self.shared(h))
+        for i in blocks:
+            h = torch.tanh(self.private[i](h))
+        return h
+
+    def forward(self, x, groups: int = 3):
+        h = self.inp(x)
+        for blocks in ([[0, 1], [2]] if groups == 2 else [[0], [1], [2]]):
+            h = checkpoint(self._group, h, blocks, use_reentrant=True)
+        return self.head(h)
+
+
 def build(name: str) -> nn.Module:
     builders = {
         "mlp": MLP,
@@ -101,6 +126,7 @@ def build(name: str) -> nn.Module:
         "branchy": Branchy,
         "ckpt_reentrant": lambda: Checkpointed(use_reentrant=True),
         "ckpt_nonreentrant": lambda: Checkpointed(use_reentrant=False),
+        "regrouped": Regrouped,
     }
     return builders[name]()
 

@@ -95,7 +95,11 @@ def _count_communication(rank: int, world_size: int, model_name: str, ddp_kwargs
 
 def test_each_step_sends_one_call_per_bucket_and_exactly_the_gradient_bytes() -> None:
     for result in run_on_ranks(_count_communication, 2, "mlp", {"bucket_cap_mb": 0.0004}):
-        for step in result["steps"]:
+        discovery, *steps = result["steps"]
+        # The first step also agrees once on whether gradients arrive in pieces (4 bytes).
+        assert discovery["counted"]["all_reduce"][-1] == 4
+        assert discovery["counted"]["all_reduce"][:-1] == steps[0]["counted"]["all_reduce"]
+        for step in steps:
             sizes = step["counted"]["all_reduce"]
             assert len(sizes) == step["buckets"] > 1
             assert sum(sizes) == result["param_bytes"]
@@ -106,7 +110,7 @@ def test_each_step_sends_one_call_per_bucket_and_exactly_the_gradient_bytes() ->
 def test_buffers_and_unused_map_are_counted_too() -> None:
     bn = run_on_ranks(_count_communication, 2, "bn", {})
     for result in bn:
-        for step in result["steps"]:
+        for step in result["steps"][1:]:
             # Buffers go out once per step, one broadcast per dtype (float stats, int64 count).
             assert len(step["counted"]["broadcast"]) == 2
             assert sum(step["counted"]["broadcast"]) == result["buffer_bytes"]
@@ -115,12 +119,13 @@ def test_buffers_and_unused_map_are_counted_too() -> None:
             assert step["stats"] == (len(step["counted"]["all_reduce"]) + 2, total)
     unused = run_on_ranks(_count_communication, 2, "branchy", {"find_unused_parameters": True})
     for result in unused:
-        for step in result["steps"]:
-            # One extra small all-reduce: the map of which parameters any rank used.
+        for step in result["steps"][1:]:
+            # One extra small all-reduce: which parameters any rank used, and one flag per
+            # bucket saying whether some rank must reduce it again (a changed graph).
             *grads, used_map = step["counted"]["all_reduce"]
             assert len(grads) == step["buckets"]
             assert sum(grads) == result["param_bytes"]
-            assert used_map == result["n_params"] * 4
+            assert used_map == (result["n_params"] + step["buckets"]) * 4
 
 
 def _frozen_layer_is_synced(rank: int, world_size: int) -> list[float]:

@@ -41,6 +41,7 @@ class Case:
     branch: str = "always"             # branchy only: "always", "odd_steps", "one_rank", "never"
     dynamic_segments: bool = False     # checkpointed only: 2 segments on even steps, 3 on odd
     accum: int = 1                     # micro-steps per optimizer step (no_sync for all but last)
+    set_to_none: bool = True           # zero_grad(set_to_none=...): False keeps .grad tensors alive
     wrapper: str = "ddp"               # "ddp" or "naive"
 
 
@@ -48,6 +49,10 @@ CASES = {
     "mlp": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}),
     "mlp_default_buckets": Case("mlp"),
     "mlp_grad_as_bucket_view": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "gradient_as_bucket_view": True}),
+    # .grad stays a view of the bucket between steps: gradients accumulate in place.
+    "mlp_grad_as_bucket_view_kept": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "gradient_as_bucket_view": True},
+                                         accum=2, set_to_none=False),
+    "mlp_grads_kept": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}, accum=2, set_to_none=False),
     "batchnorm": Case("bn", {"bucket_cap_mb": TINY_BUCKETS}, reference="per_replica"),
     "tied_weights": Case("tied", {"bucket_cap_mb": TINY_BUCKETS}),
     "unused_on_some_steps": Case("branchy", {"bucket_cap_mb": TINY_BUCKETS, "find_unused_parameters": True},
@@ -97,7 +102,7 @@ def _wrap(case: Case, module: torch.nn.Module):
 
 
 def _dp_step(case, model, opt, x, y, rank, world_size, step) -> None:
-    opt.zero_grad(set_to_none=True)
+    opt.zero_grad(set_to_none=case.set_to_none)
     for k in range(case.accum):
         rows = _micro_slice(case, k, rank, world_size)
         sync = contextlib.nullcontext() if k == case.accum - 1 else model.no_sync()

@@ -47,18 +47,22 @@ def test_same_indices_as_torchs_distributed_sampler(n, world, drop_last, shuffle
         assert list(ours) == list(theirs) and len(ours) == len(theirs)
 
 
-@pytest.mark.parametrize("old_world,new_world", [(4, 2), (2, 3), (3, 1)])
-def test_resuming_on_another_world_size_skips_nothing_and_repeats_nothing(old_world, new_world):
-    n, per_rank_done = 24, 2
+@pytest.mark.parametrize("old_world,new_world,per_rank_done", [(4, 2, 2), (2, 3, 3), (3, 1, 2), (3, 2, 2)])
+def test_resuming_on_another_world_size_skips_nothing_and_repeats_nothing(old_world, new_world, per_rank_done):
+    # Consumed = old_world x per_rank_done: a multiple of both world sizes, as a global
+    # batch that fits both is.
+    n = 24
     consumed = [i for s in _shards(n, old_world, seed=1) for i in s[:per_rank_done]]
     start = per_rank_done * old_world
-    rest = []
+    rest, lengths = [], set()
     for rank in range(new_world):
         sampler = DistributedSampler(n, num_replicas=new_world, rank=rank, seed=1)
         sampler.set_epoch(0, start=start)
         assert len(sampler) == len(list(sampler))
+        lengths.add(len(sampler))
         rest += list(sampler)
     assert sorted(consumed + rest) == list(range(n))
+    assert len(lengths) == 1, "every rank must get as many samples as the others, or a loop hangs"
 
 
 def test_bad_arguments_are_explained():
@@ -68,3 +72,5 @@ def test_bad_arguments_are_explained():
         DistributedSampler(2, num_replicas=4, rank=0, drop_last=True)
     with pytest.raises(ValueError, match="start 99 is outside"):
         DistributedSampler(10, num_replicas=2, rank=0).set_epoch(0, start=99)
+    with pytest.raises(ValueError, match="start 8 is not a multiple of num_replicas 3.*e.g. 6"):
+        DistributedSampler(24, num_replicas=3, rank=0).set_epoch(0, start=8)

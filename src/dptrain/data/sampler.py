@@ -79,6 +79,12 @@ class DistributedSampler(Sampler[int]):
         """
         if not 0 <= start <= self.total_size:
             raise ValueError(f"start {start} is outside this epoch's {self.total_size} positions")
+        if start % self.num_replicas:
+            # Ranks would get different numbers of samples, and a synchronous loop hangs
+            # on the step only some of them take.
+            raise ValueError(f"start {start} is not a multiple of num_replicas {self.num_replicas}; "
+                             f"resume at a multiple of the global batch (e.g. "
+                             f"{start - start % self.num_replicas})")
         self.epoch = epoch
         self.start = start
 

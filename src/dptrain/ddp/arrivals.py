@@ -15,6 +15,17 @@ reentrant checkpoint, so trusted only for parameters that also got nothing last 
 a static graph's first step; and, after backward, an all-reduced map of which
 parameters any rank used since the last sync, so that parameters no rank used keep
 ``.grad`` untouched, exactly as in a single process.
+
+[Note: ranks agree on late buckets]
+When the graph changes between steps, a gradient piece can arrive after its bucket was
+launched; the reducer then reduces that bucket again. Ranks must issue the same extra
+all-reduces, so the flags of such "late" buckets are all-reduced together with the used
+map, and every rank re-reduces the union. The exchange happens every step with
+``find_unused_parameters``, and also without it when the discovery pass saw a gradient
+arrive in pieces on any rank (reentrant checkpointing with shared weights: the number
+of pieces may change), which one all-reduce after the first step establishes. In the
+remaining case (single-piece gradients, no unused parameters) a late piece cannot be
+agreed on and the reducer raises instead.
 """
 
 from __future__ import annotations
@@ -35,6 +46,7 @@ class GradientArrivals:
         self.last: list[int] | None = None          # arrivals in the last synced backward
         self.static_unused: set[int] | None = None   # static graph: globally unused, learned
         self.locally_used = [False] * len(params)    # since the last sync (spans no_sync)
+        self.pieces_vary = False                      # some rank saw a gradient in pieces
 
     @property
     def discovering(self) -> bool:
@@ -64,21 +76,40 @@ class GradientArrivals:
         """Whether this step must all-reduce the map of used parameters."""
         return self.find_unused_parameters or (self.static_graph and self.static_unused is None)
 
-    def globally_used(self, group: dist.ProcessGroup, zeros: bool = False) -> tuple[list[bool], int]:
-        """Which parameters some rank used since the last sync, and the bytes exchanged.
+    def can_agree_on_late(self) -> bool:
+        """Whether this step's exchange carries late-bucket flags (see the note above)."""
+        return self.needs_used_map() or self.pieces_vary
 
-        ``zeros=True`` contributes an all-unused map (a rank shadowing a step it has no
-        data for). Every rank calls this at the same point, so the exchange is skipped
-        on all of them together when no map is needed.
+    def exchange(self, group: dist.ProcessGroup, late: list[bool],
+                 zeros: bool = False) -> tuple[list[bool], list[bool], int]:
+        """Agree on (used parameters, late buckets); also return the bytes sent.
+
+        ``zeros=True`` contributes nothing used and nothing late (a rank shadowing a step
+        it has no data for). Every rank calls this at the same point and decides on the
+        same grounds whether to communicate at all.
         """
-        if not self.needs_used_map():
-            if self.static_unused is not None:
-                return [i not in self.static_unused for i in range(len(self.params))], 0
-            return [True] * len(self.params), 0
-        used = torch.tensor([0] * len(self.params) if zeros else self.locally_used,
-                            dtype=torch.int32, device=self.params[0].device)
-        dist.all_reduce(used, group=group)
-        return (used > 0).tolist(), used.numel() * used.element_size()
+        n = len(self.params)
+        if not self.can_agree_on_late():
+            return self._known_used(), list(late), 0
+        local = [0] * (n + len(late)) if zeros else [int(u) for u in self.locally_used] + [int(x) for x in late]
+        flags = torch.tensor(local, dtype=torch.int32, device=self.params[0].device)
+        dist.all_reduce(flags, group=group)
+        summed = flags.tolist()
+        used = [u > 0 for u in summed[:n]] if self.needs_used_map() else self._known_used()
+        return used, [x > 0 for x in summed[n:]], flags.numel() * flags.element_size()
+
+    def _known_used(self) -> list[bool]:
+        if self.static_unused is not None:
+            return [i not in self.static_unused for i in range(len(self.params))]
+        return [True] * len(self.params)
+
+    def learn_pieces(self, group: dist.ProcessGroup, fired: list[int], zeros: bool = False) -> int:
+        """After the discovery pass: did any rank see a gradient arrive in pieces? Bytes sent."""
+        most = torch.tensor([0 if zeros else max(fired, default=0)], dtype=torch.int32,
+                            device=self.params[0].device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+        self.pieces_vary = int(most.item()) > 1
+        return most.numel() * most.element_size()
 
     def learn(self, fired: list[int], globally_used: list[bool]) -> None:
         """Record this backward's arrivals as the next step's expectations."""

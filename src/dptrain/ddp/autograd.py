@@ -10,64 +10,88 @@ gradients inside a *nested* backward (a separate graph task), so a callback queu
 there runs when the nested task ends, long before the outer backward is done. This is
 the root of torch DDP's "Expected to mark a variable ready only once" failures.
 
-dptrain instead passes the module's outputs through :class:`_BackwardSink`, an
-identity whose backward runs first in the outermost graph task (it consumes the
-loss's gradient before anything else) and queues the finalize callback there.
+dptrain instead registers a pre-hook on the autograd nodes that produced the module's
+outputs (:func:`on_backward_reaching`). The outputs feed the loss, so those nodes run
+in the outermost graph task, before any parameter gradient exists; the pre-hook queues
+the finalize callback there. The outputs themselves are returned untouched: no wrapper
+node, no rebuilt containers, in-place operations on them work as without DDP.
+
+A pre-hook also fires for backward passes that produce no parameter gradient at all,
+such as ``torch.autograd.grad(out.sum(), x, create_graph=True)`` for a gradient penalty.
+:func:`will_accumulate` tells those apart.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 from torch.autograd import Variable
 
-__all__ = ["sink_outputs", "queue_on_current_backward", "reachable_params", "map_tensors"]
+__all__ = ["on_backward_reaching", "queue_on_current_backward", "will_accumulate", "grad_accumulator",
+           "reachable_params", "iter_tensors", "map_tensors"]
 
 
 def queue_on_current_backward(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the currently running graph task finishes.
 
-    Wraps the one private autograd API dptrain uses (``_execution_engine.queue_callback``),
-    which torch DDP and FSDP rely on for the same purpose; exceptions raised by the
-    callback propagate out of ``loss.backward()``.
+    Exceptions raised by the callback propagate out of ``loss.backward()``. Uses the
+    engine's ``queue_callback``, private but relied on by torch DDP and FSDP for the
+    same purpose.
     """
     Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
 
 
-class _BackwardSink(torch.autograd.Function):
-    """Identity on the module's outputs; its backward calls ``on_backward`` first."""
-
-    @staticmethod
-    def forward(ctx, on_backward: Callable[[], None], *tensors: torch.Tensor):
-        ctx.set_materialize_grads(False)  # unused outputs keep a None gradient
-        ctx.on_backward = on_backward
-        return tuple(t.view_as(t) for t in tensors)
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        ctx.on_backward()
-        return (None, *grads)
+def grad_accumulator(param: torch.Tensor) -> Any:
+    """The ``AccumulateGrad`` node autograd uses for ``param`` (kept alive by the caller)."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
 
 
-def sink_outputs(output: Any, on_backward: Callable[[], None]) -> Any:
-    """Return ``output`` with its grad-requiring tensors routed through a backward sink.
+def will_accumulate(accumulators: Iterable[Any]) -> bool:
+    """Inside a backward pass: will it write ``.grad`` of any of these accumulators' leaves?
 
-    The autograd graph holds ``on_backward`` until it is freed; a callback that refers to
-    large state should hold it through a weak reference.
+    Wraps ``torch._C._will_engine_execute_node``, private but used by torch's own
+    ``torch.autograd.graph.register_multi_grad_hook`` for the same question.
     """
-    tensors: list[torch.Tensor] = []
-    map_tensors(output, lambda t: tensors.append(t) or t)
-    needs_grad = [t for t in tensors if t.requires_grad]
-    if not needs_grad:
-        return output
-    sunk = iter(_BackwardSink.apply(on_backward, *needs_grad))
-    return map_tensors(output, lambda t: next(sunk) if t.requires_grad else t)
+    return any(torch._C._will_engine_execute_node(node) for node in accumulators)
+
+
+def on_backward_reaching(output: Any, callback: Callable[[], None]) -> bool:
+    """Call ``callback`` when a backward pass reaches any grad-requiring tensor of ``output``.
+
+    Registers a pre-hook on each distinct autograd node that produced such a tensor.
+    The graph holds ``callback`` until it is freed, so a callback that refers to large
+    state should hold it through a weak reference. Returns False if no tensor in
+    ``output`` has an autograd node (nothing to hook).
+    """
+    nodes = {id(t.grad_fn): t.grad_fn for t in iter_tensors(output) if t.grad_fn is not None}
+    for node in nodes.values():
+        node.register_prehook(lambda grad_outputs: callback())
+    return bool(nodes)
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in nested tuples, lists, dicts and dataclasses, without rebuilding them."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from iter_tensors(item)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            yield from iter_tensors(item)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from iter_tensors(getattr(obj, f.name))
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor in nested tuples, lists, dicts and dataclasses, in order."""
+    """A copy of nested tuples, lists and dicts with ``fn`` applied to every tensor.
+
+    Used for inputs only (moving them to the module's device); other objects pass
+    through unchanged.
+    """
     if isinstance(obj, torch.Tensor):
         return fn(obj)
     if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
@@ -75,10 +99,7 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(x, fn) for x in obj)
     if isinstance(obj, dict):
-        return type(obj)((k, map_tensors(v, fn)) for k, v in obj.items())
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {f.name: map_tensors(getattr(obj, f.name), fn) for f in dataclasses.fields(obj)}
-        return dataclasses.replace(obj, **changes)
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
     return obj
 
 

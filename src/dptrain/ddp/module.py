@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from dptrain.ddp.autograd import map_tensors, sink_outputs
+from dptrain.ddp.autograd import iter_tensors, map_tensors, on_backward_reaching
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
 from dptrain.ddp.reducer import Reducer, StepCommStats
@@ -112,10 +112,10 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self._forward_calls = 0
 
         named = _trainable_parameters(module)
+        self.device = _module_device(module)
         self._check_replicas(named)
         self._param_names = [name for name, _ in named]
         params = [p for _, p in named]
-        self.device = _single_device(params, self._param_names)
         if init_sync:  # every parameter, frozen ones too, and every buffer
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), 0, self.process_group)
         self.reducer = Reducer(
@@ -131,7 +131,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         # Collective first: a rank whose model differs must fail together with the rest.
         signature = tensor_signature(self.module.named_parameters(), "parameter")
         signature += tensor_signature(self.module.named_buffers(), "buffer")
-        verify_replicas(signature, self.process_group)
+        verify_replicas(signature, self.process_group, self.device)
         if not named:
             raise ValueError(
                 f"{type(self.module).__name__} has no parameters that require a gradient, so "
@@ -173,10 +173,9 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
             self.reducer.prepare_for_accumulation()
             return output
         self.require_forward_param_sync = True
-        tensors: list[torch.Tensor] = []
-        map_tensors(output, lambda t: tensors.append(t) or t)
-        generation = self.reducer.prepare_for_backward(tensors, forward_comm)
-        return sink_outputs(output, self.reducer.sink_callback(generation))
+        generation = self.reducer.prepare_for_backward(list(iter_tensors(output)), forward_comm)
+        on_backward_reaching(output, self.reducer.backward_callback(generation))
+        return output
 
     def _will_sync_buffers(self) -> bool:
         return (self.broadcast_buffers and self.require_forward_param_sync
@@ -287,13 +286,13 @@ def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def _single_device(params: list[nn.Parameter], names: list[str]) -> torch.device:
-    devices = {p.device for p in params}
-    if len(devices) > 1:
-        where = {str(p.device): n for n, p in zip(names, params)}
-        raise ValueError(f"parameters are on several devices {where}; move the module to one "
+def _module_device(module: nn.Module) -> torch.device:
+    """The one device holding the module's parameters (CPU for a module without any)."""
+    where = {str(p.device): name for name, p in module.named_parameters()}
+    if len(where) > 1:
+        raise ValueError(f"parameters are on several devices (e.g. {where}); move the module to one "
                          "device (one process per device) before wrapping it")
-    return params[0].device
+    return next(module.parameters()).device if where else torch.device("cpu")
 
 
 def _bucket_assignment(params: list[nn.Parameter], bucket_cap_mb: float | None) -> list[list[int]]:

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.ddp.autograd import queue_on_current_backward, sink_outputs
+from dptrain.ddp.autograd import grad_accumulator, on_backward_reaching, queue_on_current_backward, will_accumulate
 from dptrain.ddp.replicas import broadcast_coalesced
 from dptrain.ddp.sync_switch import GradSyncSwitch
 
@@ -42,17 +42,18 @@ class NaiveDataParallel(GradSyncSwitch, nn.Module):
         for i, p in enumerate(self.params):
             p.register_post_accumulate_grad_hook(_mark_used(weakref.ref(self), i))
         self._queued = False
+        self._accumulators = [grad_accumulator(p) for p in self.params]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.require_backward_grad_sync:
             broadcast_coalesced(list(self.module.buffers()), 0, self.process_group)
         output = self.module(*inputs, **kwargs)
-        if not (torch.is_grad_enabled() and self.require_backward_grad_sync):
-            return output
-        return sink_outputs(output, self._queue_sync)
+        if torch.is_grad_enabled() and self.require_backward_grad_sync:
+            on_backward_reaching(output, self._queue_sync)
+        return output
 
     def _queue_sync(self) -> None:
-        if not self._queued:
+        if not self._queued and will_accumulate(self._accumulators):
             self._queued = True
             queue_on_current_backward(self.sync_gradients)
 

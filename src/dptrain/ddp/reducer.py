@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import enum
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -41,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.ddp.arrivals import GradientArrivals
-from dptrain.ddp.autograd import queue_on_current_backward
+from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, copy_into_slice
 from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, _WorkHandle
 
@@ -110,6 +111,8 @@ class Reducer:
             for i, view in zip(bucket.param_indices, bucket.views):
                 self._bucket_of[i] = bucket.index
                 self._view_of[i] = view
+        # Held so that autograd keeps using these nodes: will_accumulate() asks about them.
+        self._accumulators = [grad_accumulator(p) for p in params]
         self._phase = _Phase.IDLE
         self._generation = 0                          # synced forwards so far
         self._finalized_through = 0                   # generations whose backward is reduced
@@ -122,29 +125,57 @@ class Reducer:
     # ----------------------------------------------------------------- forward side
 
     def prepare_for_backward(self, outputs: list[torch.Tensor], forward_comm: tuple[int, int] = (0, 0)) -> int:
-        """Called at the end of a synced forward; returns the generation its sink must carry.
+        """Called at the end of a synced forward; returns the generation its backward hook carries.
 
         ``forward_comm`` is the (calls, bytes) the forward itself communicated (buffer
         broadcasts), counted into this step's statistics.
         """
+        self._abandon_unfinished_backward()
         expected = self.arrivals.expected(outputs)
+        calls, nbytes = forward_comm
         if self._phase is _Phase.EXPECT_SYNC:  # several forwards before one backward
             expected = [max(a, b) for a, b in zip(expected, self._expected)]
+            calls, nbytes = calls + self._stats.calls, nbytes + self._stats.bytes
         else:
             self._generation += 1
         self._reset_step()
         self._expected = expected
         self._pending = [sum(1 for i in b.param_indices if expected[i] > 0) for b in self.buckets]
         self._phase = _Phase.EXPECT_SYNC
-        self._stats.calls, self._stats.bytes = forward_comm
+        self._stats.calls, self._stats.bytes = calls, nbytes
         return self._generation
 
     def prepare_for_accumulation(self) -> None:
-        """Called at the end of a ``no_sync`` forward: the backward will not communicate."""
-        self._phase = _Phase.ACCUMULATE
+        """Called at the end of a ``no_sync`` forward: its backward will not communicate.
 
-    def sink_callback(self, generation: int) -> Callable[[], None]:
-        """The function the backward sink of forward ``generation`` calls."""
+        A synced forward still waiting for its backward takes precedence: one backward
+        through both outputs reduces, as in torch.
+        """
+        self._abandon_unfinished_backward()
+        if self._phase is not _Phase.EXPECT_SYNC:
+            self._phase = _Phase.ACCUMULATE
+
+    def _abandon_unfinished_backward(self) -> None:
+        """A backward raised after launching buckets: wait for them, then start afresh.
+
+        Their results are discarded, but an all-reduce left running would write into a
+        bucket buffer while the next step fills it.
+        """
+        if self._phase is not _Phase.REDUCING:
+            return
+        warnings.warn("the previous backward did not complete (an exception during backward?); its "
+                      "in-flight gradient reductions were waited for and discarded", RuntimeWarning,
+                      stacklevel=4)
+        handles = self._handles
+        self._phase = _Phase.IDLE
+        self._finalized_through = self._generation
+        self.arrivals.forget_used()
+        self._reset_step()
+        for handle in handles:
+            handle.wait()
+
+    def backward_callback(self, generation: int) -> Callable[[], None]:
+        """What runs when a backward reaches the outputs of forward ``generation``."""
         reducer_ref = weakref.ref(self)
 
         def on_backward() -> None:
@@ -157,6 +188,8 @@ class Reducer:
     # ---------------------------------------------------------------- backward side
 
     def _begin_reduction(self, generation: int) -> None:
+        if not will_accumulate(self._accumulators):
+            return  # e.g. autograd.grad(out, inputs) for a gradient penalty: no .grad written
         if generation <= self._finalized_through:
             raise RuntimeError(
                 "backward ran through a forward whose gradients were already reduced "
@@ -186,8 +219,9 @@ class Reducer:
             self.arrivals.mark_used(index)
             return
         if phase is _Phase.EXPECT_SYNC:
-            # The loss did not flow through the module's outputs, so the sink never
-            # ran; start here (correct except under reentrant checkpointing).
+            # The backward did not pass through the module's outputs' nodes (the loss
+            # was built from other tensors): start here; correct except when this
+            # hook runs inside a reentrant checkpoint's nested backward.
             self._begin_reduction(self._generation)
         elif phase is not _Phase.REDUCING:
             return
@@ -221,6 +255,15 @@ class Reducer:
                 f"this backward, but the previous step led dptrain to expect "
                 f"{self._expected[index]} and its bucket slice was already averaged: the graph "
                 "changed between steps. Use gradient_as_bucket_view=False for dynamic graphs.")
+        if not self.arrivals.can_agree_on_late():
+            # [Note: ranks agree on late buckets] in arrivals.py: re-reducing on this rank
+            # alone would desynchronise the ranks' collectives.
+            reason = ("static_graph=True promised the same graph every step" if self.static_graph else
+                      "no gradient arrived in pieces in the first step and find_unused_parameters is off")
+            raise RuntimeError(
+                f"parameter {self.names[index]!r} received a gradient after its bucket was reduced: the "
+                f"graph changed between steps, and {reason}. Pass find_unused_parameters=True (and "
+                "static_graph=False) for models whose graph changes.")
         self._stale.add(bucket)
 
     def _launch_ready_buckets(self) -> None:
@@ -269,15 +312,18 @@ class Reducer:
         try:
             while self._next_bucket < len(self.buckets):
                 self._launch(self._next_bucket)
-            globally_used, map_bytes = self.arrivals.globally_used(self.process_group)
-            if map_bytes:
+            late = [b in self._stale for b in range(len(self.buckets))]
+            globally_used, late, sent = self.arrivals.exchange(self.process_group, late)
+            stats.calls += sent > 0
+            stats.bytes += sent
+            if self.arrivals.discovering:
                 stats.calls += 1
-                stats.bytes += map_bytes
+                stats.bytes += self.arrivals.learn_pieces(self.process_group, self._fired)
             # Wait and copy out bucket by bucket: bucket k's copy overlaps bucket k+1's
-            # reduction. Every rank re-reduces the same stale buckets in the same order.
+            # reduction. Every rank re-reduces the same (agreed) late buckets in order.
             for bucket, handle in zip(self.buckets, self._handles):
                 bucket.store(handle.wait())
-                if bucket.index in self._stale:
+                if late[bucket.index]:
                     self._reduce_again(bucket)
                 bucket.write_back(globally_used, self.gradient_as_bucket_view)
             stats.comm_end = time.perf_counter()
@@ -325,7 +371,17 @@ class Reducer:
                 handles.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
         for handle in handles:
             handle.wait()
-        self.arrivals.globally_used(self.process_group, zeros=True)
+        _, late, _ = self.arrivals.exchange(self.process_group, [False] * len(self.buckets), zeros=True)
+        if self.arrivals.discovering:
+            self.arrivals.learn_pieces(self.process_group, [], zeros=True)
+            self.arrivals.last = [0] * len(self.params)  # discovery is over for every rank
+        for bucket in self.buckets:
+            if late[bucket.index]:  # the active ranks reduce it again: join them with zeros
+                zeros = torch.zeros_like(bucket.buffer)
+                if self.comm_hook is not None:
+                    self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)).wait()
+                else:
+                    dist.all_reduce(zeros, group=self.process_group)
 
 
 def _unused_message(missing: list[str], rank: int) -> str:

@@ -28,14 +28,15 @@ def tensor_signature(named_tensors: Iterable[tuple[str, torch.Tensor]], kind: st
     return [(kind, name, tuple(t.shape), str(t.dtype), bool(t.requires_grad)) for name, t in named_tensors]
 
 
-def verify_replicas(signature: list[tuple], group: dist.ProcessGroup) -> None:
+def verify_replicas(signature: list[tuple], group: dist.ProcessGroup, device: torch.device) -> None:
     """Raise :class:`ReplicaMismatchError` on every rank if the ranks' signatures differ.
 
     Cheap in the common case: one all-gather of an 8-byte digest. Only on a mismatch
-    are the full signatures gathered, to name the first differing tensor.
+    are the full signatures gathered, to name the first differing tensor. ``device``
+    is where the group's backend communicates (CUDA for NCCL).
     """
     digest = hashlib.sha256(repr(signature).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     gathered = [torch.zeros_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
