@@ -5,8 +5,9 @@ With glibc's default settings, blocks above the (adaptive) mmap threshold come f
 fresh ``mmap()`` and go back with ``munmap()`` when freed, and free memory at the top
 of the heap is trimmed back to the OS; either way the next step writes to fresh pages
 and pays a page fault (and the kernel's zeroing) for every 4 KiB. For the 16M-parameter
-MLP of ``dptrain.bench.ddp`` that is about 15,500 page faults and 1.5x the step time,
-with or without data parallelism, whichever DDP engine is used (see docs/benchmarks.md).
+MLP of ``dptrain.bench.ddp`` that was about 15,500 page faults and 1.5-1.7x the step
+time, with or without data parallelism, whichever DDP engine is used, in the processes
+where it happened at all (it depends on heap layout; see docs/benchmarks.md).
 
 :func:`tune_cpu_allocator` raises glibc's trim threshold to 1 GiB and pins its mmap
 threshold at the maximum (32 MiB on 64-bit), so freed blocks are kept and reused.

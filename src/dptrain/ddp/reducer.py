@@ -197,7 +197,7 @@ class Reducer:
                 "Run the forward again for each backward, or wrap the extra backward "
                 "passes in model.no_sync().")
         if self._phase is not _Phase.EXPECT_SYNC:
-            return  # a second sink of the same backward
+            return  # another output node of the same backward
         self._phase = _Phase.REDUCING
         self._stats.backward_start = time.perf_counter()
         queue_on_current_backward(self._finalize)
