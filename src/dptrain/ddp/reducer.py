@@ -72,11 +72,28 @@ class StepCommStats:
     backward_start: float = 0.0   # time.perf_counter() when the backward reached the outputs
     backward_end: float = 0.0     # when the last gradient was computed (finalize began)
     comm_end: float = 0.0         # when every reduction had been waited for
+    # [bucket, launched, completed] per reduction, in perf_counter seconds. Completion is
+    # exact with Reducer.record_spans (a callback on the work's future), else the time the
+    # reduction was waited for (an upper bound).
+    bucket_spans: list[list] = field(default_factory=list)
 
     @property
     def exposed_comm_s(self) -> float:
         """Communication time not hidden behind backward: the wait after backward ended."""
         return self.comm_end - self.backward_end
+
+    @property
+    def comm_busy_s(self) -> float:
+        """Time during which at least one reduction was in flight."""
+        return _union_length([(s, e) for _, s, e in self.bucket_spans if e is not None])
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the communication time that ran while backward was still computing."""
+        busy = self.comm_busy_s
+        hidden = _union_length([(s, min(e, self.backward_end)) for _, s, e in self.bucket_spans
+                                if e is not None and s < self.backward_end])
+        return hidden / busy if busy > 0 else 0.0
 
 
 class Reducer:
@@ -98,6 +115,7 @@ class Reducer:
         self.names = names
         self.process_group = process_group
         self.comm_hook = comm_hook    # None: the built-in averaging all-reduce
+        self.record_spans = False     # exact per-bucket completion times (StepCommStats.bucket_spans)
         self.comm_state = comm_state
         self.divisor = dist.get_world_size(process_group)  # see join.py for when it changes
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -287,9 +305,13 @@ class Reducer:
         self._stats.calls += 1
         self._stats.bytes += bucket.nbytes
         self._stats.bucket_bytes.append(bucket.nbytes)
+        span = [bucket.index, time.perf_counter(), None]
+        self._stats.bucket_spans.append(span)
         if self.comm_hook is not None:
             return self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer))
         work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
+        if self.record_spans:
+            work.get_future().add_done_callback(lambda _: span.__setitem__(2, time.perf_counter()))
         return _WorkHandle(work, bucket.buffer)
 
     def _copy_in(self, index: int) -> None:
@@ -323,6 +345,7 @@ class Reducer:
             # reduction. Every rank re-reduces the same (agreed) late buckets in order.
             for bucket, handle in zip(self.buckets, self._handles):
                 bucket.store(handle.wait())
+                _mark_waited(stats.bucket_spans, bucket.index)
                 if late[bucket.index]:
                     self._reduce_again(bucket)
                 bucket.write_back(globally_used, self.gradient_as_bucket_view)
@@ -382,6 +405,22 @@ class Reducer:
                     self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)).wait()
                 else:
                     dist.all_reduce(zeros, group=self.process_group)
+
+
+def _mark_waited(spans: list[list], index: int) -> None:
+    now = time.perf_counter()
+    for span in spans:
+        if span[0] == index and span[2] is None:
+            span[2] = now
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
 
 
 def _unused_message(missing: list[str], rank: int) -> str:

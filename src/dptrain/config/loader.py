@@ -1,0 +1,204 @@
+"""Reading a run's config strictly: TOML file, then ``--set key=value`` overrides.
+
+Strict means: an unknown key is an error that says which key, where, and what was
+probably meant ("did you mean 'train.lr'?"); a value of the wrong type or outside its
+choices is an error naming both; a malformed file is an error with its line. Nothing
+falls back to a default behind the user's back. All errors are :class:`ConfigError`,
+which the CLI turns into exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import sys
+import typing
+from pathlib import Path
+from typing import Any, Sequence
+
+from dptrain.config.schema import NOT_IDENTITY, RunConfig, section_fields
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+__all__ = ["ConfigError", "load_config", "build", "to_dict", "to_toml", "identity", "identity_hash"]
+
+
+class ConfigError(ValueError):
+    """A config that cannot be run as written; the message says why and how to fix it."""
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """The config in ``path`` (defaults if None) with ``overrides`` ("a.b=value") applied."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    config = build(RunConfig, data, "", str(path) if path is not None else "the defaults")
+    for text in overrides:  # one at a time, so an error names the override that caused it
+        key, value = parse_override(text)
+        _set_dotted(data, key, value, f"--set {text}")
+        config = build(RunConfig, data, "", f"--set {text}")
+    return config
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """``"train.lr=3e-4"`` -> ``("train.lr", 3e-4)``; values use TOML syntax, bare words are strings."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {text!r}: expected key=value, e.g. --set train.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key.strip(), value
+
+
+def _set_dotted(data: dict, key: str, value: Any, source: str) -> None:
+    *sections, leaf = key.split(".")
+    node = data
+    for name in sections:
+        child = node.setdefault(name, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {name!r} is a value, not a section")
+        node = child
+    node[leaf] = value
+
+
+def build(cls: type, data: dict, prefix: str, source: str) -> Any:
+    """An instance of dataclass ``cls`` from ``data``, refusing unknown keys and bad values."""
+    known = section_fields(cls)
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        if key not in known:
+            raise ConfigError(f"unknown key {dotted!r} in {source}{_did_you_mean(key, prefix, known)}")
+        kind = hints[key]
+        if dataclasses.is_dataclass(kind):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{dotted!r} in {source} must be a section ([{dotted}]), got {value!r}")
+            values[key] = build(kind, value, f"{dotted}.", source)
+        else:
+            values[key] = _check_value(dotted, value, kind, known[key].metadata.get("choices"), source)
+    return cls(**values)
+
+
+def _check_value(dotted: str, value: Any, kind: Any, choices: tuple | None, source: str) -> Any:
+    args = typing.get_args(kind)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), kind) if args else kind
+    if optional and isinstance(value, str) and value.lower() == "none":
+        return None
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+        list: isinstance(value, list),
+        dict: isinstance(value, dict),
+    }.get(typing.get_origin(base) or base, True)
+    if not ok:
+        expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
+        raise ConfigError(f"{dotted!r} in {source} must be {expected}, got {value!r} ({type(value).__name__})")
+    if choices is not None and value not in choices:
+        raise ConfigError(f"{dotted!r} in {source} must be one of {', '.join(map(str, choices))}; got {value!r}"
+                          f"{_closest(str(value), [str(c) for c in choices])}")
+    return float(value) if base is float else value
+
+
+# Names users bring from other tools, mapped to ours.
+_ALIASES = {"learning_rate": "lr", "max_lr": "lr", "batch_size": "global_batch_size",
+            "micro_batch": "micro_batch_size", "max_steps": "steps", "iters": "steps",
+            "max_iters": "steps", "gradient_accumulation_steps": "grad_accum_steps",
+            "accumulation_steps": "grad_accum_steps", "max_grad_norm": "grad_clip", "clip_grad": "grad_clip",
+            "warmup": "warmup_steps", "warmup_iters": "warmup_steps", "dtype": "precision",
+            "mixed_precision": "precision", "optim": "optimizer", "wd": "weight_decay"}
+
+
+def _did_you_mean(key: str, prefix: str, known: dict) -> str:
+    if _ALIASES.get(key) in known:
+        return f"; did you mean {prefix + _ALIASES[key]!r}?"
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    if close:
+        return f"; did you mean {prefix + close[0]!r}?"
+    alias = difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.75)
+    if alias and _ALIASES[alias[0]] in known:
+        return f"; did you mean {prefix + _ALIASES[alias[0]]!r}?"
+    elsewhere = [f"{section}.{key}" for section, cls in _SECTIONS.items() if key in section_fields(cls)]
+    if elsewhere:
+        return f"; did you mean {elsewhere[0]!r}?"
+    return f" (known keys here: {', '.join(sorted(known))})"
+
+
+def _closest(value: str, options: list[str]) -> str:
+    close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+_SECTIONS = {name: typing.get_type_hints(RunConfig)[name] for name in section_fields(RunConfig)
+             if dataclasses.is_dataclass(typing.get_type_hints(RunConfig)[name])}
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: RunConfig) -> str:
+    """The resolved config as TOML that ``load_config`` reads back to an equal config."""
+    data = to_dict(cfg)
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
+    for section, values in data.items():
+        if isinstance(values, dict):
+            lines += ["", f"[{section}]"]
+            for key, value in values.items():
+                lines.append(f"# {key}: none" if value is None else f"{key} = {_toml_value(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
+    raise TypeError(f"cannot write {value!r} as TOML")
+
+
+def identity(cfg: RunConfig) -> dict[str, Any]:
+    """The fields that decide what each step computes, flattened to dotted keys.
+
+    A checkpoint may be resumed only by a config with the same identity; fields in
+    ``schema.NOT_IDENTITY`` (step count, logging, micro-batch split, DDP tuning) may change.
+    """
+    flat: dict[str, Any] = {}
+
+    def walk(node: dict, prefix: str) -> None:
+        for key, value in node.items():
+            dotted = prefix + key
+            if dotted in NOT_IDENTITY:
+                continue
+            if isinstance(value, dict) and dotted in _SECTIONS:
+                walk(value, dotted + ".")
+            else:
+                flat[dotted] = value
+
+    walk(to_dict(cfg), "")
+    return flat
+
+
+def identity_hash(ident: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]

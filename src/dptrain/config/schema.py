@@ -1,0 +1,126 @@
+"""What a run is made of: nested dataclasses, one per section of a run's TOML file.
+
+Every field has a default and a help string (``dptrain run --show-config`` prints them).
+Unknown keys are errors (see ``loader.py``), so a mistyped key never silently falls back
+to its default. The library itself never reads these objects: the trainer unpacks them
+into explicit arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
+    """A config field: its default, what it means, and (optionally) its allowed values."""
+    metadata = {"help": help, "choices": choices}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class TaskConfig:
+    name: str = opt("chargpt", "built-in task: a byte-level GPT on the Python standard library's "
+                    "source (chargpt) or a small classifier on synthetic data (classifier)",
+                    choices=("chargpt", "classifier"))
+    model: str = opt("", "your own model instead of the task's: 'package.module:factory'; the factory "
+                     "gets model_args as keyword arguments and must accept the task's batches")
+    model_args: dict = opt({}, "keyword arguments for the model factory")
+
+
+@dataclass
+class GPTConfig:
+    n_layer: int = opt(4, "transformer blocks")
+    n_head: int = opt(4, "attention heads per block")
+    n_embd: int = opt(192, "embedding width")
+    block_size: int = opt(64, "context length in bytes; also the length of a training sample")
+    dropout: float = opt(0.0, "dropout probability")
+    corpus_bytes: int = opt(2_000_000, "bytes of standard-library source to train on")
+    val_fraction: float = opt(0.05, "tail of the corpus held out for validation")
+
+
+@dataclass
+class ClassifierConfig:
+    features: int = opt(16, "input dimension")
+    classes: int = opt(8, "number of classes (Gaussian clusters)")
+    hidden: int = opt(64, "hidden width of the MLP")
+    depth: int = opt(2, "hidden layers")
+    samples: int = opt(8192, "training samples (validation gets a quarter as many)")
+    noise: float = opt(1.0, "cluster standard deviation; larger is harder")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(300, "optimizer steps to train for")
+    global_batch_size: int | None = opt(None, "samples per optimizer step over all ranks; of global, micro and "
+                                        "accumulation give any two (32 global if none is given)")
+    micro_batch_size: int | None = opt(None, "samples per rank per forward/backward")
+    grad_accum_steps: int | None = opt(None, "micro-steps per optimizer step (gradients synced on the last)")
+    optimizer: str = opt("adamw", "optimizer", choices=("adamw", "adam", "sgd"))
+    lr: float = opt(2e-3, "peak learning rate at base_batch_size, before the scaling rule")
+    lr_scaling: str = opt("none", "how the peak LR follows the global batch: none, linear (lr x global/base) "
+                          "or sqrt (lr x sqrt(global/base))", choices=("none", "linear", "sqrt"))
+    base_batch_size: int = opt(32, "the global batch size lr is given for")
+    warmup_steps: int = opt(30, "linear warmup from 0 to the peak LR")
+    min_lr_ratio: float = opt(0.1, "cosine decay ends at peak x this, at the last step")
+    weight_decay: float = opt(0.1, "decoupled weight decay (adamw) or L2 (sgd), on matrices only")
+    betas: list = opt([0.9, 0.99], "Adam betas")
+    momentum: float = opt(0.9, "SGD momentum")
+    grad_clip: float = opt(1.0, "clip gradients to this global L2 norm; 0 disables (the norm is still logged)")
+    precision: str = opt("fp32", "fp32, bf16 (autocast on CPU and GPU) or fp16 (autocast with a loss "
+                         "scaler, GPU only)", choices=("fp32", "bf16", "fp16"))
+    seed: int = opt(0, "seed for initialisation and data order")
+
+
+@dataclass
+class DDPConfig:
+    backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
+                       choices=("auto", "gloo", "nccl"))
+    bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
+    gradient_as_bucket_view: bool = opt(False, "make .grad views into the communication buckets")
+    find_unused_parameters: bool = opt(False, "allow parameters that get no gradient on some steps")
+    static_graph: bool = opt(False, "the set of used parameters never changes")
+    timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(100, "save a checkpoint every this many steps (and at the end); 0 saves only at the end")
+    keep_last: int = opt(2, "checkpoints kept; older ones are deleted after a newer one is complete")
+    resume: bool = opt(True, "resume from the latest checkpoint in the run directory")
+
+
+@dataclass
+class LogConfig:
+    every: int = opt(10, "log metrics every this many steps")
+    eval_every: int = opt(100, "evaluate on the validation split every this many steps; 0 only at the end")
+    eval_batches: int = opt(8, "validation batches per evaluation (per rank)")
+    trace_start: int = opt(5, "first step recorded in the Chrome trace (after warm-up)")
+    trace_steps: int = opt(3, "steps recorded in the Chrome trace; 0 disables it")
+    progress: str = opt("auto", "progress bar (bar), log lines (lines), or bar when a terminal (auto)",
+                        choices=("auto", "bar", "lines"))
+    plots: bool = opt(True, "write loss and throughput plots (PNG) at the end")
+
+
+@dataclass
+class RunConfig:
+    run_dir: str = opt("", "where the run writes everything; default runs/<task>")
+    task: TaskConfig = field(default_factory=TaskConfig)
+    gpt: GPTConfig = field(default_factory=GPTConfig)
+    classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# Fields that do not change what a step computes: changing them between a run and its
+# resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
+NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp",
+                "checkpoint", "log"}
+
+
+def section_fields(cls: type) -> dict[str, Any]:
+    return {f.name: f for f in fields(cls)}

@@ -1,0 +1,90 @@
+"""Where a worker stands in the job, read from its launcher's environment.
+
+dptrain uses the conventions users already have, and brings no launcher agent or
+transport of its own:
+
+- **torchrun** (and dptrain's local launcher, which sets the same variables): ``RANK``,
+  ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``;
+  the process group is initialised with ``env://`` so torchrun's own rendezvous store
+  is reused.
+- **Slurm** (``srun`` starting one task per device): ``SLURM_PROCID``, ``SLURM_NTASKS``,
+  ``SLURM_LOCALID``, ``SLURM_NTASKS_PER_NODE``. ``MASTER_ADDR`` defaults to the first host
+  of ``SLURM_JOB_NODELIST`` and ``MASTER_PORT`` to a port derived from the job id, so
+  every task computes the same address without talking to the others.
+- **nothing**: a single process (world size 1) on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Mapping
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "free_port", "first_slurm_host"]
+
+
+@dataclass(frozen=True)
+class WorkerEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str  # "torchrun", "slurm" or "single"
+
+
+def detect_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        world = int(env["WORLD_SIZE"])
+        return WorkerEnv(int(env["RANK"]), world, int(env.get("LOCAL_RANK", env["RANK"])),
+                         int(env.get("LOCAL_WORLD_SIZE", world)), env.get("MASTER_ADDR", "127.0.0.1"),
+                         int(env.get("MASTER_PORT", 29500)), "torchrun")
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        world = int(env["SLURM_NTASKS"])
+        per_node = env.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0].split(",")[0]
+        addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
+        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        return WorkerEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), int(per_node),
+                         addr, port, "slurm")
+    return WorkerEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "single")
+
+
+def first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
+    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
+    match = re.fullmatch(r"(.*)\[([^\]]+)\](.*)", first)
+    if not match:
+        return first
+    prefix, ranges, suffix = match.groups()
+    return prefix + ranges.split(",")[0].split("-")[0] + suffix
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(env: WorkerEnv, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
+    """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU)."""
+    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    if backend == "nccl" and not use_cuda:
+        raise RuntimeError(f"backend nccl needs a CUDA device for local rank {env.local_rank}; "
+                           f"found {torch.cuda.device_count()}. Use ddp.backend = \"gloo\" on CPU.")
+    device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    init_method = "env://" if env.launcher == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return device

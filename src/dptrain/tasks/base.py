@@ -1,0 +1,51 @@
+"""What a training task provides the trainer: data, a model, a loss, an evaluation.
+
+A task is the unit the CLI trains (``task.name`` in the config). Its model can be
+replaced by the user's own (``task.model = "package.module:factory"``) as long as the
+factory's model accepts the task's batches and returns what its loss expects.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Callable, Protocol
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from dptrain.config import ConfigError
+
+__all__ = ["Task", "load_factory"]
+
+
+class Task(Protocol):
+    name: str
+    tokens_per_sample: int  # for tokens/s: sequence length, or 1 for a classifier
+    train_set: Dataset
+    val_set: Dataset
+
+    def build_model(self) -> nn.Module: ...
+
+    def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
+        """Mean loss over the micro-batch."""
+
+    def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, float]:
+        """Sums over the batch (loss_sum, count, ...) that all-reduce into epoch metrics."""
+
+
+def load_factory(spec: str) -> Callable[..., nn.Module]:
+    """``"package.module:factory"`` -> the callable, or a ConfigError saying what failed."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(f"task.model {spec!r} must look like 'package.module:factory'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # an import can fail in any way; report it as bad input
+        raise ConfigError(f"task.model {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}. "
+                          "Is the package installed, or the module on PYTHONPATH (the working "
+                          "directory is not searched by default)?") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise ConfigError(f"task.model {spec!r}: {module_name!r} has no callable {attr!r}")
+    return factory

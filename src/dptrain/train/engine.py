@@ -1,0 +1,164 @@
+"""The data-parallel training step, for loops you write yourself.
+
+One optimizer step on the global batch is, on every rank, in this order (nanoGPT's):
+
+1. ``grad_accum_steps`` micro-steps of forward and backward on ``micro_batch_size``
+   samples, with gradient synchronisation on the last only (``no_sync`` before it), each
+   loss divided by ``grad_accum_steps`` so the accumulated gradient is the mean over
+   the global batch;
+2. gradient clipping by the global L2 norm (the gradients are identical on every rank
+   after the all-reduce, so the norm is too);
+3. the learning rate for this step, the optimizer step, zero_grad.
+
+Mixed precision follows ``torch.autocast``: bf16 on CPU or GPU; fp16 on GPU with a
+``GradScaler``. A step whose gradient norm is not finite is skipped; because the norm
+is the same on every rank, every rank skips it together.
+
+    engine = Engine(model, optimizer, plan, precision="bf16", grad_clip=1.0, lr_at=schedule)
+    batches = engine.loader(dataset).micro_batches()
+    for step in range(steps):
+        for x, y in engine.micro_steps(batches):
+            with engine.autocast():
+                loss = loss_fn(engine.model(x), y)
+            engine.backward(loss)
+        info = engine.step()     # StepInfo(step, loss, grad_norm, lr, skipped)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import Dataset
+
+from dptrain.batching import BatchPlan
+from dptrain.ddp import DistributedDataParallel
+from dptrain.train.loader import ShardedLoader
+
+__all__ = ["Engine", "StepInfo"]
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    step: int          # the optimizer step just taken (1-based count of steps done)
+    loss: float        # this rank's mean loss over the step's micro-batches
+    grad_norm: float   # global L2 norm before clipping
+    lr: float
+    skipped: bool      # non-finite gradients: the optimizer did not step
+
+
+class Engine:
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: BatchPlan, *,
+                 precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
+                 ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None):
+        self.model = DistributedDataParallel(model, process_group=process_group, **(ddp_kwargs or {}))
+        self.optimizer = optimizer
+        self.plan = plan
+        self.device = self.model.device
+        self.grad_clip = grad_clip
+        self.lr_at = lr_at
+        self.step_count = 0
+        self._autocast_dtype, self.scaler = _precision(precision, self.device)
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._rank = dist.get_rank(process_group)
+
+    # ------------------------------------------------------------------ data
+
+    def loader(self, dataset: Dataset, seed: int = 0, collate_fn: Callable | None = None) -> ShardedLoader:
+        """This rank's micro-batches of ``dataset`` (see :class:`ShardedLoader`)."""
+        return ShardedLoader(dataset, self.plan, self._rank, seed, collate_fn)
+
+    def micro_steps(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """The next ``grad_accum_steps`` micro-batches, all but the last under ``no_sync``.
+
+        Run forward and backward for each inside the loop body: the context stays active
+        while the generator is suspended there.
+        """
+        for k in range(self.plan.grad_accum_steps):
+            last = k == self.plan.grad_accum_steps - 1
+            with contextlib.nullcontext() if last else self.model.no_sync():
+                yield _to_device(next(batches), self.device)
+
+    # --------------------------------------------------------------- compute
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._autocast_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's mean loss, scaled to a mean over the global batch."""
+        scaled = loss / self.plan.grad_accum_steps
+        self._loss_sum += scaled.detach().float()
+        if self.scaler is not None:
+            self.scaler.scale(scaled).backward()
+        else:
+            scaled.backward()
+
+    def step(self) -> StepInfo:
+        """Clip, set the learning rate, step the optimizer, zero the gradients."""
+        lr = self.lr_at(self.step_count) if self.lr_at else self.optimizer.param_groups[0]["lr"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        skipped = not math.isfinite(norm)
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)  # skips by itself on inf/nan
+            self.scaler.update()
+        elif not skipped:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step_count += 1
+        loss = self._loss_sum.item()
+        self._loss_sum.zero_()
+        return StepInfo(self.step_count, loss, norm, lr, skipped)
+
+    # ----------------------------------------------------------- checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
+                 "step": self.step_count}
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.model.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count = state["step"]
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
+
+def _precision(name: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
+    if name == "fp32":
+        return None, None
+    if name == "bf16":
+        return torch.bfloat16, None
+    if name == "fp16":
+        if device.type != "cuda":
+            raise ValueError("precision fp16 needs a CUDA device (it relies on a loss scaler); "
+                             "use bf16 on CPU")
+        return torch.float16, torch.amp.GradScaler("cuda")
+    raise ValueError(f"unknown precision {name!r}; use fp32, bf16 or fp16")
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if device.type == "cpu":
+        return batch
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch

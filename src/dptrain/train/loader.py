@@ -1,0 +1,52 @@
+"""Micro-batches for one rank, epoch after epoch, resumable at any optimizer step.
+
+Every rank draws micro-batches of ``micro_batch_size`` from its :class:`DistributedSampler`
+shard. An epoch is cut into whole optimizer steps: ``steps_per_epoch`` is the number of
+full ``grad_accum_steps`` groups of micro-batches a rank's shard holds, and the rest of
+the shard is skipped, so a step never straddles two epochs. Position is then a pure
+function of the step count: step s reads epoch ``s // steps_per_epoch``, starting at
+global sample ``(s % steps_per_epoch) x global_batch_size`` of that epoch's permutation.
+That is all a checkpoint needs to store, and it means the same thing on any world size.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+from torch.utils.data import DataLoader, Dataset
+
+from dptrain.batching import BatchPlan
+from dptrain.data.sampler import DistributedSampler
+
+__all__ = ["ShardedLoader"]
+
+
+class ShardedLoader:
+    def __init__(self, dataset: Dataset, plan: BatchPlan, rank: int, seed: int = 0,
+                 collate_fn: Callable | None = None):
+        self.dataset, self.plan, self.seed, self.collate_fn = dataset, plan, seed, collate_fn
+        self.sampler = DistributedSampler(dataset, num_replicas=plan.world_size, rank=rank, seed=seed,
+                                          drop_last=True)
+        self.steps_per_epoch = len(self.sampler) // (plan.micro_batch_size * plan.grad_accum_steps)
+        if self.steps_per_epoch < 1:
+            raise ValueError(f"the dataset ({len(dataset)} samples) is smaller than one global batch "
+                             f"({plan.global_batch_size}): lower the batch size or use more data")
+
+    def position(self, step: int) -> tuple[int, int]:
+        """(epoch, global start position) at which optimizer step ``step`` begins."""
+        epoch, step_in_epoch = divmod(step, self.steps_per_epoch)
+        return epoch, step_in_epoch * self.plan.global_batch_size
+
+    def micro_batches(self, start_step: int = 0) -> Iterator[Any]:
+        """Micro-batches from optimizer step ``start_step`` on, forever."""
+        epoch, start = self.position(start_step)
+        while True:
+            self.sampler.set_epoch(epoch, start=start)
+            loader = DataLoader(self.dataset, batch_size=self.plan.micro_batch_size, sampler=self.sampler,
+                                drop_last=True, collate_fn=self.collate_fn)
+            remaining = (self.steps_per_epoch - start // self.plan.global_batch_size) * self.plan.grad_accum_steps
+            for i, batch in enumerate(loader):
+                if i == remaining:
+                    break
+                yield batch
+            epoch, start = epoch + 1, 0
