@@ -5,8 +5,10 @@ worker cannot tell this launcher from torchrun. The launcher owns the job's life
 
 - rank 0 writes to the terminal; every rank also logs to ``logs/rank<r>.log``;
 - when a rank fails, the others get a few seconds to fail too (a dead peer ends their
-  collectives quickly), then are terminated; the *first* failure's traceback is shown
-  first, since later failures are usually its consequences;
+  collectives quickly), then are terminated; the root cause's traceback is shown first:
+  failures that only report a lost peer ("Connection reset by peer") come after the
+  rest, and within each kind the earliest failure (its error record's time, or when its
+  process died) comes first;
 - Ctrl-C reaches every worker (same process group); they stop, and the launcher exits
   130 after giving stragglers a few seconds.
 """
@@ -15,9 +17,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -26,6 +30,10 @@ from dptrain.launch.rendezvous import free_port
 __all__ = ["launch_local", "error_file"]
 
 GRACE_S = 5.0
+
+# What a rank reports when a *peer* died: a consequence, not a cause.
+_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
+                        r"ProcessGroup.*(aborted|terminated)", re.IGNORECASE)
 
 
 def error_file(run_dir: Path, rank: int) -> Path:
@@ -40,21 +48,31 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     logs.mkdir(parents=True, exist_ok=True)
     procs = []
     for rank in range(nproc):
+        error_file(run_dir, rank).unlink(missing_ok=True)  # from an earlier attempt in this directory
+    for rank in range(nproc):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DPTRAIN_LAUNCHER="local")
         console = None if rank == 0 else open(logs / f"rank{rank}.console", "w")
         procs.append(subprocess.Popen([sys.executable, "-m", "dptrain.run", *worker_args], env=env,
                                       stdout=console, stderr=subprocess.STDOUT if console else None))
+    exit_times = [0.0] * nproc
+    for rank, proc in enumerate(procs):  # exact exit times, to order failures
+        threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
     try:
-        return _supervise(procs, run_dir, timeout_s)
+        return _supervise(procs, exit_times, run_dir, timeout_s)
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
         return 130
 
 
-def _supervise(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -> int:
+def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> None:
+    proc.wait()
+    exit_times[rank] = time.time()
+
+
+def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, timeout_s: float) -> int:
     first_failure = None
     while True:
         codes = [p.poll() for p in procs]
@@ -65,13 +83,17 @@ def _supervise(procs: list[subprocess.Popen], run_dir: Path, timeout_s: float) -
             first_failure = time.monotonic()
         if first_failure is not None and (all(c is not None for c in codes)
                                           or time.monotonic() - first_failure > min(GRACE_S, timeout_s)):
-            _stop(procs, grace=GRACE_S)
-            _report_failure(procs, run_dir)
-            return next((c for c in (p.returncode for p in procs) if c == 2), 1)
+            stopped_at = _stop(procs, grace=GRACE_S)
+            if all(p.returncode in (0, 2) for p in procs):
+                return 2  # bad input: the workers printed the error themselves
+            _report_failure(procs, exit_times, stopped_at, run_dir)
+            return 1
         time.sleep(0.2)
 
 
-def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+def _stop(procs: list[subprocess.Popen], grace: float) -> float:
+    """SIGTERM the running workers, SIGKILL them after ``grace``; return when we began."""
+    began = time.time()
     for p in procs:
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -82,26 +104,31 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
+    return began
 
 
-def _report_failure(procs: list[subprocess.Popen], run_dir: Path) -> None:
+def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stopped_at: float,
+                    run_dir: Path) -> None:
     records = []
     for rank, p in enumerate(procs):
         path = error_file(run_dir, rank)
         if path.exists():
             record = json.loads(path.read_text())
-            records.append((record["time"], rank, record["traceback"]))
-        elif p.returncode not in (0, None, -signal.SIGTERM, -signal.SIGKILL):
-            records.append((float("inf"), rank, f"exited with {_describe(p.returncode)} and no Python "
-                                                f"traceback; see {run_dir / 'logs' / f'rank{rank}.console'}"))
+            text = record["traceback"]
+            records.append((bool(_PEER_LOST.search(text)), record["time"], rank, text))
+        elif p.returncode not in (0, None) and not (p.returncode < 0 and exit_times[rank] >= stopped_at):
+            # died on its own (a signal we did not send, or no traceback recorded)
+            records.append((False, exit_times[rank] or float("inf"), rank,
+                            f"exited with {_describe(p.returncode)} and no Python traceback; see "
+                            f"{run_dir / 'logs' / f'rank{rank}.console'} and {run_dir / 'logs' / f'rank{rank}.log'}"))
     records.sort()
     if not records:
         print("error: a worker failed without reporting why; see the logs in "
               f"{run_dir / 'logs'}", file=sys.stderr)
         return
-    _, rank, text = records[0]
+    _, _, rank, text = records[0]
     print(f"\nerror: rank {rank} failed first:\n{text.rstrip()}", file=sys.stderr)
-    for _, other, text in records[1:]:
+    for _, _, other, text in records[1:]:
         last = text.strip().splitlines()[-1] if text.strip() else "?"
         print(f"(rank {other} also failed: {last})", file=sys.stderr)
 

@@ -18,9 +18,12 @@ from dptrain.models.mlp import MLPClassifier
 __all__ = ["ClassifierTask", "gaussian_clusters"]
 
 
-def gaussian_clusters(samples: int, features: int, classes: int, noise: float, seed: int) -> TensorDataset:
-    generator = torch.Generator().manual_seed(seed)
-    centers = torch.randn(classes, features, generator=generator) * 2.0
+def gaussian_clusters(samples: int, features: int, classes: int, noise: float, seed: int,
+                      split: int = 0) -> TensorDataset:
+    """Points around ``classes`` centers drawn from ``seed``; ``split`` picks an independent
+    sample of the same clusters (0 train, 1 validation)."""
+    centers = torch.randn(classes, features, generator=torch.Generator().manual_seed(seed)) * 2.0
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + split + 1)
     labels = torch.randint(0, classes, (samples,), generator=generator)
     points = centers[labels] + noise * torch.randn(samples, features, generator=generator)
     return TensorDataset(points, labels)
@@ -33,7 +36,7 @@ class ClassifierTask:
     def __init__(self, features: int, classes: int, hidden: int, depth: int, samples: int, noise: float,
                  seed: int, model_kwargs: dict | None = None, factory: Callable[..., nn.Module] | None = None):
         self.train_set = gaussian_clusters(samples, features, classes, noise, seed)
-        self.val_set = gaussian_clusters(max(samples // 4, 1), features, classes, noise, seed + 1_000_003)
+        self.val_set = gaussian_clusters(max(samples // 4, 1), features, classes, noise, seed, split=1)
         self._shape = dict(features=features, classes=classes, hidden=hidden, depth=depth)
         self._model_kwargs = model_kwargs or {}
         self._factory = factory

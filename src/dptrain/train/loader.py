@@ -13,12 +13,26 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterator
 
+import torch
 from torch.utils.data import DataLoader, Dataset
 
-from dptrain.batching import BatchPlan
+from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.data.sampler import DistributedSampler
 
-__all__ = ["ShardedLoader"]
+__all__ = ["ShardedLoader", "steps_per_epoch"]
+
+
+def steps_per_epoch(num_samples: int, plan: BatchPlan) -> int:
+    """Whole optimizer steps in one pass over ``num_samples``; a BatchSizeError if none fits."""
+    per_rank = num_samples // plan.world_size
+    steps = per_rank // (plan.micro_batch_size * plan.grad_accum_steps)
+    if steps < 1:
+        raise BatchSizeError(
+            f"the training set has {num_samples} samples, {per_rank} per rank on {plan.world_size} ranks, "
+            f"fewer than one step needs ({plan.micro_batch_size} micro x {plan.grad_accum_steps} accum = "
+            f"{plan.micro_batch_size * plan.grad_accum_steps} per rank, global {plan.global_batch_size}); "
+            "lower the batch size or use more data")
+    return steps
 
 
 class ShardedLoader:
@@ -27,10 +41,7 @@ class ShardedLoader:
         self.dataset, self.plan, self.seed, self.collate_fn = dataset, plan, seed, collate_fn
         self.sampler = DistributedSampler(dataset, num_replicas=plan.world_size, rank=rank, seed=seed,
                                           drop_last=True)
-        self.steps_per_epoch = len(self.sampler) // (plan.micro_batch_size * plan.grad_accum_steps)
-        if self.steps_per_epoch < 1:
-            raise ValueError(f"the dataset ({len(dataset)} samples) is smaller than one global batch "
-                             f"({plan.global_batch_size}): lower the batch size or use more data")
+        self.steps_per_epoch = steps_per_epoch(len(dataset), plan)
 
     def position(self, step: int) -> tuple[int, int]:
         """(epoch, global start position) at which optimizer step ``step`` begins."""
@@ -42,8 +53,12 @@ class ShardedLoader:
         epoch, start = self.position(start_step)
         while True:
             self.sampler.set_epoch(epoch, start=start)
+            # A generator of its own: a DataLoader iterator otherwise draws its base seed from
+            # the global RNG, which would make the model's random stream (dropout) depend on
+            # when iteration started, and a resumed run diverge from an uninterrupted one.
             loader = DataLoader(self.dataset, batch_size=self.plan.micro_batch_size, sampler=self.sampler,
-                                drop_last=True, collate_fn=self.collate_fn)
+                                drop_last=True, collate_fn=self.collate_fn,
+                                generator=torch.Generator().manual_seed(self.seed + epoch))
             remaining = (self.steps_per_epoch - start // self.plan.global_batch_size) * self.plan.grad_accum_steps
             for i, batch in enumerate(loader):
                 if i == remaining:

@@ -1,0 +1,98 @@
+"""The ``dptrain`` command line: ``run``, ``env``, ``bench``.
+
+``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
+checkpoint) before it starts a worker or creates the run directory: bad input is one
+clear error and exit code 2, with nothing written. Then it starts ``--nproc`` workers on
+this machine (``launch.local``), each of which is what ``torchrun -m dptrain.run`` would
+start on a cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from dptrain.batching import BatchSizeError
+from dptrain.config import ConfigError, load_config, to_toml
+from dptrain.train.checkpoint import CheckpointError
+
+__all__ = ["main"]
+
+_BAD_INPUT = (ConfigError, BatchSizeError, CheckpointError)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="dptrain")
+def main() -> None:
+    """dptrain: data-parallel training on torch.distributed."""
+
+
+@main.command()
+@click.option("--nproc", type=int, default=1, show_default=True, help="worker processes on this machine")
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config file")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
+@click.option("--run-dir", type=click.Path(path_type=Path), help="run directory (default runs/<task>)")
+@click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
+def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,
+        show_config: bool) -> None:
+    """Train on NPROC local workers (gloo on CPU, NCCL on GPUs).
+
+    \b
+    dptrain run --nproc 2                                  # byte-level GPT on stdlib source
+    dptrain run --nproc 2 --set task.name=classifier       # 10-second smoke run
+    dptrain run --nproc 4 --config job.toml --set train.lr=1e-3
+
+    A run resumes from its newest checkpoint when started again with the same run
+    directory. On a cluster, start the workers with torchrun instead:
+    torchrun --nnodes N --nproc-per-node G ... -m dptrain.run --config job.toml
+    """
+    from dptrain.launch.local import launch_local
+    from dptrain.train.prepare import prepare_run
+
+    extra = [f"run_dir={json.dumps(str(run_dir))}"] if run_dir else []
+    try:
+        if nproc < 1:
+            raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+        cfg = load_config(config_path, list(overrides) + extra)
+        if show_config:
+            click.echo(to_toml(cfg), nl=False)
+            return
+        rp = prepare_run(cfg, nproc)
+    except _BAD_INPUT as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
+    if config_path is not None:
+        worker_args = ["--config", str(config_path.resolve())] + worker_args
+    sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s))
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def env(as_json: bool) -> None:
+    """Versions, distributed backends, cores and devices (paste into bug reports)."""
+    from dptrain.envinfo import collect_env, format_env
+
+    info = collect_env()
+    click.echo(json.dumps(info, indent=2) if as_json else format_env(info))
+
+
+_BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator"}
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
+@click.argument("name", type=click.Choice(sorted(_BENCHMARKS)))
+@click.pass_context
+def bench(ctx: click.Context, name: str) -> None:
+    """Run a benchmark; arguments after NAME go to it (dptrain bench ddp --help)."""
+    import importlib
+
+    importlib.import_module(_BENCHMARKS[name]).main(ctx.args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The worker entry point: ``python -m dptrain.run [--config FILE] [--set key=value ...]``.
+
+``dptrain run --nproc N`` starts N of these; on a cluster, start them with torchrun
+(``torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400
+-m dptrain.run --config job.toml``) or Slurm (``srun python -m dptrain.run ...``); the
+rank, world size and rendezvous come from their environment (``launch.rendezvous``).
+
+Exit codes: 0 done; 2 bad input (config, batch sizes, model factory, checkpoint), raised
+before anything is written; 130 interrupted; 1 anything else, with the traceback in
+``logs/rank<r>.error.json`` for the launcher to show (and torchrun's error file).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dptrain.allocator import tune_cpu_allocator
+from dptrain.batching import BatchSizeError
+from dptrain.config import ConfigError, load_config
+from dptrain.launch.local import error_file
+from dptrain.launch.rendezvous import detect_worker_env, init_distributed
+from dptrain.train.checkpoint import CheckpointError
+from dptrain.train.prepare import default_run_dir, prepare_run
+
+__all__ = ["main", "BAD_INPUT"]
+
+BAD_INPUT = (ConfigError, BatchSizeError, CheckpointError)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m dptrain.run", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", help="TOML config file")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
+    parser.add_argument("--run-dir", help="the run directory (same as --set run_dir=...)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    env = detect_worker_env()
+    local = os.environ.get("DPTRAIN_LAUNCHER") == "local"
+    run_dir = None
+    try:
+        overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
+        cfg = load_config(args.config, overrides)
+        run_dir = default_run_dir(cfg).resolve()
+        rp = prepare_run(cfg, env.world_size)
+    except BAD_INPUT as e:
+        if env.rank == 0 or not local:  # the local launcher already reported it once
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+    if not torch.cuda.is_available():
+        tune_cpu_allocator()
+    try:
+        device = init_distributed(env, rp.cfg.ddp.backend, rp.cfg.ddp.timeout_s)
+        from dptrain.train.loop import train  # after init: keeps `--help` and bad-input paths fast
+
+        train(rp, env, device)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    except BAD_INPUT as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception:
+        text = traceback.format_exc()
+        _record_error(run_dir, env.rank, text)
+        if not local:  # the local launcher prints the first failing rank's traceback itself
+            print(text, file=sys.stderr)
+        return 1
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _record_error(run_dir: Path | None, rank: int, text: str) -> None:
+    record = {"rank": rank, "time": time.time(), "traceback": text}
+    if run_dir is not None:
+        path = error_file(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    torchrun_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if torchrun_file:  # torchrun reports the first failure from these files
+        Path(torchrun_file).write_text(json.dumps({"message": {"message": text.strip().splitlines()[-1],
+                                                               "extraInfo": {"py_callstack": text,
+                                                                             "timestamp": str(int(time.time()))}}}))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,199 @@
+"""Checkpoints that are complete or absent, checked before they are trusted.
+
+Layout of a run directory's ``checkpoints/``::
+
+    step_00000100/
+        model.pt        the model's state_dict (replicated, so rank 0's)
+        optimizer.pt    the optimizer's state_dict
+        trainer.pt      step, loss scaler, and every rank's RNG states
+        meta.json       written last: step, world size, global batch, the config's
+                        identity and its hash, and a sha256 of each file above
+    step_00000200/ ...
+
+**Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
+``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
+disk; a crash mid-save leaves a ``.tmp`` directory that the next run deletes, never a
+checkpoint that looks complete. Older checkpoints beyond ``keep_last`` are deleted only
+after the new one is in place.
+
+**Checked**: before resuming, the checkpoint's files are hashed against ``meta.json``
+(a truncated or edited file is caught) and its config identity (the fields that decide
+what a step computes, ``config.identity``) is compared with the current config's; a
+mismatch is a :class:`CheckpointError` naming the differing keys, which the CLI reports
+with exit code 2 before anything is written.
+
+Data position needs no state of its own: the loader's position is a function of the
+step (``ShardedLoader``). The data-parallel model is replicated, so one copy is saved
+with ``torch.save``; sharded strategies will use ``torch.distributed.checkpoint``.
+Only rank 0 writes (RNG states are gathered to it), so saving needs no shared file
+system; resuming reads the files on every rank, so multi-node resumption needs one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
+           "prune_checkpoints", "remove_partial", "rng_state", "set_rng_state"]
+
+_NAME = re.compile(r"^step_(\d{8})$")
+_FILES = ("model.pt", "optimizer.pt", "trainer.pt")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be resumed from: corrupt, incomplete, or from another config."""
+
+
+def checkpoint_root(run_dir: Path) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The complete checkpoint with the highest step, or None."""
+    root = checkpoint_root(run_dir)
+    if not root.is_dir():
+        return None
+    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+    return found[-1][1] if found else None
+
+
+def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
+    """Write ``files`` (name -> object for torch.save) and ``meta`` atomically; return the directory."""
+    root = checkpoint_root(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".{final.name}.tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    digests = {}
+    for name, obj in files.items():
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
+        digests[name] = hashlib.sha256(data).hexdigest()
+        _write_synced(tmp / name, data)
+    meta = dict(meta, step=step, files=digests, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    _write_synced(tmp / "meta.json", json.dumps(meta, indent=2).encode())
+    if final.exists():  # the same step saved again (e.g. a re-run that ended here): replace it
+        shutil.rmtree(final)
+    tmp.rename(final)
+    _fsync_dir(root)
+    return final
+
+
+def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
+                      global_batch_size: int) -> dict[str, Any]:
+    """``meta.json`` of the checkpoint at ``path`` once it is known to be intact and compatible."""
+    meta_path = path / "meta.json"
+    fix = (f"delete {path} to resume from an earlier checkpoint, or start afresh with another run_dir "
+           f"or --set checkpoint.resume=false")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no meta.json, so it is incomplete or not a "
+                              f"dptrain checkpoint; {fix}") from None
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: meta.json is corrupt ({e}); {fix}") from None
+    for name in _FILES:
+        if name not in files:
+            raise CheckpointError(f"checkpoint {path}: meta.json lists no {name}; {fix}")
+        try:
+            digest = hashlib.sha256((path / name).read_bytes()).hexdigest()
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint {path}: {name} is missing; {fix}") from None
+        if digest != files[name]:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in meta.json "
+                                  f"(sha256 {digest[:12]}..., expected {files[name][:12]}...), so it was "
+                                  f"truncated or modified; {fix}")
+    if meta.get("identity_hash") != identity_hash:
+        saved = meta.get("identity", {})
+        diffs = [f"{k}: {saved.get(k, '<absent>')!r} -> {identity.get(k, '<absent>')!r}"
+                 for k in sorted(set(saved) | set(identity)) if saved.get(k) != identity.get(k)]
+        raise CheckpointError(
+            f"checkpoint {path} was written by a different config (hash {meta.get('identity_hash')} vs "
+            f"{identity_hash}); resuming would not continue the same run. Differences (checkpoint -> now): "
+            f"{'; '.join(diffs) or 'unknown'}. Restore those values, or use another run_dir or "
+            "--set checkpoint.resume=false")
+    if meta.get("global_batch_size") != global_batch_size:
+        raise CheckpointError(
+            f"checkpoint {path} was trained with global batch {meta.get('global_batch_size')}, this run "
+            f"resolves to {global_batch_size}; the data position and learning rate would not continue. "
+            "Keep the global batch (micro batch and accumulation may change with the world size)")
+    return meta
+
+
+def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
+    """The checkpoint's files, loaded with ``weights_only`` (no code runs from a checkpoint)."""
+    return {name.removesuffix(".pt"): torch.load(path / name, map_location=device, weights_only=True)
+            for name in _FILES}
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest ``keep_last`` complete checkpoints; return what was deleted."""
+    root = checkpoint_root(run_dir)
+    found = sorted(p for p in root.iterdir() if _NAME.match(p.name)) if root.is_dir() else []
+    doomed = found[:-keep_last] if keep_last > 0 else []
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def remove_partial(run_dir: Path) -> list[Path]:
+    """Delete ``.step_*.tmp`` directories left by a save that was interrupted."""
+    root = checkpoint_root(run_dir)
+    partial = [p for p in root.glob(".step_*.tmp")] if root.is_dir() else []
+    for path in partial:
+        shutil.rmtree(path)
+    return partial
+
+
+def rng_state(device: torch.device) -> dict[str, Any]:
+    """This process's random number generator states, in types ``weights_only`` loading accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+             "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached]}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate(_tuples(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def _tuples(x: Any) -> Any:
+    return tuple(_tuples(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

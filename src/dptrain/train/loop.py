@@ -1,0 +1,276 @@
+"""The worker's training run: what ``dptrain run`` executes on every rank.
+
+The order of things, nanoGPT's:
+
+1. join the process group, build the task and the model from the seed (the same on every
+   rank; DDP broadcasts rank 0's copy anyway), the optimizer, the :class:`Engine`;
+2. resume from the newest checkpoint if there is one: model, optimizer, loss scaler,
+   step, and this rank's RNG states; the data position follows from the step;
+3. for each optimizer step: micro-steps (forward, backward; gradient sync on the last),
+   clip, learning rate from the scaled warmup-cosine schedule, optimizer step, zero_grad;
+   metrics at logging steps, evaluation, checkpoints;
+4. at the end: the last checkpoint, final weights as safetensors, the merged trace,
+   plots and the summary.
+
+Every step's spans are timed on every rank (``metrics.StepTimes``); the ranks exchange
+them only at logging steps. Fault injection for tests of failure handling:
+``DPTRAIN_FAULT=<rank>:<step>:<kill|raise>`` makes that rank SIGKILL itself or raise at
+the start of that (1-based) step.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_model
+from torch.utils.data import DataLoader
+
+from dptrain.config import to_toml
+from dptrain.data.sampler import DistributedSampler
+from dptrain.launch.rendezvous import WorkerEnv
+from dptrain.tasks import Task
+from dptrain.train.checkpoint import (
+    load_checkpoint,
+    prune_checkpoints,
+    remove_partial,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+from dptrain.train.engine import Engine
+from dptrain.train.metrics import StepRecorder, StepTimes
+from dptrain.train.optim import build_optimizer
+from dptrain.train.plots import plot_run, read_metrics
+from dptrain.train.prepare import RunPlan
+from dptrain.train.report import RunLog, print_summary, summarize
+from dptrain.train.schedule import scaled_lr, warmup_cosine
+from dptrain.train.trace import TraceRecorder
+
+__all__ = ["train"]
+
+
+def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
+    """Run the training described by ``rp`` on this rank; rank 0 returns the summary."""
+    cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
+    wall0 = time.perf_counter()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        remove_partial(run_dir)
+        _write_atomic(run_dir / "config.toml", to_toml(cfg))
+    dist.barrier()  # the directory exists before any rank writes into it
+
+    _seed_everything(cfg.train.seed)
+    task: Task = rp.task
+    model = task.build_model().to(device)
+    t = cfg.train
+    peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
+    optimizer = build_optimizer(model, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas), t.momentum)
+    ddp_kwargs = dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb, gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
+                      find_unused_parameters=cfg.ddp.find_unused_parameters, static_graph=cfg.ddp.static_graph)
+    engine = Engine(model, optimizer, plan, precision=t.precision, grad_clip=t.grad_clip,
+                    lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
+                    ddp_kwargs=ddp_kwargs)
+    engine.model.reducer.record_spans = True
+
+    start_step = 0
+    if rp.resume_from is not None:
+        start_step = _resume(engine, rp.resume_from, rank, device)
+    # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
+    if rp.resume_from is None:
+        _seed_everything(t.seed + 1 + rank)
+
+    log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, start_step)
+    n_params = sum(p.numel() for p in model.parameters())
+    lr_rule = (f"peak {peak_lr:.3g} = {t.lr:g} x {t.lr_scaling} scaling for global batch "
+               f"{plan.global_batch_size} (base {t.base_batch_size}); warmup {t.warmup_steps} steps, "
+               f"cosine to {t.min_lr_ratio:g} x peak")
+    log.info(f"dptrain run: task {task.name}, {n_params:,} parameters, {env.world_size} rank(s) on {device} "
+             f"({dist.get_backend()}), global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x "
+             f"{env.world_size} ranks x {plan.grad_accum_steps} accum")
+    log.info(f"learning rate: {lr_rule}")
+    log.info(f"run directory: {run_dir}")
+    if start_step:
+        log.info(f"resumed from {rp.resume_from} at step {start_step}")
+    if start_step >= t.steps:
+        log.info(f"nothing to do: the checkpoint is at step {start_step} and train.steps is {t.steps}")
+
+    metrics_path = run_dir / "metrics.jsonl"
+    if rank == 0:
+        _truncate_metrics(metrics_path, start_step)
+    metrics_file = open(metrics_path, "a", buffering=1) if rank == 0 else None
+    batches = engine.loader(task.train_set, seed=t.seed).micro_batches(start_step)
+    recorder = StepRecorder(device, plan.global_batch_size, task.tokens_per_sample)
+    dist.barrier()
+    t0 = time.perf_counter()
+    tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
+    fault = _parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+    skipped = 0
+    try:
+        for step in range(start_step + 1, t.steps + 1):
+            if fault and fault[:2] == (rank, step):
+                _inject(fault[2], rank, step)
+            times = StepTimes(start=time.perf_counter())
+            for batch in engine.micro_steps(batches):
+                f0 = time.perf_counter()
+                with engine.autocast():
+                    loss = task.loss(engine.model, batch)
+                f1 = time.perf_counter()
+                engine.backward(loss)
+                times.forward.append((f0, f1))
+                times.backward.append((f1, time.perf_counter()))
+            times.comm = engine.model.last_step_comm
+            o0 = time.perf_counter()
+            info = engine.step()
+            times.end = time.perf_counter()
+            times.optimizer = (o0, times.end)
+            skipped += info.skipped
+            recorder.add(times)
+            if tracer.wants(step):
+                tracer.add_step(step, times)
+            log.step_done()
+            if step % cfg.log.every == 0 or step == t.steps:
+                rec = recorder.record(step, info.loss, info.lr, info.grad_norm, skipped)
+                if rank == 0:
+                    metrics_file.write(json.dumps(rec) + "\n")
+                log.train_record(rec)
+                if not math.isfinite(rec["loss"]):
+                    log.info(f"warning: loss is {rec['loss']} at step {step}")
+            if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == t.steps:
+                ev = evaluate(engine, task, cfg.log.eval_batches)
+                ev = {"kind": "eval", "step": step, **ev, "time": time.time()}
+                if rank == 0:
+                    metrics_file.write(json.dumps(ev) + "\n")
+                log.info(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
+                                                              if k.startswith("val_")))
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
+                _save(engine, rp, step, env, device, log)
+    finally:
+        if metrics_file is not None:
+            metrics_file.close()
+
+    if cfg.log.trace_steps and tracer.events and tracer.write_merged(run_dir / "trace.json"):
+        log.info(f"trace of steps {tracer.steps.start}-{tracer.steps.stop - 1}: {run_dir / 'trace.json'} "
+                 "(open in https://ui.perfetto.dev)")
+    summary = None
+    if rank == 0:
+        tmp = run_dir / ".model.safetensors.tmp"
+        save_model(engine.model.module, str(tmp))
+        tmp.chmod(0o644)
+        tmp.replace(run_dir / "model.safetensors")
+        train_recs, evals = read_metrics(metrics_path)
+        if cfg.log.plots:
+            plot_run(run_dir, title=f"{task.name} on {env.world_size} rank(s), global batch {plan.global_batch_size}")
+        info = {"run_dir": str(run_dir), "task": task.name, "parameters": n_params, "world_size": env.world_size,
+                "device": device.type, "backend": dist.get_backend(), "global_batch_size": plan.global_batch_size,
+                "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
+                "lr_rule": lr_rule, "peak_lr": peak_lr, "start_step": start_step, "steps": t.steps,
+                "wall_s": time.perf_counter() - wall0}
+        summary = summarize(run_dir, info, train_recs, evals)
+        print_summary(summary, log)
+    log.close()
+    dist.barrier()
+    return summary
+
+
+@torch.no_grad()
+def evaluate(engine: Engine, task: Task, num_batches: int) -> dict[str, float]:
+    """Validation metrics over ``num_batches`` micro-batches per rank, summed over all ranks."""
+    model = engine.model.module  # no gradient sync and no buffer broadcast needed
+    was_training = model.training
+    model.eval()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sampler = DistributedSampler(task.val_set, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
+    loader = DataLoader(task.val_set, batch_size=engine.plan.micro_batch_size, sampler=sampler,
+                        generator=torch.Generator())  # leaves the global RNG (dropout) untouched
+    sums: dict[str, float] = {}
+    for _, batch in zip(range(num_batches), loader):
+        with engine.autocast():
+            for key, value in task.eval_sums(model, batch).items():
+                sums[key] = sums.get(key, 0.0) + value
+    model.train(was_training)
+    keys = sorted(sums)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=engine.device)
+    dist.all_reduce(totals)
+    total = dict(zip(keys, totals.tolist()))
+    count = total.pop("count", 0.0) or float("nan")
+    result = {"val_loss": total.pop("loss_sum", float("nan")) / count}
+    if "correct" in total:
+        result["val_accuracy"] = total.pop("correct") / count
+    return result
+
+
+def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.device, log: RunLog) -> None:
+    """Collective: gather every rank's RNG state; rank 0 writes the checkpoint."""
+    states: list = [None] * env.world_size
+    dist.all_gather_object(states, rng_state(device))
+    if env.rank == 0:
+        state = engine.state_dict()
+        trainer = {"step": state["step"], "rng": states, "world_size": env.world_size}
+        if "scaler" in state:
+            trainer["scaler"] = state["scaler"]
+        meta = {"identity": rp.identity, "identity_hash": rp.identity_hash,
+                "global_batch_size": rp.plan.global_batch_size, "world_size": env.world_size,
+                "torch_version": torch.__version__}
+        path = save_checkpoint(rp.run_dir, step, {"model.pt": state["model"], "optimizer.pt": state["optimizer"],
+                                                  "trainer.pt": trainer}, meta)
+        deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last)
+        log.info(f"checkpoint {path.name} saved" + (f" ({len(deleted)} older deleted)" if deleted else ""),
+                 console=False)
+    dist.barrier()  # a rank that fails after this point finds the checkpoint complete
+
+
+def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
+    state = load_checkpoint(path, device)
+    trainer = state["trainer"]
+    engine.load_state_dict({"model": state["model"], "optimizer": state["optimizer"], "step": trainer["step"],
+                            **({"scaler": trainer["scaler"]} if "scaler" in trainer else {})})
+    rngs = trainer["rng"]
+    if rank < len(rngs):
+        set_rng_state(rngs[rank], device)
+    else:  # resumed on more ranks than saved: new ranks get fresh streams
+        _seed_everything(engine.plan.world_size * 7919 + rank + trainer["step"])
+    return trainer["step"]
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Drop records after ``step`` (logged before a crash, then replayed by the resumed run)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    _write_atomic(path, "".join(line + "\n" for line in keep))
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def _parse_fault(spec: str) -> tuple[int, int, str] | None:
+    if not spec:
+        return None
+    rank, step, kind = spec.split(":")
+    if kind not in ("kill", "raise"):
+        raise ValueError(f"DPTRAIN_FAULT={spec!r}: the kind must be kill or raise")
+    return int(rank), int(step), kind
+
+
+def _inject(kind: str, rank: int, step: int) -> None:
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise RuntimeError(f"fault injected by DPTRAIN_FAULT on rank {rank} at step {step}")

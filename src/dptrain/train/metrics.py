@@ -1,0 +1,142 @@
+"""Per-step measurements: where a data-parallel step's time goes, and what it moved.
+
+For each optimizer step every rank records wall-clock spans (forward, backward, the
+optimizer) and the DDP engine's communication statistics for the synced backward:
+
+- **compute ms**: forward + backward + optimizer time, less the communication that was
+  left exposed (the end-of-backward wait is inside ``loss.backward()``);
+- **exposed comm ms**: the wait for gradients after the last one was computed, the part
+  of communication that overlap did not hide;
+- **overlap %**: the fraction of the time reductions were in flight that ran while
+  backward was still computing;
+- **comm bytes**: bytes this rank put into all-reduces for the step.
+
+At logging steps the ranks exchange one small vector (an ``all_gather``), so rank 0 can
+report the loss averaged over all ranks, the slowest rank's timings, and each rank's peak
+memory (peak RSS on CPU, ``max_memory_allocated`` on CUDA). Between logging steps
+nothing extra is communicated.
+"""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from dptrain.ddp.reducer import StepCommStats
+
+__all__ = ["StepTimes", "StepRecorder", "peak_memory_mb", "format_line"]
+
+# Per-rank values exchanged at a logging step, in this order.
+_GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "comm_busy_ms", "overlap", "comm_bytes",
+             "peak_mem_mb")
+
+
+@dataclass
+class StepTimes:
+    """One rank's spans for one optimizer step, in ``time.perf_counter()`` seconds."""
+
+    start: float = 0.0
+    end: float = 0.0
+    forward: list[tuple[float, float]] = field(default_factory=list)   # one per micro-step
+    backward: list[tuple[float, float]] = field(default_factory=list)
+    optimizer: tuple[float, float] = (0.0, 0.0)
+    comm: StepCommStats | None = None  # the synced backward's statistics
+
+    @property
+    def exposed_comm_s(self) -> float:
+        return max(0.0, self.comm.exposed_comm_s) if self.comm and self.comm.calls else 0.0
+
+    @property
+    def compute_s(self) -> float:
+        spans = self.forward + self.backward + [self.optimizer]
+        return sum(e - s for s, e in spans) - self.exposed_comm_s
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process so far: CUDA allocations on a GPU, resident set on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+class StepRecorder:
+    """Accumulates steps between logging points and turns them into one metrics record."""
+
+    def __init__(self, device: torch.device, global_batch_size: int, tokens_per_sample: int):
+        self.device = device
+        self.global_batch_size = global_batch_size
+        self.tokens_per_sample = tokens_per_sample
+        self._times: list[StepTimes] = []
+
+    def add(self, times: StepTimes) -> None:
+        self._times.append(times)
+
+    def record(self, step: int, loss: float, lr: float, grad_norm: float, skipped: int) -> dict:
+        """Collective: every rank calls it at the same step. Returns the record (rank 0's is complete)."""
+        times, self._times = self._times, []
+        mean = (lambda xs: statistics.fmean(xs) if xs else 0.0)
+        comms = [t.comm for t in times if t.comm is not None and t.comm.calls]
+        local = {
+            "loss": loss,
+            "step_ms": 1e3 * mean([t.end - t.start for t in times]),
+            "compute_ms": 1e3 * mean([t.compute_s for t in times]),
+            "exposed_comm_ms": 1e3 * mean([t.exposed_comm_s for t in times]),
+            "comm_busy_ms": 1e3 * mean([c.comm_busy_s for c in comms]),
+            "overlap": mean([c.overlap for c in comms]),
+            "comm_bytes": mean([c.bytes for c in comms]),
+            "peak_mem_mb": peak_memory_mb(self.device),
+        }
+        per_rank = _gather([local[k] for k in _GATHERED], self.device)
+        column = {k: [row[i] for row in per_rank] for i, k in enumerate(_GATHERED)}
+        step_s = max(column["step_ms"]) / 1e3  # the slowest rank sets the pace
+        samples_per_s = self.global_batch_size / step_s if step_s > 0 else 0.0
+        return {
+            "kind": "train",
+            "step": step,
+            "loss": statistics.fmean(column["loss"]),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped_steps": skipped,
+            "samples_per_s": samples_per_s,
+            "tokens_per_s": samples_per_s * self.tokens_per_sample,
+            "step_ms": max(column["step_ms"]),
+            "compute_ms": max(column["compute_ms"]),
+            "exposed_comm_ms": max(column["exposed_comm_ms"]),
+            "comm_busy_ms": max(column["comm_busy_ms"]),
+            "overlap_pct": 100 * statistics.fmean(column["overlap"]),
+            "comm_bytes_per_step": column["comm_bytes"][0],
+            "peak_mem_mb": column["peak_mem_mb"],
+            "time": time.time(),
+        }
+
+
+def _gather(values: list[float], device: torch.device) -> list[list[float]]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    mine = torch.tensor(values, dtype=torch.float64, device=device)
+    if world == 1:
+        return [mine.tolist()]
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    return [r.tolist() for r in rows]
+
+
+def format_line(rec: dict, total_steps: int) -> str:
+    """One human-readable line for a train record."""
+    mem = "/".join(f"{m:.0f}" for m in rec["peak_mem_mb"])
+    return (f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {rec['loss']:.4f} | "
+            f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {_si(rec['tokens_per_s'])} tok/s "
+            f"{rec['samples_per_s']:.0f} samples/s | compute {rec['compute_ms']:.1f} ms | comm "
+            f"{rec['exposed_comm_ms']:.1f} ms exposed, {rec['overlap_pct']:.0f}% overlapped | "
+            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step | peak mem {mem} MiB")
+
+
+def _si(x: float) -> str:
+    for unit, scale in (("M", 1e6), ("k", 1e3)):
+        if x >= scale:
+            return f"{x / scale:.1f}{unit}"
+    return f"{x:.0f}"

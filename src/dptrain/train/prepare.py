@@ -1,0 +1,106 @@
+"""Everything about a run that can be wrong, checked before anything is written.
+
+``prepare_run`` resolves the run directory and the batch plan, imports the model
+factory, builds the task's datasets far enough to know they fit one global batch, and
+verifies the checkpoint a resumption would start from. It raises
+:class:`~dptrain.config.ConfigError`, :class:`~dptrain.batching.BatchSizeError` or
+:class:`~dptrain.train.checkpoint.CheckpointError` (exit code 2 from the CLI) and has no
+side effects, so ``dptrain run`` calls it before spawning workers or creating the run
+directory, and each worker calls it again (under torchrun there is no ``dptrain run``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.batching import BatchPlan
+from dptrain.config import ConfigError, RunConfig, identity, identity_hash
+from dptrain.tasks import Task, build_task
+from dptrain.train.checkpoint import find_latest, verify_checkpoint
+from dptrain.train.loader import steps_per_epoch
+
+__all__ = ["RunPlan", "prepare_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
+
+DEFAULT_GLOBAL_BATCH = 32
+
+
+@dataclass
+class RunPlan:
+    cfg: RunConfig
+    run_dir: Path
+    plan: BatchPlan
+    task: Task
+    identity: dict[str, Any]
+    identity_hash: str
+    resume_from: Path | None
+    resume_meta: dict[str, Any] | None
+
+
+def default_run_dir(cfg: RunConfig) -> Path:
+    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.task.name
+
+
+def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
+    if world_size < 1:
+        raise ConfigError(f"the world size must be at least 1, got {world_size}")
+    _check_ranges(cfg)
+    t = cfg.train
+    sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
+    if all(v is None for v in sizes):
+        sizes = (DEFAULT_GLOBAL_BATCH, None, None)
+    plan = BatchPlan.resolve(world_size, *sizes)
+    try:
+        task = build_task(cfg)
+    except ValueError as e:
+        if isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"task {cfg.task.name!r}: {e}") from None
+    steps_per_epoch(len(task.train_set), plan)
+    _check_model_builds(task, cfg)
+    run_dir = default_run_dir(cfg).resolve()
+    ident = identity(cfg)
+    ident["train.global_batch_size"] = plan.global_batch_size  # resolved, whichever two were given
+    ident_hash = identity_hash(ident)
+    resume_from, meta = None, None
+    if cfg.checkpoint.resume:
+        resume_from = find_latest(run_dir)
+        if resume_from is not None:
+            meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size)
+    return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta)
+
+
+def _check_ranges(cfg: RunConfig) -> None:
+    checks = [
+        ("train.steps", cfg.train.steps, 1), ("train.base_batch_size", cfg.train.base_batch_size, 1),
+        ("train.warmup_steps", cfg.train.warmup_steps, 0), ("log.every", cfg.log.every, 1),
+        ("log.eval_every", cfg.log.eval_every, 0), ("log.eval_batches", cfg.log.eval_batches, 1),
+        ("log.trace_start", cfg.log.trace_start, 1), ("log.trace_steps", cfg.log.trace_steps, 0),
+        ("checkpoint.every", cfg.checkpoint.every, 0), ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
+        ("train.lr", cfg.train.lr, 0.0), ("train.grad_clip", cfg.train.grad_clip, 0.0),
+        ("ddp.timeout_s", cfg.ddp.timeout_s, 1.0),
+    ]
+    for name, value, low in checks:
+        if value < low:
+            raise ConfigError(f"{name} must be at least {low}, got {value}")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
+    if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
+
+
+def _check_model_builds(task: Task, cfg: RunConfig) -> None:
+    """Build the model on the meta device (no memory, no init cost) to catch bad model arguments."""
+    try:
+        with torch.device("meta"):
+            model = task.build_model()
+    except (TypeError, ValueError) as e:
+        section = "gpt" if cfg.task.name == "chargpt" else "classifier"
+        where = (f"task.model {cfg.task.model!r} with task.model_args {cfg.task.model_args}" if cfg.task.model
+                 else f"the [{section}] settings")
+        raise ConfigError(f"{where} cannot build the model: {e}") from None
+    if not any(p.requires_grad for p in model.parameters()):
+        raise ConfigError("the model has no trainable parameters")

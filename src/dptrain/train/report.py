@@ -1,0 +1,146 @@
+"""What a run tells its user: rank-0 console (progress bar or log lines), per-rank log
+files, and the end-of-run summary.
+
+Every rank logs to ``logs/rank<r>.log``; only rank 0 writes to the terminal, as with
+torchrun and Accelerate. With ``log.progress = "auto"`` rank 0 shows a tqdm bar when its
+output is a terminal and plain lines otherwise (CI logs, ``| tee``), so logs never fill
+with carriage returns.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+from dptrain.train.metrics import format_line
+
+__all__ = ["RunLog", "summarize", "print_summary"]
+
+
+class RunLog:
+    def __init__(self, log_path: Path, rank: int, progress: str, total_steps: int, start_step: int,
+                 stream: TextIO = sys.stdout):
+        self.rank = rank
+        self.total_steps = total_steps
+        self._file = open(log_path, "a", buffering=1)
+        self._stream = stream
+        use_bar = progress == "bar" or (progress == "auto" and stream.isatty())
+        self._bar = None
+        if rank == 0 and use_bar:
+            self._bar = tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True,
+                             file=stream, smoothing=0.1)
+
+    def info(self, message: str, console: bool = True) -> None:
+        """A line in this rank's log file, and on rank 0 also on the console."""
+        self._file.write(f"{time.strftime('%H:%M:%S')} {message}\n")
+        if console and self.rank == 0:
+            if self._bar is not None:
+                self._bar.write(message, file=self._stream)
+            else:
+                print(message, file=self._stream, flush=True)
+
+    def step_done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def train_record(self, rec: dict) -> None:
+        line = format_line(rec, self.total_steps)
+        if self._bar is not None:
+            self._file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
+            self._bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.1e}",
+                                  tok_s=f"{rec['tokens_per_s']:.0f}", comm=f"{rec['exposed_comm_ms']:.0f}ms",
+                                  refresh=False)
+        else:
+            self.info(line)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        self._file.close()
+
+
+def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: list[dict]) -> dict[str, Any]:
+    """The run's headline numbers: medians over the logged steps after the first (warm-up) one."""
+    steady = train[1:] if len(train) > 1 else train
+    med = (lambda key: statistics.median(r[key] for r in steady) if steady else None)
+    summary = dict(info)
+    if train:
+        summary.update({
+            "final_train_loss": train[-1]["loss"],
+            "median_tokens_per_s": med("tokens_per_s"),
+            "median_samples_per_s": med("samples_per_s"),
+            "median_step_ms": med("step_ms"),
+            "median_compute_ms": med("compute_ms"),
+            "median_exposed_comm_ms": med("exposed_comm_ms"),
+            "median_overlap_pct": med("overlap_pct"),
+            "comm_bytes_per_step": train[-1]["comm_bytes_per_step"],
+            "peak_mem_mb_per_rank": [max(r["peak_mem_mb"][i] for r in train)
+                                     for i in range(len(train[-1]["peak_mem_mb"]))],
+            "skipped_steps": train[-1]["skipped_steps"],
+        })
+    if evals:
+        summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
+    summary["files"] = _listing(run_dir)
+    tmp = run_dir / ".summary.json.tmp"
+    tmp.write_text(json.dumps(summary, indent=2))
+    tmp.replace(run_dir / "summary.json")
+    summary["files"]["summary.json"] = (run_dir / "summary.json").stat().st_size
+    return summary
+
+
+def _listing(run_dir: Path) -> dict[str, int]:
+    """Files in the run directory with their sizes; a checkpoint counts as one entry."""
+    listing: dict[str, int] = {}
+    for path in sorted(run_dir.rglob("*")):
+        rel = path.relative_to(run_dir)
+        if not path.is_file() or any(part.startswith(".") for part in rel.parts):
+            continue
+        key = f"{rel.parts[0]}/{rel.parts[1]}/" if rel.parts[0] == "checkpoints" and len(rel.parts) > 2 else str(rel)
+        listing[key] = listing.get(key, 0) + path.stat().st_size
+    return listing
+
+
+def print_summary(summary: dict[str, Any], log: RunLog) -> None:
+    rows = [("run directory", summary["run_dir"]),
+            ("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
+            ("workers", f"{summary['world_size']} x {summary['device']} ({summary['backend']})"),
+            ("batch", f"global {summary['global_batch_size']} = micro {summary['micro_batch_size']} x "
+                      f"{summary['world_size']} ranks x {summary['grad_accum_steps']} accum"),
+            ("learning rate", summary["lr_rule"]),
+            ("steps", f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
+             else str(summary["steps"])),
+            ("wall time", f"{summary['wall_s']:.1f} s")]
+    if "final_train_loss" in summary:
+        rows += [("final train loss", f"{summary['final_train_loss']:.4f}")]
+    if "val_loss" in summary:
+        acc = f", accuracy {100 * summary['val_accuracy']:.1f}%" if "val_accuracy" in summary else ""
+        rows += [("validation loss", f"{summary['val_loss']:.4f}{acc}")]
+    if summary.get("median_step_ms") is not None:
+        rows += [("throughput", f"{summary['median_tokens_per_s']:,.0f} tokens/s, "
+                                f"{summary['median_samples_per_s']:,.1f} samples/s (median)"),
+                 ("step time", f"{summary['median_step_ms']:.1f} ms: compute {summary['median_compute_ms']:.1f} ms, "
+                               f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms"),
+                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
+                                   f"{summary['median_overlap_pct']:.0f}% overlapped with backward"),
+                 ("peak memory", ", ".join(f"rank {i}: {m:.0f} MiB"
+                                           for i, m in enumerate(summary["peak_mem_mb_per_rank"])))]
+        if summary["skipped_steps"]:
+            rows += [("skipped steps", f"{summary['skipped_steps']} (non-finite gradients)")]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["files written"]
+    lines += [f"  {name:<40} {_size(size)}" for name, size in summary["files"].items()]
+    log.info("\n".join(lines))
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"

@@ -1,0 +1,140 @@
+"""``dptrain run`` end to end: the real CLI, 2 worker processes, a tiny GPT."""
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from _cli import dptrain, tiny_gpt_config
+from dptrain.config import load_config
+from dptrain.train.checkpoint import load_checkpoint
+
+
+def train_records(run_dir):
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if json.loads(line)["kind"] == "train"]
+
+
+def test_two_workers_end_to_end(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir", str(run_dir),
+                   cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "run summary" in proc.stdout and "files written" in proc.stdout and "2 x cpu (gloo)" in proc.stdout
+
+    # config: the resolved config, readable back
+    cfg = load_config(run_dir / "config.toml")
+    assert cfg.gpt.n_embd == 32 and cfg.run_dir == str(run_dir)
+
+    # metrics: one record per step, the fields users look for, loss going down
+    train = train_records(run_dir)
+    assert [r["step"] for r in train] == list(range(1, 21))
+    for r in train:
+        assert math.isfinite(r["loss"]) and r["comm_bytes_per_step"] > 0 and len(r["peak_mem_mb"]) == 2
+        assert r["tokens_per_s"] == pytest.approx(16 * r["samples_per_s"]) and 0 <= r["overlap_pct"] <= 100
+        assert r["compute_ms"] > 0 and r["exposed_comm_ms"] >= 0
+    assert train[0]["loss"] == pytest.approx(math.log(256), rel=0.05)
+    assert sum(r["loss"] for r in train[-5:]) / 5 < train[0]["loss"] - 0.5
+    assert train[0]["lr"] < train[3]["lr"] and train[-1]["lr"] < train[3]["lr"]  # warmup, then decay
+    evals = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "eval"]
+    assert [e["step"] for e in evals] == [10, 20] and all(math.isfinite(e["val_loss"]) for e in evals)
+
+    # trace: loads, both ranks, compute spans and per-bucket communication spans
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X"]
+    for rank in (0, 1):
+        names = {e["name"] for e in spans if e["pid"] == rank}
+        assert {"forward", "backward", "optimizer", "wait for gradients", "step 3", "step 4"} <= names
+        comm = [e for e in spans if e["pid"] == rank and e["name"].startswith("all-reduce bucket")]
+        assert len({e["tid"] for e in comm}) > 1 and all(e["cat"] == "comm" and e["dur"] >= 0 for e in comm)
+        backward = next(e for e in spans if e["pid"] == rank and e["name"] == "backward")
+        assert any(e["ts"] < backward["ts"] + backward["dur"] for e in comm)  # launched during backward
+    threads = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    assert "compute" in threads and any(name.startswith("bucket 0 (") for name in threads)
+
+    # checkpoints and exported weights
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000010", "step_00000020"]
+    state = load_checkpoint(run_dir / "checkpoints" / "step_00000020", torch.device("cpu"))
+    exported = load_file(run_dir / "model.safetensors")
+    assert state["trainer"]["step"] == 20 and len(state["trainer"]["rng"]) == 2
+    for name, tensor in exported.items():
+        assert torch.equal(tensor, state["model"][name])
+
+    # summary: every file written, the plots among them
+    summary = json.loads((run_dir / "summary.json").read_text())
+    for name in ("config.toml", "metrics.jsonl", "trace.json", "loss.png", "throughput.png", "model.safetensors",
+                 "logs/rank0.log", "logs/rank1.log", "checkpoints/step_00000020/"):
+        assert name in summary["files"], name
+    assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert summary["world_size"] == 2 and summary["global_batch_size"] == 8 and summary["steps"] == 20
+
+
+def test_resume_after_a_kill_continues_exactly(tmp_path):
+    config = str(tiny_gpt_config(tmp_path))
+    straight = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+
+    # Rank 1 is SIGKILLed at the start of step 13: the checkpoint of step 10 survives.
+    killed = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "b"), cwd=tmp_path,
+                     env={"DPTRAIN_FAULT": "1:13:kill"})
+    assert killed.returncode == 1
+    assert "rank 1" in killed.stderr and "SIGKILL" in killed.stderr
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_00000010"]
+    assert max(r["step"] for r in train_records(tmp_path / "b")) == 12
+
+    resumed = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout and "step_00000010 at step 10" in resumed.stdout
+
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    losses_a = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "a")]
+    losses_b = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "b")]
+    assert losses_a == losses_b  # steps 11-12 were logged twice; the replay replaced them
+
+
+def test_a_failing_rank_is_reported_first_and_the_job_stops(tmp_path):
+    proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir",
+                   str(tmp_path / "run"), cwd=tmp_path, env={"DPTRAIN_FAULT": "1:3:raise"})
+    assert proc.returncode == 1
+    first = proc.stderr.index("rank 1 failed first")
+    assert proc.stderr.index("RuntimeError: fault injected by DPTRAIN_FAULT on rank 1 at step 3") > first
+    assert "Traceback" in proc.stderr[first:]
+
+
+def test_own_model_accumulation_and_bf16(tmp_path):
+    run_dir = tmp_path / "run"
+    proc = dptrain("run", "--nproc", "2", "--run-dir", str(run_dir), "--set", "task.name=classifier",
+                   "--set", "task.model=_user_models:wide_mlp", "--set", "task.model_args={ width = 24 }",
+                   "--set", "train.steps=12", "--set", "train.global_batch_size=32", "--set", "train.micro_batch_size=4",
+                   "--set", "train.precision=bf16", "--set", "log.progress=lines", "--set", "log.plots=false",
+                   "--set", "train.lr_scaling=linear", "--set", "train.base_batch_size=16", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["grad_accum_steps"] == 4 and summary["micro_batch_size"] == 4
+    assert summary["parameters"] == 16 * 24 + 24 + 24 * 8 + 8
+    assert summary["peak_lr"] == pytest.approx(2 * 2e-3)  # linear rule: x 32/16
+    assert "peak 0.004 = 0.002 x linear scaling" in proc.stdout
+    assert "loss.png" not in summary["files"]
+
+
+def test_under_torchrun(tmp_path):
+    import subprocess
+    import sys
+
+    from _cli import TESTS
+
+    run_dir = tmp_path / "run"
+    config = tiny_gpt_config(tmp_path, extra="")
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "dptrain.run", "--config", str(config), "--run-dir", str(run_dir),
+                           "--set", "train.steps=4", "--set", "checkpoint.every=0"],
+                          cwd=tmp_path, text=True, capture_output=True, timeout=150,
+                          env={**__import__("os").environ, "PYTHONPATH": str(TESTS), "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2 and summary["steps"] == 4
+    assert (run_dir / "checkpoints" / "step_00000004").is_dir()
