@@ -4,11 +4,18 @@ The public surface a training script needs::
 
     from dptrain import DistributedDataParallel as DDP   # drop-in for torch's
     from dptrain import DistributedSampler, BatchPlan
+
+    # or the whole step (accumulation, clipping, LR schedule, mixed precision), see docs/api.md
+    from dptrain import Engine, init_distributed, warmup_cosine
 """
 
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.data.sampler import DistributedSampler
+from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
+from dptrain.train.engine import Engine, StepInfo
+from dptrain.train.loader import ShardedLoader
+from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.ddp import (
     DistributedDataParallel,
     GradBucket,
@@ -34,4 +41,12 @@ __all__ = [
     "ReplicaMismatchError",
     "UnusedParametersError",
     "tune_cpu_allocator",
+    "Engine",
+    "StepInfo",
+    "ShardedLoader",
+    "init_distributed",
+    "detect_worker_env",
+    "WorkerEnv",
+    "scaled_lr",
+    "warmup_cosine",
 ]

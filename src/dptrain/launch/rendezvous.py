@@ -73,8 +73,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(env: WorkerEnv, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
-    """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU)."""
+def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
+    """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU).
+
+    ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process).
+    """
+    env = detect_worker_env() if env is None else env
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank
     if backend == "auto":
         backend = "nccl" if use_cuda else "gloo"

@@ -63,6 +63,7 @@ class Engine:
         self.grad_clip = grad_clip
         self.lr_at = lr_at
         self.step_count = 0
+        self.skipped_steps = 0
         self._autocast_dtype, self.scaler = _precision(precision, self.device)
         self._loss_sum = torch.zeros((), device=self.device)
         self._rank = dist.get_rank(process_group)
@@ -111,6 +112,7 @@ class Engine:
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
         norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
         skipped = not math.isfinite(norm)
+        self.skipped_steps += skipped
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips by itself on inf/nan
             self.scaler.update()
@@ -126,7 +128,7 @@ class Engine:
 
     def state_dict(self) -> dict[str, Any]:
         state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": self.step_count}
+                 "step": self.step_count, "skipped_steps": self.skipped_steps}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
@@ -135,6 +137,7 @@ class Engine:
         self.model.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count = state["step"]
+        self.skipped_steps = state.get("skipped_steps", 0)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 

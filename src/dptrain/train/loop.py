@@ -113,7 +113,6 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     t0 = time.perf_counter()
     tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
     fault = _parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
-    skipped = 0
     try:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
@@ -132,13 +131,12 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
             info = engine.step()
             times.end = time.perf_counter()
             times.optimizer = (o0, times.end)
-            skipped += info.skipped
             recorder.add(times)
             if tracer.wants(step):
                 tracer.add_step(step, times)
             log.step_done()
             if step % cfg.log.every == 0 or step == t.steps:
-                rec = recorder.record(step, info.loss, info.lr, info.grad_norm, skipped)
+                rec = recorder.record(step, info.loss, info.lr, info.grad_norm, engine.skipped_steps)
                 if rank == 0:
                     metrics_file.write(json.dumps(rec) + "\n")
                 log.train_record(rec)
@@ -214,7 +212,8 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
     dist.all_gather_object(states, rng_state(device))
     if env.rank == 0:
         state = engine.state_dict()
-        trainer = {"step": state["step"], "rng": states, "world_size": env.world_size}
+        trainer = {"step": state["step"], "skipped_steps": state["skipped_steps"], "rng": states,
+                   "world_size": env.world_size}
         if "scaler" in state:
             trainer["scaler"] = state["scaler"]
         meta = {"identity": rp.identity, "identity_hash": rp.identity_hash,
@@ -232,6 +231,7 @@ def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     state = load_checkpoint(path, device)
     trainer = state["trainer"]
     engine.load_state_dict({"model": state["model"], "optimizer": state["optimizer"], "step": trainer["step"],
+                            "skipped_steps": trainer.get("skipped_steps", 0),
                             **({"scaler": trainer["scaler"]} if "scaler" in trainer else {})})
     rngs = trainer["rng"]
     if rank < len(rngs):

@@ -67,8 +67,13 @@ class RunLog:
 
 
 def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: list[dict]) -> dict[str, Any]:
-    """The run's headline numbers: medians over the logged steps after the first (warm-up) one."""
-    steady = train[1:] if len(train) > 1 else train
+    """The run's headline numbers: medians over this session's logged steps after the first.
+
+    A resumed run's ``metrics.jsonl`` also holds the earlier sessions' records (perhaps on
+    another world size); loss comes from the last record, speed and memory from this session.
+    """
+    session = [r for r in train if r["step"] > info["start_step"]] or train
+    steady = session[1:] if len(session) > 1 else session
     med = (lambda key: statistics.median(r[key] for r in steady) if steady else None)
     summary = dict(info)
     if train:
@@ -80,9 +85,9 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
             "median_compute_ms": med("compute_ms"),
             "median_exposed_comm_ms": med("exposed_comm_ms"),
             "median_overlap_pct": med("overlap_pct"),
-            "comm_bytes_per_step": train[-1]["comm_bytes_per_step"],
-            "peak_mem_mb_per_rank": [max(r["peak_mem_mb"][i] for r in train)
-                                     for i in range(len(train[-1]["peak_mem_mb"]))],
+            "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
+            "peak_mem_mb_per_rank": [max(r["peak_mem_mb"][i] for r in session)
+                                     for i in range(len(session[-1]["peak_mem_mb"]))],
             "skipped_steps": train[-1]["skipped_steps"],
         })
     if evals:

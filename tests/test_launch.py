@@ -1,0 +1,33 @@
+"""Where a worker stands, from torchrun's or Slurm's environment."""
+
+import pytest
+
+from dptrain.launch.rendezvous import detect_worker_env, first_slurm_host
+
+
+def test_torchrun_environment():
+    env = detect_worker_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
+                             "MASTER_ADDR": "node0", "MASTER_PORT": "29400"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (5, 8, 1, 4)
+    assert (env.master_addr, env.master_port, env.launcher) == ("node0", 29400, "torchrun")
+
+
+def test_slurm_environment():
+    env = detect_worker_env({"SLURM_PROCID": "9", "SLURM_NTASKS": "16", "SLURM_LOCALID": "1",
+                             "SLURM_NTASKS_PER_NODE": "8(x2)", "SLURM_JOB_NODELIST": "gpu[07-08]",
+                             "SLURM_JOB_ID": "123456"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (9, 16, 1, 8)
+    assert env.master_addr == "gpu07" and env.master_port == 20000 + 123456 % 20000 and env.launcher == "slurm"
+
+
+def test_single_process_default():
+    env = detect_worker_env({})
+    assert (env.rank, env.world_size, env.launcher, env.master_addr) == (0, 1, "single", "127.0.0.1")
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("gpu[03-05,09],cpu1", "gpu03"), ("node7", "node7"), ("a[1,4]", "a1"), ("rack1-n[010-012]", "rack1-n010"),
+    ("x1,x2", "x1"),
+])
+def test_first_slurm_host(nodelist, first):
+    assert first_slurm_host(nodelist) == first
