@@ -74,6 +74,9 @@ def test_checkpoint_from_another_config_is_refused(finished_run, tmp_path):
     assert proc.returncode == 2
     assert "written by a different config" in proc.stderr and "train.lr: 0.002 -> 0.01" in proc.stderr
     assert snapshot(tmp_path / "run") == before
+    fresh = dptrain("run", "--nproc", "1", "--run-dir", "run", *SMOKE, "--set", "checkpoint.resume=false", cwd=tmp_path)
+    assert fresh.returncode == 2 and "already has checkpoints" in fresh.stderr
+    assert snapshot(tmp_path / "run") == before
     # what may change between a run and its resumption: steps, logging, world size
     more = dptrain("run", "--nproc", "2", "--run-dir", "run", *SMOKE, "--set", "train.steps=6",
                    "--set", "log.every=1", cwd=tmp_path)

@@ -37,8 +37,9 @@ def main() -> None:
               help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="run directory (default runs/<task>)")
 @click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
+@click.option("--config-reference", is_flag=True, help="print every config key, default and meaning (Markdown)")
 def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,
-        show_config: bool) -> None:
+        show_config: bool, config_reference: bool) -> None:
     """Train on NPROC local workers (gloo on CPU, NCCL on GPUs).
 
     \b
@@ -53,6 +54,11 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     from dptrain.launch.local import launch_local
     from dptrain.train.prepare import prepare_run
 
+    if config_reference:
+        from dptrain.config.schema import reference_markdown
+
+        click.echo(reference_markdown())
+        return
     extra = [f"run_dir={json.dumps(str(run_dir))}"] if run_dir else []
     try:
         if nproc < 1:

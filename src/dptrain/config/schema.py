@@ -124,3 +124,22 @@ NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_
 
 def section_fields(cls: type) -> dict[str, Any]:
     return {f.name: f for f in fields(cls)}
+
+
+def reference_markdown() -> str:
+    """Every config field with its default and meaning, as the tables in docs/run.md."""
+    import json
+
+    out = ["**top level**", "", "| key | default | meaning |", "|---|---|---|"]
+    for section in fields(RunConfig):
+        cls = section.default_factory if callable(section.default_factory) else None
+        if cls is None:
+            out.append(f"| `{section.name}` | `{json.dumps(section.default)}` | {section.metadata['help']}. |")
+            continue
+        out += ["", f"**[{section.name}]**", "", "| key | default | meaning |", "|---|---|---|"]
+        for f in fields(cls):
+            default = f.default_factory() if callable(f.default_factory) else f.default
+            shown = "none" if default is None else json.dumps(default)
+            choices = f" One of: {', '.join(f.metadata['choices'])}." if f.metadata.get("choices") else ""
+            out.append(f"| `{f.name}` | `{shown}` | {f.metadata['help']}.{choices} |")
+    return "\n".join(out).replace("..", ".")

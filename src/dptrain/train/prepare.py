@@ -66,10 +66,14 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     ident["train.global_batch_size"] = plan.global_batch_size  # resolved, whichever two were given
     ident_hash = identity_hash(ident)
     resume_from, meta = None, None
-    if cfg.checkpoint.resume:
-        resume_from = find_latest(run_dir)
-        if resume_from is not None:
-            meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size)
+    latest = find_latest(run_dir)
+    if latest is not None and cfg.checkpoint.resume:
+        resume_from = latest
+        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size)
+    elif latest is not None:
+        raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
+                          f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
+                          f"Use another run_dir, or delete {latest.parent}")
     return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta)
 
 
