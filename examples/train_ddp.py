@@ -20,9 +20,7 @@ import contextlib
 import math
 import os
 import socket
-import sysconfig
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -32,19 +30,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from dptrain import BatchPlan, DistributedSampler, tune_cpu_allocator
 from dptrain import DistributedDataParallel as DDP  # the drop-in for torch's DDP
-
-
-def load_corpus(max_bytes: int) -> torch.Tensor:
-    """The standard library's .py files, in sorted order, as one byte tensor."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    chunks, total = [], 0
-    for path in sorted(stdlib.glob("*.py")):
-        data = path.read_bytes()
-        chunks.append(data)
-        total += len(data)
-        if total >= max_bytes:
-            break
-    return torch.frombuffer(bytearray(b"".join(chunks)[:max_bytes]), dtype=torch.uint8).long()
+from dptrain.tasks.corpus import stdlib_corpus
 
 
 class NextByte(Dataset):
@@ -76,7 +62,7 @@ def train(rank: int, world_size: int, args: argparse.Namespace) -> None:
     tune_cpu_allocator()  # CPU only: keep freed gradient memory instead of page-faulting it back
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     plan = BatchPlan.resolve(world_size, global_batch_size=args.global_batch, micro_batch_size=args.micro_batch)
-    corpus = load_corpus(args.corpus_bytes)
+    corpus = stdlib_corpus(args.corpus_bytes)
     split = int(0.95 * len(corpus))
     train_set, val_set = NextByte(corpus[:split], args.context), NextByte(corpus[split:], args.context)
     sampler = DistributedSampler(train_set, num_replicas=world_size, rank=rank, seed=args.seed, drop_last=True)

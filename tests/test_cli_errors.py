@@ -33,6 +33,8 @@ def snapshot(directory):
     (["--set", "task.name=classifier", "--set", "classifier.samples=20", "--set", "train.global_batch_size=32"],
      "the training set has 20 samples"),
     (["--set", "train.steps=0"], "train.steps must be at least 1, got 0"),
+    pytest.param(["--set", "train.precision=fp16"], "fp16 needs CUDA", marks=pytest.mark.skipif(
+        __import__("torch").cuda.is_available(), reason="fp16 is valid where CUDA is")),
 ])
 def test_bad_input_fails_before_writing(tmp_path, args, message):
     (tmp_path / "bad.toml").write_text("[train]\nsteps = = 4\n")

@@ -74,6 +74,10 @@ class Engine:
         """This rank's micro-batches of ``dataset`` (see :class:`ShardedLoader`)."""
         return ShardedLoader(dataset, self.plan, self._rank, seed, collate_fn)
 
+    def to_device(self, batch: Any) -> Any:
+        """``batch`` (tensors in any nesting of lists, tuples, dicts) on the engine's device."""
+        return _to_device(batch, self.device)
+
     def micro_steps(self, batches: Iterator[Any]) -> Iterator[Any]:
         """The next ``grad_accum_steps`` micro-batches, all but the last under ``no_sync``.
 

@@ -191,6 +191,7 @@ def evaluate(engine: Engine, task: Task, num_batches: int) -> dict[str, float]:
                         generator=torch.Generator())  # leaves the global RNG (dropout) untouched
     sums: dict[str, float] = {}
     for _, batch in zip(range(num_batches), loader):
+        batch = engine.to_device(batch)
         with engine.autocast():
             for key, value in task.eval_sums(model, batch).items():
                 sums[key] = sums.get(key, 0.0) + value

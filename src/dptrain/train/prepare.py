@@ -90,6 +90,10 @@ def _check_ranges(cfg: RunConfig) -> None:
     for name, value, low in checks:
         if value < low:
             raise ConfigError(f"{name} must be at least {low}, got {value}")
+    if cfg.train.precision == "fp16" and not torch.cuda.is_available():
+        raise ConfigError("train.precision fp16 needs CUDA (it relies on a loss scaler); use bf16 on CPU")
+    if cfg.ddp.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError('ddp.backend nccl needs CUDA devices; use "gloo" (or "auto") on CPU')
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
