@@ -87,7 +87,8 @@ def env(as_json: bool) -> None:
     click.echo(json.dumps(info, indent=2) if as_json else format_env(info))
 
 
-_BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator"}
+_BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
+               "run-overhead": "dptrain.bench.run_overhead"}
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.bench.stats import bootstrap_ci
 from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 
@@ -130,7 +131,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
         for ours_kind, theirs_kind in pairs:
             ours, theirs = step_times[f"{ours_kind}/{cap:g}"], step_times[f"{theirs_kind}/{cap:g}"]
             paired = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs)]
-            ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": _bootstrap_ci(paired)}
+            ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": bootstrap_ci(paired)}
     params = sum(p.numel() for p in build_model(width, depth).parameters())
     return {
         "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
@@ -142,13 +143,6 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
         "buckets_mib": per_rank[0]["buckets"],
         "step_times_s": step_times,
     }
-
-
-def _bootstrap_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """90% percentile-bootstrap interval of the median."""
-    rng = random.Random(seed)
-    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
-    return medians[int(0.05 * resamples)], medians[int(0.95 * resamples) - 1]
 
 
 def to_markdown(result: dict) -> str:

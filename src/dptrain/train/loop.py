@@ -27,6 +27,7 @@ import random
 import signal
 import time
 from pathlib import Path
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -46,7 +47,7 @@ from dptrain.train.checkpoint import (
     save_checkpoint,
     set_rng_state,
 )
-from dptrain.train.engine import Engine
+from dptrain.train.engine import Engine, StepInfo
 from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer
 from dptrain.train.plots import plot_run, read_metrics
@@ -55,7 +56,7 @@ from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.trace import TraceRecorder
 
-__all__ = ["train"]
+__all__ = ["train", "timed_step", "evaluate"]
 
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
@@ -117,20 +118,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
                 _inject(fault[2], rank, step)
-            times = StepTimes(start=time.perf_counter())
-            for batch in engine.micro_steps(batches):
-                f0 = time.perf_counter()
-                with engine.autocast():
-                    loss = task.loss(engine.model, batch)
-                f1 = time.perf_counter()
-                engine.backward(loss)
-                times.forward.append((f0, f1))
-                times.backward.append((f1, time.perf_counter()))
-            times.comm = engine.model.last_step_comm
-            o0 = time.perf_counter()
-            info = engine.step()
-            times.end = time.perf_counter()
-            times.optimizer = (o0, times.end)
+            info, times = timed_step(engine, task, batches)
             recorder.add(times)
             if tracer.wants(step):
                 tracer.add_step(step, times)
@@ -177,6 +165,25 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     log.close()
     dist.barrier()
     return summary
+
+
+def timed_step(engine: Engine, task: Task, batches: Iterator[Any]) -> tuple[StepInfo, StepTimes]:
+    """One optimizer step (all its micro-steps), with the wall-clock spans of its parts."""
+    times = StepTimes(start=time.perf_counter())
+    for batch in engine.micro_steps(batches):
+        f0 = time.perf_counter()
+        with engine.autocast():
+            loss = task.loss(engine.model, batch)
+        f1 = time.perf_counter()
+        engine.backward(loss)
+        times.forward.append((f0, f1))
+        times.backward.append((f1, time.perf_counter()))
+    times.comm = engine.model.last_step_comm
+    o0 = time.perf_counter()
+    info = engine.step()
+    times.end = time.perf_counter()
+    times.optimizer = (o0, times.end)
+    return info, times
 
 
 @torch.no_grad()

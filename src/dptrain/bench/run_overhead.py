@@ -1,0 +1,143 @@
+"""Benchmark: what ``dptrain run``'s instrumentation costs a training step.
+
+Two Engines train the same model (the default ``chargpt`` GPT, 1.84M parameters) on the
+same ranks, interleaved: each round runs a few steps of each variant, in an order
+shuffled anew each round (the same on every rank). Variants:
+
+- ``bare``: ``engine.micro_steps`` / ``backward`` / ``step``, nothing else;
+- ``bare_control``: the same as ``bare`` on a third Engine built after the other two: the
+  A/A control. Its ratio to ``bare`` shows how much two identical Engines differ in one
+  process (memory placement, construction order), the resolution of this measurement;
+- ``instrumented``: the step as ``dptrain run`` takes it (``loop.timed_step``: wall-clock
+  spans around forward, backward and the optimizer), with exact per-bucket completion
+  times (``record_spans``: a callback on each all-reduce's future), every step added to
+  the Chrome trace, and a metrics record (one ``all_gather``) every ``--log-every`` steps.
+
+A step's time is the slowest rank's, after a barrier. The report gives each variant's
+median and the instrumented/bare ratio per round: the median of those paired ratios
+with a bootstrap 90% interval. Timings mean something only side by side within a run.
+
+    python -m dptrain.bench.run_overhead --rounds 12
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dptrain.batching import BatchPlan
+from dptrain.bench.stats import paired_ratios
+from dptrain.config import load_config
+from dptrain.tasks import build_task
+from dptrain.testing import run_on_ranks
+from dptrain.train.engine import Engine
+from dptrain.train.loop import timed_step
+from dptrain.train.metrics import StepRecorder
+from dptrain.train.trace import TraceRecorder
+
+VARIANTS = ("bare", "instrumented", "bare_control")
+
+
+def _bare_step(engine: Engine, task, batches) -> None:
+    for batch in engine.micro_steps(batches):
+        with engine.autocast():
+            loss = task.loss(engine.model, batch)
+        engine.backward(loss)
+    engine.step()
+
+
+def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
+    cfg = load_config(None, [f"gpt.corpus_bytes={args['corpus_bytes']}"])
+    task = build_task(cfg)
+    plan = BatchPlan.resolve(world_size, global_batch_size=args["global_batch"])
+    engines, streams = {}, {}
+    for variant in VARIANTS:
+        torch.manual_seed(0)
+        model = task.build_model()
+        engines[variant] = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, grad_clip=1.0)
+        streams[variant] = engines[variant].loader(task.train_set, seed=0).micro_batches()
+    engines["instrumented"].model.reducer.record_spans = True
+    recorder = StepRecorder(engines["instrumented"].device, plan.global_batch_size, task.tokens_per_sample)
+    tracer = TraceRecorder(rank, time.perf_counter(), 1, 10**9)
+    for variant in VARIANTS:
+        for _ in range(args["warmup"]):
+            _bare_step(engines[variant], task, streams[variant])
+    times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    count = 0
+    for round_index in range(args["rounds"]):
+        order = list(VARIANTS)
+        random.Random(round_index).shuffle(order)
+        for variant in order:
+            times[variant].append([])
+            engine, batches = engines[variant], streams[variant]
+            for _ in range(args["steps"]):
+                dist.barrier()
+                start = time.perf_counter()
+                if variant != "instrumented":
+                    _bare_step(engine, task, batches)
+                else:
+                    count += 1
+                    info, step_times = timed_step(engine, task, batches)
+                    recorder.add(step_times)
+                    tracer.add_step(count, step_times)
+                    if count % args["log_every"] == 0:
+                        recorder.record(count, info.loss, info.lr, info.grad_norm, 0)
+                times[variant][-1].append(time.perf_counter() - start)
+    return {"times": times}
+
+
+def run(world_size: int, rounds: int, steps: int, warmup: int, log_every: int, global_batch: int,
+        corpus_bytes: int) -> dict:
+    args = dict(rounds=rounds, steps=steps, warmup=warmup, log_every=log_every, global_batch=global_batch,
+                corpus_bytes=corpus_bytes)
+    per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200,
+                            threads_per_rank=max(1, (os.cpu_count() or 1) // world_size))
+    step_times = {v: [[max(r["times"][v][k][i] for r in per_rank) for i in range(steps)] for k in range(rounds)]
+                  for v in VARIANTS}
+    return {
+        "config": dict(world_size=world_size, rounds=rounds, steps_per_round=steps, log_every=log_every,
+                       global_batch=global_batch, torch=torch.__version__, cpus=os.cpu_count()),
+        "median_step_ms": {v: 1e3 * statistics.median(t for rnd in step_times[v] for t in rnd) for v in VARIANTS},
+        "instrumented_over_bare": paired_ratios(step_times["instrumented"], step_times["bare"]),
+        "control_over_bare": paired_ratios(step_times["bare_control"], step_times["bare"]),
+        "step_times_s": step_times,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--log-every", type=int, default=10, help="metrics record (all_gather) every N steps")
+    parser.add_argument("--global-batch", type=int, default=32)
+    parser.add_argument("--corpus-bytes", type=int, default=500_000)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/run_overhead.json"))
+    a = parser.parse_args(argv)
+    result = run(a.world_size, a.rounds, a.steps, a.warmup, a.log_every, a.global_batch, a.corpus_bytes)
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=1))
+    med = result["median_step_ms"]
+    print(f"{a.world_size} ranks, default chargpt GPT, global batch {a.global_batch}, {a.rounds} rounds x "
+          f"{a.steps} steps per variant")
+    print(f"median step: bare {med['bare']:.1f} ms, instrumented {med['instrumented']:.1f} ms, "
+          f"bare_control {med['bare_control']:.1f} ms")
+    for name, key in (("instrumented / bare", "instrumented_over_bare"), ("bare_control / bare (A/A)",
+                                                                          "control_over_bare")):
+        ratio = result[key]
+        print(f"{name}, paired per round: median {ratio['median']:.3f}, "
+              f"90% interval [{ratio['ci90'][0]:.3f}, {ratio['ci90'][1]:.3f}]")
+    print(f"raw step times: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
