@@ -44,7 +44,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
 
     \b
     dptrain run --nproc 2                                  # byte-level GPT on stdlib source
-    dptrain run --nproc 2 --set task.name=classifier       # 10-second smoke run
+    dptrain run --nproc 2 --set task.name=classifier       # smoke run, about 20 s
     dptrain run --nproc 4 --config job.toml --set train.lr=1e-3
 
     A run resumes from its newest checkpoint when started again with the same run

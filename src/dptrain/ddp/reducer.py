@@ -72,9 +72,9 @@ class StepCommStats:
     backward_start: float = 0.0   # time.perf_counter() when the backward reached the outputs
     backward_end: float = 0.0     # when the last gradient was computed (finalize began)
     comm_end: float = 0.0         # when every reduction had been waited for
-    # [bucket, launched, completed] per reduction, in perf_counter seconds. Completion is
-    # exact with Reducer.record_spans (a callback on the work's future), else the time the
-    # reduction was waited for (an upper bound).
+    # [bucket, launched, completed] per reduction (re-reductions included), in perf_counter
+    # seconds. Completion is exact with Reducer.record_spans (a callback on the work's
+    # future), else the time the reduction was waited for (an upper bound).
     bucket_spans: list[list] = field(default_factory=list)
 
     @property
@@ -308,11 +308,11 @@ class Reducer:
         span = [bucket.index, time.perf_counter(), None]
         self._stats.bucket_spans.append(span)
         if self.comm_hook is not None:
-            return self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer))
+            return _Timed(self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer)), span)
         work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         if self.record_spans:
-            work.get_future().add_done_callback(lambda _: span.__setitem__(2, time.perf_counter()))
-        return _WorkHandle(work, bucket.buffer)
+            work.get_future().add_done_callback(lambda _: _stamp(span))
+        return _Timed(_WorkHandle(work, bucket.buffer), span)
 
     def _copy_in(self, index: int) -> None:
         """Fill parameter ``index``'s bucket slice (when ready, or at launch if it never got a gradient)."""
@@ -345,7 +345,6 @@ class Reducer:
             # reduction. Every rank re-reduces the same (agreed) late buckets in order.
             for bucket, handle in zip(self.buckets, self._handles):
                 bucket.store(handle.wait())
-                _mark_waited(stats.bucket_spans, bucket.index)
                 if late[bucket.index]:
                     self._reduce_again(bucket)
                 bucket.write_back(globally_used, self.gradient_as_bucket_view)
@@ -407,11 +406,24 @@ class Reducer:
                     dist.all_reduce(zeros, group=self.process_group)
 
 
-def _mark_waited(spans: list[list], index: int) -> None:
-    now = time.perf_counter()
-    for span in spans:
-        if span[0] == index and span[2] is None:
-            span[2] = now
+def _stamp(span: list) -> None:
+    """Record a reduction's completion time, unless an earlier stamp exists."""
+    if span[2] is None:
+        span[2] = time.perf_counter()
+
+
+class _Timed:
+    """A reduction's handle that stamps its span when waited for (an upper bound on completion)."""
+
+    __slots__ = ("handle", "span")
+
+    def __init__(self, handle: ReduceHandle, span: list):
+        self.handle, self.span = handle, span
+
+    def wait(self) -> torch.Tensor:
+        result = self.handle.wait()
+        _stamp(self.span)
+        return result
 
 
 def _union_length(intervals: list[tuple[float, float]]) -> float:

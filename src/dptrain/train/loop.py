@@ -39,6 +39,7 @@ from dptrain.config import to_toml
 from dptrain.data.sampler import DistributedSampler
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.tasks import Task
+from dptrain.train.atomic import replacing, write_text_atomic
 from dptrain.train.checkpoint import (
     load_checkpoint,
     prune_checkpoints,
@@ -54,7 +55,7 @@ from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.schedule import scaled_lr, warmup_cosine
-from dptrain.train.trace import TraceRecorder
+from dptrain.train.trace import TraceRecorder, trace_zero
 
 __all__ = ["train", "timed_step", "evaluate"]
 
@@ -66,7 +67,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     if rank == 0:
         remove_partial(run_dir)
-        _write_atomic(run_dir / "config.toml", to_toml(cfg))
+        write_text_atomic(run_dir / "config.toml", to_toml(cfg))
     dist.barrier()  # the directory exists before any rank writes into it
 
     _seed_everything(cfg.train.seed)
@@ -82,11 +83,11 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     ddp_kwargs=ddp_kwargs)
     engine.model.reducer.record_spans = True
 
-    start_step = 0
+    # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
     if rp.resume_from is not None:
         start_step = _resume(engine, rp.resume_from, rank, device)
-    # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
-    if rp.resume_from is None:
+    else:
+        start_step = 0
         _seed_everything(t.seed + 1 + rank)
 
     log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, start_step)
@@ -110,8 +111,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     metrics_file = open(metrics_path, "a", buffering=1) if rank == 0 else None
     batches = engine.loader(task.train_set, seed=t.seed).micro_batches(start_step)
     recorder = StepRecorder(device, plan.global_batch_size, task.tokens_per_sample)
-    dist.barrier()
-    t0 = time.perf_counter()
+    t0 = trace_zero(env.world_size == env.local_world_size, device)
     tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
     fault = _parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
     try:
@@ -148,10 +148,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                  "(open in https://ui.perfetto.dev)")
     summary = None
     if rank == 0:
-        tmp = run_dir / ".model.safetensors.tmp"
-        save_model(engine.model.module, str(tmp))
-        tmp.chmod(0o644)
-        tmp.replace(run_dir / "model.safetensors")
+        with replacing(run_dir / "model.safetensors") as tmp:
+            save_model(engine.model.module, str(tmp))
+            tmp.chmod(0o644)  # safetensors creates it owner-only
         train_recs, evals = read_metrics(metrics_path)
         if cfg.log.plots:
             plot_run(run_dir, title=f"{task.name} on {env.world_size} rank(s), global batch {plan.global_batch_size}")
@@ -260,13 +259,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
     if not path.exists():
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    _write_atomic(path, "".join(line + "\n" for line in keep))
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def _parse_fault(spec: str) -> tuple[int, int, str] | None:

@@ -11,6 +11,8 @@ import json
 import sys
 from pathlib import Path
 
+from dptrain.train.atomic import replacing
+
 __all__ = ["read_metrics", "plot_run", "plot_timeline"]
 
 
@@ -116,9 +118,8 @@ def plot_timeline(trace_path: Path, out_path: Path) -> Path:
 
 
 def _save(fig, path: Path) -> Path:
-    tmp = path.with_name(f".{path.name}.tmp")
-    fig.savefig(tmp, dpi=110, format="png")
-    tmp.replace(path)
+    with replacing(path) as tmp:
+        fig.savefig(tmp, dpi=110, format="png")
     return path
 
 

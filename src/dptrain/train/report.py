@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from dptrain.train.atomic import write_text_atomic
 from dptrain.train.metrics import format_line
 
 __all__ = ["RunLog", "summarize", "print_summary"]
@@ -93,9 +94,7 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
     if evals:
         summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
     summary["files"] = _listing(run_dir)
-    tmp = run_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2))
-    tmp.replace(run_dir / "summary.json")
+    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     summary["files"]["summary.json"] = (run_dir / "summary.json").stat().st_size
     return summary
 

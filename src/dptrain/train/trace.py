@@ -9,25 +9,39 @@ optimizer step; each gradient bucket's all-reduce is a span on a track of its ow
 spans that lie under the backward span were hidden; the ``wait for gradients`` span is
 what was not.
 
-Clocks: every rank takes its zero after a barrier at the start of training, so ranks
-line up to within the barrier's exit skew (tens of microseconds on one machine; more
-across machines). Recording costs a list append per span; only steps
-``[trace_start, trace_start + trace_steps)`` are recorded.
+Clocks (``trace_zero``): on one machine every process reads the same monotonic clock
+(``time.perf_counter``), so all ranks take rank 0's zero and line up exactly. Across
+machines each rank takes its own zero on leaving a barrier, so ranks line up to within
+the barrier's exit skew (between local processes, 2 ranks on 2 cores: 0.1-0.2 ms median,
+2-3 ms worst of 50, ``docs/repro/barrier_skew.py``; expect more over a network). Recording costs a list
+append per span; only steps ``[trace_start, trace_start + trace_steps)`` are recorded.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
+from dptrain.train.atomic import write_text_atomic
 from dptrain.train.metrics import StepTimes
 
-__all__ = ["TraceRecorder"]
+__all__ = ["TraceRecorder", "trace_zero"]
 
 _COMPUTE_TID = 0
 _BUCKET_TID0 = 10
+
+
+def trace_zero(single_host: bool, device: torch.device) -> float:
+    """Collective: this rank's ``perf_counter`` reading that the trace calls time zero."""
+    dist.barrier()
+    zero = torch.tensor([time.perf_counter()], dtype=torch.float64, device=device)
+    if single_host:  # one clock for all: rank 0's zero is everyone's
+        dist.broadcast(zero, src=0)
+    return float(zero.item())
 
 
 class TraceRecorder:
@@ -86,7 +100,5 @@ class TraceRecorder:
         if self.rank != 0:
             return False
         events = [e for rank_events in gathered for e in rank_events]
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
-        tmp.replace(path)
+        write_text_atomic(path, json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
         return True
