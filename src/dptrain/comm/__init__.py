@@ -1,0 +1,21 @@
+"""Collectives: the backend's, and dptrain's own ring, tree, naive and hierarchical algorithms.
+
+The bottom layer of dptrain. The strategies (DDP, ZeRO) call these free functions;
+the cost model in :mod:`dptrain.comm.cost` predicts what each algorithm costs, and
+``dptrain bench comm`` measures it. See docs/collectives.md.
+"""
+
+from dptrain.comm.collectives import (
+    ALGORITHMS,
+    CollectiveMismatchError,
+    all_gather,
+    all_reduce,
+    broadcast,
+    reduce_scatter,
+)
+from dptrain.comm.progress import Work
+from dptrain.comm.topology import node_groups, shard_bounds, shard_range
+from dptrain.comm.wire import Traffic
+
+__all__ = ["ALGORITHMS", "CollectiveMismatchError", "Traffic", "Work", "all_gather", "all_reduce",
+           "broadcast", "node_groups", "reduce_scatter", "shard_bounds", "shard_range"]
