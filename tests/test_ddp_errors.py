@@ -142,3 +142,18 @@ def test_a_changed_graph_with_bucket_views_is_refused_not_silently_wrong() -> No
         error = outcomes[2]
         assert error and ("'private.2." in error or "'shared." in error), error
         assert "received gradient piece" in error and "gradient_as_bucket_view=False" in error
+
+
+def _ddp_with_algorithm(rank: int, world_size: int, algorithms: list[str]) -> str:
+    try:
+        DistributedDataParallel(build("mlp"), algorithm=algorithms[rank])
+    except ValueError as error:
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+def test_an_unknown_or_mismatched_algorithm_is_refused_at_construction() -> None:
+    for error in run_on_ranks(_ddp_with_algorithm, 2, ["trees", "trees"], timeout=60):
+        assert "unknown algorithm 'trees' (did you mean 'tree'?)" in error
+    for error in run_on_ranks(_ddp_with_algorithm, 2, ["ring", "tree"], timeout=60):
+        assert "ReplicaMismatchError" in error and "option algorithm='ring' (nodes None) on rank 0 vs 'tree'" in error

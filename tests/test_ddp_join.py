@@ -26,12 +26,13 @@ def _batches(rank: int) -> int:
     return 2 + rank
 
 
-def _train_uneven(rank: int, world_size: int, model_name: str, how: str, divide_by_initial: bool) -> dict:
+def _train_uneven(rank: int, world_size: int, model_name: str, how: str, divide_by_initial: bool,
+                  algorithm: str = "native") -> dict:
     torch.manual_seed(0)
     reference = build(model_name)
     torch.manual_seed(0 if rank == 0 else rank + 50)
     local = build(model_name)
-    ddp = DistributedDataParallel(local, bucket_cap_mb=0.0004)
+    ddp = DistributedDataParallel(local, bucket_cap_mb=0.0004, algorithm=algorithm)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
     if how == "torch_join":
         context = Join([ddp], divide_by_initial_world_size=divide_by_initial)
@@ -68,6 +69,14 @@ def test_uneven_inputs_match_the_replayed_reference(how: str, divide_by_initial:
     for rank, result in enumerate(results):
         assert result["diff"] <= 1e-5, f"rank {rank} differs from the reference by {result['diff']}"
         assert torch.equal(result["state"], results[0]["state"]), f"rank {rank} left Join unsynchronised"
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+def test_joined_ranks_shadow_reductions_with_dptrains_own_algorithms(algorithm: str) -> None:
+    results = run_on_ranks(_train_uneven, 3, "mlp", "ddp_join", False, algorithm)
+    for rank, result in enumerate(results):
+        assert result["diff"] <= 1e-5, f"{algorithm}: rank {rank} differs from the reference by {result['diff']}"
+        assert torch.equal(result["state"], results[0]["state"])
 
 
 def _train_uneven_batchnorm(rank: int, world_size: int) -> dict:

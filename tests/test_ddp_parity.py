@@ -74,6 +74,18 @@ CASES = {
     "no_sync_accumulation": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}, accum=3),
     "no_sync_accumulation_batchnorm": Case("bn", {"bucket_cap_mb": TINY_BUCKETS}, reference="per_replica",
                                            accum=2),
+    # Buckets all-reduced by dptrain's own algorithms (dptrain.comm) instead of the backend's.
+    "algorithm_ring": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "algorithm": "ring"}),
+    "algorithm_tree": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "algorithm": "tree"}),
+    "algorithm_naive": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "algorithm": "naive"}),
+    "algorithm_hierarchical": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS, "algorithm": "hierarchical",
+                                           "nodes": "two_per_node"}),
+    "algorithm_ring_unused_on_some_ranks": Case("branchy", {"bucket_cap_mb": TINY_BUCKETS, "algorithm": "ring",
+                                                            "find_unused_parameters": True},
+                                                reference="per_replica", branch="one_rank"),
+    "algorithm_tree_checkpoint_dynamic": Case("ckpt_reentrant", {"bucket_cap_mb": TINY_BUCKETS, "algorithm": "tree",
+                                                                 "find_unused_parameters": True},
+                                              dynamic_segments=True),
     "naive": Case("mlp", wrapper="naive"),
     "naive_unused_on_some_ranks": Case("branchy", reference="per_replica", branch="one_rank", wrapper="naive"),
 }
@@ -95,10 +107,13 @@ def _micro_slice(case: Case, k: int, replica: int, world_size: int) -> slice:
     return slice(start, start + MICRO)
 
 
-def _wrap(case: Case, module: torch.nn.Module):
+def _wrap(case: Case, module: torch.nn.Module, world_size: int):
     if case.wrapper == "naive":
         return NaiveDataParallel(module)
-    return DistributedDataParallel(module, **case.ddp)
+    kwargs = dict(case.ddp)
+    if kwargs.get("nodes") == "two_per_node":
+        kwargs["nodes"] = 2 if world_size % 2 == 0 else 1
+    return DistributedDataParallel(module, **kwargs)
 
 
 def _dp_step(case, model, opt, x, y, rank, world_size, step) -> None:
@@ -147,7 +162,7 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict:
         reference = build(case.model)
         torch.manual_seed(0 if rank == 0 else 100 + rank)  # others differ: DDP must broadcast rank 0's
         local = build(case.model)
-        model = _wrap(case, local)
+        model = _wrap(case, local, world_size)
         opt = make_optimizer(opt_kind, model.parameters())
         ref_opt = make_optimizer(opt_kind, reference.parameters())
         errors[opt_kind] = []

@@ -11,6 +11,7 @@ from dptrain.comm.collectives import (
     all_gather,
     all_reduce,
     broadcast,
+    check_algorithm,
     reduce_scatter,
 )
 from dptrain.comm.progress import Work
@@ -18,4 +19,4 @@ from dptrain.comm.topology import node_groups, shard_bounds, shard_range
 from dptrain.comm.wire import Traffic
 
 __all__ = ["ALGORITHMS", "CollectiveMismatchError", "Traffic", "Work", "all_gather", "all_reduce",
-           "broadcast", "node_groups", "reduce_scatter", "shard_bounds", "shard_range"]
+           "broadcast", "check_algorithm", "node_groups", "reduce_scatter", "shard_bounds", "shard_range"]

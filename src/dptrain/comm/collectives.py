@@ -45,7 +45,7 @@ from dptrain.comm.progress import Work, progress_thread
 from dptrain.comm.topology import Range, Team, node_groups, shard_bounds
 from dptrain.comm.wire import Traffic, Wire
 
-__all__ = ["ALGORITHMS", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+__all__ = ["ALGORITHMS", "check_algorithm", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "CollectiveMismatchError"]
 
 ALGORITHMS = ("native", "ring", "tree", "naive", "hierarchical")
@@ -195,7 +195,7 @@ class _Call:
     world_size: int
     rank: int
     nodes: list[tuple[int, ...]] | None
-    nodes_problem: str | None
+    nodes_problem: str | None  # an unknown algorithm, or nodes= that do not fit
     wire: Wire
 
     @classmethod
@@ -204,14 +204,11 @@ class _Call:
         group = group if group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         groups, problem = None, None
-        if algorithm == "hierarchical":
-            try:
-                if nodes is None:
-                    raise ValueError("algorithm='hierarchical' needs nodes=: the ranks per node "
-                                     "(LOCAL_WORLD_SIZE under torchrun) or an explicit grouping")
-                groups = node_groups(world_size, nodes)
-            except ValueError as error:
-                problem = str(error)
+        try:
+            check_algorithm(algorithm, nodes, world_size)
+            groups = node_groups(world_size, nodes) if algorithm == "hierarchical" else None
+        except ValueError as error:
+            problem = str(error)
         return cls(kind, algorithm, group, world_size, rank, groups, problem, Wire(group, traffic))
 
     @property
@@ -221,7 +218,7 @@ class _Call:
     def agree(self, validate: bool, tensor: torch.Tensor, op: str, *, problem: str | None,
               src: int = 0) -> None:
         """Check this rank's arguments and, with ``validate``, that every rank's agree."""
-        problem = _algorithm_problem(self.algorithm) or self.nodes_problem or problem
+        problem = self.nodes_problem or problem
         if validate and self.world_size > 1:
             _agree_across_ranks(self, tensor, op, src, problem)
         if problem:
@@ -242,6 +239,21 @@ class _Call:
 
 
 # ------------------------------------------------------------------ argument checks
+
+
+def check_algorithm(algorithm: str, nodes: int | Sequence[Sequence[int]] | None, world_size: int) -> None:
+    """Raise ValueError unless ``algorithm`` (and, for hierarchical, ``nodes``) can run on ``world_size``.
+
+    For callers that pick an algorithm once (the DDP engine, the trainer's config).
+    """
+    problem = _algorithm_problem(algorithm)
+    if problem:
+        raise ValueError(problem)
+    if algorithm == "hierarchical":
+        if nodes is None:
+            raise ValueError("algorithm='hierarchical' needs nodes=: the ranks per node (LOCAL_WORLD_SIZE "
+                             "under torchrun) or an explicit grouping")
+        node_groups(world_size, nodes)
 
 
 def _op_name(op: str | dist.ReduceOp) -> str:

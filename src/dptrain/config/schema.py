@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from dptrain.comm.collectives import ALGORITHMS
+
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
     """A config field: its default, what it means, and (optionally) its allowed values."""
@@ -83,6 +85,10 @@ class DDPConfig:
     find_unused_parameters: bool = opt(False, "allow parameters that get no gradient on some steps")
     static_graph: bool = opt(False, "the set of used parameters never changes")
     timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
+    algorithm: str = opt("native", "all-reduce algorithm for gradient buckets: the backend's (native) or "
+                         "dptrain's own ring, tree, naive, hierarchical (docs/collectives.md)",
+                         choices=ALGORITHMS)
+    ranks_per_node: int = opt(0, "ranks per node for the hierarchical algorithm; 0 uses the local world size")
 
 
 @dataclass

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
+from dptrain.comm import check_algorithm
 from dptrain.ddp.autograd import iter_tensors, map_tensors, on_backward_reaching
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
@@ -75,6 +76,17 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
       copy in and out and one gradient-sized buffer of memory.
     - ``static_graph``: the set of used parameters never changes; learned on the first
       step, then no graph walk is needed.
+
+    dptrain's own arguments:
+
+    - ``algorithm``: how buckets are all-reduced, one of :data:`dptrain.comm.ALGORITHMS`:
+      ``"native"`` (the backend's all-reduce, default), or dptrain's ``"ring"``,
+      ``"tree"``, ``"naive"`` or ``"hierarchical"`` (see :mod:`dptrain.comm`). Each
+      bucket is launched asynchronously through it, so overlap with backward is kept.
+      A registered communication hook replaces it (a hook may call
+      ``dptrain.comm.all_reduce(..., algorithm=...)`` itself).
+    - ``nodes``: for ``"hierarchical"``, ranks per node (the local world size) or an
+      explicit grouping of group ranks.
     """
 
     def __init__(
@@ -91,6 +103,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         check_reduction: bool = False,
         gradient_as_bucket_view: bool = False,
         static_graph: bool = False,
+        algorithm: str = "native",
+        nodes: int | Sequence[Sequence[int]] | None = None,
         **unsupported: Any,
     ):
         super().__init__()
@@ -98,6 +112,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         _check_arguments(unsupported, bucket_cap_mb, device_ids)
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
+        check_algorithm(algorithm, nodes, dist.get_world_size(self.process_group))
+        self.algorithm, self.nodes = algorithm, nodes
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
         self.dim = dim
@@ -113,7 +129,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
 
         named = _trainable_parameters(module)
         self.device = _module_device(module)
-        self._check_replicas(named)
+        self._check_replicas(named, [("option", "algorithm", algorithm, repr(nodes), False)])
         self._param_names = [name for name, _ in named]
         params = [p for _, p in named]
         if init_sync:  # every parameter, frozen ones too, and every buffer
@@ -125,11 +141,13 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
             gradient_as_bucket_view=gradient_as_bucket_view,
             find_unused_parameters=find_unused_parameters,
             static_graph=static_graph,
+            algorithm=algorithm,
+            nodes=nodes,
         )
 
-    def _check_replicas(self, named: list[tuple[str, nn.Parameter]]) -> None:
+    def _check_replicas(self, named: list[tuple[str, nn.Parameter]], options: list[tuple]) -> None:
         # Collective first: a rank whose model differs must fail together with the rest.
-        signature = tensor_signature(self.module.named_parameters(), "parameter")
+        signature = options + tensor_signature(self.module.named_parameters(), "parameter")
         signature += tensor_signature(self.module.named_buffers(), "buffer")
         verify_replicas(signature, self.process_group, self.device)
         if not named:

@@ -36,11 +36,12 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from dptrain import comm
 from dptrain.ddp.arrivals import GradientArrivals
 from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, copy_into_slice
@@ -110,8 +111,12 @@ class Reducer:
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
+        algorithm: str = "native",
+        nodes: int | Sequence[Sequence[int]] | None = None,
     ):
         self.params = params
+        self.algorithm = algorithm    # how buckets are all-reduced without a hook (dptrain.comm)
+        self.nodes = nodes
         self.names = names
         self.process_group = process_group
         self.comm_hook = comm_hook    # None: the built-in averaging all-reduce
@@ -309,10 +314,21 @@ class Reducer:
         self._stats.bucket_spans.append(span)
         if self.comm_hook is not None:
             return _Timed(self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer)), span)
+        if self.algorithm != "native":
+            return _Timed(self._all_reduce(bucket.buffer), span)
         work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
         if self.record_spans:
             work.get_future().add_done_callback(lambda _: _stamp(span))
         return _Timed(_WorkHandle(work, bucket.buffer), span)
+
+    def _all_reduce(self, buffer: torch.Tensor) -> ReduceHandle:
+        """Sum ``buffer`` across ranks asynchronously with the configured algorithm."""
+        if self.algorithm == "native":
+            return _WorkHandle(dist.all_reduce(buffer, group=self.process_group, async_op=True), buffer)
+        # Buckets have the same size and dtype on every rank by construction (the replicas
+        # were verified), so the agreement round trip is skipped.
+        return comm.all_reduce(buffer, algorithm=self.algorithm, group=self.process_group,
+                               nodes=self.nodes, async_op=True, validate=False)
 
     def _copy_in(self, index: int) -> None:
         """Fill parameter ``index``'s bucket slice (when ready, or at launch if it never got a gradient)."""
@@ -390,7 +406,7 @@ class Reducer:
             if self.comm_hook is not None:
                 handles.append(self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)))
             else:
-                handles.append(dist.all_reduce(zeros, group=self.process_group, async_op=True))
+                handles.append(self._all_reduce(zeros))
         for handle in handles:
             handle.wait()
         _, late, _ = self.arrivals.exchange(self.process_group, [False] * len(self.buckets), zeros=True)
@@ -403,7 +419,7 @@ class Reducer:
                 if self.comm_hook is not None:
                     self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)).wait()
                 else:
-                    dist.all_reduce(zeros, group=self.process_group)
+                    self._all_reduce(zeros).wait()
 
 
 def _stamp(span: list) -> None:
@@ -422,6 +438,9 @@ class _Timed:
 
     def wait(self) -> torch.Tensor:
         result = self.handle.wait()
+        done = getattr(self.handle, "completed_at", None)  # dptrain.comm's handles know it exactly
+        if done is not None and self.span[2] is None:
+            self.span[2] = done
         _stamp(self.span)
         return result
 

@@ -67,6 +67,8 @@ def _describe_entry(a: tuple | None, b: tuple | None) -> str:
         side = "rank 0 has" if a else "rank 0 lacks"
         return f"{present[0]} {present[1]!r}: {side} it, the other does not"
     kind, name = a[0], a[1]
+    if kind == "option":
+        return f"option {name}={a[2]!r} (nodes {a[3]}) on rank 0 vs {b[2]!r} (nodes {b[3]})"
     if a[1] != b[1]:
         return f"{kind} #{name!r} vs {b[1]!r}: names differ (modules registered in a different order?)"
     fields = [("shape", 2), ("dtype", 3), ("requires_grad", 4)]

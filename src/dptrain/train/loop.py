@@ -77,7 +77,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
     optimizer = build_optimizer(model, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas), t.momentum)
     ddp_kwargs = dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb, gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
-                      find_unused_parameters=cfg.ddp.find_unused_parameters, static_graph=cfg.ddp.static_graph)
+                      find_unused_parameters=cfg.ddp.find_unused_parameters, static_graph=cfg.ddp.static_graph,
+                      algorithm=cfg.ddp.algorithm, nodes=cfg.ddp.ranks_per_node or env.local_world_size)
     engine = Engine(model, optimizer, plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
                     ddp_kwargs=ddp_kwargs)

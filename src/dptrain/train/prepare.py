@@ -53,6 +53,7 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     if all(v is None for v in sizes):
         sizes = (DEFAULT_GLOBAL_BATCH, None, None)
     plan = BatchPlan.resolve(world_size, *sizes)
+    _check_nodes(cfg, world_size)
     try:
         task = build_task(cfg)
     except ValueError as e:
@@ -98,6 +99,14 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
+
+
+def _check_nodes(cfg: RunConfig, world_size: int) -> None:
+    per_node = cfg.ddp.ranks_per_node
+    if per_node < 0 or (per_node and world_size % per_node):
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"ddp.ranks_per_node={per_node} does not divide the world size {world_size}; "
+                          f"choose one of {divisors} (or 0 for the local world size)")
 
 
 def _check_model_builds(task: Task, cfg: RunConfig) -> None:
