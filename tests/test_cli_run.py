@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
+from _cli import dptrain, tiny_gpt_config
 from safetensors.torch import load_file
 
-from _cli import dptrain, tiny_gpt_config
 from dptrain.config import load_config
 from dptrain.train.checkpoint import load_checkpoint
 

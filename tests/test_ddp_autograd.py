@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 import torch
+from _models import IN, build, global_batch, loss_fn, max_relative_diff
 from torch import nn
 
-from _models import IN, build, global_batch, loss_fn, max_relative_diff
 from dptrain import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from _models import Branchy, build, global_batch, loss_fn
 from torch import nn
 
-from _models import Branchy, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel, ReplicaMismatchError, UnusedParametersError
 from dptrain.testing import RankFailedError, run_on_ranks
 

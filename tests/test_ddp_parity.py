@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-
 from _models import build, flat_state, global_batch, loss_fn, make_optimizer, max_relative_diff
+
 from dptrain import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 

@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
-from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
 from dptrain import DistributedDataParallel
 from dptrain.testing import run_on_ranks
 

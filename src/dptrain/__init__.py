@@ -12,10 +12,6 @@ The public surface a training script needs::
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.data.sampler import DistributedSampler
-from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
-from dptrain.train.engine import Engine, StepInfo
-from dptrain.train.loader import ShardedLoader
-from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.ddp import (
     DistributedDataParallel,
     GradBucket,
@@ -24,6 +20,10 @@ from dptrain.ddp import (
     UnusedParametersError,
     allreduce_hook,
 )
+from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
+from dptrain.train.engine import Engine, StepInfo
+from dptrain.train.loader import ShardedLoader
+from dptrain.train.schedule import scaled_lr, warmup_cosine
 
 DDP = DistributedDataParallel
 
