@@ -1,9 +1,9 @@
 """Point-to-point transport for dptrain's own collectives, with a byte count.
 
 Every algorithm moves data only through :meth:`Wire.exchange`: post a round's sends and
-receives together with ``torch.distributed.batch_isend_irecv`` (NCCL needs them posted
-as one group to avoid send/send deadlocks; gloo posts them one by one), then wait for
-all of them. Messages between a pair of ranks match in the order they are posted, so
+receives together (as one ``torch.distributed.batch_isend_irecv`` group on NCCL, which
+needs that to avoid send/send deadlocks; one by one on gloo), then wait for all of
+them. Messages between a pair of ranks match in the order they are posted, so
 the algorithms only need to post in the same order on both sides. Empty tensors are
 never sent: both sides compute the same sizes and skip them alike.
 
@@ -45,15 +45,22 @@ class Wire:
     def __init__(self, group: dist.ProcessGroup | None, traffic: Traffic | None = None):
         self.group = group
         self.traffic = traffic
+        # NCCL must see a round's sends and receives as one group (or paired sends
+        # deadlock); for gloo the grouping only adds overhead (about 1 ms a round here).
+        self._batched = dist.get_backend(group) == "nccl"
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]] = (),
                  recvs: list[tuple[int, torch.Tensor]] = ()) -> None:
         """One round: send each ``(peer, tensor)`` in ``sends``, fill each in ``recvs``; wait."""
-        ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p) for p, t in sends if t.numel()]
-        ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p) for p, t in recvs if t.numel()]
+        ops = [(dist.isend, p, t) for p, t in sends if t.numel()] + [(dist.irecv, p, t) for p, t in recvs if t.numel()]
         if not ops:
             return
-        for work in dist.batch_isend_irecv(ops):
+        if self._batched:
+            works = dist.batch_isend_irecv([dist.P2POp(op, t, group=self.group, group_peer=p) for op, p, t in ops])
+        else:
+            works = [dist.isend(t, group=self.group, group_dst=p) if op is dist.isend
+                     else dist.irecv(t, group=self.group, group_src=p) for op, p, t in ops]
+        for work in works:
             work.wait()
         if self.traffic is not None:
             self._count(sends)

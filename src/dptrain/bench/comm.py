@@ -1,0 +1,270 @@
+"""Benchmark: every collective algorithm over a sweep of message sizes, against the cost model.
+
+One run, all algorithms interleaved: for each size, each repetition runs every algorithm
+once in an order shuffled anew (the same on every rank), so a slow phase of a shared
+machine hits all algorithms alike. A measurement is the slowest rank's time for
+``iters`` back-to-back calls after a barrier, divided by ``iters`` (many iterations for
+small messages, where one call is shorter than the barrier's skew across ranks).
+
+Reported, with nccl-tests' definitions: time, algbw = bytes / time, busbw = algbw x
+(2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter and all-gather, 1 for broadcast).
+
+The cost model is checked, not tuned: α and β are fitted to a *different* measurement,
+a point-to-point exchange with the ring neighbours over the same sizes (the round every
+algorithm is made of), and γ to a local add; the model then predicts every algorithm's
+time, printed beside the measured one. Each algorithm's own effective (α, β) is fitted
+too, and all of it goes to JSON for the planner.
+
+    dptrain bench comm --world-size 2            # or: python -m dptrain.bench.comm
+    dptrain bench comm --world-size 4 --max-size 1M --collectives all_reduce
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dptrain import comm
+from dptrain.bench.stats import bootstrap_ci
+from dptrain.comm.cost import Link, busbw_factor, collective_cost
+from dptrain.comm.fit import fit_gamma, fit_link
+from dptrain.comm.wire import Wire
+from dptrain.testing import run_on_ranks
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+ITEMSIZE = 4  # float32
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    text = text.strip().upper().removesuffix("IB").removesuffix("B")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def human(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:g} {unit}"
+    return f"{nbytes} B"
+
+
+def iterations(nbytes: int) -> int:
+    """Calls per measurement: enough that one measurement moves about 4 MiB (at most 50)."""
+    return max(1, min(50, (4 << 20) // max(nbytes, 1)))
+
+
+# --------------------------------------------------------------------- on each rank
+
+
+def _timed(fn, iters: int) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters
+
+
+def _call(collective: str, algorithm: str, x: torch.Tensor, out: torch.Tensor, nodes, validate: bool) -> None:
+    kw = dict(algorithm=algorithm, nodes=nodes, validate=validate)
+    if collective == "all_reduce":
+        comm.all_reduce(x, **kw)
+    elif collective == "reduce_scatter":
+        comm.reduce_scatter(out, x, **kw)
+    elif collective == "all_gather":
+        comm.all_gather(x, out, **kw)
+    else:
+        comm.broadcast(x, 0, **kw)
+
+
+def _exchange_times(rank: int, world_size: int, sizes: list[int], reps: int) -> dict[int, list[float]]:
+    """One point-to-point round with the ring neighbours: send right, receive from the left."""
+    wire, times = Wire(None), {s: [] for s in sizes}
+    right, left = (rank + 1) % world_size, (rank - 1) % world_size
+    for _ in range(reps):
+        for size in sizes:
+            a, b = torch.ones(size // ITEMSIZE), torch.empty(size // ITEMSIZE)
+            times[size].append(_timed(lambda: wire.exchange([(right, a)], [(left, b)]), iterations(size)))
+    return times
+
+
+def _add_times(sizes: list[int], reps: int) -> dict[int, list[float]]:
+    times = {s: [] for s in sizes}
+    for _ in range(reps):
+        for size in sizes:
+            a, b = torch.ones(size // ITEMSIZE), torch.ones(size // ITEMSIZE)
+            iters = iterations(size)
+            start = time.perf_counter()
+            for _ in range(iters):
+                a.add_(b)
+            times[size].append((time.perf_counter() - start) / iters)
+    return times
+
+
+def _sweep(rank: int, world_size: int, cfg: dict) -> dict:
+    torch.set_num_threads(1)
+    nodes = cfg["nodes"]
+    out = {"exchange": _exchange_times(rank, world_size, cfg["sizes"], cfg["reps_small"]),
+           "add": _add_times(cfg["sizes"], cfg["reps_small"]), "times": {}}
+    for collective in cfg["collectives"]:
+        for size in cfg["sizes"]:
+            numel = size // ITEMSIZE
+            a, b = comm.shard_range(numel, world_size, rank)
+            x, shard = torch.ones(numel), torch.ones(b - a)
+            for algorithm in cfg["algorithms"]:  # warm-up, and the one call that checks agreement
+                _call(collective, algorithm, x, shard, nodes, validate=True)
+            reps = cfg["reps_large"] if size >= (4 << 20) else cfg["reps_small"]
+            for rep in range(reps):
+                order = list(cfg["algorithms"])
+                random.Random(f"{collective}|{size}|{rep}").shuffle(order)  # same order on every rank
+                for algorithm in order:
+                    x.fill_(1.0)
+                    dt = _timed(lambda: _call(collective, algorithm, x, shard, nodes, False), iterations(size))
+                    out["times"].setdefault(f"{collective}|{algorithm}|{size}", []).append(dt)
+    # The slowest rank's time, measurement by measurement.
+    keys = sorted(out["times"])
+    flat = torch.tensor([t for k in keys for t in out["times"][k]], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MAX)
+    i = 0
+    for k in keys:
+        n = len(out["times"][k])
+        out["times"][k] = flat[i:i + n].tolist()
+        i += n
+    return out
+
+
+# --------------------------------------------------------------------- analysis
+
+
+def run(world_size: int, sizes: list[int], algorithms: list[str], collectives: list[str], nodes,
+        reps_small: int, reps_large: int) -> dict:
+    cfg = dict(sizes=sizes, algorithms=algorithms, collectives=collectives, nodes=nodes,
+               reps_small=reps_small, reps_large=reps_large)
+    per_rank = run_on_ranks(_sweep, world_size, cfg, timeout=7200)
+    exchange = {s: statistics.median(max(r["exchange"][s][i] for r in per_rank) for i in range(reps_small))
+                for s in sizes}
+    add = {s: statistics.median(per_rank[0]["add"][s]) for s in sizes}
+    link = fit_link([1] * len(sizes), sizes, [exchange[s] for s in sizes])
+    link = Link(link.alpha, link.beta, gamma=fit_gamma(sizes, [add[s] for s in sizes]))
+    rows, times = [], per_rank[0]["times"]
+    for key, samples in times.items():
+        collective, algorithm, size = key.split("|")
+        size = int(size)
+        cost = collective_cost(collective, algorithm, size // ITEMSIZE, ITEMSIZE, world_size, nodes=nodes)
+        median = statistics.median(samples)
+        algbw = size / median
+        rows.append(dict(collective=collective, algorithm=algorithm, bytes=size, median_s=median,
+                         samples_s=samples, algbw_GBps=algbw / 1e9,
+                         busbw_GBps=algbw * busbw_factor(collective, world_size) / 1e9,
+                         predicted_s=cost.predict(link), rounds=cost.steps(),
+                         critical_bytes=sum(r.nbytes for r in cost.rounds)))
+    return {
+        "config": dict(world_size=world_size, nodes=nodes, dtype="float32", backend="gloo",
+                       reps_small=reps_small, reps_large=reps_large, torch=torch.__version__,
+                       cpus=os.cpu_count(), machine=platform.machine()),
+        "link": dict(alpha_s=link.alpha, beta_Bps=link.beta, gamma_s_per_B=link.gamma,
+                     fitted_from="point-to-point exchange with ring neighbours (alpha, beta); local add (gamma)"),
+        "exchange_s": exchange,
+        "per_algorithm_fit": _per_algorithm_fit(rows),
+        "ring_vs_native": _paired(times, "ring", "native", [s for s in sizes if s >= (16 << 20)]),
+        "tree_vs_ring": _paired(times, "tree", "ring", [s for s in sizes if s <= (64 << 10)]),
+        "rows": rows,
+    }
+
+
+def _per_algorithm_fit(rows: list[dict]) -> dict:
+    fits = {}
+    for key in sorted({(r["collective"], r["algorithm"]) for r in rows}):
+        mine = [r for r in rows if (r["collective"], r["algorithm"]) == key and r["rounds"]]
+        if len({r["bytes"] for r in mine}) >= 2:
+            link = fit_link([r["rounds"] for r in mine], [r["critical_bytes"] for r in mine],
+                            [r["median_s"] for r in mine])
+            fits["|".join(key)] = dict(alpha_s=link.alpha, beta_Bps=link.beta)
+    return fits
+
+
+def _paired(times: dict, ours: str, theirs: str, sizes: list[int]) -> dict:
+    """Per size, per repetition ratio ours/theirs (interleaved in the same repetition)."""
+    out = {}
+    for key in times:
+        collective, algorithm, size = key.split("|")
+        other = f"{collective}|{theirs}|{size}"
+        if algorithm == ours and int(size) in sizes and other in times:
+            paired = [a / b for a, b in zip(times[key], times[other])]
+            out[f"{collective}|{size}"] = dict(median=statistics.median(paired), ci90=bootstrap_ci(paired),
+                                               per_rep=paired)
+    return out
+
+
+def to_markdown(result: dict) -> str:
+    cfg, link = result["config"], result["link"]
+    rows = result["rows"]
+    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    lines = [f"World size {cfg['world_size']}, gloo, float32, nodes={cfg['nodes']}, torch {cfg['torch']}, "
+             f"{cfg['cpus']} CPUs. Link fitted from a point-to-point exchange: α = {link['alpha_s'] * 1e6:.1f} µs, "
+             f"β = {link['beta_Bps'] / 1e9:.2f} GB/s, γ = {link['gamma_s_per_B'] * 1e12:.0f} ps/B (local add)."]
+    for collective in dict.fromkeys(r["collective"] for r in rows):
+        lines += ["", f"**{collective}**: measured ms (model ms) and busbw GB/s", "",
+                  "| size | " + " | ".join(algorithms) + " |", "|---|" + "---:|" * len(algorithms)]
+        for size in sorted({r["bytes"] for r in rows}):
+            cells = []
+            for algorithm in algorithms:
+                r = next((r for r in rows if (r["collective"], r["algorithm"], r["bytes"]) ==
+                          (collective, algorithm, size)), None)
+                cells.append("" if r is None else f"{r['median_s'] * 1e3:.3g} ({r['predicted_s'] * 1e3:.3g}) "
+                             f"{r['busbw_GBps']:.2f}")
+            lines.append(f"| {human(size)} | " + " | ".join(cells) + " |")
+    for title, key in (("ring / native (same repetition)", "ring_vs_native"),
+                       ("tree / ring (same repetition)", "tree_vs_ring")):
+        if result[key]:
+            lines += ["", f"| {title} | median | 90% interval |", "|---|---:|---:|"]
+            for name, r in result[key].items():
+                collective, size = name.split("|")
+                lines.append(f"| {collective} {human(int(size))} | {r['median']:.3f} | "
+                             f"{r['ci90'][0]:.3f} - {r['ci90'][1]:.3f} |")
+    big = [r for r in rows if r["bytes"] >= (1 << 20) and r["algorithm"] != "native"]
+    if big:
+        errors = [abs(r["median_s"] / r["predicted_s"] - 1) for r in big]
+        lines += ["", f"Model vs measured at >= 1 MiB (dptrain's algorithms, {len(big)} cells): median "
+                  f"|error| {statistics.median(errors):.0%}, worst {max(errors):.0%}."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--min-size", default="4K")
+    parser.add_argument("--max-size", default="64M")
+    parser.add_argument("--algorithms", nargs="+", default=None,
+                        help="default: native ring tree naive, and hierarchical with --nodes")
+    parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
+    parser.add_argument("--nodes", type=int, default=None, help="ranks per node for the hierarchical algorithm")
+    parser.add_argument("--reps", type=int, default=12, help="repetitions per size below 4 MiB")
+    parser.add_argument("--reps-large", type=int, default=6, help="repetitions per size from 4 MiB")
+    parser.add_argument("--out", type=Path, default=None, help="default bench_results/comm_ws<N>.json")
+    a = parser.parse_args(argv)
+    sizes, size = [], parse_size(a.min_size)
+    while size <= parse_size(a.max_size):
+        sizes.append(size)
+        size *= 4
+    algorithms = a.algorithms or ["native", "ring", "tree", "naive"] + (["hierarchical"] if a.nodes else [])
+    for algorithm in algorithms:
+        comm.check_algorithm(algorithm, a.nodes, a.world_size)
+    result = run(a.world_size, sizes, algorithms, a.collectives, a.nodes, a.reps, a.reps_large)
+    out = a.out or Path(f"bench_results/comm_ws{a.world_size}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(to_markdown(result))
+    print(f"\nresults: {out}")
+
+
+if __name__ == "__main__":
+    main()
