@@ -101,29 +101,30 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *
         _op_problem(op, input) or _tensor_problem(call, "input", input)
         or _tensor_problem(call, "output", output) or _dtype_problem(output, input)
         or _size_problem("output", output, b - a, input.numel(), call)))
-    x = input.detach().reshape(-1).clone()
-    result = x[a:b]  # where this rank's shard ends up
+    flat_in = input.detach().reshape(-1)  # a view when contiguous: read, never written
+    out = _flat(output)
 
-    def run() -> None:
+    def run() -> None:  # on the progress thread: the working copy lives in its workspace
+        x = call.wire.scratch(flat_in.numel(), flat_in.dtype, flat_in.device, slot=2)
+        x.copy_(flat_in)
         if algorithm == "hierarchical":
             hierarchical.reduce_scatter(call.wire, call.nodes, call.rank, x, shards)
         else:
             _FLAT[algorithm].reduce_scatter(call.wire, call.team, x, [[s] for s in shards])
+        out.copy_(x[a:b])
 
     def finish() -> torch.Tensor:
         if op == "avg":
-            result.div_(call.world_size)
-        output.copy_(result.view_as(output))
-        return output
+            out.div_(call.world_size)
+        return _write_back(output, out)
 
     def native() -> dist.Work:
-        nonlocal result
-        if x.numel() % call.world_size == 0:  # the backend's reduce-scatter wants equal shards
-            result = x.new_empty(b - a)
-            return dist.reduce_scatter_single(result, x, group=call.group, async_op=True)
-        return dist.all_reduce(x, group=call.group, async_op=True)
+        if flat_in.numel() % call.world_size == 0:  # the backend's reduce-scatter wants equal shards
+            return dist.reduce_scatter_single(out, flat_in.contiguous(), group=call.group, async_op=True)
+        x = flat_in.clone()
+        return _then(dist.all_reduce(x, group=call.group, async_op=True), lambda: out.copy_(x[a:b]))
 
-    return call.launch(async_op, x.numel(), run, finish, native=native)
+    return call.launch(async_op, flat_in.numel(), run, finish, native=native, alone=lambda: out.copy_(flat_in[a:b]))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "native",
@@ -225,13 +226,18 @@ class _Call:
             raise ValueError(f"{self.kind} on rank {self.rank}: {problem}")
 
     def launch(self, async_op: bool, numel: int, run: Callable[[], None], finish: Callable[[], torch.Tensor],
-               native: Callable[[], dist.Work]) -> Work | None:
+               native: Callable[[], dist.Work], alone: Callable[[], object] | None = None) -> Work | None:
+        """Start the collective: ``alone`` runs instead when there is nothing to communicate."""
         if self.world_size == 1 or numel == 0:
+            if alone is not None:
+                alone()
             work = Work.completed(finish)
         elif self.algorithm == "native":
             work = Work(finish, backend_work=native())
         else:
-            work = progress_thread(self.group).submit(run, finish)
+            thread = progress_thread(self.group)
+            self.wire.workspace = thread.workspace
+            work = thread.submit(run, finish)
         if async_op:
             return work
         work.wait()
@@ -351,6 +357,21 @@ def _decode(field: str, value: int) -> str:
 
 
 # ------------------------------------------------------------------ buffers
+
+
+class _then:
+    """A backend work followed by a local step, run on ``wait()`` (before the handle's finish)."""
+
+    def __init__(self, work: dist.Work, after: Callable[[], object]):
+        self.work, self.after = work, after
+
+    def wait(self) -> bool:
+        self.work.wait()
+        self.after()
+        return True
+
+    def get_future(self):
+        return self.work.get_future()
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,13 @@ __all__ = ["LOW_PRECISION", "accumulator", "finish", "split", "views"]
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def accumulator(x: torch.Tensor) -> torch.Tensor:
+def accumulator(x: torch.Tensor, wire) -> torch.Tensor:
     """A buffer to sum into, starting from ``x``: an fp32 copy for half types, else ``x`` itself."""
-    return x.float() if x.dtype in LOW_PRECISION else x
+    if x.dtype not in LOW_PRECISION:
+        return x
+    acc = wire.scratch(x.numel(), torch.float32, x.device, slot=1)
+    acc.copy_(x)
+    return acc
 
 
 def finish(acc: torch.Tensor, x: torch.Tensor) -> None:

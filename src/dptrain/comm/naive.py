@@ -21,30 +21,37 @@ def _peers(team: Team) -> list[int]:
     return [i for i in range(team.size) if i != team.me]
 
 
-def _sum_in_order(x: torch.Tensor, mine: int, incoming: dict[int, torch.Tensor], n: int) -> None:
+def _incoming(wire: Wire, team: Team, numel: int, like: torch.Tensor) -> dict[int, torch.Tensor]:
+    """One receive buffer of ``numel`` per peer, carved from one scratch buffer."""
+    peers = _peers(team)
+    flat = wire.scratch(numel * len(peers), like.dtype, like.device)
+    return {i: flat[k * numel:(k + 1) * numel] for k, i in enumerate(peers)}
+
+
+def _sum_in_order(wire: Wire, x: torch.Tensor, mine: int, incoming: dict[int, torch.Tensor], n: int) -> None:
     """``x`` = sum over members 0..n-1 of their contribution (``x`` itself for ``mine``)."""
     parts = [x if i == mine else incoming[i] for i in range(n)]
-    acc = accumulator(parts[0])  # x itself for fp32 when x comes first: summed in place
+    acc = accumulator(parts[0], wire)  # x itself for fp32 when x comes first: summed in place
     for part in parts[1:]:
         acc.add_(part)
     finish(acc, x)
 
 
 def all_reduce(wire: Wire, team: Team, x: torch.Tensor) -> None:
-    incoming = {i: torch.empty_like(x) for i in _peers(team)}
+    incoming = _incoming(wire, team, x.numel(), x)
     wire.exchange(sends=[(team.rank_of(i), x) for i in incoming],
                   recvs=[(team.rank_of(i), t) for i, t in incoming.items()])
-    _sum_in_order(x, team.me, incoming, team.size)
+    _sum_in_order(wire, x, team.me, incoming, team.size)
 
 
 def reduce_scatter(wire: Wire, team: Team, x: torch.Tensor, blocks: list[list[Range]]) -> None:
     mine = blocks[team.me]
     own = torch.cat(views(x, mine)) if len(mine) != 1 else x[slice(*mine[0])]
-    incoming = {i: torch.empty_like(own) for i in _peers(team)}
+    incoming = _incoming(wire, team, own.numel(), x)
     sends = [(team.rank_of(i), v) for i in incoming for v in views(x, blocks[i])]
     recvs = [(team.rank_of(i), v) for i, t in incoming.items() for v in split(t, mine)]
     wire.exchange(sends, recvs)
-    _sum_in_order(own, team.me, incoming, team.size)
+    _sum_in_order(wire, own, team.me, incoming, team.size)
     if len(mine) != 1:
         for v, part in zip(views(x, mine), split(own, mine)):
             v.copy_(part)

@@ -31,6 +31,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from dptrain.comm.wire import Workspace
+
 __all__ = ["Work", "ProgressThread", "progress_thread"]
 
 
@@ -88,6 +90,7 @@ class ProgressThread:
     """Runs one group's collectives, one after another, on a daemon thread."""
 
     def __init__(self, name: str):
+        self.workspace = Workspace()  # scratch reused by this thread's collectives
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()

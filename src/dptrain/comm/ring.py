@@ -43,7 +43,7 @@ def reduce_scatter(wire: Wire, team: Team, x: torch.Tensor, blocks: list[list[Ra
     """Sum flat ``x`` over the team, in place, into ``blocks[team.me]`` (the rest is scratch)."""
     n, me = team.size, team.me
     right, left = team.rank_of(me + 1), team.rank_of(me - 1)
-    scratch = torch.empty(max((_size(b) for b in blocks), default=0), dtype=x.dtype, device=x.device)
+    scratch = wire.scratch(max((_size(b) for b in blocks), default=0), x.dtype, x.device)
     for s in range(n - 1):
         send_block, recv_block = blocks[(me - s - 1) % n], blocks[(me - s - 2) % n]
         incoming = split(scratch, recv_block)

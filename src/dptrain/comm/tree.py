@@ -58,7 +58,7 @@ def reduce(wire: Wire, team: Team, x: torch.Tensor, root: int = 0) -> None:
     tree = _Tree(team, root)
     children = tree.children()
     if children:
-        acc, incoming = accumulator(x), torch.empty_like(x)
+        acc, incoming = accumulator(x, wire), wire.scratch(x.numel(), x.dtype, x.device)
         for child in children:
             wire.exchange(recvs=[(tree.rank(child), incoming)])
             acc.add_(incoming)
