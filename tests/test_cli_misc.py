@@ -1,10 +1,13 @@
-"""`dptrain env`, `--show-config` and `--config-reference`, in process."""
+"""`dptrain env`, `--show-config`, `--config-reference` (in process) and a `dptrain bench comm` smoke run."""
 
 import json
 
+import pytest
+from _cli import dptrain
 from click.testing import CliRunner
 
 from dptrain.cli import main
+from dptrain.comm.cost import busbw_factor
 from dptrain.config import load_config
 
 
@@ -32,3 +35,18 @@ def test_config_reference_lists_every_section():
     for section in ("[task]", "[gpt]", "[classifier]", "[train]", "[ddp]", "[checkpoint]", "[log]"):
         assert f"**{section}**" in result.output
     assert "| `lr_scaling` | `\"none\"` |" in result.output
+
+
+def test_bench_comm_runs_and_writes_its_json(tmp_path):
+    out = tmp_path / "comm.json"
+    proc = dptrain("bench", "comm", "--world-size", "2", "--min-size", "4K", "--max-size", "16K", "--reps", "2",
+                   "--collectives", "all_reduce", "broadcast", "--out", str(out), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    cells = {(r["collective"], r["algorithm"], r["bytes"]) for r in result["rows"]}
+    assert cells == {(c, a, s) for c in ("all_reduce", "broadcast") for a in ("native", "ring", "tree", "naive")
+                     for s in (4096, 16384)}
+    for r in result["rows"]:
+        assert r["median_s"] > 0 and r["predicted_s"] > 0 and len(r["samples_s"]) == 2
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * busbw_factor(r["collective"], 2))
+    assert result["link"]["beta_Bps"] > 0 and "| 4 KiB |" in proc.stdout

@@ -135,3 +135,19 @@ def test_bytes_each_rank_sends_equal_the_cost_model_exactly(world_size: int) -> 
         assert sent == cost.bytes_sent, (collective, algorithm, n, dtype, src, sent, cost.bytes_sent)
         if algorithm == "ring" and collective == "all_reduce" and n >= world_size:
             assert all(measured[r][i][1] == cost.steps() == 2 * (world_size - 1) for r in range(world_size))
+
+
+def test_fitting_recovers_the_link_that_generated_the_times() -> None:
+    from dptrain.comm.fit import fit_link
+
+    truth = Link(alpha=300e-6, beta=0.8e9, gamma=100e-12)
+    costs = [collective_cost(c, a, n, 4, 4) for c in COLLECTIVES for a in ("ring", "tree", "naive")
+             for n in (1024, 65536, 1 << 20, 1 << 22)]
+    seconds = [c.predict(truth) for c in costs]
+    fitted = fit_link([c.steps() for c in costs], [sum(r.nbytes for r in c.rounds) for c in costs], seconds,
+                      [sum(r.reduced for r in c.rounds) for c in costs])
+    assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
+    assert fitted.beta == pytest.approx(truth.beta, rel=1e-6)
+    assert fitted.gamma == pytest.approx(truth.gamma, rel=1e-6)
+    with pytest.raises(ValueError, match="two distinct sizes"):
+        fit_link([1, 1], [10, 10], [1.0, 1.0])

@@ -1,8 +1,8 @@
 """Benchmark: every collective algorithm over a sweep of message sizes, against the cost model.
 
-One run, all algorithms interleaved: for each size, each repetition runs every algorithm
-once in an order shuffled anew (the same on every rank), so a slow phase of a shared
-machine hits all algorithms alike. A measurement is the slowest rank's time for
+One run, everything interleaved: for each size, each repetition runs every (collective,
+algorithm) pair once in an order shuffled anew (the same on every rank), so a slow phase
+of a shared machine hits all of them alike. A measurement is the slowest rank's time for
 ``iters`` back-to-back calls after a barrier, divided by ``iters`` (many iterations for
 small messages, where one call is shorter than the barrier's skew across ranks).
 
@@ -93,7 +93,7 @@ def _exchange_times(rank: int, world_size: int, sizes: list[int], reps: int) -> 
     right, left = (rank + 1) % world_size, (rank - 1) % world_size
     for _ in range(reps):
         for size in sizes:
-            a, b = torch.ones(size // ITEMSIZE), torch.empty(size // ITEMSIZE)
+            a, b = torch.ones(size // ITEMSIZE), torch.zeros(size // ITEMSIZE)  # touched: no page faults timed
             times[size].append(_timed(lambda: wire.exchange([(right, a)], [(left, b)]), iterations(size)))
     return times
 
@@ -116,21 +116,21 @@ def _sweep(rank: int, world_size: int, cfg: dict) -> dict:
     nodes = cfg["nodes"]
     out = {"exchange": _exchange_times(rank, world_size, cfg["sizes"], cfg["reps_small"]),
            "add": _add_times(cfg["sizes"], cfg["reps_small"]), "times": {}}
-    for collective in cfg["collectives"]:
-        for size in cfg["sizes"]:
-            numel = size // ITEMSIZE
-            a, b = comm.shard_range(numel, world_size, rank)
-            x, shard = torch.ones(numel), torch.ones(b - a)
-            for algorithm in cfg["algorithms"]:  # warm-up, and the one call that checks agreement
-                _call(collective, algorithm, x, shard, nodes, validate=True)
-            reps = cfg["reps_large"] if size >= (4 << 20) else cfg["reps_small"]
-            for rep in range(reps):
-                order = list(cfg["algorithms"])
-                random.Random(f"{collective}|{size}|{rep}").shuffle(order)  # same order on every rank
-                for algorithm in order:
-                    x.fill_(1.0)
-                    dt = _timed(lambda: _call(collective, algorithm, x, shard, nodes, False), iterations(size))
-                    out["times"].setdefault(f"{collective}|{algorithm}|{size}", []).append(dt)
+    for size in cfg["sizes"]:
+        numel = size // ITEMSIZE
+        a, b = comm.shard_range(numel, world_size, rank)
+        x, shard = torch.ones(numel), torch.ones(b - a)
+        cells = [(c, alg) for c in cfg["collectives"] for alg in cfg["algorithms"]]
+        for collective, algorithm in cells:  # warm-up, and the one call that checks agreement
+            _call(collective, algorithm, x, shard, nodes, validate=True)
+        reps = cfg["reps_large"] if size >= (4 << 20) else cfg["reps_small"]
+        for rep in range(reps):
+            order = list(cells)
+            random.Random(f"{size}|{rep}").shuffle(order)  # the same order on every rank
+            for collective, algorithm in order:
+                x.fill_(1.0)
+                dt = _timed(lambda: _call(collective, algorithm, x, shard, nodes, False), iterations(size))
+                out["times"].setdefault(f"{collective}|{algorithm}|{size}", []).append(dt)
     # The slowest rank's time, measurement by measurement.
     keys = sorted(out["times"])
     flat = torch.tensor([t for k in keys for t in out["times"][k]], dtype=torch.float64)
@@ -217,7 +217,8 @@ def _paired(times: dict, ours: str, theirs: str, sizes: list[int]) -> dict:
 def to_markdown(result: dict) -> str:
     cfg, link = result["config"], result["link"]
     rows = result["rows"]
-    algorithms = list(dict.fromkeys(r["algorithm"] for r in rows))
+    present = {r["algorithm"] for r in rows}
+    algorithms = [a for a in comm.ALGORITHMS if a in present]
     p2p = result["link_p2p"]
     lines = [f"World size {cfg['world_size']}, gloo, float32, nodes={cfg['nodes']}, torch {cfg['torch']}, "
              f"{cfg['cpus']} CPUs. One link fitted to all of dptrain's measurements: α = "
@@ -225,7 +226,7 @@ def to_markdown(result: dict) -> str:
              f"{link['gamma_s_per_B'] * 1e12:.0f} ps/B. Fitted to a point-to-point exchange and a local add "
              f"instead: α = {p2p['alpha_s'] * 1e6:.0f} µs, β = {p2p['beta_Bps'] / 1e9:.2f} GB/s, "
              f"γ = {p2p['gamma_s_per_B'] * 1e12:.0f} ps/B."]
-    for collective in dict.fromkeys(r["collective"] for r in rows):
+    for collective in [c for c in COLLECTIVES if any(r["collective"] == c for r in rows)]:
         lines += ["", f"**{collective}**: measured ms (model ms) and busbw GB/s", "",
                   "| size | " + " | ".join(algorithms) + " |", "|---|" + "---:|" * len(algorithms)]
         for size in sorted({r["bytes"] for r in rows}):
@@ -240,7 +241,8 @@ def to_markdown(result: dict) -> str:
                        ("tree / ring (same repetition)", "tree_vs_ring")):
         if result[key]:
             lines += ["", f"| {title} | median | 90% interval |", "|---|---:|---:|"]
-            for name, r in result[key].items():
+            for name, r in sorted(result[key].items(),
+                                  key=lambda kv: (COLLECTIVES.index(kv[0].split("|")[0]), int(kv[0].split("|")[1]))):
                 collective, size = name.split("|")
                 lines.append(f"| {collective} {human(int(size))} | {r['median']:.3f} | "
                              f"{r['ci90'][0]:.3f} - {r['ci90'][1]:.3f} |")
@@ -267,7 +269,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=12, help="repetitions per size below 4 MiB")
     parser.add_argument("--reps-large", type=int, default=6, help="repetitions per size from 4 MiB")
     parser.add_argument("--out", type=Path, default=None, help="default bench_results/comm_ws<N>.json")
+    parser.add_argument("--report", type=Path, default=None, help="print the tables of a saved result and exit")
     a = parser.parse_args(argv)
+    if a.report:
+        print(to_markdown(json.loads(a.report.read_text())))
+        return
     sizes, size = [], parse_size(a.min_size)
     while size <= parse_size(a.max_size):
         sizes.append(size)
