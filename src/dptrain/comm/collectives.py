@@ -147,15 +147,16 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "n
         else:
             _FLAT[algorithm].all_gather(call.wire, call.team, x, [[s] for s in shards])
 
-    padded = _Padded(x, shards) if x.numel() % call.world_size else None
+    # Only the backend's all-gather needs equal shards: pad for it alone.
+    padded = _Padded(x, shards) if algorithm == "native" and x.numel() % call.world_size else None
 
     def finish() -> torch.Tensor:
-        if algorithm == "native" and padded is not None:
+        if padded is not None:
             padded.unpack()
         return _write_back(output, x)
 
     def native() -> dist.Work:
-        if padded is not None:  # the backend's all-gather wants equal shards
+        if padded is not None:
             return dist.all_gather_single(padded.gathered, padded.mine(call.rank), group=call.group,
                                           async_op=True)
         return dist.all_gather_single(x, x[a:b].clone(), group=call.group, async_op=True)
@@ -196,7 +197,7 @@ class _Call:
     world_size: int
     rank: int
     nodes: list[tuple[int, ...]] | None
-    nodes_problem: str | None  # an unknown algorithm, or nodes= that do not fit
+    setup_problem: str | None  # an unknown algorithm, or nodes= that do not fit
     wire: Wire
 
     @classmethod
@@ -206,8 +207,7 @@ class _Call:
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         groups, problem = None, None
         try:
-            check_algorithm(algorithm, nodes, world_size)
-            groups = node_groups(world_size, nodes) if algorithm == "hierarchical" else None
+            groups = check_algorithm(algorithm, nodes, world_size)
         except ValueError as error:
             problem = str(error)
         return cls(kind, algorithm, group, world_size, rank, groups, problem, Wire(group, traffic))
@@ -219,7 +219,7 @@ class _Call:
     def agree(self, validate: bool, tensor: torch.Tensor, op: str, *, problem: str | None,
               src: int = 0) -> None:
         """Check this rank's arguments and, with ``validate``, that every rank's agree."""
-        problem = self.nodes_problem or problem
+        problem = self.setup_problem or problem
         if validate and self.world_size > 1:
             _agree_across_ranks(self, tensor, op, src, problem)
         if problem:
@@ -247,10 +247,12 @@ class _Call:
 # ------------------------------------------------------------------ argument checks
 
 
-def check_algorithm(algorithm: str, nodes: int | Sequence[Sequence[int]] | None, world_size: int) -> None:
+def check_algorithm(algorithm: str, nodes: int | Sequence[Sequence[int]] | None,
+                    world_size: int) -> list[tuple[int, ...]] | None:
     """Raise ValueError unless ``algorithm`` (and, for hierarchical, ``nodes``) can run on ``world_size``.
 
-    For callers that pick an algorithm once (the DDP engine, the trainer's config).
+    Returns the node groups for ``hierarchical`` (None otherwise). For callers that pick
+    an algorithm once (the DDP engine, the trainer's config) and for every call here.
     """
     problem = _algorithm_problem(algorithm)
     if problem:
@@ -259,7 +261,8 @@ def check_algorithm(algorithm: str, nodes: int | Sequence[Sequence[int]] | None,
         if nodes is None:
             raise ValueError("algorithm='hierarchical' needs nodes=: the ranks per node (LOCAL_WORLD_SIZE "
                              "under torchrun) or an explicit grouping")
-        node_groups(world_size, nodes)
+        return node_groups(world_size, nodes)
+    return None
 
 
 def _op_name(op: str | dist.ReduceOp) -> str:

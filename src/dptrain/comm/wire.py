@@ -43,8 +43,8 @@ class Workspace:
     """Scratch buffers kept from one collective to the next, one per (slot, dtype, device).
 
     A fresh buffer of tens of MiB is mapped anew by the allocator and page-faults on
-    first write every time: on this project's CPU machines that tripled the time of a
-    32 MiB receive (114 ms against 41 ms into a reused buffer). Buffers only grow; a
+    first write every time: on this project's CPU machines that made a 32 MiB receive
+    2.6x slower (docs/repro/fresh_receive_buffer.py). Buffers only grow; a
     workspace belongs to one progress thread, which runs one collective at a time.
     """
 
@@ -68,7 +68,8 @@ class Wire:
         self.traffic = traffic
         self.workspace = workspace
         # NCCL must see a round's sends and receives as one group (or paired sends
-        # deadlock); for gloo the grouping only adds overhead (about 1 ms a round here).
+        # deadlock); for gloo, which posts them one by one anyway, the grouping only adds
+        # the coalescing manager's overhead.
         self._batched = dist.get_backend(group) == "nccl"
 
     def exchange(self, sends: list[tuple[int, torch.Tensor]] = (),

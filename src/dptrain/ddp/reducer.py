@@ -314,21 +314,23 @@ class Reducer:
         self._stats.bucket_spans.append(span)
         if self.comm_hook is not None:
             return _Timed(self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer)), span)
-        if self.algorithm != "native":
-            return _Timed(self._all_reduce(bucket.buffer), span)
-        work = dist.all_reduce(bucket.buffer, group=self.process_group, async_op=True)
-        if self.record_spans:
-            work.get_future().add_done_callback(lambda _: _stamp(span))
-        return _Timed(_WorkHandle(work, bucket.buffer), span)
+        return _Timed(self._all_reduce(bucket.buffer, span), span)
 
-    def _all_reduce(self, buffer: torch.Tensor) -> ReduceHandle:
-        """Sum ``buffer`` across ranks asynchronously with the configured algorithm."""
-        if self.algorithm == "native":
-            return _WorkHandle(dist.all_reduce(buffer, group=self.process_group, async_op=True), buffer)
-        # Buckets have the same size and dtype on every rank by construction (the replicas
-        # were verified), so the agreement round trip is skipped.
-        return comm.all_reduce(buffer, algorithm=self.algorithm, group=self.process_group,
-                               nodes=self.nodes, async_op=True, validate=False)
+    def _all_reduce(self, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
+        """Sum ``buffer`` across ranks asynchronously with the configured algorithm.
+
+        With ``record_spans``, the backend's work stamps ``span`` when it completes;
+        dptrain.comm's handles carry ``completed_at``, which ``_Timed`` reads.
+        """
+        if self.algorithm != "native":
+            # Buckets have the same size and dtype on every rank by construction (the
+            # replicas were verified), so the agreement round trip is skipped.
+            return comm.all_reduce(buffer, algorithm=self.algorithm, group=self.process_group,
+                                   nodes=self.nodes, async_op=True, validate=False)
+        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
+        if span is not None and self.record_spans:
+            work.get_future().add_done_callback(lambda _: _stamp(span))
+        return _WorkHandle(work, buffer)
 
     def _copy_in(self, index: int) -> None:
         """Fill parameter ``index``'s bucket slice (when ready, or at launch if it never got a gradient)."""
