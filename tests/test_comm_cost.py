@@ -74,6 +74,22 @@ def test_tree_and_naive_all_reduce_match_their_closed_forms(n: int) -> None:
     assert naive.predict(link) == pytest.approx(1e-5 + (n - 1) * S / 1e9)
 
 
+@pytest.mark.parametrize("n", [2, 3, 4, 8])
+def test_half_duplex_link_charges_sending_and_receiving_in_the_same_round_twice(n: int) -> None:
+    """A ring round (send a chunk and receive one) moves 2S/n; a tree round moves S one way."""
+    S = 4 * 1024 * n
+    half, full = Link(alpha=1e-5, beta=1e9, duplex=False), Link(alpha=1e-5, beta=1e9)
+    ring = collective_cost("all_reduce", "ring", S // 4, 4, n)
+    assert ring.predict(half) == pytest.approx(2 * (n - 1) * 1e-5 + 2 * 2 * (n - 1) / n * S / 1e9)
+    assert ring.load(duplex=False) == 2 * ring.load(duplex=True)
+    tree = collective_cost("all_reduce", "tree", S // 4, 4, n)
+    assert tree.predict(half) == pytest.approx(tree.predict(full))
+    naive = collective_cost("all_reduce", "naive", S // 4, 4, n)
+    assert naive.predict(half) == pytest.approx(1e-5 + 2 * (n - 1) * S / 1e9)
+    bcast = collective_cost("broadcast", "ring", S // 4, 4, n)  # the chain: inner ranks forward and receive
+    assert bcast.load(duplex=False) == (1 if n == 2 else 2) * bcast.load(duplex=True)
+
+
 def test_tree_beats_ring_for_small_messages_and_loses_for_large_ones() -> None:
     link = Link(alpha=50e-6, beta=1e9)
     small = {a: collective_cost("all_reduce", a, 1024, 4, 8).predict(link) for a in ("ring", "tree")}
@@ -117,7 +133,7 @@ def _bytes_sent(rank: int, world_size: int, cases: list[tuple]) -> list[tuple[in
             comm.all_gather(x, x[a:b].clone(), **kw)
         else:
             comm.broadcast(x, src, **kw)
-        out.append((traffic.bytes_sent, traffic.rounds))
+        out.append((traffic.bytes_sent, traffic.rounds, traffic.peak_moved))
     return out
 
 
@@ -133,18 +149,21 @@ def test_bytes_each_rank_sends_equal_the_cost_model_exactly(world_size: int) -> 
                                world_size, nodes=nodes, src=src)
         sent = tuple(measured[r][i][0] for r in range(world_size))
         assert sent == cost.bytes_sent, (collective, algorithm, n, dtype, src, sent, cost.bytes_sent)
+        peak = max(measured[r][i][2] for r in range(world_size))  # the half-duplex load of the busiest round
+        assert peak == max((r.moved for r in cost.rounds), default=0), (collective, algorithm, n, dtype, src)
         if algorithm == "ring" and collective == "all_reduce" and n >= world_size:
             assert all(measured[r][i][1] == cost.steps() == 2 * (world_size - 1) for r in range(world_size))
 
 
-def test_fitting_recovers_the_link_that_generated_the_times() -> None:
+@pytest.mark.parametrize("duplex", [True, False])
+def test_fitting_recovers_the_link_that_generated_the_times(duplex: bool) -> None:
     from dptrain.comm.fit import fit_link
 
-    truth = Link(alpha=300e-6, beta=0.8e9, gamma=100e-12)
+    truth = Link(alpha=300e-6, beta=0.8e9, gamma=100e-12, duplex=duplex)
     costs = [collective_cost(c, a, n, 4, 4) for c in COLLECTIVES for a in ("ring", "tree", "naive")
              for n in (1024, 65536, 1 << 20, 1 << 22)]
     seconds = [c.predict(truth) for c in costs]
-    fitted = fit_link([c.steps() for c in costs], [sum(r.nbytes for r in c.rounds) for c in costs], seconds,
+    fitted = fit_link([c.steps() for c in costs], [c.load(duplex) for c in costs], seconds,
                       [sum(r.reduced for r in c.rounds) for c in costs])
     assert fitted.alpha == pytest.approx(truth.alpha, rel=1e-6)
     assert fitted.beta == pytest.approx(truth.beta, rel=1e-6)

@@ -1,8 +1,8 @@
 """Benchmark: every collective algorithm over a sweep of message sizes, against the cost model.
 
-One run, everything interleaved: for each size, each repetition runs every (collective,
-algorithm) pair once in an order shuffled anew (the same on every rank), so a slow phase
-of a shared machine hits all of them alike. A measurement is the slowest rank's time for
+One run, everything interleaved: each repetition runs every (size, collective, algorithm)
+cell once in an order shuffled anew (the same on every rank), so a slow phase of a
+shared machine hits all of them alike. A measurement is the slowest rank's time for
 ``iters`` back-to-back calls after a barrier, divided by ``iters`` (many iterations for
 small messages, where one call is shorter than the barrier's skew across ranks).
 
@@ -116,21 +116,25 @@ def _sweep(rank: int, world_size: int, cfg: dict) -> dict:
     nodes = cfg["nodes"]
     out = {"exchange": _exchange_times(rank, world_size, cfg["sizes"], cfg["reps_small"]),
            "add": _add_times(cfg["sizes"], cfg["reps_small"]), "times": {}}
+    cells = [(c, alg) for c in cfg["collectives"] for alg in cfg["algorithms"]]
+    buffers = {}
     for size in cfg["sizes"]:
         numel = size // ITEMSIZE
         a, b = comm.shard_range(numel, world_size, rank)
-        x, shard = torch.ones(numel), torch.ones(b - a)
-        cells = [(c, alg) for c in cfg["collectives"] for alg in cfg["algorithms"]]
+        buffers[size] = x, shard = torch.ones(numel), torch.ones(b - a)
         for collective, algorithm in cells:  # warm-up, and the one call that checks agreement
             _call(collective, algorithm, x, shard, nodes, validate=True)
-        reps = cfg["reps_large"] if size >= (4 << 20) else cfg["reps_small"]
-        for rep in range(reps):
-            order = list(cells)
-            random.Random(f"{size}|{rep}").shuffle(order)  # the same order on every rank
-            for collective, algorithm in order:
-                x.fill_(1.0)
-                dt = _timed(lambda: _call(collective, algorithm, x, shard, nodes, False), iterations(size))
-                out["times"].setdefault(f"{collective}|{algorithm}|{size}", []).append(dt)
+    # Sizes are interleaved too: a slow phase of the machine spreads over all sizes
+    # instead of bending the curve at one of them.
+    reps = {size: cfg["reps_large"] if size >= (4 << 20) else cfg["reps_small"] for size in cfg["sizes"]}
+    for rep in range(max(reps.values())):
+        order = [(size, cell) for size in cfg["sizes"] if rep < reps[size] for cell in cells]
+        random.Random(f"rep {rep}").shuffle(order)  # the same order on every rank
+        for size, (collective, algorithm) in order:
+            x, shard = buffers[size]
+            x.fill_(1.0)
+            dt = _timed(lambda: _call(collective, algorithm, x, shard, nodes, False), iterations(size))
+            out["times"].setdefault(f"{collective}|{algorithm}|{size}", []).append(dt)
     # The slowest rank's time, measurement by measurement.
     keys = sorted(out["times"])
     flat = torch.tensor([t for k in keys for t in out["times"][k]], dtype=torch.float64)
@@ -154,8 +158,6 @@ def run(world_size: int, sizes: list[int], algorithms: list[str], collectives: l
     exchange = {s: statistics.median(max(r["exchange"][s][i] for r in per_rank) for i in range(reps_small))
                 for s in sizes}
     add = {s: statistics.median(per_rank[0]["add"][s]) for s in sizes}
-    p2p = fit_link([1] * len(sizes), sizes, [exchange[s] for s in sizes])
-    p2p = Link(p2p.alpha, p2p.beta, gamma=fit_gamma(sizes, [add[s] for s in sizes]))
     rows, times = [], per_rank[0]["times"]
     for key, samples in times.items():
         collective, algorithm, size = key.split("|")
@@ -166,36 +168,58 @@ def run(world_size: int, sizes: list[int], algorithms: list[str], collectives: l
         rows.append(dict(collective=collective, algorithm=algorithm, bytes=size, median_s=median,
                          samples_s=samples, algbw_GBps=algbw / 1e9,
                          busbw_GBps=algbw * busbw_factor(collective, world_size) / 1e9, rounds=cost.steps(),
-                         critical_bytes=sum(r.nbytes for r in cost.rounds),
+                         critical_bytes=cost.load(duplex=True), critical_bytes_half_duplex=cost.load(duplex=False),
                          reduced_bytes=sum(r.reduced for r in cost.rounds), cost=cost))
     ours = [r for r in rows if r["algorithm"] != "native"]
-    link = fit_link([r["rounds"] for r in ours], [r["critical_bytes"] for r in ours],
-                    [r["median_s"] for r in ours], [r["reduced_bytes"] for r in ours])
+    fits = {duplex: _fit(ours, duplex) for duplex in (True, False)}
+    link = min(fits.values(), key=lambda fit: _median_error(ours, fit))
+    # The cross-check link: one exchange round with the ring neighbours (each rank sends
+    # and receives ``size``, a load of 2 x size on a half-duplex link), and a local add.
+    p2p = fit_link([1] * len(sizes), [s if link.duplex else 2 * s for s in sizes], [exchange[s] for s in sizes])
+    p2p = Link(p2p.alpha, p2p.beta, gamma=fit_gamma(sizes, [add[s] for s in sizes]), duplex=link.duplex)
     for r in rows:
         cost = r.pop("cost")
         r["predicted_s"], r["predicted_p2p_s"] = cost.predict(link), cost.predict(p2p)
+        r["predicted_other_duplex_s"] = cost.predict(fits[not link.duplex])
     return {
         "config": dict(world_size=world_size, nodes=nodes, dtype="float32", backend="gloo",
                        reps_small=reps_small, reps_large=reps_large, torch=torch.__version__,
                        cpus=os.cpu_count(), machine=platform.machine()),
-        "link": dict(alpha_s=link.alpha, beta_Bps=link.beta, gamma_s_per_B=link.gamma,
-                     fitted_from="every measurement of dptrain's algorithms (one alpha, beta, gamma for all)"),
-        "link_p2p": dict(alpha_s=p2p.alpha, beta_Bps=p2p.beta, gamma_s_per_B=p2p.gamma,
+        "link": dict(_link_json(link),
+                     fitted_from="every measurement of dptrain's algorithms (one alpha, beta, gamma for all); "
+                                 "duplex or half duplex, whichever has the smaller median relative error"),
+        "link_other_duplex": dict(_link_json(fits[not link.duplex]), fitted_from="the same, the other duplex mode"),
+        "link_p2p": dict(_link_json(p2p),
                          fitted_from="point-to-point exchange with ring neighbours (alpha, beta); local add (gamma)"),
         "exchange_s": exchange,
-        "per_algorithm_fit": _per_algorithm_fit(rows),
+        "per_algorithm_fit": _per_algorithm_fit(rows, link.duplex),
         "ring_vs_native": _paired(times, "ring", "native", [s for s in sizes if s >= (16 << 20)]),
         "tree_vs_ring": _paired(times, "tree", "ring", [s for s in sizes if s <= (64 << 10)]),
         "rows": rows,
     }
 
 
-def _per_algorithm_fit(rows: list[dict]) -> dict:
-    fits = {}
+def _fit(rows: list[dict], duplex: bool) -> Link:
+    key = "critical_bytes" if duplex else "critical_bytes_half_duplex"
+    link = fit_link([r["rounds"] for r in rows], [r[key] for r in rows], [r["median_s"] for r in rows],
+                    [r["reduced_bytes"] for r in rows])
+    return Link(link.alpha, link.beta, link.gamma, duplex)
+
+
+def _median_error(rows: list[dict], link: Link) -> float:
+    return statistics.median(abs(r["cost"].predict(link) / r["median_s"] - 1) for r in rows)
+
+
+def _link_json(link: Link) -> dict:
+    return dict(alpha_s=link.alpha, beta_Bps=link.beta, gamma_s_per_B=link.gamma, duplex=link.duplex)
+
+
+def _per_algorithm_fit(rows: list[dict], duplex: bool) -> dict:
+    fits, load = {}, "critical_bytes" if duplex else "critical_bytes_half_duplex"
     for key in sorted({(r["collective"], r["algorithm"]) for r in rows}):
         mine = [r for r in rows if (r["collective"], r["algorithm"]) == key and r["rounds"]]
         if len({r["bytes"] for r in mine}) >= 2:
-            link = fit_link([r["rounds"] for r in mine], [r["critical_bytes"] for r in mine],
+            link = fit_link([r["rounds"] for r in mine], [r[load] for r in mine],
                             [r["median_s"] for r in mine])
             fits["|".join(key)] = dict(alpha_s=link.alpha, beta_Bps=link.beta)
     return fits
@@ -220,8 +244,9 @@ def to_markdown(result: dict) -> str:
     present = {r["algorithm"] for r in rows}
     algorithms = [a for a in comm.ALGORITHMS if a in present]
     p2p = result["link_p2p"]
+    mode = "full-duplex" if link.get("duplex", True) else "half-duplex"
     lines = [f"World size {cfg['world_size']}, gloo, float32, nodes={cfg['nodes']}, torch {cfg['torch']}, "
-             f"{cfg['cpus']} CPUs. One link fitted to all of dptrain's measurements: α = "
+             f"{cfg['cpus']} CPUs. One {mode} link fitted to all of dptrain's measurements: α = "
              f"{link['alpha_s'] * 1e6:.0f} µs, β = {link['beta_Bps'] / 1e9:.2f} GB/s, γ = "
              f"{link['gamma_s_per_B'] * 1e12:.0f} ps/B. Fitted to a point-to-point exchange and a local add "
              f"instead: α = {p2p['alpha_s'] * 1e6:.0f} µs, β = {p2p['beta_Bps'] / 1e9:.2f} GB/s, "
@@ -248,12 +273,18 @@ def to_markdown(result: dict) -> str:
                              f"{r['ci90'][0]:.3f} - {r['ci90'][1]:.3f} |")
     big = [r for r in rows if r["bytes"] >= (1 << 20) and r["algorithm"] != "native"]
     if big:
-        for label, key in (("the fitted link", "predicted_s"), ("the point-to-point link", "predicted_p2p_s")):
-            errors = [abs(r["median_s"] / r[key] - 1) for r in big]
+        other = "half-duplex" if mode == "full-duplex" else "full-duplex"
+        lines.append("")
+        for label, key in ((f"the fitted {mode} link", "predicted_s"),
+                           (f"a {other} link fitted the same way", "predicted_other_duplex_s"),
+                           (f"the {mode} link from the point-to-point exchange", "predicted_p2p_s")):
+            if key not in big[0]:
+                continue
+            errors = [abs(r[key] / r["median_s"] - 1) for r in big]
             within = sum(e <= 0.25 for e in errors)
-            lines.append(f"{'' if key == 'predicted_p2p_s' else chr(10)}Model ({label}) vs measured at >= 1 MiB, "
-                         f"dptrain's algorithms: median |error| {statistics.median(errors):.0%}, worst "
-                         f"{max(errors):.0%}, {within} of {len(errors)} cells within 25%.")
+            lines.append(f"Model ({label}) vs measured at >= 1 MiB, dptrain's algorithms: median |error| "
+                         f"{statistics.median(errors):.0%}, worst {max(errors):.0%}, {within} of {len(errors)} "
+                         "cells within 25%.")
     return "\n".join(lines)
 
 

@@ -7,9 +7,19 @@ a round
     α + m / β + r γ
 
 where α is the per-message latency (seconds), β the link bandwidth (bytes/second), m
-the bytes the busiest rank sends or receives in that round, and r the bytes it adds
-locally (γ seconds per byte; 0 unless fitted). A collective's time is the sum over its
-rounds, so for n ranks and S bytes:
+the bytes the busiest rank moves in that round, and r the bytes it adds locally (γ
+seconds per byte; 0 unless fitted). What "moves" means depends on the link:
+
+- **full duplex** (a NIC, NVLink): sending and receiving at once cost no more than
+  either, so m is the larger of the busiest rank's sent and received bytes;
+- **half duplex** (a shared resource, e.g. loopback TCP, where the kernel copies both
+  directions with the same CPU and memory bus): m is the busiest rank's sent *plus*
+  received bytes, so a ring round, where every rank sends and receives a chunk, costs
+  twice a tree round, where each rank does one or the other.
+
+``dptrain bench comm`` fits both and keeps the one that explains the measurements.
+A collective's time is the sum over its rounds, so for n ranks and S bytes on a full
+duplex link:
 
     ============  =====================  ============  =============================
     algorithm     all-reduce rounds      bytes / rank  predicted (γ = 0)
@@ -48,24 +58,35 @@ __all__ = ["Link", "Round", "Cost", "collective_cost", "busbw_factor"]
 
 
 @dataclass(frozen=True)
-class Link:
-    """One tier's parameters: latency ``alpha`` (s), bandwidth ``beta`` (B/s), reduction ``gamma`` (s/B)."""
-
-    alpha: float
-    beta: float
-    gamma: float = 0.0
-
-    def time(self, nbytes: float, reduced: float = 0.0) -> float:
-        return self.alpha + nbytes / self.beta + reduced * self.gamma
-
-
-@dataclass(frozen=True)
 class Round:
-    """One round on the critical path: the busiest rank's bytes moved and bytes added locally."""
+    """One round on the critical path, as seen by its busiest rank.
+
+    ``nbytes``: the most any rank sends or receives (the full-duplex load); ``moved``:
+    the most any rank sends plus receives (the half-duplex load; ``nbytes`` if omitted,
+    i.e. every rank only sends or only receives); ``reduced``: the most any rank adds.
+    """
 
     tier: str
     nbytes: int
     reduced: int = 0
+    moved: int = -1
+
+    def __post_init__(self):
+        if self.moved < 0:
+            object.__setattr__(self, "moved", self.nbytes)
+
+
+@dataclass(frozen=True)
+class Link:
+    """One tier: latency ``alpha`` (s), bandwidth ``beta`` (B/s), reduction ``gamma`` (s/B), duplex or not."""
+
+    alpha: float
+    beta: float
+    gamma: float = 0.0
+    duplex: bool = True
+
+    def time(self, r: Round) -> float:
+        return self.alpha + (r.nbytes if self.duplex else r.moved) / self.beta + r.reduced * self.gamma
 
 
 @dataclass(frozen=True)
@@ -85,8 +106,12 @@ class Cost:
     def predict(self, links: Link | Mapping[str, Link]) -> float:
         """Predicted seconds: the sum of the rounds' α + m/β + rγ, each with its tier's link."""
         if isinstance(links, Link):
-            return sum(links.time(r.nbytes, r.reduced) for r in self.rounds)
-        return sum(links[r.tier].time(r.nbytes, r.reduced) for r in self.rounds)
+            return sum(links.time(r) for r in self.rounds)
+        return sum(links[r.tier].time(r) for r in self.rounds)
+
+    def load(self, duplex: bool = True) -> int:
+        """Bytes on the critical path: the sum over rounds of the busiest rank's load."""
+        return sum(r.nbytes if duplex else r.moved for r in self.rounds)
 
 
 def busbw_factor(collective: str, world_size: int) -> float:
@@ -159,18 +184,23 @@ class _Team:
 
 
 class _Ring(_Team):
+    """In every round each rank sends block j and receives block j-1 for some j (see ring.py)."""
+
+    def _pairs(self, blocks: list[int]) -> int:
+        return max(blocks[i] + blocks[i - 1] for i in range(self.n))
+
     def reduce_scatter(self, blocks: list[int]) -> _Plan:
         plan, total = _Plan(), sum(blocks)
         for i, rank in enumerate(self.ranks):
             plan.send(rank, total - blocks[i])
-        plan.rounds = [Round(self.tier, max(blocks), max(blocks))] * (self.n - 1)
+        plan.rounds = [Round(self.tier, max(blocks), max(blocks), self._pairs(blocks))] * (self.n - 1)
         return plan
 
     def all_gather(self, blocks: list[int]) -> _Plan:
         plan, total = _Plan(), sum(blocks)
         for i, rank in enumerate(self.ranks):
             plan.send(rank, total - blocks[(i + 1) % self.n])
-        plan.rounds = [Round(self.tier, max(blocks))] * (self.n - 1)
+        plan.rounds = [Round(self.tier, max(blocks), 0, self._pairs(blocks))] * (self.n - 1)
         return plan
 
     def all_reduce(self, chunks: list[int]) -> _Plan:
@@ -180,12 +210,19 @@ class _Ring(_Team):
         plan, size = _Plan(), sum(chunks)
         for i, rank in enumerate(self.ranks):
             plan.send(rank, size if (i - root) % self.n < self.n - 1 else 0)
-        plan.rounds = [Round(self.tier, max(chunks))] * (2 * self.n - 2)
+        # Inner ranks of the chain forward one chunk while receiving the next; with two
+        # ranks, one only sends and the other only receives.
+        moved = self._pairs(chunks) if self.n > 2 else max(chunks)
+        plan.rounds = [Round(self.tier, max(chunks), 0, moved)] * (2 * self.n - 2)
         return plan
 
 
 class _Tree(_Team):
-    """Binomial tree rooted at team index ``root``; message sizes are given per child label."""
+    """Binomial tree rooted at team index ``root``; message sizes are given per child label.
+
+    In each round of a binomial tree a rank either sends or receives, never both, so a
+    round's half-duplex load equals its full-duplex one.
+    """
 
     def _subtree_bytes(self, label: int, blocks: list[int], root: int) -> int:
         lo, hi = binomial_subtree(label, self.n)
@@ -237,7 +274,8 @@ class _Naive(_Team):
         plan = _Plan()
         for rank, nbytes in zip(self.ranks, sends):
             plan.send(rank, nbytes)
-        plan.rounds = [Round(self.tier, max(max(sends), max(recvs)), reduced)]
+        moved = max(s + r for s, r in zip(sends, recvs))
+        plan.rounds = [Round(self.tier, max(max(sends), max(recvs)), reduced, moved)]
         return plan
 
     def all_reduce(self, chunks: list[int]) -> _Plan:
@@ -255,7 +293,8 @@ class _Naive(_Team):
 
     def broadcast(self, chunks: list[int], root: int) -> _Plan:
         size = sum(chunks)
-        return self._one_round([(self.n - 1) * size if i == root else 0 for i in range(self.n)], [size])
+        return self._one_round([(self.n - 1) * size if i == root else 0 for i in range(self.n)],
+                               [0 if i == root else size for i in range(self.n)])
 
 
 def _chunks(numel: int, itemsize: int, n: int) -> list[int]:
@@ -307,5 +346,6 @@ def _parallel(plans: list[_Plan]) -> _Plan:
     depth = max((len(p.rounds) for p in plans), default=0)
     for i in range(depth):
         here = [p.rounds[i] for p in plans if i < len(p.rounds)]
-        out.rounds.append(Round(here[0].tier, max(r.nbytes for r in here), max(r.reduced for r in here)))
+        out.rounds.append(Round(here[0].tier, max(r.nbytes for r in here), max(r.reduced for r in here),
+                                max(r.moved for r in here)))
     return out

@@ -27,15 +27,19 @@ class Traffic:
 
     ``rounds`` counts exchanges that sent or received anything; ``steps`` in the cost
     model are rounds on the critical path, so a rank idle in a round does not count it.
+    ``peak_moved`` is the most this rank sent plus received in one round (the
+    half-duplex load of :class:`~dptrain.comm.cost.Round`).
     """
 
     bytes_sent: int = 0
+    bytes_received: int = 0
     messages: int = 0
     rounds: int = 0
+    peak_moved: int = 0
     per_peer: dict[int, int] = field(default_factory=dict)
 
     def reset(self) -> None:
-        self.bytes_sent = self.messages = self.rounds = 0
+        self.bytes_sent = self.bytes_received = self.messages = self.rounds = self.peak_moved = 0
         self.per_peer.clear()
 
 
@@ -86,7 +90,7 @@ class Wire:
         for work in works:
             work.wait()
         if self.traffic is not None:
-            self._count(sends)
+            self._count(sends, recvs)
 
     def scratch(self, numel: int, dtype: torch.dtype, device: torch.device, slot: int = 0) -> torch.Tensor:
         """A buffer for incoming data or partial sums (reused across calls when there is a workspace)."""
@@ -94,12 +98,17 @@ class Wire:
             return torch.empty(numel, dtype=dtype, device=device)
         return self.workspace.get(numel, dtype, device, slot)
 
-    def _count(self, sends: list[tuple[int, torch.Tensor]]) -> None:
+    def _count(self, sends: list[tuple[int, torch.Tensor]], recvs: list[tuple[int, torch.Tensor]]) -> None:
         traffic = self.traffic
         traffic.rounds += 1
+        received = sum(t.numel() * t.element_size() for _, t in recvs)
+        traffic.bytes_received += received
+        moved = received
         for peer, t in sends:
             if t.numel():
                 nbytes = t.numel() * t.element_size()
                 traffic.bytes_sent += nbytes
                 traffic.messages += 1
                 traffic.per_peer[peer] = traffic.per_peer.get(peer, 0) + nbytes
+                moved += nbytes
+        traffic.peak_moved = max(traffic.peak_moved, moved)
