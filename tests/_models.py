@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from dptrain.models.gpt import GPT
+
 IN, HIDDEN, OUT, VOCAB = 6, 12, 3, 11
 
 
@@ -118,8 +120,38 @@ class Regrouped(nn.Module):
         return self.head(h)
 
 
+class Layer(nn.Module):
+    """One block of :class:`Stack`: stage 3's unit class in the tests."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(HIDDEN, HIDDEN)
+        self.norm = nn.LayerNorm(HIDDEN)
+
+    def forward(self, h):
+        return h + torch.tanh(self.norm(self.fc(h)))
+
+
+class Stack(nn.Module):
+    """An input layer, three :class:`Layer` blocks and a head (4 + 3 x 4 parameters, 663 elements)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(IN, HIDDEN)
+        self.layers = nn.ModuleList([Layer() for _ in range(3)])
+        self.head = nn.Linear(HIDDEN, OUT)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.head(h)
+
+
 def build(name: str) -> nn.Module:
     builders = {
+        "stack": Stack,
+        "gpt": lambda: GPT(vocab_size=VOCAB, block_size=8, n_layer=2, n_head=2, n_embd=8),
         "mlp": MLP,
         "bn": BatchNormNet,
         "tied": TiedLM,
@@ -134,14 +166,14 @@ def build(name: str) -> nn.Module:
 def global_batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The step's global batch, identical on every rank (seeded by the step)."""
     g = torch.Generator().manual_seed(1000 + step)
-    if name == "tied":
+    if name in ("tied", "gpt"):
         tokens = torch.randint(0, VOCAB, (size, 5), generator=g)
         return tokens, torch.roll(tokens, -1, dims=1)
     return torch.randn(size, IN, generator=g), torch.randn(size, OUT, generator=g)
 
 
 def loss_fn(name: str, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name == "tied":
+    if name in ("tied", "gpt"):
         return nn.functional.cross_entropy(output.reshape(-1, VOCAB), target.reshape(-1))
     return nn.functional.mse_loss(output, target)
 

@@ -1,0 +1,412 @@
+"""``ZeRO``: data parallelism with sharded optimizer state, gradients and parameters (stages 1-3).
+
+One strategy with a ``stage`` argument (Rajbhandari et al., SC 2020), built from
+:class:`~dptrain.zero.unit.FlatUnit` s and dptrain's collectives:
+
+- **stage 1**: each rank owns a contiguous 1/N of every flat unit and keeps optimizer
+  state only for it. Backward accumulates full local gradients; the synchronising
+  backward reduce-scatters them (the shard's slice is averaged over ranks), the
+  optimizer steps the shard, and the next forward all-gathers the updated parameters.
+- **stage 2**: as stage 1, but each unit is reduce-scattered as soon as backward has
+  produced its gradient (overlapped with the rest of backward, like DDP's buckets) and
+  only the shard of the gradient is kept.
+- **stage 3**: parameters are sharded at rest too. Each *unit module* (instances of
+  ``unit_classes``, e.g. a transformer block; or modules chosen by ``min_unit_numel``)
+  is all-gathered just before its forward and freed after it (``reshard_after_forward``),
+  gathered again when backward first needs its weights, and freed once its gradient
+  is reduce-scattered. The next unit's all-gather is started while the current one
+  computes (``prefetch``), in forward and in backward. Parameters outside every unit
+  module form the *root unit*, gathered for the whole step.
+
+Stages 1-2 group parameters into buckets exactly as the DDP engine does
+(:func:`~dptrain.ddp.buckets.assign_buckets`, gradient-ready order, ``bucket_cap_mb``),
+one flat unit per bucket.
+
+The optimizer sees only shards: create it *after* wrapping, from ``model.parameters()``
+(one flat 1-D Parameter per unit). Any ``torch.optim`` optimizer works, and its state
+is then 1/N of the replicated state by construction.
+
+How stage 3 frees parameters that autograd saved for backward: forward runs under
+``torch.autograd.graph.saved_tensors_hooks``; a saved tensor that is a view of a
+resharding unit's full buffer is packed as (unit, offset, size, stride) instead of
+being kept, and unpacking it in backward all-gathers the unit again (or waits for its
+prefetch). This is the same idea as activation offloading, applied to weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from dptrain import comm
+from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
+from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
+from dptrain.zero.unit import FlatUnit, ParamRef
+
+__all__ = ["ZeRO"]
+
+# The original Parameters that ZeRO replaced by flat shards. torch's optimizer hooks
+# are process-wide, so this check is too: an optimizer created before wrapping holds
+# these and would silently step nothing (see _check_optimizer).
+_REPLACED: dict[int, weakref.ref] = {}
+_HOOKED = False
+
+
+@dataclass
+class _Packed:
+    unit: FlatUnit
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class ZeRO(nn.Module):
+    """Wrap ``module`` for ZeRO stage 1, 2 or 3 over ``process_group``.
+
+    ``algorithm`` / ``nodes``: the collectives' algorithm (:mod:`dptrain.comm`).
+    ``unit_classes`` / ``min_unit_numel``: stage 3's unit modules. ``init_fn``: for a
+    model built on the meta device, called on each module of a unit after its
+    parameters are allocated (default: the module's ``reset_parameters``), one unit
+    at a time, so the full model never exists on one rank.
+    """
+
+    def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
+                 algorithm: str = "native", nodes=None, unit_classes: Sequence[type] = (),
+                 min_unit_numel: int | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
+                 bucket_cap_mb: float = 25.0, init_fn: Callable[[nn.Module], None] | None = None,
+                 device: torch.device | str | None = None, broadcast_buffers: bool = True):
+        super().__init__()
+        if stage not in (1, 2, 3):
+            raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("ZeRO needs torch.distributed initialised first: call "
+                               "dist.init_process_group() (dptrain run and torchrun set up the environment)")
+        if stage < 3 and (unit_classes or min_unit_numel):
+            raise ValueError(f"unit_classes / min_unit_numel choose stage 3's unit modules; stage {stage} "
+                             "shards buckets (bucket_cap_mb) instead")
+        comm.check_algorithm(algorithm, nodes, dist.get_world_size(process_group))
+        self.module = module
+        self.stage, self.group, self.algorithm, self.nodes = stage, process_group, algorithm, nodes
+        self.prefetch, self.broadcast_buffers = prefetch, broadcast_buffers
+        self.world_size = dist.get_world_size(process_group)
+        self.device = torch.device(device) if device is not None else _default_device(module)
+        refs, frozen = _collect(module)
+        groups = self._unit_groups(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
+        self._verify(refs, groups, tuple(unit_classes), min_unit_numel)
+        self.units: list[FlatUnit] = []
+        self._unit_of_module: dict[nn.Module, FlatUnit] = {}
+        for index, (owner, members) in enumerate(groups):
+            full = self._flatten(members, init_fn)
+            unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
+                            nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None)
+            unit.owner = owner
+            self.units.append(unit)
+            if owner is not None:
+                self._unit_of_module[owner] = unit
+        self._shards = nn.ParameterList([u.shard for u in self.units])
+        self._frozen = frozen
+        self._buffers_to_sync = [b for b in module.buffers()]
+        if self.world_size > 1 and (frozen or self._buffers_to_sync):
+            broadcast_coalesced([p.detach() for p in frozen] + self._buffers_to_sync, 0, process_group)
+        for unit in self.units:
+            if unit.owner is not None:
+                unit.owner.register_forward_pre_hook(self._make_pre_hook(unit))
+                unit.owner.register_forward_hook(self._make_post_hook(unit))
+        self._order: list[FlatUnit] = [u for u in self.units if u.owner is not None]
+        self._ran: list[FlatUnit] = []
+        self._live: dict[int, FlatUnit] = {}
+        self._finish_queued = False
+        _hook_optimizers()
+
+    # ------------------------------------------------------------------ construction
+
+    def _unit_groups(self, refs: list[ParamRef], classes: tuple, min_numel: int | None,
+                     cap_mb: float) -> list[tuple[nn.Module | None, list[ParamRef]]]:
+        if self.stage < 3:
+            infos = [ParamInfo(r.numel, r.tensor.element_size(), r.tensor.dtype, self.device) for r in refs]
+            buckets = assign_buckets(infos, int(cap_mb * MiB), first_cap_bytes=min(MiB, int(cap_mb * MiB)))
+            return [(None, [refs[i] for i in sorted(b)]) for b in buckets]
+        owners = _unit_modules(self.module, classes, min_numel)
+        owned: dict[nn.Module, list[ParamRef]] = {m: [] for m in owners}
+        root: list[ParamRef] = []
+        for ref in refs:
+            homes = {_owner_of(module, owners) for module, _ in ref.holders}
+            home = homes.pop() if len(homes) == 1 else None  # shared across units (tied): the root's
+            (owned[home] if home is not None else root).append(ref)
+        groups = [(m, owned[m]) for m in owners if owned[m]]
+        for module, members in groups:
+            dtypes = {r.tensor.dtype for r in members}
+            if len(dtypes) > 1:
+                raise ValueError(f"unit {type(module).__name__} mixes parameter dtypes {sorted(map(str, dtypes))}; "
+                                 "a flat unit has one dtype: cast the model first (model.float()) or choose "
+                                 "unit_classes whose parameters share a dtype")
+        if root:
+            groups.append((None, root))
+        return groups
+
+    def _verify(self, refs: list[ParamRef], groups, classes: tuple, min_numel: int | None) -> None:
+        signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
+        signature.append(("option", "zero", (self.stage, self.algorithm, [c.__name__ for c in classes], min_numel,
+                                             [len(m) for _, m in groups]), repr(self.nodes), False))
+        verify_replicas(signature, self.group, self.device)
+
+    def _flatten(self, members: list[ParamRef], init_fn) -> torch.Tensor:
+        """The unit's full flat buffer on this device, identical on every rank (rank 0's values)."""
+        if any(r.tensor.is_meta for r in members):
+            _materialize(members, self.device, init_fn)
+        with torch.no_grad():
+            full = torch.cat([r.tensor.detach().reshape(-1).to(self.device) for r in members])
+            if self.world_size > 1:
+                dist.broadcast(full, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
+        for ref in members:
+            for module, attr in ref.holders:
+                del module._parameters[attr]
+            _REPLACED[id(ref.tensor)] = weakref.ref(ref.tensor)
+            ref.tensor.data = torch.empty(0, dtype=ref.tensor.dtype, device=ref.tensor.device)
+        return full
+
+    # ------------------------------------------------------------------ parameters
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        """The flat shards (one per unit), then any frozen parameters: what an optimizer should get."""
+        for _, p in self.named_parameters():
+            yield p
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        for unit in self.units:
+            yield f"{prefix}unit{unit.index}", unit.shard
+
+    def gathered_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter, full, by its original name (all ranks take part; for tests and export)."""
+        out = {}
+        for unit in self.units:
+            full = torch.empty(unit.numel, dtype=unit.dtype, device=unit.device)
+            comm.all_gather(full, unit.shard.detach(), algorithm=self.algorithm, group=self.group,
+                            nodes=self.nodes, validate=False)
+            for ref, (a, b) in zip(unit.refs, unit.offsets()):
+                out[ref.name] = full[a:b].view(ref.shape).clone()
+        return out
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally, without communication, until the context exits."""
+        for unit in self.units:
+            unit.require_sync = False
+        try:
+            yield
+        finally:
+            for unit in self.units:
+                unit.require_sync = True
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
+            broadcast_coalesced(self._buffers_to_sync, 0, self.group)
+        self._ran = []
+        for unit in self.units:
+            if unit.owner is None:
+                unit.materialize()
+        if self.stage == 3 and self.prefetch and self._order:
+            self._order[0].gather(async_op=True)
+        hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.stage == 3
+                 else contextlib.nullcontext())
+        with hooks:
+            out = self.module(*args, **kwargs)
+        if self._ran:
+            self._order = self._ran
+        if torch.is_grad_enabled() and any(u.shard.requires_grad for u in self.units):
+            if not on_backward_reaching(out, self._queue_finish):
+                raise RuntimeError("ZeRO: the module's output has no autograd graph, so backward cannot "
+                                   "reduce gradients; return the tensors the loss is computed from")
+        elif self.stage == 3:
+            self._release_all()
+        return out
+
+    def _make_pre_hook(self, unit: FlatUnit):
+        def pre_hook(module, args):
+            self._ran.append(unit)
+            unit.materialize()
+            if unit.reshard_after_forward:
+                self._live[id(unit.full)] = unit
+            if self.prefetch:
+                following = self._next_in(self._order, unit, +1)
+                if following is not None:
+                    following.gather(async_op=True)
+        return pre_hook
+
+    def _make_post_hook(self, unit: FlatUnit):
+        def post_hook(module, args, output):
+            if unit.reshard_after_forward:
+                self._live.pop(id(unit.full), None)
+                unit.release()
+        return post_hook
+
+    @staticmethod
+    def _next_in(order: list[FlatUnit], unit: FlatUnit, step: int) -> FlatUnit | None:
+        try:
+            i = order.index(unit) + step
+        except ValueError:
+            return None
+        return order[i] if 0 <= i < len(order) else None
+
+    def _pack(self, t: torch.Tensor) -> Any:
+        base = t._base
+        unit = self._live.get(id(base)) if base is not None else None
+        if unit is None or unit.full is not base:
+            return t
+        return _Packed(unit, t.storage_offset() - base.storage_offset(), tuple(t.shape), tuple(t.stride()))
+
+    def _unpack(self, packed: Any) -> torch.Tensor:
+        if not isinstance(packed, _Packed):
+            return packed
+        unit = packed.unit
+        first = unit.full is None or unit._gathering is not None
+        full = unit.wait_gathered()
+        if first and self.prefetch:
+            earlier = self._next_in(self._order, unit, -1)
+            if earlier is not None:
+                earlier.gather(async_op=True)
+        return full.as_strided(packed.size, packed.stride, packed.offset)
+
+    # ------------------------------------------------------------------ backward
+
+    def _queue_finish(self) -> None:
+        if self._finish_queued:
+            return
+        self._finish_queued = True
+        queue_on_current_backward(self._finish)
+
+    def _finish(self) -> None:
+        self._finish_queued = False
+        for unit in self.units:
+            unit.finish()
+        if self.stage == 3:
+            self._release_all()
+
+    def _release_all(self) -> None:
+        for unit in self.units:
+            if unit._gathering is not None:
+                unit.wait_gathered()
+            self._live.pop(id(unit.full), None)
+            unit.release(force=True)
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _default_device(module: nn.Module) -> torch.device:
+    for p in module.parameters():
+        if not p.is_meta:
+            return p.device
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _collect(module: nn.Module) -> tuple[list[ParamRef], list[nn.Parameter]]:
+    """Trainable parameters (deduplicated, tied ones once, with every holder) and frozen ones."""
+    holders: dict[int, list] = {}
+    tensors: dict[int, nn.Parameter] = {}
+    names: dict[int, str] = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        for attr, p in sub._parameters.items():
+            if p is None:
+                continue
+            key = id(p)
+            if key not in tensors:
+                tensors[key], names[key], holders[key] = p, f"{prefix}.{attr}" if prefix else attr, []
+            if (sub, attr) not in [(m, a) for m, a in holders[key]]:
+                holders[key].append((sub, attr))
+    refs = [ParamRef(names[k], tensors[k].shape, tuple(holders[k]), tensors[k])
+            for k in tensors if tensors[k].requires_grad]
+    frozen = [tensors[k] for k in tensors if not tensors[k].requires_grad]
+    if not refs:
+        raise ValueError("ZeRO: the module has no parameter that requires grad; nothing to shard")
+    return refs, frozen
+
+
+def _unit_modules(root: nn.Module, classes: tuple, min_numel: int | None) -> list[nn.Module]:
+    """Stage 3's unit modules in registration order: outermost instances of ``classes``, or size-based."""
+    if classes:
+        found, inside = [], set()
+        for module in root.modules():
+            if id(module) in inside or module is root:
+                continue
+            if isinstance(module, classes):
+                found.append(module)
+                inside.update(id(m) for m in module.modules())
+        if not found:
+            present = sorted({type(m).__name__ for m in root.modules()})
+            raise ValueError(f"unit_classes {[c.__name__ for c in classes]} do not occur in the model; its "
+                             f"module classes are {present}")
+        return found
+    if min_numel:
+        found, taken = [], set()
+
+        def visit(module: nn.Module) -> int:
+            size = sum(visit(child) for child in module.children())
+            size += sum(p.numel() for p in module._parameters.values() if p is not None and id(p) not in taken)
+            if module is not root and size >= min_numel:
+                found.append(module)
+                taken.update(id(p) for p in module.parameters())
+                return 0
+            return size
+
+        visit(root)
+        order = {id(m): i for i, m in enumerate(root.modules())}
+        return sorted(found, key=lambda m: order[id(m)])
+    return []
+
+
+def _owner_of(module: nn.Module, owners: list[nn.Module]) -> nn.Module | None:
+    for owner in owners:
+        if any(m is module for m in owner.modules()):
+            return owner
+    return None
+
+
+def _materialize(members: list[ParamRef], device: torch.device, init_fn) -> None:
+    """Allocate a unit's meta parameters on ``device`` and initialise them (tied holders re-tied)."""
+    modules = []
+    for ref in members:
+        real = nn.Parameter(torch.empty(ref.shape, dtype=ref.tensor.dtype, device=device))
+        for module, attr in ref.holders:
+            module._parameters[attr] = real
+            if module not in modules:
+                modules.append(module)
+        ref.tensor = real
+    with torch.no_grad():
+        for module in modules:
+            if init_fn is not None:
+                init_fn(module)
+            elif hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+            else:
+                raise ValueError(f"cannot initialise {type(module).__name__} built on the meta device: it has no "
+                                 "reset_parameters(); pass init_fn=... to ZeRO")
+
+
+def _hook_optimizers() -> None:
+    global _HOOKED
+    if not _HOOKED:
+        register_optimizer_step_pre_hook(_check_optimizer)
+        _HOOKED = True
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            replaced = _REPLACED.get(id(p))
+            if replaced is not None and replaced() is p:
+                raise RuntimeError(
+                    "this optimizer was created before the model was wrapped with ZeRO: it holds the model's "
+                    "original parameters, which ZeRO replaced by flat shards, so its step would update nothing. "
+                    "Wrap first, then create the optimizer: model = ZeRO(model, ...); "
+                    "optimizer = torch.optim.AdamW(model.parameters(), ...)")

@@ -1,0 +1,228 @@
+"""A flat unit: a group of parameters stored as one flat buffer, sharded across ranks.
+
+ZeRO (Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models", SC 2020) keeps on each rank only a 1/N shard of what data
+parallelism replicates. dptrain's unit of sharding is a *flat unit*: the parameters of
+a bucket (stages 1-2) or of a wrapped module (stage 3) laid end to end in one 1-D
+buffer, split into the shards of :func:`~dptrain.comm.topology.shard_bounds` (rank r
+owns elements ``[lo_r, hi_r)``; the first ``numel % N`` shards are one longer, no
+padding). Rank r's slice is the ``shard`` Parameter the optimizer sees.
+
+How the module computes with a unit: before the unit's forward, :meth:`FlatUnit.materialize`
+produces the full flat buffer through :class:`_Unshard`, an autograd function whose
+input is the shard and whose output is the full buffer, splits it into per-parameter
+views and sets them on the modules as plain attributes. Autograd sums the views'
+gradients into one full-size gradient of the buffer (``split_with_sizes``'s backward is
+one concatenation) and calls ``_Unshard.backward`` exactly once, when the last of the
+unit's parameters has its gradient: the unit's "bucket is ready" moment. There the
+unit starts its reduce-scatter asynchronously, so it overlaps with the rest of
+backward, and :meth:`FlatUnit.finish` collects it when backward is done.
+
+What each stage keeps between steps (Ψ parameters of 4 bytes, fp32):
+
+========  ===================  ========================  ==============
+stage     parameters           gradients                 formula
+========  ===================  ========================  ==============
+1         full buffer (4Ψ)     full local buffer (4Ψ);    (8 + 8/N)Ψ
+                               the shard's slice reduced
+2         full buffer (4Ψ)     the shard only (4Ψ/N)      (4 + 12/N)Ψ
+3         the shard only       the shard only             16Ψ/N
+========  ===================  ========================  ==============
+
+plus the optimizer's state for the shard (Adam: 8Ψ/N). Stage 1 accumulates local
+gradients in its full buffer across micro-batches and reduce-scatters the sum on the
+synchronising backward; stages 2 and 3 reduce-scatter every backward and accumulate
+shards.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain import comm
+
+__all__ = ["ParamRef", "FlatUnit"]
+
+
+@dataclass(eq=False)
+class ParamRef:
+    """One parameter of a unit: its qualified name, shape, every (module, attribute) holding it, the tensor."""
+
+    name: str
+    shape: torch.Size
+    holders: tuple[tuple[nn.Module, str], ...]
+    tensor: torch.Tensor
+
+    @property
+    def numel(self) -> int:
+        return self.shape.numel()
+
+
+class _Unshard(torch.autograd.Function):
+    """Shard -> full buffer in forward; the full buffer's gradient -> the unit's reduction in backward."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, full: torch.Tensor, unit: "FlatUnit") -> torch.Tensor:
+        ctx.unit = unit
+        return full.view(full.shape)
+
+    @staticmethod
+    def backward(ctx, grad_full: torch.Tensor):
+        ctx.unit.reduce(grad_full)
+        return None, None, None
+
+
+class FlatUnit:
+    """Parameters flattened into one buffer, of which this rank owns the slice ``[lo, hi)``."""
+
+    def __init__(self, index: int, refs: list[ParamRef], full: torch.Tensor, *, stage: int,
+                 group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool):
+        self.index, self.refs, self.stage = index, refs, stage
+        self.group, self.algorithm, self.nodes = group, algorithm, nodes
+        self.numel = full.numel()
+        self.dtype, self.device = full.dtype, full.device
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.lo, self.hi = comm.shard_range(self.numel, self.world_size, self.rank)
+        self.reshard_after_forward = reshard_after_forward and stage == 3
+        if stage < 3:
+            self.full: torch.Tensor | None = full
+            self.shard = nn.Parameter(full[self.lo:self.hi])  # shares the full buffer's storage
+        else:
+            self.full = None
+            self.shard = nn.Parameter(full[self.lo:self.hi].clone())
+        self.shard._zero_unit = self  # lets LARS/LAMB and checkpoints find the layout
+        self.full_grad = torch.zeros_like(full) if stage == 1 else None
+        self.stale = False  # the shard changed since the full buffer was gathered
+        self._gathering: comm.Work | None = None
+        self._pending: list[tuple[comm.Work, torch.Tensor, torch.Tensor]] = []
+        self._unsynced: torch.Tensor | None = None  # stages 2-3: local gradients under no_sync
+        self._fresh_cycle, self._has_local = True, False  # stage 1: the local accumulation's state
+        self._carry: torch.Tensor | None = None
+        self.require_sync = True
+
+    # ------------------------------------------------------------------ parameters
+
+    def offsets(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of each parameter in the flat buffer."""
+        out, offset = [], 0
+        for ref in self.refs:
+            out.append((offset, offset + ref.numel))
+            offset += ref.numel
+        return out
+
+    def gather(self, async_op: bool = False) -> None:
+        """Bring the full buffer up to date from every rank's shard (stage 3: allocate it)."""
+        if self._gathering is not None or (self.full is not None and not self.stale):
+            return
+        if self.full is None:
+            self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+        self.stale = False
+        with torch.no_grad():
+            work = comm.all_gather(self.full, self.shard.detach(), algorithm=self.algorithm, group=self.group,
+                                   nodes=self.nodes, async_op=True, validate=False)
+        if async_op:
+            self._gathering = work
+        else:
+            work.wait()
+
+    def wait_gathered(self) -> torch.Tensor:
+        self.gather()
+        if self._gathering is not None:
+            self._gathering.wait()
+            self._gathering = None
+        return self.full
+
+    def materialize(self) -> torch.Tensor:
+        """Set every parameter on its modules as a view of the full buffer; returns the buffer's autograd output."""
+        full = self.wait_gathered()
+        if torch.is_grad_enabled() and self.shard.requires_grad:
+            out = _Unshard.apply(self.shard, full, self)
+        else:
+            out = full.view(full.shape)
+        for ref, view in zip(self.refs, out.split([r.numel for r in self.refs])):
+            view = view.view(ref.shape)
+            for module, attr in ref.holders:
+                setattr(module, attr, view)
+        return out
+
+    def release(self, force: bool = False) -> None:
+        """Stage 3: drop the full buffer (the modules' views with it) until the next gather.
+
+        Units that reshard after forward are released after forward and after their
+        reduction; the others (``force``) when backward is done.
+        """
+        if self.stage < 3 or self.full is None or not (force or self.reshard_after_forward):
+            return
+        for ref in self.refs:
+            for module, attr in ref.holders:
+                if attr in module.__dict__:
+                    delattr(module, attr)
+        self.full = None
+
+    # ------------------------------------------------------------------ gradients
+
+    def reduce(self, grad_full: torch.Tensor) -> None:
+        """Called from backward with the full buffer's gradient: start its reduce-scatter.
+
+        ``grad_full`` is a fresh tensor from autograd, not used elsewhere, so it is kept
+        (and accumulated into) as it is. A unit used twice in one forward gets here twice;
+        the two reductions are summed in :meth:`finish`.
+        """
+        grad_full = grad_full.reshape(-1)
+        if self.stage == 1:
+            if self._fresh_cycle:  # the last synchronised reduction was consumed
+                self._carry = self.shard.grad.clone() if self.shard.grad is not None else None
+                self._fresh_cycle, self._has_local = False, False
+            if not self.require_sync or self._has_local:
+                if self._has_local:
+                    self.full_grad.add_(grad_full)
+                else:
+                    self.full_grad.copy_(grad_full)
+                self._has_local = True
+                if not self.require_sync:
+                    return
+                grad_full, self._has_local = self.full_grad, False
+            self._launch(grad_full)
+            return
+        if self._unsynced is not None:
+            grad_full, self._unsynced = self._unsynced.add_(grad_full), None
+        if not self.require_sync:
+            self._unsynced = grad_full
+        else:
+            self._launch(grad_full)
+        self.release()  # stage 3: backward is done with this unit's weights
+
+    def _launch(self, grad_full: torch.Tensor) -> None:
+        out = torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device)
+        work = comm.reduce_scatter(out, grad_full, "avg", algorithm=self.algorithm, group=self.group,
+                                   nodes=self.nodes, async_op=True, validate=False)
+        self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
+
+    def finish(self) -> None:
+        """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
+        if not self._pending:
+            return
+        outs = []
+        for work, out, _ in self._pending:
+            work.wait()
+            outs.append(out)
+        self._pending.clear()
+        total = outs[0]
+        for out in outs[1:]:
+            total.add_(out)
+        if self.stage == 1:
+            view = self.full_grad[self.lo:self.hi]
+            view.copy_(total)
+            if self._carry is not None:
+                view.add_(self._carry)
+            self._carry, self._fresh_cycle = None, True
+            self.shard.grad = view
+        elif self.shard.grad is None:
+            self.shard.grad = total
+        else:
+            self.shard.grad.add_(total)
+        self.stale = True  # an optimizer step is expected to follow
