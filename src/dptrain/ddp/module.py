@@ -87,6 +87,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
       ``dptrain.comm.all_reduce(..., algorithm=...)`` itself).
     - ``nodes``: for ``"hierarchical"``, ranks per node (the local world size) or an
       explicit grouping of group ranks.
+    - ``traffic``: a :class:`dptrain.comm.Traffic` that counts the bytes this rank's
+      bucket reductions send (dptrain's algorithms only; the backend does not report).
     """
 
     def __init__(
@@ -105,6 +107,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         static_graph: bool = False,
         algorithm: str = "native",
         nodes: int | Sequence[Sequence[int]] | None = None,
+        traffic: Any = None,
         **unsupported: Any,
     ):
         super().__init__()
@@ -143,6 +146,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
             static_graph=static_graph,
             algorithm=algorithm,
             nodes=nodes,
+            traffic=traffic,
         )
 
     def _check_replicas(self, named: list[tuple[str, nn.Parameter]], options: list[tuple]) -> None:

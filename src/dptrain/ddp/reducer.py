@@ -113,10 +113,12 @@ class Reducer:
         static_graph: bool = False,
         algorithm: str = "native",
         nodes: int | Sequence[Sequence[int]] | None = None,
+        traffic: comm.Traffic | None = None,
     ):
         self.params = params
         self.algorithm = algorithm    # how buckets are all-reduced without a hook (dptrain.comm)
         self.nodes = nodes
+        self.traffic = traffic        # counts dptrain.comm's bytes sent, for tests and benchmarks
         self.names = names
         self.process_group = process_group
         self.comm_hook = comm_hook    # None: the built-in averaging all-reduce
@@ -326,7 +328,7 @@ class Reducer:
             # Buckets have the same size and dtype on every rank by construction (the
             # replicas were verified), so the agreement round trip is skipped.
             return comm.all_reduce(buffer, algorithm=self.algorithm, group=self.process_group,
-                                   nodes=self.nodes, async_op=True, validate=False)
+                                   nodes=self.nodes, async_op=True, validate=False, traffic=self.traffic)
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         if span is not None and self.record_spans:
             work.get_future().add_done_callback(lambda _: _stamp(span))

@@ -75,14 +75,17 @@ class ZeRO(nn.Module):
     ``unit_classes`` / ``min_unit_numel``: stage 3's unit modules. ``init_fn``: for a
     model built on the meta device, called on each module of a unit after its
     parameters are allocated (default: the module's ``reset_parameters``), one unit
-    at a time, so the full model never exists on one rank.
+    at a time, so the full model never exists on one rank. ``traffic``: a
+    :class:`dptrain.comm.Traffic` counting the bytes this rank sends (dptrain's
+    algorithms only, not ``native``).
     """
 
     def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
                  algorithm: str = "native", nodes=None, unit_classes: Sequence[type] = (),
                  min_unit_numel: int | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
                  bucket_cap_mb: float = 25.0, init_fn: Callable[[nn.Module], None] | None = None,
-                 device: torch.device | str | None = None, broadcast_buffers: bool = True):
+                 device: torch.device | str | None = None, broadcast_buffers: bool = True,
+                 traffic: comm.Traffic | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -106,7 +109,8 @@ class ZeRO(nn.Module):
         for index, (owner, members) in enumerate(groups):
             full = self._flatten(members, init_fn)
             unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
-                            nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None)
+                            nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
+                            traffic=traffic)
             unit.owner = owner
             self.units.append(unit)
             if owner is not None:

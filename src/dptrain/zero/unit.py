@@ -80,9 +80,11 @@ class FlatUnit:
     """Parameters flattened into one buffer, of which this rank owns the slice ``[lo, hi)``."""
 
     def __init__(self, index: int, refs: list[ParamRef], full: torch.Tensor, *, stage: int,
-                 group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool):
+                 group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool,
+                 traffic: comm.Traffic | None = None):
         self.index, self.refs, self.stage = index, refs, stage
         self.group, self.algorithm, self.nodes = group, algorithm, nodes
+        self._comm = dict(algorithm=algorithm, group=group, nodes=nodes, validate=False, traffic=traffic)
         self.numel = full.numel()
         self.dtype, self.device = full.dtype, full.device
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
@@ -122,8 +124,7 @@ class FlatUnit:
             self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
         self.stale = False
         with torch.no_grad():
-            work = comm.all_gather(self.full, self.shard.detach(), algorithm=self.algorithm, group=self.group,
-                                   nodes=self.nodes, async_op=True, validate=False)
+            work = comm.all_gather(self.full, self.shard.detach(), async_op=True, **self._comm)
         if async_op:
             self._gathering = work
         else:
@@ -198,8 +199,7 @@ class FlatUnit:
 
     def _launch(self, grad_full: torch.Tensor) -> None:
         out = torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device)
-        work = comm.reduce_scatter(out, grad_full, "avg", algorithm=self.algorithm, group=self.group,
-                                   nodes=self.nodes, async_op=True, validate=False)
+        work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
 
     def finish(self) -> None:
