@@ -4,6 +4,7 @@ The public surface a training script needs::
 
     from dptrain import DistributedDataParallel as DDP   # drop-in for torch's
     from dptrain import DistributedSampler, BatchPlan
+    from dptrain import ZeRO                               # sharded: stages 1-3, see docs/zero.md
 
     # or the whole step (accumulation, clipping, LR schedule, mixed precision), see docs/api.md
     from dptrain import Engine, init_distributed, warmup_cosine
@@ -24,6 +25,7 @@ from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distrib
 from dptrain.train.engine import Engine, StepInfo
 from dptrain.train.loader import ShardedLoader
 from dptrain.train.schedule import scaled_lr, warmup_cosine
+from dptrain.zero import ZeRO
 
 DDP = DistributedDataParallel
 
