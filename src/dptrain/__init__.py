@@ -34,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DistributedDataParallel",
     "DDP",
+    "ZeRO",
     "NaiveDataParallel",
     "GradBucket",
     "allreduce_hook",
