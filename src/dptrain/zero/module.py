@@ -102,10 +102,10 @@ class ZeRO(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.device = torch.device(device) if device is not None else _default_device(module)
         refs, frozen = _collect(module)
+        # Verify first: ranks with different models could otherwise fail (or not) one by one below.
+        self._verify(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
         groups = self._unit_groups(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
-        self._verify(refs, groups, tuple(unit_classes), min_unit_numel)
         self.units: list[FlatUnit] = []
-        self._unit_of_module: dict[nn.Module, FlatUnit] = {}
         for index, (owner, members) in enumerate(groups):
             full = self._flatten(members, init_fn)
             unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
@@ -113,8 +113,6 @@ class ZeRO(nn.Module):
                             traffic=traffic)
             unit.owner = owner
             self.units.append(unit)
-            if owner is not None:
-                self._unit_of_module[owner] = unit
         self._shards = nn.ParameterList([u.shard for u in self.units])
         self._frozen = frozen
         self._buffers_to_sync = [b for b in module.buffers()]
@@ -140,9 +138,10 @@ class ZeRO(nn.Module):
             return [(None, [refs[i] for i in sorted(b)]) for b in buckets]
         owners = _unit_modules(self.module, classes, min_numel)
         owned: dict[nn.Module, list[ParamRef]] = {m: [] for m in owners}
+        owner_of = {id(m): owner for owner in owners for m in owner.modules()}
         root: list[ParamRef] = []
         for ref in refs:
-            homes = {_owner_of(module, owners) for module, _ in ref.holders}
+            homes = {owner_of.get(id(module)) for module, _ in ref.holders}
             home = homes.pop() if len(homes) == 1 else None  # shared across units (tied): the root's
             (owned[home] if home is not None else root).append(ref)
         groups = [(m, owned[m]) for m in owners if owned[m]]
@@ -156,10 +155,10 @@ class ZeRO(nn.Module):
             groups.append((None, root))
         return groups
 
-    def _verify(self, refs: list[ParamRef], groups, classes: tuple, min_numel: int | None) -> None:
+    def _verify(self, refs: list[ParamRef], classes: tuple, min_numel: int | None, cap_mb: float) -> None:
         signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
         signature.append(("option", "zero", (self.stage, self.algorithm, [c.__name__ for c in classes], min_numel,
-                                             [len(m) for _, m in groups]), repr(self.nodes), False))
+                                             cap_mb), repr(self.nodes), False))
         verify_replicas(signature, self.group, self.device)
 
     def _flatten(self, members: list[ParamRef], init_fn) -> torch.Tensor:
@@ -180,7 +179,7 @@ class ZeRO(nn.Module):
     # ------------------------------------------------------------------ parameters
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        """The flat shards (one per unit), then any frozen parameters: what an optimizer should get."""
+        """The flat shards, one per unit: what the optimizer should get (frozen parameters stay in the module)."""
         for _, p in self.named_parameters():
             yield p
 
@@ -367,13 +366,6 @@ def _unit_modules(root: nn.Module, classes: tuple, min_numel: int | None) -> lis
         order = {id(m): i for i, m in enumerate(root.modules())}
         return sorted(found, key=lambda m: order[id(m)])
     return []
-
-
-def _owner_of(module: nn.Module, owners: list[nn.Module]) -> nn.Module | None:
-    for owner in owners:
-        if any(m is module for m in owner.modules()):
-            return owner
-    return None
 
 
 def _materialize(members: list[ParamRef], device: torch.device, init_fn) -> None:
