@@ -17,7 +17,7 @@ never mix dtypes or devices: a flat buffer has one of each.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import torch
 
@@ -34,6 +34,7 @@ class ParamInfo:
     element_size: int
     dtype: torch.dtype
     device: torch.device
+    group: Hashable = None  # parameters of different groups never share a bucket (ZeRO's split_by)
 
     @classmethod
     def of(cls, param: torch.Tensor) -> "ParamInfo":
@@ -54,7 +55,7 @@ def assign_buckets(
 
     ``order`` is the order gradients are expected to become ready; by default the
     reverse of ``params`` (registration order). ``first_cap_bytes`` caps the first
-    bucket of each (dtype, device) group separately: a small first bucket gets the
+    bucket of each (dtype, device, group) group separately: a small first bucket gets the
     first collective started early. Returns buckets in launch order, each a list of
     parameter indices in ready order.
     """
@@ -67,7 +68,7 @@ def assign_buckets(
     closed: list[list[int]] = []
     for index in order:
         info = params[index]
-        key = (info.dtype, info.device)
+        key = (info.dtype, info.device, info.group)
         indices, size = open_buckets.get(key, ([], 0))
         indices.append(index)
         size += info.nbytes

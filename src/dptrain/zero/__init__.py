@@ -1,6 +1,7 @@
 """ZeRO data parallelism: optimizer state, gradients and parameters sharded across ranks (stages 1-3)."""
 
 from dptrain.zero.module import ZeRO
+from dptrain.zero.precision import MixedPrecision
 from dptrain.zero.unit import FlatUnit
 
-__all__ = ["ZeRO", "FlatUnit"]
+__all__ = ["ZeRO", "MixedPrecision", "FlatUnit"]

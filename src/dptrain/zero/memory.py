@@ -71,9 +71,22 @@ def live_tensor_bytes(device: str | None = None) -> int:
 
 
 def zero_formula(stage: int, numel: int, world_size: int, state_bytes_per_param: int = 8,
-                 param_bytes: int = 4, grad_bytes: int = 4) -> float:
-    """The ZeRO paper's bytes per rank for ``numel`` parameters (stage 0: plain data parallelism)."""
-    n, k = world_size, state_bytes_per_param
-    p, g = param_bytes, grad_bytes
-    per_param = {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
+                 param_bytes: int = 4, reduce_bytes: int | None = None, master_bytes: int = 4) -> float:
+    """dptrain's bytes per rank for ``numel`` parameters held between steps (stage 0: the DDP engine).
+
+    ``param_bytes``: the compute dtype's size (2 for bf16); ``reduce_bytes``: the reduce
+    dtype's (default: ``param_bytes``); ``master_bytes``: the shards' (the model's dtype).
+    In fp32 (all 4) these are the ZeRO paper's formulas. With a 16-bit compute dtype the
+    fp32 master shard is a separate tensor, and so is the fp32 gradient shard the
+    optimizer reads, except at stage 1 with an fp32 reduce, where it is a view of the
+    full gradient. The paper (K = 12) counts the gradient at 2 bytes instead: its stage 2
+    is (2 + 14/N)Ψ where this gives (2 + 16/N)Ψ.
+    """
+    n, k, p, m = world_size, state_bytes_per_param, param_bytes, master_bytes
+    r = p if reduce_bytes is None else reduce_bytes
+    master = m if p != m else 0  # the shard is a view of the full buffer when the dtypes agree
+    per_param = {0: p + r + k + master,
+                 1: p + r + (k + master + (m if r != m else 0)) / n,
+                 2: p + (k + master + m) / n,
+                 3: (m + m + k) / n}[stage]
     return per_param * numel

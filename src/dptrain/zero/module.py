@@ -36,9 +36,10 @@ prefetch). This is the same idea as activation offloading, applied to weights.
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
@@ -49,6 +50,7 @@ from dptrain import comm
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
+from dptrain.zero.precision import MixedPrecision, cast_floats
 from dptrain.zero.unit import FlatUnit, ParamRef
 
 __all__ = ["ZeRO"]
@@ -77,7 +79,12 @@ class ZeRO(nn.Module):
     parameters are allocated (default: the module's ``reset_parameters``), one unit
     at a time, so the full model never exists on one rank. ``traffic``: a
     :class:`dptrain.comm.Traffic` counting the bytes this rank sends (dptrain's
-    algorithms only, not ``native``).
+    algorithms only, not ``native``). ``mixed_precision``: a
+    :class:`~dptrain.zero.precision.MixedPrecision` (bf16 compute, fp32 master shards).
+    ``split_by``: a function ``(name, parameter) -> key``; parameters with different
+    keys never share a unit, and each shard's key is ``shard._zero_unit.key``, so an
+    optimizer can give them different hyperparameters (the trainer splits matrices from
+    vectors to decay only the former).
     """
 
     def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
@@ -85,7 +92,8 @@ class ZeRO(nn.Module):
                  min_unit_numel: int | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
                  bucket_cap_mb: float = 25.0, init_fn: Callable[[nn.Module], None] | None = None,
                  device: torch.device | str | None = None, broadcast_buffers: bool = True,
-                 traffic: comm.Traffic | None = None):
+                 traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
+                 split_by: Callable[[str, torch.Tensor], Hashable] | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -99,6 +107,10 @@ class ZeRO(nn.Module):
         self.module = module
         self.stage, self.group, self.algorithm, self.nodes = stage, process_group, algorithm, nodes
         self.prefetch, self.broadcast_buffers = prefetch, broadcast_buffers
+        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+            raise TypeError(f"mixed_precision must be a dptrain.zero.MixedPrecision, got {mixed_precision!r}")
+        self.mixed_precision = mixed_precision
+        self._split_by = split_by
         self.world_size = dist.get_world_size(process_group)
         self.device = torch.device(device) if device is not None else _default_device(module)
         refs, frozen = _collect(module)
@@ -108,10 +120,12 @@ class ZeRO(nn.Module):
         self.units: list[FlatUnit] = []
         for index, (owner, members) in enumerate(groups):
             full = self._flatten(members, init_fn)
+            mp = mixed_precision or MixedPrecision(param_dtype=None)
             unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
                             nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
-                            traffic=traffic)
+                            traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
             unit.owner = owner
+            unit.key = self._key(members[0])
             self.units.append(unit)
         self._shards = nn.ParameterList([u.shard for u in self.units])
         self._frozen = frozen
@@ -133,7 +147,8 @@ class ZeRO(nn.Module):
     def _unit_groups(self, refs: list[ParamRef], classes: tuple, min_numel: int | None,
                      cap_mb: float) -> list[tuple[nn.Module | None, list[ParamRef]]]:
         if self.stage < 3:
-            infos = [ParamInfo(r.numel, r.tensor.element_size(), r.tensor.dtype, self.device) for r in refs]
+            infos = [ParamInfo(r.numel, r.tensor.element_size(), r.tensor.dtype, self.device, self._key(r))
+                     for r in refs]
             buckets = assign_buckets(infos, int(cap_mb * MiB), first_cap_bytes=min(MiB, int(cap_mb * MiB)))
             return [(None, [refs[i] for i in sorted(b)]) for b in buckets]
         owners = _unit_modules(self.module, classes, min_numel)
@@ -144,21 +159,30 @@ class ZeRO(nn.Module):
             homes = {owner_of.get(id(module)) for module, _ in ref.holders}
             home = homes.pop() if len(homes) == 1 else None  # shared across units (tied): the root's
             (owned[home] if home is not None else root).append(ref)
-        groups = [(m, owned[m]) for m in owners if owned[m]]
+        groups = [(m, part) for m in owners for part in self._split(owned[m])]
         for module, members in groups:
             dtypes = {r.tensor.dtype for r in members}
             if len(dtypes) > 1:
                 raise ValueError(f"unit {type(module).__name__} mixes parameter dtypes {sorted(map(str, dtypes))}; "
                                  "a flat unit has one dtype: cast the model first (model.float()) or choose "
                                  "unit_classes whose parameters share a dtype")
-        if root:
-            groups.append((None, root))
+        groups += [(None, part) for part in self._split(root)]
         return groups
+
+    def _key(self, ref: ParamRef) -> Hashable:
+        return self._split_by(ref.name, ref.tensor) if self._split_by is not None else None
+
+    def _split(self, members: list[ParamRef]) -> list[list[ParamRef]]:
+        """``members`` in groups of one key each, in order of each key's first parameter."""
+        parts: dict[Hashable, list[ParamRef]] = {}
+        for ref in members:
+            parts.setdefault(self._key(ref), []).append(ref)
+        return list(parts.values())
 
     def _verify(self, refs: list[ParamRef], classes: tuple, min_numel: int | None, cap_mb: float) -> None:
         signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
         signature.append(("option", "zero", (self.stage, self.algorithm, [c.__name__ for c in classes], min_numel,
-                                             cap_mb), repr(self.nodes), False))
+                                             cap_mb, repr(self.mixed_precision)), repr(self.nodes), False))
         verify_replicas(signature, self.group, self.device)
 
     def _flatten(self, members: list[ParamRef], init_fn) -> torch.Tensor:
@@ -198,6 +222,38 @@ class ZeRO(nn.Module):
                 out[ref.name] = full[a:b].view(ref.shape).clone()
         return out
 
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradient shards so that the norm of the *whole* gradient is at most ``max_norm``.
+
+        The norm is over every rank's shard: each rank sums its shards' squares (in fp32)
+        and one all-reduce adds them up (for ``norm_type=inf``, the maximum), so every
+        rank gets the same norm and takes the same decision. A non-finite norm is returned
+        as it is and nothing is scaled; skip the optimizer step then (all ranks will):
+
+            norm = model.clip_grad_norm_(1.0)
+            if torch.isfinite(norm):
+                optimizer.step()
+
+        Returns the norm before clipping, as torch's ``clip_grad_norm_`` does.
+        """
+        if norm_type not in (2.0, math.inf):
+            raise ValueError(f"norm_type must be 2.0 or inf for a sharded gradient norm, got {norm_type!r}")
+        grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.grad.numel()]
+        local = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in grads:
+            g = g.detach().float()
+            local = torch.maximum(local, g.abs().max()) if norm_type == math.inf else local + g.pow(2).sum()
+        if self.world_size > 1:
+            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM,
+                            group=self.group)
+        norm = local if norm_type == math.inf else local.sqrt()
+        if math.isfinite(max_norm) and torch.isfinite(norm):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, without communication, until the context exits."""
@@ -222,8 +278,13 @@ class ZeRO(nn.Module):
             self._order[0].gather(async_op=True)
         hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.stage == 3
                  else contextlib.nullcontext())
+        mp = self.mixed_precision
+        if mp is not None and mp.cast_inputs:
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         with hooks:
             out = self.module(*args, **kwargs)
+        if mp is not None:
+            out = cast_floats(out, mp.output_dtype)
         if self._ran:
             self._order = self._ran
         if torch.is_grad_enabled() and any(u.shard.requires_grad for u in self.units):

@@ -81,23 +81,33 @@ class FlatUnit:
 
     def __init__(self, index: int, refs: list[ParamRef], full: torch.Tensor, *, stage: int,
                  group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool,
-                 traffic: comm.Traffic | None = None):
+                 traffic: comm.Traffic | None = None, param_dtype: torch.dtype | None = None,
+                 reduce_dtype: torch.dtype | None = None):
         self.index, self.refs, self.stage = index, refs, stage
         self.group, self.algorithm, self.nodes = group, algorithm, nodes
         self._comm = dict(algorithm=algorithm, group=group, nodes=nodes, validate=False, traffic=traffic)
         self.numel = full.numel()
+        # master: the shard the optimizer steps; compute: the full buffer and its
+        # gradient; reduce: the reduce-scatter (see zero/precision.py)
+        self.master_dtype = full.dtype
+        self.compute_dtype = param_dtype or full.dtype
+        self.reduce_dtype = reduce_dtype or self.compute_dtype
         self.dtype, self.device = full.dtype, full.device
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.lo, self.hi = comm.shard_range(self.numel, self.world_size, self.rank)
         self.reshard_after_forward = reshard_after_forward and stage == 3
-        if stage < 3:
-            self.full: torch.Tensor | None = full
+        self.full: torch.Tensor | None
+        if stage < 3 and self.compute_dtype == self.master_dtype:
+            self.full = full
             self.shard = nn.Parameter(full[self.lo:self.hi])  # shares the full buffer's storage
         else:
-            self.full = None
             self.shard = nn.Parameter(full[self.lo:self.hi].clone())
+            self.full = full.to(self.compute_dtype) if stage < 3 else None
         self.shard._zero_unit = self  # lets LARS/LAMB and checkpoints find the layout
-        self.full_grad = torch.zeros_like(full) if stage == 1 else None
+        # stage 1 accumulates full local gradients; its shard's gradient is a view of them
+        # when no cast separates the two
+        self.full_grad = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device) if stage == 1 else None
+        self._grad_is_view = stage == 1 and self.reduce_dtype == self.master_dtype
         self.stale = False  # the shard changed since the full buffer was gathered
         self._gathering: comm.Work | None = None
         self._pending: list[tuple[comm.Work, torch.Tensor, torch.Tensor]] = []
@@ -121,10 +131,11 @@ class FlatUnit:
         if self._gathering is not None or (self.full is not None and not self.stale):
             return
         if self.full is None:
-            self.full = torch.empty(self.numel, dtype=self.dtype, device=self.device)
+            self.full = torch.empty(self.numel, dtype=self.compute_dtype, device=self.device)
         self.stale = False
         with torch.no_grad():
-            work = comm.all_gather(self.full, self.shard.detach(), async_op=True, **self._comm)
+            source = self.shard.detach().to(self.compute_dtype)  # the shard itself when no cast is needed
+            work = comm.all_gather(self.full, source, async_op=True, **self._comm)
         if async_op:
             self._gathering = work
         else:
@@ -173,7 +184,7 @@ class FlatUnit:
         (and accumulated into) as it is. A unit used twice in one forward gets here twice;
         the two reductions are summed in :meth:`finish`.
         """
-        grad_full = grad_full.reshape(-1)
+        grad_full = grad_full.reshape(-1).to(self.reduce_dtype)
         if self.stage == 1:
             if self._fresh_cycle:  # the last synchronised reduction was consumed
                 self._carry = self.shard.grad.clone() if self.shard.grad is not None else None
@@ -198,7 +209,7 @@ class FlatUnit:
         self.release()  # stage 3: backward is done with this unit's weights
 
     def _launch(self, grad_full: torch.Tensor) -> None:
-        out = torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device)
+        out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
         work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
 
@@ -214,13 +225,16 @@ class FlatUnit:
         total = outs[0]
         for out in outs[1:]:
             total.add_(out)
-        if self.stage == 1:
+        if self._grad_is_view:  # stage 1, fp32 throughout: the gradient lives in full_grad
             view = self.full_grad[self.lo:self.hi]
-            view.copy_(total)
+            total = view.copy_(total)
+        else:
+            total = total.to(self.master_dtype)
+        if self.stage == 1:
             if self._carry is not None:
-                view.add_(self._carry)
+                total.add_(self._carry)
             self._carry, self._fresh_cycle = None, True
-            self.shard.grad = view
+            self.shard.grad = total
         elif self.shard.grad is None:
             self.shard.grad = total
         else:
