@@ -6,8 +6,8 @@ steps the ZeRO model's gathered parameters are compared with the DDP model's, an
 before every step each rank's gradient shard with its slice of DDP's averaged gradient
 (Adam is invariant to the gradients' scale, so parameters alone would not catch a
 missing division by the world size). The
-models' parameter counts (MLP 279, Stack 663, TiedLM 288, GPT 1,912) are not divisible by 2, 3 or
-4, so shards are uneven.
+main test uses ``stack13`` (757 parameters, a prime) and checks that some unit's size is
+not divisible by the world size, so that shards are really uneven at every world size.
 """
 
 from __future__ import annotations
@@ -100,9 +100,16 @@ CASES = {
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_each_stage_matches_ddp_after_every_adam_step(stage: int, world_size: int) -> None:
-    model, kw = ("mlp", {"bucket_cap_mb": 0.0004}) if stage < 3 else ("stack", {"unit_classes": (Layer,)})
-    worst = run_on_ranks(_parity, world_size, model, stage, kw, 1, timeout=120)
+    kw = {"bucket_cap_mb": 0.0004} if stage < 3 else {"unit_classes": (Layer,)}
+    worst = run_on_ranks(_parity, world_size, "stack13", stage, kw, 1, timeout=120)
     assert max(worst) <= TOLERANCE, worst
+    if world_size > 1:
+        sizes = run_on_ranks(_unit_sizes, 1, stage, kw, timeout=60)[0]
+        assert any(size % world_size for size in sizes), sizes  # uneven shards exist
+
+
+def _unit_sizes(rank: int, world_size: int, stage: int, kw: dict) -> list[int]:
+    return [unit.numel for unit in ZeRO(build("stack13"), stage=stage, **kw).units]
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
