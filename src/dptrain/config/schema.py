@@ -60,7 +60,8 @@ class TrainConfig:
                                         "accumulation give any two (32 global if none is given)")
     micro_batch_size: int | None = opt(None, "samples per rank per forward/backward")
     grad_accum_steps: int | None = opt(None, "micro-steps per optimizer step (gradients synced on the last)")
-    optimizer: str = opt("adamw", "optimizer", choices=("adamw", "adam", "sgd"))
+    optimizer: str = opt("adamw", "optimizer: adamw, adam, sgd, or the layer-wise lars and lamb (dptrain.optim)",
+                         choices=("adamw", "adam", "sgd", "lars", "lamb"))
     lr: float = opt(2e-3, "peak learning rate at base_batch_size, before the scaling rule")
     lr_scaling: str = opt("none", "how the peak LR follows the global batch: none, linear (lr x global/base) "
                           "or sqrt (lr x sqrt(global/base))", choices=("none", "linear", "sqrt"))
@@ -78,6 +79,9 @@ class TrainConfig:
 
 @dataclass
 class DDPConfig:
+    strategy: str = opt("ddp", "data-parallel strategy: replicated (ddp) or ZeRO stage 1, 2 or 3 (zero1: sharded "
+                        "optimizer state, zero2: and gradients, zero3: and parameters; see [zero] and docs/zero.md)",
+                        choices=("ddp", "zero1", "zero2", "zero3"))
     backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
                        choices=("auto", "gloo", "nccl"))
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
@@ -89,6 +93,19 @@ class DDPConfig:
                          "dptrain's own ring, tree, naive, hierarchical (docs/collectives.md)",
                          choices=ALGORITHMS)
     ranks_per_node: int = opt(0, "ranks per node for the hierarchical algorithm; 0 uses the local world size")
+
+
+@dataclass
+class ZeROConfig:
+    unit_classes: list = opt([], "zero3: names of the module classes that are gathered and freed as one unit "
+                             "(e.g. ['Block']); empty: the blocks of the model's first ModuleList, or min_unit_numel")
+    min_unit_numel: int = opt(0, "zero3: make every module with at least this many parameters a unit instead "
+                              "(0: only when no unit class is given or found)")
+    reshard_after_forward: bool = opt(True, "zero3: free a unit's gathered parameters after its forward (and "
+                                      "gather again in backward); false keeps them until backward is done")
+    prefetch: bool = opt(True, "zero3: start gathering the next unit while the current one computes")
+    reduce_dtype: str = opt("fp32", "with precision bf16: the dtype gradients are reduce-scattered in (bf16 halves "
+                            "the bytes)", choices=("fp32", "bf16"))
 
 
 @dataclass
@@ -118,13 +135,14 @@ class RunConfig:
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    zero: ZeROConfig = field(default_factory=ZeROConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
 
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
-NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp",
+NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
                 "checkpoint", "log"}
 
 

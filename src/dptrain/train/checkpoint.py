@@ -10,6 +10,12 @@ Layout of a run directory's ``checkpoints/``::
                         identity and its hash, and a sha256 of each file above
     step_00000200/ ...
 
+A ZeRO run (``ddp.strategy = "zero1" | "zero2" | "zero3"``) writes ``sharded/`` (every
+rank's shards of the parameters and optimizer state, in ``torch.distributed.checkpoint``'s
+format, loadable on any world size: :mod:`dptrain.zero.checkpoint`) instead of
+``model.pt`` and ``optimizer.pt``; ``meta.json`` then says ``"format": "sharded"`` and
+holds a checksum of every file under ``sharded/`` too.
+
 **Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
 ``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
 disk; a crash mid-save leaves a ``.tmp`` directory that the next run deletes, never a
@@ -50,6 +56,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest
 
 _NAME = re.compile(r"^step_(\d{8})$")
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
+SHARDED = "sharded"  # the subdirectory of a ZeRO checkpoint written by every rank
 
 
 class CheckpointError(ValueError):
@@ -69,16 +76,28 @@ def find_latest(run_dir: Path) -> Path | None:
     return found[-1][1] if found else None
 
 
-def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[str, Any]) -> Path:
-    """Write ``files`` (name -> object for torch.save) and ``meta`` atomically; return the directory."""
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """Where the checkpoint of ``step`` is written before it is renamed into place."""
+    return checkpoint_root(run_dir) / f".step_{step:08d}.tmp"
+
+
+def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[str, Any],
+                    staged: bool = False) -> Path:
+    """Write ``files`` (name -> object for torch.save) and ``meta`` atomically; return the directory.
+
+    ``staged``: the staging directory already holds files written by every rank (a
+    sharded checkpoint); they are kept and their checksums go into ``meta.json`` too.
+    """
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
-    tmp = root / f".{final.name}.tmp"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    digests = {}
+    tmp = staging_dir(run_dir, step)
+    if not staged:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    digests = {str(f.relative_to(tmp)): hashlib.sha256(f.read_bytes()).hexdigest()
+               for f in sorted(tmp.rglob("*")) if f.is_file()}
     for name, obj in files.items():
         buffer = io.BytesIO()
         torch.save(obj, buffer)
@@ -95,7 +114,7 @@ def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[
 
 
 def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
-                      global_batch_size: int) -> dict[str, Any]:
+                      global_batch_size: int, layout: str = "replicated") -> dict[str, Any]:
     """``meta.json`` of the checkpoint at ``path`` once it is known to be intact and compatible."""
     meta_path = path / "meta.json"
     fix = (f"delete {path} to resume from an earlier checkpoint, or start afresh with another run_dir "
@@ -108,9 +127,11 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
                               f"dptrain checkpoint; {fix}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: meta.json is corrupt ({e}); {fix}") from None
-    for name in _FILES:
+    required = ("trainer.pt",) if meta.get("format") == "sharded" else _FILES
+    for name in required:
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: meta.json lists no {name}; {fix}")
+    for name in files:
         try:
             digest = hashlib.sha256((path / name).read_bytes()).hexdigest()
         except FileNotFoundError:
@@ -119,6 +140,13 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
             raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in meta.json "
                                   f"(sha256 {digest[:12]}..., expected {files[name][:12]}...), so it was "
                                   f"truncated or modified; {fix}")
+    saved_layout = meta.get("format", "replicated")
+    if saved_layout != layout:
+        raise CheckpointError(
+            f"checkpoint {path} is {saved_layout} (written with ddp.strategy "
+            f"{'ddp' if saved_layout == 'replicated' else 'zero1, zero2 or zero3'}) and this run's strategy "
+            f"writes {layout} checkpoints; resume with the strategy it was saved with (any ZeRO stage loads a "
+            "sharded checkpoint), or start afresh with another run_dir")
     if meta.get("identity_hash") != identity_hash:
         saved = meta.get("identity", {})
         diffs = [f"{k}: {saved.get(k, '<absent>')!r} -> {identity.get(k, '<absent>')!r}"
@@ -137,9 +165,12 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
 
 
 def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
-    """The checkpoint's files, loaded with ``weights_only`` (no code runs from a checkpoint)."""
+    """The checkpoint's ``.pt`` files, loaded with ``weights_only`` (no code runs from a checkpoint).
+
+    A sharded checkpoint's ``sharded/`` is loaded by :func:`dptrain.zero.checkpoint.load_sharded`.
+    """
     return {name.removesuffix(".pt"): torch.load(path / name, map_location=device, weights_only=True)
-            for name in _FILES}
+            for name in _FILES if (path / name).exists()}
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:

@@ -14,6 +14,13 @@ Mixed precision follows ``torch.autocast``: bf16 on CPU or GPU; fp16 on GPU with
 ``GradScaler``. A step whose gradient norm is not finite is skipped; because the norm
 is the same on every rank, every rank skips it together.
 
+``strategy`` picks the data-parallel wrapper: ``"ddp"`` (replicated, the DDP engine) or
+``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`). Under ZeRO the
+optimizer must be built from the wrapped model's shards, so pass a factory
+``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``; bf16 becomes
+ZeRO's own mixed precision (the module computes in bf16 from fp32 master shards,
+no autocast); gradient clipping takes the norm over every rank's shard.
+
     engine = Engine(model, optimizer, plan, precision="bf16", grad_clip=1.0, lr_at=schedule)
     batches = engine.loader(dataset).micro_batches()
     for step in range(steps):
@@ -39,6 +46,7 @@ from torch.utils.data import Dataset
 from dptrain.batching import BatchPlan
 from dptrain.ddp import DistributedDataParallel
 from dptrain.train.loader import ShardedLoader
+from dptrain.zero import MixedPrecision, ZeRO
 
 __all__ = ["Engine", "StepInfo"]
 
@@ -53,10 +61,30 @@ class StepInfo:
 
 
 class Engine:
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, plan: BatchPlan, *,
-                 precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
-                 ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None):
-        self.model = DistributedDataParallel(model, process_group=process_group, **(ddp_kwargs or {}))
+    def __init__(self, model: nn.Module,
+                 optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer], plan: BatchPlan,
+                 *, precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
+                 ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None,
+                 strategy: str = "ddp", zero_kwargs: dict | None = None):
+        if strategy == "ddp":
+            self.model: nn.Module = DistributedDataParallel(model, process_group=process_group, **(ddp_kwargs or {}))
+        elif strategy in ("zero1", "zero2", "zero3"):
+            kwargs = dict(zero_kwargs or {})
+            reduce_dtype = kwargs.pop("reduce_dtype", torch.float32)
+            if precision == "bf16":
+                kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
+            elif precision == "fp16":
+                raise ValueError("precision fp16 is not supported with ZeRO (it needs a loss scaler over sharded "
+                                 "gradients); use bf16, which needs none")
+            self.model = ZeRO(model, stage=int(strategy[-1]), process_group=process_group, **kwargs)
+        else:
+            raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2 or zero3")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            optimizer = optimizer(self.model)
+        elif self.sharded:
+            raise TypeError(f"strategy {strategy} shards the parameters when it wraps the model, so the optimizer "
+                            "must be built afterwards: pass a factory, optimizer=lambda model: "
+                            "torch.optim.AdamW(model.parameters(), ...)")
         self.optimizer = optimizer
         self.plan = plan
         self.device = self.model.device
@@ -65,8 +93,15 @@ class Engine:
         self.step_count = 0
         self.skipped_steps = 0
         self._autocast_dtype, self.scaler = _precision(precision, self.device)
+        if self.sharded:
+            self._autocast_dtype = None  # ZeRO's MixedPrecision casts the module itself
         self._loss_sum = torch.zeros((), device=self.device)
         self._rank = dist.get_rank(process_group)
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the model is ZeRO-sharded (checkpoints are then sharded too)."""
+        return isinstance(self.model, ZeRO)
 
     # ------------------------------------------------------------------ data
 
@@ -112,9 +147,12 @@ class Engine:
             group["lr"] = lr
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        params = [p for p in self.model.parameters() if p.grad is not None]
         max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        if self.sharded:  # the norm over every rank's shard, the same on all ranks
+            norm = float(self.model.clip_grad_norm_(max_norm))
+        else:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
         skipped = not math.isfinite(norm)
         self.skipped_steps += skipped
         if self.scaler is not None:
@@ -131,6 +169,10 @@ class Engine:
     # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
+        """Replicated (DDP) state; a sharded model saves with :func:`dptrain.zero.checkpoint.save_sharded`."""
+        if self.sharded:
+            raise RuntimeError("a ZeRO model's state is sharded: save it with dptrain.zero.checkpoint.save_sharded "
+                               "(every rank), as dptrain run does")
         state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
                  "step": self.step_count, "skipped_steps": self.skipped_steps}
         if self.scaler is not None:

@@ -24,6 +24,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -41,21 +42,24 @@ from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.tasks import Task
 from dptrain.train.atomic import replacing, write_text_atomic
 from dptrain.train.checkpoint import (
+    SHARDED,
     load_checkpoint,
     prune_checkpoints,
     remove_partial,
     rng_state,
     save_checkpoint,
     set_rng_state,
+    staging_dir,
 )
 from dptrain.train.engine import Engine, StepInfo
 from dptrain.train.metrics import StepRecorder, StepTimes
-from dptrain.train.optim import build_optimizer
+from dptrain.train.optim import build_optimizer, decays
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.trace import TraceRecorder, trace_zero
+from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_sharded
 
 __all__ = ["train", "timed_step", "evaluate"]
 
@@ -73,16 +77,21 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     _seed_everything(cfg.train.seed)
     task: Task = rp.task
     model = task.build_model().to(device)
+    n_params = sum(p.numel() for p in model.parameters())
     t = cfg.train
     peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
-    optimizer = build_optimizer(model, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas), t.momentum)
+    nodes = cfg.ddp.ranks_per_node or env.local_world_size
     ddp_kwargs = dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb, gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
                       find_unused_parameters=cfg.ddp.find_unused_parameters, static_graph=cfg.ddp.static_graph,
-                      algorithm=cfg.ddp.algorithm, nodes=cfg.ddp.ranks_per_node or env.local_world_size)
-    engine = Engine(model, optimizer, plan, precision=t.precision, grad_clip=t.grad_clip,
+                      algorithm=cfg.ddp.algorithm, nodes=nodes)
+    engine = Engine(model, lambda wrapped: build_optimizer(wrapped, t.optimizer, peak_lr, t.weight_decay,
+                                                           tuple(t.betas), t.momentum),
+                    plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
-                    ddp_kwargs=ddp_kwargs)
-    engine.model.reducer.record_spans = True
+                    ddp_kwargs=ddp_kwargs, strategy=cfg.ddp.strategy,
+                    zero_kwargs=_zero_kwargs(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
+    if not engine.sharded:
+        engine.model.reducer.record_spans = True
 
     # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
     if rp.resume_from is not None:
@@ -92,7 +101,6 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         _seed_everything(t.seed + 1 + rank)
 
     log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, start_step)
-    n_params = sum(p.numel() for p in model.parameters())
     lr_rule = (f"peak {peak_lr:.3g} = {t.lr:g} x {t.lr_scaling} scaling for global batch "
                f"{plan.global_batch_size} (base {t.base_batch_size}); warmup {t.warmup_steps} steps, "
                f"cosine to {t.min_lr_ratio:g} x peak")
@@ -148,10 +156,13 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         log.info(f"trace of steps {tracer.steps.start}-{tracer.steps.stop - 1}: {run_dir / 'trace.json'} "
                  "(open in https://ui.perfetto.dev)")
     summary = None
+    if engine.sharded:  # collective: every rank's shards are gathered to rank 0
+        export_safetensors(engine.model, run_dir / "model.safetensors")
     if rank == 0:
-        with replacing(run_dir / "model.safetensors") as tmp:
-            save_model(engine.model.module, str(tmp))
-            tmp.chmod(0o644)  # safetensors creates it owner-only
+        if not engine.sharded:
+            with replacing(run_dir / "model.safetensors") as tmp:
+                save_model(engine.model.module, str(tmp))
+        (run_dir / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
         train_recs, evals = read_metrics(metrics_path)
         if cfg.log.plots:
             plot_run(run_dir, title=f"{task.name} on {env.world_size} rank(s), global batch {plan.global_batch_size}")
@@ -178,7 +189,7 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any]) -> tuple[Step
         engine.backward(loss)
         times.forward.append((f0, f1))
         times.backward.append((f1, time.perf_counter()))
-    times.comm = engine.model.last_step_comm
+    times.comm = getattr(engine.model, "last_step_comm", None)  # the DDP engine's statistics
     o0 = time.perf_counter()
     info = engine.step()
     times.end = time.perf_counter()
@@ -189,7 +200,9 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any]) -> tuple[Step
 @torch.no_grad()
 def evaluate(engine: Engine, task: Task, num_batches: int) -> dict[str, float]:
     """Validation metrics over ``num_batches`` micro-batches per rank, summed over all ranks."""
-    model = engine.model.module  # no gradient sync and no buffer broadcast needed
+    # DDP: the bare module (no gradient sync or buffer broadcast needed); ZeRO: the
+    # wrapper, which gathers the parameters (and under no_grad frees them again)
+    model = engine.model if engine.sharded else engine.model.module
     was_training = model.training
     model.eval()
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -218,17 +231,26 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
     """Collective: gather every rank's RNG state; rank 0 writes the checkpoint."""
     states: list = [None] * env.world_size
     dist.all_gather_object(states, rng_state(device))
+    if engine.sharded:  # every rank writes its shards into the staging directory first
+        staged = staging_dir(rp.run_dir, step)
+        if env.rank == 0:
+            shutil.rmtree(staged, ignore_errors=True)
+            staged.mkdir(parents=True)
+        dist.barrier()
+        save_sharded(staged / SHARDED, engine.model, engine.optimizer)
     if env.rank == 0:
-        state = engine.state_dict()
-        trainer = {"step": state["step"], "skipped_steps": state["skipped_steps"], "rng": states,
+        trainer = {"step": engine.step_count, "skipped_steps": engine.skipped_steps, "rng": states,
                    "world_size": env.world_size}
-        if "scaler" in state:
-            trainer["scaler"] = state["scaler"]
+        if engine.scaler is not None:
+            trainer["scaler"] = engine.scaler.state_dict()
         meta = {"identity": rp.identity, "identity_hash": rp.identity_hash,
                 "global_batch_size": rp.plan.global_batch_size, "world_size": env.world_size,
-                "torch_version": torch.__version__}
-        path = save_checkpoint(rp.run_dir, step, {"model.pt": state["model"], "optimizer.pt": state["optimizer"],
-                                                  "trainer.pt": trainer}, meta)
+                "torch_version": torch.__version__, "format": "sharded" if engine.sharded else "replicated"}
+        files = {"trainer.pt": trainer}
+        if not engine.sharded:
+            files = {"model.pt": engine.model.module.state_dict(), "optimizer.pt": engine.optimizer.state_dict(),
+                     **files}
+        path = save_checkpoint(rp.run_dir, step, files, meta, staged=engine.sharded)
         deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last)
         log.info(f"checkpoint {path.name} saved" + (f" ({len(deleted)} older deleted)" if deleted else ""),
                  console=False)
@@ -238,15 +260,47 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
 def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     state = load_checkpoint(path, device)
     trainer = state["trainer"]
-    engine.load_state_dict({"model": state["model"], "optimizer": state["optimizer"], "step": trainer["step"],
-                            "skipped_steps": trainer.get("skipped_steps", 0),
-                            **({"scaler": trainer["scaler"]} if "scaler" in trainer else {})})
+    if engine.sharded:  # collective; reshards when the world size changed
+        load_sharded(path / SHARDED, engine.model, engine.optimizer)
+        engine.step_count, engine.skipped_steps = trainer["step"], trainer.get("skipped_steps", 0)
+    else:
+        engine.load_state_dict({"model": state["model"], "optimizer": state["optimizer"], "step": trainer["step"],
+                                "skipped_steps": trainer.get("skipped_steps", 0),
+                                **({"scaler": trainer["scaler"]} if "scaler" in trainer else {})})
     rngs = trainer["rng"]
     if rank < len(rngs):
         set_rng_state(rngs[rank], device)
     else:  # resumed on more ranks than saved: new ranks get fresh streams
         _seed_everything(engine.plan.world_size * 7919 + rank + trainer["step"])
     return trainer["step"]
+
+
+def _zero_kwargs(cfg, model: torch.nn.Module, nodes: int) -> dict[str, Any]:
+    """ZeRO's arguments from ``[ddp]`` and ``[zero]``; unit class names resolved against the model."""
+    z = cfg.zero
+    kwargs: dict[str, Any] = dict(algorithm=cfg.ddp.algorithm, nodes=nodes, split_by=decays,
+                                  reduce_dtype=torch.bfloat16 if z.reduce_dtype == "bf16" else torch.float32)
+    if cfg.ddp.bucket_cap_mb is not None and cfg.ddp.strategy != "zero3":
+        kwargs["bucket_cap_mb"] = cfg.ddp.bucket_cap_mb
+    if cfg.ddp.strategy != "zero3":
+        return kwargs
+    kwargs.update(reshard_after_forward=z.reshard_after_forward, prefetch=z.prefetch)
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    if z.unit_classes:
+        unknown = [name for name in z.unit_classes if name not in classes]
+        if unknown:
+            raise ValueError(f"zero.unit_classes {unknown} do not occur in the model; its module classes are "
+                             f"{sorted(classes)}")
+        kwargs["unit_classes"] = tuple(classes[name] for name in z.unit_classes)
+    elif z.min_unit_numel:
+        kwargs["min_unit_numel"] = z.min_unit_numel
+    else:  # the blocks of the first ModuleList (a transformer's layers), else about 8 units by size
+        blocks = next((m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m)), None)
+        if blocks is not None:
+            kwargs["unit_classes"] = tuple({type(b) for b in blocks})
+        else:
+            kwargs["min_unit_numel"] = max(1, sum(p.numel() for p in model.parameters()) // 8)
+    return kwargs
 
 
 def _seed_everything(seed: int) -> None:

@@ -70,7 +70,8 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     latest = find_latest(run_dir)
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
-        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size)
+        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size,
+                                 "replicated" if cfg.ddp.strategy == "ddp" else "sharded")
     elif latest is not None:
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
