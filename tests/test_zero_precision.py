@@ -81,7 +81,7 @@ def _parity(rank: int, world_size: int, stage: int) -> dict:
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_compute_fp32_master_matches_hand_written_mixed_precision(stage: int, world_size: int) -> None:
     for rank, got in enumerate(run_on_ranks(_parity, world_size, stage, timeout=120)):
-        assert got["worst"] < 1e-5, (rank, got)  # measured: <= 3e-7
+        assert got["worst"] < 1e-5, (rank, got)  # measured: 0 (sums of 2-3 bf16 values are exact in fp32)
         assert got["shard"] == got["grad"] == got["state"] == ["torch.float32"], got
         assert got["output"] == ["torch.float32"], got
         assert got["compute"] == ["torch.bfloat16"], got
