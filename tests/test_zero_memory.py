@@ -62,3 +62,35 @@ def test_bytes_per_rank_equal_the_zero_formulas(stage: int, world_size: int) -> 
             assert got["parameters"] == pytest.approx(params, rel=0.02), (rank, got)
             assert got["gradients"] == pytest.approx(grads, rel=0.02), (rank, got)
             assert got["optimizer"] == pytest.approx(8 * psi / n, rel=0.02), (rank, got)
+
+
+def _inputs_alive(rank: int, world_size: int, stage: int) -> list[int]:
+    from _models import Layer, build, global_batch, loss_fn
+
+    from dptrain.zero.unit import ReductionQueue
+
+    torch.manual_seed(0)
+    wrapped = ZeRO(build("stack"), stage=stage,
+                   **({"unit_classes": (Layer,)} if stage == 3 else {"bucket_cap_mb": 0.001}))
+    alive = []
+    add = ReductionQueue.add
+
+    def counting_add(queue, unit):
+        add(queue, unit)
+        alive.append(sum(1 for u in wrapped.units for _, _, grad in u._pending if grad is not None))
+
+    ReductionQueue.add = counting_add
+    try:
+        x, y = global_batch("stack", 0, 2)
+        loss_fn("stack", wrapped(x), y).backward()
+    finally:
+        ReductionQueue.add = add
+    return alive
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_at_most_one_full_size_gradient_is_kept_for_a_reduction_in_flight(stage: int) -> None:
+    # Without the bound each unit's full gradient lives until backward ends: the whole
+    # unsharded gradient at once (torch's FSDP2 also keeps one reduce-scatter in flight).
+    alive = run_on_ranks(_inputs_alive, 2, stage, timeout=60)[0]
+    assert len(alive) >= 2 and max(alive) == 1, alive

@@ -21,8 +21,9 @@ import warnings
 from typing import Iterable
 
 import torch
+from torch.distributed.tensor import DTensor
 
-__all__ = ["storage_bytes", "state_bytes", "live_tensor_bytes", "zero_formula"]
+__all__ = ["storage_bytes", "state_bytes", "live_tensor_bytes", "local_tensor", "zero_formula"]
 
 
 def _storage_key(t: torch.Tensor) -> tuple:
@@ -55,8 +56,19 @@ def state_bytes(model, optimizer: torch.optim.Optimizer) -> dict[str, int]:
             "optimizer": storage_bytes(state, seen)}
 
 
+def local_tensor(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t``, or for a DTensor (torch's FSDP2 keeps its state in them) its local shard.
+
+    A DTensor is a wrapper without storage of its own; what this rank holds is its local tensor.
+    """
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def live_tensor_bytes(device: str | None = None) -> int:
-    """Bytes of every distinct tensor storage reachable from Python (on ``device`` type, if given)."""
+    """Bytes of every distinct tensor storage reachable from Python (on ``device`` type, if given).
+
+    DTensors count as their local shards.
+    """
     gc.collect()
     tensors = []
     with warnings.catch_warnings():  # isinstance() on deprecated module aliases warns
@@ -64,7 +76,7 @@ def live_tensor_bytes(device: str | None = None) -> int:
         for obj in gc.get_objects():
             try:
                 if torch.is_tensor(obj) and (device is None or obj.device.type == device):
-                    tensors.append(obj)
+                    tensors.append(local_tensor(obj))
             except ReferenceError:  # a weak proxy whose referent is gone
                 continue
     return storage_bytes(tensors)

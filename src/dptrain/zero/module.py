@@ -51,7 +51,7 @@ from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.zero.precision import MixedPrecision, cast_floats
-from dptrain.zero.unit import FlatUnit, ParamRef
+from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
 
 __all__ = ["ZeRO"]
 
@@ -90,7 +90,7 @@ class ZeRO(nn.Module):
     def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
                  algorithm: str = "native", nodes=None, unit_classes: Sequence[type] = (),
                  min_unit_numel: int | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
-                 bucket_cap_mb: float = 25.0, init_fn: Callable[[nn.Module], None] | None = None,
+                 bucket_cap_mb: float = 4.0, init_fn: Callable[[nn.Module], None] | None = None,
                  device: torch.device | str | None = None, broadcast_buffers: bool = True,
                  traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
                  split_by: Callable[[str, torch.Tensor], Hashable] | None = None):
@@ -127,6 +127,9 @@ class ZeRO(nn.Module):
             unit.owner = owner
             unit.key = self._key(members[0])
             self.units.append(unit)
+        self._reductions = ReductionQueue(1)
+        for unit in self.units:
+            unit.inflight = self._reductions
         self._shards = nn.ParameterList([u.shard for u in self.units])
         self._frozen = frozen
         self._buffers_to_sync = [b for b in module.buffers()]
@@ -353,6 +356,7 @@ class ZeRO(nn.Module):
         self._finish_queued = False
         for unit in self.units:
             unit.finish()
+        self._reductions.clear()
         if self.stage == 3:
             self._release_all()
 

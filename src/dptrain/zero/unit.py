@@ -37,6 +37,7 @@ shards.
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +46,7 @@ from torch import nn
 
 from dptrain import comm
 
-__all__ = ["ParamRef", "FlatUnit"]
+__all__ = ["ParamRef", "FlatUnit", "ReductionQueue"]
 
 
 @dataclass(eq=False)
@@ -74,6 +75,34 @@ class _Unshard(torch.autograd.Function):
     def backward(ctx, grad_full: torch.Tensor):
         ctx.unit.reduce(grad_full)
         return None, None, None
+
+
+class ReductionQueue:
+    """The reduce-scatters in flight across a model's units, at most ``limit`` at a time.
+
+    A reduction keeps its input, the unit's full-size gradient, alive until it is done.
+    Without a bound every unit's full gradient would live until the end of backward:
+    the whole unsharded gradient at once, which stage 3 exists to avoid. Before a unit
+    launches, the oldest reductions are waited for and their inputs dropped, as torch's
+    FSDP2 does (one in flight): a reduction still overlaps the backward of the next
+    unit, the one whose gradient is being computed while it runs.
+    """
+
+    def __init__(self, limit: int = 1):
+        if limit < 1:
+            raise ValueError(f"at least one reduction must be allowed in flight, got {limit}")
+        self.limit = limit
+        self._units: collections.deque[FlatUnit] = collections.deque()
+
+    def make_room(self) -> None:
+        while len(self._units) >= self.limit:
+            self._units.popleft().settle_oldest()
+
+    def add(self, unit: "FlatUnit") -> None:
+        self._units.append(unit)
+
+    def clear(self) -> None:
+        self._units.clear()
 
 
 class FlatUnit:
@@ -110,7 +139,8 @@ class FlatUnit:
         self._grad_is_view = stage == 1 and self.reduce_dtype == self.master_dtype
         self.stale = False  # the shard changed since the full buffer was gathered
         self._gathering: comm.Work | None = None
-        self._pending: list[tuple[comm.Work, torch.Tensor, torch.Tensor]] = []
+        self._pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None]] = []
+        self.inflight: ReductionQueue | None = None  # shared by a model's units (set by ZeRO)
         self._unsynced: torch.Tensor | None = None  # stages 2-3: local gradients under no_sync
         self._fresh_cycle, self._has_local = True, False  # stage 1: the local accumulation's state
         self._carry: torch.Tensor | None = None
@@ -209,9 +239,21 @@ class FlatUnit:
         self.release()  # stage 3: backward is done with this unit's weights
 
     def _launch(self, grad_full: torch.Tensor) -> None:
+        if self.inflight is not None:  # bound the full-size gradients alive at once (see ReductionQueue)
+            self.inflight.make_room()
         out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
         work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
+        if self.inflight is not None:
+            self.inflight.add(self)
+
+    def settle_oldest(self) -> None:
+        """Wait for this unit's oldest unfinished reduction and drop its full-size input."""
+        for i, (work, out, grad_full) in enumerate(self._pending):
+            if work is not None:
+                work.wait()
+                self._pending[i] = (None, out, None)
+                return
 
     def finish(self) -> None:
         """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
@@ -219,7 +261,8 @@ class FlatUnit:
             return
         outs = []
         for work, out, _ in self._pending:
-            work.wait()
+            if work is not None:
+                work.wait()
             outs.append(out)
         self._pending.clear()
         total = outs[0]
