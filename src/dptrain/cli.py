@@ -88,7 +88,8 @@ def env(as_json: bool) -> None:
 
 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
-               "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm"}
+               "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm",
+               "zero": "dptrain.bench.zero"}
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
