@@ -139,6 +139,16 @@ class ZeRO(nn.Module):
             if unit.owner is not None:
                 unit.owner.register_forward_pre_hook(self._make_pre_hook(unit))
                 unit.owner.register_forward_hook(self._make_post_hook(unit))
+        self._lazy: set[FlatUnit] = set()  # stages 1-2: units whose autograd views are not set yet
+        if stage < 3:
+            units_of: dict[nn.Module, list[FlatUnit]] = {}
+            for unit in self.units:
+                for ref in unit.refs:
+                    for holder, _ in ref.holders:
+                        if unit not in units_of.setdefault(holder, []):
+                            units_of[holder].append(unit)
+            for holder, units in units_of.items():
+                holder.register_forward_pre_hook(self._make_first_use_hook(units))
         self._order: list[FlatUnit] = [u for u in self.units if u.owner is not None]
         self._ran: list[FlatUnit] = []
         self._live: dict[int, FlatUnit] = {}
@@ -276,7 +286,11 @@ class ZeRO(nn.Module):
         self._ran = []
         for unit in self.units:
             if unit.owner is None:
-                unit.materialize()
+                # Stages 1-2: plain views now, so that every attribute exists; autograd views
+                # when a holder module first runs (see _make_first_use_hook).
+                unit.materialize(differentiable=self.stage == 3)
+        if self.stage < 3 and torch.is_grad_enabled():
+            self._lazy = set(self.units)
         if self.stage == 3 and self.prefetch and self._order:
             self._order[0].gather(async_op=True)
         hooks = (torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack) if self.stage == 3
@@ -308,6 +322,23 @@ class ZeRO(nn.Module):
                 following = self._next_in(self._order, unit, +1)
                 if following is not None:
                     following.gather(async_op=True)
+        return pre_hook
+
+    def _make_first_use_hook(self, units: list[FlatUnit]):
+        """Stages 1-2: give a unit its autograd views just before the first module holding it runs.
+
+        Autograd runs ready nodes newest first. A unit's gradient is assembled by a node
+        created where its views are made; made at the start of forward it is the oldest
+        node of the graph and would run only when backward has nothing else left to do,
+        so every unit's gradient would be held until then and no reduction would overlap
+        backward. Made at first use, it runs right after the unit's last gradient is
+        computed, as a DDP bucket's hook does.
+        """
+        def pre_hook(module, args):
+            for unit in units:
+                if unit in self._lazy:
+                    self._lazy.discard(unit)
+                    unit.materialize()
         return pre_hook
 
     def _make_post_hook(self, unit: FlatUnit):

@@ -178,10 +178,14 @@ class FlatUnit:
             self._gathering = None
         return self.full
 
-    def materialize(self) -> torch.Tensor:
-        """Set every parameter on its modules as a view of the full buffer; returns the buffer's autograd output."""
+    def materialize(self, differentiable: bool = True) -> torch.Tensor:
+        """Set every parameter on its modules as a view of the full buffer; returns the buffer's autograd output.
+
+        ``differentiable=False`` sets plain views, outside autograd (stages 1-2 set those
+        at the start of forward and the differentiable ones when a holder module runs).
+        """
         full = self.wait_gathered()
-        if torch.is_grad_enabled() and self.shard.requires_grad:
+        if differentiable and torch.is_grad_enabled() and self.shard.requires_grad:
             out = _Unshard.apply(self.shard, full, self)
         else:
             out = full.view(full.shape)
@@ -241,7 +245,10 @@ class FlatUnit:
     def _launch(self, grad_full: torch.Tensor) -> None:
         if self.inflight is not None:  # bound the full-size gradients alive at once (see ReductionQueue)
             self.inflight.make_room()
-        out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
+        if self._grad_is_view and not self._pending and grad_full is not self.full_grad:
+            out = self.full_grad[self.lo:self.hi]  # stage 1: reduce straight into the gradient's home
+        else:
+            out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
         work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
         if self.inflight is not None:
@@ -270,7 +277,7 @@ class FlatUnit:
             total.add_(out)
         if self._grad_is_view:  # stage 1, fp32 throughout: the gradient lives in full_grad
             view = self.full_grad[self.lo:self.hi]
-            total = view.copy_(total)
+            total = view if total.data_ptr() == view.data_ptr() else view.copy_(total)
         else:
             total = total.to(self.master_dtype)
         if self.stage == 1:
