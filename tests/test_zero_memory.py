@@ -94,3 +94,24 @@ def test_at_most_one_full_size_gradient_is_kept_for_a_reduction_in_flight(stage:
     # unsharded gradient at once (torch's FSDP2 also keeps one reduce-scatter in flight).
     alive = run_on_ranks(_inputs_alive, 2, stage, timeout=60)[0]
     assert len(alive) >= 2 and max(alive) == 1, alive
+
+
+def _in_place(rank: int, world_size: int) -> tuple[bool, bool]:
+    from _models import build, global_batch, loss_fn
+
+    torch.manual_seed(0)
+    wrapped = ZeRO(build("stack"), stage=1, bucket_cap_mb=0.001)
+    x, y = global_batch("stack", 0, 2)
+    with wrapped.no_sync():
+        loss_fn("stack", wrapped(x), y).backward()
+    homes = {u.full_grad.untyped_storage().data_ptr() for u in wrapped.units}
+    grads = [m.weight.grad for m in wrapped.module.modules() if isinstance(m, nn.Linear)]
+    in_place = all(g is not None and g.untyped_storage().data_ptr() in homes for g in grads)
+    nonzero = all(u.full_grad.abs().sum() > 0 for u in wrapped.units)
+    return in_place, nonzero
+
+
+def test_stage_1_accumulates_gradients_in_place_in_its_full_gradient_buffer() -> None:
+    # As torch's DDP with gradient_as_bucket_view: no per-parameter gradient tensors, no concatenation.
+    for in_place, nonzero in run_on_ranks(_in_place, 2, timeout=60):
+        assert in_place and nonzero

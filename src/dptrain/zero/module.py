@@ -386,6 +386,9 @@ class ZeRO(nn.Module):
     def _finish(self) -> None:
         self._finish_queued = False
         for unit in self.units:
+            if unit.accumulates_in_place and unit.require_sync:
+                unit.reduce_accumulated()
+        for unit in self.units:
             unit.finish()
         self._reductions.clear()
         if self.stage == 3:

@@ -137,6 +137,9 @@ class FlatUnit:
         # when no cast separates the two
         self.full_grad = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device) if stage == 1 else None
         self._grad_is_view = stage == 1 and self.reduce_dtype == self.master_dtype
+        # stage 1 accumulates in place when autograd's gradients can live in full_grad
+        self.accumulates_in_place = stage == 1 and self.reduce_dtype == self.compute_dtype
+        self._accumulated = False
         self.stale = False  # the shard changed since the full buffer was gathered
         self._gathering: comm.Work | None = None
         self._pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None]] = []
@@ -185,7 +188,10 @@ class FlatUnit:
         at the start of forward and the differentiable ones when a holder module runs).
         """
         full = self.wait_gathered()
-        if differentiable and torch.is_grad_enabled() and self.shard.requires_grad:
+        differentiable = differentiable and torch.is_grad_enabled() and self.shard.requires_grad
+        if differentiable and self.accumulates_in_place:
+            return self._materialize_leaves(full)
+        if differentiable:
             out = _Unshard.apply(self.shard, full, self)
         else:
             out = full.view(full.shape)
@@ -194,6 +200,40 @@ class FlatUnit:
             for module, attr in ref.holders:
                 setattr(module, attr, view)
         return out
+
+    def _materialize_leaves(self, full: torch.Tensor) -> torch.Tensor:
+        """Stage 1: every parameter a leaf whose ``.grad`` is preset to its slice of ``full_grad``.
+
+        Autograd then accumulates each parameter's gradient in place into the unit's
+        full gradient buffer (as torch's DDP does with ``gradient_as_bucket_view``): no
+        per-parameter gradient tensors and no concatenation. The reduce-scatter of the
+        accumulated buffer is started when backward is done (:meth:`reduce_accumulated`).
+        """
+        if self._fresh_cycle:  # a new accumulation: keep the reduced gradient the user has not consumed
+            self._carry = self.shard.grad.clone() if self.shard.grad is not None else None
+            self.full_grad.zero_()
+            self._fresh_cycle = False
+        sizes = [r.numel for r in self.refs]
+        for ref, view, grad in zip(self.refs, full.split(sizes), self.full_grad.split(sizes)):
+            leaf = view.view(ref.shape).detach().requires_grad_(True)
+            leaf.grad = grad.view(ref.shape)
+            for module, attr in ref.holders:
+                setattr(module, attr, leaf)
+        self._accumulated = True
+        return full
+
+    def reduce_accumulated(self) -> None:
+        """Stage 1, after a synchronising backward: reduce-scatter the accumulated full gradient."""
+        if not self._accumulated:
+            return
+        self._accumulated = False
+        if self.inflight is not None:  # the backend may copy the input while it reduces: one at a time
+            self.inflight.make_room()
+        out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
+        work = comm.reduce_scatter(out, self.full_grad, "avg", async_op=True, **self._comm)
+        self._pending.append((work, out, self.full_grad))
+        if self.inflight is not None:
+            self.inflight.add(self)
 
     def release(self, force: bool = False) -> None:
         """Stage 3: drop the full buffer (the modules' views with it) until the next gather.
@@ -259,6 +299,9 @@ class FlatUnit:
         for i, (work, out, grad_full) in enumerate(self._pending):
             if work is not None:
                 work.wait()
+                if grad_full is self.full_grad and self._grad_is_view and len(self._pending) == 1:
+                    # stage 1 in place: the shard's gradient goes home now, the temporary is freed
+                    out = self.full_grad[self.lo:self.hi].copy_(out)
                 self._pending[i] = (None, out, None)
                 return
 
