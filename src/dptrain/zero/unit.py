@@ -195,11 +195,22 @@ class FlatUnit:
             out = _Unshard.apply(self.shard, full, self)
         else:
             out = full.view(full.shape)
-        for ref, view in zip(self.refs, out.split([r.numel for r in self.refs])):
+        parts = out.split([r.numel for r in self.refs])
+        if differentiable and self.inflight is not None:
+            # Just before autograd concatenates the unit's gradients into a new full-size
+            # tensor, let the previous reduction finish and drop its input (FSDP2 waits
+            # for the previous reduce-scatter at the same point): one full-size gradient
+            # fewer at the peak, and the previous reduction still overlapped this unit's
+            # backward.
+            parts[0].grad_fn.register_prehook(self._before_concat)
+        for ref, view in zip(self.refs, parts):
             view = view.view(ref.shape)
             for module, attr in ref.holders:
                 setattr(module, attr, view)
         return out
+
+    def _before_concat(self, grad_outputs):
+        self.inflight.make_room()
 
     def _materialize_leaves(self, full: torch.Tensor) -> torch.Tensor:
         """Stage 1: every parameter a leaf whose ``.grad`` is preset to its slice of ``full_grad``.
