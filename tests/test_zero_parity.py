@@ -90,6 +90,10 @@ CASES = {
     "stage3_gpt_blocks": ("gpt", 3, {"unit_classes": (Block,)}, 1),
     "stage2_tied": ("tied", 2, {"bucket_cap_mb": 0.0004}, 1),
     "stage1_accumulation": ("mlp", 1, {"bucket_cap_mb": 0.0004}, 2),
+    # a shared weight's gradient arrives in pieces: stage 1 must learn to reduce after backward
+    "stage1_reentrant_checkpointing": ("ckpt_reentrant", 1, {"bucket_cap_mb": 0.0004}, 1),
+    "stage1_checkpointing": ("ckpt_nonreentrant", 1, {"bucket_cap_mb": 0.0004}, 2),
+    "stage2_reentrant_checkpointing": ("ckpt_reentrant", 2, {"bucket_cap_mb": 0.0004}, 1),
     "stage2_accumulation": ("mlp", 2, {"bucket_cap_mb": 0.0004}, 2),
     "stage3_accumulation": ("stack", 3, {"unit_classes": (Layer,)}, 2),
     "stage2_ring": ("stack", 2, {"algorithm": "ring"}, 1),

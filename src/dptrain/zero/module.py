@@ -335,6 +335,8 @@ class ZeRO(nn.Module):
         computed, as a DDP bucket's hook does.
         """
         def pre_hook(module, args):
+            if not torch.is_grad_enabled():  # e.g. a checkpointed segment's first pass: it runs again in backward
+                return
             for unit in units:
                 if unit in self._lazy:
                     self._lazy.discard(unit)

@@ -140,6 +140,13 @@ class FlatUnit:
         # stage 1 accumulates in place when autograd's gradients can live in full_grad
         self.accumulates_in_place = stage == 1 and self.reduce_dtype == self.compute_dtype
         self._accumulated = False
+        # Stage 1 in place: gradient arrivals since the last reduction. Once every rank has
+        # seen each parameter's gradient arrive in one piece (one AccumulateGrad call per
+        # forward), the unit is reduced as soon as its last parameter's gradient is in,
+        # overlapping the rest of backward; until then (and for good if a gradient came in
+        # pieces, as under reentrant checkpointing) it is reduced when backward is done.
+        self._waiting = self._pieces = self._forwards = 0
+        self.single_piece: bool | None = None
         self.stale = False  # the shard changed since the full buffer was gathered
         self._gathering: comm.Work | None = None
         self._pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None]] = []
@@ -218,7 +225,8 @@ class FlatUnit:
         Autograd then accumulates each parameter's gradient in place into the unit's
         full gradient buffer (as torch's DDP does with ``gradient_as_bucket_view``): no
         per-parameter gradient tensors and no concatenation. The reduce-scatter of the
-        accumulated buffer is started when backward is done (:meth:`reduce_accumulated`).
+        accumulated buffer (:meth:`reduce_accumulated`) starts when the unit's last
+        gradient is in (:meth:`_arrived`), or when backward is done.
         """
         if self._fresh_cycle:  # a new accumulation: keep the reduced gradient the user has not consumed
             self._carry = self.shard.grad.clone() if self.shard.grad is not None else None
@@ -228,16 +236,40 @@ class FlatUnit:
         for ref, view, grad in zip(self.refs, full.split(sizes), self.full_grad.split(sizes)):
             leaf = view.view(ref.shape).detach().requires_grad_(True)
             leaf.grad = grad.view(ref.shape)
+            leaf.register_post_accumulate_grad_hook(self._arrived)
             for module, attr in ref.holders:
                 setattr(module, attr, leaf)
         self._accumulated = True
+        self._waiting += len(self.refs)
+        self._forwards += 1
         return full
+
+    def _arrived(self, leaf: torch.Tensor) -> None:
+        """A parameter's gradient was accumulated; with single-piece gradients the unit's last one reduces it."""
+        self._waiting -= 1
+        self._pieces += 1
+        if not (self.single_piece and self.require_sync):
+            return
+        if self._waiting == 0:
+            self.reduce_accumulated()
+        elif self._waiting < 0:
+            raise RuntimeError(
+                f"ZeRO stage 1: a gradient of unit {self.index} (parameters {self.refs[0].name}, ...) arrived after "
+                "the unit's reduction had started: on earlier steps each parameter's gradient came in one piece, "
+                "now in several (e.g. reentrant activation checkpointing switched on mid-run). Keep the autograd "
+                "graph's shape the same from step to step")
 
     def reduce_accumulated(self) -> None:
         """Stage 1, after a synchronising backward: reduce-scatter the accumulated full gradient."""
         if not self._accumulated:
             return
+        if self.single_piece is None:  # learnt at the first reduction, agreed by every rank
+            local = torch.tensor([int(self._pieces <= len(self.refs) * self._forwards)], device=self.device)
+            if self.world_size > 1:
+                dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+            self.single_piece = bool(local.item())
         self._accumulated = False
+        self._waiting = self._pieces = self._forwards = 0
         if self.inflight is not None:  # the backend may copy the input while it reduces: one at a time
             self.inflight.make_room()
         out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
