@@ -168,20 +168,24 @@ def save_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
 
 def checkpoint_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
     """``{name: shape}`` of the parameters in a sharded checkpoint (read locally, no collective)."""
+    return _read_json(path, ("shapes",))["shapes"]
+
+
+def _read_json(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, Any]:
+    """The checkpoint's JSON entries ``keys``, in one local read."""
     if not (Path(path) / ".metadata").is_file():
         raise ShardedCheckpointError(f"{path} is not a dptrain sharded checkpoint: it has no .metadata file "
                                      "(written last by a complete save)")
-    sd: dict[str, Any] = {"shapes": ""}
+    sd: dict[str, Any] = {key: "" for key in keys}
     try:
         with _quiet():
             dcp.load(sd, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # DCP raises CheckpointException / FileNotFoundError / RuntimeError
         raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
-    return json.loads(sd["shapes"])
+    return {key: json.loads(sd[key]) for key in keys}
 
 
-def _check_layout(path: Path, model) -> None:
-    saved = checkpoint_shapes(path)
+def _check_layout(path: Path, model, saved: dict[str, list[int]]) -> None:
     mine = {r.name: list(r.shape) for u in model.units for r in u.refs}
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
@@ -210,14 +214,11 @@ def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
     shapes differ from the model's.
     """
     path = Path(path)
-    _check_layout(path, model)
-    kinds: dict[str, str] = {}
-    groups: list = []
+    head = _read_json(path, ("shapes", "optim.kinds", "optim.groups") if optimizer is not None else ("shapes",))
+    _check_layout(path, model, head["shapes"])
+    kinds: dict[str, str] = head.get("optim.kinds", {})
+    groups: list = head.get("optim.groups", [])
     if optimizer is not None:
-        head = {"optim.kinds": "", "optim.groups": ""}
-        with _quiet():
-            dcp.load(head, checkpoint_id=str(path), no_dist=True)
-        kinds, groups = json.loads(head["optim.kinds"]), json.loads(head["optim.groups"])
         if len(groups) != len(optimizer.param_groups):
             raise ShardedCheckpointError(
                 f"checkpoint {path} has {len(groups)} optimizer param groups, this optimizer "

@@ -48,8 +48,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dptrain import comm
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
-from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
+from dptrain.zero.grouping import bucket_groups, collect_params, materialize_meta, module_groups
 from dptrain.zero.precision import MixedPrecision, cast_floats
 from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
 
@@ -113,14 +113,17 @@ class ZeRO(nn.Module):
         self._split_by = split_by
         self.world_size = dist.get_world_size(process_group)
         self.device = torch.device(device) if device is not None else _default_device(module)
-        refs, frozen = _collect(module)
+        refs, frozen = collect_params(module)
         # Verify first: ranks with different models could otherwise fail (or not) one by one below.
         self._verify(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
-        groups = self._unit_groups(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
+        if stage < 3:
+            groups = bucket_groups(refs, bucket_cap_mb, self.device, self._key)
+        else:
+            groups = module_groups(module, refs, tuple(unit_classes), min_unit_numel, self._key)
+        mp = mixed_precision or MixedPrecision(param_dtype=None)
         self.units: list[FlatUnit] = []
         for index, (owner, members) in enumerate(groups):
             full = self._flatten(members, init_fn)
-            mp = mixed_precision or MixedPrecision(param_dtype=None)
             unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
                             nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
                             traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
@@ -157,40 +160,8 @@ class ZeRO(nn.Module):
 
     # ------------------------------------------------------------------ construction
 
-    def _unit_groups(self, refs: list[ParamRef], classes: tuple, min_numel: int | None,
-                     cap_mb: float) -> list[tuple[nn.Module | None, list[ParamRef]]]:
-        if self.stage < 3:
-            infos = [ParamInfo(r.numel, r.tensor.element_size(), r.tensor.dtype, self.device, self._key(r))
-                     for r in refs]
-            buckets = assign_buckets(infos, int(cap_mb * MiB), first_cap_bytes=min(MiB, int(cap_mb * MiB)))
-            return [(None, [refs[i] for i in sorted(b)]) for b in buckets]
-        owners = _unit_modules(self.module, classes, min_numel)
-        owned: dict[nn.Module, list[ParamRef]] = {m: [] for m in owners}
-        owner_of = {id(m): owner for owner in owners for m in owner.modules()}
-        root: list[ParamRef] = []
-        for ref in refs:
-            homes = {owner_of.get(id(module)) for module, _ in ref.holders}
-            home = homes.pop() if len(homes) == 1 else None  # shared across units (tied): the root's
-            (owned[home] if home is not None else root).append(ref)
-        groups = [(m, part) for m in owners for part in self._split(owned[m])]
-        for module, members in groups:
-            dtypes = {r.tensor.dtype for r in members}
-            if len(dtypes) > 1:
-                raise ValueError(f"unit {type(module).__name__} mixes parameter dtypes {sorted(map(str, dtypes))}; "
-                                 "a flat unit has one dtype: cast the model first (model.float()) or choose "
-                                 "unit_classes whose parameters share a dtype")
-        groups += [(None, part) for part in self._split(root)]
-        return groups
-
     def _key(self, ref: ParamRef) -> Hashable:
         return self._split_by(ref.name, ref.tensor) if self._split_by is not None else None
-
-    def _split(self, members: list[ParamRef]) -> list[list[ParamRef]]:
-        """``members`` in groups of one key each, in order of each key's first parameter."""
-        parts: dict[Hashable, list[ParamRef]] = {}
-        for ref in members:
-            parts.setdefault(self._key(ref), []).append(ref)
-        return list(parts.values())
 
     def _verify(self, refs: list[ParamRef], classes: tuple, min_numel: int | None, cap_mb: float) -> None:
         signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
@@ -201,7 +172,7 @@ class ZeRO(nn.Module):
     def _flatten(self, members: list[ParamRef], init_fn) -> torch.Tensor:
         """The unit's full flat buffer on this device, identical on every rank (rank 0's values)."""
         if any(r.tensor.is_meta for r in members):
-            _materialize(members, self.device, init_fn)
+            materialize_meta(members, self.device, init_fn)
         with torch.no_grad():
             full = torch.cat([r.tensor.detach().reshape(-1).to(self.device) for r in members])
             if self.world_size > 1:
@@ -228,7 +199,7 @@ class ZeRO(nn.Module):
         """Every parameter, full, by its original name (all ranks take part; for tests and export)."""
         out = {}
         for unit in self.units:
-            full = torch.empty(unit.numel, dtype=unit.dtype, device=unit.device)
+            full = torch.empty(unit.numel, dtype=unit.master_dtype, device=unit.device)
             comm.all_gather(full, unit.shard.detach(), algorithm=self.algorithm, group=self.group,
                             nodes=self.nodes, validate=False)
             for ref, (a, b) in zip(unit.refs, unit.offsets()):
@@ -412,82 +383,6 @@ def _default_device(module: nn.Module) -> torch.device:
         if not p.is_meta:
             return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _collect(module: nn.Module) -> tuple[list[ParamRef], list[nn.Parameter]]:
-    """Trainable parameters (deduplicated, tied ones once, with every holder) and frozen ones."""
-    holders: dict[int, list] = {}
-    tensors: dict[int, nn.Parameter] = {}
-    names: dict[int, str] = {}
-    for prefix, sub in module.named_modules(remove_duplicate=False):
-        for attr, p in sub._parameters.items():
-            if p is None:
-                continue
-            key = id(p)
-            if key not in tensors:
-                tensors[key], names[key], holders[key] = p, f"{prefix}.{attr}" if prefix else attr, []
-            if (sub, attr) not in [(m, a) for m, a in holders[key]]:
-                holders[key].append((sub, attr))
-    refs = [ParamRef(names[k], tensors[k].shape, tuple(holders[k]), tensors[k])
-            for k in tensors if tensors[k].requires_grad]
-    frozen = [tensors[k] for k in tensors if not tensors[k].requires_grad]
-    if not refs:
-        raise ValueError("ZeRO: the module has no parameter that requires grad; nothing to shard")
-    return refs, frozen
-
-
-def _unit_modules(root: nn.Module, classes: tuple, min_numel: int | None) -> list[nn.Module]:
-    """Stage 3's unit modules in registration order: outermost instances of ``classes``, or size-based."""
-    if classes:
-        found, inside = [], set()
-        for module in root.modules():
-            if id(module) in inside or module is root:
-                continue
-            if isinstance(module, classes):
-                found.append(module)
-                inside.update(id(m) for m in module.modules())
-        if not found:
-            present = sorted({type(m).__name__ for m in root.modules()})
-            raise ValueError(f"unit_classes {[c.__name__ for c in classes]} do not occur in the model; its "
-                             f"module classes are {present}")
-        return found
-    if min_numel:
-        found, taken = [], set()
-
-        def visit(module: nn.Module) -> int:
-            size = sum(visit(child) for child in module.children())
-            size += sum(p.numel() for p in module._parameters.values() if p is not None and id(p) not in taken)
-            if module is not root and size >= min_numel:
-                found.append(module)
-                taken.update(id(p) for p in module.parameters())
-                return 0
-            return size
-
-        visit(root)
-        order = {id(m): i for i, m in enumerate(root.modules())}
-        return sorted(found, key=lambda m: order[id(m)])
-    return []
-
-
-def _materialize(members: list[ParamRef], device: torch.device, init_fn) -> None:
-    """Allocate a unit's meta parameters on ``device`` and initialise them (tied holders re-tied)."""
-    modules = []
-    for ref in members:
-        real = nn.Parameter(torch.empty(ref.shape, dtype=ref.tensor.dtype, device=device))
-        for module, attr in ref.holders:
-            module._parameters[attr] = real
-            if module not in modules:
-                modules.append(module)
-        ref.tensor = real
-    with torch.no_grad():
-        for module in modules:
-            if init_fn is not None:
-                init_fn(module)
-            elif hasattr(module, "reset_parameters"):
-                module.reset_parameters()
-            else:
-                raise ValueError(f"cannot initialise {type(module).__name__} built on the meta device: it has no "
-                                 "reset_parameters(); pass init_fn=... to ZeRO")
 
 
 def _hook_optimizers() -> None:

@@ -121,7 +121,7 @@ class FlatUnit:
         self.master_dtype = full.dtype
         self.compute_dtype = param_dtype or full.dtype
         self.reduce_dtype = reduce_dtype or self.compute_dtype
-        self.dtype, self.device = full.dtype, full.device
+        self.device = full.device
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         self.lo, self.hi = comm.shard_range(self.numel, self.world_size, self.rank)
         self.reshard_after_forward = reshard_after_forward and stage == 3
