@@ -94,6 +94,12 @@ def _shards_match_torch(rank: int, world_size: int) -> int:
                 comm.reduce_scatter(out, x, algorithm=algorithm, nodes=nodes_for(world_size))
                 assert_close(out, summed[a:b], f"reduce_scatter {algorithm} n={n} {dtype}")
                 assert torch.equal(x, input_before), "reduce_scatter wrote into its input"
+                for own_shard in (False, True):  # a consumed input; the output its own shard or apart
+                    given = x.clone()
+                    out = given[a:b] if own_shard else torch.full((b - a,), 99, dtype=dtype)
+                    comm.reduce_scatter(out, given, algorithm=algorithm, nodes=nodes_for(world_size),
+                                        consume_input=True)
+                    assert_close(out, summed[a:b], f"reduce_scatter consume_input {algorithm} n={n} {dtype}")
                 full = torch.full((n,), 99, dtype=dtype)
                 comm.all_gather(full, x[a:b], algorithm=algorithm, nodes=nodes_for(world_size))
                 assert torch.equal(full, gathered), f"all_gather {algorithm} n={n} {dtype}"

@@ -88,10 +88,16 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "nativ
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "native",
                    group: dist.ProcessGroup | None = None, async_op: bool = False,
                    nodes: int | Sequence[Sequence[int]] | None = None, traffic: Traffic | None = None,
-                   validate: bool = True) -> Work | None:
+                   validate: bool = True, consume_input: bool = False) -> Work | None:
     """Sum (or average) ``input`` over the group; ``output`` receives this rank's shard of it.
 
-    ``input`` is read, never written: the algorithms work on a copy.
+    ``input`` is read, never written: the algorithms work on a copy. With
+    ``consume_input=True`` the caller hands ``input`` over as the working buffer instead
+    (its contents afterwards are unspecified) and saves that full-size copy; ``output``
+    may then be ``input``'s own shard, as in NCCL's in-place reduce-scatter. gloo's
+    reduce-scatter is itself a copy of the input all-reduced (``ProcessGroupGloo::
+    reduce_scatter_tensor_coalesced``), so on gloo a consumed input is all-reduced in
+    place: the same bytes on the wire, one full-size buffer fewer.
     """
     call = _Call.start("reduce_scatter", algorithm, group, nodes, traffic)
     op = _op_name(op)
@@ -101,17 +107,24 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *
         _op_problem(op, input) or _tensor_problem(call, "input", input)
         or _tensor_problem(call, "output", output) or _dtype_problem(output, input)
         or _size_problem("output", output, b - a, input.numel(), call)))
-    flat_in = input.detach().reshape(-1)  # a view when contiguous: read, never written
+    flat_in = input.detach().reshape(-1)  # a view when contiguous (else a private copy)
     out = _flat(output)
 
+    def copy_out(x: torch.Tensor) -> None:
+        if out.data_ptr() != x[a:b].data_ptr():  # output may be the consumed input's own shard
+            out.copy_(x[a:b])
+
     def run() -> None:  # on the progress thread: the working copy lives in its workspace
-        x = call.wire.scratch(flat_in.numel(), flat_in.dtype, flat_in.device, slot=2)
-        x.copy_(flat_in)
+        if consume_input:
+            x = flat_in
+        else:
+            x = call.wire.scratch(flat_in.numel(), flat_in.dtype, flat_in.device, slot=2)
+            x.copy_(flat_in)
         if algorithm == "hierarchical":
             hierarchical.reduce_scatter(call.wire, call.nodes, call.rank, x, shards)
         else:
             _FLAT[algorithm].reduce_scatter(call.wire, call.team, x, [[s] for s in shards])
-        out.copy_(x[a:b])
+        copy_out(x)
 
     def finish() -> torch.Tensor:
         if op == "avg":
@@ -119,12 +132,14 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *
         return _write_back(output, out)
 
     def native() -> dist.Work:
-        if flat_in.numel() % call.world_size == 0:  # the backend's reduce-scatter wants equal shards
+        gloo = _device_backend(call.group, flat_in.device) == "gloo"
+        if flat_in.numel() % call.world_size == 0 and not (consume_input and gloo):
+            # the backend's reduce-scatter wants equal shards
             return dist.reduce_scatter_single(out, flat_in.contiguous(), group=call.group, async_op=True)
-        x = flat_in.clone()
-        return _then(dist.all_reduce(x, group=call.group, async_op=True), lambda: out.copy_(x[a:b]))
+        x = flat_in if consume_input else flat_in.clone()
+        return _then(dist.all_reduce(x, group=call.group, async_op=True), lambda: copy_out(x))
 
-    return call.launch(async_op, flat_in.numel(), run, finish, native=native, alone=lambda: out.copy_(flat_in[a:b]))
+    return call.launch(async_op, flat_in.numel(), run, finish, native=native, alone=lambda: copy_out(flat_in))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "native",
@@ -381,6 +396,15 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     """A flat view of ``tensor`` if it is contiguous, else a flat contiguous copy."""
     t = tensor.detach()
     return t.view(-1) if t.is_contiguous() else t.reshape(-1).clone()
+
+
+def _device_backend(group: dist.ProcessGroup, device: torch.device) -> str:
+    """The backend ``group`` uses for tensors on ``device`` ("gloo", "nccl", ...)."""
+    backend = str(dist.get_backend(group))
+    if ":" not in backend:  # one backend for every device
+        return backend
+    by_device = dict(part.split(":", 1) for part in backend.split(","))
+    return by_device.get(device.type, backend)
 
 
 def _write_back(tensor: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -270,13 +270,7 @@ class FlatUnit:
             self.single_piece = bool(local.item())
         self._accumulated = False
         self._waiting = self._pieces = self._forwards = 0
-        if self.inflight is not None:  # the backend may copy the input while it reduces: one at a time
-            self.inflight.make_room()
-        out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
-        work = comm.reduce_scatter(out, self.full_grad, "avg", async_op=True, **self._comm)
-        self._pending.append((work, out, self.full_grad))
-        if self.inflight is not None:
-            self.inflight.add(self)
+        self._launch(self.full_grad)
 
     def release(self, force: bool = False) -> None:
         """Stage 3: drop the full buffer (the modules' views with it) until the next gather.
@@ -326,13 +320,19 @@ class FlatUnit:
         self.release()  # stage 3: backward is done with this unit's weights
 
     def _launch(self, grad_full: torch.Tensor) -> None:
+        """Start reducing ``grad_full``, a full-size gradient nothing else reads afterwards.
+
+        It is consumed: the collective works in it rather than in a copy (on gloo, whose
+        reduce-scatter is an all-reduce of a copy, it is all-reduced in place), so a
+        reduction in flight holds one full-size buffer, not two.
+        """
         if self.inflight is not None:  # bound the full-size gradients alive at once (see ReductionQueue)
             self.inflight.make_room()
-        if self._grad_is_view and not self._pending and grad_full is not self.full_grad:
+        if self._grad_is_view and not self._pending:
             out = self.full_grad[self.lo:self.hi]  # stage 1: reduce straight into the gradient's home
         else:
             out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
-        work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, **self._comm)
+        work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
         if self.inflight is not None:
             self.inflight.add(self)
@@ -342,9 +342,6 @@ class FlatUnit:
         for i, (work, out, grad_full) in enumerate(self._pending):
             if work is not None:
                 work.wait()
-                if grad_full is self.full_grad and self._grad_is_view and len(self._pending) == 1:
-                    # stage 1 in place: the shard's gradient goes home now, the temporary is freed
-                    out = self.full_grad[self.lo:self.hi].copy_(out)
                 self._pending[i] = (None, out, None)
                 return
 
