@@ -1,4 +1,4 @@
-"""The ``dptrain`` command line: ``run``, ``env``, ``bench``.
+"""The ``dptrain`` command line: ``run``, ``plan``, ``env``, ``bench``.
 
 ``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
 checkpoint) before it starts a worker or creates the run directory: bad input is one
@@ -85,6 +85,80 @@ def env(as_json: bool) -> None:
 
     info = collect_env()
     click.echo(json.dumps(info, indent=2) if as_json else format_env(info))
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise click.BadParameter(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config of the run to plan")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (repeatable)")
+@click.option("--params", type=float, help="plan a bare parameter count instead of the config's model "
+              "(model states and communication only)")
+@click.option("--world-sizes", default="1,2,4,8", show_default=True, help="data-parallel degrees, comma-separated")
+@click.option("--strategies", default="ddp,zero1,zero2,zero3", show_default=True)
+@click.option("--precisions", default="fp32,bf16", show_default=True)
+@click.option("--device-memory", type=float, help="GiB per device: adds a 'fits' column")
+@click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the plan as JSON here")
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="write a PNG of memory per rank here")
+def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | None, world_sizes: str,
+         strategies: str, precisions: str, device_memory: float | None, json_path: Path | None,
+         plot_path: Path | None) -> None:
+    """Predict per-rank memory and bytes sent per step, before launch.
+
+    \b
+    dptrain plan                                   # the default chargpt run
+    dptrain plan --set gpt.n_layer=24 --set gpt.n_embd=2048 --device-memory 80
+    dptrain plan --params 7e9 --world-sizes 8,64   # a bare parameter count
+
+    Model states are exact (the engines' own layout code on a model without storage);
+    activations come from a traced forward of one micro-batch; the total adds the
+    communication buffers alive in backward. See docs/planner.md.
+    """
+    from dptrain.planner import PRECISIONS, STRATEGIES, Setup, plan_row
+    from dptrain.planner.from_config import flat_model, plan_config
+    from dptrain.planner.report import plot as plot_rows
+    from dptrain.planner.report import table, to_json
+
+    sizes = _int_list(world_sizes, "--world-sizes")
+    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
+    precs = [p.strip() for p in precisions.split(",") if p.strip()]
+    for value, allowed, what in ((chosen, STRATEGIES, "--strategies"), (precs, PRECISIONS, "--precisions")):
+        unknown = [v for v in value if v not in allowed]
+        if unknown or not value:
+            raise click.BadParameter(f"{what}: unknown {unknown or value}; choose from {', '.join(allowed)}")
+    if device_memory is not None and device_memory <= 0:
+        raise click.BadParameter(f"--device-memory must be positive GiB, got {device_memory}")
+    notes: list[str] = []
+    try:
+        if params is not None:
+            if params < 1:
+                raise click.BadParameter(f"--params must be a positive count, got {params:g}")
+            model = flat_model(int(params))
+            rows = [plan_row(model, Setup(s, n, p), None, layered=False) for n in sizes for p in precs for s in chosen]
+            notes.append("a bare parameter count: activations and communication buffers are not estimated (they "
+                         "depend on the layers; plan a model for them); 'fits' compares the model states")
+        else:
+            rows = plan_config(load_config(config_path, overrides), sizes, chosen, precs, notes)
+    except _BAD_INPUT as e:
+        click.echo(f"dptrain plan: {e}", err=True)
+        sys.exit(2)
+    budget = int(device_memory * 2**30) if device_memory is not None else None
+    click.echo("MiB per rank (rank 0, which holds the largest shards); sent / step in MiB per rank.")
+    click.echo(table(rows, budget))
+    for note in notes:
+        click.echo(f"note: {note}")
+    if json_path is not None:
+        click.echo(f"JSON: {to_json(rows, json_path, {'notes': notes})}")
+    if plot_path is not None:
+        click.echo(f"plot: {plot_rows(rows, plot_path)}")
 
 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",

@@ -1,0 +1,133 @@
+"""Plan what ``dptrain run`` would run: the model, batch, optimizer and engine options of a config.
+
+The model is built by the config's task under a fake tensor mode
+(``torch._subclasses.fake_tensor.FakeTensorMode``): its tensors have shapes, dtypes and
+a device but no storage, so building a 70B model takes seconds and no memory, and the
+traced forward dispatches as it would on the real device (on CPU the attention kernel
+saves its log-sum-exp, not the T x T weights the meta device's would). Every
+strategy's options come from the same code ``dptrain run`` uses, so the plan describes
+the engine that will run, not a textbook one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.data import default_collate
+
+from dptrain.batching import BatchPlan
+from dptrain.config import ConfigError, RunConfig
+from dptrain.planner.activations import ActivationTraceError, trace_activations
+from dptrain.planner.layout import Setup
+from dptrain.planner.plan import Row, plan_row
+from dptrain.tasks import build_task
+from dptrain.train.loop import _zero_kwargs
+from dptrain.train.optim import build_optimizer
+
+__all__ = ["plan_config", "flat_model"]
+
+
+def flat_model(numel: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A model that is one parameter of ``numel`` elements, on the meta device (plan by count alone)."""
+    if numel < 1:
+        raise ValueError(f"the parameter count must be positive, got {numel}")
+    model = nn.Module()
+    model.weight = nn.Parameter(torch.empty(int(numel), dtype=dtype, device="meta"))
+    return model
+
+
+def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], precisions: list[str],
+                notes: list[str] | None = None) -> list[Row]:
+    """One :class:`Row` per strategy x world size x precision for the run ``cfg`` describes.
+
+    ``notes`` collects what could not be estimated (e.g. a forward that does not trace).
+    """
+    notes = [] if notes is None else notes
+    task = build_task(cfg)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            model = task.build_model()
+    except Exception as e:  # the user's factory may fail in any way
+        raise ConfigError(f"the model factory failed while building the model to plan: {type(e).__name__}: {e}") \
+            from None
+    t = cfg.train
+    sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
+    if all(v is None for v in sizes):
+        sizes = (32, None, None)
+    traced: dict[tuple[int, str], Any] = {}
+    rows = []
+    for world_size in world_sizes:
+        batch = BatchPlan.resolve(world_size, *sizes)
+        for precision in precisions:
+            key = (batch.micro_batch_size, precision)
+            if key not in traced:
+                traced[key] = _trace(task, cfg, batch.micro_batch_size, precision, mode, notes)
+            for strategy in strategies:
+                setup = _setup(cfg, model, strategy, world_size, precision)
+                rows.append(plan_row(model, setup, traced[key], batch.micro_batch_size,
+                                     optimizer=lambda params: _optimizer(cfg, params),
+                                     micro_steps=batch.grad_accum_steps))
+    return rows
+
+
+def _setup(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, precision: str) -> Setup:
+    if strategy == "ddp":
+        return Setup("ddp", world_size, precision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                     gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view)
+    as_run = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy=strategy))
+    kw = _zero_kwargs(as_run, model, nodes=1)
+    return Setup(strategy, world_size, precision, reduce_dtype=kw["reduce_dtype"],
+                 bucket_cap_mb=kw.get("bucket_cap_mb"), unit_classes=kw.get("unit_classes", ()),
+                 min_unit_numel=kw.get("min_unit_numel"), reshard_after_forward=kw.get("reshard_after_forward", True),
+                 split_by=kw["split_by"])
+
+
+def _optimizer(cfg: RunConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    holder = nn.Module()
+    holder.params = nn.ParameterList(params)
+    t = cfg.train
+    return build_optimizer(holder, t.optimizer, t.lr, t.weight_decay, tuple(t.betas), t.momentum)
+
+
+def _trace(task, cfg: RunConfig, micro_batch: int, precision: str, mode: FakeTensorMode, notes: list[str]):
+    checkpoint = _blocks(cfg, task)
+    try:
+        with mode:
+            model = _build(task, torch.bfloat16 if precision == "bf16" else torch.float32)
+            batch = default_collate([task.train_set[i % len(task.train_set)] for i in range(micro_batch)])
+            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, precision), batch)
+            return trace_activations(model, batch, task.loss, checkpoint)
+    except ActivationTraceError as e:
+        notes.append(f"activations ({precision}, micro-batch {micro_batch}): {e}")
+        return None
+
+
+def _build(task, dtype: torch.dtype) -> nn.Module:
+    """The task's model with its floating-point parameters created in ``dtype`` (fake tensors cannot be cast)."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        return task.build_model()
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _fake(mode: FakeTensorMode, x: Any, precision: str) -> Any:
+    if not torch.is_tensor(x):
+        return x
+    if precision == "bf16" and x.is_floating_point():
+        x = x.to(torch.bfloat16)
+    return mode.from_tensor(x)
+
+
+def _blocks(cfg: RunConfig, task) -> tuple[type, ...]:
+    """The module classes checkpointed in the estimate: ZeRO stage 3's unit classes, as ``dptrain run`` picks them."""
+    with FakeTensorMode():
+        model = task.build_model()
+    as_zero3 = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy="zero3"))
+    return tuple(_zero_kwargs(as_zero3, model, nodes=1).get("unit_classes", ()))

@@ -1,0 +1,117 @@
+"""What a strategy does with a model's parameters: its communication units and what each rank keeps.
+
+The planner does not re-derive dptrain's layout from formulas: it runs the same
+grouping code the engines run (the DDP engine's :func:`~dptrain.ddp.buckets.assign_buckets`,
+ZeRO's :func:`~dptrain.zero.grouping.bucket_groups` / :func:`~dptrain.zero.grouping.module_groups`
+and :func:`~dptrain.comm.topology.shard_range`) on a model built on the meta device, so
+a 70B model is laid out in seconds and the bytes come out exact, uneven shards included.
+
+A :class:`Setup` names the strategy (``ddp``, ``zero1``, ``zero2``, ``zero3``), the
+world size, the precision and the engine options that change the layout.
+:func:`units` gives the strategy's communication units: the DDP engine's buckets, or
+ZeRO's flat units (stages 1-2: buckets; stage 3: one per unit module plus the root).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Hashable
+
+import torch
+from torch import nn
+
+from dptrain.comm.topology import shard_range
+from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
+
+__all__ = ["STRATEGIES", "PRECISIONS", "Setup", "Unit", "units"]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PRECISIONS = ("fp32", "bf16")
+DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_CAP_MB = 25.0, 1.0  # the DDP engine's defaults (ddp/module.py)
+ZERO_BUCKET_CAP_MB = 4.0  # ZeRO stages 1-2's default
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One configuration to plan: a strategy on ``world_size`` ranks in ``precision``.
+
+    ``precision="bf16"``: the DDP engine runs under autocast (parameters, gradients and
+    optimizer state stay fp32); ZeRO computes in bf16 from fp32 master shards and
+    reduces in ``reduce_dtype`` (fp32 by default, as ``dptrain run``'s ``zero.reduce_dtype``).
+    The other fields are the engines' options that change the layout, with the engines'
+    defaults (``bucket_cap_mb=None``: 25 MiB for DDP with a 1 MiB first bucket, 4 MiB
+    for ZeRO stages 1-2).
+    """
+
+    strategy: str
+    world_size: int
+    precision: str = "fp32"
+    reduce_dtype: torch.dtype = torch.float32
+    bucket_cap_mb: float | None = None
+    gradient_as_bucket_view: bool = False
+    unit_classes: tuple[type, ...] = ()
+    min_unit_numel: int | None = None
+    reshard_after_forward: bool = True
+    split_by: Callable[[str, torch.Tensor], Hashable] | None = field(default=None, compare=False)
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
+        if not isinstance(self.world_size, int) or self.world_size < 1:
+            raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
+        if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+
+    @property
+    def stage(self) -> int:
+        return 0 if self.strategy == "ddp" else int(self.strategy[-1])
+
+    @property
+    def compute_dtype(self) -> torch.dtype | None:
+        """ZeRO's parameter dtype for compute (None: the model's own)."""
+        return torch.bfloat16 if self.precision == "bf16" and self.stage else None
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One communication unit: a DDP bucket or a ZeRO flat unit.
+
+    ``dtype``: the parameters' (master) dtype; ``resharded``: a stage-3 unit freed after
+    forward and gathered again in backward (the root unit is kept through the step).
+    """
+
+    numel: int
+    dtype: torch.dtype
+    resharded: bool = False
+
+    def shard(self, world_size: int, rank: int) -> int:
+        lo, hi = shard_range(self.numel, world_size, rank)
+        return hi - lo
+
+
+def units(model: nn.Module, setup: Setup) -> list[Unit]:
+    """The strategy's units for ``model`` (any device, meta included), as the engine would build them."""
+    if setup.stage == 0:
+        params = [p for p in model.parameters() if p.requires_grad]
+        infos = [ParamInfo(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
+        if setup.bucket_cap_mb is None:
+            buckets = assign_buckets(infos, int(DDP_BUCKET_CAP_MB * MiB), int(DDP_FIRST_BUCKET_CAP_MB * MiB))
+        else:
+            buckets = assign_buckets(infos, max(1, int(setup.bucket_cap_mb * MiB)))
+        return [Unit(sum(params[i].numel() for i in b), params[b[0]].dtype) for b in buckets]
+    refs, _ = collect_params(model)
+
+    def key(ref):
+        return setup.split_by(ref.name, ref.tensor) if setup.split_by is not None else None
+
+    if setup.stage < 3:
+        cap = ZERO_BUCKET_CAP_MB if setup.bucket_cap_mb is None else setup.bucket_cap_mb
+        groups = bucket_groups(refs, cap, torch.device("meta"), key)
+    else:
+        groups = module_groups(model, refs, tuple(setup.unit_classes), setup.min_unit_numel, key)
+    return [Unit(sum(r.numel for r in members), members[0].tensor.dtype,
+                 resharded=setup.stage == 3 and setup.reshard_after_forward and owner is not None)
+            for owner, members in groups]

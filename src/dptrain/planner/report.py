@@ -1,0 +1,89 @@
+"""A plan as a Markdown table, JSON, and a PNG of memory per rank by category (stacked bars)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dptrain.planner.plan import Row
+from dptrain.train.atomic import replacing
+
+__all__ = ["table", "to_json", "plot"]
+
+_MiB = 2**20
+
+
+def _mib(n: int | None) -> str:
+    if n is None:
+        return "n/a"
+    return f"{n / _MiB:,.1f}" if n < 100 * 2**30 else f"{n / 2**30:,.0f} GiB"
+
+
+def table(rows: list[Row], device_memory: int | None = None) -> str:
+    """Markdown: one line per row, MiB per rank (rank 0), bytes sent per step."""
+    head = ["strategy", "N", "precision", "micro-batch", "params", "grads", "optimizer", "buffers",
+            "activations", "act. ckpt", "comm buffers", "total", "total ckpt", "sent / step"]
+    if device_memory is not None:
+        head.append(f"fits {device_memory / 2**30:g} GiB")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+    for r in rows:
+        acts = r.activations
+        cells = [r.strategy, str(r.world_size), r.precision, str(r.micro_batch or "-"),
+                 _mib(r.states.parameters), _mib(r.states.gradients), _mib(r.states.optimizer),
+                 _mib(r.states.buffers), _mib(acts.saved if acts else None),
+                 _mib(acts.checkpointed if acts else None), _mib(r.comm_buffers), _mib(r.total()),
+                 _mib(r.total(checkpointed=True)), _mib(r.traffic.total)]
+        if device_memory is not None:
+            total = r.total() if r.total() is not None else r.states.total + r.states.buffers
+            cells.append(("yes" if total <= device_memory else "no") + ("" if r.total() is not None else "?"))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def to_json(rows: list[Row], path: Path, extra: dict | None = None) -> Path:
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps({**(extra or {}), "rows": [r.to_dict() for r in rows]}, indent=2))
+    return path
+
+
+def plot(rows: list[Row], path: Path, title: str = "") -> Path:
+    """Stacked bars of rank 0's memory by category, grouped by world size, one bar per strategy."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    precisions = sorted({r.precision for r in rows})
+    fig, axes = plt.subplots(1, len(precisions), figsize=(6 * len(precisions), 4.2), squeeze=False)
+    parts = [("parameters", lambda r: r.states.parameters), ("gradients", lambda r: r.states.gradients),
+             ("optimizer", lambda r: r.states.optimizer),
+             ("activations", lambda r: r.activations.saved if r.activations else 0),
+             ("comm buffers", lambda r: r.comm_buffers or 0)]
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
+    for ax, precision in zip(axes[0], precisions):
+        mine = [r for r in rows if r.precision == precision]
+        sizes = sorted({r.world_size for r in mine})
+        strategies = list(dict.fromkeys(r.strategy for r in mine))
+        width = 0.8 / len(strategies)
+        for si, strategy in enumerate(strategies):
+            for wi, n in enumerate(sizes):
+                row = next((r for r in mine if r.strategy == strategy and r.world_size == n), None)
+                if row is None:
+                    continue
+                bottom = 0.0
+                x = wi + (si - (len(strategies) - 1) / 2) * width
+                for (name, value), color in zip(parts, colors):
+                    v = value(row) / _MiB
+                    ax.bar(x, v, width * 0.95, bottom=bottom, color=color,
+                           label=name if (si, wi) == (0, 0) else None)
+                    bottom += v
+                ax.text(x, bottom, strategy, ha="center", va="bottom", fontsize=6, rotation=90)
+        ax.set_xticks(range(len(sizes)), [f"N={n}" for n in sizes])
+        ax.set_ylabel("MiB per rank (rank 0)")
+        ax.set_title(f"{title} {precision}".strip())
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=120)
+    plt.close(fig)
+    return path

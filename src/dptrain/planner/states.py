@@ -1,0 +1,115 @@
+"""Bytes of model state per rank: parameters, gradients, optimizer state (exact, from the layout).
+
+For a model on the meta device and a :class:`~dptrain.planner.layout.Setup`, the bytes
+each rank keeps between steps, as the engines allocate them (Ψ parameters, N ranks;
+fp32 with Adam these are the ZeRO paper's 16Ψ, (8 + 8/N)Ψ, (4 + 12/N)Ψ and 16Ψ/N):
+
+========  =========================================  ======================================
+strategy  parameters                                 gradients
+========  =========================================  ======================================
+ddp       every parameter                            every gradient, plus the bucket
+                                                     buffers unless gradients are views
+                                                     of them (``gradient_as_bucket_view``)
+zero1     each unit's full buffer in the compute     the full gradient buffer in the reduce
+          dtype, plus the master shard when that     dtype, plus the master-dtype shard
+          differs (bf16)                             when that differs
+zero2     as zero1                                   the shard, in the master dtype
+zero3     the master shard                           the shard, in the master dtype
+========  =========================================  ======================================
+
+Optimizer state is not derived from a formula: the optimizer itself takes one step on
+meta-device tensors shaped like what it will see (every parameter for DDP, each unit's
+shard for ZeRO) and the state it creates is counted. So any ``torch.optim`` optimizer
+(and dptrain's LARS/LAMB) is planned exactly, Adam's one-element ``step`` tensors
+included. Frozen parameters count as parameters, in the module's dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dptrain.planner.layout import Setup, units
+
+__all__ = ["States", "model_states", "optimizer_state_bytes", "adam"]
+
+OptimizerFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The default optimizer to plan for: AdamW (two moments and a ``step`` per tensor)."""
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+@dataclass(frozen=True)
+class States:
+    """One rank's bytes held between steps, by category."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    buffers: int = 0
+
+    @property
+    def total(self) -> int:
+        """Model states: parameters, gradients and optimizer state (buffers apart)."""
+        return self.parameters + self.gradients + self.optimizer
+
+
+def optimizer_state_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: OptimizerFactory) -> int:
+    """Bytes of state ``optimizer`` creates in one step over tensors of ``shapes`` (counted on the meta device)."""
+    params = []
+    for shape, dtype in shapes:
+        p = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
+        p.grad = torch.empty(shape, dtype=dtype, device="meta")
+        params.append(p)
+    opt = optimizer(params)
+    opt.step()
+    total = 0
+    for state in opt.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                total += value.untyped_storage().nbytes()
+    return total
+
+
+def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: OptimizerFactory = adam) -> States:
+    """Rank ``rank``'s model-state bytes for ``model`` under ``setup`` (rank 0 holds the largest shards)."""
+    if not 0 <= rank < setup.world_size:
+        raise ValueError(f"rank {rank} is not in a world of {setup.world_size}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    frozen = sum(_nbytes(p) for p in model.parameters() if not p.requires_grad)
+    buffers = sum(_nbytes(b) for b in model.buffers())
+    if setup.stage == 0:
+        grads = sum(_nbytes(p) for p in trainable)
+        return States(parameters=frozen + grads, gradients=grads * (1 if setup.gradient_as_bucket_view else 2),
+                      optimizer=optimizer_state_bytes([(tuple(p.shape), p.dtype) for p in trainable], optimizer),
+                      buffers=buffers)
+    params, grads, shards = frozen, 0, []
+    for unit in units(model, setup):
+        n, s = unit.numel, unit.shard(setup.world_size, rank)
+        m = _size(unit.dtype)
+        c = _size(setup.compute_dtype) if setup.compute_dtype is not None else m
+        r = _size(setup.reduce_dtype) if setup.compute_dtype is not None else c
+        if setup.stage < 3:
+            params += n * c + (s * m if c != m else 0)
+        else:
+            params += s * m
+        if setup.stage == 1:
+            grads += n * r + (s * m if r != m else 0)
+        else:
+            grads += s * m
+        shards.append(((s,), unit.dtype))
+    return States(parameters=params, gradients=grads, optimizer=optimizer_state_bytes(shards, optimizer),
+                  buffers=buffers)
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

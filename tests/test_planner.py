@@ -1,0 +1,199 @@
+"""The planner: its pure math against the ZeRO formulas, and its bytes against live tensors, exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from dptrain import DistributedDataParallel
+from dptrain.cli import main
+from dptrain.models import GPT, MLPClassifier
+from dptrain.models.gpt import Block
+from dptrain.planner import Setup, model_states, plan_row, step_traffic, trace_activations, units
+from dptrain.planner.from_config import flat_model
+from dptrain.testing import run_on_ranks
+from dptrain.zero import MixedPrecision, ZeRO
+from dptrain.zero.memory import state_bytes, storage_bytes, zero_formula
+
+# ---------------------------------------------------------------- pure math, no process group
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4, 8])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_fp32_adam_states_are_the_zero_formulas(stage: int, world_size: int) -> None:
+    # One unit of Ψ = 1024 x 1000 parameters (divisible by every N): the paper's 16Ψ,
+    # (8 + 8/N)Ψ, (4 + 12/N)Ψ, 16Ψ/N, plus the one 4-byte 'step' tensor Adam keeps per tensor.
+    psi = 1024 * 1000
+    setup = Setup(["ddp", "zero1", "zero2", "zero3"][stage], world_size, gradient_as_bucket_view=True)
+    got = model_states(flat_model(psi), setup)
+    assert got.total == zero_formula(stage, psi, world_size) + 4
+
+
+@pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_bf16_states_are_the_mixed_precision_formulas(stage: int, reduce_dtype: torch.dtype) -> None:
+    psi, n = 1024 * 1000, 4
+    got = model_states(flat_model(psi), Setup(f"zero{stage}", n, "bf16", reduce_dtype=reduce_dtype))
+    want = zero_formula(stage, psi, n, param_bytes=2, reduce_bytes=reduce_dtype.itemsize)
+    assert got.total == want + 4
+    if stage == 3:
+        assert got.total == 16 * psi / n + 4  # the seed's 16Ψ/N: nothing is replicated
+
+
+def test_ddp_keeps_bucket_buffers_unless_gradients_are_views_of_them() -> None:
+    psi = 1000
+    apart = model_states(flat_model(psi), Setup("ddp", 2))
+    views = model_states(flat_model(psi), Setup("ddp", 2, gradient_as_bucket_view=True))
+    assert apart.gradients == 2 * views.gradients == 8 * psi
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_traffic_is_the_all_reduce_volume_and_stage3_half_again(world_size: int) -> None:
+    # Every layer a stage-3 unit that reshards: two all-gathers and a reduce-scatter per step.
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to("meta")
+    psi = sum(p.numel() for p in model.parameters())
+    n = world_size
+    ddp = step_traffic(model, Setup("ddp", n))
+    assert ddp.total == pytest.approx(2 * (n - 1) / n * 4 * psi, rel=1e-3)  # chunks rounded per bucket
+    for stage in (1, 2):
+        assert step_traffic(model, Setup(f"zero{stage}", n)).total == pytest.approx(ddp.total, rel=1e-3)
+    zero3 = step_traffic(model, Setup("zero3", n, unit_classes=(nn.Linear,)))
+    assert zero3.total == pytest.approx(1.5 * ddp.total, rel=1e-3)
+    assert step_traffic(model, Setup("ddp", 1)).total == 0
+
+
+def test_units_follow_the_engines_grouping() -> None:
+    model = GPT(vocab_size=256, block_size=16, n_layer=3, n_head=2, n_embd=32).to("meta")
+    zero3 = units(model, Setup("zero3", 2, unit_classes=(Block,)))
+    assert [u.resharded for u in zero3] == [True, True, True, False]  # three blocks, then the root
+    assert sum(u.numel for u in zero3) == sum(p.numel() for p in model.parameters())
+
+
+def _mlp_loss(model, batch):
+    x, y = batch
+    return nn.functional.mse_loss(model(x), y)
+
+
+def test_activation_trace_on_meta_equals_the_trace_on_cpu_and_checkpointing_saves() -> None:
+    torch.manual_seed(0)
+    real = nn.Sequential(*[nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(3)])
+    batch = (torch.randn(5, 16), torch.randn(5, 16))
+    on_cpu = trace_activations(real, batch, _mlp_loss, (nn.Sequential,))
+    meta = real.to("meta")
+    on_meta = trace_activations(meta, tuple(t.to("meta") for t in batch), _mlp_loss, (nn.Sequential,))
+    assert on_meta == on_cpu
+    # per block: its input (5x16), tanh's output (5x32; the second Linear's input too): 320 + 640 B
+    assert on_cpu.saved == 3 * (320 + 640) + 320 + 320  # + the output and the target, saved by the loss
+    assert on_cpu.units == 3
+    assert on_cpu.checkpointed == 640 + 3 * 320 + (320 + 640)  # outside + three inputs + one block's own
+
+
+# ---------------------------------------------------------------- against live tensors
+
+
+def _gpt() -> nn.Module:
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=40)
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return MLPClassifier(features=13, classes=5, hidden=37, depth=3)
+
+
+def _batch(name: str):
+    if name == "gpt":
+        x = torch.randint(0, 256, (2, 16))
+        return x, x
+    return torch.randn(4, 13), torch.randint(0, 5, (4,))
+
+
+def _loss(name: str, out, y):
+    return nn.functional.cross_entropy(out.reshape(-1, out.size(-1)).float(), y.reshape(-1))
+
+
+OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+              "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
+
+
+def _measured(rank: int, world_size: int, name: str, strategy: str, precision: str, opt: str) -> dict:
+    model = {"gpt": _gpt, "mlp": _mlp}[name]()
+    if strategy.startswith("ddp"):
+        wrapped = DistributedDataParallel(model, gradient_as_bucket_view=strategy == "ddp_views")
+    else:
+        mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
+        kw = {"unit_classes": (Block,)} if strategy == "zero3" and name == "gpt" else {}
+        wrapped = ZeRO(model, stage=int(strategy[-1]), mixed_precision=mp, **kw)
+    optimizer = OPTIMIZERS[opt](list(wrapped.parameters()))
+    x, y = _batch(name)
+    _loss(name, wrapped(x), y).backward()
+    optimizer.step()
+    if strategy.startswith("ddp"):
+        seen: set = set()
+        params = list(wrapped.module.parameters())
+        grads = [p.grad for p in params] + [b.buffer for b in wrapped.reducer.buckets]
+        state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+        return {"parameters": storage_bytes(params, seen), "gradients": storage_bytes(grads, seen),
+                "optimizer": storage_bytes(state, seen)}
+    return state_bytes(wrapped, optimizer)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("name,strategy,precision,opt", [
+    ("gpt", "ddp", "fp32", "adamw"), ("gpt", "ddp_views", "fp32", "sgd"), ("mlp", "ddp", "fp32", "adamw"),
+    ("gpt", "zero1", "fp32", "adamw"), ("gpt", "zero2", "fp32", "adamw"), ("gpt", "zero3", "fp32", "adamw"),
+    ("mlp", "zero1", "fp32", "sgd"), ("mlp", "zero3", "fp32", "adamw"),
+    ("gpt", "zero1", "bf16", "adamw"), ("gpt", "zero2", "bf16", "adamw"), ("gpt", "zero3", "bf16", "adamw"),
+])
+def test_planned_model_states_equal_the_live_tensors_exactly(name, strategy, precision, opt, world_size) -> None:
+    per_rank = run_on_ranks(_measured, world_size, name, strategy, precision, opt, timeout=120)
+    with torch.device("meta"):
+        model = {"gpt": _gpt, "mlp": _mlp}[name]()
+    kw = {"unit_classes": (Block,)} if strategy == "zero3" and name == "gpt" else {}
+    setup = Setup(strategy.removesuffix("_views"), world_size, precision,
+                  gradient_as_bucket_view=strategy == "ddp_views", **kw)
+    for rank, measured in enumerate(per_rank):
+        planned = model_states(model, setup, rank, OPTIMIZERS[opt])
+        assert (planned.parameters, planned.gradients, planned.optimizer) == (
+            measured["parameters"], measured["gradients"], measured["optimizer"]), (rank, planned, measured)
+
+
+# ---------------------------------------------------------------- the command
+
+
+def test_plan_command_writes_table_json_and_plot(tmp_path) -> None:
+    out = CliRunner().invoke(main, ["plan", "--params", "1e6", "--world-sizes", "1,4", "--precisions", "fp32",
+                                    "--json", str(tmp_path / "p.json"), "--plot", str(tmp_path / "p.png"),
+                                    "--device-memory", "1"])
+    assert out.exit_code == 0, out.output
+    rows = json.loads((tmp_path / "p.json").read_text())["rows"]
+    assert len(rows) == 8
+    zero3_n4 = next(r for r in rows if r["strategy"] == "zero3" and r["world_size"] == 4)
+    assert zero3_n4["model_state_bytes"] == 16 * 10**6 / 4 + 4
+    assert (tmp_path / "p.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| zero3 | 4 | fp32 |" in out.output
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--world-sizes", "0"], "--world-sizes must be positive"),
+    (["--strategies", "zero4"], "zero4"),
+    (["--params", "0"], "--params must be a positive count"),
+    (["--set", "train.global_batch_size=2", "--world-sizes", "4"], "global"),
+])
+def test_plan_command_refuses_bad_input(args, message) -> None:
+    out = CliRunner().invoke(main, ["plan", *args])
+    assert out.exit_code == 2, out.output
+    assert message in out.output
+
+
+def test_plan_row_of_a_model_adds_activations_and_buffers() -> None:
+    model = _gpt().to("meta")
+    x = torch.randint(0, 256, (2, 16), device="meta")
+    acts = trace_activations(model, (x, x), lambda m, b: _loss("gpt", m(b[0]), b[1]), (Block,))
+    row = plan_row(model, Setup("zero3", 2, unit_classes=(Block,)), acts, micro_batch=2)
+    assert row.total() == row.states.total + row.states.buffers + acts.saved + row.comm_buffers
+    assert row.total(checkpointed=True) < row.total()
