@@ -197,3 +197,13 @@ def test_plan_row_of_a_model_adds_activations_and_buffers() -> None:
     row = plan_row(model, Setup("zero3", 2, unit_classes=(Block,)), acts, micro_batch=2)
     assert row.total() == row.states.total + row.states.buffers + acts.saved + row.comm_buffers
     assert row.total(checkpointed=True) < row.total()
+
+
+def test_plan_benchmark_measures_the_engine_it_plans() -> None:
+    from dptrain.bench.plan import run, table
+
+    result = run(world_size=2, strategies=["zero2"], precisions=["fp32"], steps=2)
+    row = result["rows"][0]
+    assert row["planned_model_states"] == row["measured_model_states_rank0"]
+    assert row["measured_peak"] > row["planned_model_states"]  # activations come on top
+    assert "| zero2 | fp32 | 2 | 16 |" in table(result)

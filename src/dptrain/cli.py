@@ -163,7 +163,7 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
                "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm",
-               "zero": "dptrain.bench.zero"}
+               "zero": "dptrain.bench.zero", "plan": "dptrain.bench.plan"}
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -64,10 +64,10 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
     for world_size in world_sizes:
         batch = BatchPlan.resolve(world_size, *sizes)
         for precision in precisions:
-            key = (batch.micro_batch_size, precision)
-            if key not in traced:
-                traced[key] = _trace(task, cfg, batch.micro_batch_size, precision, mode, notes)
             for strategy in strategies:
+                key = (batch.micro_batch_size, _compute(strategy, precision))
+                if key not in traced:
+                    traced[key] = _trace(task, cfg, *key, mode, notes)
                 setup = _setup(cfg, model, strategy, world_size, precision)
                 rows.append(plan_row(model, setup, traced[key], batch.micro_batch_size,
                                      optimizer=lambda params: _optimizer(cfg, params),
@@ -94,16 +94,25 @@ def _optimizer(cfg: RunConfig, params: list[torch.Tensor]) -> torch.optim.Optimi
     return build_optimizer(holder, t.optimizer, t.lr, t.weight_decay, tuple(t.betas), t.momentum)
 
 
-def _trace(task, cfg: RunConfig, micro_batch: int, precision: str, mode: FakeTensorMode, notes: list[str]):
+def _compute(strategy: str, precision: str) -> str:
+    """How the forward computes: fp32; bf16 under autocast (the DDP engine: fp32 weights, bf16 matmuls,
+    fp32 norms and softmax); or a bf16 model (ZeRO's mixed precision casts the module)."""
+    if precision == "fp32":
+        return "fp32"
+    return "autocast" if strategy == "ddp" else "bf16"
+
+
+def _trace(task, cfg: RunConfig, micro_batch: int, compute: str, mode: FakeTensorMode, notes: list[str]):
     checkpoint = _blocks(cfg, task)
     try:
         with mode:
-            model = _build(task, torch.bfloat16 if precision == "bf16" else torch.float32)
+            model = _build(task, torch.bfloat16 if compute == "bf16" else torch.float32)
             batch = default_collate([task.train_set[i % len(task.train_set)] for i in range(micro_batch)])
-            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, precision), batch)
-            return trace_activations(model, batch, task.loss, checkpoint)
+            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, compute == "bf16"), batch)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "autocast"):
+                return trace_activations(model, batch, task.loss, checkpoint)
     except ActivationTraceError as e:
-        notes.append(f"activations ({precision}, micro-batch {micro_batch}): {e}")
+        notes.append(f"activations ({compute}, micro-batch {micro_batch}): {e}")
         return None
 
 
@@ -117,10 +126,10 @@ def _build(task, dtype: torch.dtype) -> nn.Module:
         torch.set_default_dtype(default)
 
 
-def _fake(mode: FakeTensorMode, x: Any, precision: str) -> Any:
+def _fake(mode: FakeTensorMode, x: Any, bf16: bool) -> Any:
     if not torch.is_tensor(x):
         return x
-    if precision == "bf16" and x.is_floating_point():
+    if bf16 and x.is_floating_point():
         x = x.to(torch.bfloat16)
     return mode.from_tensor(x)
 

@@ -9,7 +9,8 @@ Each :class:`Row` adds up what one rank holds at the peak of a step:
   gradient of the unit being assembled and the reduction in flight (2 units);
   stage 3 also the current and the prefetched unit's gathered parameters, and the root
   unit's for the whole step. The DDP engine's bucket buffers are persistent and are in
-  the gradients already, and stage 1 reduces in its persistent gradient buffer.
+  the gradients already, and stage 1 accumulates in its persistent gradient buffer
+  (unless it reduces in another dtype than it computes in: then as stage 2).
 
 The model-state columns are exact; activations are exact for what autograd saves;
 the total is an estimate of the peak (allocator slack, temporaries inside a kernel
@@ -67,17 +68,18 @@ class Row:
 
 def comm_buffer_bytes(model: nn.Module, setup: Setup) -> int:
     """Unit-sized buffers alive during backward beyond the model states (see the module docstring)."""
-    if setup.stage < 2:
-        return 0
-    shapes = units(model, setup)
     compute = setup.compute_dtype
     reduce = setup.reduce_dtype if compute is not None else None
+    in_place = setup.stage == 1 and (compute is None or reduce == compute)
+    if setup.stage == 0 or in_place:
+        return 0
+    shapes = units(model, setup)
 
     def nbytes(unit, dtype):
         return unit.numel * _size(dtype or unit.dtype)
 
     grads = 2 * max(nbytes(u, reduce) for u in shapes)
-    if setup.stage == 2:
+    if setup.stage < 3:
         return grads
     resharded = [u for u in shapes if u.resharded]
     kept = sum(nbytes(u, compute) for u in shapes if not u.resharded)

@@ -1,0 +1,171 @@
+"""Benchmark: ``dptrain plan``'s memory against what ``dptrain run``'s engine actually holds.
+
+For each strategy and precision, fresh worker processes train the default task (the
+character GPT of ``dptrain run``, its default config: 32 sequences of 64 bytes per
+step over the world size) through :class:`dptrain.train.engine.Engine` for a few steps,
+and each rank measures:
+
+- *model states*: parameters, gradients and optimizer state between the last backward
+  and its optimizer step (when both exist; the engine frees ``.grad`` after a step), counted from
+  live tensors (the ZeRO engine's :func:`~dptrain.zero.memory.state_bytes`; for the DDP
+  engine every parameter, gradient, bucket buffer and optimizer tensor);
+- *peak*: the process's peak **anonymous** memory during a step, over what it held
+  before the model was built: VmHWM (reset per step through ``/proc/self/clear_refs``)
+  minus the file-backed pages resident at the end of the step (RssFile: the libraries'
+  code, which a first backward and a first optimizer step page in: 15 MiB on the
+  reference machine, memory no plan of tensors can or should predict), minus the
+  anonymous memory before the build. Allocations of 64 KiB or more get their own
+  ``mmap``, so resident memory follows the live tensors. The first step is reported
+  apart (it creates the optimizer state at its end); the peak is the largest over the
+  later steps, for the larger rank.
+
+Beside each measurement: the plan of ``dptrain plan`` for the same config (rank 0).
+
+    python -m dptrain.bench.plan --world-size 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from dptrain.batching import BatchPlan
+from dptrain.bench.zero import _allocator_follows_tensors
+from dptrain.config import load_config
+from dptrain.planner.from_config import plan_config
+from dptrain.tasks import build_task
+from dptrain.testing import run_on_ranks
+from dptrain.train.atomic import write_text_atomic
+from dptrain.train.engine import Engine
+from dptrain.train.loop import _zero_kwargs
+from dptrain.train.optim import build_optimizer
+from dptrain.zero.memory import state_bytes, storage_bytes
+
+__all__ = ["run", "main"]
+
+_MiB = 2**20
+
+
+def _status(*fields: str) -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name = line.split(":")[0]
+            if name in fields:
+                out[name] = int(line.split()[1]) * 1024
+    return out
+
+
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def _overrides(strategy: str, precision: str) -> list[str]:
+    return [f"ddp.strategy={strategy}", f"train.precision={precision}"]
+
+
+def _rank(rank: int, world_size: int, strategy: str, precision: str, steps: int) -> dict:
+    _allocator_follows_tensors()
+    cfg = load_config(None, _overrides(strategy, precision))
+    task = build_task(cfg)
+    plan = BatchPlan.resolve(world_size, 32)
+    before = _status("RssAnon")["RssAnon"]
+    torch.manual_seed(0)
+    model = task.build_model()
+    t = cfg.train
+    engine = Engine(model, lambda m: build_optimizer(m, t.optimizer, t.lr, t.weight_decay, tuple(t.betas),
+                                                     t.momentum),
+                    plan, precision=precision, grad_clip=t.grad_clip, strategy=strategy,
+                    ddp_kwargs=dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                                    gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view),
+                    zero_kwargs=_zero_kwargs(cfg, model, 1) if strategy != "ddp" else None)
+    del model
+    batches = engine.loader(task.train_set).micro_batches()
+    peaks = []
+    for step in range(steps):
+        _reset_peak()
+        for batch in engine.micro_steps(batches):
+            with engine.autocast():
+                loss = task.loss(engine.model, batch)
+            engine.backward(loss)
+        del loss
+        if step == steps - 1:  # gradients and optimizer state both exist: between backward and the step
+            states = _model_states(engine)
+        engine.step()
+        status = _status("VmHWM", "RssFile")
+        peaks.append({"anon": status["VmHWM"] - status["RssFile"] - before, "hwm": status["VmHWM"]})
+    return {"states": states, "first_step_peak": peaks[0]["anon"], "peak": max(p["anon"] for p in peaks[1:]),
+            "micro_batch": plan.micro_batch_size}
+
+
+def _model_states(engine: Engine) -> dict[str, int]:
+    if engine.sharded:
+        return state_bytes(engine.model, engine.optimizer)
+    seen: set = set()
+    params = list(engine.model.module.parameters())
+    grads = [p.grad for p in params] + [b.buffer for b in engine.model.reducer.buckets]
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return {"parameters": storage_bytes(params, seen), "gradients": storage_bytes(grads, seen),
+            "optimizer": storage_bytes(state, seen)}
+
+
+def run(world_size: int, strategies: list[str], precisions: list[str], steps: int) -> dict:
+    rows = []
+    for precision in precisions:
+        for strategy in strategies:
+            planned = plan_config(load_config(None, _overrides(strategy, precision)), [world_size], [strategy],
+                                  [precision])[0]
+            per_rank = run_on_ranks(_rank, world_size, strategy, precision, steps, timeout=900,
+                                    tune_allocator=False)
+            measured_states = per_rank[0]["states"]
+            rows.append({
+                "strategy": strategy, "precision": precision, "world_size": world_size,
+                "micro_batch": per_rank[0]["micro_batch"],
+                "planned_model_states": planned.states.total, "measured_model_states_rank0": sum(
+                    measured_states.values()),
+                "planned_total": planned.total(), "planned_activations": planned.activations.saved,
+                "planned_comm_buffers": planned.comm_buffers,
+                "measured_peak": max(r["peak"] for r in per_rank),
+                "measured_peak_per_rank": [r["peak"] for r in per_rank],
+                "measured_first_step_peak": max(r["first_step_peak"] for r in per_rank),
+            })
+    return {"rows": rows, "torch": torch.__version__}
+
+
+def table(result: dict) -> str:
+    lines = ["| strategy | precision | N | micro-batch | model states: planned / measured | planned total "
+             "(activations, comm buffers) | measured peak | measured / planned |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in result["rows"]:
+        lines.append(
+            f"| {r['strategy']} | {r['precision']} | {r['world_size']} | {r['micro_batch']} | "
+            f"{r['planned_model_states'] / _MiB:.2f} / {r['measured_model_states_rank0'] / _MiB:.2f} | "
+            f"{r['planned_total'] / _MiB:.1f} ({r['planned_activations'] / _MiB:.1f}, "
+            f"{r['planned_comm_buffers'] / _MiB:.1f}) | {r['measured_peak'] / _MiB:.1f} | "
+            f"{r['measured_peak'] / r['planned_total']:.3f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "zero3"])
+    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--steps", type=int, default=4, help="steps per measurement (the first reported apart)")
+    parser.add_argument("--out", type=Path, default=Path("bench_results/plan.json"))
+    a = parser.parse_args(argv)
+    if a.steps < 2:
+        parser.error(f"--steps must be at least 2 (the first step is reported apart), got {a.steps}")
+    result = run(a.world_size, a.strategies, a.precisions, a.steps)
+    print(table(result))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(a.out, json.dumps(result, indent=2))
+    print(f"raw numbers: {a.out}")
+
+
+if __name__ == "__main__":
+    main()
