@@ -1,4 +1,4 @@
-"""The ``dptrain`` command line: ``run``, ``plan``, ``env``, ``bench``.
+"""The ``dptrain`` command line: ``run``, ``plan``, ``simulate``, ``env``, ``bench``.
 
 ``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
 checkpoint) before it starts a worker or creates the run directory: bad input is one
@@ -159,6 +159,77 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
         click.echo(f"JSON: {to_json(rows, json_path, {'notes': notes})}")
     if plot_path is not None:
         click.echo(f"plot: {plot_rows(rows, plot_path)}")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config of the run to simulate")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (repeatable)")
+@click.option("--strategy", type=click.Choice(["ddp", "zero1", "zero2", "zero3"]), help="default: the config's")
+@click.option("--networks", default="loopback,eth-10,eth-100,nvlink4+ib-ndr", show_default=True,
+              help="network presets, comma-separated (dptrain simulate --list-networks)")
+@click.option("--bandwidth-gbit", type=float, help="a custom network instead: Gbit/s between hosts")
+@click.option("--latency-us", type=float, default=50.0, show_default=True, help="with --bandwidth-gbit")
+@click.option("--per-node", type=int, default=1, show_default=True, help="with --bandwidth-gbit: workers per host")
+@click.option("--world-sizes", default="1,2,4,8,16,32,64", show_default=True)
+@click.option("--algorithm", type=click.Choice(["ring", "tree", "naive", "hierarchical"]), default="ring",
+              show_default=True)
+@click.option("--profile", type=click.Choice(["measured", "flops"]), default="measured", show_default=True,
+              help="compute times: measured on this machine, or FLOPs at --device-flops")
+@click.option("--device-flops", type=float, help="FLOP/s of one device, for --profile flops")
+@click.option("--micro-batch", type=int, help="samples per rank (default: the config's at world size 1)")
+@click.option("--json", "json_path", type=click.Path(path_type=Path))
+@click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="PNG: throughput, efficiency, breakdown")
+@click.option("--list-networks", is_flag=True, help="print the presets and their sources")
+def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency_us, per_node, world_sizes,
+             algorithm, profile, device_flops, micro_batch, json_path, plot_path, list_networks) -> None:
+    """Predict step time, throughput and scaling efficiency against the data-parallel degree.
+
+    \b
+    dptrain simulate                                        # the default run on the presets
+    dptrain simulate --bandwidth-gbit 1 --latency-us 100    # two hosts joined by 1 Gbit/s
+    dptrain simulate --set ddp.bucket_cap_mb=100 --networks eth-10
+
+    Weak scaling: every rank keeps the micro-batch, so N ranks process N times the
+    samples per step. The backward pass is replayed bucket by bucket on the network's
+    links with the collectives' cost model. See docs/planner.md.
+    """
+    from dptrain.planner.from_config import simulate_config
+    from dptrain.planner.network import PRESETS, Network, custom_link, network
+    from dptrain.planner.report import plot_scaling, scaling_table
+
+    if list_networks:
+        for net in PRESETS.values():
+            click.echo(f"{net.name}: node {net.node.beta * 8 / 1e9:g} Gbit/s, net {net.net.beta * 8 / 1e9:g} Gbit/s, "
+                       f"{net.per_node if net.per_node < 1 << 20 else 'all'} per node. {net.source}")
+        return
+    sizes = _int_list(world_sizes, "--world-sizes")
+    if micro_batch is not None and micro_batch < 1:
+        raise click.BadParameter(f"--micro-batch must be positive, got {micro_batch}")
+    try:
+        if bandwidth_gbit is not None:
+            if per_node < 1:
+                raise click.BadParameter(f"--per-node must be positive, got {per_node}")
+            link = custom_link(bandwidth_gbit, latency_us * 1e-6)
+            nets = [Network(f"{bandwidth_gbit:g}Gbit", link, link, per_node,
+                            f"custom: {bandwidth_gbit:g} Gbit/s, {latency_us:g} us")]
+        else:
+            nets = [network(name.strip()) for name in networks.split(",") if name.strip()]
+        cfg = load_config(config_path, overrides)
+        result = simulate_config(cfg, sizes, strategy or cfg.ddp.strategy, nets, algorithm, profile, micro_batch,
+                                 device_flops)
+    except (ValueError, *_BAD_INPUT) as e:
+        click.echo(f"dptrain simulate: {e}", err=True)
+        sys.exit(2)
+    prof = result["profile"]
+    click.echo(f"compute per micro-batch of {result['micro_batch']}: forward {prof.forward_s * 1e3:.1f} ms, "
+               f"backward {prof.backward_s * 1e3:.1f} ms, optimizer {prof.optimizer_s * 1e3:.1f} ms ({prof.source})")
+    click.echo(scaling_table(result))
+    if json_path is not None:
+        from dptrain.planner.report import scaling_json
+
+        click.echo(f"JSON: {scaling_json(result, json_path)}")
+    if plot_path is not None:
+        click.echo(f"plot: {plot_scaling(result, plot_path)}")
 
 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",

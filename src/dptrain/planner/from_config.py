@@ -28,7 +28,7 @@ from dptrain.tasks import build_task
 from dptrain.train.loop import _zero_kwargs
 from dptrain.train.optim import build_optimizer
 
-__all__ = ["plan_config", "flat_model"]
+__all__ = ["plan_config", "flat_model", "simulate_config"]
 
 
 def flat_model(numel: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -140,3 +140,44 @@ def _blocks(cfg: RunConfig, task) -> tuple[type, ...]:
         model = task.build_model()
     as_zero3 = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy="zero3"))
     return tuple(_zero_kwargs(as_zero3, model, nodes=1).get("unit_classes", ()))
+
+
+def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, networks: list, algorithm: str,
+                    profile: str, micro_batch: int | None = None, device_flops: float | None = None) -> dict:
+    """Predicted steps of the run ``cfg`` describes, weak scaling: ``micro_batch`` per rank at every world size.
+
+    ``profile="measured"`` times the real model on this machine (one thread);
+    ``"flops"`` counts its FLOPs on fake tensors at ``device_flops`` FLOP/s.
+    Returns the profile and one :class:`~dptrain.planner.simulate.StepPrediction` per
+    network and world size.
+    """
+    from dptrain.planner.simulate import flops_profile, measure_profile, simulate_step
+
+    task = build_task(cfg)
+    t = cfg.train
+    if micro_batch is None:
+        sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
+        micro_batch = BatchPlan.resolve(1, *(sizes if any(v is not None for v in sizes) else (32, None, None))) \
+            .micro_batch_size
+    samples = [task.train_set[i % len(task.train_set)] for i in range(micro_batch)]
+    if profile == "measured":
+        torch.manual_seed(t.seed)
+        model = task.build_model()
+        opt = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
+        prof = measure_profile(model, default_collate(samples), task.loss, opt)
+    elif profile == "flops":
+        if device_flops is None:
+            raise ConfigError("profile 'flops' needs the device's throughput: --device-flops (FLOP/s)")
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode:
+            model = task.build_model()
+            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, False), default_collate(samples))
+            prof = flops_profile(model, batch, task.loss, device_flops)
+    else:
+        raise ConfigError(f"unknown profile {profile!r}; choose measured or flops")
+    predictions = {}
+    for net in networks:
+        for n in world_sizes:
+            setup = _setup(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
+            predictions[(net.name, n)] = simulate_step(model, setup, prof, net, algorithm)
+    return {"profile": prof, "micro_batch": micro_batch, "predictions": predictions}

@@ -86,6 +86,7 @@ class Unit:
     numel: int
     dtype: torch.dtype
     resharded: bool = False
+    names: tuple[str, ...] = ()  # its parameters' qualified names
 
     def shard(self, world_size: int, rank: int) -> int:
         lo, hi = shard_range(self.numel, world_size, rank)
@@ -95,13 +96,15 @@ class Unit:
 def units(model: nn.Module, setup: Setup) -> list[Unit]:
     """The strategy's units for ``model`` (any device, meta included), as the engine would build them."""
     if setup.stage == 0:
-        params = [p for p in model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        params = [p for _, p in named]
         infos = [ParamInfo(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
         if setup.bucket_cap_mb is None:
             buckets = assign_buckets(infos, int(DDP_BUCKET_CAP_MB * MiB), int(DDP_FIRST_BUCKET_CAP_MB * MiB))
         else:
             buckets = assign_buckets(infos, max(1, int(setup.bucket_cap_mb * MiB)))
-        return [Unit(sum(params[i].numel() for i in b), params[b[0]].dtype) for b in buckets]
+        return [Unit(sum(params[i].numel() for i in b), params[b[0]].dtype, names=tuple(named[i][0] for i in b))
+                for b in buckets]
     refs, _ = collect_params(model)
 
     def key(ref):
@@ -113,5 +116,6 @@ def units(model: nn.Module, setup: Setup) -> list[Unit]:
     else:
         groups = module_groups(model, refs, tuple(setup.unit_classes), setup.min_unit_numel, key)
     return [Unit(sum(r.numel for r in members), members[0].tensor.dtype,
-                 resharded=setup.stage == 3 and setup.reshard_after_forward and owner is not None)
+                 resharded=setup.stage == 3 and setup.reshard_after_forward and owner is not None,
+                 names=tuple(r.name for r in members))
             for owner, members in groups]

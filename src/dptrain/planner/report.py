@@ -87,3 +87,81 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
         fig.savefig(tmp, format="png", dpi=120)
     plt.close(fig)
     return path
+
+
+# --------------------------------------------------------------------- scaling (dptrain simulate)
+
+
+def _scaling_rows(result: dict) -> list[dict]:
+    rows = []
+    micro = result["micro_batch"]
+    base: dict[str, float] = {}
+    for (net, n), p in result["predictions"].items():
+        base.setdefault(net, p.compute_s)  # one rank with no communication: the ideal per-rank step
+    for (net, n), p in result["predictions"].items():
+        rows.append(dict(network=net, world_size=n, step_s=p.step_s, compute_s=p.compute_s, comm_s=p.comm_s,
+                         exposed_s=p.exposed_s, samples_per_s=n * micro / p.step_s,
+                         efficiency=base[net] / p.step_s))
+    return rows
+
+
+def scaling_table(result: dict) -> str:
+    lines = ["| network | N | step (ms) | compute (ms) | link busy (ms) | exposed (ms) | samples/s | efficiency |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in _scaling_rows(result):
+        lines.append(f"| {r['network']} | {r['world_size']} | {r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
+                     f"{r['comm_s'] * 1e3:.1f} | {r['exposed_s'] * 1e3:.1f} | {r['samples_per_s']:,.0f} | "
+                     f"{r['efficiency']:.2f} |")
+    return "\n".join(lines)
+
+
+def scaling_json(result: dict, path: Path) -> Path:
+    prof = result["profile"]
+    data = {"micro_batch": result["micro_batch"],
+            "profile": {"forward_s": prof.forward_s, "backward_s": prof.backward_s, "optimizer_s": prof.optimizer_s,
+                        "source": prof.source},
+            "rows": _scaling_rows(result)}
+    with replacing(path) as tmp:
+        tmp.write_text(json.dumps(data, indent=2))
+    return path
+
+
+def plot_scaling(result: dict, path: Path) -> Path:
+    """Throughput and efficiency against N per network, and where the largest N's step time goes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    rows = _scaling_rows(result)
+    nets = list(dict.fromkeys(r["network"] for r in rows))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    for net in nets:
+        mine = [r for r in rows if r["network"] == net]
+        a.plot([r["world_size"] for r in mine], [r["samples_per_s"] for r in mine], marker="o", label=net)
+        b.plot([r["world_size"] for r in mine], [r["efficiency"] for r in mine], marker="o", label=net)
+    for ax, label in ((a, "samples / s"), (b, "scaling efficiency")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("data-parallel degree N")
+        ax.set_ylabel(label)
+        ax.legend(fontsize=7)
+    a.set_yscale("log")
+    b.set_ylim(0, 1.05)
+    largest = max(r["world_size"] for r in rows)
+    last = [r for r in rows if r["world_size"] == largest]
+    prof = result["profile"]
+    parts = [("forward", prof.forward_s), ("backward", prof.backward_s), ("optimizer", prof.optimizer_s)]
+    for i, r in enumerate(last):
+        bottom = 0.0
+        for (name, value), color in zip(parts + [("exposed communication", r["exposed_s"])],
+                                        ["#4C72B0", "#55A868", "#8172B3", "#C44E52"]):
+            c.bar(i, value * 1e3, bottom=bottom, color=color, label=name if i == 0 else None)
+            bottom += value * 1e3
+    c.set_xticks(range(len(last)), [r["network"] for r in last], rotation=20, fontsize=7)
+    c.set_ylabel(f"ms per step at N={largest}")
+    c.legend(fontsize=7)
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    return path

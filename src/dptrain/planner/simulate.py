@@ -1,0 +1,237 @@
+"""Step time of data-parallel training, simulated bucket by bucket on a network.
+
+The simulator replays one optimizer step on a timeline with two resources: the
+device, which computes forward, backward and the optimizer step in order, and the
+link, which runs one collective at a time in the order they were launched (one
+process group, one communication stream). Each collective's duration is the α-β(-γ)
+cost of its algorithm (:func:`dptrain.comm.cost.collective_cost`, the model the
+collectives' benchmark checks) on the network's links: inside one host the ``node``
+link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
+
+- **DDP**: a bucket's all-reduce is launched when the last of its parameters'
+  gradients is ready during backward (the compute profile says when), and starts when
+  the link is free. What runs past the end of backward is *exposed*; the optimizer
+  steps after the last bucket. A bucket larger than the model launches only at the end
+  of backward: nothing overlaps.
+- **ZeRO-1/2**: the same with reduce-scatters, and every unit's all-gather at the start
+  of the next forward, before it (dptrain does not overlap those).
+- **ZeRO-3**: the root unit and the first unit are gathered before forward starts;
+  each unit's all-gather is launched when the previous unit starts computing
+  (prefetch), in forward and, for units that reshard, again in backward; each unit's
+  reduce-scatter is launched when its backward ends.
+
+Compute comes from a :class:`ComputeProfile`: measured on the real model
+(:func:`measure_profile`: forward, backward and optimizer times, and when each
+parameter's gradient is ready) or derived from FLOPs and a device throughput
+(:func:`flops_profile`).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from dptrain.comm.cost import collective_cost
+from dptrain.planner.layout import Setup, Unit, units
+from dptrain.planner.network import Network
+from dptrain.planner.states import _size
+
+__all__ = ["ComputeProfile", "measure_profile", "flops_profile", "Collective", "StepPrediction", "simulate_step"]
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """One micro-batch's compute on one device: seconds, and when each gradient is ready.
+
+    ``ready[name]``: the fraction of backward's time at which parameter ``name``'s
+    gradient is complete (0 = backward's start, 1 = its end).
+    """
+
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    ready: dict[str, float]
+    source: str
+
+
+def measure_profile(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                    optimizer: torch.optim.Optimizer, steps: int = 6, warmup: int = 2) -> ComputeProfile:
+    """Time ``steps`` single-device steps of the real model (medians), after ``warmup``."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    arrived: dict[str, float] = {}
+    handles = [p.register_post_accumulate_grad_hook(lambda _, name=n: arrived.__setitem__(name, time.perf_counter()))
+               for n, p in named]
+    fwd, bwd, opt, ready = [], [], [], {n: [] for n, _ in named}
+    try:
+        for step in range(warmup + steps):
+            optimizer.zero_grad(set_to_none=True)
+            arrived.clear()
+            t0 = time.perf_counter()
+            loss = loss_fn(model, batch)
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            optimizer.step()
+            t3 = time.perf_counter()
+            if step >= warmup:
+                fwd.append(t1 - t0)
+                bwd.append(t2 - t1)
+                opt.append(t3 - t2)
+                for name in ready:
+                    if name in arrived:
+                        ready[name].append((arrived[name] - t1) / (t2 - t1))
+    finally:
+        for h in handles:
+            h.remove()
+    return ComputeProfile(statistics.median(fwd), statistics.median(bwd), statistics.median(opt),
+                          {n: statistics.median(v) if v else 1.0 for n, v in ready.items()},
+                          f"measured: median of {steps} steps on this machine")
+
+
+def flops_profile(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+                  flops_per_s: float, optimizer_s: float = 0.0) -> ComputeProfile:
+    """Forward from counted FLOPs at ``flops_per_s``, backward twice that; gradients ready in reverse order.
+
+    Works on fake or meta tensors. A parameter's gradient is taken as ready when the
+    backward has covered the parameters registered after it, in proportion to their
+    element counts (for layers whose FLOPs follow their weights, as linear layers do).
+    """
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if not flops_per_s > 0:
+        raise ValueError(f"device throughput must be > 0 FLOP/s, got {flops_per_s}")
+    with FlopCounterMode(display=False) as counter:
+        loss_fn(model, batch)
+    forward = counter.get_total_flops() / flops_per_s
+    named = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+    total, done, ready = sum(k for _, k in named) or 1, 0, {}
+    for name, k in reversed(named):
+        done += k
+        ready[name] = done / total
+    return ComputeProfile(forward, 2 * forward, optimizer_s, ready,
+                          f"FLOPs: {counter.get_total_flops():.3g} per forward at {flops_per_s:.3g} FLOP/s")
+
+
+@dataclass(frozen=True)
+class Collective:
+    name: str
+    launched_s: float
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """One step's predicted timeline (seconds from the start of forward)."""
+
+    strategy: str
+    world_size: int
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    step_s: float
+    comm_s: float  # the link's busy time
+    exposed_s: float  # step time beyond compute alone
+    collectives: list[Collective] = field(repr=False)
+
+    @property
+    def compute_s(self) -> float:
+        return self.forward_s + self.backward_s + self.optimizer_s
+
+
+class _Link:
+    """One collective at a time, in launch order."""
+
+    def __init__(self, duration: Callable[[str, Unit], float]):
+        self.free, self.duration, self.log = 0.0, duration, []
+
+    def run(self, kind: str, unit: Unit, index: int, launched: float) -> float:
+        start = max(launched, self.free)
+        self.free = start + self.duration(kind, unit)
+        self.log.append(Collective(f"{kind} {index}", launched, start, self.free))
+        return self.free
+
+
+def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, network: Network,
+                  algorithm: str = "ring") -> StepPrediction:
+    """Predict one optimizer step of ``model`` (one micro-batch per rank) under ``setup`` on ``network``."""
+    n = setup.world_size
+    shapes = units(model, setup)
+    hosts = -(-n // network.per_node)
+    links = network.links() if algorithm == "hierarchical" else {
+        "net": network.net if hosts > 1 else network.node}
+    nodes = min(n, network.per_node) if algorithm == "hierarchical" else None
+
+    def duration(kind: str, unit: Unit) -> float:
+        if n == 1:
+            return 0.0
+        dtype = unit.dtype
+        if kind == "all_gather" and setup.compute_dtype is not None:
+            dtype = setup.compute_dtype
+        elif kind == "reduce_scatter" and setup.compute_dtype is not None:
+            dtype = setup.reduce_dtype
+        return collective_cost(kind, algorithm, unit.numel, _size(dtype), n, nodes=nodes).predict(links)
+
+    link = _Link(duration)
+    F, B, O = profile.forward_s, profile.backward_s, profile.optimizer_s
+
+    def ready(unit: Unit) -> float:
+        return max((profile.ready.get(name, 1.0) for name in unit.names), default=1.0)
+
+    if setup.stage < 3:
+        start = 0.0
+        if setup.stage > 0:  # the updated parameters are gathered before the next forward
+            for i, unit in enumerate(shapes):
+                start = link.run("all_gather", unit, i, 0.0)
+        backward_end = start + F + B
+        kind = "all_reduce" if setup.stage == 0 else "reduce_scatter"
+        launched = 0.0
+        for i, unit in enumerate(shapes):  # the engines launch in bucket order, each when it is ready
+            launched = max(launched, start + F + B * ready(unit))
+            link.run(kind, unit, i, launched)
+    else:
+        backward_end = _stage3(shapes, F, B, link)
+    end = max(backward_end, link.free)
+    step = end + O
+    comm = sum(c.end_s - c.start_s for c in link.log)
+    return StepPrediction(setup.strategy, n, F, B, O, step, comm, step - (F + B + O), link.log)
+
+
+def _stage3(shapes: list[Unit], F: float, B: float, link: _Link) -> float:
+    """ZeRO-3's forward and backward with prefetching; returns when backward's compute ends."""
+    blocks = [i for i, u in enumerate(shapes) if u.resharded]
+    kept = [i for i, u in enumerate(shapes) if not u.resharded]
+    total = sum(u.numel for u in shapes) or 1
+    share = {i: shapes[i].numel / total for i in range(len(shapes))}
+    for i in kept:  # the root unit: gathered for the whole step
+        link.run("all_gather", shapes[i], i, 0.0)
+    gathered = {}
+    t = 0.0
+    for k, i in enumerate(blocks):  # forward
+        if k == 0:
+            gathered[i] = link.run("all_gather", shapes[i], i, 0.0)
+        start = max(t, gathered[i], link.log[len(kept) - 1].end_s if kept else 0.0)
+        if k + 1 < len(blocks):
+            nxt = blocks[k + 1]
+            gathered[nxt] = link.run("all_gather", shapes[nxt], nxt, start)
+        t = start + F * share[i]
+    t += F * sum(share[i] for i in kept)  # the root's compute (embeddings, head)
+    t += B * sum(share[i] for i in kept)  # the head's backward comes first
+    order = list(reversed(blocks))
+    if order:
+        gathered = {order[0]: link.run("all_gather", shapes[order[0]], order[0], t)}
+    for k, i in enumerate(order):  # backward
+        start = max(t, gathered[i])
+        if k + 1 < len(order):
+            nxt = order[k + 1]
+            gathered[nxt] = link.run("all_gather", shapes[nxt], nxt, start)
+        t = start + B * share[i]
+        link.run("reduce_scatter", shapes[i], i, t)
+    for i in kept:
+        link.run("reduce_scatter", shapes[i], i, t)
+    return t

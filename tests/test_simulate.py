@@ -1,0 +1,123 @@
+"""The step-time simulator: timelines on hand-made profiles, checked against the cost model. No process group."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch import nn
+
+from dptrain.cli import main
+from dptrain.comm.cost import Link, collective_cost
+from dptrain.planner import Setup, units
+from dptrain.planner.network import Network, custom_link, network
+from dptrain.planner.simulate import ComputeProfile, flops_profile, simulate_step
+
+LINK = Link(alpha=1e-4, beta=1e9)  # 100 us, 1 GB/s
+NET = Network("test", LINK, LINK, 1, "hand-made")
+
+
+def _model() -> nn.Module:
+    return nn.Sequential(*[nn.Linear(256, 256) for _ in range(8)]).to("meta")  # 8 x 65,792 parameters
+
+
+def _profile(model: nn.Module, forward=0.1, backward=0.2, optimizer=0.01) -> ComputeProfile:
+    # Gradients ready in reverse order, evenly through backward (the last layer's first).
+    names = [n for n, _ in model.named_parameters()]
+    ready = {n: (len(names) - i) / len(names) for i, n in enumerate(names)}
+    return ComputeProfile(forward, backward, optimizer, ready, "hand-made")
+
+
+def _all_reduce(numel: int, n: int, link: Link = LINK) -> float:
+    return collective_cost("all_reduce", "ring", numel, 4, n).predict(link)
+
+
+def test_one_rank_is_compute_alone() -> None:
+    model = _model()
+    p = simulate_step(model, Setup("ddp", 1), _profile(model), NET)
+    assert p.step_s == pytest.approx(0.31) and p.exposed_s == 0 and p.comm_s == 0
+
+
+def test_a_bucket_larger_than_the_model_defeats_overlap() -> None:
+    model = _model()
+    numel = sum(p.numel() for p in model.parameters())
+    one = simulate_step(model, Setup("ddp", 4, bucket_cap_mb=100), _profile(model), NET)
+    assert len(one.collectives) == 1
+    assert one.collectives[0].launched_s == pytest.approx(0.3)  # at the end of backward
+    assert one.exposed_s == pytest.approx(_all_reduce(numel, 4))  # all of it exposed
+    many = simulate_step(model, Setup("ddp", 4, bucket_cap_mb=0.2), _profile(model), NET)  # a layer each
+    assert len(many.collectives) == 8
+    assert many.comm_s > one.comm_s  # more messages, more latency on the link...
+    assert many.exposed_s == pytest.approx(_all_reduce(256 * 256 + 256, 4))  # ...all but the last layer hidden
+
+
+def test_link_runs_one_collective_at_a_time_in_launch_order() -> None:
+    model = _model()
+    slow = Network("slow", Link(1e-4, 1e7), Link(1e-4, 1e7), 1, "hand-made")  # comm outlasts compute
+    p = simulate_step(model, Setup("ddp", 2, bucket_cap_mb=0.3), _profile(model), slow)
+    for a, b in zip(p.collectives, p.collectives[1:]):
+        assert b.start_s == pytest.approx(max(b.launched_s, a.end_s))
+    assert p.step_s == pytest.approx(p.collectives[-1].end_s + 0.01)
+    buckets = units(model, Setup("ddp", 2, bucket_cap_mb=0.3))
+    assert p.comm_s == pytest.approx(sum(_all_reduce(u.numel, 2, slow.net) for u in buckets))
+
+
+def test_zero12_gather_before_forward_and_zero3_gathers_more() -> None:
+    model = _model()
+    prof = _profile(model)
+    ddp = simulate_step(model, Setup("ddp", 4), prof, NET)
+    z1 = simulate_step(model, Setup("zero1", 4), prof, NET)
+    gathers = [c for c in z1.collectives if c.name.startswith("all_gather")]
+    assert gathers and all(c.launched_s == 0 for c in gathers)
+    assert z1.step_s >= 0.31 + sum(c.end_s - c.start_s for c in gathers) - 1e-12
+    z3 = simulate_step(model, Setup("zero3", 4, unit_classes=(nn.Linear,)), prof, NET)
+    assert sum(c.name.startswith("all_gather") for c in z3.collectives) == 16  # forward and backward
+    assert sum(c.name.startswith("reduce_scatter") for c in z3.collectives) == 8
+    assert z3.comm_s > ddp.comm_s
+
+
+def test_hierarchical_uses_both_tiers() -> None:
+    model = _model()
+    fast, slow = Link(1e-6, 1e11), Link(1e-4, 1e8)
+    net = Network("two-tier", fast, slow, 4, "hand-made")
+    flat = simulate_step(model, Setup("ddp", 8), _profile(model), net, "ring")
+    tiers = simulate_step(model, Setup("ddp", 8), _profile(model), net, "hierarchical")
+    assert tiers.comm_s < flat.comm_s  # the slow link carries only the leaders' ring
+
+
+def test_flops_profile_counts_the_forward() -> None:
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)).to("meta")
+    x = torch.empty(10, 64, device="meta")
+    prof = flops_profile(model, x, lambda m, b: m(b).sum(), flops_per_s=1e6)
+    assert prof.forward_s == pytest.approx(2 * 10 * (64 * 32 + 32 * 8) / 1e6)
+    assert prof.backward_s == 2 * prof.forward_s
+    assert prof.ready["1.weight"] < prof.ready["0.weight"] == 1.0
+
+
+def test_network_inputs_are_checked() -> None:
+    with pytest.raises(ValueError, match="bandwidth must be > 0"):
+        custom_link(0, 1e-5)
+    with pytest.raises(ValueError, match="unknown network preset 'ethernet'"):
+        network("ethernet")
+    assert network("loopback").net.duplex is False
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bandwidth-gbit", "-1"], "bandwidth must be > 0"),
+    (["--networks", "ethernet"], "unknown network preset"),
+    (["--profile", "flops"], "--device-flops"),
+    (["--world-sizes", "2,x"], "comma-separated integers"),
+])
+def test_simulate_command_refuses_bad_input(args, message) -> None:
+    out = CliRunner().invoke(main, ["simulate", *args])
+    assert out.exit_code == 2, out.output
+    assert message in out.output
+
+
+def test_simulate_command_with_a_flops_profile(tmp_path) -> None:
+    out = CliRunner().invoke(main, ["simulate", "--profile", "flops", "--device-flops", "1e12", "--networks",
+                                    "eth-10,nvlink4+ib-ndr", "--world-sizes", "1,16", "--plot",
+                                    str(tmp_path / "s.png"), "--json", str(tmp_path / "s.json")])
+    assert out.exit_code == 0, out.output
+    assert "| eth-10 | 16 |" in out.output
+    assert (tmp_path / "s.png").read_bytes()[:4] == b"\x89PNG"
