@@ -1,4 +1,4 @@
-"""The ``dptrain`` command line: ``run``, ``plan``, ``simulate``, ``env``, ``bench``.
+"""The ``dptrain`` command line: ``run``, ``plan``, ``simulate``, ``cluster``, ``env``, ``bench``.
 
 ``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
 checkpoint) before it starts a worker or creates the run directory: bad input is one
@@ -230,6 +230,53 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
         click.echo(f"JSON: {scaling_json(result, json_path)}")
     if plot_path is not None:
         click.echo(f"plot: {plot_scaling(result, plot_path)}")
+
+
+@main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--hosts", type=int, default=2, show_default=True, help="emulated hosts (network namespaces)")
+@click.option("--per-host", type=int, default=1, show_default=True, help="workers per host (torchrun's nproc)")
+@click.option("--bandwidth-gbit", type=float, default=1.0, show_default=True,
+              help="each host's link rate, both directions (tc tbf)")
+@click.option("--queue-latency-ms", type=float, default=50.0, show_default=True,
+              help="how long a packet may wait in a link's queue (tbf latency; not a propagation delay)")
+@click.option("--timeout", type=float, help="stop the job after this many seconds (exit 124)")
+@click.option("--port", type=int, default=29400, show_default=True, help="rendezvous port on host 0")
+@click.option("--cleanup", is_flag=True, help="only remove namespaces left by a killed dptrain cluster")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def cluster(hosts: int, per_host: int, bandwidth_gbit: float, queue_latency_ms: float, timeout: float | None,
+            port: int, cleanup: bool, args: tuple[str, ...]) -> None:
+    """Run a torchrun job on an emulated multi-host cluster with rate-limited links (needs root).
+
+    \b
+    dptrain cluster --hosts 2 --bandwidth-gbit 1 -- -m dptrain.run --set train.steps=20
+    dptrain cluster --hosts 4 --per-host 2 --bandwidth-gbit 5 -- my_train.py --lr 1e-3
+
+    ARGS are what torchrun runs (a script or -m module, and its arguments). Each host is
+    a network namespace on a bridge, its link limited by tc's token bucket in both
+    directions; each runs a torchrun agent, with a real c10d rendezvous on host 0.
+    Everything is torn down at the end, on failure and on Ctrl-C. See docs/cluster.md.
+    """
+    from dptrain.cluster import Network, NetworkError, check_root, cleanup_stale, run_on_cluster
+
+    try:
+        check_root()
+        if cleanup:
+            removed = cleanup_stale()
+            click.echo(f"removed {len(removed)} namespace(s): {', '.join(removed) or '-'}")
+            return
+        if not args:
+            raise click.UsageError("give the job to run after --, e.g. dptrain cluster -- -m dptrain.run")
+        if per_host < 1:
+            raise ValueError(f"--per-host must be at least 1, got {per_host}")
+        network = Network(hosts, rate_mbit=bandwidth_gbit * 1000, queue_latency_ms=queue_latency_ms)
+        click.echo(f"dptrain cluster: {hosts} hosts x {per_host} workers, {bandwidth_gbit:g} Gbit/s links "
+                   f"(namespaces {network.host(0)}..)", err=True)
+        with network:
+            code = run_on_cluster(network, per_host, list(args), port=port, timeout=timeout)
+    except (NetworkError, ValueError) as e:
+        click.echo(f"dptrain cluster: {e}", err=True)
+        sys.exit(2)
+    sys.exit(code)
 
 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
