@@ -1,0 +1,91 @@
+"""dptrain cluster: setup, a real two-host rendezvous through rate-limited links, teardown (root only)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from click.testing import CliRunner
+
+from dptrain.cli import main
+from dptrain.cluster import Network, NetworkError, check_root, run_on_cluster
+from dptrain.cluster.netns import PREFIX, namespaces
+
+
+def _root_reason() -> str | None:
+    try:
+        check_root()
+    except NetworkError as e:
+        return str(e)
+    return None
+
+
+needs_root = pytest.mark.skipif(_root_reason() is not None, reason=f"needs root: {_root_reason()}")
+
+
+def test_bad_network_arguments_are_refused_before_anything_is_created() -> None:
+    with pytest.raises(ValueError, match="link rate must be > 0"):
+        Network(2, rate_mbit=0)
+    with pytest.raises(ValueError, match="at least one host"):
+        Network(0, rate_mbit=100)
+
+
+@needs_root
+def test_up_creates_limited_links_and_down_removes_everything() -> None:
+    net = Network(3, rate_mbit=50)
+    with net:
+        assert {net.switch, net.host(0), net.host(1), net.host(2)} <= set(namespaces())
+        qdisc = subprocess.run(["ip", "netns", "exec", net.host(1), "tc", "qdisc", "show", "dev", net.interface(1)],
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "50Mbit" in qdisc
+        addrs = subprocess.run(["ip", "-n", net.host(2), "-4", "addr"], capture_output=True, text=True).stdout
+        assert "10.213.0.3/24" in addrs
+    assert not [n for n in namespaces() if n.startswith(f"{PREFIX}{net.tag}")]
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_two_hosts_rendezvous_and_all_reduce(tmp_path) -> None:
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        x = torch.tensor([float(dist.get_rank() + 1)])
+        dist.all_reduce(x)
+        out = os.path.join(sys.argv[1], f"host{os.environ['DPTRAIN_CLUSTER_HOST']}")
+        open(out, "w").write(f"{dist.get_world_size()} {x.item()}")
+        dist.destroy_process_group()
+    """))
+    with Network(2, rate_mbit=100) as net:
+        code = run_on_cluster(net, 1, [str(script), str(tmp_path)], timeout=150, env={"OMP_NUM_THREADS": "1"})
+    assert code == 0
+    assert (tmp_path / "host0").read_text() == (tmp_path / "host1").read_text() == "2 3.0"
+
+
+@needs_root
+@pytest.mark.timeout(180)
+def test_a_failing_job_ends_the_others_and_tears_down(tmp_path) -> None:
+    script = tmp_path / "fail.py"
+    script.write_text("import os, sys, time\nif os.environ['DPTRAIN_CLUSTER_HOST'] == '1': sys.exit(3)\n"
+                      "time.sleep(600)\n")
+    with Network(2, rate_mbit=100) as net:
+        code = run_on_cluster(net, 1, [str(script)], timeout=150)
+        tag = net.tag
+    assert code != 0
+    assert not [n for n in namespaces() if n.startswith(f"{PREFIX}{tag}")]
+
+
+def test_cluster_command_without_a_job_or_without_root() -> None:
+    out = CliRunner().invoke(main, ["cluster", "--hosts", "2"])
+    assert out.exit_code == 2
+    reason = _root_reason()
+    assert (reason in out.output) if reason else ("give the job to run" in out.output)
+
+
+@pytest.mark.skipif(_root_reason() is None, reason="checks the message where root or iproute2 is missing")
+def test_cluster_command_says_what_is_missing() -> None:
+    out = subprocess.run([sys.executable, "-c", "from dptrain.cli import main; main()", "cluster", "--", "x.py"],
+                         capture_output=True, text=True)
+    assert out.returncode == 2 and "dptrain cluster needs" in out.stderr
