@@ -85,7 +85,7 @@ class Network:
     hosts: int
     rate_mbit: float
     queue_latency_ms: float = 50.0
-    burst_kb: int = 64
+    burst_kb: int | None = None  # default: what the rate sends in 4 ms (a kernel tick at HZ=250), at least 64 KiB
     tag: str = ""
 
     def __post_init__(self):
@@ -98,6 +98,8 @@ class Network:
         if not self.queue_latency_ms > 0:
             raise ValueError(f"the queue latency must be > 0 ms, got {self.queue_latency_ms}")
         self.tag = self.tag or secrets.token_hex(2)
+        if self.burst_kb is None:  # a smaller bucket than one tick's worth caps the rate below the nominal one
+            self.burst_kb = max(64, int(self.rate_mbit * 1e6 / 8 * 0.004 / 1024))
         self._up = False
 
     # names: interface names must fit 15 characters

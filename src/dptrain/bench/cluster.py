@@ -1,0 +1,193 @@
+"""Benchmark: ``dptrain simulate``'s step time against real two-host runs on the emulated cluster.
+
+For each link rate and DDP bucket size, ``dptrain run`` (the default character GPT,
+micro-batch 16 per rank, the DDP engine) runs on ``dptrain cluster``: 2 hosts x 1
+worker, each host's link limited by tc's token bucket. The measured step time is the
+median of the run's ``step_ms`` (``metrics.jsonl``) after ``--warmup`` steps.
+
+The prediction uses the same model, batch and bucket size:
+
+- compute: :func:`~dptrain.planner.simulate.measure_profile` on the real model, run
+  in 2 processes at once, one thread each (what the two workers share: this machine's
+  2 cores), without communication; the median over the two;
+- network: the link the job actually gets, fitted: before the runs at each rate,
+  :mod:`dptrain.bench.link_probe` times gloo all-reduces of 64 KiB to 32 MiB between
+  the two hosts and α, β are fitted to them with the cost model's rounds and bytes
+  (``dptrain.comm.fit.fit_link``); the nominal tbf rate is reported beside the fit;
+- then :func:`~dptrain.planner.simulate.simulate_step`, bucket by bucket.
+
+Timings on this machine drift by up to 2-3x between minutes, so a compute profile
+measured apart from a run can be far from that run's compute. The main prediction
+therefore takes the run's own compute time (the engine's forward, backward and
+optimizer spans, ``compute_ms``, median) and the profile only for its proportions and
+for when each gradient is ready: it tests the communication and overlap model, which
+is what the network changes. The prediction from the profile alone is reported beside.
+
+Needs root (``dptrain cluster``).
+
+    python -m dptrain.bench.cluster --rates 1 5 --buckets 1 4 25
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.data import default_collate
+
+from dptrain.cluster import Network, check_root, run_on_cluster
+from dptrain.comm.cost import Link, collective_cost
+from dptrain.comm.fit import fit_link
+from dptrain.config import load_config
+from dptrain.planner.from_config import _optimizer, _setup
+from dptrain.planner.network import Network as Links
+from dptrain.planner.simulate import ComputeProfile, measure_profile, simulate_step
+from dptrain.tasks import build_task
+from dptrain.testing import run_on_ranks
+from dptrain.train.atomic import write_text_atomic
+
+__all__ = ["run", "main"]
+
+MICRO = 16
+
+
+def _profile_rank(rank: int, world_size: int) -> ComputeProfile:
+    cfg = load_config(None, [])
+    task = build_task(cfg)
+    torch.manual_seed(0)
+    model = task.build_model()
+    batch = default_collate([task.train_set[i + rank * MICRO] for i in range(MICRO)])
+    return measure_profile(model, batch, task.loss, _optimizer(cfg, list(model.parameters())), steps=8)
+
+
+def _profile() -> ComputeProfile:
+    a, b = run_on_ranks(_profile_rank, 2, timeout=600, threads_per_rank=1)
+    return ComputeProfile(statistics.mean([a.forward_s, b.forward_s]), statistics.mean([a.backward_s, b.backward_s]),
+                          statistics.mean([a.optimizer_s, b.optimizer_s]),
+                          {k: (a.ready[k] + b.ready[k]) / 2 for k in a.ready},
+                          "measured: 2 processes at once, 1 thread each, no communication")
+
+
+def _rescaled(profile: ComputeProfile, total_s: float) -> ComputeProfile:
+    """``profile`` with forward, backward and optimizer scaled to add up to ``total_s`` (ready fractions kept)."""
+    k = total_s / (profile.forward_s + profile.backward_s + profile.optimizer_s)
+    return ComputeProfile(profile.forward_s * k, profile.backward_s * k, profile.optimizer_s * k, profile.ready,
+                          profile.source + f", rescaled to the run's own compute ({total_s * 1e3:.0f} ms)")
+
+
+def _fit_link(rate_gbit: float) -> Link:
+    """α and β of the emulated link at ``rate_gbit``, fitted to timed all-reduces between the two hosts."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "probe.json"
+        with Network(2, rate_mbit=rate_gbit * 1000) as net:
+            code = run_on_cluster(net, 1, ["-m", "dptrain.bench.link_probe", str(out)], timeout=600,
+                                  env={"OMP_NUM_THREADS": "1"})
+        if code != 0:
+            raise RuntimeError(f"the link probe at {rate_gbit} Gbit/s exited with {code}")
+        probe = json.loads(out.read_text())
+    rounds, nbytes, seconds = [], [], []
+    for numel, t in probe["seconds"].items():
+        cost = collective_cost("all_reduce", "native", int(numel), 4, probe["world_size"])
+        rounds.append(cost.steps())
+        nbytes.append(cost.load(duplex=True))
+        seconds.append(t)
+    return fit_link(rounds, nbytes, seconds)
+
+
+def _measure(rate_gbit: float, bucket_mb: float, steps: int, warmup: int) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        args = ["-m", "dptrain.run", "--set", f"train.steps={steps}", "--set", "train.global_batch_size=32",
+                "--set", f"ddp.bucket_cap_mb={bucket_mb}", "--set", "checkpoint.every=0", "--set", "log.every=1",
+                "--set", "log.eval_every=0",
+                "--run-dir", str(run_dir)]
+        with Network(2, rate_mbit=rate_gbit * 1000) as net:
+            code = run_on_cluster(net, 1, args, timeout=900, env={"OMP_NUM_THREADS": "1"})
+        if code != 0:
+            raise RuntimeError(f"the cluster run at {rate_gbit} Gbit/s, {bucket_mb} MB buckets exited with {code}")
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if r.get("kind") == "train" and r["step"] > warmup]
+    return {"step_ms": statistics.median(r["step_ms"] for r in train),
+            "compute_ms": statistics.median(r["compute_ms"] for r in train),
+            "exposed_comm_ms": statistics.median(r["exposed_comm_ms"] for r in train),
+            "steps": len(train)}
+
+
+def run(rates: list[float], buckets: list[float], steps: int, warmup: int) -> dict:
+    check_root()
+    profile = _profile()
+    cfg = load_config(None, [])
+    model = build_task(cfg).build_model()
+    rows, fits = [], {}
+    for rate in rates:
+        link = _fit_link(rate)
+        fits[rate] = {"alpha_s": link.alpha, "beta_Bps": link.beta, "nominal_Bps": rate * 1e9 / 8}
+        print(f"{rate:g} Gbit/s: fitted alpha {link.alpha * 1e3:.2f} ms, beta {link.beta * 8 / 1e9:.2f} Gbit/s",
+              flush=True)
+        links = Links(f"{rate:g}Gbit", link, link, 1, f"tbf {rate:g} Gbit/s, fitted")
+        for bucket in buckets:
+            setup = _setup(load_config(None, [f"ddp.bucket_cap_mb={bucket}"]), model, "ddp", 2, "fp32")
+            t0 = time.perf_counter()
+            measured = _measure(rate, bucket, steps, warmup)
+            own = _rescaled(profile, measured["compute_ms"] / 1e3)
+            predicted = simulate_step(model, setup, own, links)
+            apart = simulate_step(model, setup, profile, links)
+            rows.append({"rate_gbit": rate, "bucket_mb": bucket, "predicted_step_ms": predicted.step_s * 1e3,
+                         "predicted_exposed_ms": predicted.exposed_s * 1e3, "predicted_comm_ms": predicted.comm_s * 1e3,
+                         "predicted_step_ms_profile_apart": apart.step_s * 1e3,
+                         "measured": measured, "wall_s": time.perf_counter() - t0})
+            print(_line(rows[-1]), flush=True)
+    return {"profile": {"forward_ms": profile.forward_s * 1e3, "backward_ms": profile.backward_s * 1e3,
+                        "optimizer_ms": profile.optimizer_s * 1e3, "source": profile.source},
+            "links": fits, "rows": rows, "torch": torch.__version__}
+
+
+def _line(r: dict) -> str:
+    m = r["measured"]
+    return (f"| {r['rate_gbit']:g} | {r['bucket_mb']:g} | {m['compute_ms']:.0f} | {r['predicted_step_ms']:.0f} "
+            f"({r['predicted_exposed_ms']:.0f}) | {m['step_ms']:.0f} ({m['exposed_comm_ms']:.0f}) | "
+            f"{r['predicted_step_ms'] / m['step_ms']:.2f} | {r['predicted_step_ms_profile_apart']:.0f} |")
+
+
+def table(result: dict) -> str:
+    head = ("| link (Gbit/s) | bucket (MB) | run's compute, ms | predicted step (exposed), ms | "
+            "measured step (exposed), ms | predicted / measured | from the profile alone, ms |\n"
+            "|---:|---:|---:|---:|---:|---:|---:|")
+    return head + "\n" + "\n".join(_line(r) for r in result["rows"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 5.0], help="link rates, Gbit/s")
+    parser.add_argument("--buckets", nargs="+", type=float, default=[1.0, 4.0, 25.0], help="DDP bucket caps, MB")
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--out", type=Path, default=Path("bench_results/cluster.json"))
+    a = parser.parse_args(argv)
+    if a.steps <= a.warmup:
+        parser.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
+    result = run(a.rates, a.buckets, a.steps, a.warmup)
+    p = result["profile"]
+    print(f"compute profile: forward {p['forward_ms']:.1f} ms, backward {p['backward_ms']:.1f} ms, optimizer "
+          f"{p['optimizer_ms']:.1f} ms ({p['source']})")
+    for rate, fit in result["links"].items():
+        print(f"link {rate:g} Gbit/s (tbf): fitted alpha {fit['alpha_s'] * 1e3:.2f} ms, beta "
+              f"{fit['beta_Bps'] * 8 / 1e9:.2f} Gbit/s")
+    print(table(result))
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(a.out, json.dumps(result, indent=2))
+    print(f"raw numbers: {a.out}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except subprocess.CalledProcessError as e:
+        sys.exit(e.returncode)
