@@ -207,3 +207,25 @@ def test_plan_benchmark_measures_the_engine_it_plans() -> None:
     assert row["planned_model_states"] == row["measured_model_states_rank0"]
     assert row["measured_peak"] > row["planned_model_states"]  # activations come on top
     assert "| zero2 | fp32 | 2 | 16 |" in table(result)
+
+
+def test_plan_names_a_failing_factory() -> None:
+    out = CliRunner().invoke(main, ["plan", "--set", "task.name=classifier", "--set", "task.model=_user_models:broken",
+                                    "--world-sizes", "2"])
+    assert out.exit_code == 2, out.output
+    assert "the model factory failed" in out.output and "no weights in this factory" in out.output
+
+
+def test_plan_says_what_it_could_not_estimate_instead_of_a_wrong_number(tmp_path) -> None:
+    out = CliRunner().invoke(main, ["plan", "--set", "task.name=classifier", "--set",
+                                    "task.model=_user_models:data_dependent", "--world-sizes", "2",
+                                    "--precisions", "fp32", "--strategies", "ddp", "--json", str(tmp_path / "p.json")])
+    assert out.exit_code == 0, out.output
+    row = next(line for line in out.output.splitlines() if line.startswith("| ddp | 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[8] == "n/a" and cells[11] == "n/a"  # activations and total
+    assert "could not trace the forward" in out.output
+    planned = json.loads((tmp_path / "p.json").read_text())
+    assert planned["rows"][0]["parameters_bytes"] == 2 * 4 * (16 * 8 + 8)  # model states are still planned
+    assert planned["rows"][0]["total_bytes"] is None
+    assert "could not trace" in planned["notes"][0]

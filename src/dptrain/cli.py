@@ -151,7 +151,6 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
         click.echo(f"dptrain plan: {e}", err=True)
         sys.exit(2)
     budget = int(device_memory * 2**30) if device_memory is not None else None
-    click.echo("MiB per rank (rank 0, which holds the largest shards); sent / step in MiB per rank.")
     click.echo(table(rows, budget))
     for note in notes:
         click.echo(f"note: {note}")

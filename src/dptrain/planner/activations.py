@@ -86,7 +86,8 @@ def trace_activations(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module
             loss_fn(model, batch)
     except Exception as e:  # any failure of the user's forward on meta tensors
         raise ActivationTraceError(
-            f"could not trace the forward on the meta device to estimate activations: {type(e).__name__}: {e}. "
+            f"could not trace the forward without data (fake or meta tensors) to estimate activations: "
+            f"{type(e).__name__}: {e}. "
             "Activations are left out of the plan; model states and communication do not need the trace") from e
     finally:
         for h in handles:

@@ -13,26 +13,27 @@ __all__ = ["table", "to_json", "plot"]
 _MiB = 2**20
 
 
-def _mib(n: int | None) -> str:
-    if n is None:
-        return "n/a"
-    return f"{n / _MiB:,.1f}" if n < 100 * 2**30 else f"{n / 2**30:,.0f} GiB"
+def _fmt(n: int | None, unit: int) -> str:
+    return "n/a" if n is None else f"{n / unit:,.1f}"
 
 
 def table(rows: list[Row], device_memory: int | None = None) -> str:
-    """Markdown: one line per row, MiB per rank (rank 0), bytes sent per step."""
+    """Markdown: one line per row, per rank (rank 0), in MiB, or GiB when the largest total reaches 10 GiB."""
+    largest = max((r.total() or r.states.total for r in rows), default=0)
+    unit, name = (2**30, "GiB") if largest >= 10 * 2**30 else (_MiB, "MiB")
     head = ["strategy", "N", "precision", "micro-batch", "params", "grads", "optimizer", "buffers",
             "activations", "act. ckpt", "comm buffers", "total", "total ckpt", "sent / step"]
     if device_memory is not None:
         head.append(f"fits {device_memory / 2**30:g} GiB")
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
+    lines = [f"{name} per rank (rank 0, which holds the largest shards); sent / step in {name} per rank.",
+             "| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
     for r in rows:
         acts = r.activations
         cells = [r.strategy, str(r.world_size), r.precision, str(r.micro_batch or "-"),
-                 _mib(r.states.parameters), _mib(r.states.gradients), _mib(r.states.optimizer),
-                 _mib(r.states.buffers), _mib(acts.saved if acts else None),
-                 _mib(acts.checkpointed if acts else None), _mib(r.comm_buffers), _mib(r.total()),
-                 _mib(r.total(checkpointed=True)), _mib(r.traffic.total)]
+                 _fmt(r.states.parameters, unit), _fmt(r.states.gradients, unit), _fmt(r.states.optimizer, unit),
+                 _fmt(r.states.buffers, unit), _fmt(acts.saved if acts else None, unit),
+                 _fmt(acts.checkpointed if acts else None, unit), _fmt(r.comm_buffers, unit),
+                 _fmt(r.total(), unit), _fmt(r.total(checkpointed=True), unit), _fmt(r.traffic.total, unit)]
         if device_memory is not None:
             total = r.total() if r.total() is not None else r.states.total + r.states.buffers
             cells.append(("yes" if total <= device_memory else "no") + ("" if r.total() is not None else "?"))
