@@ -24,6 +24,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dptrain.zero.grouping import outermost
+
 __all__ = ["Activations", "ActivationTraceError", "trace_activations"]
 
 
@@ -59,7 +61,7 @@ def trace_activations(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module
     sizes: dict[int, int] = {}
     inputs: dict[int, int] = {}  # storages entering checkpointed modules
     stack: list[int] = []
-    modules = _outermost(model, checkpoint_classes)
+    modules = outermost(model, checkpoint_classes) if checkpoint_classes else []
     handles = []
     for index, module in enumerate(modules):
         def pre(mod, args, index=index):
@@ -106,16 +108,3 @@ def trace_activations(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module
         checkpointed = outside + entering + max(per_module)
     return Activations(saved=saved, checkpointed=checkpointed, largest=max(sizes.values(), default=0),
                        units=len(modules))
-
-
-def _outermost(model: nn.Module, classes: tuple[type, ...]) -> list[nn.Module]:
-    if not classes:
-        return []
-    found, inside = [], set()
-    for module in model.modules():
-        if id(module) in inside or module is model:
-            continue
-        if isinstance(module, classes):
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
-    return found

@@ -47,13 +47,26 @@ def to_json(rows: list[Row], path: Path, extra: dict | None = None) -> Path:
     return path
 
 
-def plot(rows: list[Row], path: Path, title: str = "") -> Path:
-    """Stacked bars of rank 0's memory by category, grouped by world size, one bar per strategy."""
+def _pyplot():
     import matplotlib
 
-    matplotlib.use("Agg")
+    matplotlib.use("Agg")  # file-only: works without a display
     from matplotlib import pyplot as plt
 
+    return plt
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    with replacing(path) as tmp:
+        fig.savefig(tmp, format="png", dpi=110)
+    _pyplot().close(fig)
+    return path
+
+
+def plot(rows: list[Row], path: Path, title: str = "") -> Path:
+    """Stacked bars of rank 0's memory by category, grouped by world size, one bar per strategy."""
+    plt = _pyplot()
     precisions = sorted({r.precision for r in rows})
     fig, axes = plt.subplots(1, len(precisions), figsize=(6 * len(precisions), 4.2), squeeze=False)
     parts = [("parameters", lambda r: r.states.parameters), ("gradients", lambda r: r.states.gradients),
@@ -83,11 +96,7 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
         ax.set_ylabel("MiB per rank (rank 0)")
         ax.set_title(f"{title} {precision}".strip())
         ax.legend(fontsize=7)
-    fig.tight_layout()
-    with replacing(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 # --------------------------------------------------------------------- scaling (dptrain simulate)
@@ -129,11 +138,7 @@ def scaling_json(result: dict, path: Path) -> Path:
 
 def plot_scaling(result: dict, path: Path) -> Path:
     """Throughput and efficiency against N per network, and where the largest N's step time goes."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    from matplotlib import pyplot as plt
-
+    plt = _pyplot()
     rows = _scaling_rows(result)
     nets = list(dict.fromkeys(r["network"] for r in rows))
     fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
@@ -161,8 +166,4 @@ def plot_scaling(result: dict, path: Path) -> Path:
     c.set_xticks(range(len(last)), [r["network"] for r in last], rotation=20, fontsize=7)
     c.set_ylabel(f"ms per step at N={largest}")
     c.legend(fontsize=7)
-    fig.tight_layout()
-    with replacing(path) as tmp:
-        fig.savefig(tmp, format="png", dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)

@@ -27,7 +27,7 @@ from torch import nn
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.zero.unit import ParamRef
 
-__all__ = ["collect_params", "bucket_groups", "module_groups", "materialize_meta"]
+__all__ = ["collect_params", "bucket_groups", "module_groups", "materialize_meta", "outermost"]
 
 Group = tuple["nn.Module | None", list[ParamRef]]  # (the unit module, or None for buckets and the root; members)
 KeyFn = Callable[[ParamRef], Hashable]
@@ -91,16 +91,22 @@ def _split(members: list[ParamRef], key: KeyFn) -> list[list[ParamRef]]:
     return list(parts.values())
 
 
+def outermost(root: nn.Module, classes: tuple) -> list[nn.Module]:
+    """The instances of ``classes`` under ``root`` (not ``root`` itself) that no other instance contains."""
+    found, inside = [], set()
+    for module in root.modules():
+        if id(module) in inside or module is root:
+            continue
+        if isinstance(module, classes):
+            found.append(module)
+            inside.update(id(m) for m in module.modules())
+    return found
+
+
 def _unit_modules(root: nn.Module, classes: tuple, min_numel: int | None) -> list[nn.Module]:
     """Stage 3's unit modules in registration order: outermost instances of ``classes``, or size-based."""
     if classes:
-        found, inside = [], set()
-        for module in root.modules():
-            if id(module) in inside or module is root:
-                continue
-            if isinstance(module, classes):
-                found.append(module)
-                inside.update(id(m) for m in module.modules())
+        found = outermost(root, classes)
         if not found:
             present = sorted({type(m).__name__ for m in root.modules()})
             raise ValueError(f"unit_classes {[c.__name__ for c in classes]} do not occur in the model; its "
