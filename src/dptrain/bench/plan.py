@@ -40,7 +40,7 @@ from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.engine import Engine
-from dptrain.train.loop import _zero_kwargs
+from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
 from dptrain.zero.memory import state_bytes, storage_bytes
 
@@ -82,7 +82,7 @@ def _rank(rank: int, world_size: int, strategy: str, precision: str, steps: int)
                     plan, precision=precision, grad_clip=t.grad_clip, strategy=strategy,
                     ddp_kwargs=dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                                     gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view),
-                    zero_kwargs=_zero_kwargs(cfg, model, 1) if strategy != "ddp" else None)
+                    zero_kwargs=zero_kwargs_from_config(cfg, model, 1) if strategy != "ddp" else None)
     del model
     batches = engine.loader(task.train_set).micro_batches()
     peaks = []

@@ -25,7 +25,7 @@ from dptrain.planner.activations import ActivationTraceError, trace_activations
 from dptrain.planner.layout import Setup
 from dptrain.planner.plan import Row, plan_row
 from dptrain.tasks import build_task
-from dptrain.train.loop import _zero_kwargs
+from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
 
 __all__ = ["plan_config", "flat_model", "simulate_config"]
@@ -80,7 +80,7 @@ def _setup(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, pre
         return Setup("ddp", world_size, precision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view)
     as_run = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy=strategy))
-    kw = _zero_kwargs(as_run, model, nodes=1)
+    kw = zero_kwargs_from_config(as_run, model, nodes=1)
     return Setup(strategy, world_size, precision, reduce_dtype=kw["reduce_dtype"],
                  bucket_cap_mb=kw.get("bucket_cap_mb"), unit_classes=kw.get("unit_classes", ()),
                  min_unit_numel=kw.get("min_unit_numel"), reshard_after_forward=kw.get("reshard_after_forward", True),
@@ -139,7 +139,7 @@ def _blocks(cfg: RunConfig, task) -> tuple[type, ...]:
     with FakeTensorMode():
         model = task.build_model()
     as_zero3 = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy="zero3"))
-    return tuple(_zero_kwargs(as_zero3, model, nodes=1).get("unit_classes", ()))
+    return tuple(zero_kwargs_from_config(as_zero3, model, nodes=1).get("unit_classes", ()))
 
 
 def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, networks: list, algorithm: str,

@@ -61,7 +61,7 @@ from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.trace import TraceRecorder, trace_zero
 from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_sharded
 
-__all__ = ["train", "timed_step", "evaluate"]
+__all__ = ["train", "timed_step", "evaluate", "zero_kwargs_from_config"]
 
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
@@ -89,7 +89,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
                     ddp_kwargs=ddp_kwargs, strategy=cfg.ddp.strategy,
-                    zero_kwargs=_zero_kwargs(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
+                    zero_kwargs=zero_kwargs_from_config(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
     if not engine.sharded:
         engine.model.reducer.record_spans = True
 
@@ -275,7 +275,7 @@ def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     return trainer["step"]
 
 
-def _zero_kwargs(cfg, model: torch.nn.Module, nodes: int) -> dict[str, Any]:
+def zero_kwargs_from_config(cfg, model: torch.nn.Module, nodes: int) -> dict[str, Any]:
     """ZeRO's arguments from ``[ddp]`` and ``[zero]``; unit class names resolved against the model."""
     z = cfg.zero
     kwargs: dict[str, Any] = dict(algorithm=cfg.ddp.algorithm, nodes=nodes, split_by=decays,
