@@ -1,0 +1,168 @@
+"""Gradient codecs: what a bucket's gradient becomes on the wire, and back.
+
+Each codec turns a flat fp32 tensor into an :class:`Encoded` payload (the tensors that
+travel) and decodes it again. Three questions decide how a codec can be reduced, and
+the hooks that use them (see ``dptrain.compress``) follow the answers:
+
+- ``fp16`` / ``bf16``: the payload is the tensor cast to 16 bits, 2 bytes per element.
+  Casting is linear enough to *sum on the wire*: an all-reduce in fp16/bf16. fp16 keeps
+  10 mantissa bits and a range of +-65504 (values are divided by the world size
+  before the sum so that it stays in range); bf16 keeps fp32's range with 7 bits.
+- ``int8``: per-chunk absmax quantisation (Dettmers 2015; "1-bit/8-bit SGD" line of
+  work): each chunk of ``chunk`` elements gets one fp32 scale, ``absmax / 127``, and its
+  elements ``round(x / scale)``, round-to-nearest-even, in [-127, 127]: 1 byte per
+  element plus 4 per chunk. Rounding to nearest is deterministic and biased per
+  element (unbiased stochastic rounding costs a random draw per element); error
+  feedback removes the bias over steps. int8 payloads must not be summed in int8
+  (they overflow and their scales differ), so they are reduced in two phases with a
+  re-quantisation in between, never added on the wire.
+- ``topk``: the ``fraction`` of elements largest in magnitude, as (int32 index, fp32
+  value) pairs, 8 bytes each (Aji & Heafield 2017; Lin et al. 2018). Sparse payloads
+  of different ranks have different indices: they are all-gathered and scatter-added.
+
+Non-finite gradients stay non-finite: a NaN or infinity is never quantised into a
+finite number (an int8 chunk holding one decodes to NaN; top-k keeps them first), so
+the trainer's non-finite check still skips the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["Encoded", "Codec", "Half", "Int8", "TopK", "make_codec", "CODECS"]
+
+CODECS = ("fp16", "bf16", "int8", "topk")
+
+
+@dataclass
+class Encoded:
+    """A payload: the tensors that go on the wire (their bytes are the wire size)."""
+
+    tensors: tuple[torch.Tensor, ...]
+    numel: int  # of the decoded tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class Codec:
+    """Encode a flat fp32 tensor to an :class:`Encoded` payload and decode it back (fp32)."""
+
+    name: str = ""
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        raise NotImplementedError
+
+    def decode(self, payload: Encoded) -> torch.Tensor:
+        raise NotImplementedError
+
+    def wire_bytes(self, numel: int) -> int:
+        """Bytes of the payload of a ``numel``-element tensor."""
+        raise NotImplementedError
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decode(self.encode(x))
+
+
+class Half(Codec):
+    """Cast to fp16 or bf16."""
+
+    def __init__(self, dtype: torch.dtype):
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"Half codec dtype must be float16 or bfloat16, got {dtype}")
+        self.dtype = dtype
+        self.name = "fp16" if dtype == torch.float16 else "bf16"
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        return Encoded((x.reshape(-1).to(self.dtype),), x.numel())
+
+    def decode(self, payload: Encoded) -> torch.Tensor:
+        return payload.tensors[0].float()
+
+    def wire_bytes(self, numel: int) -> int:
+        return 2 * numel
+
+
+class Int8(Codec):
+    """Per-chunk absmax int8: one fp32 scale per ``chunk`` elements, round to nearest."""
+
+    name = "int8"
+
+    def __init__(self, chunk: int = 1024):
+        if chunk < 1:
+            raise ValueError(f"int8 chunk must be at least 1 element, got {chunk}")
+        self.chunk = chunk
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = x.reshape(-1).float()
+        n = flat.numel()
+        pad = (-n) % self.chunk
+        blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, self.chunk)
+        absmax = blocks.abs().amax(dim=1)
+        finite = torch.isfinite(blocks).all(dim=1)
+        # NaN in amax propagates; an infinity would make scale inf and its chunk 0/NaN: mark both NaN
+        scale = torch.where(finite, absmax / 127.0, torch.full_like(absmax, float("nan")))
+        safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
+        q = torch.round(torch.where(finite[:, None], blocks, torch.zeros_like(blocks)) / safe[:, None])
+        q = q.clamp_(-127, 127).to(torch.int8)
+        return Encoded((q.reshape(-1)[:n], scale), n)
+
+    def decode(self, payload: Encoded) -> torch.Tensor:
+        q, scale = payload.tensors
+        n = payload.numel
+        pad = (-n) % self.chunk
+        blocks = torch.nn.functional.pad(q.float(), (0, pad)).view(-1, self.chunk)
+        return (blocks * scale[:, None]).reshape(-1)[:n]
+
+    def wire_bytes(self, numel: int) -> int:
+        return numel + 4 * math.ceil(numel / self.chunk)
+
+
+class TopK(Codec):
+    """The ``fraction`` of elements largest in magnitude: (int32 index, fp32 value) pairs."""
+
+    name = "topk"
+
+    def __init__(self, fraction: float):
+        if not 0 < fraction <= 1:
+            raise ValueError(f"top-k fraction must be in (0, 1], got {fraction}")
+        self.fraction = fraction
+
+    def k(self, numel: int) -> int:
+        return min(numel, max(1, math.ceil(self.fraction * numel))) if numel else 0
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = x.reshape(-1).float()
+        if flat.numel() >= 2**31:
+            raise ValueError(f"top-k indexes with int32: a bucket of {flat.numel()} elements is too large; "
+                             "use smaller buckets (bucket_cap_mb)")
+        magnitude = flat.abs()
+        # non-finite values first: NaN compares false with everything, so rank it as +inf explicitly
+        magnitude = torch.where(torch.isfinite(flat), magnitude, torch.full_like(magnitude, float("inf")))
+        index = torch.topk(magnitude, self.k(flat.numel()), sorted=False).indices
+        return Encoded((index.to(torch.int32), flat[index]), flat.numel())
+
+    def decode(self, payload: Encoded) -> torch.Tensor:
+        index, values = payload.tensors
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device)
+        return out.index_put_((index.long(),), values, accumulate=True)
+
+    def wire_bytes(self, numel: int) -> int:
+        return 8 * self.k(numel)
+
+
+def make_codec(name: str, *, topk_fraction: float = 0.01, int8_chunk: int = 1024) -> Codec:
+    """A codec by name: fp16, bf16, int8 or topk."""
+    if name == "fp16":
+        return Half(torch.float16)
+    if name == "bf16":
+        return Half(torch.bfloat16)
+    if name == "int8":
+        return Int8(int8_chunk)
+    if name == "topk":
+        return TopK(topk_fraction)
+    raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")

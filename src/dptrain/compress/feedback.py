@@ -1,0 +1,52 @@
+"""Error feedback: what compression dropped this step is added to the next step's gradient.
+
+With a lossy codec C, a worker that sends C(g_t) loses e_t = g_t - C(g_t) for good.
+Error feedback (Seide et al., "1-Bit Stochastic Gradient Descent", 2014; analysed as
+EF-SGD by Karimireddy et al., 2019) keeps it and sends C(g_t + e_{t-1}) instead, with
+e_t = g_t + e_{t-1} - C(g_t + e_{t-1}). Then the sum of what was sent over T steps is
+the sum of the gradients minus the last residual, exactly:
+
+    sum_t C(g_t + e_{t-1}) = sum_t g_t - e_T
+
+so nothing is lost, only delayed. One residual per bucket, in fp32, the bucket's size.
+A residual that would turn non-finite (a NaN or infinite gradient, whose step the
+trainer skips anyway) is reset to zero rather than kept, so one bad step does not
+poison every later one.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+
+from dptrain.compress.codecs import Codec, Encoded
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Per-key residuals (a key per bucket) for error-feedback compression."""
+
+    def __init__(self):
+        self.residuals: dict[Hashable, torch.Tensor] = {}
+
+    def encode(self, key: Hashable, x: torch.Tensor, codec: Codec) -> Encoded:
+        """``codec.encode(x + residual)``, keeping what the encoding lost as the new residual."""
+        flat = x.reshape(-1).float()
+        residual = self.residuals.get(key)
+        corrected = flat + residual if residual is not None and residual.numel() == flat.numel() else flat.clone()
+        payload = codec.encode(corrected)
+        lost = corrected.sub_(codec.decode(payload))
+        self.residuals[key] = lost if bool(torch.isfinite(lost).all()) else torch.zeros_like(lost)
+        return payload
+
+    def state_dict(self) -> dict:
+        return {"residuals": {str(k): v.clone() for k, v in self.residuals.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.residuals = {_key(k): v.clone() for k, v in state["residuals"].items()}
+
+
+def _key(text: str) -> Hashable:
+    return int(text) if text.lstrip("-").isdigit() else text
