@@ -33,13 +33,21 @@ class ErrorFeedback:
 
     def encode(self, key: Hashable, x: torch.Tensor, codec: Codec) -> Encoded:
         """``codec.encode(x + residual)``, keeping what the encoding lost as the new residual."""
+        corrected = self.correct(key, x)
+        payload = codec.encode(corrected)
+        self.keep(key, corrected, codec.decode(payload))
+        return payload
+
+    def correct(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (flattened, fp32) plus the key's residual: what to encode."""
         flat = x.reshape(-1).float()
         residual = self.residuals.get(key)
-        corrected = flat + residual if residual is not None and residual.numel() == flat.numel() else flat.clone()
-        payload = codec.encode(corrected)
-        lost = corrected.sub_(codec.decode(payload))
+        return flat + residual if residual is not None and residual.numel() == flat.numel() else flat.clone()
+
+    def keep(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+        """Remember ``corrected - sent``, what the encoding lost (zero if that is not finite)."""
+        lost = corrected - sent
         self.residuals[key] = lost if bool(torch.isfinite(lost).all()) else torch.zeros_like(lost)
-        return payload
 
     def state_dict(self) -> dict:
         return {"residuals": {str(k): v.clone() for k, v in self.residuals.items()}}

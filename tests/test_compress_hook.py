@@ -1,0 +1,131 @@
+"""The compression hook in the DDP engine: each codec's reduction against an oracle, fp16/bf16 parity, bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain import DistributedDataParallel
+from dptrain.comm.topology import shard_bounds
+from dptrain.compress import Int8, TopK, make_codec
+from dptrain.compress.hook import CompressionHook
+from dptrain.testing import run_on_ranks
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 3))
+
+
+def _batch(rank: int, step: int = 0):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 40, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _local_grads(rank: int, step: int = 0) -> list[torch.Tensor]:
+    model = _model()
+    x, y = _batch(rank, step)
+    nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def _hooked_grads(rank: int, world_size: int, codec: str, feedback: bool) -> dict:
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    hook = CompressionHook(make_codec(codec, topk_fraction=0.1, int8_chunk=64), error_feedback=feedback)
+    model.register_comm_hook(None, hook)
+    x, y = _batch(rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    order = [n for n, _ in model.module.named_parameters()]
+    return {"grads": [p.grad.clone() for p in model.module.parameters()], "stats": hook.stats.close_step(),
+            "buckets": [[order.index(n) for n in names] for names in model.bucket_assignment]}
+
+
+def _oracle(codec_name: str, world_size: int, buckets: list[list[int]]) -> list[torch.Tensor]:
+    """Every rank's gradients, compressed and reduced as the hook should, computed in one process."""
+    codec = make_codec(codec_name, topk_fraction=0.1, int8_chunk=64)
+    local = [_local_grads(r) for r in range(world_size)]
+    out = [None] * len(local[0])
+    for bucket in buckets:
+        flat = [torch.cat([local[r][i].reshape(-1) for i in bucket]) / world_size for r in range(world_size)]
+        if isinstance(codec, Int8):
+            parts = []
+            for a, b in shard_bounds(flat[0].numel(), world_size):
+                total = sum(codec.roundtrip(f[a:b]) for f in flat)
+                parts.append(codec.roundtrip(total))
+            reduced = torch.cat(parts)
+        elif isinstance(codec, TopK):
+            reduced = sum(codec.roundtrip(f) for f in flat)
+        else:
+            reduced = sum(codec.roundtrip(f) for f in flat).to(codec.dtype).float()  # fp32 sum, then the wire dtype
+        offset = 0
+        for i in bucket:
+            n = local[0][i].numel()
+            out[i] = reduced[offset:offset + n].view_as(local[0][i])
+            offset += n
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("codec", ["int8", "topk"])
+def test_lossy_codecs_reduce_as_the_oracle(codec: str, world_size: int) -> None:
+    got = run_on_ranks(_hooked_grads, world_size, codec, False, timeout=120)
+    want = _oracle(codec, world_size, got[0]["buckets"])
+    for rank in range(world_size):
+        for g, w in zip(got[rank]["grads"], want):
+            torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("codec,rtol", [("fp16", 2e-3), ("bf16", 2e-2)])
+def test_half_codecs_match_the_uncompressed_engine_within_their_precision(codec: str, rtol: float) -> None:
+    got = run_on_ranks(_hooked_grads, 2, codec, False, timeout=120)
+    exact = [(a + b) / 2 for a, b in zip(_local_grads(0), _local_grads(1))]
+    for g, w in zip(got[0]["grads"], exact):
+        torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * w.abs().max().item())
+
+
+@pytest.mark.parametrize("codec,ratio", [("fp16", 2), ("bf16", 2), ("int8", 3.5), ("topk", 4)])
+def test_bytes_are_counted_and_smaller(codec: str, ratio: float) -> None:
+    stats = run_on_ranks(_hooked_grads, 2, codec, True, timeout=120)[0]["stats"]
+    numel = sum(p.numel() for p in _model().parameters())
+    assert stats["raw_bytes"] == 4 * numel
+    assert stats["raw_bytes"] / stats["payload_bytes"] >= ratio
+    assert 0 < stats["sent_bytes"] < stats["raw_bytes"]
+
+
+def _nan_on_rank_one(rank: int, world_size: int, codec: str) -> bool:
+    model = DistributedDataParallel(_model())
+    model.register_comm_hook(None, CompressionHook(make_codec(codec), error_feedback=True))
+    x, y = _batch(rank)
+    if rank == 1:
+        x[0, 0] = float("nan")
+    nn.functional.mse_loss(model(x), y).backward()
+    return all(bool(torch.isfinite(p.grad).all()) for p in model.module.parameters())
+
+
+@pytest.mark.parametrize("codec", ["fp16", "bf16", "int8", "topk"])
+def test_a_nan_gradient_is_never_compressed_into_finite_numbers(codec: str) -> None:
+    assert run_on_ranks(_nan_on_rank_one, 2, codec, timeout=120) == [False, False]
+
+
+def _bad_codec(rank: int, world_size: int) -> str:
+    try:
+        CompressionHook("int8")
+    except TypeError as e:
+        return str(e)
+    return ""
+
+
+def test_the_hook_names_what_it_supports() -> None:
+    assert "fp16, bf16, int8 and topk" in run_on_ranks(_bad_codec, 1, timeout=60)[0]
+
+
+def _all_to_all(rank: int, world_size: int) -> list[int]:
+    out = torch.empty(3, dtype=torch.int8)
+    dist.all_to_all_single(out, torch.full((3,), rank, dtype=torch.int8), [1, 1, 1], [1, 1, 1])
+    return out.tolist()
+
+
+def test_gloo_has_the_collectives_the_hook_needs() -> None:
+    assert run_on_ranks(_all_to_all, 3, timeout=60)[2] == [0, 1, 2]
