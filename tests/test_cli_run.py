@@ -151,3 +151,17 @@ def test_training_with_dptrains_ring_matches_the_native_all_reduce(tmp_path):
         losses[algorithm] = [r["loss"] for r in train_records(run_dir)]
     # Two ranks: a + b is the same sum in either algorithm, so training is bit-identical.
     assert losses["ring"] == losses["native"]
+
+
+def test_training_with_int8_compression_reports_its_bytes(tmp_path):
+    run_dir = tmp_path / "int8"
+    proc = dptrain("run", "--nproc", "2", "--run-dir", str(run_dir), "--set", "task.name=classifier",
+                   "--set", "train.steps=6", "--set", "log.every=2", "--set", 'ddp.compression="int8"',
+                   "--set", "log.progress=lines", "--set", "log.plots=false", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    records = train_records(run_dir)
+    raw, payload = records[-1]["comm_bytes_per_step"], records[-1]["comm_compressed_bytes_per_step"]
+    assert 3.5 < raw / payload <= 4  # one byte per element plus a scale per 1024
+    assert records[-1]["comm_sent_bytes_per_step"] > 0
+    assert records[-1]["loss"] < records[0]["loss"]  # it still trains
+    assert "MiB compressed" in proc.stdout

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
+from dptrain.compress import make_codec
+from dptrain.compress.hook import CompressionHook
 from dptrain.config import to_toml
 from dptrain.data.sampler import DistributedSampler
 from dptrain.launch.rendezvous import WorkerEnv
@@ -92,6 +94,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     zero_kwargs=zero_kwargs_from_config(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
     if not engine.sharded:
         engine.model.reducer.record_spans = True
+    compression = _compression_hook(cfg, engine)
 
     # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
     if rp.resume_from is not None:
@@ -127,7 +130,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
                 _inject(fault[2], rank, step)
-            info, times = timed_step(engine, task, batches)
+            info, times = timed_step(engine, task, batches, compression)
             recorder.add(times)
             if tracer.wants(step):
                 tracer.add_step(step, times)
@@ -178,7 +181,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     return summary
 
 
-def timed_step(engine: Engine, task: Task, batches: Iterator[Any]) -> tuple[StepInfo, StepTimes]:
+def timed_step(engine: Engine, task: Task, batches: Iterator[Any],
+               compression: CompressionHook | None = None) -> tuple[StepInfo, StepTimes]:
     """One optimizer step (all its micro-steps), with the wall-clock spans of its parts."""
     times = StepTimes(start=time.perf_counter())
     for batch in engine.micro_steps(batches):
@@ -190,6 +194,7 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any]) -> tuple[Step
         times.forward.append((f0, f1))
         times.backward.append((f1, time.perf_counter()))
     times.comm = getattr(engine.model, "last_step_comm", None)  # the DDP engine's statistics
+    times.compressed = compression.stats.close_step() if compression is not None else None
     o0 = time.perf_counter()
     info = engine.step()
     times.end = time.perf_counter()
@@ -273,6 +278,16 @@ def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     else:  # resumed on more ranks than saved: new ranks get fresh streams
         _seed_everything(engine.plan.world_size * 7919 + rank + trainer["step"])
     return trainer["step"]
+
+
+def _compression_hook(cfg, engine: Engine) -> CompressionHook | None:
+    """The DDP engine's compression hook that ``[ddp] compression`` asks for (None: uncompressed)."""
+    d = cfg.ddp
+    if d.compression == "none":
+        return None
+    hook = CompressionHook(make_codec(d.compression, topk_fraction=d.topk_fraction), error_feedback=d.error_feedback)
+    engine.model.register_comm_hook(None, hook)
+    return hook
 
 
 def zero_kwargs_from_config(cfg, model: torch.nn.Module, nodes: int) -> dict[str, Any]:

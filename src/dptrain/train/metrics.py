@@ -33,7 +33,7 @@ __all__ = ["StepTimes", "StepRecorder", "peak_memory_mb", "format_line"]
 
 # Per-rank values exchanged at a logging step, in this order.
 _GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "comm_busy_ms", "overlap", "comm_bytes",
-             "peak_mem_mb")
+             "comm_payload_bytes", "comm_wire_bytes", "peak_mem_mb")
 
 
 @dataclass
@@ -46,6 +46,7 @@ class StepTimes:
     backward: list[tuple[float, float]] = field(default_factory=list)
     optimizer: tuple[float, float] = (0.0, 0.0)
     comm: StepCommStats | None = None  # the synced backward's statistics
+    compressed: dict | None = None  # the compression hook's bytes of the step (dptrain.compress.hook)
 
     @property
     def exposed_comm_s(self) -> float:
@@ -89,6 +90,8 @@ class StepRecorder:
             "comm_busy_ms": 1e3 * mean([c.comm_busy_s for c in comms]),
             "overlap": mean([c.overlap for c in comms]),
             "comm_bytes": mean([c.bytes for c in comms]),
+            "comm_payload_bytes": mean([t.compressed["payload_bytes"] for t in times if t.compressed]),
+            "comm_wire_bytes": mean([t.compressed["sent_bytes"] for t in times if t.compressed]),
             "peak_mem_mb": peak_memory_mb(self.device),
         }
         per_rank = _gather([local[k] for k in _GATHERED], self.device)
@@ -110,6 +113,9 @@ class StepRecorder:
             "comm_busy_ms": max(column["comm_busy_ms"]),
             "overlap_pct": 100 * statistics.fmean(column["overlap"]),
             "comm_bytes_per_step": column["comm_bytes"][0],
+            # with compression: the payload a rank encodes and the bytes it sends (0 without)
+            "comm_compressed_bytes_per_step": column["comm_payload_bytes"][0],
+            "comm_sent_bytes_per_step": column["comm_wire_bytes"][0],
             "peak_mem_mb": column["peak_mem_mb"],
             "time": time.time(),
         }
@@ -132,7 +138,14 @@ def format_line(rec: dict, total_steps: int) -> str:
             f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {_si(rec['tokens_per_s'])} tok/s "
             f"{rec['samples_per_s']:.0f} samples/s | compute {rec['compute_ms']:.1f} ms | comm "
             f"{rec['exposed_comm_ms']:.1f} ms exposed, {rec['overlap_pct']:.0f}% overlapped | "
-            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step | peak mem {mem} MiB")
+            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_compressed(rec)} | peak mem {mem} MiB")
+
+
+def _compressed(rec: dict) -> str:
+    payload = rec.get("comm_compressed_bytes_per_step", 0)
+    if not payload:
+        return ""
+    return f" ({payload / 2**20:.2f} MiB compressed, {rec['comm_sent_bytes_per_step'] / 2**20:.2f} MiB sent)"
 
 
 def _si(x: float) -> str:

@@ -96,6 +96,15 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError("train.precision fp16 needs CUDA (it relies on a loss scaler); use bf16 on CPU")
     if cfg.ddp.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError('ddp.backend nccl needs CUDA devices; use "gloo" (or "auto") on CPU')
+    d = cfg.ddp
+    if d.compression != "none" and d.strategy != "ddp":
+        raise ConfigError(f"ddp.compression {d.compression!r} works with strategy ddp (the DDP engine's communication "
+                          f"hook), not {d.strategy!r}; supported: strategy ddp with fp16, bf16, int8 or topk")
+    if d.compression != "none" and d.algorithm != "native":
+        raise ConfigError(f"ddp.algorithm {d.algorithm!r} chooses how uncompressed buckets are all-reduced; with "
+                          f"ddp.compression {d.compression!r} the codec decides the collectives: leave algorithm native")
+    if not 0.0 < d.topk_fraction <= 1.0:
+        raise ConfigError(f"ddp.topk_fraction must be in (0, 1], got {d.topk_fraction}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
         raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
