@@ -2,7 +2,8 @@
 
 Work in progress (docs/compression.md): the codecs, error feedback, the DDP engine's
 compression hook (:mod:`dptrain.compress.hook`) and ``dptrain run``'s ``[ddp]
-compression`` are built; PowerSGD, checkpointed residuals and ZeRO stage 2 are not yet.
+compression`` (residuals checkpointed per rank) are built; PowerSGD and ZeRO stage 2 are
+not yet.
 """
 
 from dptrain.compress.codecs import CODECS, Codec, Encoded, Half, Int8, TopK, make_codec

@@ -65,6 +65,8 @@ from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_shard
 
 __all__ = ["train", "timed_step", "evaluate", "zero_kwargs_from_config"]
 
+COMPRESSION = "compression"  # a checkpoint's per-rank error-feedback residuals
+
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     """Run the training described by ``rp`` on this rank; rank 0 returns the summary."""
@@ -95,10 +97,13 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     if not engine.sharded:
         engine.model.reducer.record_spans = True
     compression = _compression_hook(cfg, engine)
+    compression_note = None
 
     # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
     if rp.resume_from is not None:
         start_step = _resume(engine, rp.resume_from, rank, device)
+        if compression is not None:
+            compression_note = _resume_compression(compression, rp.resume_from, rank, env.world_size)
     else:
         start_step = 0
         _seed_everything(t.seed + 1 + rank)
@@ -114,6 +119,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     log.info(f"run directory: {run_dir}")
     if start_step:
         log.info(f"resumed from {rp.resume_from} at step {start_step}")
+    if compression_note:
+        log.info(compression_note)
     if start_step >= t.steps:
         log.info(f"nothing to do: the checkpoint is at step {start_step} and train.steps is {t.steps}")
 
@@ -150,7 +157,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 log.info(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
                                                               if k.startswith("val_")))
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
-                _save(engine, rp, step, env, device, log)
+                _save(engine, rp, step, env, device, log, compression)
     finally:
         if metrics_file is not None:
             metrics_file.close()
@@ -232,17 +239,28 @@ def evaluate(engine: Engine, task: Task, num_batches: int) -> dict[str, float]:
     return result
 
 
-def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.device, log: RunLog) -> None:
-    """Collective: gather every rank's RNG state; rank 0 writes the checkpoint."""
+def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.device, log: RunLog,
+          compression: CompressionHook | None = None) -> None:
+    """Collective: gather every rank's RNG state; rank 0 writes the checkpoint.
+
+    Files of every rank (ZeRO's shards, the compression residuals, which differ per rank)
+    are written into the staging directory first; rank 0's rename publishes them all.
+    """
     states: list = [None] * env.world_size
     dist.all_gather_object(states, rng_state(device))
-    if engine.sharded:  # every rank writes its shards into the staging directory first
+    every_rank = engine.sharded or compression is not None
+    if every_rank:
         staged = staging_dir(rp.run_dir, step)
         if env.rank == 0:
             shutil.rmtree(staged, ignore_errors=True)
             staged.mkdir(parents=True)
         dist.barrier()
-        save_sharded(staged / SHARDED, engine.model, engine.optimizer)
+        if engine.sharded:
+            save_sharded(staged / SHARDED, engine.model, engine.optimizer)
+        if compression is not None:
+            (staged / COMPRESSION).mkdir(exist_ok=True)
+            torch.save(compression.state_dict(), staged / COMPRESSION / f"rank{env.rank}.pt")
+            dist.barrier()
     if env.rank == 0:
         trainer = {"step": engine.step_count, "skipped_steps": engine.skipped_steps, "rng": states,
                    "world_size": env.world_size}
@@ -255,7 +273,7 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
         if not engine.sharded:
             files = {"model.pt": engine.model.module.state_dict(), "optimizer.pt": engine.optimizer.state_dict(),
                      **files}
-        path = save_checkpoint(rp.run_dir, step, files, meta, staged=engine.sharded)
+        path = save_checkpoint(rp.run_dir, step, files, meta, staged=every_rank)
         deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last)
         log.info(f"checkpoint {path.name} saved" + (f" ({len(deleted)} older deleted)" if deleted else ""),
                  console=False)
@@ -278,6 +296,21 @@ def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     else:  # resumed on more ranks than saved: new ranks get fresh streams
         _seed_everything(engine.plan.world_size * 7919 + rank + trainer["step"])
     return trainer["step"]
+
+
+def _resume_compression(hook: CompressionHook, path: Path, rank: int, world_size: int) -> str | None:
+    """Load this rank's error-feedback residuals when the checkpoint has them for this world size.
+
+    Returns what to tell the user when they start from zero instead.
+    """
+    saved = path / COMPRESSION / f"rank{rank}.pt"
+    meta_world = json.loads((path / "meta.json").read_text()).get("world_size")
+    if meta_world == world_size and saved.exists():
+        hook.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
+        return None
+    reason = (f"the checkpoint was saved on {meta_world} ranks, this run has {world_size}"
+              if meta_world != world_size else "the checkpoint has none")
+    return f"compression residuals start from zero: {reason}"
 
 
 def _compression_hook(cfg, engine: Engine) -> CompressionHook | None:
