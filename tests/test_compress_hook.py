@@ -129,3 +129,58 @@ def _all_to_all(rank: int, world_size: int) -> list[int]:
 
 def test_gloo_has_the_collectives_the_hook_needs() -> None:
     assert run_on_ranks(_all_to_all, 3, timeout=60)[2] == [0, 1, 2]
+
+
+def _powersgd_grads(rank: int, world_size: int, psgd_rank: int) -> dict:
+    model = DistributedDataParallel(_model(), bucket_cap_mb=100)  # one bucket
+    hook = CompressionHook(make_codec("powersgd", powersgd_rank=psgd_rank))
+    model.register_comm_hook(None, hook)
+    x, y = _batch(rank)
+    with pytest.warns(UserWarning, match="sent uncompressed") if rank == 0 and psgd_rank >= 3 else _nothing():
+        nn.functional.mse_loss(model(x), y).backward()
+    return {"grads": [p.grad.clone() for p in model.module.parameters()], "stats": hook.stats.close_step()}
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_powersgd_is_one_power_iteration_of_the_summed_gradient() -> None:
+    from dptrain.compress.powersgd import PowerSGD, orthonormalise
+
+    r = 2
+    got = run_on_ranks(_powersgd_grads, 2, r, timeout=120)
+    local = [_local_grads(0), _local_grads(1)]
+    psgd = PowerSGD(r)
+    names = [n for n, _ in _model().named_parameters()]
+    order = list(reversed(range(len(names))))  # the bucket's parameters in gradient-ready order
+    for position, i in enumerate(order):
+        shares = [local[w][i] / 2 for w in range(2)]
+        if shares[0].dim() < 2:
+            want = shares[0] + shares[1]  # vectors travel uncompressed
+        else:
+            m = [s.view(s.shape[0], -1) for s in shares]
+            q0 = psgd.initial_q((0, position), m[0].shape[1])
+            p_hat = orthonormalise(m[0] @ q0 + m[1] @ q0)
+            q = m[0].t() @ p_hat + m[1].t() @ p_hat
+            want = (p_hat @ q.t()).view_as(shares[0])
+        for w in range(2):
+            torch.testing.assert_close(got[w]["grads"][i], want, rtol=1e-4, atol=1e-6)
+    raw, payload = got[0]["stats"]["raw_bytes"], got[0]["stats"]["payload_bytes"]
+    assert raw / payload > 4
+
+
+def test_powersgd_sends_too_small_matrices_uncompressed_and_says_so_once() -> None:
+    # rank 3 is not below the last layer's 3 rows: that matrix is sent as it is, averaged exactly
+    got = run_on_ranks(_powersgd_grads, 2, 3, timeout=120)
+    exact = [(a + b) / 2 for a, b in zip(_local_grads(0), _local_grads(1))]
+    torch.testing.assert_close(got[0]["grads"][-2], exact[-2])
+
+
+def test_powersgd_rank_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="PowerSGD rank must be a positive integer, got 0"):
+        make_codec("powersgd", powersgd_rank=0)

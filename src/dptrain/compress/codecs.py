@@ -34,7 +34,7 @@ import torch
 
 __all__ = ["Encoded", "Codec", "Half", "Int8", "TopK", "make_codec", "CODECS"]
 
-CODECS = ("fp16", "bf16", "int8", "topk")
+CODECS = ("fp16", "bf16", "int8", "topk", "powersgd")
 
 
 @dataclass
@@ -155,8 +155,8 @@ class TopK(Codec):
         return 8 * self.k(numel)
 
 
-def make_codec(name: str, *, topk_fraction: float = 0.01, int8_chunk: int = 1024) -> Codec:
-    """A codec by name: fp16, bf16, int8 or topk."""
+def make_codec(name: str, *, topk_fraction: float = 0.01, int8_chunk: int = 1024, powersgd_rank: int = 4):
+    """A codec by name: fp16, bf16, int8, topk, or powersgd (a :class:`~dptrain.compress.powersgd.PowerSGD`)."""
     if name == "fp16":
         return Half(torch.float16)
     if name == "bf16":
@@ -165,4 +165,8 @@ def make_codec(name: str, *, topk_fraction: float = 0.01, int8_chunk: int = 1024
         return Int8(int8_chunk)
     if name == "topk":
         return TopK(topk_fraction)
+    if name == "powersgd":
+        from dptrain.compress.powersgd import PowerSGD
+
+        return PowerSGD(powersgd_rank)
     raise ValueError(f"unknown codec {name!r}; choose one of {', '.join(CODECS)}")

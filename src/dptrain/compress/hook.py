@@ -14,7 +14,10 @@ reduces it the way the codec allows:
   averaged shard and all-gathers it. 2(N-1)/N of the int8 payload per rank, like a ring
   all-reduce of it; the second quantisation's error is not fed back;
 - ``topk``: an all-gather of every rank's (index, value) pairs, scatter-added in fp32.
-  (N-1) k pairs per rank: sparse payloads cannot be summed on the way.
+  (N-1) k pairs per rank: sparse payloads cannot be summed on the way;
+- :class:`~dptrain.compress.powersgd.PowerSGD`: two all-reduces, of P (with the
+  uncompressed vectors) and of Q, orthonormalising P in between; its error feedback is
+  part of the algorithm.
 
 The collectives run on a process group of their own, on dptrain's progress thread for
 it, in launch order: a bucket's compressed reduction overlaps the rest of backward
@@ -27,6 +30,7 @@ collectives above move per rank in a ring or direct exchange).
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +41,7 @@ from dptrain.comm.progress import Work, progress_thread
 from dptrain.comm.topology import shard_bounds
 from dptrain.compress.codecs import Codec, Encoded, Half, Int8, TopK
 from dptrain.compress.feedback import ErrorFeedback
+from dptrain.compress.powersgd import PowerSGD, orthonormalise
 from dptrain.ddp.comm_hooks import GradBucket
 
 __all__ = ["CompressionHook", "CompressionStats"]
@@ -63,11 +68,15 @@ class CompressionStats:
 class CompressionHook:
     """``hook(state, bucket)`` for the DDP engine: compress, reduce with the codec's collective, decode."""
 
-    def __init__(self, codec: Codec, error_feedback: bool = True, process_group: dist.ProcessGroup | None = None):
-        if not isinstance(codec, (Half, Int8, TopK)):
-            raise TypeError(f"CompressionHook supports the fp16, bf16, int8 and topk codecs, got {codec!r}")
+    def __init__(self, codec: Codec | PowerSGD, error_feedback: bool = True,
+                 process_group: dist.ProcessGroup | None = None):
+        if not isinstance(codec, (Half, Int8, TopK, PowerSGD)):
+            raise TypeError("CompressionHook supports the fp16, bf16, int8 and topk codecs and PowerSGD, "
+                            f"got {codec!r}")
         self.codec = codec
-        self.feedback = ErrorFeedback() if error_feedback else None
+        self.feedback = ErrorFeedback() if error_feedback and not isinstance(codec, PowerSGD) else None
+        if isinstance(codec, PowerSGD):  # its residuals are part of the algorithm
+            codec.error_feedback = error_feedback
         group = process_group if process_group is not None else dist.group.WORLD
         self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
         ranks = dist.get_process_group_ranks(group)
@@ -82,6 +91,8 @@ class CompressionHook:
         key = bucket.index()
         self.stats.raw_bytes += x.numel() * x.element_size()
         self.stats.buckets += 1
+        if isinstance(self.codec, PowerSGD):
+            return self._powersgd(key, share, [g.shape for g in bucket.gradients()], x.dtype)
         if self.world_size == 1:
             payload = self._encode(key, share)
             return Work.completed(lambda: self.codec.decode(payload).to(x.dtype))
@@ -167,10 +178,78 @@ class CompressionHook:
 
         return self._submit(run, finish)
 
+    def _powersgd(self, key, share: torch.Tensor, shapes: list[torch.Size], dtype: torch.dtype) -> Work:
+        """See :mod:`dptrain.compress.powersgd`: all-reduce P (with the uncompressed rest), then Q."""
+        psgd, r = self.codec, self.codec.rank
+        pieces = list(share.split([s.numel() for s in shapes]))
+        matrices, rest = [], []
+        for i, (piece, shape) in enumerate(zip(pieces, shapes)):
+            if psgd.compresses(shape):
+                m = piece.view(shape[0], -1)
+                residual = psgd.residuals.get((key, i)) if psgd.error_feedback else None
+                matrices.append((i, m + residual if residual is not None else m.clone()))
+            else:
+                rest.append(i)
+                if len(shape) >= 2 and f"{tuple(shape)}" not in psgd.fallbacks:
+                    psgd.fallbacks.append(f"{tuple(shape)}")
+                    if self.rank == 0:
+                        warnings.warn(f"PowerSGD rank {r} is not below the smaller side of a {tuple(shape)} gradient; "
+                                      "it is sent uncompressed", stacklevel=2)
+        qs = [psgd.qs.get((key, i)) if psgd.qs.get((key, i)) is not None else psgd.initial_q((key, i), m.shape[1])
+              for i, m in matrices]
+        p_flat = torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest])
+        n_p = sum(m.shape[0] * r for _, m in matrices)
+        n_q = sum(m.shape[1] * r for _, m in matrices)
+        q_flat = torch.empty(n_q)
+        self.stats.payload_bytes += 4 * (p_flat.numel() + n_q)
+        for numel in (p_flat.numel(), n_q):
+            self.stats.sent_bytes += collective_cost("all_reduce", "ring", numel, 4, self.world_size).bytes_sent[
+                self.rank] if self.world_size > 1 else 0
+        out = torch.empty(share.numel())
+        offsets = [0]
+        for s in shapes:
+            offsets.append(offsets[-1] + s.numel())
+
+        def run() -> None:
+            if self.world_size > 1:
+                dist.all_reduce(p_flat, group=self.channel)
+            hats, at = [], 0
+            for _, m in matrices:
+                hats.append(orthonormalise(p_flat[at:at + m.shape[0] * r].view(m.shape[0], r)))
+                at += m.shape[0] * r
+            local_qs, at = [], 0
+            for (_, m), p_hat in zip(matrices, hats):
+                local_qs.append(m.t() @ p_hat)
+                q_flat[at:at + m.shape[1] * r] = local_qs[-1].reshape(-1)
+                at += m.shape[1] * r
+            if self.world_size > 1:
+                dist.all_reduce(q_flat, group=self.channel)
+            at = 0
+            for (i, m), p_hat, q_local in zip(matrices, hats, local_qs):
+                q = q_flat[at:at + m.shape[1] * r].view(m.shape[1], r)
+                at += m.shape[1] * r
+                psgd.qs[(key, i)] = q.clone()  # warm start for the next step
+                if psgd.error_feedback:
+                    lost = m - p_hat @ q_local.t()
+                    psgd.residuals[(key, i)] = lost if bool(torch.isfinite(lost).all()) else torch.zeros_like(lost)
+                out[offsets[i]:offsets[i + 1]] = (p_hat @ q.t()).reshape(-1)
+            at = n_p
+            for i in rest:
+                out[offsets[i]:offsets[i + 1]] = p_flat[at:at + pieces[i].numel()]
+                at += pieces[i].numel()
+
+        if self.world_size == 1:
+            run()
+            return Work.completed(lambda: out.to(dtype))
+        return self._submit(run, lambda: out.to(dtype))
+
     # checkpoints
     def state_dict(self) -> dict:
-        return {"feedback": self.feedback.state_dict() if self.feedback else None}
+        return {"feedback": self.feedback.state_dict() if self.feedback else None,
+                "powersgd": self.codec.state_dict() if isinstance(self.codec, PowerSGD) else None}
 
     def load_state_dict(self, state: dict) -> None:
         if self.feedback is not None and state.get("feedback") is not None:
             self.feedback.load_state_dict(state["feedback"])
+        if isinstance(self.codec, PowerSGD) and state.get("powersgd") is not None:
+            self.codec.load_state_dict(state["powersgd"])

@@ -94,9 +94,11 @@ class DDPConfig:
                          choices=ALGORITHMS)
     ranks_per_node: int = opt(0, "ranks per node for the hierarchical algorithm; 0 uses the local world size")
     compression: str = opt("none", "gradient compression with strategy ddp: none, fp16, bf16, int8 (per-chunk "
-                           "absmax) or topk (docs/compression.md)", choices=("none", "fp16", "bf16", "int8", "topk"))
+                           "absmax), topk or powersgd (docs/compression.md)",
+                           choices=("none", "fp16", "bf16", "int8", "topk", "powersgd"))
     error_feedback: bool = opt(True, "with compression: add what compression dropped to the next step's gradient")
     topk_fraction: float = opt(0.01, "with compression topk: the fraction of each bucket's elements sent, in (0, 1]")
+    powersgd_rank: int = opt(4, "with compression powersgd: the rank of each gradient matrix's approximation")
 
 
 @dataclass

@@ -318,7 +318,8 @@ def _compression_hook(cfg, engine: Engine) -> CompressionHook | None:
     d = cfg.ddp
     if d.compression == "none":
         return None
-    hook = CompressionHook(make_codec(d.compression, topk_fraction=d.topk_fraction), error_feedback=d.error_feedback)
+    codec = make_codec(d.compression, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
+    hook = CompressionHook(codec, error_feedback=d.error_feedback)
     engine.model.register_comm_hook(None, hook)
     return hook
 

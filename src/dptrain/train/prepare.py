@@ -99,10 +99,14 @@ def _check_ranges(cfg: RunConfig) -> None:
     d = cfg.ddp
     if d.compression != "none" and d.strategy != "ddp":
         raise ConfigError(f"ddp.compression {d.compression!r} works with strategy ddp (the DDP engine's communication "
-                          f"hook), not {d.strategy!r}; supported: strategy ddp with fp16, bf16, int8 or topk")
+                          f"hook), not {d.strategy!r}; supported: strategy ddp with fp16, bf16, int8, topk or "
+                          "powersgd")
     if d.compression != "none" and d.algorithm != "native":
         raise ConfigError(f"ddp.algorithm {d.algorithm!r} chooses how uncompressed buckets are all-reduced; with "
-                          f"ddp.compression {d.compression!r} the codec decides the collectives: leave algorithm native")
+                          f"ddp.compression {d.compression!r} the codec decides the collectives: leave algorithm "
+                          "native")
+    if d.powersgd_rank < 1:
+        raise ConfigError(f"ddp.powersgd_rank must be at least 1, got {d.powersgd_rank}")
     if not 0.0 < d.topk_fraction <= 1.0:
         raise ConfigError(f"ddp.topk_fraction must be in (0, 1], got {d.topk_fraction}")
     if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
