@@ -184,3 +184,13 @@ def test_powersgd_sends_too_small_matrices_uncompressed_and_says_so_once() -> No
 def test_powersgd_rank_must_be_positive() -> None:
     with pytest.raises(ValueError, match="PowerSGD rank must be a positive integer, got 0"):
         make_codec("powersgd", powersgd_rank=0)
+
+
+def test_compression_study_runs_and_reports_the_ratio() -> None:
+    from dptrain.bench.compression import run, table
+
+    result = run(steps=2, nproc=2, variants=["none", "int8+EF"])
+    rows = {r["variant"]: r for r in result["rows"]}
+    assert rows["none"]["payload_bytes_per_step"] == rows["none"]["raw_bytes_per_step"]
+    assert 3.5 < rows["int8+EF"]["raw_bytes_per_step"] / rows["int8+EF"]["payload_bytes_per_step"] <= 4
+    assert "| int8+EF |" in table(result)
