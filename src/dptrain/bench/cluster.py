@@ -33,8 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -42,16 +40,16 @@ from pathlib import Path
 import torch
 from torch.utils.data import default_collate
 
+from dptrain.bench.results import save_result
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.comm.cost import Link, collective_cost
 from dptrain.comm.fit import fit_link
 from dptrain.config import load_config
-from dptrain.planner.from_config import _optimizer, _setup
+from dptrain.planner.from_config import optimizer_for, setup_for
 from dptrain.planner.network import Network as Links
 from dptrain.planner.simulate import ComputeProfile, measure_profile, simulate_step
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
-from dptrain.train.atomic import write_text_atomic
 
 __all__ = ["run", "main"]
 
@@ -64,7 +62,7 @@ def _profile_rank(rank: int, world_size: int) -> ComputeProfile:
     torch.manual_seed(0)
     model = task.build_model()
     batch = default_collate([task.train_set[i + rank * MICRO] for i in range(MICRO)])
-    return measure_profile(model, batch, task.loss, _optimizer(cfg, list(model.parameters())), steps=8)
+    return measure_profile(model, batch, task.loss, optimizer_for(cfg, list(model.parameters())), steps=8)
 
 
 def _profile() -> ComputeProfile:
@@ -133,7 +131,7 @@ def run(rates: list[float], buckets: list[float], steps: int, warmup: int) -> di
               flush=True)
         links = Links(f"{rate:g}Gbit", link, link, 1, f"tbf {rate:g} Gbit/s, fitted")
         for bucket in buckets:
-            setup = _setup(load_config(None, [f"ddp.bucket_cap_mb={bucket}"]), model, "ddp", 2, "fp32")
+            setup = setup_for(load_config(None, [f"ddp.bucket_cap_mb={bucket}"]), model, "ddp", 2, "fp32")
             t0 = time.perf_counter()
             measured = _measure(rate, bucket, steps, warmup)
             own = _rescaled(profile, measured["compute_ms"] / 1e3)
@@ -181,13 +179,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"link {rate:g} Gbit/s (tbf): fitted alpha {fit['alpha_s'] * 1e3:.2f} ms, beta "
               f"{fit['beta_Bps'] * 8 / 1e9:.2f} Gbit/s")
     print(table(result))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(a.out, json.dumps(result, indent=2))
-    print(f"raw numbers: {a.out}")
+    save_result(a.out, result)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except subprocess.CalledProcessError as e:
-        sys.exit(e.returncode)
+    main()

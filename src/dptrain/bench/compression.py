@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dptrain.train.atomic import write_text_atomic
+from dptrain.bench.results import save_result
 
 __all__ = ["VARIANTS", "run", "main"]
 
@@ -100,9 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     a = parser.parse_args(argv)
     result = run(a.steps, a.nproc, a.variants)
     print(table(result))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(a.out, json.dumps(result, indent=2))
-    print(f"raw numbers: {a.out}")
+    save_result(a.out, result)
 
 
 if __name__ == "__main__":

@@ -12,9 +12,8 @@ and each rank measures:
 - *peak*: the process's peak **anonymous** memory during a step, over what it held
   before the model was built: VmHWM (reset per step through ``/proc/self/clear_refs``)
   minus the file-backed pages resident at the end of the step (RssFile: the libraries'
-  code, which a first backward and a first optimizer step page in: 15 MiB on the
-  reference machine, memory no plan of tensors can or should predict), minus the
-  anonymous memory before the build. Allocations of 64 KiB or more get their own
+  code, which a first backward and a first optimizer step page in; no plan of tensors
+  can or should predict it), minus the anonymous memory before the build. Allocations of 64 KiB or more get their own
   ``mmap``, so resident memory follows the live tensors. The first step is reported
   apart (it creates the optimizer state at its end); the peak is the largest over the
   later steps, for the larger rank.
@@ -27,18 +26,17 @@ Beside each measurement: the plan of ``dptrain plan`` for the same config (rank 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
 
 from dptrain.batching import BatchPlan
+from dptrain.bench.results import save_result
 from dptrain.bench.zero import _allocator_follows_tensors
 from dptrain.config import load_config
 from dptrain.planner.from_config import plan_config
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
-from dptrain.train.atomic import write_text_atomic
 from dptrain.train.engine import Engine
 from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
@@ -162,9 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--steps must be at least 2 (the first step is reported apart), got {a.steps}")
     result = run(a.world_size, a.strategies, a.precisions, a.steps)
     print(table(result))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(a.out, json.dumps(result, indent=2))
-    print(f"raw numbers: {a.out}")
+    save_result(a.out, result)
 
 
 if __name__ == "__main__":

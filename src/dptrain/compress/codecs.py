@@ -28,6 +28,7 @@ the trainer's non-finite check still skips the step.
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -49,20 +50,22 @@ class Encoded:
         return sum(t.numel() * t.element_size() for t in self.tensors)
 
 
-class Codec:
+class Codec(ABC):
     """Encode a flat fp32 tensor to an :class:`Encoded` payload and decode it back (fp32)."""
 
     name: str = ""
 
+    @abstractmethod
     def encode(self, x: torch.Tensor) -> Encoded:
-        raise NotImplementedError
+        """The payload of ``x``."""
 
+    @abstractmethod
     def decode(self, payload: Encoded) -> torch.Tensor:
-        raise NotImplementedError
+        """A flat fp32 tensor of the payload's ``numel``."""
 
+    @abstractmethod
     def wire_bytes(self, numel: int) -> int:
         """Bytes of the payload of a ``numel``-element tensor."""
-        raise NotImplementedError
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))

@@ -195,8 +195,7 @@ class CompressionHook:
                     if self.rank == 0:
                         warnings.warn(f"PowerSGD rank {r} is not below the smaller side of a {tuple(shape)} gradient; "
                                       "it is sent uncompressed", stacklevel=2)
-        qs = [psgd.qs.get((key, i)) if psgd.qs.get((key, i)) is not None else psgd.initial_q((key, i), m.shape[1])
-              for i, m in matrices]
+        qs = [psgd.qs[(key, i)] if (key, i) in psgd.qs else psgd.initial_q((key, i), m.shape[1]) for i, m in matrices]
         p_flat = torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest])
         n_p = sum(m.shape[0] * r for _, m in matrices)
         n_q = sum(m.shape[1] * r for _, m in matrices)

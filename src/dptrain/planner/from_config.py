@@ -2,7 +2,7 @@
 
 The model is built by the config's task under a fake tensor mode
 (``torch._subclasses.fake_tensor.FakeTensorMode``): its tensors have shapes, dtypes and
-a device but no storage, so building a 70B model takes seconds and no memory, and the
+a device but no storage, so building even a 70B model takes no memory, and the
 traced forward dispatches as it would on the real device (on CPU the attention kernel
 saves its log-sum-exp, not the T x T weights the meta device's would). Every
 strategy's options come from the same code ``dptrain run`` uses, so the plan describes
@@ -28,7 +28,7 @@ from dptrain.tasks import build_task
 from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
 
-__all__ = ["plan_config", "flat_model", "simulate_config"]
+__all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for"]
 
 
 def flat_model(numel: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -60,6 +60,7 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
     if all(v is None for v in sizes):
         sizes = (32, None, None)
     traced: dict[tuple[int, str], Any] = {}
+    checkpoint = _blocks(cfg, model)
     rows = []
     for world_size in world_sizes:
         batch = BatchPlan.resolve(world_size, *sizes)
@@ -67,15 +68,15 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
             for strategy in strategies:
                 key = (batch.micro_batch_size, _compute(strategy, precision))
                 if key not in traced:
-                    traced[key] = _trace(task, cfg, *key, mode, notes)
-                setup = _setup(cfg, model, strategy, world_size, precision)
+                    traced[key] = _trace(task, *key, checkpoint, mode, notes)
+                setup = setup_for(cfg, model, strategy, world_size, precision)
                 rows.append(plan_row(model, setup, traced[key], batch.micro_batch_size,
-                                     optimizer=lambda params: _optimizer(cfg, params),
+                                     optimizer=lambda params: optimizer_for(cfg, params),
                                      micro_steps=batch.grad_accum_steps))
     return rows
 
 
-def _setup(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, precision: str) -> Setup:
+def setup_for(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, precision: str) -> Setup:
     if strategy == "ddp":
         return Setup("ddp", world_size, precision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view)
@@ -87,7 +88,7 @@ def _setup(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, pre
                  split_by=kw["split_by"])
 
 
-def _optimizer(cfg: RunConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+def optimizer_for(cfg: RunConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:
     holder = nn.Module()
     holder.params = nn.ParameterList(params)
     t = cfg.train
@@ -102,8 +103,8 @@ def _compute(strategy: str, precision: str) -> str:
     return "autocast" if strategy == "ddp" else "bf16"
 
 
-def _trace(task, cfg: RunConfig, micro_batch: int, compute: str, mode: FakeTensorMode, notes: list[str]):
-    checkpoint = _blocks(cfg, task)
+def _trace(task, micro_batch: int, compute: str, checkpoint: tuple[type, ...], mode: FakeTensorMode,
+           notes: list[str]):
     try:
         with mode:
             model = _build(task, torch.bfloat16 if compute == "bf16" else torch.float32)
@@ -134,10 +135,8 @@ def _fake(mode: FakeTensorMode, x: Any, bf16: bool) -> Any:
     return mode.from_tensor(x)
 
 
-def _blocks(cfg: RunConfig, task) -> tuple[type, ...]:
+def _blocks(cfg: RunConfig, model: nn.Module) -> tuple[type, ...]:
     """The module classes checkpointed in the estimate: ZeRO stage 3's unit classes, as ``dptrain run`` picks them."""
-    with FakeTensorMode():
-        model = task.build_model()
     as_zero3 = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy="zero3"))
     return tuple(zero_kwargs_from_config(as_zero3, model, nodes=1).get("unit_classes", ()))
 
@@ -163,7 +162,7 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
     if profile == "measured":
         torch.manual_seed(t.seed)
         model = task.build_model()
-        opt = _optimizer(cfg, [p for p in model.parameters() if p.requires_grad])
+        opt = optimizer_for(cfg, [p for p in model.parameters() if p.requires_grad])
         prof = measure_profile(model, default_collate(samples), task.loss, opt)
     elif profile == "flops":
         if device_flops is None:
@@ -178,6 +177,6 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
     predictions = {}
     for net in networks:
         for n in world_sizes:
-            setup = _setup(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
+            setup = setup_for(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
             predictions[(net.name, n)] = simulate_step(model, setup, prof, net, algorithm)
     return {"profile": prof, "micro_batch": micro_batch, "predictions": predictions}

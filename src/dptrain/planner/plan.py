@@ -26,7 +26,7 @@ from torch import nn
 
 from dptrain.planner.activations import Activations
 from dptrain.planner.layout import Setup, units
-from dptrain.planner.states import OptimizerFactory, States, _size, adam, model_states
+from dptrain.planner.states import OptimizerFactory, States, adam, model_states
 from dptrain.planner.traffic import Traffic, step_traffic
 
 __all__ = ["Row", "plan_row", "comm_buffer_bytes"]
@@ -76,7 +76,7 @@ def comm_buffer_bytes(model: nn.Module, setup: Setup) -> int:
     shapes = units(model, setup)
 
     def nbytes(unit, dtype):
-        return unit.numel * _size(dtype or unit.dtype)
+        return unit.numel * (dtype or unit.dtype).itemsize
 
     grads = 2 * max(nbytes(u, reduce) for u in shapes)
     if setup.stage < 3:

@@ -39,7 +39,6 @@ from torch import nn
 from dptrain.comm.cost import collective_cost
 from dptrain.planner.layout import Setup, Unit, units
 from dptrain.planner.network import Network
-from dptrain.planner.states import _size
 
 __all__ = ["ComputeProfile", "measure_profile", "flops_profile", "Collective", "StepPrediction", "simulate_step"]
 
@@ -175,7 +174,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
             dtype = setup.compute_dtype
         elif kind == "reduce_scatter" and setup.compute_dtype is not None:
             dtype = setup.reduce_dtype
-        return collective_cost(kind, algorithm, unit.numel, _size(dtype), n, nodes=nodes).predict(links)
+        return collective_cost(kind, algorithm, unit.numel, dtype.itemsize, n, nodes=nodes).predict(links)
 
     link = _Link(duration)
     F, B, O = profile.forward_s, profile.backward_s, profile.optimizer_s
@@ -208,14 +207,15 @@ def _stage3(shapes: list[Unit], F: float, B: float, link: _Link) -> float:
     kept = [i for i, u in enumerate(shapes) if not u.resharded]
     total = sum(u.numel for u in shapes) or 1
     share = {i: shapes[i].numel / total for i in range(len(shapes))}
+    root_ready = 0.0
     for i in kept:  # the root unit: gathered for the whole step
-        link.run("all_gather", shapes[i], i, 0.0)
+        root_ready = link.run("all_gather", shapes[i], i, 0.0)
     gathered = {}
     t = 0.0
     for k, i in enumerate(blocks):  # forward
         if k == 0:
             gathered[i] = link.run("all_gather", shapes[i], i, 0.0)
-        start = max(t, gathered[i], link.log[len(kept) - 1].end_s if kept else 0.0)
+        start = max(t, gathered[i], root_ready)
         if k + 1 < len(blocks):
             nxt = blocks[k + 1]
             gathered[nxt] = link.run("all_gather", shapes[nxt], nxt, start)

@@ -91,9 +91,9 @@ def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: Optim
     params, grads, shards = frozen, 0, []
     for unit in units(model, setup):
         n, s = unit.numel, unit.shard(setup.world_size, rank)
-        m = _size(unit.dtype)
-        c = _size(setup.compute_dtype) if setup.compute_dtype is not None else m
-        r = _size(setup.reduce_dtype) if setup.compute_dtype is not None else c
+        m = unit.dtype.itemsize
+        c = setup.compute_dtype.itemsize if setup.compute_dtype is not None else m
+        r = setup.reduce_dtype.itemsize if setup.compute_dtype is not None else c
         if setup.stage < 3:
             params += n * c + (s * m if c != m else 0)
         else:
@@ -105,10 +105,6 @@ def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: Optim
         shards.append(((s,), unit.dtype))
     return States(parameters=params, gradients=grads, optimizer=optimizer_state_bytes(shards, optimizer),
                   buffers=buffers)
-
-
-def _size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -24,7 +24,6 @@ from torch import nn
 
 from dptrain.comm.cost import collective_cost
 from dptrain.planner.layout import Setup, units
-from dptrain.planner.states import _size
 
 __all__ = ["Traffic", "step_traffic"]
 
@@ -50,7 +49,7 @@ def step_traffic(model: nn.Module, setup: Setup, rank: int = 0, algorithm: str =
     n = setup.world_size
 
     def sent(collective: str, numel: int, dtype: torch.dtype) -> int:
-        return collective_cost(collective, algorithm, numel, _size(dtype), n, nodes=nodes).bytes_sent[rank]
+        return collective_cost(collective, algorithm, numel, dtype.itemsize, n, nodes=nodes).bytes_sent[rank]
 
     out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
     for unit in units(model, setup):
