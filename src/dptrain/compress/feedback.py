@@ -16,13 +16,27 @@ poison every later one.
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import torch
 
 from dptrain.compress.codecs import Codec, Encoded
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "finite_or_zero"]
+
+
+def finite_or_zero(residual: torch.Tensor) -> torch.Tensor:
+    """``residual``, or zeros in place of it if any element is NaN or infinite.
+
+    One reduction (NaN and infinities propagate through a sum; a finite sum that
+    overflows resets the residual too, the safe side) instead of
+    ``torch.isfinite(x).all()``'s four passes. On CPU the answer is read on the host; on
+    an accelerator the fill is masked on the device, so no bucket waits for a host sync.
+    """
+    finite = torch.isfinite(residual.sum())
+    if residual.device.type == "cpu":
+        return residual if bool(finite) else residual.zero_()
+    return residual.masked_fill_(~finite, 0.0)
 
 
 class ErrorFeedback:
@@ -39,15 +53,30 @@ class ErrorFeedback:
         return payload
 
     def correct(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
-        """``x`` (flattened, fp32) plus the key's residual: what to encode."""
+        """``x`` (flattened, fp32) plus the key's residual: what to encode; pass it to :meth:`keep` after.
+
+        The sum is formed in the residual's own buffer (no allocation at steady state), so
+        until :meth:`keep` the key's residual holds it.
+        """
         flat = x.reshape(-1).float()
         residual = self.residuals.get(key)
-        return flat + residual if residual is not None and residual.numel() == flat.numel() else flat.clone()
+        if residual is not None and residual.numel() == flat.numel():
+            return residual.add_(flat)
+        return flat.clone()
 
-    def keep(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
-        """Remember ``corrected - sent``, what the encoding lost (zero if that is not finite)."""
-        lost = corrected - sent
-        self.residuals[key] = lost if bool(torch.isfinite(lost).all()) else torch.zeros_like(lost)
+    def keep(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor | Sequence[torch.Tensor]) -> None:
+        """Keep ``corrected - sent``, what the encoding lost (zero if that is not finite); consumes ``corrected``.
+
+        ``sent``: the decoded payload, whole or as its consecutive pieces (a sharded encoding).
+        """
+        if isinstance(sent, torch.Tensor):
+            corrected.sub_(sent)
+        else:
+            offset = 0
+            for piece in sent:
+                corrected[offset:offset + piece.numel()].sub_(piece)
+                offset += piece.numel()
+        self.residuals[key] = finite_or_zero(corrected)
 
     def state_dict(self) -> dict:
         return {"residuals": {str(k): v.clone() for k, v in self.residuals.items()}}

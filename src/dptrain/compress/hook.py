@@ -31,41 +31,24 @@ collectives above move per rank in a ring or direct exchange).
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from dptrain.comm.cost import collective_cost
-from dptrain.comm.progress import Work, progress_thread
+from dptrain.comm.progress import Work
 from dptrain.comm.topology import shard_bounds
+from dptrain.compress.base import CompressionStats, Compressor
 from dptrain.compress.codecs import Codec, Encoded, Half, Int8, TopK
-from dptrain.compress.feedback import ErrorFeedback
-from dptrain.compress.powersgd import PowerSGD, orthonormalise
+from dptrain.compress.feedback import finite_or_zero
+from dptrain.compress.powersgd import PowerSGD, orthonormalise, project
+from dptrain.compress.sharded import encode_shards, exchange_sum, sent_bytes
 from dptrain.ddp.comm_hooks import GradBucket
 
 __all__ = ["CompressionHook", "CompressionStats"]
 
 
-@dataclass
-class CompressionStats:
-    """Bytes of the current step, this rank: fp32 buckets, encoded payloads, sent on the wire."""
-
-    raw_bytes: int = 0
-    payload_bytes: int = 0
-    sent_bytes: int = 0
-    buckets: int = 0
-    history: list[dict] = field(default_factory=list)
-
-    def close_step(self) -> dict:
-        record = dict(raw_bytes=self.raw_bytes, payload_bytes=self.payload_bytes, sent_bytes=self.sent_bytes,
-                      buckets=self.buckets)
-        self.history.append(record)
-        self.raw_bytes = self.payload_bytes = self.sent_bytes = self.buckets = 0
-        return record
-
-
-class CompressionHook:
+class CompressionHook(Compressor):
     """``hook(state, bucket)`` for the DDP engine: compress, reduce with the codec's collective, decode."""
 
     def __init__(self, codec: Codec | PowerSGD, error_feedback: bool = True,
@@ -73,24 +56,19 @@ class CompressionHook:
         if not isinstance(codec, (Half, Int8, TopK, PowerSGD)):
             raise TypeError("CompressionHook supports the fp16, bf16, int8 and topk codecs and PowerSGD, "
                             f"got {codec!r}")
-        self.codec = codec
-        self.feedback = ErrorFeedback() if error_feedback and not isinstance(codec, PowerSGD) else None
+        super().__init__(codec, error_feedback and not isinstance(codec, PowerSGD), process_group)
         if isinstance(codec, PowerSGD):  # its residuals are part of the algorithm
             codec.error_feedback = error_feedback
-        group = process_group if process_group is not None else dist.group.WORLD
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-        ranks = dist.get_process_group_ranks(group)
-        # a group of its own: the progress thread's collectives never meet the engine's
-        self.channel = dist.new_group(ranks=ranks, use_local_synchronization=True) if self.world_size > 1 else group
-        self.stats = CompressionStats()
 
     # the hook protocol
     def __call__(self, state, bucket: GradBucket) -> Work:
         x = bucket.buffer()
-        share = x.detach().reshape(-1).float() / self.world_size
         key = bucket.index()
         self.stats.raw_bytes += x.numel() * x.element_size()
         self.stats.buckets += 1
+        if isinstance(self.codec, Half) and self.feedback is None and self.world_size > 1:
+            return self._half(x.detach().reshape(-1))
+        share = x.detach().reshape(-1).float() / self.world_size
         if isinstance(self.codec, PowerSGD):
             return self._powersgd(key, share, [g.shape for g in bucket.gradients()], x.dtype)
         if self.world_size == 1:
@@ -101,20 +79,25 @@ class CompressionHook:
         payload = self._encode(key, share)
         self.stats.payload_bytes += payload.nbytes
         if isinstance(self.codec, Half):
-            return self._half(payload, x.dtype)
+            return self._half(x.detach().reshape(-1), payload)
         return self._topk(payload, x.dtype)
 
     def _encode(self, key, share: torch.Tensor) -> Encoded:
         return self.feedback.encode(key, share, self.codec) if self.feedback else self.codec.encode(share)
 
-    def _submit(self, run, finish) -> Work:
-        return progress_thread(self.channel).submit(run, finish)
+    def _half(self, flat: torch.Tensor, payload: Encoded | None = None) -> Work:
+        """All-reduce in 16 bits; the result is written back into the bucket's own buffer ``flat``.
 
-    def _half(self, payload: Encoded, dtype: torch.dtype) -> Work:
+        Without error feedback the payload is ``flat / N`` cast to 16 bits in one pass.
+        """
+        if payload is None:
+            half = flat.new_empty(flat.shape, dtype=self.codec.dtype)
+            payload = Encoded((torch.div(flat, self.world_size, out=half),), flat.numel())
+            self.stats.payload_bytes += payload.nbytes
         (t,) = payload.tensors
         self.stats.sent_bytes += collective_cost("all_reduce", "ring", t.numel(), t.element_size(),
                                                  self.world_size).bytes_sent[self.rank]
-        return self._submit(lambda: dist.all_reduce(t, group=self.channel), lambda: t.to(dtype))
+        return self._submit(lambda: dist.all_reduce(t, group=self.channel), lambda: flat.copy_(t))
 
     def _topk(self, payload: Encoded, dtype: torch.dtype) -> Work:
         index, values = payload.tensors
@@ -133,36 +116,23 @@ class CompressionHook:
         return self._submit(run, finish)
 
     def _int8(self, key, share: torch.Tensor, dtype: torch.dtype) -> Work:
+        """All-to-all of int8 shards and fp32 sums (:mod:`~dptrain.compress.sharded`), re-quantise, all-gather."""
         codec, n, r = self.codec, self.world_size, self.rank
         # feedback on the whole bucket, quantised shard by shard
         corrected = self.feedback.correct(key, share) if self.feedback is not None else share
-        bounds = shard_bounds(share.numel(), n)
-        pieces = [codec.encode(corrected[a:b]) for a, b in bounds]
+        pieces = encode_shards(codec, corrected, n)
         if self.feedback is not None:
-            self.feedback.keep(key, corrected, torch.cat([codec.decode(p) for p in pieces]))
-        sizes = [b - a for a, b in bounds]
+            self.feedback.keep(key, corrected, [codec.decode(p) for p in pieces])
+        sizes = [b - a for a, b in shard_bounds(share.numel(), n)]
         chunks = [-(-s // codec.chunk) for s in sizes]
-        q_in = torch.cat([p.tensors[0] for p in pieces])
-        s_in = torch.cat([p.tensors[1] for p in pieces])
-        q_out = torch.empty(n * sizes[r], dtype=torch.int8)
-        s_out = torch.empty(n * chunks[r], dtype=torch.float32)
         width, cwidth = max(sizes), max(chunks)
         gathered_q = torch.empty(n * width, dtype=torch.int8)
         gathered_s = torch.empty(n * cwidth, dtype=torch.float32)
-        payload = sum(p.nbytes for p in pieces)
-        self.stats.payload_bytes += payload
-        mine = sizes[r] + 4 * chunks[r]
-        self.stats.sent_bytes += (payload - mine) + (n - 1) * (width + 4 * cwidth)
+        self.stats.payload_bytes += sum(p.nbytes for p in pieces)
+        self.stats.sent_bytes += sent_bytes(pieces, r) + (n - 1) * (width + 4 * cwidth)
 
         def run() -> None:
-            dist.all_to_all_single(q_out, q_in, [sizes[r]] * n, sizes, group=self.channel)
-            dist.all_to_all_single(s_out, s_in, [chunks[r]] * n, chunks, group=self.channel)
-            total = torch.zeros(sizes[r])
-            for j in range(n):
-                piece = Encoded((q_out[j * sizes[r]:(j + 1) * sizes[r]], s_out[j * chunks[r]:(j + 1) * chunks[r]]),
-                                sizes[r])
-                total += codec.decode(piece)
-            again = codec.encode(total)
+            again = codec.encode(exchange_sum(codec, pieces, r, self.channel))
             q_mine = torch.zeros(width, dtype=torch.int8)
             s_mine = torch.zeros(cwidth, dtype=torch.float32)
             q_mine[:sizes[r]] = again.tensors[0]
@@ -196,7 +166,7 @@ class CompressionHook:
                         warnings.warn(f"PowerSGD rank {r} is not below the smaller side of a {tuple(shape)} gradient; "
                                       "it is sent uncompressed", stacklevel=2)
         qs = [psgd.qs[(key, i)] if (key, i) in psgd.qs else psgd.initial_q((key, i), m.shape[1]) for i, m in matrices]
-        p_flat = torch.cat([(m @ q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest])
+        p_flat = torch.cat([project(m, q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest])
         n_p = sum(m.shape[0] * r for _, m in matrices)
         n_q = sum(m.shape[1] * r for _, m in matrices)
         q_flat = torch.empty(n_q)
@@ -218,7 +188,7 @@ class CompressionHook:
                 at += m.shape[0] * r
             local_qs, at = [], 0
             for (_, m), p_hat in zip(matrices, hats):
-                local_qs.append(m.t() @ p_hat)
+                local_qs.append(project(m.t(), p_hat))
                 q_flat[at:at + m.shape[1] * r] = local_qs[-1].reshape(-1)
                 at += m.shape[1] * r
             if self.world_size > 1:
@@ -229,9 +199,9 @@ class CompressionHook:
                 at += m.shape[1] * r
                 psgd.qs[(key, i)] = q.clone()  # warm start for the next step
                 if psgd.error_feedback:
-                    lost = m - p_hat @ q_local.t()
-                    psgd.residuals[(key, i)] = lost if bool(torch.isfinite(lost).all()) else torch.zeros_like(lost)
-                out[offsets[i]:offsets[i + 1]] = (p_hat @ q.t()).reshape(-1)
+                    # m is this hook's own tensor: what the approximation missed is formed in it
+                    psgd.residuals[(key, i)] = finite_or_zero(m.addmm_(p_hat, q_local.t(), alpha=-1))
+                torch.mm(p_hat, q.t(), out=out[offsets[i]:offsets[i + 1]].view(m.shape))
             at = n_p
             for i in rest:
                 out[offsets[i]:offsets[i + 1]] = p_flat[at:at + pieces[i].numel()]
@@ -244,11 +214,10 @@ class CompressionHook:
 
     # checkpoints
     def state_dict(self) -> dict:
-        return {"feedback": self.feedback.state_dict() if self.feedback else None,
+        return {**super().state_dict(),
                 "powersgd": self.codec.state_dict() if isinstance(self.codec, PowerSGD) else None}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.feedback is not None and state.get("feedback") is not None:
-            self.feedback.load_state_dict(state["feedback"])
+        super().load_state_dict(state)
         if isinstance(self.codec, PowerSGD) and state.get("powersgd") is not None:
             self.codec.load_state_dict(state["powersgd"])

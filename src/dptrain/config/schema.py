@@ -93,10 +93,12 @@ class DDPConfig:
                          "dptrain's own ring, tree, naive, hierarchical (docs/collectives.md)",
                          choices=ALGORITHMS)
     ranks_per_node: int = opt(0, "ranks per node for the hierarchical algorithm; 0 uses the local world size")
-    compression: str = opt("none", "gradient compression with strategy ddp: none, fp16, bf16, int8 (per-chunk "
-                           "absmax), topk or powersgd (docs/compression.md)",
+    compression: str = opt("none", "gradient compression: none, fp16, bf16, int8 (per-chunk "
+                           "absmax), topk or powersgd with strategy ddp; fp16, bf16 or int8 with zero1-3 "
+                           "(docs/compression.md)",
                            choices=("none", "fp16", "bf16", "int8", "topk", "powersgd"))
-    error_feedback: bool = opt(True, "with compression: add what compression dropped to the next step's gradient")
+    error_feedback: bool = opt(True, "with compression: add what compression dropped to the next step's gradient "
+                               "(with ZeRO: a full-size fp32 residual per unit)")
     topk_fraction: float = opt(0.01, "with compression topk: the fraction of each bucket's elements sent, in (0, 1]")
     powersgd_rank: int = opt(4, "with compression powersgd: the rank of each gradient matrix's approximation")
 

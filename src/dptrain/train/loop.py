@@ -37,7 +37,9 @@ from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
 from dptrain.compress import make_codec
+from dptrain.compress.base import Compressor
 from dptrain.compress.hook import CompressionHook
+from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
 from dptrain.data.sampler import DistributedSampler
 from dptrain.launch.rendezvous import WorkerEnv
@@ -93,7 +95,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
                     ddp_kwargs=ddp_kwargs, strategy=cfg.ddp.strategy,
-                    zero_kwargs=zero_kwargs_from_config(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
+                    zero_kwargs=_zero_kwargs(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
     if not engine.sharded:
         engine.model.reducer.record_spans = True
     compression = _compression_hook(cfg, engine)
@@ -189,7 +191,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
 
 
 def timed_step(engine: Engine, task: Task, batches: Iterator[Any],
-               compression: CompressionHook | None = None) -> tuple[StepInfo, StepTimes]:
+               compression: Compressor | None = None) -> tuple[StepInfo, StepTimes]:
     """One optimizer step (all its micro-steps), with the wall-clock spans of its parts."""
     times = StepTimes(start=time.perf_counter())
     for batch in engine.micro_steps(batches):
@@ -240,7 +242,7 @@ def evaluate(engine: Engine, task: Task, num_batches: int) -> dict[str, float]:
 
 
 def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.device, log: RunLog,
-          compression: CompressionHook | None = None) -> None:
+          compression: Compressor | None = None) -> None:
     """Collective: gather every rank's RNG state; rank 0 writes the checkpoint.
 
     Files of every rank (ZeRO's shards, the compression residuals, which differ per rank)
@@ -298,7 +300,7 @@ def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     return trainer["step"]
 
 
-def _resume_compression(hook: CompressionHook, path: Path, rank: int, world_size: int) -> str | None:
+def _resume_compression(hook: Compressor, path: Path, rank: int, world_size: int) -> str | None:
     """Load this rank's error-feedback residuals when the checkpoint has them for this world size.
 
     Returns what to tell the user when they start from zero instead.
@@ -313,11 +315,21 @@ def _resume_compression(hook: CompressionHook, path: Path, rank: int, world_size
     return f"compression residuals start from zero: {reason}"
 
 
-def _compression_hook(cfg, engine: Engine) -> CompressionHook | None:
-    """The DDP engine's compression hook that ``[ddp] compression`` asks for (None: uncompressed)."""
+def _zero_kwargs(cfg, model: torch.nn.Module, nodes: int) -> dict[str, Any]:
+    """ZeRO's arguments, with the compressed reduce-scatter ``[ddp] compression`` asks for."""
+    kwargs = zero_kwargs_from_config(cfg, model, nodes)
+    if cfg.ddp.compression != "none":
+        kwargs["compression"] = ShardedCompression(make_codec(cfg.ddp.compression), cfg.ddp.error_feedback)
+    return kwargs
+
+
+def _compression_hook(cfg, engine: Engine) -> Compressor | None:
+    """The compression ``[ddp] compression`` asks for: the DDP engine's hook, or ZeRO's (None: uncompressed)."""
     d = cfg.ddp
     if d.compression == "none":
         return None
+    if engine.sharded:
+        return engine.model.compression
     codec = make_codec(d.compression, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
     hook = CompressionHook(codec, error_feedback=d.error_feedback)
     engine.model.register_comm_hook(None, hook)

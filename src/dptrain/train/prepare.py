@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from dptrain.batching import BatchPlan
+from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.tasks import Task, build_task
 from dptrain.train.checkpoint import find_latest, verify_checkpoint
@@ -97,10 +98,11 @@ def _check_ranges(cfg: RunConfig) -> None:
     if cfg.ddp.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError('ddp.backend nccl needs CUDA devices; use "gloo" (or "auto") on CPU')
     d = cfg.ddp
-    if d.compression != "none" and d.strategy != "ddp":
-        raise ConfigError(f"ddp.compression {d.compression!r} works with strategy ddp (the DDP engine's communication "
-                          f"hook), not {d.strategy!r}; supported: strategy ddp with fp16, bf16, int8, topk or "
-                          "powersgd")
+    if d.compression not in ("none", *ZERO_CODECS) and d.strategy != "ddp":
+        raise ConfigError(f"ddp.compression {d.compression!r} works with strategy ddp only, not {d.strategy!r}; "
+                          f"supported: strategy ddp with fp16, bf16, int8, topk or powersgd, and strategies zero1, "
+                          f"zero2 and zero3 with {', '.join(ZERO_CODECS)} (their reduce-scatter, compressed shard by "
+                          "shard)")
     if d.compression != "none" and d.algorithm != "native":
         raise ConfigError(f"ddp.algorithm {d.algorithm!r} chooses how uncompressed buckets are all-reduced; with "
                           f"ddp.compression {d.compression!r} the codec decides the collectives: leave algorithm "

@@ -47,6 +47,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dptrain import comm
+from dptrain.compress.zero import ShardedCompression
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.zero.grouping import bucket_groups, collect_params, materialize_meta, module_groups
@@ -84,7 +85,9 @@ class ZeRO(nn.Module):
     ``split_by``: a function ``(name, parameter) -> key``; parameters with different
     keys never share a unit, and each shard's key is ``shard._zero_unit.key``, so an
     optimizer can give them different hyperparameters (the trainer splits matrices from
-    vectors to decay only the former).
+    vectors to decay only the former). ``compression``: a
+    :class:`~dptrain.compress.zero.ShardedCompression` (fp16, bf16 or int8) that sends
+    every gradient reduce-scatter compressed, on the same ranks as ``process_group``.
     """
 
     def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
@@ -93,7 +96,8 @@ class ZeRO(nn.Module):
                  bucket_cap_mb: float = 4.0, init_fn: Callable[[nn.Module], None] | None = None,
                  device: torch.device | str | None = None, broadcast_buffers: bool = True,
                  traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
-                 split_by: Callable[[str, torch.Tensor], Hashable] | None = None):
+                 split_by: Callable[[str, torch.Tensor], Hashable] | None = None,
+                 compression: ShardedCompression | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -112,6 +116,16 @@ class ZeRO(nn.Module):
         self.mixed_precision = mixed_precision
         self._split_by = split_by
         self.world_size = dist.get_world_size(process_group)
+        if compression is not None and not isinstance(compression, ShardedCompression):
+            raise TypeError("compression must be a dptrain.compress.zero.ShardedCompression (fp16, bf16 or int8), "
+                            f"got {compression!r}")
+        if compression is not None and compression.world_size != self.world_size:
+            raise ValueError(f"the compression's process group has {compression.world_size} ranks, ZeRO's has "
+                             f"{self.world_size}: build ShardedCompression on the same group")
+        if compression is not None and algorithm != "native":
+            raise ValueError(f"algorithm {algorithm!r} chooses how uncompressed gradients are reduced; with "
+                             "compression the codec's exchange does it: leave algorithm native")
+        self.compression = compression
         self.device = torch.device(device) if device is not None else _default_device(module)
         refs, frozen = collect_params(module)
         # Verify first: ranks with different models could otherwise fail (or not) one by one below.
@@ -126,7 +140,8 @@ class ZeRO(nn.Module):
             full = self._flatten(members, init_fn)
             unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
                             nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
-                            traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype)
+                            traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
+                            compression=compression)
             unit.owner = owner
             unit.key = self._key(members[0])
             self.units.append(unit)
@@ -166,8 +181,13 @@ class ZeRO(nn.Module):
     def _verify(self, refs: list[ParamRef], classes: tuple, min_numel: int | None, cap_mb: float) -> None:
         signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
         signature.append(("option", "zero", (self.stage, self.algorithm, [c.__name__ for c in classes], min_numel,
-                                             cap_mb, repr(self.mixed_precision)), repr(self.nodes), False))
+                                             cap_mb, repr(self.mixed_precision), self._compression_name()),
+                          repr(self.nodes), False))
         verify_replicas(signature, self.group, self.device)
+
+    def _compression_name(self) -> str | None:
+        c = self.compression
+        return None if c is None else f"{type(c.codec).__name__}({c.codec.name}), feedback={c.feedback is not None}"
 
     def _flatten(self, members: list[ParamRef], init_fn) -> torch.Tensor:
         """The unit's full flat buffer on this device, identical on every rank (rank 0's values)."""

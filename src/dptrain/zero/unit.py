@@ -111,8 +111,9 @@ class FlatUnit:
     def __init__(self, index: int, refs: list[ParamRef], full: torch.Tensor, *, stage: int,
                  group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool,
                  traffic: comm.Traffic | None = None, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None):
+                 reduce_dtype: torch.dtype | None = None, compression=None):
         self.index, self.refs, self.stage = index, refs, stage
+        self.compression = compression  # a dptrain.compress.zero.ShardedCompression, or None
         self.group, self.algorithm, self.nodes = group, algorithm, nodes
         self._comm = dict(algorithm=algorithm, group=group, nodes=nodes, validate=False, traffic=traffic)
         self.numel = full.numel()
@@ -332,7 +333,10 @@ class FlatUnit:
             out = self.full_grad[self.lo:self.hi]  # stage 1: reduce straight into the gradient's home
         else:
             out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
-        work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
+        if self.compression is not None:  # encoded now; the exchange runs on the compression's own thread
+            work = self.compression.reduce_scatter(self.index, out, grad_full)
+        else:
+            work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
         if self.inflight is not None:
             self.inflight.add(self)

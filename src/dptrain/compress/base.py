@@ -1,0 +1,65 @@
+"""What every compressed reduction keeps: its own process group, error-feedback residuals and byte counts.
+
+The DDP hook (:mod:`dptrain.compress.hook`) and ZeRO's compressed reduce-scatter
+(:mod:`dptrain.compress.zero`) both run their collectives on a process group of their
+own, on dptrain's progress thread for it, in launch order: a compressed reduction
+overlaps the rest of backward like an uncompressed one, and never interleaves with the
+engine's own collectives. Both count, per step, the bytes the uncompressed buffers
+would take, the bytes the encoded payloads take and the bytes sent on the wire.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from dptrain.comm.progress import Work, progress_thread
+from dptrain.compress.codecs import Codec
+from dptrain.compress.feedback import ErrorFeedback
+
+__all__ = ["CompressionStats", "Compressor"]
+
+
+@dataclass
+class CompressionStats:
+    """Bytes of the current step, this rank: fp32 buffers, encoded payloads, sent on the wire."""
+
+    raw_bytes: int = 0
+    payload_bytes: int = 0
+    sent_bytes: int = 0
+    buckets: int = 0
+    history: list[dict] = field(default_factory=list)
+
+    def close_step(self) -> dict:
+        record = dict(raw_bytes=self.raw_bytes, payload_bytes=self.payload_bytes, sent_bytes=self.sent_bytes,
+                      buckets=self.buckets)
+        self.history.append(record)
+        self.raw_bytes = self.payload_bytes = self.sent_bytes = self.buckets = 0
+        return record
+
+
+class Compressor:
+    """A codec, optional error feedback, and the process group its collectives run on."""
+
+    def __init__(self, codec: Codec, error_feedback: bool, process_group: dist.ProcessGroup | None):
+        self.codec = codec
+        self.feedback = ErrorFeedback() if error_feedback else None
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        # a group of its own: the progress thread's collectives never meet the engine's
+        self.channel = dist.new_group(ranks=ranks, use_local_synchronization=True) if self.world_size > 1 else group
+        self.stats = CompressionStats()
+
+    def _submit(self, run: Callable[[], None], finish: Callable[[], torch.Tensor]) -> Work:
+        return progress_thread(self.channel).submit(run, finish)
+
+    def state_dict(self) -> dict:
+        return {"feedback": self.feedback.state_dict() if self.feedback else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.feedback is not None and state.get("feedback") is not None:
+            self.feedback.load_state_dict(state["feedback"])
