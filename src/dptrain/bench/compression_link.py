@@ -89,7 +89,7 @@ def _wrap(variant: str, module: nn.Module) -> tuple[nn.Module, CompressionHook |
         # callback and waits for it there. With several buckets in flight on gloo, every worker
         # thread ends up waiting (2 threads by default: backward hangs), or, given more threads,
         # the ranks issue the nested all-reduces in different orders and gloo aborts on the size
-        # mismatch. One bucket is the configuration in which it runs on gloo.
+        # mismatch (docs/repro/powersgd_gloo_deadlock.py). One bucket is how it runs on gloo.
         model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=4096)
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=RANK, start_powerSGD_iter=2,
                                             use_error_feedback=True, warm_start=True)

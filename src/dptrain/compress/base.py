@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.comm.progress import Work, progress_thread
+from dptrain.comm.wire import Workspace
 from dptrain.compress.codecs import Codec
 from dptrain.compress.feedback import ErrorFeedback
 
@@ -53,6 +54,15 @@ class Compressor:
         # a group of its own: the progress thread's collectives never meet the engine's
         self.channel = dist.new_group(ranks=ranks, use_local_synchronization=True) if self.world_size > 1 else group
         self.stats = CompressionStats()
+        self._spaces: dict = {}  # per bucket or unit: buffers reused from step to step
+
+    def _scratch(self, key, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A buffer of ``key``'s, kept from one step to the next (a fresh one page-faults on first write).
+
+        Buckets (units) are reduced concurrently, so each key has buffers of its own; one
+        key's reduction is done before it is launched again.
+        """
+        return self._spaces.setdefault(key, Workspace()).get(numel, dtype, device, slot)
 
     def _submit(self, run: Callable[[], None], finish: Callable[[], torch.Tensor]) -> Work:
         return progress_thread(self.channel).submit(run, finish)

@@ -60,8 +60,8 @@ class Codec(ABC):
         """The payload of ``x``."""
 
     @abstractmethod
-    def decode(self, payload: Encoded) -> torch.Tensor:
-        """A flat fp32 tensor of the payload's ``numel``."""
+    def decode(self, payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """A flat fp32 tensor of the payload's ``numel``: ``out`` if given (no allocation), else a new one."""
 
     @abstractmethod
     def wire_bytes(self, numel: int) -> int:
@@ -83,8 +83,8 @@ class Half(Codec):
     def encode(self, x: torch.Tensor) -> Encoded:
         return Encoded((x.reshape(-1).to(self.dtype),), x.numel())
 
-    def decode(self, payload: Encoded) -> torch.Tensor:
-        return payload.tensors[0].float()
+    def decode(self, payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        return payload.tensors[0].float() if out is None else out.copy_(payload.tensors[0])
 
     def wire_bytes(self, numel: int) -> int:
         return 2 * numel
@@ -114,12 +114,16 @@ class Int8(Codec):
         q = (blocks * inverse[:, None]).round_().clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
         return Encoded((q.reshape(-1)[:n], scale), n)
 
-    def decode(self, payload: Encoded) -> torch.Tensor:
+    def decode(self, payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         q, scale = payload.tensors
         n = payload.numel
-        pad = (-n) % self.chunk
-        blocks = torch.nn.functional.pad(q.float(), (0, pad)).view(-1, self.chunk)
-        return (blocks * scale[:, None]).reshape(-1)[:n]
+        out = torch.empty(n, dtype=torch.float32, device=q.device) if out is None else out
+        out.copy_(q)  # int8 to fp32 in the copy: no temporary
+        whole = n // self.chunk * self.chunk
+        out[:whole].view(-1, self.chunk).mul_(scale[:whole // self.chunk, None])
+        if whole < n:
+            out[whole:].mul_(scale[-1])
+        return out
 
     def wire_bytes(self, numel: int) -> int:
         return numel + 4 * math.ceil(numel / self.chunk)
@@ -148,9 +152,9 @@ class TopK(Codec):
         index = _top_indices(magnitude, self.k(flat.numel()))
         return Encoded((index.to(torch.int32), flat[index]), flat.numel())
 
-    def decode(self, payload: Encoded) -> torch.Tensor:
+    def decode(self, payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         index, values = payload.tensors
-        out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device)
+        out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device) if out is None else out.zero_()
         return out.index_put_((index.long(),), values, accumulate=True)
 
     def wire_bytes(self, numel: int) -> int:

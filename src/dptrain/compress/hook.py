@@ -66,21 +66,28 @@ class CompressionHook(Compressor):
         key = bucket.index()
         self.stats.raw_bytes += x.numel() * x.element_size()
         self.stats.buckets += 1
+        flat = x.detach().reshape(-1)  # results are written back into the bucket's buffer
         if isinstance(self.codec, Half) and self.feedback is None and self.world_size > 1:
-            return self._half(x.detach().reshape(-1))
-        share = x.detach().reshape(-1).float() / self.world_size
+            return self._half(flat)
+        share = torch.div(flat, self.world_size, out=self._scratch(key, 0, flat.numel(), torch.float32, flat.device))
         if isinstance(self.codec, PowerSGD):
-            return self._powersgd(key, share, [g.shape for g in bucket.gradients()], x.dtype)
+            return self._powersgd(key, share, [g.shape for g in bucket.gradients()], flat)
         if self.world_size == 1:
             payload = self._encode(key, share)
-            return Work.completed(lambda: self.codec.decode(payload).to(x.dtype))
+            return Work.completed(lambda: self._store(key, flat, lambda out: self.codec.decode(payload, out=out)))
         if isinstance(self.codec, Int8):
-            return self._int8(key, share, x.dtype)
+            return self._int8(key, share, flat)
         payload = self._encode(key, share)
         self.stats.payload_bytes += payload.nbytes
         if isinstance(self.codec, Half):
-            return self._half(x.detach().reshape(-1), payload)
-        return self._topk(payload, x.dtype)
+            return self._half(flat, payload)
+        return self._topk(key, payload, flat)
+
+    def _store(self, key, flat: torch.Tensor, write) -> torch.Tensor:
+        """``write(out)`` fills an fp32 buffer with the result: the bucket's own when it is fp32."""
+        if flat.dtype == torch.float32:
+            return write(flat)
+        return flat.copy_(write(self._scratch(key, 1, flat.numel(), torch.float32, flat.device)))
 
     def _encode(self, key, share: torch.Tensor) -> Encoded:
         return self.feedback.encode(key, share, self.codec) if self.feedback else self.codec.encode(share)
@@ -99,7 +106,7 @@ class CompressionHook(Compressor):
                                                  self.world_size).bytes_sent[self.rank]
         return self._submit(lambda: dist.all_reduce(t, group=self.channel), lambda: flat.copy_(t))
 
-    def _topk(self, payload: Encoded, dtype: torch.dtype) -> Work:
+    def _topk(self, key, payload: Encoded, flat: torch.Tensor) -> Work:
         index, values = payload.tensors
         n = self.world_size
         all_index = index.new_empty(n * index.numel())
@@ -111,11 +118,12 @@ class CompressionHook(Compressor):
             dist.all_gather_single(all_values, values, group=self.channel)
 
         def finish() -> torch.Tensor:
-            return self.codec.decode(Encoded((all_index, all_values), payload.numel)).to(dtype)
+            gathered = Encoded((all_index, all_values), payload.numel)
+            return self._store(key, flat, lambda out: self.codec.decode(gathered, out=out))
 
         return self._submit(run, finish)
 
-    def _int8(self, key, share: torch.Tensor, dtype: torch.dtype) -> Work:
+    def _int8(self, key, share: torch.Tensor, flat: torch.Tensor) -> Work:
         """All-to-all of int8 shards and fp32 sums (:mod:`~dptrain.compress.sharded`), re-quantise, all-gather."""
         codec, n, r = self.codec, self.world_size, self.rank
         # feedback on the whole bucket, quantised shard by shard
@@ -125,30 +133,36 @@ class CompressionHook(Compressor):
             self.feedback.keep(key, corrected, [codec.decode(p) for p in pieces])
         sizes = [b - a for a, b in shard_bounds(share.numel(), n)]
         chunks = [-(-s // codec.chunk) for s in sizes]
-        width, cwidth = max(sizes), max(chunks)
-        gathered_q = torch.empty(n * width, dtype=torch.int8)
-        gathered_s = torch.empty(n * cwidth, dtype=torch.float32)
+        # phase two gathers one row of bytes per rank: its values, padded to a multiple of 4, then its scales
+        width = -(-max(sizes) // 4) * 4
+        row = width + 4 * max(chunks)
+        gathered = self._scratch(key, 2, n * row, torch.uint8, share.device)
+        bounds = shard_bounds(share.numel(), n)
         self.stats.payload_bytes += sum(p.nbytes for p in pieces)
-        self.stats.sent_bytes += sent_bytes(pieces, r) + (n - 1) * (width + 4 * cwidth)
+        self.stats.sent_bytes += sent_bytes(pieces, r) + (n - 1) * row
 
         def run() -> None:
-            again = codec.encode(exchange_sum(codec, pieces, r, self.channel))
-            q_mine = torch.zeros(width, dtype=torch.int8)
-            s_mine = torch.zeros(cwidth, dtype=torch.float32)
-            q_mine[:sizes[r]] = again.tensors[0]
-            s_mine[:chunks[r]] = again.tensors[1]
-            dist.all_gather_single(gathered_q, q_mine, group=self.channel)
-            dist.all_gather_single(gathered_s, s_mine, group=self.channel)
+            mine_sum = self._scratch(key, 3, sizes[r], torch.float32, share.device)
+            decoded = self._scratch(key, 4, sizes[r], torch.float32, share.device)
+            again = codec.encode(exchange_sum(codec, pieces, r, self.channel, out=mine_sum, scratch=decoded))
+            mine = torch.zeros(row, dtype=torch.uint8)
+            mine[:sizes[r]] = again.tensors[0].view(torch.uint8)
+            mine[width:width + 4 * chunks[r]] = again.tensors[1].view(torch.uint8)
+            dist.all_gather_single(gathered, mine, group=self.channel)
+
+        def write(out: torch.Tensor) -> torch.Tensor:
+            rows = gathered.view(n, row)
+            for j, (a, b) in enumerate(bounds):
+                values, scales = rows[j, :sizes[j]].view(torch.int8), rows[j, width:width + 4 * chunks[j]]
+                codec.decode(Encoded((values, scales.view(torch.float32)), sizes[j]), out=out[a:b])
+            return out
 
         def finish() -> torch.Tensor:
-            parts = [codec.decode(Encoded((gathered_q[j * width:j * width + sizes[j]],
-                                           gathered_s[j * cwidth:j * cwidth + chunks[j]]), sizes[j]))
-                     for j in range(n)]
-            return torch.cat(parts).to(dtype)
+            return self._store(key, flat, write)
 
         return self._submit(run, finish)
 
-    def _powersgd(self, key, share: torch.Tensor, shapes: list[torch.Size], dtype: torch.dtype) -> Work:
+    def _powersgd(self, key, share: torch.Tensor, shapes: list[torch.Size], flat: torch.Tensor) -> Work:
         """See :mod:`dptrain.compress.powersgd`: all-reduce P (with the uncompressed rest), then Q."""
         psgd, r = self.codec, self.codec.rank
         pieces = list(share.split([s.numel() for s in shapes]))
@@ -157,7 +171,13 @@ class CompressionHook(Compressor):
             if psgd.compresses(shape):
                 m = piece.view(shape[0], -1)
                 residual = psgd.residuals.get((key, i)) if psgd.error_feedback else None
-                matrices.append((i, m + residual if residual is not None else m.clone()))
+                # m is a view of ``share``, a buffer reused next step: with a residual the sum forms in the
+                # residual's buffer; the first residual gets a buffer of its own
+                if residual is not None:
+                    m = residual.add_(m)
+                elif psgd.error_feedback:
+                    m = m.clone()
+                matrices.append((i, m))
             else:
                 rest.append(i)
                 if len(shape) >= 2 and f"{tuple(shape)}" not in psgd.fallbacks:
@@ -166,15 +186,18 @@ class CompressionHook(Compressor):
                         warnings.warn(f"PowerSGD rank {r} is not below the smaller side of a {tuple(shape)} gradient; "
                                       "it is sent uncompressed", stacklevel=2)
         qs = [psgd.qs[(key, i)] if (key, i) in psgd.qs else psgd.initial_q((key, i), m.shape[1]) for i, m in matrices]
-        p_flat = torch.cat([project(m, q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest])
         n_p = sum(m.shape[0] * r for _, m in matrices)
         n_q = sum(m.shape[1] * r for _, m in matrices)
-        q_flat = torch.empty(n_q)
+        device = share.device
+        p_flat = torch.cat([project(m, q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest],
+                           out=self._scratch(key, 2, n_p + sum(pieces[i].numel() for i in rest), torch.float32, device))
+        q_flat = self._scratch(key, 3, n_q, torch.float32, device)
         self.stats.payload_bytes += 4 * (p_flat.numel() + n_q)
         for numel in (p_flat.numel(), n_q):
             self.stats.sent_bytes += collective_cost("all_reduce", "ring", numel, 4, self.world_size).bytes_sent[
                 self.rank] if self.world_size > 1 else 0
-        out = torch.empty(share.numel())
+        # the update is written into the bucket's buffer when it is fp32 (nothing reads it after ``share``)
+        out = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32, device)
         offsets = [0]
         for s in shapes:
             offsets.append(offsets[-1] + s.numel())
@@ -207,10 +230,13 @@ class CompressionHook(Compressor):
                 out[offsets[i]:offsets[i + 1]] = p_flat[at:at + pieces[i].numel()]
                 at += pieces[i].numel()
 
+        def finish() -> torch.Tensor:
+            return out if out is flat else flat.copy_(out)
+
         if self.world_size == 1:
             run()
-            return Work.completed(lambda: out.to(dtype))
-        return self._submit(run, lambda: out.to(dtype))
+            return Work.completed(finish)
+        return self._submit(run, finish)
 
     # checkpoints
     def state_dict(self) -> dict:

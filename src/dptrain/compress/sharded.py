@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dptrain.comm.topology import shard_bounds
 from dptrain.compress.codecs import Codec, Encoded
 
-__all__ = ["encode_shards", "exchange_sum", "sent_bytes"]
+__all__ = ["encode_shards", "exchange_sum", "pack", "sent_bytes", "unpack"]
 
 
 def encode_shards(codec: Codec, x: torch.Tensor, world_size: int) -> list[Encoded]:
@@ -36,18 +36,39 @@ def sent_bytes(pieces: list[Encoded], rank: int) -> int:
     return sum(p.nbytes for p in pieces) - pieces[rank].nbytes
 
 
-def exchange_sum(codec: Codec, pieces: list[Encoded], rank: int, group: dist.ProcessGroup) -> torch.Tensor:
-    """Send encoded shard j to rank j; return the fp32 sum of every rank's shard ``rank``, decoded."""
+def exchange_sum(codec: Codec, pieces: list[Encoded], rank: int, group: dist.ProcessGroup,
+                 out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Send encoded shard j to rank j; return the fp32 sum of every rank's shard ``rank``, decoded.
+
+    A payload's tensors (int8's values and scales) travel packed as bytes in one
+    all-to-all, not one collective each. ``out`` receives the sum and ``scratch`` (both
+    fp32, the shard's size) the pieces as they are decoded: given, nothing is allocated
+    for them (a fresh buffer page-faults on first write, see dptrain.comm.wire.Workspace).
+    """
     n = len(pieces)
     mine = pieces[rank]
-    received = []
-    for k in range(len(mine.tensors)):
-        sizes = [p.tensors[k].numel() for p in pieces]
-        out = mine.tensors[k].new_empty(n * sizes[rank])
-        dist.all_to_all_single(out, torch.cat([p.tensors[k] for p in pieces]), [sizes[rank]] * n, sizes,
-                               group=group)
-        received.append(out.view(n, sizes[rank]))
-    total = torch.zeros(mine.numel, dtype=torch.float32, device=mine.tensors[0].device)
-    for j in range(n):
-        total += codec.decode(Encoded(tuple(r[j] for r in received), mine.numel)).float()
+    sizes = [p.nbytes for p in pieces]
+    received = pack(mine).new_empty(n * sizes[rank])
+    dist.all_to_all_single(received, torch.cat([pack(p) for p in pieces]), [sizes[rank]] * n, sizes, group=group)
+    total = codec.decode(unpack(received[:sizes[rank]], mine), out=out)
+    for j in range(1, n):
+        total += codec.decode(unpack(received[j * sizes[rank]:(j + 1) * sizes[rank]], mine), out=scratch)
     return total
+
+
+def pack(payload: Encoded) -> torch.Tensor:
+    """The payload's tensors as one flat uint8 tensor (their bytes, one after another)."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in payload.tensors])
+
+
+def unpack(data: torch.Tensor, like: Encoded) -> Encoded:
+    """Bytes packed by :func:`pack` back into tensors shaped and typed as ``like``'s."""
+    tensors, offset = [], 0
+    for t in like.tensors:
+        nbytes = t.numel() * t.element_size()
+        piece = data[offset:offset + nbytes]
+        if piece.storage_offset() % t.element_size():  # viewing bytes as wider numbers needs them aligned
+            piece = piece.clone()
+        tensors.append(piece.view(t.dtype).view(t.shape))
+        offset += nbytes
+    return Encoded(tuple(tensors), like.numel)

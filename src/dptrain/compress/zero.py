@@ -48,7 +48,8 @@ class ShardedCompression(Compressor):
 
         ``input`` is read here, before this returns (it is encoded), and may then be reused.
         """
-        share = input.detach().reshape(-1).float() / self.world_size
+        flat = input.detach().reshape(-1)
+        share = torch.div(flat, self.world_size, out=self._scratch(key, 0, flat.numel(), torch.float32, flat.device))
         self.stats.raw_bytes += input.numel() * input.element_size()
         self.stats.buckets += 1
         corrected = self.feedback.correct(key, share) if self.feedback is not None else share
@@ -57,13 +58,15 @@ class ShardedCompression(Compressor):
             self.feedback.keep(key, corrected, [self.codec.decode(p) for p in pieces])
         self.stats.payload_bytes += sum(p.nbytes for p in pieces)
         self.stats.sent_bytes += sent_bytes(pieces, self.rank)
-        result: list[torch.Tensor] = []
+        numel = pieces[self.rank].numel
+        total = output if output.dtype == torch.float32 else self._scratch(key, 1, numel, torch.float32, flat.device)
+        decoded = self._scratch(key, 2, numel, torch.float32, flat.device)
 
         def run() -> None:
-            result.append(exchange_sum(self.codec, pieces, self.rank, self.channel))
+            exchange_sum(self.codec, pieces, self.rank, self.channel, out=total, scratch=decoded)
 
         def finish() -> torch.Tensor:
-            return output.copy_(result[0])
+            return output if total is output else output.copy_(total)
 
         if self.world_size == 1:
             run()
