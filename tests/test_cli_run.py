@@ -167,39 +167,40 @@ def test_training_with_int8_compression_reports_its_bytes(tmp_path):
     assert "MiB compressed" in proc.stdout
 
 
-def test_zero2_with_int8_compression_reduces_shards_compressed_and_resumes_exactly(tmp_path):
-    common = ["--nproc", "2", "--set", "task.name=classifier", "--set", "ddp.strategy=zero2",
-              "--set", "ddp.compression=int8", "--set", "checkpoint.every=3", "--set", "log.every=1",
-              "--set", "log.progress=lines", "--set", "log.plots=false"]
-    straight = dptrain("run", *common, "--set", "train.steps=6", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr
-    records = train_records(tmp_path / "a")
-    params = 16 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8  # the default classifier
-    payload = records[-1]["comm_compressed_bytes_per_step"]
-    assert params <= payload < 1.1 * params  # one byte per element, plus the scales
-    assert 0 < records[-1]["comm_sent_bytes_per_step"] < payload  # each rank sends the shard it does not own
-    first = dptrain("run", *common, "--set", "train.steps=3", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
-    assert first.returncode == 0, first.stderr
-    resumed = dptrain("run", *common, "--set", "train.steps=6", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
-    assert resumed.returncode == 0, resumed.stderr
-    a = [(r["step"], r["loss"], r["grad_norm"]) for r in records]
-    b = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "b")]
-    assert a == b  # the error-feedback residuals of every unit carried over
-
-
-def test_resume_with_compression_restores_the_residuals_and_continues_exactly(tmp_path):
-    common = ["--nproc", "2", "--set", "task.name=classifier", "--set", "ddp.compression=topk",
-              "--set", "ddp.topk_fraction=0.05", "--set", "checkpoint.every=3", "--set", "log.every=1",
-              "--set", "log.progress=lines", "--set", "log.plots=false"]
+def _straight_and_resumed(tmp_path, settings: list[str], after_first=None):
+    """6 steps straight (run a), and 3 steps resumed to 6 (run b): both runs' (step, loss, grad norm) records."""
+    common = ["--nproc", "2", "--set", "task.name=classifier", "--set", "checkpoint.every=3", "--set", "log.every=1",
+              "--set", "log.progress=lines", "--set", "log.plots=false", *settings]
     straight = dptrain("run", *common, "--set", "train.steps=6", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr
     first = dptrain("run", *common, "--set", "train.steps=3", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints" / "step_00000003" / "compression").iterdir()) \
-        == ["rank0.pt", "rank1.pt"]
+    if after_first is not None:
+        after_first(tmp_path / "b")
     resumed = dptrain("run", *common, "--set", "train.steps=6", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "residuals start from zero" not in resumed.stdout
-    a = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "a")]
-    b = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "b")]
-    assert a == b  # the residuals carried over: top-k sends the same elements after the resume
+    return [train_records(tmp_path / run) for run in ("a", "b")]
+
+
+def _steps(records: list[dict]) -> list[tuple]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in records]
+
+
+def test_zero2_with_int8_compression_reduces_shards_compressed_and_resumes_exactly(tmp_path):
+    a, b = _straight_and_resumed(tmp_path, ["--set", "ddp.strategy=zero2", "--set", "ddp.compression=int8"])
+    params = 16 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8  # the default classifier
+    payload = a[-1]["comm_compressed_bytes_per_step"]
+    assert params <= payload < 1.1 * params  # one byte per element, plus the scales
+    assert 0 < a[-1]["comm_sent_bytes_per_step"] < payload  # each rank sends the shard it does not own
+    assert _steps(a) == _steps(b)  # the error-feedback residuals of every unit carried over
+
+
+def test_resume_with_compression_restores_the_residuals_and_continues_exactly(tmp_path):
+    def saved_per_rank(run_dir):
+        assert sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003" / "compression").iterdir()) \
+            == ["rank0.pt", "rank1.pt"]
+
+    a, b = _straight_and_resumed(tmp_path, ["--set", "ddp.compression=topk", "--set", "ddp.topk_fraction=0.05"],
+                                 saved_per_rank)
+    assert _steps(a) == _steps(b)  # the residuals carried over: top-k sends the same elements after the resume

@@ -60,5 +60,6 @@ def main() -> None:
         print(f"| {name} | {ms(naive):.2f} | {ms(ours):.2f} |")
 
 
+
 if __name__ == "__main__":
     main()

@@ -65,6 +65,10 @@ class Compressor:
         return self._spaces.setdefault(key, Workspace()).get(numel, dtype, device, slot)
 
     def _submit(self, run: Callable[[], None], finish: Callable[[], torch.Tensor]) -> Work:
+        """Run ``run`` on the progress thread (inline at world size 1); ``finish`` runs in ``wait()``."""
+        if self.world_size == 1:
+            run()
+            return Work.completed(finish)
         return progress_thread(self.channel).submit(run, finish)
 
     def state_dict(self) -> dict:

@@ -233,9 +233,6 @@ class CompressionHook(Compressor):
         def finish() -> torch.Tensor:
             return out if out is flat else flat.copy_(out)
 
-        if self.world_size == 1:
-            run()
-            return Work.completed(finish)
         return self._submit(run, finish)
 
     # checkpoints

@@ -68,7 +68,4 @@ class ShardedCompression(Compressor):
         def finish() -> torch.Tensor:
             return output if total is output else output.copy_(total)
 
-        if self.world_size == 1:
-            run()
-            return Work.completed(finish)
         return self._submit(run, finish)
