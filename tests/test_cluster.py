@@ -89,3 +89,16 @@ def test_cluster_command_says_what_is_missing() -> None:
     out = subprocess.run([sys.executable, "-c", "from dptrain.cli import main; main()", "cluster", "--", "x.py"],
                          capture_output=True, text=True)
     assert out.returncode == 2 and "dptrain cluster needs" in out.stderr
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_compression_link_benchmark_runs_every_variant_on_the_cluster() -> None:
+    from dptrain.bench.compression_link import VARIANTS, run, table
+
+    result = run(1.0, rounds=1, steps=1, warmup=2, n_embd=32, n_layer=1, block_size=16, micro_batch=1, timeout=240)
+    assert set(result["median_step_s"]) == set(VARIANTS)
+    assert all(t > 0 for t in result["median_step_s"].values())
+    sent = result["bytes_per_step"]
+    assert sent["dptrain/powersgd"]["sent_bytes"] < sent["dptrain/int8"]["sent_bytes"] < sent["dptrain/fp16"]["sent_bytes"]
+    assert "torch/powerSGD_hook" in table(result)
