@@ -21,7 +21,7 @@ from dptrain.comm.wire import Workspace
 from dptrain.compress.codecs import Codec
 from dptrain.compress.feedback import ErrorFeedback
 
-__all__ = ["CompressionStats", "Compressor"]
+__all__ = ["CompressionStats", "Compressor", "LAUNCH", "RUN"]
 
 
 @dataclass
@@ -42,6 +42,9 @@ class CompressionStats:
         return record
 
 
+LAUNCH, RUN = "launch", "run"  # scratch shared by all buckets, see Compressor._scratch
+
+
 class Compressor:
     """A codec, optional error feedback, and the process group its collectives run on."""
 
@@ -57,10 +60,14 @@ class Compressor:
         self._spaces: dict = {}  # per bucket or unit: buffers reused from step to step
 
     def _scratch(self, key, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A buffer of ``key``'s, kept from one step to the next (a fresh one page-faults on first write).
+        """A buffer kept from one step to the next (a fresh one page-faults on first write).
 
-        Buckets (units) are reduced concurrently, so each key has buffers of its own; one
-        key's reduction is done before it is launched again.
+        ``key``: a bucket's (unit's) key for what must live until its reduction is waited
+        for (buckets are reduced concurrently; one key's is done before it is launched
+        again); :data:`LAUNCH` for what is used up while a reduction is launched (on the
+        caller's thread) and :data:`RUN` for what is used up inside one ``run`` (runs go one
+        at a time on the progress thread): those are shared by every bucket, so they do not
+        add a full-size buffer per bucket, which with ZeRO would undo the sharding.
         """
         return self._spaces.setdefault(key, Workspace()).get(numel, dtype, device, slot)
 

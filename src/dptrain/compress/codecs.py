@@ -167,7 +167,8 @@ def _top_indices(magnitude: torch.Tensor, k: int, sample: int = 20_000) -> torch
     A threshold from a strided sample, set for about twice k, keeps a few candidates;
     ``torch.topk`` then picks k among them. If the sample's threshold keeps fewer than k
     (an unlucky sample), it falls back to ``torch.topk`` on everything. 5x faster than
-    ``torch.topk`` alone for 4M elements at k = 1% on one CPU thread.
+    ``torch.topk`` alone for 4M elements at k = 1% on one CPU thread (39 against 197 ms,
+    ``python docs/repro/codec_speed.py``).
     """
     n = magnitude.numel()
     if 4 * k >= n or n <= sample:

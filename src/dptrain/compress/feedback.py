@@ -16,7 +16,7 @@ poison every later one.
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Hashable
 
 import torch
 
@@ -64,19 +64,12 @@ class ErrorFeedback:
             return residual.add_(flat)
         return flat.clone()
 
-    def keep(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor | Sequence[torch.Tensor]) -> None:
-        """Keep ``corrected - sent``, what the encoding lost (zero if that is not finite); consumes ``corrected``.
+    def keep(self, key: Hashable, corrected: torch.Tensor, sent: torch.Tensor) -> None:
+        """Keep ``corrected - sent`` (``sent``: the decoded payload), what the encoding lost; consumes ``corrected``.
 
-        ``sent``: the decoded payload, whole or as its consecutive pieces (a sharded encoding).
+        Zero instead if that is not finite.
         """
-        if isinstance(sent, torch.Tensor):
-            corrected.sub_(sent)
-        else:
-            offset = 0
-            for piece in sent:
-                corrected[offset:offset + piece.numel()].sub_(piece)
-                offset += piece.numel()
-        self.residuals[key] = finite_or_zero(corrected)
+        self.residuals[key] = finite_or_zero(corrected.sub_(sent))
 
     def state_dict(self) -> dict:
         return {"residuals": {str(k): v.clone() for k, v in self.residuals.items()}}

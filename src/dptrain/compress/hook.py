@@ -38,11 +38,11 @@ import torch.distributed as dist
 from dptrain.comm.cost import collective_cost
 from dptrain.comm.progress import Work
 from dptrain.comm.topology import shard_bounds
-from dptrain.compress.base import CompressionStats, Compressor
+from dptrain.compress.base import LAUNCH, RUN, CompressionStats, Compressor
 from dptrain.compress.codecs import Codec, Encoded, Half, Int8, TopK
 from dptrain.compress.feedback import finite_or_zero
 from dptrain.compress.powersgd import PowerSGD, orthonormalise, project
-from dptrain.compress.sharded import encode_shards, exchange_sum, sent_bytes
+from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, sent_bytes
 from dptrain.ddp.comm_hooks import GradBucket
 
 __all__ = ["CompressionHook", "CompressionStats"]
@@ -68,8 +68,10 @@ class CompressionHook(Compressor):
         self.stats.buckets += 1
         flat = x.detach().reshape(-1)  # results are written back into the bucket's buffer
         if isinstance(self.codec, Half) and self.feedback is None and self.world_size > 1:
-            return self._half(flat)
-        share = torch.div(flat, self.world_size, out=self._scratch(key, 0, flat.numel(), torch.float32, flat.device))
+            return self._half(key, flat)
+        # PowerSGD reads its share until the reduction ends; the other codecs encode it at once
+        owner = key if isinstance(self.codec, PowerSGD) else LAUNCH
+        share = torch.div(flat, self.world_size, out=self._scratch(owner, 0, flat.numel(), torch.float32, flat.device))
         if isinstance(self.codec, PowerSGD):
             return self._powersgd(key, share, [g.shape for g in bucket.gradients()], flat)
         if self.world_size == 1:
@@ -80,7 +82,7 @@ class CompressionHook(Compressor):
         payload = self._encode(key, share)
         self.stats.payload_bytes += payload.nbytes
         if isinstance(self.codec, Half):
-            return self._half(flat, payload)
+            return self._half(key, flat, payload)
         return self._topk(key, payload, flat)
 
     def _store(self, key, flat: torch.Tensor, write) -> torch.Tensor:
@@ -92,13 +94,13 @@ class CompressionHook(Compressor):
     def _encode(self, key, share: torch.Tensor) -> Encoded:
         return self.feedback.encode(key, share, self.codec) if self.feedback else self.codec.encode(share)
 
-    def _half(self, flat: torch.Tensor, payload: Encoded | None = None) -> Work:
+    def _half(self, key, flat: torch.Tensor, payload: Encoded | None = None) -> Work:
         """All-reduce in 16 bits; the result is written back into the bucket's own buffer ``flat``.
 
         Without error feedback the payload is ``flat / N`` cast to 16 bits in one pass.
         """
         if payload is None:
-            half = flat.new_empty(flat.shape, dtype=self.codec.dtype)
+            half = self._scratch(key, 0, flat.numel(), self.codec.dtype, flat.device)
             payload = Encoded((torch.div(flat, self.world_size, out=half),), flat.numel())
             self.stats.payload_bytes += payload.nbytes
         (t,) = payload.tensors
@@ -130,22 +132,23 @@ class CompressionHook(Compressor):
         corrected = self.feedback.correct(key, share) if self.feedback is not None else share
         pieces = encode_shards(codec, corrected, n)
         if self.feedback is not None:
-            self.feedback.keep(key, corrected, [codec.decode(p) for p in pieces])
-        sizes = [b - a for a, b in shard_bounds(share.numel(), n)]
+            sent = self._scratch(LAUNCH, 1, share.numel(), torch.float32, share.device)
+            self.feedback.keep(key, corrected, decode_shards(codec, pieces, sent))
+        bounds = shard_bounds(share.numel(), n)
+        sizes = [b - a for a, b in bounds]
         chunks = [-(-s // codec.chunk) for s in sizes]
         # phase two gathers one row of bytes per rank: its values, padded to a multiple of 4, then its scales
         width = -(-max(sizes) // 4) * 4
         row = width + 4 * max(chunks)
         gathered = self._scratch(key, 2, n * row, torch.uint8, share.device)
-        bounds = shard_bounds(share.numel(), n)
         self.stats.payload_bytes += sum(p.nbytes for p in pieces)
         self.stats.sent_bytes += sent_bytes(pieces, r) + (n - 1) * row
 
         def run() -> None:
-            mine_sum = self._scratch(key, 3, sizes[r], torch.float32, share.device)
-            decoded = self._scratch(key, 4, sizes[r], torch.float32, share.device)
+            mine_sum = self._scratch(RUN, 0, sizes[r], torch.float32, share.device)
+            decoded = self._scratch(RUN, 1, sizes[r], torch.float32, share.device)
             again = codec.encode(exchange_sum(codec, pieces, r, self.channel, out=mine_sum, scratch=decoded))
-            mine = torch.zeros(row, dtype=torch.uint8)
+            mine = self._scratch(RUN, 2, row, torch.uint8, share.device)  # padding bytes are never decoded
             mine[:sizes[r]] = again.tensors[0].view(torch.uint8)
             mine[width:width + 4 * chunks[r]] = again.tensors[1].view(torch.uint8)
             dist.all_gather_single(gathered, mine, group=self.channel)

@@ -23,12 +23,21 @@ import torch.distributed as dist
 from dptrain.comm.topology import shard_bounds
 from dptrain.compress.codecs import Codec, Encoded
 
-__all__ = ["encode_shards", "exchange_sum", "pack", "sent_bytes", "unpack"]
+__all__ = ["encode_shards", "decode_shards", "exchange_sum", "pack", "sent_bytes", "unpack"]
 
 
 def encode_shards(codec: Codec, x: torch.Tensor, world_size: int) -> list[Encoded]:
     """``x`` (flat) cut into ``world_size`` shards, each encoded on its own."""
     return [codec.encode(x[a:b]) for a, b in shard_bounds(x.numel(), world_size)]
+
+
+def decode_shards(codec: Codec, pieces: list[Encoded], out: torch.Tensor) -> torch.Tensor:
+    """:func:`encode_shards`' pieces decoded back into ``out`` (flat fp32, the whole buffer's size)."""
+    offset = 0
+    for piece in pieces:
+        codec.decode(piece, out=out[offset:offset + piece.numel])
+        offset += piece.numel
+    return out
 
 
 def sent_bytes(pieces: list[Encoded], rank: int) -> int:
@@ -48,7 +57,7 @@ def exchange_sum(codec: Codec, pieces: list[Encoded], rank: int, group: dist.Pro
     n = len(pieces)
     mine = pieces[rank]
     sizes = [p.nbytes for p in pieces]
-    received = pack(mine).new_empty(n * sizes[rank])
+    received = torch.empty(n * sizes[rank], dtype=torch.uint8, device=mine.tensors[0].device)
     dist.all_to_all_single(received, torch.cat([pack(p) for p in pieces]), [sizes[rank]] * n, sizes, group=group)
     total = codec.decode(unpack(received[:sizes[rank]], mine), out=out)
     for j in range(1, n):

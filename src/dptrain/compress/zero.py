@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from dptrain.comm.progress import Work
-from dptrain.compress.base import Compressor
+from dptrain.compress.base import LAUNCH, RUN, Compressor
 from dptrain.compress.codecs import Codec, Half, Int8
-from dptrain.compress.sharded import encode_shards, exchange_sum, sent_bytes
+from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, sent_bytes
 
 __all__ = ["ShardedCompression", "ZERO_CODECS"]
 
@@ -49,18 +49,19 @@ class ShardedCompression(Compressor):
         ``input`` is read here, before this returns (it is encoded), and may then be reused.
         """
         flat = input.detach().reshape(-1)
-        share = torch.div(flat, self.world_size, out=self._scratch(key, 0, flat.numel(), torch.float32, flat.device))
+        share = torch.div(flat, self.world_size, out=self._scratch(LAUNCH, 0, flat.numel(), torch.float32, flat.device))
         self.stats.raw_bytes += input.numel() * input.element_size()
         self.stats.buckets += 1
         corrected = self.feedback.correct(key, share) if self.feedback is not None else share
         pieces = encode_shards(self.codec, corrected, self.world_size)
         if self.feedback is not None:
-            self.feedback.keep(key, corrected, [self.codec.decode(p) for p in pieces])
+            sent = self._scratch(LAUNCH, 1, flat.numel(), torch.float32, flat.device)
+            self.feedback.keep(key, corrected, decode_shards(self.codec, pieces, sent))
         self.stats.payload_bytes += sum(p.nbytes for p in pieces)
         self.stats.sent_bytes += sent_bytes(pieces, self.rank)
         numel = pieces[self.rank].numel
         total = output if output.dtype == torch.float32 else self._scratch(key, 1, numel, torch.float32, flat.device)
-        decoded = self._scratch(key, 2, numel, torch.float32, flat.device)
+        decoded = self._scratch(RUN, 0, numel, torch.float32, flat.device)
 
         def run() -> None:
             exchange_sum(self.codec, pieces, self.rank, self.channel, out=total, scratch=decoded)
