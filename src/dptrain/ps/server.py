@@ -1,0 +1,251 @@
+"""A parameter server: owns a shard of the parameters and their optimizer state, applies pushed gradients.
+
+The server's loop handles one event at a time from a queue that a receiver thread per
+worker fills (gradients, departures, deaths), so the rules of
+:mod:`~dptrain.ps.consistency` run on one thread in arrival order:
+
+- a gradient is applied at once (async, ssp) or added to the current round (sync,
+  backup; a backup round's late gradients are dropped);
+- workers whose gradient was applied wait in ``held`` until they may read again (a
+  round completes; for ssp, until they are at most ``staleness`` clocks ahead of the
+  slowest live worker); then they get the new parameters;
+- once the budget is spent (``steps`` rounds, or ``steps x workers`` async gradients),
+  every answer is STOP; when all workers have left, rank 0 gets the final shard and a
+  report (the staleness histogram, dropped and lost workers).
+
+[Note: one buffer per worker] A worker has at most one gradient in flight: it pushes,
+then waits for its answer before it pushes again. So the receiver thread for a worker
+can receive every gradient into the same buffer: the server is done with it before it
+answers, and the next gradient cannot arrive before the answer.
+
+A worker that dies (its link reports "Connection closed by peer", or it says nothing for
+the link's timeout) is dropped from the live set in async, ssp and backup; in sync a
+round can never complete without it, so the server sends ABORT with the reason to every
+worker and raises.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.ps.consistency import Consistency
+from dptrain.ps.wire import Kind, Link, Message, PSError, describe_failure
+
+__all__ = ["ShardServer", "Applied"]
+
+
+@dataclass(frozen=True)
+class Applied:
+    worker: int
+    clock: int        # the worker's clock: this is its clock-th gradient
+    staleness: int    # clocks ahead of the slowest live worker when it read (see consistency)
+    delay: int        # updates applied between its read and this application
+    version: int      # the version this update produced
+
+
+@dataclass
+class _Lost:
+    worker: int
+    reason: str
+
+
+@dataclass
+class _Round:
+    total: torch.Tensor
+    workers: list[int] = field(default_factory=list)
+
+
+class ShardServer:
+    """Serve ``params`` (this server's whole tensors, copied into one flat fp32 buffer) to ``links``' workers."""
+
+    def __init__(self, params: list[torch.Tensor], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
+                 links: dict[int, Link], consistency: Consistency, steps: int, *,
+                 lr_at: Callable[[int], float] | None = None, grad_clip: float = 0.0,
+                 server_group: dist.ProcessGroup | None = None, reporter: int = 0):
+        consistency.check_workers(len(links))
+        self.links, self.consistency, self.steps = links, consistency, steps
+        self.lr_at, self.grad_clip, self.server_group, self.reporter = lr_at, grad_clip, server_group, reporter
+        self.flat = torch.cat([p.detach().reshape(-1).float() for p in params])
+        self.flat_grad = torch.zeros_like(self.flat)
+        self.params = nn.ParameterList()
+        offset = 0
+        for p in params:  # parameters as views of the flat buffers: one message per answer
+            view = nn.Parameter(self.flat[offset:offset + p.numel()].view(p.shape))
+            view.grad = self.flat_grad[offset:offset + p.numel()].view(p.shape)
+            self.params.append(view)
+            offset += p.numel()
+        self.optimizer = build_optimizer(self.params)
+        self.num_workers = len(links)
+        self.version = self.applied = self.skipped = 0
+        self.records: list[Applied] = []
+        self.dropped: list[Applied] = []
+        self.lost: dict[int, str] = {}
+        self.clock = {w: 0 for w in links}
+        self.read_version = {w: 0 for w in links}
+        self.read_staleness = {w: 0 for w in links}
+        self.live, self.held = set(links), set()
+        self.round = _Round(torch.zeros_like(self.flat))
+        self.events: queue.Queue = queue.Queue()
+        self._buffers = {w: torch.empty_like(self.flat) for w in links}  # [Note: one buffer per worker]
+
+    # ------------------------------------------------------------------ loop
+
+    def serve(self) -> dict:
+        """Serve until every worker has left or died; returns the report sent to rank 0."""
+        t0 = time.perf_counter()
+        for w in sorted(self.live):
+            self._answer(w, Kind.PARAMS)
+        for w, link in self.links.items():
+            threading.Thread(target=self._receive, args=(w, link), daemon=True, name=f"ps-recv-{w}").start()
+        while self.live:
+            event = self.events.get()
+            if isinstance(event, _Lost):
+                self._lose(event.worker, event.reason)
+            elif event[1].kind == Kind.GRAD:
+                self._on_gradient(*event)
+            elif event[1].kind == Kind.DONE:
+                self.live.discard(event[0])
+                self.held.discard(event[0])
+                self._progress()
+        report = self.report(time.perf_counter() - t0)
+        self._send_final(report)
+        return report
+
+    def _receive(self, w: int, link: Link) -> None:
+        while True:
+            try:
+                message = link.recv(into=self._buffers[w])
+            except Exception as e:  # a dead peer or a timeout: gloo says which
+                self.events.put(_Lost(w, describe_failure(e)))
+                return
+            self.events.put((w, message))
+            if message.kind == Kind.DONE:
+                return
+
+    # ----------------------------------------------------------------- rules
+
+    @property
+    def spent(self) -> bool:
+        budget = self.steps if self.consistency.rounds else self.steps * self.num_workers
+        return (self.version if self.consistency.rounds else self.applied) >= budget
+
+    def _on_gradient(self, w: int, message: Message) -> None:
+        self.clock[w] = message.a
+        if self.spent:
+            self.held.add(w)
+        elif self.consistency.rounds:
+            if self.read_version[w] < self.version:  # a backup round went on without it
+                self.dropped.append(Applied(w, message.a, 0, self.version - self.read_version[w], self.version))
+                self.held.add(w)
+            else:
+                self.round.total += message.payload
+                self.round.workers.append(w)
+        else:
+            delay = self.version - self.read_version[w]
+            self._apply(message.payload, 1.0 / self.num_workers, skip=bool(message.b))
+            self.records.append(Applied(w, message.a, self.read_staleness[w], delay, self.version))
+            self.held.add(w)
+        self._progress()
+
+    def _progress(self) -> None:
+        """Close a round if it has its gradients, then answer every held worker that may go on."""
+        done = self.round.workers
+        if self.consistency.rounds and done and len(done) >= self.consistency.needed(self.num_workers,
+                                                                                       len(self.live)):
+            self._apply(self.round.total.div_(len(done)), 1.0)
+            self.records += [Applied(w, self.clock[w], 0, 0, self.version) for w in done]
+            self.held.update(done)
+            self.round = _Round(self.round.total.zero_())
+        slowest = min((self.clock[w] for w in self.live), default=0)
+        for w in sorted(self.held):
+            if w not in self.held:  # answered (or lost) by a nested call while this loop ran
+                continue
+            if self.spent:
+                self._answer(w, Kind.STOP)
+            elif self.clock[w] - slowest <= self.consistency.bound:
+                self.read_staleness[w] = max(0, self.clock[w] - slowest)
+                self._answer(w, Kind.PARAMS)
+
+    def _apply(self, grad: torch.Tensor, lr_scale: float, skip: bool = False) -> None:
+        """One optimizer step on ``grad``; in rounds the gradient norm is clipped over every server's shard."""
+        self.flat_grad.copy_(grad)
+        if self.consistency.rounds:
+            sq = self.flat_grad.double().square().sum().reshape(1)
+            if self.server_group is not None:
+                dist.all_reduce(sq, group=self.server_group)
+            norm = math.sqrt(sq.item())
+            skip = not math.isfinite(norm)
+            if self.grad_clip > 0 and norm > self.grad_clip and not skip:
+                self.flat_grad.mul_(self.grad_clip / (norm + 1e-6))
+        step = self.version if self.consistency.rounds else self.applied // self.num_workers
+        lr = (self.lr_at(step) if self.lr_at else self.optimizer.param_groups[0]["lr"]) * lr_scale
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        if skip:
+            self.skipped += 1
+        else:
+            self.optimizer.step()
+        self.version += 1
+        self.applied += 1
+
+    # -------------------------------------------------------------- messages
+
+    def _answer(self, w: int, kind: Kind) -> None:
+        self.held.discard(w)
+        self.read_version[w] = self.version
+        try:
+            self.links[w].send(kind, self.version, payload=self.flat)
+        except Exception as e:
+            self._lose(w, describe_failure(e))
+
+    def _lose(self, w: int, reason: str) -> None:
+        if w not in self.live:
+            return
+        self.live.discard(w)
+        self.held.discard(w)
+        self.lost[w] = reason
+        if self.consistency.mode == "sync" or w == self.reporter:
+            why = (f"worker rank {w} is gone ({reason}); "
+                   + ("rank 0 writes the run's results, so the run cannot go on" if w == self.reporter else
+                      "a sync round needs every worker; the async, ssp and backup modes go on without it"))
+            for other in sorted(self.live):
+                try:
+                    self.links[other].send_text(Kind.ABORT, why)
+                except Exception:
+                    pass
+            raise PSError(why)
+        if self.consistency.rounds and self.consistency.needed(self.num_workers, len(self.live)) < 1:
+            return
+        self._progress()
+
+    def _send_final(self, report: dict) -> None:
+        if self.reporter in self.lost:
+            return
+        link = self.links[self.reporter]
+        link.send(Kind.FINAL, self.version, payload=self.flat)
+        link.send_text(Kind.REPORT, json.dumps(report))
+
+    def report(self, wall_s: float) -> dict:
+        """What the run summary shows: versions, applied and dropped gradients, staleness and delay histograms."""
+        return {"mode": self.consistency.mode, "updates": self.version, "gradients": len(self.records),
+                "skipped": self.skipped, "dropped": len(self.dropped),
+                "staleness": _histogram(r.staleness for r in self.records),
+                "delay": _histogram(r.delay for r in self.records),
+                "applied_per_worker": _histogram(r.worker for r in self.records),
+                "lost_workers": {str(w): why for w, why in self.lost.items()}, "wall_s": wall_s}
+
+
+def _histogram(values) -> dict[str, int]:
+    return {str(k): v for k, v in sorted(Counter(values).items())}
+

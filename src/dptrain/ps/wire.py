@@ -1,0 +1,107 @@
+"""Messages between a worker and a server: a fixed header, then an optional payload.
+
+Every (worker, server) pair talks over a process group of its own, made of those two
+ranks. A gloo context whose peer dies fails every later operation on it ("Connection
+closed by peer"), so with one shared group a dead worker would take the links between
+the living ones down too; with a group per pair it takes down only its own links, and
+its server learns of the death at once instead of at a timeout. Within a pair, worker
+to server messages use one tag and server to worker messages another, so a server can
+receive on its thread for that worker while it answers on its main thread.
+
+A message is ``header = int64[kind, a, b, n]`` and, when ``n > 0``, a payload of ``n``
+elements: fp32 for tensors, uint8 for text (an error message, the server's report).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Kind", "Message", "Link", "UP", "DOWN", "PSError", "pair_groups", "describe_failure"]
+
+UP, DOWN = 1, 2  # tags: worker -> server, server -> worker
+
+
+class PSError(RuntimeError):
+    """A parameter-server job cannot go on: a peer died, timed out, or aborted the run."""
+
+
+class Kind(enum.IntEnum):
+    GRAD = 1     # worker -> server: a = the worker's clock (gradients pushed, this one included), b = 1 to skip
+    DONE = 2     # worker -> server: the worker leaves (after a STOP, or at its end)
+    PARAMS = 3   # server -> worker: a = version, payload = the shard's parameters
+    STOP = 4     # server -> worker: PARAMS, and the training budget is spent
+    FINAL = 5    # server -> rank 0: the final shard, after every worker left
+    REPORT = 6   # server -> rank 0: its statistics as JSON text
+    ABORT = 7    # either way: the run cannot go on; payload = the reason
+
+
+TEXT_KINDS = (Kind.REPORT, Kind.ABORT)
+
+
+@dataclass
+class Message:
+    kind: Kind
+    a: int = 0
+    b: int = 0
+    payload: torch.Tensor | None = None
+
+    def text(self) -> str:
+        return bytes(self.payload.tolist()).decode() if self.payload is not None else ""
+
+    def json(self):
+        return json.loads(self.text())
+
+
+class Link:
+    """One end of a (worker, server) pair's channel."""
+
+    def __init__(self, group: dist.ProcessGroup, peer: int, send_tag: int, recv_tag: int):
+        self.group, self.peer = group, peer
+        self.send_tag, self.recv_tag = send_tag, recv_tag
+        self._header = torch.zeros(4, dtype=torch.int64)
+
+    def send(self, kind: Kind, a: int = 0, b: int = 0, payload: torch.Tensor | None = None) -> None:
+        n = 0 if payload is None else payload.numel()
+        header = torch.tensor([int(kind), a, b, n], dtype=torch.int64)
+        dist.send(header, self.peer, group=self.group, tag=self.send_tag)
+        if n:
+            dist.send(payload.contiguous(), self.peer, group=self.group, tag=self.send_tag)
+
+    def send_text(self, kind: Kind, text: str) -> None:
+        self.send(kind, payload=torch.tensor(list(text.encode()), dtype=torch.uint8))
+
+    def recv(self, into: torch.Tensor | None = None) -> Message:
+        """The next message; a tensor payload goes into ``into`` when given (its size must match)."""
+        dist.recv(self._header, self.peer, group=self.group, tag=self.recv_tag)
+        kind, a, b, n = (int(v) for v in self._header.tolist())
+        kind = Kind(kind)
+        payload = None
+        if n:
+            if kind in TEXT_KINDS:
+                payload = torch.empty(n, dtype=torch.uint8)
+            elif into is not None and into.numel() == n:
+                payload = into
+            else:
+                payload = torch.empty(n, dtype=torch.float32)
+            dist.recv(payload, self.peer, group=self.group, tag=self.recv_tag)
+        return Message(kind, a, b, payload)
+
+
+def pair_groups(workers: list[int], servers: list[int]) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A two-rank group for every (worker, server) pair; every rank must call this (it is collective)."""
+    return {(w, s): dist.new_group([w, s]) for w in workers for s in servers}
+
+
+def describe_failure(e: Exception) -> str:
+    """What a failed send or receive says about the peer, in words."""
+    text = str(e)
+    if "Connection closed" in text or "Connection reset" in text:
+        return "its process died (connection closed)"
+    if "Timed out" in text:
+        return f"it sent nothing within the timeout ({text.split('Timed out', 1)[1].strip()[:80]})"
+    return f"{type(e).__name__}: {text[:200]}"
