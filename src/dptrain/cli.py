@@ -74,7 +74,14 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
-    sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s))
+    sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc)))
+
+
+def _expendable(cfg, nproc: int) -> set[int]:
+    """Ranks whose death the run survives: the workers other than rank 0 of an async, ssp or backup ps job."""
+    if cfg.ddp.strategy != "ps" or cfg.ps.mode == "sync":
+        return set()
+    return set(range(1, nproc - cfg.ps.servers))
 
 
 @main.command()

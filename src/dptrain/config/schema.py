@@ -79,9 +79,10 @@ class TrainConfig:
 
 @dataclass
 class DDPConfig:
-    strategy: str = opt("ddp", "data-parallel strategy: replicated (ddp) or ZeRO stage 1, 2 or 3 (zero1: sharded "
-                        "optimizer state, zero2: and gradients, zero3: and parameters; see [zero] and docs/zero.md)",
-                        choices=("ddp", "zero1", "zero2", "zero3"))
+    strategy: str = opt("ddp", "data-parallel strategy: replicated (ddp), ZeRO stage 1, 2 or 3 (zero1: sharded "
+                        "optimizer state, zero2: and gradients, zero3: and parameters; see [zero] and docs/zero.md), "
+                        "or a parameter server (ps; see [ps] and docs/async.md)",
+                        choices=("ddp", "zero1", "zero2", "zero3", "ps"))
     backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
                        choices=("auto", "gloo", "nccl"))
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
@@ -117,6 +118,23 @@ class ZeROConfig:
 
 
 @dataclass
+class PSConfig:
+    servers: int = opt(1, "strategy ps: parameter-server ranks (the last ones); the other ranks are workers")
+    mode: str = opt("sync", "strategy ps: sync (a round averages every worker's gradient), async (apply each on "
+                    "arrival), ssp (async with a staleness bound) or backup (a round takes the first "
+                    "workers - backups gradients)", choices=("sync", "async", "ssp", "backup"))
+    staleness: int = opt(2, "mode ssp: how many steps a worker may run ahead of the slowest")
+    backups: int = opt(1, "mode backup: the slowest gradients of each round that are not waited for")
+
+
+@dataclass
+class StragglerConfig:
+    rank: int = opt(-1, "inject a straggler for experiments: this rank computes factor times slower (it sleeps "
+                    "after each forward); -1: none")
+    factor: float = opt(2.0, "how many times slower the straggler is, >= 1")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every this many steps (and at the end); 0 saves only at the end")
     keep_last: int = opt(2, "checkpoints kept; older ones are deleted after a newer one is complete")
@@ -144,6 +162,8 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
     zero: ZeROConfig = field(default_factory=ZeROConfig)
+    ps: PSConfig = field(default_factory=PSConfig)
+    straggler: StragglerConfig = field(default_factory=StragglerConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -151,7 +171,7 @@ class RunConfig:
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
-                "checkpoint", "log"}
+                "ps", "straggler", "checkpoint", "log"}
 
 
 def section_fields(cls: type) -> dict[str, Any]:

@@ -41,8 +41,13 @@ def error_file(run_dir: Path, rank: int) -> Path:
     return run_dir / "logs" / f"rank{rank}.error.json"
 
 
-def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float) -> int:
-    """Start ``nproc`` workers, wait for them, return the job's exit code."""
+def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
+                 expendable: set[int] = frozenset()) -> int:
+    """Start ``nproc`` workers, wait for them, return the job's exit code.
+
+    The failure of an ``expendable`` rank (a worker of an async parameter-server job)
+    does not end the job: it is reported, and the job's exit code is that of the rest.
+    """
     port = free_port()
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -60,7 +65,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     for rank, proc in enumerate(procs):  # exact exit times, to order failures
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
     try:
-        return _supervise(procs, exit_times, run_dir, timeout_s)
+        return _supervise(procs, exit_times, run_dir, timeout_s, expendable)
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
@@ -72,13 +77,19 @@ def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> No
     exit_times[rank] = time.time()
 
 
-def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, timeout_s: float) -> int:
-    first_failure = None
+def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, timeout_s: float,
+               expendable: set[int]) -> int:
+    first_failure, survived = None, set()
     while True:
         codes = [p.poll() for p in procs]
-        if all(c == 0 for c in codes):
+        for r in expendable - survived:
+            if codes[r] not in (None, 0):
+                survived.add(r)
+                print(f"warning: rank {r} exited with {_describe(codes[r])}; the run goes on without it "
+                      f"(see {run_dir / 'logs'})", file=sys.stderr)
+        if all(c == 0 or r in survived for r, c in enumerate(codes)):
             return 0
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in survived]
         if failed and first_failure is None:
             first_failure = time.monotonic()
         if first_failure is not None and (all(c is not None for c in codes)

@@ -25,7 +25,6 @@ import math
 import os
 import random
 import shutil
-import signal
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -56,12 +55,15 @@ from dptrain.train.checkpoint import (
     staging_dir,
 )
 from dptrain.train.engine import Engine, StepInfo
+from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer, decays
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
+from dptrain.train.ps_loop import train_ps
 from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.schedule import scaled_lr, warmup_cosine
+from dptrain.train.straggler import Straggler
 from dptrain.train.trace import TraceRecorder, trace_zero
 from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_sharded
 
@@ -72,6 +74,8 @@ COMPRESSION = "compression"  # a checkpoint's per-rank error-feedback residuals
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     """Run the training described by ``rp`` on this rank; rank 0 returns the summary."""
+    if rp.cfg.ddp.strategy == "ps":
+        return train_ps(rp, env, device, _seed_everything)
     cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
     wall0 = time.perf_counter()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -134,12 +138,13 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     recorder = StepRecorder(device, plan.global_batch_size, task.tokens_per_sample)
     t0 = trace_zero(env.world_size == env.local_world_size, device)
     tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
-    fault = _parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+    fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+    straggler = Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None
     try:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
-                _inject(fault[2], rank, step)
-            info, times = timed_step(engine, task, batches, compression)
+                inject_fault(fault[2], rank, step)
+            info, times = timed_step(engine, task, batches, compression, straggler)
             recorder.add(times)
             if tracer.wants(step):
                 tracer.add_step(step, times)
@@ -190,18 +195,26 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     return summary
 
 
-def timed_step(engine: Engine, task: Task, batches: Iterator[Any],
-               compression: Compressor | None = None) -> tuple[StepInfo, StepTimes]:
-    """One optimizer step (all its micro-steps), with the wall-clock spans of its parts."""
+def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: Compressor | None = None,
+               straggler: Straggler | None = None) -> tuple[StepInfo, StepTimes]:
+    """One optimizer step (all its micro-steps), with the wall-clock spans of its parts.
+
+    An injected straggler's sleep is part of its forward span: it is compute, as a slow device's would be.
+    """
     times = StepTimes(start=time.perf_counter())
     for batch in engine.micro_steps(batches):
         f0 = time.perf_counter()
         with engine.autocast():
             loss = task.loss(engine.model, batch)
+        if straggler:
+            straggler.after_forward(time.perf_counter() - f0)
         f1 = time.perf_counter()
         engine.backward(loss)
+        f2 = time.perf_counter()
+        if straggler:
+            straggler.after_backward(f2 - f1)
         times.forward.append((f0, f1))
-        times.backward.append((f1, time.perf_counter()))
+        times.backward.append((f1, f2))
     times.comm = getattr(engine.model, "last_step_comm", None)  # the DDP engine's statistics
     times.compressed = compression.stats.close_step() if compression is not None else None
     o0 = time.perf_counter()
@@ -376,18 +389,3 @@ def _truncate_metrics(path: Path, step: int) -> None:
         return
     keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
     write_text_atomic(path, "".join(line + "\n" for line in keep))
-
-
-def _parse_fault(spec: str) -> tuple[int, int, str] | None:
-    if not spec:
-        return None
-    rank, step, kind = spec.split(":")
-    if kind not in ("kill", "raise"):
-        raise ValueError(f"DPTRAIN_FAULT={spec!r}: the kind must be kill or raise")
-    return int(rank), int(step), kind
-
-
-def _inject(kind: str, rank: int, step: int) -> None:
-    if kind == "kill":
-        os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"fault injected by DPTRAIN_FAULT on rank {rank} at step {step}")

@@ -20,6 +20,8 @@ import torch
 from dptrain.batching import BatchPlan
 from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
+from dptrain.ps.consistency import Consistency
+from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.tasks import Task, build_task
 from dptrain.train.checkpoint import find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
@@ -53,7 +55,9 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
     if all(v is None for v in sizes):
         sizes = (DEFAULT_GLOBAL_BATCH, None, None)
-    plan = BatchPlan.resolve(world_size, *sizes)
+    _check_straggler(cfg, world_size)
+    data_ranks = _check_ps(cfg, world_size) if cfg.ddp.strategy == "ps" else world_size
+    plan = BatchPlan.resolve(data_ranks, *sizes)
     _check_nodes(cfg, world_size)
     try:
         task = build_task(cfg)
@@ -69,6 +73,9 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     ident_hash = identity_hash(ident)
     resume_from, meta = None, None
     latest = find_latest(run_dir)
+    if latest is not None and cfg.checkpoint.resume and cfg.ddp.strategy == "ps":
+        raise ConfigError(f"{run_dir} has checkpoints (newest: {latest.name}), but strategy ps does not resume "
+                          "from checkpoints yet (it writes only the final weights); use another run_dir")
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size,
@@ -117,6 +124,34 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
 
 
+def _check_ps(cfg: RunConfig, world_size: int) -> int:
+    """The parameter-server settings; returns the number of workers (the ranks that take data)."""
+    p, d = cfg.ps, cfg.ddp
+    try:
+        roles = Roles(world_size, p.servers)
+        Consistency(p.mode, staleness=p.staleness, backups=p.backups).check_workers(roles.num_workers)
+    except ValueError as e:
+        raise ConfigError(f"[ps] servers={p.servers}, mode={p.mode!r}: {e}") from None
+    if d.compression != "none":
+        raise ConfigError(f"ddp.compression {d.compression!r} is for strategies ddp and zero1-3; strategy ps sends "
+                          "fp32 gradients: set compression = \"none\"")
+    if cfg.train.precision == "fp16":
+        raise ConfigError("train.precision fp16 is not supported with strategy ps (it needs a loss scaler); use bf16")
+    return roles.num_workers
+
+
+def _check_straggler(cfg: RunConfig, world_size: int) -> None:
+    s = cfg.straggler
+    if not -1 <= s.rank < world_size:
+        raise ConfigError(f"straggler.rank must be -1 (none) or a rank in [0, {world_size - 1}], got {s.rank}")
+    if s.factor < 1.0:
+        raise ConfigError(f"straggler.factor must be at least 1 (how many times slower), got {s.factor}")
+    if cfg.ddp.strategy == "ps" and s.rank >= world_size - cfg.ps.servers:
+        raise ConfigError(f"straggler.rank {s.rank} is a parameter server (ranks {world_size - cfg.ps.servers}-"
+                          f"{world_size - 1}); a straggler must be a worker, a rank below "
+                          f"{world_size - cfg.ps.servers}")
+
+
 def _check_nodes(cfg: RunConfig, world_size: int) -> None:
     per_node = cfg.ddp.ranks_per_node
     if per_node < 0 or (per_node and world_size % per_node):
@@ -137,3 +172,8 @@ def _check_model_builds(task: Task, cfg: RunConfig) -> None:
         raise ConfigError(f"{where} cannot build the model: {e}") from None
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters")
+    if cfg.ddp.strategy == "ps":
+        try:
+            partition([p.numel() for p in model.parameters()], cfg.ps.servers)
+        except PSLayoutError as e:
+            raise ConfigError(f"ps.servers={cfg.ps.servers}: {e}") from None

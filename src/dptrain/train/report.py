@@ -116,7 +116,8 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
             ("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
             ("workers", f"{summary['world_size']} x {summary['device']} ({summary['backend']})"),
             ("batch", f"global {summary['global_batch_size']} = micro {summary['micro_batch_size']} x "
-                      f"{summary['world_size']} ranks x {summary['grad_accum_steps']} accum"),
+                      f"{summary.get('ps', {}).get('workers', summary['world_size'])} ranks x {summary['grad_accum_steps']} "
+                      "accum"),
             ("learning rate", summary["lr_rule"]),
             ("steps", f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
              else str(summary["steps"])),
@@ -137,10 +138,34 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
                                            for i, m in enumerate(summary["peak_mem_mb_per_rank"])))]
         if summary["skipped_steps"]:
             rows += [("skipped steps", f"{summary['skipped_steps']} (non-finite gradients)")]
+    if summary.get("ps"):
+        rows += _ps_rows(summary["ps"])
     width = max(len(k) for k, _ in rows)
     lines = ["", "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["files written"]
     lines += [f"  {name:<40} {_size(size)}" for name, size in summary["files"].items()]
     log.info("\n".join(lines))
+
+
+def _ps_rows(ps: dict[str, Any]) -> list[tuple[str, str]]:
+    """The parameter server's part of the summary: per server, updates, staleness, dropped and lost workers."""
+    rows = [("parameter server", f"{ps['mode']}, {ps['servers']} server(s), {ps['workers']} worker(s)"
+                                 + (f", staleness bound {ps['staleness_bound']}" if ps.get("staleness_bound") is not None
+                                    else "") + (f", {ps['backups']} backup(s)" if ps.get("backups") is not None else ""))]
+    for name, rep in ps["servers_report"].items():
+        rows.append((name.replace("_", " "), f"{rep['updates']} updates from {rep['gradients']} gradients, "
+                                             f"{rep['dropped']} dropped; per worker {rep['applied_per_worker']}"))
+        rows.append(("  staleness (steps)", _hist(rep["staleness"])))
+        rows.append(("  delay (updates)", _hist(rep["delay"])))
+        if rep["lost_workers"]:
+            rows.append(("  lost workers", "; ".join(f"rank {w}: {why}" for w, why in rep["lost_workers"].items())))
+    if ps.get("straggler"):
+        rows.append(("straggler", f"rank {ps['straggler']['rank']} made {ps['straggler']['factor']:g}x slower"))
+    return rows
+
+
+def _hist(counts: dict[str, int]) -> str:
+    total = sum(counts.values()) or 1
+    return ", ".join(f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in counts.items()) or "none"
 
 
 def _size(n: int) -> str:

@@ -1,0 +1,210 @@
+"""``dptrain run`` with ``ddp.strategy = "ps"``: the parameter-server job on every rank.
+
+Servers (the last ``ps.servers`` ranks) serve until every worker has left. Workers
+(ranks ``0 .. W-1``) each draw their own shard of the data and loop: micro-steps of
+forward and backward, push the gradient, receive the new parameters; in the async modes
+a fast worker simply takes more steps. The run ends when the servers' budget is spent:
+``train.steps`` rounds (sync, backup) or ``train.steps x W`` gradients (async, ssp), the
+same number of samples as ``train.steps`` synchronous steps.
+
+Rank 0 (worker 0) logs its own steps (there is no collective between workers: in async
+mode they are at different steps), evaluates the final parameters alone, writes the
+weights and the summary with every server's report. Checkpoints are not written: a ps
+run cannot resume yet (``prepare_run`` refuses a run directory that has some).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_model
+
+from dptrain.config import to_toml
+from dptrain.data.sampler import DistributedSampler
+from dptrain.launch.rendezvous import WorkerEnv
+from dptrain.ps import Consistency, PSWorker, ShardServer, build_parameter_server
+from dptrain.train.atomic import replacing, write_text_atomic
+from dptrain.train.checkpoint import remove_partial
+from dptrain.train.faults import inject_fault, parse_fault
+from dptrain.train.loader import ShardedLoader
+from dptrain.train.metrics import peak_memory_mb
+from dptrain.train.optim import build_optimizer
+from dptrain.train.plots import plot_run, read_metrics
+from dptrain.train.prepare import RunPlan
+from dptrain.train.report import RunLog, print_summary, summarize
+from dptrain.train.schedule import scaled_lr, warmup_cosine
+from dptrain.train.straggler import Straggler
+
+__all__ = ["train_ps"]
+
+
+def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything) -> dict | None:
+    cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
+    t, p = cfg.train, cfg.ps
+    wall0 = time.perf_counter()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        remove_partial(run_dir)
+        write_text_atomic(run_dir / "config.toml", to_toml(cfg))
+    dist.barrier()
+    seed_everything(t.seed)
+    task = rp.task
+    model = task.build_model().to(device)
+    peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
+    consistency = Consistency(p.mode, staleness=p.staleness, backups=p.backups)
+    role = build_parameter_server(
+        model, lambda params: build_optimizer(params, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas),
+                                              t.momentum),
+        num_servers=p.servers, consistency=consistency, steps=t.steps,
+        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip)
+    log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, 0)
+    workers = plan.world_size
+    log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "
+             f"parameter server ({p.mode}{_mode_detail(p)}): {workers} worker(s), {p.servers} server(s) "
+             f"(ranks {workers}-{env.world_size - 1}); global batch {plan.global_batch_size} = micro "
+             f"{plan.micro_batch_size} x {workers} workers x {plan.grad_accum_steps} accum")
+    if isinstance(role, ShardServer):
+        report = role.serve()
+        log.info(f"server rank {rank}: {report['updates']} updates from {report['gradients']} gradients, "
+                 f"{report['dropped']} dropped, lost workers: {report['lost_workers'] or 'none'}")
+        log.close()
+        return None
+    seed_everything(t.seed + 1 + rank)  # workers draw different dropout masks
+    straggler = Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None
+    samples_per_update = plan.micro_batch_size * plan.grad_accum_steps * (
+        workers if p.mode == "sync" else workers - p.backups if p.mode == "backup" else 1)
+    def step_of(version: int) -> int:  # the synchronous steps a server version amounts to
+        return version if consistency.rounds else version // workers
+
+    def lr_of(version: int) -> float:  # what the servers use (ps.server.ShardServer._apply)
+        lr = warmup_cosine(step_of(version), peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio)
+        return lr if consistency.rounds else lr / workers
+
+    records = _work(role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed).micro_batches(),
+                    plan.grad_accum_steps, straggler, log, cfg.log.every, rank == 0 and run_dir / "metrics.jsonl",
+                    samples_per_update, task.tokens_per_sample, device, lr_of, step_of, rank)
+    reports = role.leave()
+    summary = None
+    if rank == 0:
+        summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, straggler)
+    log.close()
+    return summary
+
+
+def _mode_detail(p) -> str:
+    return f", staleness {p.staleness}" if p.mode == "ssp" else f", {p.backups} backup(s)" if p.mode == "backup" else ""
+
+
+def _work(role: PSWorker, task, batches, accum: int, straggler: Straggler | None, log: RunLog, every: int,
+          metrics_path: Path | bool, samples_per_update: int, tokens_per_sample: int, device,
+          lr_of, step_of, rank: int) -> list[dict]:
+    """The worker loop until the servers say stop; rank 0 writes a metrics record every ``every`` steps."""
+    out = open(metrics_path, "w", buffering=1) if metrics_path else None
+    fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+    records, window, step = [], [], 0
+    last = (time.perf_counter(), min(role.version))
+    try:
+        while True:
+            step += 1
+            if fault and fault[:2] == (rank, step):
+                inject_fault(fault[2], rank, step)
+            t0 = time.perf_counter()
+            loss_sum = 0.0
+            for _ in range(accum):
+                f0 = time.perf_counter()
+                loss = task.loss(role.model, next(batches)) / accum
+                if straggler:
+                    straggler.after_forward(time.perf_counter() - f0)
+                b0 = time.perf_counter()
+                loss.backward()
+                if straggler:
+                    straggler.after_backward(time.perf_counter() - b0)
+                loss_sum += float(loss.detach())
+            t1 = time.perf_counter()
+            stop = role.step()
+            t2 = time.perf_counter()
+            window.append((loss_sum, t1 - t0, t2 - t1, t2 - t0))
+            log.step_done()
+            if out is not None and (step % every == 0 or stop):
+                now, version = time.perf_counter(), min(role.version)
+                rec = _record(step_of(version), step, window, role,
+                              (version - last[1]) * samples_per_update / (now - last[0]), tokens_per_sample, device,
+                              lr_of(version))
+                out.write(json.dumps(rec) + "\n")
+                log.train_record(rec)
+                records.append(rec)
+                window, last = [], (now, version)
+            if stop:
+                return records
+    finally:
+        if out is not None:
+            out.close()
+
+
+def _record(step: int, worker_step: int, window: list[tuple], role: PSWorker, samples_per_s: float,
+            tokens_per_sample: int, device, lr: float) -> dict:
+    """Rank 0's metrics record. ``step`` and the speed follow the servers' progress (their versions, in
+    synchronous-step equivalents), not rank 0's own steps (``worker_step``), which run ahead or behind in async."""
+    mean = (lambda i: sum(w[i] for w in window) / len(window))
+    pushed = role.flat.numel() * 4
+    return {"kind": "train", "step": step, "worker_step": worker_step, "loss": window[-1][0], "lr": lr, "grad_norm": role.grad_norm,
+            "skipped_steps": 0, "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * tokens_per_sample,
+            "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
+            "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,
+            "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": 0, "version": min(role.version),
+            "peak_mem_mb": [peak_memory_mb(device)], "time": time.time()}
+
+
+@torch.no_grad()
+def _evaluate(model, task, micro_batch: int, batches: int) -> dict[str, float]:
+    """Validation loss of the final parameters on rank 0 alone (no collective: a worker may be gone)."""
+    model.eval()
+    sampler = DistributedSampler(task.val_set, num_replicas=1, rank=0, shuffle=False, drop_last=True)
+    loader = torch.utils.data.DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler,
+                                         generator=torch.Generator())
+    sums: dict[str, float] = {}
+    for _, batch in zip(range(batches), loader):
+        for key, value in task.eval_sums(model, batch).items():
+            sums[key] = sums.get(key, 0.0) + float(value)
+    count = sums.pop("count", 0.0) or float("nan")
+    result = {"val_loss": sums.pop("loss_sum", float("nan")) / count}
+    if "correct" in sums:
+        result["val_accuracy"] = sums["correct"] / count
+    return result
+
+
+def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
+            wall0: float, peak_lr: float, straggler: Straggler | None) -> dict:
+    cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
+    ev = {"kind": "eval", "step": t.steps, **_evaluate(model, rp.task, plan.micro_batch_size,
+                                                       cfg.log.eval_batches * plan.world_size), "time": time.time()}
+    with open(run_dir / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(ev) + "\n")
+    log.info(f"eval of the final parameters: val_loss {ev['val_loss']:.4f}")
+    for param in model.parameters():  # views of the worker's flat buffer; safetensors wants their own storage
+        param.data = param.data.clone()
+    with replacing(run_dir / "model.safetensors") as tmp:
+        save_model(model, str(tmp))
+    (run_dir / "model.safetensors").chmod(0o644)
+    train_recs, evals = read_metrics(run_dir / "metrics.jsonl")
+    if cfg.log.plots:
+        plot_run(run_dir, title=f"{rp.task.name}, parameter server ({cfg.ps.mode}), {plan.world_size} workers")
+    info = {"run_dir": str(run_dir), "task": rp.task.name, "parameters": sum(x.numel() for x in model.parameters()),
+            "world_size": env.world_size, "device": device.type, "backend": dist.get_backend(),
+            "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
+            "grad_accum_steps": plan.grad_accum_steps, "lr_rule": f"peak {peak_lr:.3g}", "peak_lr": peak_lr,
+            "start_step": 0, "steps": t.steps, "wall_s": time.perf_counter() - wall0,
+            "ps": {"mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": plan.world_size,
+                   "staleness_bound": cfg.ps.staleness if cfg.ps.mode == "ssp" else None,
+                   "backups": cfg.ps.backups if cfg.ps.mode == "backup" else None,
+                   "rank0_steps": records[-1]["worker_step"] if records else 0, "servers_report": reports,
+                   "straggler": None if cfg.straggler.rank < 0 else {"rank": cfg.straggler.rank,
+                                                                    "factor": cfg.straggler.factor}}}
+    summary = summarize(run_dir, info, train_recs, evals)
+    print_summary(summary, log)
+    return summary

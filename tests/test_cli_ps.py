@@ -1,0 +1,78 @@
+"""``dptrain run`` with the parameter-server strategy: the modes end to end, a killed async worker, a straggler,
+and its bad input."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _cli import dptrain
+
+pytestmark = pytest.mark.timeout(240)
+
+SMALL = ["--set", "ddp.strategy=ps", "--set", "task.name=classifier", "--set", "train.steps=12",
+         "--set", "train.global_batch_size=48", "--set", "log.every=4", "--set", "log.progress=lines",
+         "--set", "log.plots=false"]
+
+
+def _summary(run_dir) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("mode", ["ssp", "backup"])  # sync and async: the killed-worker tests below
+def test_modes_train_and_report(tmp_path, mode):
+    run_dir = tmp_path / "run"
+    done = dptrain("run", "--nproc", "4", "--run-dir", str(run_dir), *SMALL, "--set", f"ps.mode={mode}",
+                   "--set", "straggler.rank=2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    summary = _summary(run_dir)
+    report = summary["ps"]["servers_report"]["server_rank3"]
+    assert summary["ps"]["workers"] == 3 and summary["ps"]["straggler"] == {"rank": 2, "factor": 2.0}
+    assert summary["val_loss"] < 2.08  # below chance (ln 8) after 12 steps
+    if mode in ("sync", "backup"):
+        assert report["updates"] == 12 and set(report["staleness"]) == {"0"}
+        assert report["gradients"] == 12 * (3 if mode == "sync" else 2)
+    else:
+        assert report["gradients"] == report["updates"] == 36
+    if mode == "ssp":
+        assert max(int(s) for s in report["staleness"]) <= 2  # the default bound
+    assert "parameter server" in done.stdout and "staleness (steps)" in done.stdout
+    assert (run_dir / "model.safetensors").exists() and not (run_dir / "checkpoints").exists()
+
+
+def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):
+    run_dir = tmp_path / "run"
+    done = dptrain("run", "--nproc", "4", "--run-dir", str(run_dir), *SMALL, "--set", "ps.mode=async",
+                   env={"DPTRAIN_FAULT": "1:3:kill"}, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "warning: rank 1 exited with signal SIGKILL; the run goes on without it" in done.stderr
+    report = _summary(run_dir)["ps"]["servers_report"]["server_rank3"]
+    assert report["lost_workers"] == {"1": "its process died (connection closed)"}
+    assert report["gradients"] == 36 and report["applied_per_worker"]["1"] == 2
+
+
+def test_a_killed_worker_ends_a_sync_run_with_its_name(tmp_path):
+    done = dptrain("run", "--nproc", "4", "--run-dir", str(tmp_path / "run"), *SMALL,
+                   env={"DPTRAIN_FAULT": "1:3:kill"}, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "worker rank 1 is gone (its process died (connection closed)); a sync round needs every worker" \
+        in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "2", "--set", "ps.servers=2"], "world size 2 is too small for 2 server(s) plus at least one worker"),
+    (["--nproc", "3", "--set", "ps.mode=ssp", "--set", "ps.staleness=-1"], "the staleness bound must be >= 0, got -1"),
+    (["--nproc", "3", "--set", "ps.mode=backup", "--set", "ps.backups=2"],
+     "backups=2 with 2 worker(s): a round needs at least one gradient"),
+    (["--nproc", "12", "--set", "ps.servers=9", "--set", "train.global_batch_size=48"],
+     "ps.servers=9: 9 servers for a model of 6 parameter tensors"),
+    (["--nproc", "3", "--set", "straggler.rank=2"], "straggler.rank 2 is a parameter server"),
+    (["--nproc", "3", "--set", "straggler.factor=0.5"], "straggler.factor must be at least 1"),
+    (["--nproc", "3", "--set", "ddp.compression=int8"], "strategy ps sends fp32 gradients"),
+])
+def test_bad_ps_input_is_refused_before_start(tmp_path, args, message):
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL, "--set", "train.global_batch_size=32", *args,
+                   cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert message in done.stderr
+    assert not (tmp_path / "run").exists()
