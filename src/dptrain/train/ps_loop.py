@@ -152,7 +152,8 @@ def _record(step: int, worker_step: int, window: list[tuple], role: PSWorker, sa
     synchronous-step equivalents), not rank 0's own steps (``worker_step``), which run ahead or behind in async."""
     mean = (lambda i: sum(w[i] for w in window) / len(window))
     pushed = role.flat.numel() * 4
-    return {"kind": "train", "step": step, "worker_step": worker_step, "loss": window[-1][0], "lr": lr, "grad_norm": role.grad_norm,
+    return {"kind": "train", "step": step, "worker_step": worker_step, "loss": window[-1][0], "lr": lr,
+            "grad_norm": role.grad_norm,
             "skipped_steps": 0, "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * tokens_per_sample,
             "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
             "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,

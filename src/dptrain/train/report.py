@@ -116,8 +116,8 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
             ("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
             ("workers", f"{summary['world_size']} x {summary['device']} ({summary['backend']})"),
             ("batch", f"global {summary['global_batch_size']} = micro {summary['micro_batch_size']} x "
-                      f"{summary.get('ps', {}).get('workers', summary['world_size'])} ranks x {summary['grad_accum_steps']} "
-                      "accum"),
+                      f"{summary.get('ps', {}).get('workers', summary['world_size'])} ranks x "
+                      f"{summary['grad_accum_steps']} accum"),
             ("learning rate", summary["lr_rule"]),
             ("steps", f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
              else str(summary["steps"])),
@@ -148,9 +148,9 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
 
 def _ps_rows(ps: dict[str, Any]) -> list[tuple[str, str]]:
     """The parameter server's part of the summary: per server, updates, staleness, dropped and lost workers."""
-    rows = [("parameter server", f"{ps['mode']}, {ps['servers']} server(s), {ps['workers']} worker(s)"
-                                 + (f", staleness bound {ps['staleness_bound']}" if ps.get("staleness_bound") is not None
-                                    else "") + (f", {ps['backups']} backup(s)" if ps.get("backups") is not None else ""))]
+    detail = (f", staleness bound {ps['staleness_bound']}" if ps.get("staleness_bound") is not None else
+              f", {ps['backups']} backup(s)" if ps.get("backups") is not None else "")
+    rows = [("parameter server", f"{ps['mode']}, {ps['servers']} server(s), {ps['workers']} worker(s){detail}")]
     for name, rep in ps["servers_report"].items():
         rows.append((name.replace("_", " "), f"{rep['updates']} updates from {rep['gradients']} gradients, "
                                              f"{rep['dropped']} dropped; per worker {rep['applied_per_worker']}"))
