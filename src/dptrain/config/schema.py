@@ -135,6 +135,15 @@ class StragglerConfig:
 
 
 @dataclass
+class BalanceConfig:
+    dynamic_batching: bool = opt(False, "strategy ddp: give each rank a share of the global batch proportional to "
+                                 "its measured speed (same samples, exact weighting; docs/async.md)")
+    every: int = opt(5, "dynamic batching: rebalance every this many steps (one small all-gather)")
+    smoothing: float = opt(0.5, "dynamic batching: weight of the past in the moving average of seconds per sample, "
+                           "in [0, 1)")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every this many steps (and at the end); 0 saves only at the end")
     keep_last: int = opt(2, "checkpoints kept; older ones are deleted after a newer one is complete")
@@ -164,6 +173,7 @@ class RunConfig:
     zero: ZeROConfig = field(default_factory=ZeROConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -171,7 +181,7 @@ class RunConfig:
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
-                "ps", "straggler", "checkpoint", "log"}
+                "ps", "straggler", "balance", "checkpoint", "log"}
 
 
 def section_fields(cls: type) -> dict[str, Any]:

@@ -131,9 +131,13 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """Backward of one micro-batch's mean loss, scaled to a mean over the global batch."""
-        scaled = loss / self.plan.grad_accum_steps
+    def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
+        """Backward of one micro-batch's mean loss, scaled to a mean over the global batch.
+
+        ``weight`` replaces the default scale ``1 / grad_accum_steps`` when ranks take
+        unequal shares of the batch (:class:`dptrain.balance.DynamicBatcher.weight`).
+        """
+        scaled = loss / self.plan.grad_accum_steps if weight is None else loss * weight
         self._loss_sum += scaled.detach().float()
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
+from dptrain.balance import DynamicBatcher, DynamicLoader
 from dptrain.compress import make_codec
 from dptrain.compress.base import Compressor
 from dptrain.compress.hook import CompressionHook
@@ -56,6 +57,7 @@ from dptrain.train.checkpoint import (
 )
 from dptrain.train.engine import Engine, StepInfo
 from dptrain.train.faults import inject_fault, parse_fault
+from dptrain.train.loader import steps_per_epoch
 from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer, decays
 from dptrain.train.plots import plot_run, read_metrics
@@ -134,7 +136,14 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     if rank == 0:
         _truncate_metrics(metrics_path, start_step)
     metrics_file = open(metrics_path, "a", buffering=1) if rank == 0 else None
-    batches = engine.loader(task.train_set, seed=t.seed).micro_batches(start_step)
+    batcher = None
+    if cfg.balance.dynamic_batching:
+        batcher = DynamicBatcher(plan.global_batch_size, env.world_size, rank, plan.grad_accum_steps,
+                                 cfg.balance.every, cfg.balance.smoothing)
+        batches = DynamicLoader(task.train_set, batcher, steps_per_epoch(len(task.train_set), plan),
+                                seed=t.seed).steps(start_step)
+    else:
+        batches = engine.loader(task.train_set, seed=t.seed).micro_batches(start_step)
     recorder = StepRecorder(device, plan.global_batch_size, task.tokens_per_sample)
     t0 = trace_zero(env.world_size == env.local_world_size, device)
     tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
@@ -144,13 +153,17 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
                 inject_fault(fault[2], rank, step)
-            info, times = timed_step(engine, task, batches, compression, straggler)
+            info, times = timed_step(engine, task, batches, compression, straggler, batcher)
             recorder.add(times)
+            if batcher is not None:  # compute before the collective, without the optimizer
+                batcher.observe(step, times.compute_s - (times.optimizer[1] - times.optimizer[0]))
             if tracer.wants(step):
                 tracer.add_step(step, times)
             log.step_done()
             if step % cfg.log.every == 0 or step == t.steps:
                 rec = recorder.record(step, info.loss, info.lr, info.grad_norm, engine.skipped_steps)
+                if batcher is not None:
+                    rec["batch_shares"] = list(batcher.shares)
                 if rank == 0:
                     metrics_file.write(json.dumps(rec) + "\n")
                 log.train_record(rec)
@@ -196,20 +209,24 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
 
 
 def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: Compressor | None = None,
-               straggler: Straggler | None = None) -> tuple[StepInfo, StepTimes]:
+               straggler: Straggler | None = None,
+               batcher: DynamicBatcher | None = None) -> tuple[StepInfo, StepTimes]:
     """One optimizer step (all its micro-steps), with the wall-clock spans of its parts.
 
     An injected straggler's sleep is part of its forward span: it is compute, as a slow device's would be.
+    With dynamic batching ``batches`` yields a step's [(micro-batch, loss weight)] at a time
+    (:class:`dptrain.balance.DynamicLoader`), and the batcher sees the step's compute time.
     """
     times = StepTimes(start=time.perf_counter())
-    for batch in engine.micro_steps(batches):
+    for item in engine.micro_steps(iter(next(batches)) if batcher else batches):
+        batch, weight = item if batcher else (item, None)
         f0 = time.perf_counter()
         with engine.autocast():
             loss = task.loss(engine.model, batch)
         if straggler:
             straggler.after_forward(time.perf_counter() - f0)
         f1 = time.perf_counter()
-        engine.backward(loss)
+        engine.backward(loss, weight)
         f2 = time.perf_counter()
         if straggler:
             straggler.after_backward(f2 - f1)

@@ -117,6 +117,8 @@ class StepRecorder:
             "comm_compressed_bytes_per_step": column["comm_payload_bytes"][0],
             "comm_sent_bytes_per_step": column["comm_wire_bytes"][0],
             "peak_mem_mb": column["peak_mem_mb"],
+            # measured before the collective: a straggler shows here, not in step_ms (every rank waits for it)
+            "compute_ms_per_rank": column["compute_ms"],
             "time": time.time(),
         }
 

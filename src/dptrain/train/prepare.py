@@ -56,6 +56,7 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     if all(v is None for v in sizes):
         sizes = (DEFAULT_GLOBAL_BATCH, None, None)
     _check_straggler(cfg, world_size)
+    _check_balance(cfg)
     data_ranks = _check_ps(cfg, world_size) if cfg.ddp.strategy == "ps" else world_size
     plan = BatchPlan.resolve(data_ranks, *sizes)
     _check_nodes(cfg, world_size)
@@ -138,6 +139,19 @@ def _check_ps(cfg: RunConfig, world_size: int) -> int:
     if cfg.train.precision == "fp16":
         raise ConfigError("train.precision fp16 is not supported with strategy ps (it needs a loss scaler); use bf16")
     return roles.num_workers
+
+
+def _check_balance(cfg: RunConfig) -> None:
+    b = cfg.balance
+    if not b.dynamic_batching:
+        return
+    if cfg.ddp.strategy != "ddp":
+        raise ConfigError(f"balance.dynamic_batching works with strategy ddp, not {cfg.ddp.strategy!r} (ps workers "
+                          "already go at their own pace in modes async, ssp and backup)")
+    if b.every < 1:
+        raise ConfigError(f"balance.every must be at least 1, got {b.every}")
+    if not 0.0 <= b.smoothing < 1.0:
+        raise ConfigError(f"balance.smoothing must be in [0, 1), got {b.smoothing}")
 
 
 def _check_straggler(cfg: RunConfig, world_size: int) -> None:

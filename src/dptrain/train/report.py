@@ -91,12 +91,25 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
                                      for i in range(len(session[-1]["peak_mem_mb"]))],
             "skipped_steps": train[-1]["skipped_steps"],
         })
+    per_rank = [r["compute_ms_per_rank"] for r in steady if "compute_ms_per_rank" in r]
+    if per_rank and len(per_rank[0]) > 1:
+        summary["stragglers"] = straggler_report(per_rank)
     if evals:
         summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
     summary["files"] = _listing(run_dir)
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     summary["files"]["summary.json"] = (run_dir / "summary.json").stat().st_size
     return summary
+
+
+def straggler_report(per_rank: list[list[float]]) -> dict[str, Any]:
+    """From each logged record's per-rank compute ms (measured before the collective): every rank's median, the
+    slowest rank, and how much slower it is than the median of the others."""
+    medians = [statistics.median(row[i] for row in per_rank) for i in range(len(per_rank[0]))]
+    slowest = max(range(len(medians)), key=medians.__getitem__)
+    others = statistics.median(m for i, m in enumerate(medians) if i != slowest)
+    return {"compute_ms_per_rank": medians, "slowest_rank": slowest,
+            "slowdown": medians[slowest] / others if others > 0 else float("inf")}
 
 
 def _listing(run_dir: Path) -> dict[str, int]:
@@ -138,6 +151,11 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
                                            for i, m in enumerate(summary["peak_mem_mb_per_rank"])))]
         if summary["skipped_steps"]:
             rows += [("skipped steps", f"{summary['skipped_steps']} (non-finite gradients)")]
+    if summary.get("stragglers"):
+        st = summary["stragglers"]
+        rows += [("stragglers", f"slowest rank {st['slowest_rank']}, {st['slowdown']:.2f}x the others' compute; "
+                                "median compute ms per rank (before the collective): "
+                                + ", ".join(f"{i}: {m:.1f}" for i, m in enumerate(st["compute_ms_per_rank"])))]
     if summary.get("ps"):
         rows += _ps_rows(summary["ps"])
     width = max(len(k) for k, _ in rows)
