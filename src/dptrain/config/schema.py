@@ -81,8 +81,9 @@ class TrainConfig:
 class DDPConfig:
     strategy: str = opt("ddp", "data-parallel strategy: replicated (ddp), ZeRO stage 1, 2 or 3 (zero1: sharded "
                         "optimizer state, zero2: and gradients, zero3: and parameters; see [zero] and docs/zero.md), "
-                        "or a parameter server (ps; see [ps] and docs/async.md)",
-                        choices=("ddp", "zero1", "zero2", "zero3", "ps"))
+                        "a parameter server (ps; see [ps] and docs/async.md) or gossip (decentralized: each rank "
+                        "averages parameters with its neighbours; see [gossip])",
+                        choices=("ddp", "zero1", "zero2", "zero3", "ps", "gossip"))
     backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
                        choices=("auto", "gloo", "nccl"))
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
@@ -125,6 +126,12 @@ class PSConfig:
                     "workers - backups gradients)", choices=("sync", "async", "ssp", "backup"))
     staleness: int = opt(2, "mode ssp: how many steps a worker may run ahead of the slowest")
     backups: int = opt(1, "mode backup: the slowest gradients of each round that are not waited for")
+
+
+@dataclass
+class GossipConfig:
+    topology: str = opt("ring", "strategy gossip: whom each rank averages with: ring (both neighbours) or "
+                        "exponential (one peer per step at distance 1, 2, 4, ...)", choices=("ring", "exponential"))
 
 
 @dataclass
@@ -172,6 +179,7 @@ class RunConfig:
     ddp: DDPConfig = field(default_factory=DDPConfig)
     zero: ZeROConfig = field(default_factory=ZeROConfig)
     ps: PSConfig = field(default_factory=PSConfig)
+    gossip: GossipConfig = field(default_factory=GossipConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -181,7 +189,7 @@ class RunConfig:
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
-                "ps", "straggler", "balance", "checkpoint", "log"}
+                "ps", "gossip", "straggler", "balance", "checkpoint", "log"}
 
 
 def section_fields(cls: type) -> dict[str, Any]:

@@ -14,8 +14,11 @@ Mixed precision follows ``torch.autocast``: bf16 on CPU or GPU; fp16 on GPU with
 ``GradScaler``. A step whose gradient norm is not finite is skipped; because the norm
 is the same on every rank, every rank skips it together.
 
-``strategy`` picks the data-parallel wrapper: ``"ddp"`` (replicated, the DDP engine) or
-``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`). Under ZeRO the
+``strategy`` picks the data-parallel wrapper: ``"ddp"`` (replicated, the DDP engine),
+``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`) or ``"gossip"``
+(:class:`dptrain.gossip.GossipDataParallel`: gradients stay local, the parameters are
+mixed with the neighbours' before each optimizer step; the gradient norm is then each
+rank's own). Under ZeRO the
 optimizer must be built from the wrapped model's shards, so pass a factory
 ``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``; bf16 becomes
 ZeRO's own mixed precision (the module computes in bf16 from fp32 master shards,
@@ -45,6 +48,7 @@ from torch.utils.data import Dataset
 
 from dptrain.batching import BatchPlan
 from dptrain.ddp import DistributedDataParallel
+from dptrain.gossip import GossipDataParallel
 from dptrain.train.loader import ShardedLoader
 from dptrain.zero import MixedPrecision, ZeRO
 
@@ -65,7 +69,7 @@ class Engine:
                  optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer], plan: BatchPlan,
                  *, precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
                  ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None,
-                 strategy: str = "ddp", zero_kwargs: dict | None = None):
+                 strategy: str = "ddp", zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None):
         if strategy == "ddp":
             self.model: nn.Module = DistributedDataParallel(model, process_group=process_group, **(ddp_kwargs or {}))
         elif strategy in ("zero1", "zero2", "zero3"):
@@ -77,8 +81,10 @@ class Engine:
                 raise ValueError("precision fp16 is not supported with ZeRO (it needs a loss scaler over sharded "
                                  "gradients); use bf16, which needs none")
             self.model = ZeRO(model, stage=int(strategy[-1]), process_group=process_group, **kwargs)
+        elif strategy == "gossip":
+            self.model = GossipDataParallel(model, process_group=process_group, **(gossip_kwargs or {}))
         else:
-            raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2 or zero3")
+            raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2, zero3 or gossip")
         if not isinstance(optimizer, torch.optim.Optimizer):
             optimizer = optimizer(self.model)
         elif self.sharded:
@@ -102,6 +108,11 @@ class Engine:
     def sharded(self) -> bool:
         """Whether the model is ZeRO-sharded (checkpoints are then sharded too)."""
         return isinstance(self.model, ZeRO)
+
+    @property
+    def gossip(self) -> bool:
+        """Whether replicas are mixed with neighbours instead of gradients all-reduced (gradients stay local)."""
+        return isinstance(self.model, GossipDataParallel)
 
     # ------------------------------------------------------------------ data
 
@@ -159,6 +170,8 @@ class Engine:
             norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
         skipped = not math.isfinite(norm)
         self.skipped_steps += skipped
+        if self.gossip:  # D-PSGD: mix the parameters, then apply the gradient taken before mixing
+            self.model.mix()
         if self.scaler is not None:
             self.scaler.step(self.optimizer)  # skips by itself on inf/nan
             self.scaler.update()

@@ -101,8 +101,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
                     ddp_kwargs=ddp_kwargs, strategy=cfg.ddp.strategy,
+                    gossip_kwargs=dict(topology=cfg.gossip.topology),
                     zero_kwargs=_zero_kwargs(cfg, model, nodes) if cfg.ddp.strategy != "ddp" else None)
-    if not engine.sharded:
+    if not engine.sharded and not engine.gossip:
         engine.model.reducer.record_spans = True
     compression = _compression_hook(cfg, engine)
     compression_note = None
@@ -164,11 +165,17 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 rec = recorder.record(step, info.loss, info.lr, info.grad_norm, engine.skipped_steps)
                 if batcher is not None:
                     rec["batch_shares"] = list(batcher.shares)
+                if engine.gossip:  # collective, at the same logging steps on every rank
+                    rec["consensus_distance"] = engine.model.consensus_distance()
+                    rec["comm_bytes_per_step"] = engine.model.bytes_per_mix
+                    rec["gossip_mix_ms"] = 1e3 * engine.model.last_mix_s
                 if rank == 0:
                     metrics_file.write(json.dumps(rec) + "\n")
                 log.train_record(rec)
                 if not math.isfinite(rec["loss"]):
                     log.info(f"warning: loss is {rec['loss']} at step {step}")
+            if engine.gossip and step == t.steps:  # the model to evaluate and keep: the replicas' average
+                engine.model.average_()
             if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == t.steps:
                 ev = evaluate(engine, task, cfg.log.eval_batches)
                 ev = {"kind": "eval", "step": step, **ev, "time": time.time()}
@@ -176,6 +183,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     metrics_file.write(json.dumps(ev) + "\n")
                 log.info(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
                                                               if k.startswith("val_")))
+            if engine.gossip:  # replicas differ: only the averaged final weights are written (see prepare.py)
+                continue
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
                 _save(engine, rp, step, env, device, log, compression)
     finally:
@@ -189,6 +198,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     if engine.sharded:  # collective: every rank's shards are gathered to rank 0
         export_safetensors(engine.model, run_dir / "model.safetensors")
     if rank == 0:
+        if engine.gossip:  # views of one flat buffer; safetensors wants each tensor's own storage
+            for param in engine.model.module.parameters():
+                param.data = param.data.clone()
         if not engine.sharded:
             with replacing(run_dir / "model.safetensors") as tmp:
                 save_model(engine.model.module, str(tmp))

@@ -74,9 +74,10 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     ident_hash = identity_hash(ident)
     resume_from, meta = None, None
     latest = find_latest(run_dir)
-    if latest is not None and cfg.checkpoint.resume and cfg.ddp.strategy == "ps":
-        raise ConfigError(f"{run_dir} has checkpoints (newest: {latest.name}), but strategy ps does not resume "
-                          "from checkpoints yet (it writes only the final weights); use another run_dir")
+    if latest is not None and cfg.checkpoint.resume and cfg.ddp.strategy in ("ps", "gossip"):
+        raise ConfigError(f"{run_dir} has checkpoints (newest: {latest.name}), but strategy {cfg.ddp.strategy} "
+                          "does not resume from checkpoints yet (it writes only the final weights); use another "
+                          "run_dir")
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size,
@@ -111,6 +112,9 @@ def _check_ranges(cfg: RunConfig) -> None:
                           f"supported: strategy ddp with fp16, bf16, int8, topk or powersgd, and strategies zero1, "
                           f"zero2 and zero3 with {', '.join(ZERO_CODECS)} (their reduce-scatter, compressed shard by "
                           "shard)")
+    if d.strategy == "gossip" and d.compression != "none":
+        raise ConfigError(f"ddp.compression {d.compression!r} compresses gradient all-reduces; strategy gossip has "
+                          "none (it exchanges parameters with neighbours): set compression = \"none\"")
     if d.compression != "none" and d.algorithm != "native":
         raise ConfigError(f"ddp.algorithm {d.algorithm!r} chooses how uncompressed buckets are all-reduced; with "
                           f"ddp.compression {d.compression!r} the codec decides the collectives: leave algorithm "
