@@ -19,23 +19,19 @@ def _summary(run_dir) -> dict:
     return json.loads((run_dir / "summary.json").read_text())
 
 
-@pytest.mark.parametrize("mode", ["ssp", "backup"])  # sync and async: the killed-worker tests below
-def test_modes_train_and_report(tmp_path, mode):
+def test_an_ssp_run_with_a_straggler_trains_and_reports(tmp_path):
+    """One mode end to end (the others: tests/test_ps.py, and async below)."""
     run_dir = tmp_path / "run"
-    done = dptrain("run", "--nproc", "4", "--run-dir", str(run_dir), *SMALL, "--set", f"ps.mode={mode}",
+    done = dptrain("run", "--nproc", "4", "--run-dir", str(run_dir), *SMALL, "--set", "ps.mode=ssp",
                    "--set", "straggler.rank=2", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     summary = _summary(run_dir)
     report = summary["ps"]["servers_report"]["server_rank3"]
     assert summary["ps"]["workers"] == 3 and summary["ps"]["straggler"] == {"rank": 2, "factor": 2.0}
     assert summary["val_loss"] < 2.08  # below chance (ln 8) after 12 steps
-    if mode in ("sync", "backup"):
-        assert report["updates"] == 12 and set(report["staleness"]) == {"0"}
-        assert report["gradients"] == 12 * (3 if mode == "sync" else 2)
-    else:
-        assert report["gradients"] == report["updates"] == 36
-    if mode == "ssp":
-        assert max(int(s) for s in report["staleness"]) <= 2  # the default bound
+    assert report["gradients"] == report["updates"] == 36
+    assert max(int(s) for s in report["staleness"]) <= 2  # the default bound
+    assert report["applied_per_worker"]["2"] < 12  # the straggler pushed fewer than its share
     assert "parameter server" in done.stdout and "staleness (steps)" in done.stdout
     assert (run_dir / "model.safetensors").exists() and not (run_dir / "checkpoints").exists()
 
@@ -49,14 +45,6 @@ def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):
     report = _summary(run_dir)["ps"]["servers_report"]["server_rank3"]
     assert report["lost_workers"] == {"1": "its process died (connection closed)"}
     assert report["gradients"] == 36 and report["applied_per_worker"]["1"] == 2
-
-
-def test_a_killed_worker_ends_a_sync_run_with_its_name(tmp_path):
-    done = dptrain("run", "--nproc", "4", "--run-dir", str(tmp_path / "run"), *SMALL,
-                   env={"DPTRAIN_FAULT": "1:3:kill"}, cwd=tmp_path)
-    assert done.returncode == 1
-    assert "worker rank 1 is gone (its process died (connection closed)); a sync round needs every worker" \
-        in done.stderr
 
 
 @pytest.mark.parametrize("args, message", [

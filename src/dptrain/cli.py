@@ -288,7 +288,7 @@ def cluster(hosts: int, per_host: int, bandwidth_gbit: float, queue_latency_ms: 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
                "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm",
                "zero": "dptrain.bench.zero", "plan": "dptrain.bench.plan", "cluster": "dptrain.bench.cluster",
-               "compression": "dptrain.bench.compression",
+               "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
                "compression-link": "dptrain.bench.compression_link"}
 
 

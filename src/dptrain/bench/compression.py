@@ -13,14 +13,11 @@ evaluation) and its ratio to the uncompressed run's.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 from dptrain.bench.results import save_result
+from dptrain.bench.runs import Raw, dptrain_run
 
 __all__ = ["VARIANTS", "run", "main"]
 
@@ -38,35 +35,18 @@ VARIANTS = [
 ]
 
 
-def _toml(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return f'"{value}"'
-    return repr(value)
-
-
 def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: list[str]) -> dict:
-    run_dir = directory / "run"
-    args = [sys.executable, "-m", "dptrain.cli", "run", "--nproc", str(nproc), "--run-dir", str(run_dir),
-            "--set", f"train.steps={steps}", "--set", f"log.every={max(1, steps // 10)}",
-            "--set", "log.progress=lines", "--set", "log.plots=false", "--set", "checkpoint.every=0"]
-    for key, value in settings.items():
-        args += ["--set", f"ddp.{key}={_toml(value)}"]
+    base = {"train.steps": steps, "log.every": max(1, steps // 10), "log.progress": "lines", "log.plots": False,
+            "checkpoint.every": 0, **{f"ddp.{k}": v for k, v in settings.items()}}
     for override in overrides:
-        args += ["--set", override]
-    t0 = time.perf_counter()
-    done = subprocess.run(args, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"dptrain run with {settings} failed:\n{done.stderr[-2000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in records if r.get("kind") == "train"]
-    last = train[-1]
+        key, _, value = override.partition("=")
+        base[key] = Raw(value)
+    done = dptrain_run(nproc, base, directory / "run")
+    summary, last = done["summary"], done["train"][-1]
     return {"val_loss": summary["val_loss"], "final_train_loss": summary["final_train_loss"],
             "raw_bytes_per_step": last["comm_bytes_per_step"],
             "payload_bytes_per_step": last.get("comm_compressed_bytes_per_step") or last["comm_bytes_per_step"],
-            "sent_bytes_per_step": last.get("comm_sent_bytes_per_step", 0), "wall_s": time.perf_counter() - t0}
+            "sent_bytes_per_step": last.get("comm_sent_bytes_per_step", 0), "wall_s": done["wall_s"]}
 
 
 def run(steps: int, nproc: int, variants: list[str] | None = None, overrides: list[str] | None = None) -> dict:

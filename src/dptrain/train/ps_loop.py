@@ -18,7 +18,9 @@ from __future__ import annotations
 import json
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ from dptrain.train.prepare import RunPlan
 from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
+from dptrain.train.trace import TraceRecorder
 
 __all__ = ["train_ps"]
 
@@ -75,23 +78,26 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         log.close()
         return None
     seed_everything(t.seed + 1 + rank)  # workers draw different dropout masks
-    straggler = Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None
-    samples_per_update = plan.micro_batch_size * plan.grad_accum_steps * (
-        workers if p.mode == "sync" else workers - p.backups if p.mode == "backup" else 1)
-    def step_of(version: int) -> int:  # the synchronous steps a server version amounts to
-        return version if consistency.rounds else version // workers
-
-    def lr_of(version: int) -> float:  # what the servers use (ps.server.ShardServer._apply)
-        lr = warmup_cosine(step_of(version), peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio)
-        return lr if consistency.rounds else lr / workers
-
-    records = _work(role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed).micro_batches(),
-                    plan.grad_accum_steps, straggler, log, cfg.log.every, rank == 0 and run_dir / "metrics.jsonl",
-                    samples_per_update, task.tokens_per_sample, device, lr_of, step_of, rank)
+    loop = _WorkerLoop(
+        role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed).micro_batches(), plan.grad_accum_steps,
+        log, device, rank, every=cfg.log.every,
+        straggler=Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None,
+        tracer=TraceRecorder(0, time.perf_counter(), cfg.log.trace_start, cfg.log.trace_steps)
+        if rank == 0 and cfg.log.trace_steps else None,
+        samples_per_update=plan.micro_batch_size * plan.grad_accum_steps * (
+            workers if p.mode == "sync" else workers - p.backups if p.mode == "backup" else 1),
+        step_of=lambda version: version if consistency.rounds else version // workers,
+        lr_scale=1.0 if consistency.rounds else 1.0 / workers,
+        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio))
+    records = loop.run(run_dir / "metrics.jsonl" if rank == 0 else None)
     reports = role.leave()
     summary = None
     if rank == 0:
-        summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, straggler)
+        if loop.tracer is not None and loop.tracer.events:
+            loop.tracer.write_local(run_dir / "trace.json")
+            log.info(f"trace of rank 0's steps {loop.tracer.steps.start}-{loop.tracer.steps.stop - 1}: "
+                     f"{run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
+        summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr)
     log.close()
     return summary
 
@@ -100,65 +106,88 @@ def _mode_detail(p) -> str:
     return f", staleness {p.staleness}" if p.mode == "ssp" else f", {p.backups} backup(s)" if p.mode == "backup" else ""
 
 
-def _work(role: PSWorker, task, batches, accum: int, straggler: Straggler | None, log: RunLog, every: int,
-          metrics_path: Path | bool, samples_per_update: int, tokens_per_sample: int, device,
-          lr_of, step_of, rank: int) -> list[dict]:
-    """The worker loop until the servers say stop; rank 0 writes a metrics record every ``every`` steps."""
-    out = open(metrics_path, "w", buffering=1) if metrics_path else None
-    fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
-    records, window, step = [], [], 0
-    last = (time.perf_counter(), min(role.version))
-    try:
-        while True:
-            step += 1
-            if fault and fault[:2] == (rank, step):
-                inject_fault(fault[2], rank, step)
-            t0 = time.perf_counter()
-            loss_sum = 0.0
-            for _ in range(accum):
-                f0 = time.perf_counter()
-                loss = task.loss(role.model, next(batches)) / accum
-                if straggler:
-                    straggler.after_forward(time.perf_counter() - f0)
-                b0 = time.perf_counter()
-                loss.backward()
-                if straggler:
-                    straggler.after_backward(time.perf_counter() - b0)
-                loss_sum += float(loss.detach())
-            t1 = time.perf_counter()
-            stop = role.step()
-            t2 = time.perf_counter()
-            window.append((loss_sum, t1 - t0, t2 - t1, t2 - t0))
-            log.step_done()
-            if out is not None and (step % every == 0 or stop):
-                now, version = time.perf_counter(), min(role.version)
-                rec = _record(step_of(version), step, window, role,
-                              (version - last[1]) * samples_per_update / (now - last[0]), tokens_per_sample, device,
-                              lr_of(version))
-                out.write(json.dumps(rec) + "\n")
-                log.train_record(rec)
-                records.append(rec)
-                window, last = [], (now, version)
-            if stop:
-                return records
-    finally:
-        if out is not None:
-            out.close()
+@dataclass
+class _WorkerLoop:
+    """A worker's steps until the servers say stop; rank 0 writes a metrics record every ``every`` steps."""
 
+    role: PSWorker
+    task: Any
+    batches: Iterator
+    accum: int
+    log: RunLog
+    device: torch.device
+    rank: int
+    every: int
+    straggler: Straggler | None
+    tracer: TraceRecorder | None
+    samples_per_update: int  # samples in one server update: micro x accum x gradients per update
+    step_of: Callable[[int], int]  # a server version in synchronous steps
+    lr_scale: float
+    lr_at: Callable[[int], float]
 
-def _record(step: int, worker_step: int, window: list[tuple], role: PSWorker, samples_per_s: float,
-            tokens_per_sample: int, device, lr: float) -> dict:
-    """Rank 0's metrics record. ``step`` and the speed follow the servers' progress (their versions, in
-    synchronous-step equivalents), not rank 0's own steps (``worker_step``), which run ahead or behind in async."""
-    mean = (lambda i: sum(w[i] for w in window) / len(window))
-    pushed = role.flat.numel() * 4
-    return {"kind": "train", "step": step, "worker_step": worker_step, "loss": window[-1][0], "lr": lr,
-            "grad_norm": role.grad_norm,
-            "skipped_steps": 0, "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * tokens_per_sample,
-            "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
-            "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,
-            "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": 0, "version": min(role.version),
-            "peak_mem_mb": [peak_memory_mb(device)], "time": time.time()}
+    def run(self, metrics_path: Path | None) -> list[dict]:
+        out = open(metrics_path, "w", buffering=1) if metrics_path else None
+        fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+        records, window, step = [], [], 0
+        last = (time.perf_counter(), min(self.role.version))
+        try:
+            while True:
+                step += 1
+                if fault and fault[:2] == (self.rank, step):
+                    inject_fault(fault[2], self.rank, step)
+                t0 = time.perf_counter()
+                loss, micro = self._compute()
+                t1 = time.perf_counter()
+                stop = self.role.step()
+                t2 = time.perf_counter()
+                if self.tracer is not None and self.tracer.wants(step):
+                    self.tracer.add_ps_step(step, t0, micro, t2)
+                window.append((loss, t1 - t0, t2 - t1, t2 - t0))
+                self.log.step_done()
+                if out is not None and (step % self.every == 0 or stop):
+                    now, version = time.perf_counter(), min(self.role.version)
+                    rec = self._record(version, step, window,
+                                       (version - last[1]) * self.samples_per_update / (now - last[0]))
+                    out.write(json.dumps(rec) + "\n")
+                    self.log.train_record(rec)
+                    records.append(rec)
+                    window, last = [], (now, version)
+                if stop:
+                    return records
+        finally:
+            if out is not None:
+                out.close()
+
+    def _compute(self) -> tuple[float, list[tuple[float, float, float]]]:
+        """Forward and backward of every micro-step; the mean loss and each micro-step's (forward, backward, end)."""
+        loss_sum, micro = 0.0, []
+        for _ in range(self.accum):
+            f0 = time.perf_counter()
+            loss = self.task.loss(self.role.model, next(self.batches)) / self.accum
+            if self.straggler:
+                self.straggler.after_forward(time.perf_counter() - f0)
+            b0 = time.perf_counter()
+            loss.backward()
+            b1 = time.perf_counter()
+            if self.straggler:
+                self.straggler.after_backward(b1 - b0)
+            loss_sum += float(loss.detach())
+            micro.append((f0, b0, b1))
+        return loss_sum, micro
+
+    def _record(self, version: int, worker_step: int, window: list[tuple], samples_per_s: float) -> dict:
+        """Rank 0's metrics record. ``step``, the learning rate and the speed follow the servers' progress
+        (their versions, in synchronous steps), not rank 0's own steps, which run ahead or behind in async."""
+        mean = (lambda i: sum(w[i] for w in window) / len(window))
+        pushed = self.role.flat.numel() * 4
+        step = self.step_of(version)
+        return {"kind": "train", "step": step, "worker_step": worker_step, "loss": window[-1][0],
+                "lr": self.lr_at(step) * self.lr_scale, "grad_norm": self.role.grad_norm, "skipped_steps": 0,
+                "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.task.tokens_per_sample,
+                "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
+                "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,
+                "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": 0, "version": version,
+                "peak_mem_mb": [peak_memory_mb(self.device)], "time": time.time()}
 
 
 @torch.no_grad()
@@ -180,7 +209,7 @@ def _evaluate(model, task, micro_batch: int, batches: int) -> dict[str, float]:
 
 
 def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
-            wall0: float, peak_lr: float, straggler: Straggler | None) -> dict:
+            wall0: float, peak_lr: float) -> dict:
     cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
     ev = {"kind": "eval", "step": t.steps, **_evaluate(model, rp.task, plan.micro_batch_size,
                                                        cfg.log.eval_batches * plan.world_size), "time": time.time()}

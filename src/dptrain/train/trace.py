@@ -73,6 +73,18 @@ class TraceRecorder:
                            _COMPUTE_TID, micro_step=k)
         self._span("optimizer", "compute", *times.optimizer, _COMPUTE_TID)
 
+    def add_ps_step(self, step: int, start: float, micro: list[tuple[float, float, float]], end: float) -> None:
+        """A parameter-server worker's step: each micro-step's forward and backward, then push and wait."""
+        self._span(f"step {step}", "step", start, end, _COMPUTE_TID)
+        for k, (f0, b0, b1) in enumerate(micro):
+            self._span("forward", "compute", f0, b0, _COMPUTE_TID, micro_step=k)
+            self._span("backward", "compute", b0, b1, _COMPUTE_TID, micro_step=k)
+        self._span("push gradient, wait for parameters", "comm", micro[-1][2], end, _COMPUTE_TID)
+
+    def write_local(self, path: Path) -> None:
+        """This rank's events alone (no collective: under the parameter server ranks do not meet)."""
+        write_text_atomic(path, json.dumps({"traceEvents": self._metadata() + self.events, "displayTimeUnit": "ms"}))
+
     def _span(self, name: str, cat: str, start: float, end: float, tid: int, **args) -> None:
         self.events.append({"name": name, "cat": cat, "ph": "X", "pid": self.rank, "tid": tid,
                             "ts": round(1e6 * (start - self.t0), 3), "dur": round(1e6 * max(0.0, end - start), 3),
