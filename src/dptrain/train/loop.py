@@ -235,16 +235,15 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: 
         f0 = time.perf_counter()
         with engine.autocast():
             loss = task.loss(engine.model, batch)
-        if straggler:
-            straggler.after_forward(time.perf_counter() - f0)
+        if straggler and not times.forward:
+            straggler.delay()
         f1 = time.perf_counter()
         engine.backward(loss, weight)
-        f2 = time.perf_counter()
-        if straggler:
-            straggler.after_backward(f2 - f1)
         times.forward.append((f0, f1))
-        times.backward.append((f1, f2))
+        times.backward.append((f1, time.perf_counter()))
     times.comm = getattr(engine.model, "last_step_comm", None)  # the DDP engine's statistics
+    if straggler:  # forward and backward, less the wait for gradients at the end of backward
+        straggler.step_done(sum(e - s for s, e in times.forward + times.backward) - times.exposed_comm_s)
     times.compressed = compression.stats.close_step() if compression is not None else None
     o0 = time.perf_counter()
     info = engine.step()

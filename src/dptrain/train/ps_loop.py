@@ -161,18 +161,17 @@ class _WorkerLoop:
     def _compute(self) -> tuple[float, list[tuple[float, float, float]]]:
         """Forward and backward of every micro-step; the mean loss and each micro-step's (forward, backward, end)."""
         loss_sum, micro = 0.0, []
-        for _ in range(self.accum):
+        for k in range(self.accum):
             f0 = time.perf_counter()
             loss = self.task.loss(self.role.model, next(self.batches)) / self.accum
-            if self.straggler:
-                self.straggler.after_forward(time.perf_counter() - f0)
+            if self.straggler and k == 0:
+                self.straggler.delay()
             b0 = time.perf_counter()
             loss.backward()
-            b1 = time.perf_counter()
-            if self.straggler:
-                self.straggler.after_backward(b1 - b0)
             loss_sum += float(loss.detach())
-            micro.append((f0, b0, b1))
+            micro.append((f0, b0, time.perf_counter()))
+        if self.straggler:
+            self.straggler.step_done(micro[-1][2] - micro[0][0])
         return loss_sum, micro
 
     def _record(self, version: int, worker_step: int, window: list[tuple], samples_per_s: float) -> dict:
