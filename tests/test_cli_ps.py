@@ -64,3 +64,12 @@ def test_bad_ps_input_is_refused_before_start(tmp_path, args, message):
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_the_straggler_study_runs_and_tabulates():
+    from dptrain.bench.async_study import run, table
+
+    result = run(steps=2, workers=2, factor=2.0, rounds=1, variants=["backup b=1"])
+    row = result["rows"][0]
+    assert row["samples_per_s"] > 0 and row["runs"][0]["dropped"] >= 0 and "0" in row["runs"][0]["staleness"]
+    assert "| backup b=1 |" in table(result)
