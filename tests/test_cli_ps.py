@@ -57,6 +57,8 @@ def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):
     (["--nproc", "3", "--set", "straggler.rank=2"], "straggler.rank 2 is a parameter server"),
     (["--nproc", "3", "--set", "straggler.factor=0.5"], "straggler.factor must be at least 1"),
     (["--nproc", "3", "--set", "ddp.compression=int8"], "strategy ps sends fp32 gradients"),
+    (["--nproc", "4"], "global batch 32 is not divisible by accum 1 x world 3 = 3, so the micro batch would not be "
+                       "whole; choose global 30 or 33 (strategy ps: the world here is the 3 workers"),
 ])
 def test_bad_ps_input_is_refused_before_start(tmp_path, args, message):
     done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL, "--set", "train.global_batch_size=32", *args,

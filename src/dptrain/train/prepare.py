@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dptrain.batching import BatchPlan
+from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.ps.consistency import Consistency
@@ -58,7 +58,13 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     _check_straggler(cfg, world_size)
     _check_balance(cfg)
     data_ranks = _check_ps(cfg, world_size) if cfg.ddp.strategy == "ps" else world_size
-    plan = BatchPlan.resolve(data_ranks, *sizes)
+    try:
+        plan = BatchPlan.resolve(data_ranks, *sizes)
+    except BatchSizeError as e:
+        if data_ranks == world_size:
+            raise
+        raise BatchSizeError(f"{e} (strategy ps: the world here is the {data_ranks} workers; the "
+                             f"{world_size - data_ranks} server rank(s) take no data)") from None
     _check_nodes(cfg, world_size)
     try:
         task = build_task(cfg)
