@@ -123,10 +123,24 @@ def test_gossip_run_reports_consensus_distance_and_bytes(tmp_path):
     assert all(r["consensus_distance"] > 0 for r in train)  # measured before the final averaging
     parameters = json.loads((run_dir / "summary.json").read_text())["parameters"]
     assert train[-1]["comm_bytes_per_step"] == 2 * 4 * parameters  # ring of 3: two neighbours, fp32
-    assert (run_dir / "model.safetensors").exists() and not (run_dir / "checkpoints").exists()
+    assert (run_dir / "model.safetensors").exists()
 
 
 def test_gossip_refuses_compression(tmp_path):
     done = dptrain("run", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--set", "ddp.strategy=gossip",
                    "--set", "ddp.compression=int8", "--set", "task.name=classifier", cwd=tmp_path)
     assert done.returncode == 2 and "strategy gossip has none" in done.stderr
+
+
+def test_a_resumed_gossip_run_continues_exactly(tmp_path):
+    """Each rank's replica, optimizer state and mixing step are in the checkpoint (the replicas differ)."""
+    from test_cli_run import _steps, _straight_and_resumed
+
+    def saved_per_rank(run_dir):
+        assert sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003" / "gossip").iterdir()) \
+            == ["rank0.pt", "rank1.pt"]
+
+    a, b = _straight_and_resumed(tmp_path, ["--set", "ddp.strategy=gossip", "--set", "gossip.topology=exponential"],
+                                 saved_per_rank)
+    assert _steps(a) == _steps(b)
+    assert [r["consensus_distance"] for r in a] == [r["consensus_distance"] for r in b]

@@ -72,6 +72,7 @@ from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_shard
 __all__ = ["train", "timed_step", "evaluate", "zero_kwargs_from_config"]
 
 COMPRESSION = "compression"  # a checkpoint's per-rank error-feedback residuals
+GOSSIP = "gossip"  # a gossip checkpoint's per-rank replicas and optimizer states
 
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
@@ -113,6 +114,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         start_step = _resume(engine, rp.resume_from, rank, device)
         if compression is not None:
             compression_note = _resume_compression(compression, rp.resume_from, rank, env.world_size)
+        if engine.gossip:
+            compression_note = _resume_gossip(engine, rp.resume_from, rank, env.world_size)
     else:
         start_step = 0
         _seed_everything(t.seed + 1 + rank)
@@ -174,7 +177,12 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 log.train_record(rec)
                 if not math.isfinite(rec["loss"]):
                     log.info(f"warning: loss is {rec['loss']} at step {step}")
-            if engine.gossip and step == t.steps:  # the model to evaluate and keep: the replicas' average
+            saved = False
+            if engine.gossip and step == t.steps:
+                # the last checkpoint keeps each rank's own replica, so a longer run resumed from it continues
+                # exactly; the model to evaluate and keep is the replicas' average
+                _save(engine, rp, step, env, device, log, compression)
+                saved = True
                 engine.model.average_()
             if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == t.steps:
                 ev = evaluate(engine, task, cfg.log.eval_batches)
@@ -183,9 +191,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     metrics_file.write(json.dumps(ev) + "\n")
                 log.info(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
                                                               if k.startswith("val_")))
-            if engine.gossip:  # replicas differ: only the averaged final weights are written (see prepare.py)
-                continue
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps:
+            if not saved and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
                 _save(engine, rp, step, env, device, log, compression)
     finally:
         if metrics_file is not None:
@@ -291,7 +297,7 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
     """
     states: list = [None] * env.world_size
     dist.all_gather_object(states, rng_state(device))
-    every_rank = engine.sharded or compression is not None
+    every_rank = engine.sharded or compression is not None or engine.gossip
     if every_rank:
         staged = staging_dir(rp.run_dir, step)
         if env.rank == 0:
@@ -303,6 +309,11 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
         if compression is not None:
             (staged / COMPRESSION).mkdir(exist_ok=True)
             torch.save(compression.state_dict(), staged / COMPRESSION / f"rank{env.rank}.pt")
+        if engine.gossip:  # the replicas differ: each rank's own, with its optimizer state and mixing step
+            (staged / GOSSIP).mkdir(exist_ok=True)
+            torch.save({"model": engine.model.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                        "mix_steps": engine.model.steps}, staged / GOSSIP / f"rank{env.rank}.pt")
+        if compression is not None or engine.gossip:
             dist.barrier()
     if env.rank == 0:
         trainer = {"step": engine.step_count, "skipped_steps": engine.skipped_steps, "rng": states,
@@ -354,6 +365,23 @@ def _resume_compression(hook: Compressor, path: Path, rank: int, world_size: int
     reason = (f"the checkpoint was saved on {meta_world} ranks, this run has {world_size}"
               if meta_world != world_size else "the checkpoint has none")
     return f"compression residuals start from zero: {reason}"
+
+
+def _resume_gossip(engine: Engine, path: Path, rank: int, world_size: int) -> str | None:
+    """Load this rank's own replica and optimizer state (a gossip checkpoint saved on as many ranks).
+
+    On another world size every replica starts from rank 0's copy (already loaded); returns what to say.
+    """
+    saved = path / GOSSIP / f"rank{rank}.pt"
+    meta_world = json.loads((path / "meta.json").read_text()).get("world_size")
+    if meta_world != world_size or not saved.exists():
+        return (f"gossip replicas start from rank 0's copy: the checkpoint was saved on {meta_world} ranks, this "
+                f"run has {world_size}")
+    state = torch.load(saved, map_location=engine.device, weights_only=True)
+    engine.model.module.load_state_dict(state["model"])  # copies into the flat buffer's views
+    engine.optimizer.load_state_dict(state["optimizer"])
+    engine.model.steps = state["mix_steps"]
+    return None
 
 
 def _zero_kwargs(cfg, model: torch.nn.Module, nodes: int) -> dict[str, Any]:

@@ -80,14 +80,13 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     ident_hash = identity_hash(ident)
     resume_from, meta = None, None
     latest = find_latest(run_dir)
-    if latest is not None and cfg.checkpoint.resume and cfg.ddp.strategy in ("ps", "gossip"):
-        raise ConfigError(f"{run_dir} has checkpoints (newest: {latest.name}), but strategy {cfg.ddp.strategy} "
-                          "does not resume from checkpoints yet (it writes only the final weights); use another "
-                          "run_dir")
+    if latest is not None and cfg.checkpoint.resume and cfg.ddp.strategy == "ps":
+        raise ConfigError(f"{run_dir} has checkpoints (newest: {latest.name}), but strategy ps does not resume from "
+                          "checkpoints yet (it writes only the final weights); use another run_dir")
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size,
-                                 "replicated" if cfg.ddp.strategy == "ddp" else "sharded")
+                                 "sharded" if cfg.ddp.strategy.startswith("zero") else "replicated")
     elif latest is not None:
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
