@@ -87,7 +87,7 @@ class ShardServer:
             offset += p.numel()
         self.optimizer = build_optimizer(self.params)
         self.num_workers = len(links)
-        self.version = self.applied = self.skipped = 0
+        self.version = self.skipped = 0  # version: updates applied (a round's, or one gradient's)
         self.records: list[Applied] = []
         self.dropped: list[Applied] = []
         self.lost: dict[int, str] = {}
@@ -138,7 +138,7 @@ class ShardServer:
     @property
     def spent(self) -> bool:
         budget = self.steps if self.consistency.rounds else self.steps * self.num_workers
-        return (self.version if self.consistency.rounds else self.applied) >= budget
+        return self.version >= budget
 
     def _on_gradient(self, w: int, message: Message) -> None:
         self.clock[w] = message.a
@@ -188,7 +188,7 @@ class ShardServer:
             skip = not math.isfinite(norm)
             if self.grad_clip > 0 and norm > self.grad_clip and not skip:
                 self.flat_grad.mul_(self.grad_clip / (norm + 1e-6))
-        step = self.version if self.consistency.rounds else self.applied // self.num_workers
+        step = self.version if self.consistency.rounds else self.version // self.num_workers
         lr = (self.lr_at(step) if self.lr_at else self.optimizer.param_groups[0]["lr"]) * lr_scale
         for group in self.optimizer.param_groups:
             group["lr"] = lr
@@ -197,7 +197,6 @@ class ShardServer:
         else:
             self.optimizer.step()
         self.version += 1
-        self.applied += 1
 
     # -------------------------------------------------------------- messages
 

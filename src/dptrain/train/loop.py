@@ -32,8 +32,6 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_model
-from torch.utils.data import DataLoader
 
 from dptrain.balance import DynamicBatcher, DynamicLoader
 from dptrain.compress import make_codec
@@ -41,10 +39,9 @@ from dptrain.compress.base import Compressor
 from dptrain.compress.hook import CompressionHook
 from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
-from dptrain.data.sampler import DistributedSampler
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.tasks import Task
-from dptrain.train.atomic import replacing, write_text_atomic
+from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import (
     SHARDED,
     load_checkpoint,
@@ -60,6 +57,7 @@ from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import steps_per_epoch
 from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer, decays
+from dptrain.train.outputs import save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.ps_loop import train_ps
@@ -107,15 +105,15 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     if not engine.sharded and not engine.gossip:
         engine.model.reducer.record_spans = True
     compression = _compression_hook(cfg, engine)
-    compression_note = None
+    resume_note = None
 
     # Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
     if rp.resume_from is not None:
         start_step = _resume(engine, rp.resume_from, rank, device)
         if compression is not None:
-            compression_note = _resume_compression(compression, rp.resume_from, rank, env.world_size)
+            resume_note = _resume_compression(compression, rp.resume_from, rank, env.world_size)
         if engine.gossip:
-            compression_note = _resume_gossip(engine, rp.resume_from, rank, env.world_size)
+            resume_note = _resume_gossip(engine, rp.resume_from, rank, env.world_size)
     else:
         start_step = 0
         _seed_everything(t.seed + 1 + rank)
@@ -131,8 +129,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     log.info(f"run directory: {run_dir}")
     if start_step:
         log.info(f"resumed from {rp.resume_from} at step {start_step}")
-    if compression_note:
-        log.info(compression_note)
+    if resume_note:
+        log.info(resume_note)
     if start_step >= t.steps:
         log.info(f"nothing to do: the checkpoint is at step {start_step} and train.steps is {t.steps}")
 
@@ -204,13 +202,10 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     if engine.sharded:  # collective: every rank's shards are gathered to rank 0
         export_safetensors(engine.model, run_dir / "model.safetensors")
     if rank == 0:
-        if engine.gossip:  # views of one flat buffer; safetensors wants each tensor's own storage
-            for param in engine.model.module.parameters():
-                param.data = param.data.clone()
         if not engine.sharded:
-            with replacing(run_dir / "model.safetensors") as tmp:
-                save_model(engine.model.module, str(tmp))
-        (run_dir / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+            save_weights(engine.model.module, run_dir / "model.safetensors")
+        else:
+            (run_dir / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
         train_recs, evals = read_metrics(metrics_path)
         if cfg.log.plots:
             plot_run(run_dir, title=f"{task.name} on {env.world_size} rank(s), global batch {plan.global_batch_size}")
@@ -258,34 +253,17 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: 
     return info, times
 
 
-@torch.no_grad()
 def evaluate(engine: Engine, task: Task, num_batches: int) -> dict[str, float]:
     """Validation metrics over ``num_batches`` micro-batches per rank, summed over all ranks."""
     # DDP: the bare module (no gradient sync or buffer broadcast needed); ZeRO: the
     # wrapper, which gathers the parameters (and under no_grad frees them again)
     model = engine.model if engine.sharded else engine.model.module
-    was_training = model.training
-    model.eval()
-    world, rank = dist.get_world_size(), dist.get_rank()
-    sampler = DistributedSampler(task.val_set, num_replicas=world, rank=rank, shuffle=False, drop_last=True)
-    loader = DataLoader(task.val_set, batch_size=engine.plan.micro_batch_size, sampler=sampler,
-                        generator=torch.Generator())  # leaves the global RNG (dropout) untouched
-    sums: dict[str, float] = {}
-    for _, batch in zip(range(num_batches), loader):
-        batch = engine.to_device(batch)
-        with engine.autocast():
-            for key, value in task.eval_sums(model, batch).items():
-                sums[key] = sums.get(key, 0.0) + value
-    model.train(was_training)
+    sums = val_sums(model, task, engine.plan.micro_batch_size, num_batches, dist.get_world_size(), dist.get_rank(),
+                    engine.to_device, engine.autocast)
     keys = sorted(sums)
     totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=engine.device)
     dist.all_reduce(totals)
-    total = dict(zip(keys, totals.tolist()))
-    count = total.pop("count", 0.0) or float("nan")
-    result = {"val_loss": total.pop("loss_sum", float("nan")) / count}
-    if "correct" in total:
-        result["val_accuracy"] = total.pop("correct") / count
-    return result
+    return val_metrics(dict(zip(keys, totals.tolist())))
 
 
 def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.device, log: RunLog,

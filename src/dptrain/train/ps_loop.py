@@ -24,18 +24,17 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_model
 
 from dptrain.config import to_toml
-from dptrain.data.sampler import DistributedSampler
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.ps import Consistency, PSWorker, ShardServer, build_parameter_server
-from dptrain.train.atomic import replacing, write_text_atomic
+from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import remove_partial
 from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import ShardedLoader
 from dptrain.train.metrics import peak_memory_mb
 from dptrain.train.optim import build_optimizer
+from dptrain.train.outputs import save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.report import RunLog, print_summary, summarize
@@ -189,37 +188,16 @@ class _WorkerLoop:
                 "peak_mem_mb": [peak_memory_mb(self.device)], "time": time.time()}
 
 
-@torch.no_grad()
-def _evaluate(model, task, micro_batch: int, batches: int) -> dict[str, float]:
-    """Validation loss of the final parameters on rank 0 alone (no collective: a worker may be gone)."""
-    model.eval()
-    sampler = DistributedSampler(task.val_set, num_replicas=1, rank=0, shuffle=False, drop_last=True)
-    loader = torch.utils.data.DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler,
-                                         generator=torch.Generator())
-    sums: dict[str, float] = {}
-    for _, batch in zip(range(batches), loader):
-        for key, value in task.eval_sums(model, batch).items():
-            sums[key] = sums.get(key, 0.0) + float(value)
-    count = sums.pop("count", 0.0) or float("nan")
-    result = {"val_loss": sums.pop("loss_sum", float("nan")) / count}
-    if "correct" in sums:
-        result["val_accuracy"] = sums["correct"] / count
-    return result
-
-
 def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
             wall0: float, peak_lr: float) -> dict:
     cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
-    ev = {"kind": "eval", "step": t.steps, **_evaluate(model, rp.task, plan.micro_batch_size,
-                                                       cfg.log.eval_batches * plan.world_size), "time": time.time()}
+    # rank 0 alone (no collective: a worker may be gone), on the samples all workers together would take
+    sums = val_sums(model, rp.task, plan.micro_batch_size, cfg.log.eval_batches * plan.world_size)
+    ev = {"kind": "eval", "step": t.steps, **val_metrics(sums), "time": time.time()}
     with open(run_dir / "metrics.jsonl", "a") as f:
         f.write(json.dumps(ev) + "\n")
     log.info(f"eval of the final parameters: val_loss {ev['val_loss']:.4f}")
-    for param in model.parameters():  # views of the worker's flat buffer; safetensors wants their own storage
-        param.data = param.data.clone()
-    with replacing(run_dir / "model.safetensors") as tmp:
-        save_model(model, str(tmp))
-    (run_dir / "model.safetensors").chmod(0o644)
+    save_weights(model, run_dir / "model.safetensors")
     train_recs, evals = read_metrics(run_dir / "metrics.jsonl")
     if cfg.log.plots:
         plot_run(run_dir, title=f"{rp.task.name}, parameter server ({cfg.ps.mode}), {plan.world_size} workers")

@@ -1,0 +1,63 @@
+"""What every strategy's run ends with: validation sums over the held-out split, and the weights file."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import save_model
+from torch.utils.data import DataLoader
+
+from dptrain.data.sampler import DistributedSampler
+from dptrain.train.atomic import replacing
+
+__all__ = ["val_sums", "val_metrics", "save_weights"]
+
+
+@torch.no_grad()
+def val_sums(model: torch.nn.Module, task, micro_batch: int, num_batches: int, replicas: int = 1, rank: int = 0,
+             to_device: Callable = lambda b: b, autocast: Callable = contextlib.nullcontext) -> dict[str, float]:
+    """``task.eval_sums`` over this rank's first ``num_batches`` micro-batches of the unshuffled validation split.
+
+    Rank ``r`` of ``replicas`` takes positions ``r, r + replicas, ...``, so the ranks together
+    cover the same samples as one rank taking ``num_batches x replicas`` micro-batches.
+    """
+    was_training = model.training
+    model.eval()
+    sampler = DistributedSampler(task.val_set, num_replicas=replicas, rank=rank, shuffle=False, drop_last=True)
+    loader = DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler,
+                        generator=torch.Generator())  # leaves the global RNG (dropout) untouched
+    sums: dict[str, float] = {}
+    for _, batch in zip(range(num_batches), loader):
+        with autocast():
+            for key, value in task.eval_sums(model, to_device(batch)).items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+    model.train(was_training)
+    return sums
+
+
+def val_metrics(sums: dict[str, float]) -> dict[str, float]:
+    """``val_loss`` (and ``val_accuracy`` when the task counts correct answers) from summed counts."""
+    count = sums.get("count", 0.0) or float("nan")
+    result = {"val_loss": sums.get("loss_sum", float("nan")) / count}
+    if "correct" in sums:
+        result["val_accuracy"] = sums["correct"] / count
+    return result
+
+
+def save_weights(module: torch.nn.Module, path: Path) -> None:
+    """``module``'s weights as safetensors at ``path``, atomically, readable by everyone.
+
+    Parameters that are views of one flat buffer (gossip, parameter-server workers) get
+    storage of their own first: safetensors refuses tensors that share a storage none of
+    them covers. Call it when training is over.
+    """
+    storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    if len(storages) < len(list(module.parameters())):
+        for param in module.parameters():
+            param.data = param.data.clone()
+    with replacing(path) as tmp:
+        save_model(module, str(tmp))
+    path.chmod(0o644)  # safetensors creates it owner-only
