@@ -2,7 +2,7 @@
 
 import pytest
 
-from dptrain.launch.rendezvous import detect_worker_env, first_slurm_host
+from dptrain.launch.rendezvous import choose_backend, detect_worker_env, first_slurm_host
 
 
 def test_torchrun_environment():
@@ -31,3 +31,14 @@ def test_single_process_default():
 ])
 def test_first_slurm_host(nodelist, first):
     assert first_slurm_host(nodelist) == first
+
+
+def test_auto_backend_is_the_same_on_every_rank_of_a_node() -> None:
+    """auto is NCCL only when every local rank has a GPU; otherwise every rank takes gloo."""
+    assert choose_backend("auto", 1, 0) == "gloo"
+    assert choose_backend("auto", 2, 2) == "nccl"
+    assert choose_backend("auto", 1, 8) == "nccl"
+    with pytest.warns(UserWarning, match="2 ranks on this node but 1 CUDA device"):
+        assert choose_backend("auto", 2, 1) == "gloo"
+    assert choose_backend("nccl", 2, 1) == "nccl"  # asked for explicitly: NCCL's own error names it
+    assert choose_backend("gloo", 1, 1) == "gloo"

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.comm import hierarchical, naive, ring, tree
+from dptrain.comm.compat import all_gather_single, reduce_scatter_single
 from dptrain.comm.progress import Work, progress_thread
 from dptrain.comm.topology import Range, Team, node_groups, shard_bounds
 from dptrain.comm.wire import Traffic, Wire
@@ -135,7 +136,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *
         gloo = _device_backend(call.group, flat_in.device) == "gloo"
         if flat_in.numel() % call.world_size == 0 and not (consume_input and gloo):
             # the backend's reduce-scatter wants equal shards
-            return dist.reduce_scatter_single(out, flat_in.contiguous(), group=call.group, async_op=True)
+            return reduce_scatter_single(out, flat_in.contiguous(), group=call.group, async_op=True)
         x = flat_in if consume_input else flat_in.clone()
         return _then(dist.all_reduce(x, group=call.group, async_op=True), lambda: copy_out(x))
 
@@ -172,9 +173,9 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, *, algorithm: str = "n
 
     def native() -> dist.Work:
         if padded is not None:
-            return dist.all_gather_single(padded.gathered, padded.mine(call.rank), group=call.group,
+            return all_gather_single(padded.gathered, padded.mine(call.rank), group=call.group,
                                           async_op=True)
-        return dist.all_gather_single(x, x[a:b].clone(), group=call.group, async_op=True)
+        return all_gather_single(x, x[a:b].clone(), group=call.group, async_op=True)
 
     return call.launch(async_op, x.numel(), run, finish, native=native)
 
@@ -347,7 +348,7 @@ def _agree_across_ranks(call: _Call, tensor: torch.Tensor, op: str, src: int, pr
         else torch.device("cpu")
     mine = torch.tensor(_header(call, tensor, op, src, problem), dtype=torch.int64, device=device)
     rows = torch.empty(call.world_size * len(_FIELDS), dtype=torch.int64, device=device)
-    dist.all_gather_single(rows, mine, group=call.group)
+    all_gather_single(rows, mine, group=call.group)
     rows = rows.view(call.world_size, len(_FIELDS)).cpu().tolist()
     bad = [r for r, row in enumerate(rows) if row[-1]]
     if problem is not None:

@@ -35,6 +35,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from dptrain.comm.compat import all_gather_single
 from dptrain.comm.cost import collective_cost
 from dptrain.comm.progress import Work
 from dptrain.comm.topology import shard_bounds
@@ -116,8 +117,8 @@ class CompressionHook(Compressor):
         self.stats.sent_bytes += (n - 1) * payload.nbytes  # ring all-gather: every other rank's pairs pass once
 
         def run() -> None:
-            dist.all_gather_single(all_index, index, group=self.channel)
-            dist.all_gather_single(all_values, values, group=self.channel)
+            all_gather_single(all_index, index, group=self.channel)
+            all_gather_single(all_values, values, group=self.channel)
 
         def finish() -> torch.Tensor:
             gathered = Encoded((all_index, all_values), payload.numel)
@@ -151,7 +152,7 @@ class CompressionHook(Compressor):
             mine = self._scratch(RUN, 2, row, torch.uint8, share.device)  # padding bytes are never decoded
             mine[:sizes[r]] = again.tensors[0].view(torch.uint8)
             mine[width:width + 4 * chunks[r]] = again.tensors[1].view(torch.uint8)
-            dist.all_gather_single(gathered, mine, group=self.channel)
+            all_gather_single(gathered, mine, group=self.channel)
 
         def write(out: torch.Tensor) -> torch.Tensor:
             rows = gathered.view(n, row)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Mapping
@@ -73,16 +74,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def choose_backend(requested: str, local_world_size: int, cuda_devices: int) -> str:
+    """The backend every rank of a node agrees on: ``auto`` is NCCL only when each local rank has a device.
+
+    The choice depends on the node, not the rank: with 2 local ranks and 1 GPU, rank 0 alone
+    could take NCCL and rank 1 gloo, and the two would never rendezvous. NCCL also refuses two
+    ranks on one device. So ``auto`` falls back to gloo on CPU for every rank, with a warning.
+    """
+    if requested != "auto":
+        return requested
+    if cuda_devices and cuda_devices < local_world_size:
+        warnings.warn(f"{local_world_size} ranks on this node but {cuda_devices} CUDA device(s): every rank uses "
+                      f"gloo on CPU. Run at most {cuda_devices} rank(s) per node to train on the GPU(s).",
+                      stacklevel=3)
+        return "gloo"
+    return "nccl" if cuda_devices else "gloo"
+
+
 def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
     """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU).
 
     ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process).
     """
     env = detect_worker_env() if env is None else env
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() > env.local_rank
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
-    if backend == "nccl" and not use_cuda:
+    backend = choose_backend(backend, env.local_world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if backend == "nccl" and torch.cuda.device_count() <= env.local_rank:
         raise RuntimeError(f"backend nccl needs a CUDA device for local rank {env.local_rank}; "
                            f"found {torch.cuda.device_count()}. Use ddp.backend = \"gloo\" on CPU.")
     device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
@@ -90,5 +106,5 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
         torch.cuda.set_device(device)
     init_method = "env://" if env.launcher == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
     return device
