@@ -57,6 +57,9 @@ def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):
     (["--nproc", "3", "--set", "straggler.rank=2"], "straggler.rank 2 is a parameter server"),
     (["--nproc", "3", "--set", "straggler.factor=0.5"], "straggler.factor must be at least 1"),
     (["--nproc", "3", "--set", "ddp.compression=int8"], "strategy ps sends fp32 gradients"),
+    (["--nproc", "3", "--set", "ps.lookahead=true"], "ps.lookahead is for modes async and ssp; in mode 'sync'"),
+    (["--nproc", "3", "--set", "ps.mode=async", "--set", "ps.lookahead=true", "--set", "train.optimizer=lamb"],
+     "ps.lookahead predicts the optimizer's next step, which dptrain does for adamw, adam and sgd, not 'lamb'"),
     (["--nproc", "4"], "global batch 32 is not divisible by accum 1 x world 3 = 3, so the micro batch would not be "
                        "whole; choose global 30 or 33 (strategy ps: the world here is the 3 workers"),
 ])

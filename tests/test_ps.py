@@ -49,11 +49,11 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _ps(rank, world_size, num_servers, consistency, steps, slow=None, leave_at=None):
+def _ps(rank, world_size, num_servers, consistency, steps, slow=None, leave_at=None, lookahead=False):
     """A PS job: servers return (report, records); workers (parameters after every step, report)."""
     model = _model()
     role = build_parameter_server(model, _optimizer, num_servers=num_servers, consistency=consistency,
-                                  steps=steps, grad_clip=CLIP)
+                                  steps=steps, grad_clip=CLIP, lookahead=lookahead)
     if isinstance(role, ShardServer):
         report = role.serve()
         return report, [(r.worker, r.clock, r.staleness, r.delay) for r in role.records]
@@ -208,3 +208,12 @@ def test_bad_layouts_are_refused_with_the_values():
         Consistency("backup", backups=2).check_workers(2)
     with pytest.raises(ValueError, match="unknown parameter-server mode 'hogwild'"):
         Consistency("hogwild")
+
+
+def test_async_learning_rate_without_a_schedule_does_not_compound():
+    """Each async update runs at the optimizer's own lr / workers, however many came before it."""
+    model = _model()
+    server = ShardServer(list(model.parameters()), _optimizer, {0: None, 1: None}, Consistency("async"), steps=10)
+    for _ in range(3):
+        server._apply(torch.ones_like(server.flat), 1.0 / server.num_workers)
+        assert server.optimizer.param_groups[0]["lr"] == pytest.approx(0.05 / 2)

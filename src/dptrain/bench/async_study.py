@@ -6,8 +6,9 @@ in the async modes) with ``--workers`` data ranks, rank 1 slowed ``--factor`` ti
 (``[straggler]``), plus one server rank for the parameter-server variants:
 
 - ``DDP, no straggler``: the reference speed dynamic batching is measured against;
-- ``DDP`` (all-reduce), ``PS sync``, ``PS async``, ``SSP s=1``, ``SSP s=4``,
-  ``backup b=1``, ``dynamic batching``, ``gossip ring``: each with the straggler.
+- ``DDP`` (all-reduce), ``PS sync``, ``PS async``, ``PS async, look-ahead`` (delay
+  compensation, ``dptrain.ps.lookahead``), ``SSP s=1``, ``SSP s=4``, ``backup b=1``,
+  ``dynamic batching``, ``gossip ring``: each with the straggler.
 
 Throughput is samples per second that went into the model (a backup round's dropped
 gradients do not count), the median over a run's logged windows; loss is the final
@@ -39,6 +40,7 @@ VARIANTS = [
     ("dynamic batching", {"balance.dynamic_batching": True}, 0, True),
     ("PS sync", {**PS, "ps.mode": "sync"}, 1, True),
     ("PS async", {**PS, "ps.mode": "async"}, 1, True),
+    ("PS async, look-ahead", {**PS, "ps.mode": "async", "ps.lookahead": True}, 1, True),
     ("SSP s=1", {**PS, "ps.mode": "ssp", "ps.staleness": 1}, 1, True),
     ("SSP s=4", {**PS, "ps.mode": "ssp", "ps.staleness": 4}, 1, True),
     ("backup b=1", {**PS, "ps.mode": "backup", "ps.backups": 1}, 1, True),

@@ -126,6 +126,8 @@ class PSConfig:
                     "workers - backups gradients)", choices=("sync", "async", "ssp", "backup"))
     staleness: int = opt(2, "mode ssp: how many steps a worker may run ahead of the slowest")
     backups: int = opt(1, "mode backup: the slowest gradients of each round that are not waited for")
+    lookahead: bool = opt(False, "modes async and ssp: answer each worker with the parameters predicted for when its "
+                          "gradient will be applied (delay compensation after DANA; adamw, adam or sgd)")
 
 
 @dataclass

@@ -8,9 +8,10 @@ Layers: :mod:`~dptrain.ps.wire` (messages over point-to-point send/recv), :mod:`
 from dptrain.ps.consistency import MODES, Consistency
 from dptrain.ps.job import build_parameter_server
 from dptrain.ps.layout import PSLayoutError, Roles, partition
+from dptrain.ps.lookahead import Lookahead
 from dptrain.ps.server import Applied, ShardServer
 from dptrain.ps.wire import PSError
 from dptrain.ps.worker import PSWorker
 
-__all__ = ["Applied", "Consistency", "MODES", "PSError", "PSLayoutError", "PSWorker", "Roles", "ShardServer",
-           "build_parameter_server", "partition"]
+__all__ = ["Applied", "Consistency", "Lookahead", "MODES", "PSError", "PSLayoutError", "PSWorker", "Roles",
+           "ShardServer", "build_parameter_server", "partition"]

@@ -32,11 +32,14 @@ __all__ = ["build_parameter_server"]
 def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], *,
                            num_servers: int, consistency: Consistency, steps: int,
                            lr_at: Callable[[int], float] | None = None,
-                           grad_clip: float = 0.0) -> ShardServer | PSWorker:
+                           grad_clip: float = 0.0, lookahead: bool = False) -> ShardServer | PSWorker:
     """Collective over the default group: this rank's :class:`ShardServer` or :class:`PSWorker`."""
     rank = dist.get_rank()
     roles = Roles(dist.get_world_size(), num_servers)
     consistency.check_workers(roles.num_workers)
+    if lookahead and consistency.rounds:  # on every rank, before any group is made: no rank is left waiting
+        raise ValueError(f"ps.lookahead is for the async and ssp modes; in {consistency.mode} mode every applied "
+                         f"gradient is fresh (delay 0), so there is nothing to look ahead for")
     params = list(model.parameters())
     runs = partition([p.numel() for p in params], num_servers)
     groups = pair_groups(roles.workers, roles.servers)
@@ -45,7 +48,8 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
         links = {w: Link(groups[(w, rank)], w, send_tag=DOWN, recv_tag=UP) for w in roles.workers}
         mine = runs[roles.servers.index(rank)]
         return ShardServer([params[i] for i in mine], build_optimizer, links, consistency, steps, lr_at=lr_at,
-                           grad_clip=grad_clip, server_group=server_group, reporter=roles.workers[0])
+                           grad_clip=grad_clip, server_group=server_group, reporter=roles.workers[0],
+                           lookahead=lookahead)
     links = [Link(groups[(rank, s)], s, send_tag=UP, recv_tag=DOWN) for s in roles.servers]
     return PSWorker(model, links, runs, clip_locally=None if consistency.rounds else (grad_clip or None),
                     reporter=rank == roles.workers[0])

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.ps.consistency import Consistency
+from dptrain.ps.lookahead import Lookahead
 from dptrain.ps.wire import Kind, Link, Message, PSError, describe_failure
 
 __all__ = ["ShardServer", "Applied"]
@@ -72,8 +73,10 @@ class ShardServer:
     def __init__(self, params: list[torch.Tensor], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  links: dict[int, Link], consistency: Consistency, steps: int, *,
                  lr_at: Callable[[int], float] | None = None, grad_clip: float = 0.0,
-                 server_group: dist.ProcessGroup | None = None, reporter: int = 0):
+                 server_group: dist.ProcessGroup | None = None, reporter: int = 0, lookahead: bool = False):
         consistency.check_workers(len(links))
+        if lookahead and consistency.rounds:
+            raise ValueError(f"ps.lookahead is for the async and ssp modes, not {consistency.mode}")
         self.links, self.consistency, self.steps = links, consistency, steps
         self.lr_at, self.grad_clip, self.server_group, self.reporter = lr_at, grad_clip, server_group, reporter
         self.flat = torch.cat([p.detach().reshape(-1).float() for p in params])
@@ -86,6 +89,8 @@ class ShardServer:
             self.params.append(view)
             offset += p.numel()
         self.optimizer = build_optimizer(self.params)
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]  # used when there is no lr_at
+        self.lookahead = Lookahead(self.optimizer, self.params, self.flat, list(links)) if lookahead else None
         self.num_workers = len(links)
         self.version = self.skipped = 0  # version: updates applied (a round's, or one gradient's)
         self.records: list[Applied] = []
@@ -153,6 +158,8 @@ class ShardServer:
                 self.round.workers.append(w)
         else:
             delay = self.version - self.read_version[w]
+            if self.lookahead:
+                self.lookahead.observe(w, delay)
             self._apply(message.payload, 1.0 / self.num_workers, skip=bool(message.b))
             self.records.append(Applied(w, message.a, self.read_staleness[w], delay, self.version))
             self.held.add(w)
@@ -188,9 +195,7 @@ class ShardServer:
             skip = not math.isfinite(norm)
             if self.grad_clip > 0 and norm > self.grad_clip and not skip:
                 self.flat_grad.mul_(self.grad_clip / (norm + 1e-6))
-        step = self.version if self.consistency.rounds else self.version // self.num_workers
-        lr = (self.lr_at(step) if self.lr_at else self.optimizer.param_groups[0]["lr"]) * lr_scale
-        for group in self.optimizer.param_groups:
+        for group, lr in zip(self.optimizer.param_groups, self._next_lrs(lr_scale)):
             group["lr"] = lr
         if skip:
             self.skipped += 1
@@ -198,13 +203,23 @@ class ShardServer:
             self.optimizer.step()
         self.version += 1
 
+    def _next_lrs(self, lr_scale: float) -> list[float]:
+        """Each parameter group's learning rate for the next update: the schedule at the server's step."""
+        step = self.version if self.consistency.rounds else self.version // self.num_workers
+        if self.lr_at:
+            return [self.lr_at(step) * lr_scale] * len(self.base_lrs)
+        return [lr * lr_scale for lr in self.base_lrs]
+
     # -------------------------------------------------------------- messages
 
     def _answer(self, w: int, kind: Kind) -> None:
         self.held.discard(w)
         self.read_version[w] = self.version
+        payload = self.flat
+        if self.lookahead and kind == Kind.PARAMS:
+            payload = self.lookahead.predict(w, self._next_lrs(1.0 / self.num_workers)[0], self.version)
         try:
-            self.links[w].send(kind, self.version, payload=self.flat)
+            self.links[w].send(kind, self.version, payload=payload)
         except Exception as e:
             self._lose(w, describe_failure(e))
 

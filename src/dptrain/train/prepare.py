@@ -147,6 +147,12 @@ def _check_ps(cfg: RunConfig, world_size: int) -> int:
                           "fp32 gradients: set compression = \"none\"")
     if cfg.train.precision == "fp16":
         raise ConfigError("train.precision fp16 is not supported with strategy ps (it needs a loss scaler); use bf16")
+    if p.lookahead and p.mode not in ("async", "ssp"):
+        raise ConfigError(f"ps.lookahead is for modes async and ssp; in mode {p.mode!r} every applied gradient is "
+                          "fresh, so there is nothing to look ahead for: set lookahead = false")
+    if p.lookahead and cfg.train.optimizer not in ("adamw", "adam", "sgd"):
+        raise ConfigError(f"ps.lookahead predicts the optimizer's next step, which dptrain does for adamw, adam and "
+                          f"sgd, not {cfg.train.optimizer!r}: change train.optimizer or set lookahead = false")
     return roles.num_workers
 
 

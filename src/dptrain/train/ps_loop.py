@@ -63,7 +63,8 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         model, lambda params: build_optimizer(params, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas),
                                               t.momentum),
         num_servers=p.servers, consistency=consistency, steps=t.steps,
-        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip)
+        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip,
+        lookahead=p.lookahead)
     log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, 0)
     workers = plan.world_size
     log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "
