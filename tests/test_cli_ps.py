@@ -47,6 +47,19 @@ def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):
     assert report["gradients"] == 36 and report["applied_per_worker"]["1"] == 2
 
 
+def test_a_killed_server_ends_an_async_run_with_its_name_on_every_worker(tmp_path):
+    run_dir = tmp_path / "run"
+    done = dptrain("run", "--nproc", "3", "--run-dir", str(run_dir), *SMALL, "--set", "train.global_batch_size=32",
+                   "--set", "ps.mode=async", env={"DPTRAIN_FAULT": "2:3:kill"}, cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "rank 2 failed first:\nexited with signal SIGKILL" in done.stderr
+    for worker in (0, 1):
+        assert (f"(rank {worker} also failed: dptrain.ps.wire.PSError: parameter server rank 2 is gone: its process "
+                "died (connection closed))") in done.stderr
+    assert "the run goes on without it" not in done.stderr  # a worker that ended for the server is not "lost"
+    assert not (run_dir / "model.safetensors").exists() and not (run_dir / "summary.json").exists()
+
+
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "2", "--set", "ps.servers=2"], "world size 2 is too small for 2 server(s) plus at least one worker"),
     (["--nproc", "3", "--set", "ps.mode=ssp", "--set", "ps.staleness=-1"], "the staleness bound must be >= 0, got -1"),

@@ -49,6 +49,11 @@ def train(delay: int, beta1: float, lr: float = 2e-3, steps: int = 100, workers:
         optimizer.step()
         optimizer.zero_grad()
         history = (history + [[p.detach().clone() for p in model.parameters()]])[-(delay + 2):]
+    return study_val_loss(task, model)
+
+
+def study_val_loss(task, model) -> float:
+    """Mean validation loss on the first 256 samples of the validation split, as the study evaluates."""
     model.eval()
     total = count = 0.0
     with torch.no_grad():

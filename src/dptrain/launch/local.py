@@ -30,6 +30,7 @@ from dptrain.launch.rendezvous import free_port
 __all__ = ["launch_local", "error_file"]
 
 GRACE_S = 5.0
+SETTLE_S = 1.0  # [Note: settle before going on]
 
 # What a rank reports when a *peer* died: a consequence, not a cause.
 _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
@@ -79,17 +80,21 @@ def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> No
 
 def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, timeout_s: float,
                expendable: set[int]) -> int:
-    first_failure, survived = None, set()
+    first_failure, survived, pending = None, set(), {}
     while True:
         codes = [p.poll() for p in procs]
-        for r in expendable - survived:
+        now = time.monotonic()
+        for r in expendable - survived:  # [Note: settle before going on]
             if codes[r] not in (None, 0):
-                survived.add(r)
-                print(f"warning: rank {r} exited with {_describe(codes[r])}; the run goes on without it "
-                      f"(see {run_dir / 'logs'})", file=sys.stderr)
+                since = pending.setdefault(r, now)
+                if first_failure is None and now - since >= SETTLE_S:
+                    survived.add(r)
+                    del pending[r]
+                    print(f"warning: rank {r} exited with {_describe(codes[r])}; the run goes on without it "
+                          f"(see {run_dir / 'logs'})", file=sys.stderr)
         if all(c == 0 or r in survived for r, c in enumerate(codes)):
             return 0
-        failed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in survived]
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in survived and r not in pending]
         if failed and first_failure is None:
             first_failure = time.monotonic()
         if first_failure is not None and (all(c is not None for c in codes)
@@ -100,6 +105,13 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
             _report_failure(procs, exit_times, stopped_at, run_dir)
             return 1
         time.sleep(0.2)
+
+
+# [Note: settle before going on] An expendable rank's death is declared survivable only
+# after SETTLE_S with no other failure: when a parameter server dies, its workers end with
+# an error at about the same moment, and one of them may exit before the server's death is
+# seen. Without the wait, that worker would be reported as lost and survived, just before
+# the job fails for the server's death.
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> float:

@@ -97,7 +97,8 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
     ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process).
     """
     env = detect_worker_env() if env is None else env
-    backend = choose_backend(backend, env.local_world_size, torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = choose_backend(backend, env.local_world_size, devices)
     if backend == "nccl" and torch.cuda.device_count() <= env.local_rank:
         raise RuntimeError(f"backend nccl needs a CUDA device for local rank {env.local_rank}; "
                            f"found {torch.cuda.device_count()}. Use ddp.backend = \"gloo\" on CPU.")

@@ -32,7 +32,8 @@ __all__ = ["build_parameter_server"]
 def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Module], torch.optim.Optimizer], *,
                            num_servers: int, consistency: Consistency, steps: int,
                            lr_at: Callable[[int], float] | None = None,
-                           grad_clip: float = 0.0, lookahead: bool = False) -> ShardServer | PSWorker:
+                           grad_clip: float = 0.0, lookahead: bool = False,
+                           before_server_step: Callable[[int], None] | None = None) -> ShardServer | PSWorker:
     """Collective over the default group: this rank's :class:`ShardServer` or :class:`PSWorker`."""
     rank = dist.get_rank()
     roles = Roles(dist.get_world_size(), num_servers)
@@ -49,7 +50,7 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
         mine = runs[roles.servers.index(rank)]
         return ShardServer([params[i] for i in mine], build_optimizer, links, consistency, steps, lr_at=lr_at,
                            grad_clip=grad_clip, server_group=server_group, reporter=roles.workers[0],
-                           lookahead=lookahead)
+                           lookahead=lookahead, before_step=before_server_step)
     links = [Link(groups[(rank, s)], s, send_tag=UP, recv_tag=DOWN) for s in roles.servers]
     return PSWorker(model, links, runs, clip_locally=None if consistency.rounds else (grad_clip or None),
                     reporter=rank == roles.workers[0])

@@ -17,8 +17,9 @@ delays its gradients had (starting at ``workers - 1``, the delay of round-robin
 arrivals). The server's own parameters and optimizer are unchanged: only what it sends
 moves. With fresh gradients (``tau = 0``) it sends ``theta_t`` exactly.
 
-On the default task with one worker slowed 2x, a one-process replay showed the plain
-async loss 15% above sync and the look-ahead 3% above (``docs/async.md``).
+On the default task with one of 2 workers slowed 2x, plain async ends 15% above sync's
+loss and the look-ahead 2-3.5% above (a one-process replay and ``dptrain bench async``;
+``docs/async.md``).
 """
 
 from __future__ import annotations

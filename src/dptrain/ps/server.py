@@ -73,12 +73,14 @@ class ShardServer:
     def __init__(self, params: list[torch.Tensor], build_optimizer: Callable[[nn.Module], torch.optim.Optimizer],
                  links: dict[int, Link], consistency: Consistency, steps: int, *,
                  lr_at: Callable[[int], float] | None = None, grad_clip: float = 0.0,
-                 server_group: dist.ProcessGroup | None = None, reporter: int = 0, lookahead: bool = False):
+                 server_group: dist.ProcessGroup | None = None, reporter: int = 0, lookahead: bool = False,
+                 before_step: Callable[[int], None] | None = None):
         consistency.check_workers(len(links))
         if lookahead and consistency.rounds:
             raise ValueError(f"ps.lookahead is for the async and ssp modes, not {consistency.mode}")
         self.links, self.consistency, self.steps = links, consistency, steps
         self.lr_at, self.grad_clip, self.server_group, self.reporter = lr_at, grad_clip, server_group, reporter
+        self.before_step = before_step  # called with the 1-based step of each update about to be applied
         self.flat = torch.cat([p.detach().reshape(-1).float() for p in params])
         self.flat_grad = torch.zeros_like(self.flat)
         self.params = nn.ParameterList()
@@ -186,6 +188,8 @@ class ShardServer:
 
     def _apply(self, grad: torch.Tensor, lr_scale: float, skip: bool = False) -> None:
         """One optimizer step on ``grad``; in rounds the gradient norm is clipped over every server's shard."""
+        if self.before_step:
+            self.before_step(self._step() + 1)
         self.flat_grad.copy_(grad)
         if self.consistency.rounds:
             sq = self.flat_grad.double().square().sum().reshape(1)
@@ -203,11 +207,14 @@ class ShardServer:
             self.optimizer.step()
         self.version += 1
 
+    def _step(self) -> int:
+        """The schedule's step of the next update: rounds so far, or async gradients so far / workers."""
+        return self.version if self.consistency.rounds else self.version // self.num_workers
+
     def _next_lrs(self, lr_scale: float) -> list[float]:
         """Each parameter group's learning rate for the next update: the schedule at the server's step."""
-        step = self.version if self.consistency.rounds else self.version // self.num_workers
         if self.lr_at:
-            return [self.lr_at(step) * lr_scale] * len(self.base_lrs)
+            return [self.lr_at(self._step()) * lr_scale] * len(self.base_lrs)
         return [lr * lr_scale for lr in self.base_lrs]
 
     # -------------------------------------------------------------- messages

@@ -59,12 +59,13 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
     model = task.build_model().to(device)
     peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
     consistency = Consistency(p.mode, staleness=p.staleness, backups=p.backups)
+    fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
     role = build_parameter_server(
         model, lambda params: build_optimizer(params, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas),
                                               t.momentum),
         num_servers=p.servers, consistency=consistency, steps=t.steps,
         lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip,
-        lookahead=p.lookahead)
+        lookahead=p.lookahead, before_server_step=_server_fault(fault, rank))
     log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, 0)
     workers = plan.world_size
     log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "
@@ -100,6 +101,17 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr)
     log.close()
     return summary
+
+
+def _server_fault(fault: tuple[int, int, str] | None, rank: int):
+    """DPTRAIN_FAULT for a server rank: it fires before the server applies the update of that step."""
+    if not fault or fault[0] != rank:
+        return None
+
+    def before_step(step: int) -> None:
+        if step == fault[1]:
+            inject_fault(fault[2], rank, step)
+    return before_step
 
 
 def _mode_detail(p) -> str:
