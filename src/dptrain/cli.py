@@ -36,10 +36,13 @@ def main() -> None:
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="run directory (default runs/<task>)")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="restart every worker up to this many times after a failure (torchrun's elastic agent); each "
+                   "restart resumes from the newest checkpoint")
 @click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
 @click.option("--config-reference", is_flag=True, help="print every config key, default and meaning (Markdown)")
 def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,
-        show_config: bool, config_reference: bool) -> None:
+        max_restarts: int, show_config: bool, config_reference: bool) -> None:
     """Train on NPROC local workers (gloo on CPU, NCCL on GPUs).
 
     \b
@@ -48,7 +51,8 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     dptrain run --nproc 4 --config job.toml --set train.lr=1e-3
 
     A run resumes from its newest checkpoint when started again with the same run
-    directory. On a cluster, start the workers with torchrun instead:
+    directory; --max-restarts K does that automatically after a failure, under
+    torchrun's elastic agent. On a cluster, start the workers with torchrun instead:
     torchrun --nnodes N --nproc-per-node G ... -m dptrain.run --config job.toml
     """
     from dptrain.launch.local import launch_local
@@ -63,6 +67,8 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     try:
         if nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {nproc}")
+        if max_restarts < 0:
+            raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
         cfg = load_config(config_path, list(overrides) + extra)
         if show_config:
             click.echo(to_toml(cfg), nl=False)
@@ -74,6 +80,14 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
+    if max_restarts:
+        from dptrain.launch.elastic import launch_elastic
+
+        if cfg.ddp.strategy == "ps":
+            click.echo("error: --max-restarts needs checkpoints to resume from, and strategy ps does not write them "
+                       "yet; run without --max-restarts", err=True)
+            sys.exit(2)
+        sys.exit(launch_elastic(nproc, worker_args, rp.run_dir, max_restarts))
     sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc)))
 
 

@@ -132,8 +132,10 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
                       f"{summary.get('ps', {}).get('workers', summary['world_size'])} ranks x "
                       f"{summary['grad_accum_steps']} accum"),
             ("learning rate", summary["lr_rule"]),
-            ("steps", f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
-             else str(summary["steps"])),
+            ("steps", (f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
+                       else str(summary["steps"]))
+             + (f" (after {summary['restarts']} restart(s), resumed from the newest checkpoint)"
+                if summary.get("restarts") else "")),
             ("wall time", f"{summary['wall_s']:.1f} s")]
     if "final_train_loss" in summary:
         rows += [("final train loss", f"{summary['final_train_loss']:.4f}")]

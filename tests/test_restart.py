@@ -1,0 +1,51 @@
+"""``dptrain run --max-restarts``: a killed worker is restarted by torchrun's agent, the job resumes from its
+newest checkpoint, and it ends with the uninterrupted run's parameters, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from _cli import dptrain, tiny_gpt_config
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(tmp_path, name: str, *args: str, env: dict | None = None):
+    config = tiny_gpt_config(tmp_path)
+    return dptrain("run", "--nproc", "2", "--config", str(config), "--run-dir", str(tmp_path / name), *args,
+                   env=env, cwd=tmp_path, timeout=240)
+
+
+def test_a_killed_worker_is_restarted_and_the_run_ends_as_if_uninterrupted(tmp_path):
+    clean = _run(tmp_path, "clean")
+    assert clean.returncode == 0, clean.stderr
+    hit = _run(tmp_path, "hit", "--max-restarts", "2", env={"DPTRAIN_FAULT": "1:14:kill"})
+    assert hit.returncode == 0, hit.stderr
+    assert "resumed from" in hit.stdout and "step_00000010 at step 10" in hit.stdout  # the newest checkpoint
+    summary = json.loads((tmp_path / "hit" / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["start_step"] == 10
+    a, b = load_file(tmp_path / "clean" / "model.safetensors"), load_file(tmp_path / "hit" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert a[key].equal(b[key]), key
+
+
+def test_restarts_run_out_and_the_job_fails(tmp_path):
+    """A fault that fires on every attempt (raise, not once: the restart count is faked away) exhausts them."""
+    done = _run(tmp_path, "doomed", "--max-restarts", "1", "--set", "train.steps=4",
+                env={"DPTRAIN_FAULT": "0:2:raise", "DPTRAIN_FAULT_EVERY_ATTEMPT": "1"})
+    assert done.returncode != 0
+    assert done.stderr.count("fault injected by DPTRAIN_FAULT on rank 0 at step 2") >= 2  # first try and restart
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-restarts", "-1"], "--max-restarts must be >= 0, got -1"),
+    (["--max-restarts", "1", "--set", "ddp.strategy=ps", "--nproc", "3", "--set", "train.global_batch_size=32"],
+     "--max-restarts needs checkpoints to resume from, and strategy ps does not write them"),
+])
+def test_bad_restart_input_is_refused(tmp_path, args, message):
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), "--set", "task.name=classifier", *args, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert not (tmp_path / "run").exists()
