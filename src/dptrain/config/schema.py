@@ -153,6 +153,14 @@ class BalanceConfig:
 
 
 @dataclass
+class DivergenceConfig:
+    every: int = opt(0, "every this many steps, compare a checksum of every parameter, buffer and optimizer-state "
+                        "tensor across ranks (strategies ddp, zero1, zero2); 0: off")
+    repair: bool = opt(False, "on a mismatch, copy a healthy rank's state to the others and go on, instead of "
+                              "stopping with an error")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every this many steps (and at the end); 0 saves only at the end")
     keep_last: int = opt(2, "checkpoints kept; older ones are deleted after a newer one is complete")
@@ -184,6 +192,7 @@ class RunConfig:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -191,7 +200,7 @@ class RunConfig:
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
-                "ps", "gossip", "straggler", "balance", "checkpoint", "log"}
+                "ps", "gossip", "straggler", "balance", "divergence", "checkpoint", "log"}
 
 
 def section_fields(cls: type) -> dict[str, Any]:

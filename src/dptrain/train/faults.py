@@ -1,6 +1,13 @@
-"""Injected faults for tests of failure handling: ``DPTRAIN_FAULT=<rank>:<step>:<kill|raise>``.
+"""Injected faults for tests of failure handling: ``DPTRAIN_FAULT=<rank>:<step>:<kind>``.
 
-That rank SIGKILLs itself or raises at the start of that (1-based) step, in every strategy's loop.
+At the start of that (1-based) step, in every strategy's loop, that rank:
+
+- ``kill``: SIGKILLs itself (a crashed worker);
+- ``raise``: raises an exception (a bug);
+- ``flip``: flips the lowest bit of its first parameter's first element (silent data
+  corruption: the run goes on, and the replicas differ; ``[divergence]`` finds it);
+- ``nan``: makes this step's gradient of its first parameter NaN (a numerical blow-up on
+  one rank: the all-reduce spreads it, and the step is skipped on every rank).
 A fault fires in a job's first attempt only: after a restart (torchrun's
 ``TORCHELASTIC_RESTART_COUNT`` > 0) the resumed run goes past that step, as it would after
 a real, one-off failure. ``DPTRAIN_FAULT_EVERY_ATTEMPT=1`` makes it fire after every
@@ -12,7 +19,11 @@ from __future__ import annotations
 import os
 import signal
 
-__all__ = ["parse_fault", "inject_fault"]
+import torch
+
+__all__ = ["parse_fault", "inject_fault", "KINDS"]
+
+KINDS = ("kill", "raise", "flip", "nan")
 
 
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
@@ -20,12 +31,27 @@ def parse_fault(spec: str) -> tuple[int, int, str] | None:
     if not spec or (restarted and not os.environ.get("DPTRAIN_FAULT_EVERY_ATTEMPT")):
         return None
     rank, step, kind = spec.split(":")
-    if kind not in ("kill", "raise"):
-        raise ValueError(f"DPTRAIN_FAULT={spec!r}: the kind must be kill or raise")
+    if kind not in KINDS:
+        raise ValueError(f"DPTRAIN_FAULT={spec!r}: the kind must be one of {', '.join(KINDS)}")
     return int(rank), int(step), kind
 
 
-def inject_fault(kind: str, rank: int, step: int) -> None:
+def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None = None) -> None:
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    raise RuntimeError(f"fault injected by DPTRAIN_FAULT on rank {rank} at step {step}")
+    if kind == "raise":
+        raise RuntimeError(f"fault injected by DPTRAIN_FAULT on rank {rank} at step {step}")
+    if model is None:
+        raise ValueError(f"DPTRAIN_FAULT kind {kind!r} needs the rank's model, and rank {rank} (a parameter server) "
+                         "has none: use kill or raise there")
+    first = next(model.parameters())
+    if kind == "flip":
+        with torch.no_grad():
+            first.view(-1)[:1].view(torch.int32 if first.element_size() == 4 else torch.int16).bitwise_xor_(1)
+        return
+    handle = None
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:  # once: the next backward's gradient of this parameter
+        handle.remove()
+        return torch.full_like(grad, float("nan"))
+    handle = first.register_hook(poison)

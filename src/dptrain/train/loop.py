@@ -39,6 +39,7 @@ from dptrain.compress.base import Compressor
 from dptrain.compress.hook import CompressionHook
 from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
+from dptrain.divergence import DivergenceMonitor, replica_tensors
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.tasks import Task
 from dptrain.train.atomic import write_text_atomic
@@ -151,10 +152,11 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
     fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
     straggler = Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None
+    monitor = _divergence_monitor(cfg, engine)
     try:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
-                inject_fault(fault[2], rank, step)
+                inject_fault(fault[2], rank, step, engine.model)
             info, times = timed_step(engine, task, batches, compression, straggler, batcher)
             recorder.add(times)
             if batcher is not None:  # compute before the collective, without the optimizer
@@ -162,6 +164,12 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
             if tracer.wants(step):
                 tracer.add_step(step, times)
             log.step_done()
+            if monitor and step % cfg.divergence.every == 0:
+                found = monitor.check(step)  # raises DivergenceError on every rank unless repair is on
+                if found:
+                    log.info(f"warning: replicas diverged at step {step}: {found.tensor} differs first "
+                             f"({found.differing} tensors), rank(s) {found.bad_ranks} off the majority; repaired "
+                             f"from rank {found.source}")
             if step % cfg.log.every == 0 or step == t.steps:
                 rec = recorder.record(step, info.loss, info.lr, info.grad_norm, engine.skipped_steps)
                 if batcher is not None:
@@ -220,6 +228,15 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     log.close()
     dist.barrier()
     return summary
+
+
+def _divergence_monitor(cfg, engine: Engine) -> DivergenceMonitor | None:
+    """The replica check of ``[divergence]``: parameters and buffers, and the optimizer state where replicated."""
+    if not cfg.divergence.every:
+        return None
+    module = engine.model.module if hasattr(engine.model, "module") else engine.model
+    optimizer = None if engine.sharded else engine.optimizer
+    return DivergenceMonitor(lambda: replica_tensors(module, optimizer), repair=cfg.divergence.repair)
 
 
 def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: Compressor | None = None,

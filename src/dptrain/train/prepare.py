@@ -57,6 +57,7 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
         sizes = (DEFAULT_GLOBAL_BATCH, None, None)
     _check_straggler(cfg, world_size)
     _check_balance(cfg)
+    _check_divergence(cfg)
     data_ranks = _check_ps(cfg, world_size) if cfg.ddp.strategy == "ps" else world_size
     try:
         plan = BatchPlan.resolve(data_ranks, *sizes)
@@ -167,6 +168,16 @@ def _check_balance(cfg: RunConfig) -> None:
         raise ConfigError(f"balance.every must be at least 1, got {b.every}")
     if not 0.0 <= b.smoothing < 1.0:
         raise ConfigError(f"balance.smoothing must be in [0, 1), got {b.smoothing}")
+
+
+def _check_divergence(cfg: RunConfig) -> None:
+    d = cfg.divergence
+    if d.every < 0:
+        raise ConfigError(f"divergence.every must be >= 0 (0: off), got {d.every}")
+    if d.every and cfg.ddp.strategy not in ("ddp", "zero1", "zero2"):
+        raise ConfigError(f"divergence.every compares replicated state, which strategy {cfg.ddp.strategy!r} does not "
+                          "keep (zero3 shards the parameters, gossip replicas differ by design, ps workers hold "
+                          "copies); use strategy ddp, zero1 or zero2, or divergence.every = 0")
 
 
 def _check_straggler(cfg: RunConfig, world_size: int) -> None:

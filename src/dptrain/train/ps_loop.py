@@ -146,7 +146,7 @@ class _WorkerLoop:
             while True:
                 step += 1
                 if fault and fault[:2] == (self.rank, step):
-                    inject_fault(fault[2], self.rank, step)
+                    inject_fault(fault[2], self.rank, step, self.role.model)
                 t0 = time.perf_counter()
                 loss, micro = self._compute()
                 t1 = time.perf_counter()
