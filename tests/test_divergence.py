@@ -1,5 +1,6 @@
-"""The replica divergence monitor: checksums that see one flipped bit, detection on every rank naming the first
-tensor and the ranks off the majority, repair from a healthy rank, and the injected faults from the CLI."""
+"""The replica divergence monitor and the injected faults: checksums that see one flipped bit, detection on
+every rank naming the first tensor and the ranks off the majority, repair from a healthy rank; from the CLI, a
+flipped bit, a NaN gradient and a hung rank."""
 
 from __future__ import annotations
 
@@ -98,3 +99,12 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere(tmp_path):
 def test_bad_divergence_input_is_refused(tmp_path, args, message):
     done = dptrain("run", "--run-dir", str(tmp_path / "run"), "--set", "task.name=classifier", *args, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_a_hung_rank_ends_the_job_with_a_timeout_that_names_it(tmp_path):
+    """Rank 1 stops calling collectives: rank 0 times out in its all-reduce, and the launcher names rank 1."""
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", "ddp.timeout_s=5",
+                   env={"DPTRAIN_FAULT": "1:3:hang"}, cwd=tmp_path)
+    assert done.returncode == 1
+    assert "error: rank 0 failed first" in done.stderr and "Timed out waiting 5000ms" in done.stderr, done.stderr
+    assert "rank(s) [1] were still running when the others timed out waiting for them" in done.stderr

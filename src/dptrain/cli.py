@@ -303,7 +303,8 @@ _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator
                "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm",
                "zero": "dptrain.bench.zero", "plan": "dptrain.bench.plan", "cluster": "dptrain.bench.cluster",
                "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
-               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu"}
+               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
+               "faults": "dptrain.bench.faults"}
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

@@ -37,6 +37,10 @@ _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exite
                         r"ProcessGroup.*(aborted|terminated)", re.IGNORECASE)
 
 
+# What a rank reports when a collective waited past ddp.timeout_s.
+_TIMED_OUT = re.compile(r"Timed out|timed out|Timeout|DistBackendError.*watchdog", re.IGNORECASE)
+
+
 def error_file(run_dir: Path, rank: int) -> Path:
     """Where a worker records the traceback that ended it (read by the launcher)."""
     return run_dir / "logs" / f"rank{rank}.error.json"
@@ -154,6 +158,12 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
     for _, _, other, text in records[1:]:
         last = text.strip().splitlines()[-1] if text.strip() else "?"
         print(f"(rank {other} also failed: {last})", file=sys.stderr)
+    failed = {r for _, _, r, _ in records}
+    stopped = [r for r, p in enumerate(procs) if r not in failed and p.returncode is not None and p.returncode < 0]
+    if stopped and any(_TIMED_OUT.search(t) for _, _, _, t in records):
+        print(f"rank(s) {stopped} were still running when the others timed out waiting for them, and were "
+              f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
+              f"{run_dir / 'logs'}", file=sys.stderr)
 
 
 def _describe(code: int | None) -> str:

@@ -4,6 +4,8 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
 
 - ``kill``: SIGKILLs itself (a crashed worker);
 - ``raise``: raises an exception (a bug);
+- ``hang``: stops, without exiting (a deadlock, a stuck device): the others wait in their
+  next collective until ``ddp.timeout_s``;
 - ``flip``: flips the lowest bit of its first parameter's first element (silent data
   corruption: the run goes on, and the replicas differ; ``[divergence]`` finds it);
 - ``nan``: makes this step's gradient of its first parameter NaN (a numerical blow-up on
@@ -16,14 +18,16 @@ restart too (a permanent fault, to test running out of restarts).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
 
 import torch
 
 __all__ = ["parse_fault", "inject_fault", "KINDS"]
 
-KINDS = ("kill", "raise", "flip", "nan")
+KINDS = ("kill", "raise", "hang", "flip", "nan")
 
 
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
@@ -37,10 +41,17 @@ def parse_fault(spec: str) -> tuple[int, int, str] | None:
 
 
 def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None = None) -> None:
+    record = os.environ.get("DPTRAIN_FAULT_LOG")  # for studies: when the fault struck (dptrain bench faults)
+    if record:
+        with open(record, "a") as f:
+            f.write(json.dumps({"rank": rank, "step": step, "kind": kind, "time": time.time()}) + "\n")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "raise":
         raise RuntimeError(f"fault injected by DPTRAIN_FAULT on rank {rank} at step {step}")
+    if kind == "hang":
+        while True:
+            time.sleep(60)
     if model is None:
         raise ValueError(f"DPTRAIN_FAULT kind {kind!r} needs the rank's model, and rank {rank} (a parameter server) "
                          "has none: use kill or raise there")
