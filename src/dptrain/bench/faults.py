@@ -13,7 +13,9 @@ beside a fault-free run of the same job:
 - resize: a checkpoint of N ranks resumed on M, against the uninterrupted run on N.
 
 Time to detection is from the fault (``DPTRAIN_FAULT_LOG``'s timestamp) to the first
-error recorded by a rank other than the faulty one, or to the restarted job's resume.
+error recorded by a rank other than the faulty one (for a restarted job: in its first
+attempt), and for the divergence check also in steps; "-" where no rank failed (the job
+repaired or skipped and went on).
 The final state is compared with the fault-free run's ``model.safetensors``.
 
     python -m dptrain.bench.faults
@@ -69,14 +71,20 @@ def _dptrain(run_dir: Path, nproc: int, settings: dict, fault: str = "", restart
 
 def _saw(done: dict) -> str:
     """The line a user would read first: the error, a warning, or how the run ended."""
-    text = done["stderr"] + done["stdout"]
+    text = re.sub(r"\[/\S+\.cc:\d+\] ", "", done["stderr"] + done["stdout"])  # gloo's source locations
+    text = re.sub(r"/tmp/\S+/(s\d+|cut\w+)/", "<run>/", text)
+    seen = []
     for pattern in (r"DivergenceError: [^\n]*", r"warning: replicas diverged[^\n]*", r"RuntimeError: fault[^\n]*",
-                    r"RuntimeError: [^\n]*Timed out[^\n]*", r"rank\(s\) \[\d+\] were still running[^\n]*",
-                    r"error: rank \d+ failed first:\n[^\n]*", r"resumed from [^\n]*", r"skipped steps[^\n]*"):
+                    r"RuntimeError: [^\n]*Timed out[^\n]*", r"error: rank \d+ failed first:\n[^;\n]*",
+                    r"resumed from [^\n]*", r"skipped steps[^\n]*"):
         found = re.search(pattern, text)
         if found:
-            return " ".join(found.group(0).split())[:240]
-    return f"exit {done['code']}"
+            seen.append(" ".join(found.group(0).split()))
+            break
+    culprit = re.search(r"rank\(s\) \[[\d, ]+\] were still running[^.]*", text)  # the launcher's guess at a hang
+    if culprit:
+        seen.append(" ".join(culprit.group(0).split()))
+    return "; ".join(seen) if seen else f"exit {done['code']}"
 
 
 def _detection_s(run_dir: Path, fault_log: Path, faulty: int, done: dict) -> float | None:
@@ -85,7 +93,9 @@ def _detection_s(run_dir: Path, fault_log: Path, faulty: int, done: dict) -> flo
     struck = json.loads(fault_log.read_text().splitlines()[0])["time"]
     times = [json.loads(p.read_text())["time"] for p in (run_dir / "logs").glob("rank*.error.json")
              if p.name != f"rank{faulty}.error.json"]
-    return (min(times) if times else done["end"]) - struck
+    if not times:  # no rank other than the faulty one failed: the job went on (repaired, skipped, restarted)
+        return None if done["code"] == 0 else done["end"] - struck
+    return min(times) - struck
 
 
 def _compare(a: Path, b: Path) -> str:
@@ -113,7 +123,9 @@ def run(directory: Path) -> dict:
         run_dir, log = directory / f"s{i}", directory / f"s{i}.faults"
         done = _dptrain(run_dir, 2, {**BASE, **extra}, fault, restarts, log)
         detection = _detection_s(run_dir, log, int(fault.split(":")[0]), done)
+        caught = re.search(r"diverged at step (\d+)", done["stderr"] + done["stdout"])
         rows.append({"fault": name, "exit": done["code"], "saw": _saw(done), "detection_s": detection,
+                     "caught_after_steps": int(caught.group(1)) - int(fault.split(":")[1]) if caught else None,
                      "final": _compare(run_dir / "model.safetensors", reference / "model.safetensors")})
         print(f"{name}: exit {done['code']}, {rows[-1]['saw'][:100]} | {rows[-1]['final']}", flush=True)
     resizes = []
@@ -136,6 +148,8 @@ def table(result: dict) -> str:
              "|---|---:|---|---:|---|"]
     for r in result["scenarios"]:
         t = "-" if r["detection_s"] is None else f"{r['detection_s']:.1f} s"
+        if r["caught_after_steps"] is not None:
+            t += f" ({r['caught_after_steps']} steps)"
         lines.append(f"| {r['fault']} | {r['exit']} | {r['saw'].replace('|', '/')} | {t} | {r['final']} |")
     lines += ["", "| resume | exit | steps compared | max abs loss difference vs the uninterrupted run |",
               "|---|---:|---:|---:|"]
