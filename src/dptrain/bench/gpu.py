@@ -9,7 +9,8 @@ stream waits). Two checks:
   ``torch.nn.parallel.DistributedDataParallel`` and under ``dptrain.DistributedDataParallel``,
   same data, in fp32 and under bf16 autocast; the largest relative parameter difference;
 - **overhead**: step time (forward, backward, optimizer step; CUDA-synchronised) of the
-  unwrapped model, torch's DDP and dptrain's DDP, under bf16 autocast, interleaved in a
+  unwrapped model, torch's DDP and dptrain's DDP (also with ``gradient_as_bucket_view``),
+  under bf16 autocast, interleaved in a
   shuffled order per round; medians and the paired ratios over rounds.
 
 End-to-end runs on the GPU (precisions, ZeRO) are ``dptrain run --nproc 1`` on a CUDA
@@ -79,7 +80,8 @@ def overhead(device: torch.device, rounds: int, steps: int, n_layer: int, n_embd
     torch.manual_seed(0)
     base = GPT(n_layer=n_layer, n_head=max(1, n_embd // 64), n_embd=n_embd, block_size=block).to(device)
     variants = {"plain": copy.deepcopy(base), "torch_ddp": TorchDDP(copy.deepcopy(base)),
-                "dptrain_ddp": DistributedDataParallel(copy.deepcopy(base))}
+                "dptrain_ddp": DistributedDataParallel(copy.deepcopy(base)),
+                "dptrain_ddp_views": DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)}
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for k, m in variants.items()}
     x, y = _batch(0, batch, block, device)
     for name, model in variants.items():  # warm-up: kernels, allocator, NCCL
@@ -105,7 +107,8 @@ def overhead(device: torch.device, rounds: int, steps: int, n_layer: int, n_embd
             "rounds": rounds, "steps_per_round": steps, "median_ms": medians,
             "dptrain_vs_plain": paired_ratios(times["dptrain_ddp"], times["plain"]),
             "dptrain_vs_torch_ddp": paired_ratios(times["dptrain_ddp"], times["torch_ddp"]),
-            "torch_ddp_vs_plain": paired_ratios(times["torch_ddp"], times["plain"])}
+            "torch_ddp_vs_plain": paired_ratios(times["torch_ddp"], times["plain"]),
+            "dptrain_views_vs_torch_ddp": paired_ratios(times["dptrain_ddp_views"], times["torch_ddp"])}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -139,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         result["overhead"] = o
         print(f"overhead ({o['model']['params'] / 1e6:.1f}M parameters, batch {args.batch}x{args.block}, bf16): "
               + ", ".join(f"{k} {v:.2f} ms" for k, v in o["median_ms"].items()))
-        for key in ("dptrain_vs_plain", "dptrain_vs_torch_ddp", "torch_ddp_vs_plain"):
+        for key in ("dptrain_vs_plain", "dptrain_vs_torch_ddp", "torch_ddp_vs_plain", "dptrain_views_vs_torch_ddp"):
             r = o[key]
             print(f"  {key}: {r['median']:.4f}x (90% CI {r['ci90'][0]:.4f}-{r['ci90'][1]:.4f})")
         save_result(args.out, result)
