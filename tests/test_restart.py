@@ -49,3 +49,19 @@ def test_bad_restart_input_is_refused(tmp_path, args, message):
     done = dptrain("run", "--run-dir", str(tmp_path / "run"), "--set", "task.name=classifier", *args, cwd=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("run_dir, extra, message", [
+    ("afile/run", [], "afile is a file, not a directory. Choose another --run-dir"),
+    ("/proc/dptrain_run", [], "the run directory /proc/dptrain_run is not writable (/proc:"),
+    ("big", ["--set", "gpt.n_layer=200", "--set", "gpt.n_embd=8192", "--set", "gpt.n_head=64"],
+     "kept checkpoints of 161,085,210,624 parameters with their optimizer state need about 6,144,913 MiB"),
+])
+def test_an_unusable_run_directory_is_refused_before_training(tmp_path, run_dir, extra, message):
+    """Not a directory, not writable (even for root: /proc), or too small for the checkpoints: exit 2 at once."""
+    (tmp_path / "afile").write_text("")
+    args = [] if extra else ["--set", "task.name=classifier"]
+    done = dptrain("run", "--run-dir", str(tmp_path / run_dir) if not run_dir.startswith("/") else run_dir,
+                   *args, *extra, cwd=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]  # nothing written

@@ -11,6 +11,8 @@ directory, and each worker calls it again (under torchrun there is no ``dptrain 
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -74,8 +76,9 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
             raise
         raise ConfigError(f"task {cfg.task.name!r}: {e}") from None
     steps_per_epoch(len(task.train_set), plan)
-    _check_model_builds(task, cfg)
+    n_params = _check_model_builds(task, cfg)
     run_dir = default_run_dir(cfg).resolve()
+    _check_run_dir(run_dir, n_params, cfg)
     ident = identity(cfg)
     ident["train.global_batch_size"] = plan.global_batch_size  # resolved, whichever two were given
     ident_hash = identity_hash(ident)
@@ -200,7 +203,36 @@ def _check_nodes(cfg: RunConfig, world_size: int) -> None:
                           f"choose one of {divisors} (or 0 for the local world size)")
 
 
-def _check_model_builds(task: Task, cfg: RunConfig) -> None:
+def _check_run_dir(run_dir: Path, n_params: int, cfg: RunConfig) -> None:
+    """Before any training time is spent: the run directory can be written, and has room for the checkpoints.
+
+    Writability is tried, not read from permission bits (root ignores them; a read-only
+    mount does not): a temporary file is created and removed in the nearest existing
+    directory. Room: ``keep_last + 1`` checkpoints (one being written while the last
+    ``keep_last`` are kept) of fp32 parameters and two optimizer moments, and the final
+    weights: ``(3 x (keep_last + 1) + 1) x 4 bytes x parameters``.
+    """
+    existing = run_dir
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ConfigError(f"the run directory {run_dir} cannot be created: {existing} is a file, not a directory. "
+                          "Choose another --run-dir")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise ConfigError(f"the run directory {run_dir} is not writable ({existing}: {e.strerror}). Choose another "
+                          "--run-dir") from None
+    need = (3 * (cfg.checkpoint.keep_last + 1) + 1) * 4 * n_params
+    free = shutil.disk_usage(existing).free
+    if free < need:
+        raise ConfigError(f"the run directory {run_dir} has {free / 2**20:,.0f} MiB free, and {cfg.checkpoint.keep_last} "
+                          f"kept checkpoints of {n_params:,} parameters with their optimizer state need about "
+                          f"{need / 2**20:,.0f} MiB. Free space, choose another --run-dir, or lower checkpoint.keep_last")
+
+
+def _check_model_builds(task: Task, cfg: RunConfig) -> int:
     """Build the model on the meta device (no memory, no init cost) to catch bad model arguments."""
     try:
         with torch.device("meta"):
@@ -217,3 +249,4 @@ def _check_model_builds(task: Task, cfg: RunConfig) -> None:
             partition([p.numel() for p in model.parameters()], cfg.ps.servers)
         except PSLayoutError as e:
             raise ConfigError(f"ps.servers={cfg.ps.servers}: {e}") from None
+    return sum(p.numel() for p in model.parameters())
