@@ -227,9 +227,10 @@ def _check_run_dir(run_dir: Path, n_params: int, cfg: RunConfig) -> None:
     need = (3 * (cfg.checkpoint.keep_last + 1) + 1) * 4 * n_params
     free = shutil.disk_usage(existing).free
     if free < need:
-        raise ConfigError(f"the run directory {run_dir} has {free / 2**20:,.0f} MiB free, and {cfg.checkpoint.keep_last} "
-                          f"kept checkpoints of {n_params:,} parameters with their optimizer state need about "
-                          f"{need / 2**20:,.0f} MiB. Free space, choose another --run-dir, or lower checkpoint.keep_last")
+        raise ConfigError(f"the run directory {run_dir} has {free / 2**20:,.0f} MiB free, and "
+                          f"{cfg.checkpoint.keep_last} kept checkpoints of {n_params:,} parameters with their "
+                          f"optimizer state need about {need / 2**20:,.0f} MiB. Free space, choose another "
+                          "--run-dir, or lower checkpoint.keep_last")
 
 
 def _check_model_builds(task: Task, cfg: RunConfig) -> int:
