@@ -72,7 +72,8 @@ def test_two_workers_end_to_end(tmp_path):
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 8 and summary["steps"] == 20
 
 
-def test_resume_after_a_kill_continues_exactly(tmp_path):
+@pytest.mark.timeout(360)
+def test_resume_after_a_kill_continues_exactly_by_hand_and_under_max_restarts(tmp_path):
     config = str(tiny_gpt_config(tmp_path))
     straight = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr
@@ -89,11 +90,21 @@ def test_resume_after_a_kill_continues_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout and "step_00000010 at step 10" in resumed.stdout
 
-    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The same kill under --max-restarts: torchrun's agent restarts both ranks, which resume by themselves.
+    restarted = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "c"), "--max-restarts",
+                        "2", cwd=tmp_path, env={"DPTRAIN_FAULT": "1:13:kill"})
+    assert restarted.returncode == 0, restarted.stderr
+    assert "step_00000010 at step 10" in restarted.stdout
+    summary = json.loads((tmp_path / "c" / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["start_step"] == 10
+
+    a = load_file(tmp_path / "a" / "model.safetensors")
     losses_a = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "a")]
-    losses_b = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "b")]
-    assert losses_a == losses_b  # steps 11-12 were logged twice; the replay replaced them
+    for other in ("b", "c"):
+        b = load_file(tmp_path / other / "model.safetensors")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), other
+        losses_b = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / other)]
+        assert losses_a == losses_b, other  # steps 11-12 were logged twice; the replay replaced them
 
 
 def test_a_failing_rank_is_reported_first_and_the_job_stops(tmp_path):
