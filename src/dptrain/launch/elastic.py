@@ -9,8 +9,9 @@ the steps since that checkpoint, and the run continues exactly, bit for bit, as 
 nothing had happened (``tests/test_cli_run.py``).
 
 [Note: a fresh store per restart] torch's elastic agent shares its rendezvous TCP store
-with the workers by default. With gloo, workers of a restarted round were seen to reach
-the previous round's peers through it and hang. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
+with the workers by default. With gloo, workers of a restarted round then read the
+previous round's addresses from it and fail to connect ("Gloo connectFullMesh failed ...
+Connection refused"), so the restart is lost. ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``
 gives each round's process group a store of its own: 6 of 6 trials restarted with it, 0
 of 6 without (``docs/repro/restart_store_trials.sh``). It is set unless the environment
 already sets it.
