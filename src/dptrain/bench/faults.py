@@ -5,7 +5,9 @@ steps, a checkpoint every 5) with one fault from ``DPTRAIN_FAULT`` (``train/faul
 beside a fault-free run of the same job:
 
 - ``kill`` + ``--max-restarts 1``: torchrun restarts the job, it resumes from step 10;
-- ``kill``, ``raise``, ``hang`` without restarts: the job must end, on every rank, with
+- ``delay`` (3 s): the others wait, and the job goes on unchanged;
+- ``kill`` (also inside the gradient all-reduces), ``raise``, ``hang`` without
+  restarts: the job must end, on every rank, with
   an error that names the cause (``hang`` within ``ddp.timeout_s`` = 10 s);
 - ``flip`` (one bit of a parameter on rank 1) with ``divergence.every = 5``: stopped, or
   repaired with ``divergence.repair``;
@@ -46,6 +48,8 @@ BASE = {"task.name": "classifier", "train.steps": 20, "checkpoint.every": 5, "lo
 SCENARIOS = [
     ("kill rank 1 at step 12, --max-restarts 1", "1:12:kill", {}, 1),
     ("kill rank 1 at step 12", "1:12:kill", {}, 0),
+    ("kill rank 1 inside step 12's gradient all-reduces", "1:12:kill-in-backward", {}, 0),
+    ("delay rank 1 by 3 s at step 12", "1:12:delay", {}, 0),
     ("raise on rank 1 at step 12", "1:12:raise", {}, 0),
     ("hang rank 1 at step 12 (timeout 10 s)", "1:12:hang", {}, 0),
     ("flip a bit on rank 1 at step 12, check every 5", "1:12:flip", {"divergence.every": 5}, 0),

@@ -3,6 +3,10 @@
 At the start of that (1-based) step, in every strategy's loop, that rank:
 
 - ``kill``: SIGKILLs itself (a crashed worker);
+- ``kill-in-backward``: SIGKILLs itself in that step's backward, when its last gradient
+  is ready, so its earlier buckets' all-reduces are in flight (a crash inside a collective);
+- ``delay``: sleeps ``DPTRAIN_FAULT_DELAY_S`` seconds (default 3) before the step (a
+  transient stall: the others wait in their next collective, then go on);
 - ``raise``: raises an exception (a bug);
 - ``hang``: stops, without exiting (a deadlock, a stuck device): the others wait in their
   next collective until ``ddp.timeout_s``;
@@ -27,7 +31,7 @@ import torch
 
 __all__ = ["parse_fault", "inject_fault", "KINDS"]
 
-KINDS = ("kill", "raise", "hang", "flip", "nan")
+KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan")
 
 
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
@@ -52,6 +56,9 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
     if kind == "hang":
         while True:
             time.sleep(60)
+    if kind == "delay":
+        time.sleep(float(os.environ.get("DPTRAIN_FAULT_DELAY_S", "3")))
+        return
     if model is None:
         raise ValueError(f"DPTRAIN_FAULT kind {kind!r} needs the rank's model, and rank {rank} (a parameter server) "
                          "has none: use kill or raise there")
@@ -64,5 +71,7 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
 
     def poison(grad: torch.Tensor) -> torch.Tensor:  # once: the next backward's gradient of this parameter
         handle.remove()
+        if kind == "kill-in-backward":  # the first parameter's gradient comes last: earlier buckets are in flight
+            os.kill(os.getpid(), signal.SIGKILL)
         return torch.full_like(grad, float("nan"))
     handle = first.register_hook(poison)
