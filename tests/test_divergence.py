@@ -112,8 +112,8 @@ def test_a_hung_rank_ends_the_job_with_a_timeout_that_names_it(tmp_path):
 
 
 def test_a_rank_killed_inside_the_gradient_all_reduces_ends_the_job_with_its_name(tmp_path):
-    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2],
-                   env={"DPTRAIN_FAULT": "1:3:kill-in-backward"}, cwd=tmp_path)
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--fault", "1:3:kill-in-backward",
+                   cwd=tmp_path)
     assert done.returncode == 1
     assert "error: rank 1 failed first:\nexited with signal SIGKILL" in done.stderr, done.stderr
     assert re.search(r"\(rank 0 also failed: .*Connection (reset|closed) by peer", done.stderr), done.stderr

@@ -10,6 +10,7 @@ start on a cluster.
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -39,10 +40,13 @@ def main() -> None:
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="restart every worker up to this many times after a failure (torchrun's elastic agent); each "
                    "restart resumes from the newest checkpoint")
+@click.option("--fault", metavar="RANK:STEP:KIND",
+              help="inject a fault for experiments (kill, kill-in-backward, raise, hang, delay, flip, nan); the same "
+                   "as DPTRAIN_FAULT (docs/reliability.md)")
 @click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
 @click.option("--config-reference", is_flag=True, help="print every config key, default and meaning (Markdown)")
 def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,
-        max_restarts: int, show_config: bool, config_reference: bool) -> None:
+        max_restarts: int, fault: str | None, show_config: bool, config_reference: bool) -> None:
     """Train on NPROC local workers (gloo on CPU, NCCL on GPUs).
 
     \b
@@ -69,6 +73,9 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             raise ConfigError(f"--nproc must be at least 1, got {nproc}")
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+        if fault:
+            _check_fault(fault, nproc)
+            os.environ["DPTRAIN_FAULT"] = fault  # the workers inherit it, under either launcher
         cfg = load_config(config_path, list(overrides) + extra)
         if show_config:
             click.echo(to_toml(cfg), nl=False)
@@ -89,6 +96,17 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             sys.exit(2)
         sys.exit(launch_elastic(nproc, worker_args, rp.run_dir, max_restarts))
     sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc)))
+
+
+def _check_fault(spec: str, nproc: int) -> None:
+    from dptrain.train.faults import KINDS
+
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in KINDS:
+        raise ConfigError(f"--fault {spec!r}: expected RANK:STEP:KIND with KIND one of {', '.join(KINDS)}, "
+                          "e.g. --fault 1:12:kill")
+    if int(parts[0]) >= nproc:
+        raise ConfigError(f"--fault {spec!r}: rank {parts[0]} does not exist with --nproc {nproc}")
 
 
 def _expendable(cfg, nproc: int) -> set[int]:
