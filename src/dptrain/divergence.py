@@ -77,7 +77,6 @@ class DivergenceMonitor:
     def __init__(self, tensors: Callable[[], list[tuple[str, torch.Tensor]]], *, repair: bool = False,
                  group: dist.ProcessGroup | None = None):
         self.tensors, self.repair, self.group = tensors, repair, group
-        self.repairs: list[Divergence] = []
 
     @torch.no_grad()
     def check(self, step: int) -> Divergence | None:
@@ -98,7 +97,7 @@ class DivergenceMonitor:
         if found is None:
             return None
         if not self.repair or found.source is None:
-            why = "" if found.source is not None or not self.repair else " No rank agrees with the majority everywhere."
+            why = " No rank agrees with the majority everywhere." if self.repair else ""
             raise DivergenceError(
                 f"replicas diverged at step {step}: {found.tensor} differs first ({found.differing} of {len(named)} "
                 f"tensors differ); rank(s) {found.bad_ranks} disagree with the majority.{why} Resume from the last "
@@ -106,7 +105,6 @@ class DivergenceMonitor:
         src = dist.get_global_rank(self.group, found.source) if self.group is not None else found.source
         for _, t in named:
             dist.broadcast(t, src=src, group=self.group)
-        self.repairs.append(found)
         return found
 
 

@@ -30,7 +30,6 @@ import json
 import os
 import re
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -39,11 +38,12 @@ import torch
 from safetensors.torch import load_file
 
 from dptrain.bench.results import save_result
+from dptrain.bench.runs import dptrain_command
 
 __all__ = ["SCENARIOS", "run", "table", "main"]
 
 BASE = {"task.name": "classifier", "train.steps": 20, "checkpoint.every": 5, "log.every": 1,
-        "log.progress": "lines", "log.plots": "false", "ddp.timeout_s": 10}
+        "log.progress": "lines", "log.plots": False, "ddp.timeout_s": 10}
 # (name, fault, extra settings, max restarts)
 SCENARIOS = [
     ("kill rank 1 at step 12, --max-restarts 1", "1:12:kill", {}, 1),
@@ -53,7 +53,7 @@ SCENARIOS = [
     ("raise on rank 1 at step 12", "1:12:raise", {}, 0),
     ("hang rank 1 at step 12 (timeout 10 s)", "1:12:hang", {}, 0),
     ("flip a bit on rank 1 at step 12, check every 5", "1:12:flip", {"divergence.every": 5}, 0),
-    ("the same, with repair", "1:12:flip", {"divergence.every": 5, "divergence.repair": "true"}, 0),
+    ("the same, with repair", "1:12:flip", {"divergence.every": 5, "divergence.repair": True}, 0),
     ("NaN gradient on rank 0 at step 12", "0:12:nan", {}, 0),
 ]
 RESIZES = [(2, 1), (1, 2), (4, 2)]
@@ -61,8 +61,7 @@ RESIZES = [(2, 1), (1, 2), (4, 2)]
 
 def _dptrain(run_dir: Path, nproc: int, settings: dict, fault: str = "", restarts: int = 0,
              fault_log: Path | None = None) -> dict:
-    args = [sys.executable, "-m", "dptrain.cli", "run", "--nproc", str(nproc), "--run-dir", str(run_dir)]
-    args += [a for k, v in settings.items() for a in ("--set", f"{k}={v}")]
+    args = dptrain_command(nproc, settings, run_dir)
     if restarts:
         args += ["--max-restarts", str(restarts)]
     env = {k: v for k, v in os.environ.items() if not k.startswith("DPTRAIN_FAULT")}

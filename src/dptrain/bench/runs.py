@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["dptrain_run", "toml_value", "Raw"]
+__all__ = ["dptrain_run", "dptrain_command", "toml_value", "Raw"]
 
 
 class Raw(str):
@@ -26,11 +26,17 @@ def toml_value(value) -> str:
     return repr(value)
 
 
-def dptrain_run(nproc: int, settings: dict[str, object], run_dir: Path) -> dict:
-    """Run ``dptrain run`` with ``--set key=value`` for each setting; returns summary, train records, wall time."""
+def dptrain_command(nproc: int, settings: dict[str, object], run_dir: Path) -> list[str]:
+    """``dptrain run`` on ``nproc`` ranks in ``run_dir``, with ``--set key=value`` for each setting."""
     args = [sys.executable, "-m", "dptrain.cli", "run", "--nproc", str(nproc), "--run-dir", str(run_dir)]
     for key, value in settings.items():
         args += ["--set", f"{key}={toml_value(value)}"]
+    return args
+
+
+def dptrain_run(nproc: int, settings: dict[str, object], run_dir: Path) -> dict:
+    """Run ``dptrain run`` with ``--set key=value`` for each setting; returns summary, train records, wall time."""
+    args = dptrain_command(nproc, settings, run_dir)
     t0 = time.perf_counter()
     done = subprocess.run(args, capture_output=True, text=True)
     if done.returncode != 0:

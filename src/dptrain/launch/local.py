@@ -38,7 +38,7 @@ _PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exite
 
 
 # What a rank reports when a collective waited past ddp.timeout_s.
-_TIMED_OUT = re.compile(r"Timed out|timed out|Timeout|DistBackendError.*watchdog", re.IGNORECASE)
+_TIMED_OUT = re.compile(r"timed out|timeout|DistBackendError.*watchdog", re.IGNORECASE)
 
 
 def error_file(run_dir: Path, rank: int) -> Path:

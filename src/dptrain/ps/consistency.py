@@ -45,6 +45,12 @@ class Consistency:
         if self.backups < 0:
             raise ValueError(f"the number of backup workers must be >= 0, got {self.backups}")
 
+    def check_lookahead(self, lookahead: bool) -> None:
+        """Look-ahead compensates delay; in the round modes every applied gradient is fresh."""
+        if lookahead and self.rounds:
+            raise ValueError(f"ps.lookahead is for the async and ssp modes; in {self.mode} mode every applied "
+                             f"gradient is fresh (delay 0), so there is nothing to look ahead for")
+
     def check_workers(self, num_workers: int) -> None:
         if self.mode == "backup" and self.backups >= num_workers:
             raise ValueError(f"backups={self.backups} with {num_workers} worker(s): a round needs at least one "

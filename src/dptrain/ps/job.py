@@ -38,9 +38,7 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
     rank = dist.get_rank()
     roles = Roles(dist.get_world_size(), num_servers)
     consistency.check_workers(roles.num_workers)
-    if lookahead and consistency.rounds:  # on every rank, before any group is made: no rank is left waiting
-        raise ValueError(f"ps.lookahead is for the async and ssp modes; in {consistency.mode} mode every applied "
-                         f"gradient is fresh (delay 0), so there is nothing to look ahead for")
+    consistency.check_lookahead(lookahead)  # on every rank, before any group is made: no rank is left waiting
     params = list(model.parameters())
     runs = partition([p.numel() for p in params], num_servers)
     groups = pair_groups(roles.workers, roles.servers)

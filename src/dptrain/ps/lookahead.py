@@ -47,6 +47,7 @@ class Lookahead:
         self.direction = torch.zeros_like(flat)  # d_t, over the flat buffer
         self.sent = torch.empty_like(flat)
         self._direction_version = -1
+        self._group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}  # fixed for a run
 
     def observe(self, worker: int, delay: int) -> None:
         """Fold one applied gradient's delay into its worker's expectation."""
@@ -62,13 +63,11 @@ class Lookahead:
     @torch.no_grad()
     def _update_direction(self) -> None:
         """``d_t`` for every parameter (a view of the flat buffer, in order), zero where no state exists yet."""
-        decay_of = {id(p): g.get("weight_decay", 0.0) for g in self.optimizer.param_groups for p in g["params"]}
-        group = self.optimizer.param_groups[0]
         offset = 0
         for p in self.params:
             d = self.direction[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
-            state = self.optimizer.state.get(p)
+            state, group = self.optimizer.state.get(p), self._group_of[id(p)]
             if not state:
                 d.zero_()
             elif self.kind == "SGD":  # L2 decay is inside the momentum buffer already
@@ -79,5 +78,5 @@ class Lookahead:
                 t = float(state["step"])
                 v_hat = state["exp_avg_sq"] / (1 - beta2 ** t)
                 torch.div(state["exp_avg"] / (1 - beta1 ** t), v_hat.sqrt_().add_(group["eps"]), out=d)
-                if self.kind == "AdamW" and decay_of[id(p)]:  # decoupled: theta *= 1 - lr * decay
-                    d.add_(p, alpha=decay_of[id(p)])
+                if self.kind == "AdamW" and group["weight_decay"]:  # decoupled: theta *= 1 - lr * decay
+                    d.add_(p, alpha=group["weight_decay"])

@@ -76,8 +76,7 @@ class ShardServer:
                  server_group: dist.ProcessGroup | None = None, reporter: int = 0, lookahead: bool = False,
                  before_step: Callable[[int], None] | None = None):
         consistency.check_workers(len(links))
-        if lookahead and consistency.rounds:
-            raise ValueError(f"ps.lookahead is for the async and ssp modes, not {consistency.mode}")
+        consistency.check_lookahead(lookahead)
         self.links, self.consistency, self.steps = links, consistency, steps
         self.lr_at, self.grad_clip, self.server_group, self.reporter = lr_at, grad_clip, server_group, reporter
         self.before_step = before_step  # called with the 1-based step of each update about to be applied

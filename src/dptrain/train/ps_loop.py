@@ -89,7 +89,7 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
             workers if p.mode == "sync" else workers - p.backups if p.mode == "backup" else 1),
         step_of=lambda version: version if consistency.rounds else version // workers,
         lr_scale=1.0 if consistency.rounds else 1.0 / workers,
-        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio))
+        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), fault=fault)
     records = loop.run(run_dir / "metrics.jsonl" if rank == 0 else None)
     reports = role.leave()
     summary = None
@@ -136,10 +136,11 @@ class _WorkerLoop:
     step_of: Callable[[int], int]  # a server version in synchronous steps
     lr_scale: float
     lr_at: Callable[[int], float]
+    fault: tuple[int, int, str] | None  # DPTRAIN_FAULT, parsed
 
     def run(self, metrics_path: Path | None) -> list[dict]:
         out = open(metrics_path, "w", buffering=1) if metrics_path else None
-        fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+        fault = self.fault
         records, window, step = [], [], 0
         last = (time.perf_counter(), min(self.role.version))
         try:
