@@ -49,8 +49,11 @@ def _flat(model: nn.Module) -> torch.Tensor:
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
 
 
-def _ps(rank, world_size, num_servers, consistency, steps, slow=None, leave_at=None, lookahead=False):
-    """A PS job: servers return (report, records); workers (parameters after every step, report)."""
+def _ps(rank, world_size, num_servers, consistency, steps, slow=None, leave_at=None, lookahead=False, pace=0.0):
+    """A PS job: servers return (report, records); workers (parameters after every step, report).
+
+    ``slow=(rank, seconds)`` makes one worker sleep that long per step; ``pace`` makes every other worker
+    sleep that long, so the fast workers' rounds take a known least time."""
     model = _model()
     role = build_parameter_server(model, _optimizer, num_servers=num_servers, consistency=consistency,
                                   steps=steps, grad_clip=CLIP, lookahead=lookahead)
@@ -67,6 +70,8 @@ def _ps(rank, world_size, num_servers, consistency, steps, slow=None, leave_at=N
         nn.functional.cross_entropy(model(x), y).backward()
         if slow and rank == slow[0]:
             time.sleep(slow[1])
+        elif pace:
+            time.sleep(pace)
         stop = role.step()
         history.append(_flat(model))
         if stop:
@@ -130,12 +135,16 @@ def test_async_staleness_is_unbounded_with_a_straggler():
 
 
 def test_backup_rounds_use_the_first_gradients_and_drop_the_late():
-    results = run_on_ranks(_ps, 4, 1, Consistency("backup", backups=1), 8, slow=(2, 0.05))
+    """Worker 2 sleeps 10x longer than the paced fast workers, so rounds close without it while it computes
+    and its gradients arrive late. (Unpaced, the fast workers once spent all 8 rounds before the straggler's
+    first gradient came, and nothing was dropped.)"""
+    rounds = 20
+    results = run_on_ranks(_ps, 4, 1, Consistency("backup", backups=1), rounds, slow=(2, 0.05), pace=0.005)
     report, records = results[3]
-    assert report["updates"] == 8
+    assert report["updates"] == rounds
     assert report["dropped"] >= 1  # the straggler's gradient, computed from an old version
     assert all(s == 0 and d == 0 for _, _, s, d in records)  # applied ones are always fresh
-    assert {w for w, *_ in records} <= {0, 1, 2} and len(records) == 2 * 8
+    assert {w for w, *_ in records} <= {0, 1, 2} and len(records) == 2 * rounds
     for history in (results[0][0], results[1][0]):
         assert torch.isfinite(history[-1]).all()
 
