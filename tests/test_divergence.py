@@ -1,6 +1,6 @@
 """The replica divergence monitor and the injected faults: checksums that see one flipped bit, detection on
 every rank naming the first tensor and the ranks off the majority, repair from a healthy rank; from the CLI, a
-flipped bit, a NaN gradient and a hung rank."""
+flipped bit, a NaN gradient, a hung rank and a rank that calls another collective."""
 
 from __future__ import annotations
 
@@ -109,6 +109,20 @@ def test_a_hung_rank_ends_the_job_with_a_timeout_that_names_it(tmp_path):
     assert done.returncode == 1
     assert "error: rank 0 failed first" in done.stderr and "Timed out waiting 5000ms" in done.stderr, done.stderr
     assert "rank(s) [1] were still running when the others timed out waiting for them" in done.stderr
+    # the worker names it too, through the job's store, so it is named under torchrun and Slurm as well
+    assert "roll call: rank(s) [1] reported nothing within 3 s of rank 0's failed collective at step 3" in done.stderr
+
+
+def test_a_rank_calling_another_collective_is_named_on_every_rank(tmp_path):
+    """Rank 1 makes one extra all-reduce at step 3; with every call checked, both ranks stop at once, naming it."""
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", 'ddp.check_collectives="every"',
+                   "--fault", "1:3:mismatch", cwd=tmp_path)
+    assert done.returncode == 1
+    for rank in (0, 1):
+        error = json.loads((tmp_path / "run" / "logs" / f"rank{rank}.error.json").read_text())["traceback"]
+        assert "CollectiveMismatchError: collective #2 differs across ranks: rank(s) [0]: all_reduce(float32[" \
+               in error, error
+        assert "rank(s) [1]: all_reduce(float32[1]) for a metric only rank 1 computes" in error
 
 
 def test_a_rank_killed_inside_the_gradient_all_reduces_ends_the_job_with_its_name(tmp_path):

@@ -41,8 +41,8 @@ def main() -> None:
               help="restart every worker up to this many times after a failure (torchrun's elastic agent); each "
                    "restart resumes from the newest checkpoint")
 @click.option("--fault", metavar="RANK:STEP:KIND",
-              help="inject a fault for experiments (kill, kill-in-backward, raise, hang, delay, flip, nan); the same "
-                   "as DPTRAIN_FAULT (docs/reliability.md)")
+              help="inject a fault for experiments (kill, kill-in-backward, raise, hang, delay, flip, nan, mismatch); "
+                   "the same as DPTRAIN_FAULT (docs/reliability.md)")
 @click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
 @click.option("--config-reference", is_flag=True, help="print every config key, default and meaning (Markdown)")
 def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,

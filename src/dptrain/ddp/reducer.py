@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import comm
+from dptrain.comm.fingerprint import CollectiveCheck
 from dptrain.ddp.arrivals import GradientArrivals
 from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, copy_into_slice
@@ -114,8 +115,13 @@ class Reducer:
         algorithm: str = "native",
         nodes: int | Sequence[Sequence[int]] | None = None,
         traffic: comm.Traffic | None = None,
+        check: CollectiveCheck | None = None,
+        check_every: bool = False,
     ):
         self.params = params
+        self.check = check            # fingerprints each bucket's first reduction (or every one) across ranks
+        self.check_every = check_every
+        self._checked: set[int] = set()
         self.algorithm = algorithm    # how buckets are all-reduced without a hook (dptrain.comm)
         self.nodes = nodes
         self.traffic = traffic        # counts dptrain.comm's bytes sent, for tests and benchmarks
@@ -314,9 +320,21 @@ class Reducer:
         self._stats.bucket_bytes.append(bucket.nbytes)
         span = [bucket.index, time.perf_counter(), None]
         self._stats.bucket_spans.append(span)
+        return _Timed(self._communicate(bucket, bucket.buffer, span), span)
+
+    def _communicate(self, bucket: Bucket, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
+        """Reduce ``buffer`` (the bucket's, or zeros of its layout): the comm hook or the averaging all-reduce.
+
+        With a ``check``, the call's fingerprint is compared across ranks first (comm/fingerprint.py):
+        on each bucket's first reduction, or on every one with ``check_every``.
+        """
+        if self.check is not None and (self.check_every or bucket.index not in self._checked):
+            op = "all_reduce" if self.comm_hook is None else f"comm hook {_hook_name(self.comm_hook)}"
+            self.check.verify(op, [buffer], f"bucket {bucket.index}")
+            self._checked.add(bucket.index)
         if self.comm_hook is not None:
-            return _Timed(self.comm_hook(self.comm_state, self._grad_bucket(bucket, bucket.buffer)), span)
-        return _Timed(self._all_reduce(bucket.buffer, span), span)
+            return self.comm_hook(self.comm_state, self._grad_bucket(bucket, buffer))
+        return self._all_reduce(buffer, span)
 
     def _all_reduce(self, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
         """Sum ``buffer`` across ranks asynchronously with the configured algorithm.
@@ -406,11 +424,7 @@ class Reducer:
         """
         handles = []
         for bucket in self.buckets:
-            zeros = torch.zeros_like(bucket.buffer)
-            if self.comm_hook is not None:
-                handles.append(self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)))
-            else:
-                handles.append(self._all_reduce(zeros))
+            handles.append(self._communicate(bucket, torch.zeros_like(bucket.buffer)))
         for handle in handles:
             handle.wait()
         _, late, _ = self.arrivals.exchange(self.process_group, [False] * len(self.buckets), zeros=True)
@@ -419,11 +433,12 @@ class Reducer:
             self.arrivals.last = [0] * len(self.params)  # discovery is over for every rank
         for bucket in self.buckets:
             if late[bucket.index]:  # the active ranks reduce it again: join them with zeros
-                zeros = torch.zeros_like(bucket.buffer)
-                if self.comm_hook is not None:
-                    self.comm_hook(self.comm_state, self._grad_bucket(bucket, zeros)).wait()
-                else:
-                    self._all_reduce(zeros).wait()
+                self._communicate(bucket, torch.zeros_like(bucket.buffer)).wait()
+
+
+def _hook_name(hook: CommHook) -> str:
+    hook = getattr(hook, "func", hook)  # functools.partial
+    return getattr(hook, "__qualname__", type(hook).__qualname__)
 
 
 def _stamp(span: list) -> None:

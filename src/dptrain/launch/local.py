@@ -27,18 +27,18 @@ from pathlib import Path
 
 from dptrain.launch.rendezvous import free_port
 
-__all__ = ["launch_local", "error_file"]
+__all__ = ["launch_local", "error_file", "PEER_LOST", "TIMED_OUT"]
 
 GRACE_S = 5.0
 SETTLE_S = 1.0  # [Note: settle before going on]
 
 # What a rank reports when a *peer* died: a consequence, not a cause.
-_PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
+PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
                         r"ProcessGroup.*(aborted|terminated)", re.IGNORECASE)
 
 
 # What a rank reports when a collective waited past ddp.timeout_s.
-_TIMED_OUT = re.compile(r"timed out|timeout|DistBackendError.*watchdog", re.IGNORECASE)
+TIMED_OUT = re.compile(r"timed out|timeout|DistBackendError.*watchdog", re.IGNORECASE)
 
 
 def error_file(run_dir: Path, rank: int) -> Path:
@@ -142,7 +142,7 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
         if path.exists():
             record = json.loads(path.read_text())
             text = record["traceback"]
-            records.append((bool(_PEER_LOST.search(text)), record["time"], rank, text))
+            records.append((bool(PEER_LOST.search(text)), record["time"], rank, text))
         elif p.returncode not in (0, None) and not (p.returncode < 0 and exit_times[rank] >= stopped_at):
             # died on its own (a signal we did not send, or no traceback recorded)
             records.append((False, exit_times[rank] or float("inf"), rank,
@@ -160,7 +160,7 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
         print(f"(rank {other} also failed: {last})", file=sys.stderr)
     failed = {r for _, _, r, _ in records}
     stopped = [r for r, p in enumerate(procs) if r not in failed and p.returncode is not None and p.returncode < 0]
-    if stopped and any(_TIMED_OUT.search(t) for _, _, _, t in records):
+    if stopped and any(TIMED_OUT.search(t) for _, _, _, t in records):
         print(f"rank(s) {stopped} were still running when the others timed out waiting for them, and were "
               f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
               f"{run_dir / 'logs'}", file=sys.stderr)

@@ -13,7 +13,13 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
 - ``flip``: flips the lowest bit of its first parameter's first element (silent data
   corruption: the run goes on, and the replicas differ; ``[divergence]`` finds it);
 - ``nan``: makes this step's gradient of its first parameter NaN (a numerical blow-up on
-  one rank: the all-reduce spreads it, and the step is skipped on every rank).
+  one rank: the all-reduce spreads it, and the step is skipped on every rank);
+- ``mismatch``: calls one extra all-reduce, of one element, before the step (a branch that
+  depends on the rank: the others are in their gradient all-reduces). It goes through the
+  DDP engine's collective check when there is one (``ddp.check_collectives``): with
+  ``every`` each rank raises a ``CollectiveMismatchError`` naming the call; with ``first``
+  (after step 1) this rank waits at the check and the others in gloo, until the timeout;
+  with ``off`` gloo sees sizes that differ and aborts the process (SIGABRT).
 A fault fires in a job's first attempt only: after a restart (torchrun's
 ``TORCHELASTIC_RESTART_COUNT`` > 0) the resumed run goes past that step, as it would after
 a real, one-off failure. ``DPTRAIN_FAULT_EVERY_ATTEMPT=1`` makes it fire after every
@@ -31,7 +37,7 @@ import torch
 
 __all__ = ["parse_fault", "inject_fault", "KINDS"]
 
-KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan")
+KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch")
 
 
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
@@ -62,6 +68,13 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
     if model is None:
         raise ValueError(f"DPTRAIN_FAULT kind {kind!r} needs the rank's model, and rank {rank} (a parameter server) "
                          "has none: use kill or raise there")
+    if kind == "mismatch":
+        extra = torch.ones(1, device=next(model.parameters()).device)
+        check = getattr(getattr(model, "reducer", None), "check", None)
+        if check is not None:
+            check.verify("all_reduce", [extra], f"a metric only rank {rank} computes")
+        torch.distributed.all_reduce(extra)
+        return
     first = next(model.parameters())
     if kind == "flip":
         with torch.no_grad():

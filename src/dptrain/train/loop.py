@@ -63,6 +63,7 @@ from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.ps_loop import train_ps
 from dptrain.train.report import RunLog, print_summary, summarize
+from dptrain.train.roll_call import is_collective_failure, roll_call
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
 from dptrain.train.trace import TraceRecorder, trace_zero
@@ -95,7 +96,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     nodes = cfg.ddp.ranks_per_node or env.local_world_size
     ddp_kwargs = dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb, gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view,
                       find_unused_parameters=cfg.ddp.find_unused_parameters, static_graph=cfg.ddp.static_graph,
-                      algorithm=cfg.ddp.algorithm, nodes=nodes)
+                      algorithm=cfg.ddp.algorithm, nodes=nodes, check_collectives=cfg.ddp.check_collectives,
+                      check_timeout_s=cfg.ddp.timeout_s)
     engine = Engine(model, lambda wrapped: build_optimizer(wrapped, t.optimizer, peak_lr, t.weight_decay,
                                                            tuple(t.betas), t.momentum),
                     plan, precision=t.precision, grad_clip=t.grad_clip,
@@ -199,6 +201,10 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                                                               if k.startswith("val_")))
             if not saved and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
                 _save(engine, rp, step, env, device, log, compression)
+    except Exception as e:
+        if env.world_size > 1 and is_collective_failure(e):  # name the ranks that stopped or died
+            e.add_note(roll_call(step, e))
+        raise
     finally:
         if metrics_file is not None:
             metrics_file.close()

@@ -1,0 +1,56 @@
+"""After a collective fails: which ranks report the failure too, and which are silent.
+
+A timeout or a lost connection says that *some* peer is missing, not which one: gloo names
+an address at best, and a hung rank's peers all see the same timeout. So every rank whose
+collective failed writes where it was into the job's store (the rendezvous key-value
+server, beside the collective transport, served from rank 0's process), then waits a few
+seconds for the others. The ranks that wrote nothing stopped calling collectives or died.
+
+This names the culprit on every surviving rank under torchrun and Slurm too, where
+dptrain's local launcher (which sees which processes are still running) is not there.
+If rank 0's process died, its store went with it: the roll call says so and names nobody.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch.distributed as dist
+
+from dptrain.launch.local import PEER_LOST, TIMED_OUT
+
+__all__ = ["roll_call", "is_collective_failure"]
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A peer went missing (a timeout, a closed connection), as opposed to this rank's own error."""
+    text = f"{type(error).__name__}: {error}"
+    return bool(PEER_LOST.search(text) or TIMED_OUT.search(text))
+
+
+def roll_call(step: int, error: BaseException, wait_s: float = 3.0, store: dist.Store | None = None,
+              rank: int | None = None, world_size: int | None = None) -> str:
+    """Report this rank's failure at ``step`` and return a line naming the ranks that reported none."""
+    rank = dist.get_rank() if rank is None else rank
+    world_size = dist.get_world_size() if world_size is None else world_size
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a fresh key set after each restart
+    try:
+        store = dist.PrefixStore(f"dptrain/roll_call/{attempt}/",
+                                 store if store is not None else dist.distributed_c10d._get_default_store())
+        store.set(str(rank), f"step {step}")
+        deadline = time.monotonic() + wait_s
+        while True:
+            reported = [r for r in range(world_size) if store.check([str(r)])]
+            if len(reported) == world_size or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        where = {r: store.get(str(r)).decode() for r in reported}
+    except Exception as e:  # the store went away with its host
+        return f"roll call: the job's store did not answer ({type(e).__name__}); rank 0, its host, is probably gone"
+    silent = [r for r in range(world_size) if r not in where]
+    if not silent:
+        return f"roll call: every rank reported a failed collective ({where}): no rank is silent"
+    return (f"roll call: rank(s) {silent} reported nothing within {wait_s:g} s of rank {rank}'s failed collective "
+            f"at step {step}: they stopped calling collectives (a hang) or died; rank(s) {sorted(where)} reported "
+            f"failing ({', '.join(f'rank {r} at {w}' for r, w in where.items())})")
