@@ -152,3 +152,40 @@ def test_two_models_check_their_own_calls():
 def test_check_collectives_must_be_a_known_mode():
     with pytest.raises(RankFailedError, match="check_collectives='sometimes': expected one of off, first, every"):
         run_on_ranks(_rank_dependent_hook, 1, "sometimes", timeout=60)
+
+
+def _zero_rank_stops_before_backward(rank, world_size):
+    """ZeRO-3: rank 1 leaves after its forward (a rank-dependent early exit); rank 0 goes on into backward."""
+    from dptrain.zero import ZeRO
+
+    model = ZeRO(_model(), stage=3, check_collectives="first", check_timeout_s=3)
+    loss = model(torch.randn(4, 8)).sum()
+    if rank == 1:
+        return "left"
+    loss.backward()
+
+
+def test_zero_names_a_rank_that_never_reaches_its_reduce_scatter():
+    with pytest.raises(RankFailedError) as caught:
+        run_on_ranks(_zero_rank_stops_before_backward, 2, timeout=60)
+    text = str(caught.value)
+    assert "CollectiveTimeoutError: rank(s) [1] did not reach collective #1 within 3 s" in text, text
+    assert "rank 0 was about to call reduce_scatter(float32[" in text
+    assert "rank 1's last checked call was #0: all_gather(float32[" in text
+
+
+def _zero_agrees(rank, world_size):
+    from dptrain.zero import ZeRO
+
+    model = ZeRO(_model(), stage=3, check_collectives="every", check_timeout_s=20)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model.units[0].check.calls, len(model.units)
+
+
+def test_zero3_with_every_call_checked_trains():
+    (calls, units), other = run_on_ranks(_zero_agrees, 2, timeout=60)
+    assert other == (calls, units) and calls == 2 * 2 * units  # each step: a gather and a reduce-scatter per unit

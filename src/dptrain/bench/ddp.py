@@ -12,7 +12,10 @@ with a bootstrap 90% interval over rounds. Variants:
 - ``torch_ddp/<cap>``: ``torch.nn.parallel.DistributedDataParallel(bucket_cap_mb=cap)``;
 - ``dptrain_ddp/<cap>``: ``dptrain.DistributedDataParallel(bucket_cap_mb=cap)``;
 - with ``--views``, also ``torch_ddp_view/<cap>`` and ``dptrain_ddp_view/<cap>``: the same
-  with ``gradient_as_bucket_view=True`` (no copy of the reduced bucket back to ``.grad``).
+  with ``gradient_as_bucket_view=True`` (no copy of the reduced bucket back to ``.grad``);
+- with ``--check-every``, also ``dptrain_ddp_every/<cap>``: every bucket's all-reduce
+  fingerprinted across ranks through the store (``check_collectives="every"``), compared
+  with ``dptrain_ddp/<cap>``, which checks each bucket's first reduction only (the default).
 
 A step is zero_grad, forward, MSE loss, backward (with the sync), SGD step; its time is
 the slowest rank's. Timings are meaningful only side by side within one run. Workers
@@ -56,9 +59,12 @@ def _wrap(variant: str, module: nn.Module) -> nn.Module:
         return module
     if kind == "naive":
         return NaiveDataParallel(module)
-    engine, _, view = kind.partition("_ddp")
-    wrapper = {"torch": nn.parallel.DistributedDataParallel, "dptrain": DistributedDataParallel}[engine]
-    return wrapper(module, bucket_cap_mb=float(cap), gradient_as_bucket_view=view == "_view")
+    engine, _, suffix = kind.partition("_ddp")
+    if engine == "torch":
+        return nn.parallel.DistributedDataParallel(module, bucket_cap_mb=float(cap),
+                                                   gradient_as_bucket_view=suffix == "_view")
+    return DistributedDataParallel(module, bucket_cap_mb=float(cap), gradient_as_bucket_view=suffix == "_view",
+                                   check_collectives="every" if suffix == "_every" else "first")
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
@@ -112,12 +118,14 @@ def _bucket_mib(model: nn.Module) -> list[float]:
 
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
-        steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True) -> dict:
+        steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True,
+        check_every: bool = False) -> dict:
     variants = ["no_comm", "naive"]
     pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
+    pairs += [("dptrain_ddp_every", "dptrain_ddp")] if check_every else []
     for cap in caps:
         for ours, theirs in pairs:
-            variants += [f"{theirs}/{cap:g}", f"{ours}/{cap:g}"]
+            variants += [v for v in (f"{theirs}/{cap:g}", f"{ours}/{cap:g}") if v not in variants]
     args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
                 rounds=rounds, steps=steps, warmup=warmup)
     per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
@@ -131,7 +139,8 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
         for ours_kind, theirs_kind in pairs:
             ours, theirs = step_times[f"{ours_kind}/{cap:g}"], step_times[f"{theirs_kind}/{cap:g}"]
             paired = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs)]
-            ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": bootstrap_ci(paired)}
+            ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": bootstrap_ci(paired),
+                                              "against": f"{theirs_kind}/{cap:g}"}
     params = sum(p.numel() for p in build_model(width, depth).parameters())
     return {
         "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
@@ -155,11 +164,12 @@ def to_markdown(result: dict) -> str:
              "| variant | median step (ms) | vs no_comm |", "|---|---:|---:|"]
     for variant, seconds in med.items():
         lines.append(f"| {variant} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |")
-    lines += ["", "| dptrain variant | dptrain / torch DDP, same settings (median of per-round ratios) "
-              "| 90% interval |", "|---|---:|---:|"]
+    lines += ["", "| dptrain variant | against | ratio of step times (median of per-round ratios) "
+              "| 90% interval |", "|---|---|---:|---:|"]
     for variant, ratio in result["ratios"].items():
         low, high = ratio["ci90"]
-        lines.append(f"| {variant} | {ratio['median']:.3f} | {low:.3f} - {high:.3f} |")
+        against = ratio.get("against", variant.replace("dptrain", "torch"))
+        lines.append(f"| {variant} | {against} | {ratio['median']:.3f} | {low:.3f} - {high:.3f} |")
     lines += ["", "| variant | buckets (MiB, launch order) |", "|---|---|"]
     for variant, sizes in result.get("buckets_mib", {}).items():
         lines.append(f"| {variant} | {', '.join(f'{s:g}' for s in sizes) or 'not available'} |")
@@ -178,12 +188,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--views", action="store_true", help="also compare gradient_as_bucket_view=True")
+    parser.add_argument("--check-every", action="store_true",
+                        help="also time check_collectives='every' against the default (first)")
     parser.add_argument("--default-malloc", action="store_true",
                         help="keep glibc's default malloc settings (see dptrain.allocator)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/ddp.json"))
     a = parser.parse_args(argv)
     result = run(a.world_size, a.width, a.depth, a.micro_batch, a.caps, a.rounds, a.steps, a.warmup, a.threads,
-                 a.views, not a.default_malloc)
+                 a.views, not a.default_malloc, a.check_every)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     print(to_markdown(result))

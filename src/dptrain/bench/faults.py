@@ -12,6 +12,9 @@ beside a fault-free run of the same job:
 - ``flip`` (one bit of a parameter on rank 1) with ``divergence.every = 5``: stopped, or
   repaired with ``divergence.repair``;
 - ``nan`` (one rank's gradient): the step is skipped on every rank;
+- ``mismatch`` (rank 1 makes one extra all-reduce): with ``ddp.check_collectives`` every,
+  first (the default) and off: a named error on every rank, a named timeout, or gloo's
+  SIGABRT;
 - resize: a checkpoint of N ranks resumed on M, against the uninterrupted run on N.
 
 Time to detection is from the fault (``DPTRAIN_FAULT_LOG``'s timestamp) to the first
@@ -55,6 +58,10 @@ SCENARIOS = [
     ("flip a bit on rank 1 at step 12, check every 5", "1:12:flip", {"divergence.every": 5}, 0),
     ("the same, with repair", "1:12:flip", {"divergence.every": 5, "divergence.repair": True}, 0),
     ("NaN gradient on rank 0 at step 12", "0:12:nan", {}, 0),
+    ("rank 1 calls an extra all-reduce at step 12, check every call", "1:12:mismatch",
+     {"ddp.check_collectives": "every"}, 0),
+    ("the same, check first calls (default)", "1:12:mismatch", {}, 0),
+    ("the same, check off", "1:12:mismatch", {"ddp.check_collectives": "off"}, 0),
 ]
 RESIZES = [(2, 1), (1, 2), (4, 2)]
 
@@ -78,15 +85,18 @@ def _saw(done: dict) -> str:
     text = re.sub(r"/tmp/\S+/(s\d+|cut\w+)/", "<run>/", text)
     seen = []
     for pattern in (r"DivergenceError: [^\n]*", r"warning: replicas diverged[^\n]*", r"RuntimeError: fault[^\n]*",
+                    r"CollectiveMismatchError: [^\n]*?(?=\. Every rank)", r"CollectiveTimeoutError: [^;\n]*",
                     r"RuntimeError: [^\n]*Timed out[^\n]*", r"error: rank \d+ failed first:\n[^;\n]*",
                     r"resumed from [^\n]*", r"skipped steps[^\n]*"):
         found = re.search(pattern, text)
         if found:
             seen.append(" ".join(found.group(0).split()))
             break
-    culprit = re.search(r"rank\(s\) \[[\d, ]+\] were still running[^.]*", text)  # the launcher's guess at a hang
-    if culprit:
-        seen.append(" ".join(culprit.group(0).split()))
+    for pattern in (r"roll call: rank\(s\) \[[\d, ]+\] reported nothing[^:]*",  # the workers' own roll call
+                    r"rank\(s\) \[[\d, ]+\] were still running[^.]*"):  # the local launcher's guess at a hang
+        culprit = re.search(pattern, text)
+        if culprit:
+            seen.append(" ".join(culprit.group(0).split()))
     return "; ".join(seen) if seen else f"exit {done['code']}"
 
 

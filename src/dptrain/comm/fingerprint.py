@@ -34,7 +34,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-__all__ = ["CollectiveCheck", "CollectiveMismatchError", "CollectiveTimeoutError", "fingerprint", "job_store"]
+__all__ = ["CollectiveCheck", "CollectiveMismatchError", "CollectiveTimeoutError", "fingerprint", "job_store",
+           "collective_check", "CHECK_MODES"]
+
+CHECK_MODES = ("off", "first", "every")
 
 
 class CollectiveMismatchError(RuntimeError):
@@ -74,7 +77,9 @@ class CollectiveCheck:
     """
 
     def __init__(self, timeout_s: float, group: dist.ProcessGroup | None = None, store: dist.Store | None = None,
-                 rank: int | None = None, world_size: int | None = None):
+                 rank: int | None = None, world_size: int | None = None, every: bool = False):
+        self.every = every       # verify_site checks every call, not only each site's first
+        self._seen: set = set()
         self.store = store if store is not None else job_store(group)
         self.rank = dist.get_rank(group) if rank is None else rank
         self.world_size = dist.get_world_size(group) if world_size is None else world_size
@@ -101,6 +106,14 @@ class CollectiveCheck:
         self.calls += 1
         self.last = f"#{seq}: {mine}"
 
+    def verify_site(self, site, op: str, tensors: Sequence[torch.Tensor], label: str = "") -> None:
+        """:meth:`verify` on the first call from ``site`` (a bucket, a ZeRO unit), or on every call with ``every``.
+
+        ``site`` must name the same call on every rank, so that all ranks check the same calls."""
+        if self.every or site not in self._seen:
+            self.verify(op, tensors, label)
+            self._seen.add(site)
+
     def _missing(self, seq: int, keys: list[str], mine: str, error: Exception) -> str:
         try:
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
@@ -113,6 +126,15 @@ class CollectiveCheck:
         return (f"rank(s) {missing} did not reach collective #{seq} within {self.timeout.total_seconds():g} s: "
                 f"they hang, died, or took another path (rank {self.rank} was about to call {mine}); "
                 + "; ".join(lines))
+
+
+def collective_check(mode: str, timeout_s: float, group: dist.ProcessGroup | None = None) -> CollectiveCheck | None:
+    """The check for ``mode`` (one of :data:`CHECK_MODES`) on ``group``; None when off or alone."""
+    if mode not in CHECK_MODES:
+        raise ValueError(f"check_collectives={mode!r}: expected one of {', '.join(CHECK_MODES)}")
+    if mode == "off" or dist.get_world_size(group) == 1:
+        return None
+    return CollectiveCheck(timeout_s, group, every=mode == "every")
 
 
 def _mismatch(seq: int, prints: list[str]) -> str:

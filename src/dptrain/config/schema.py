@@ -91,10 +91,11 @@ class DDPConfig:
     find_unused_parameters: bool = opt(False, "allow parameters that get no gradient on some steps")
     static_graph: bool = opt(False, "the set of used parameters never changes")
     timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
-    check_collectives: str = opt("first", "compare each gradient bucket's all-reduce (op, dtype, shape, comm hook) "
-                                 "across ranks through the job's store before calling it: on its first use "
-                                 "(first), on every use (every: names a rank that takes another path mid-run, "
-                                 "at a store round trip per bucket), or off; strategy ddp (docs/reliability.md)",
+    check_collectives: str = opt("first", "compare each gradient bucket's all-reduce (op, dtype, shape, comm hook; "
+                                 "with ZeRO each unit's all-gather and reduce-scatter) across ranks through the "
+                                 "job's store before calling it: on its first use (first), on every use (every: "
+                                 "names a rank that takes another path mid-run, at store round trips per call), "
+                                 "or off (docs/reliability.md)",
                                  choices=("off", "first", "every"))
     algorithm: str = opt("native", "all-reduce algorithm for gradient buckets: the backend's (native) or "
                          "dptrain's own ring, tree, naive, hierarchical (docs/collectives.md)",

@@ -32,7 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from dptrain.comm import check_algorithm
-from dptrain.comm.fingerprint import CollectiveCheck
+from dptrain.comm.fingerprint import collective_check
 from dptrain.ddp.autograd import iter_tensors, map_tensors, on_backward_reaching
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
@@ -40,9 +40,7 @@ from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.ddp.sync_switch import GradSyncSwitch
 
-__all__ = ["DistributedDataParallel", "CHECK_MODES"]
-
-CHECK_MODES = ("off", "first", "every")
+__all__ = ["DistributedDataParallel"]
 
 DEFAULT_BUCKET_CAP_MB = 25.0
 DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
@@ -123,7 +121,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
     ):
         super().__init__()
         Joinable.__init__(self)
-        _check_arguments(unsupported, bucket_cap_mb, device_ids, check_collectives)
+        _check_arguments(unsupported, bucket_cap_mb, device_ids)
+        check = collective_check(check_collectives, check_timeout_s, process_group)  # validates the mode first
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         check_algorithm(algorithm, nodes, dist.get_world_size(self.process_group))
@@ -158,8 +157,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
             algorithm=algorithm,
             nodes=nodes,
             traffic=traffic,
-            check=_collective_check(check_collectives, check_timeout_s, self.process_group),
-            check_every=check_collectives == "every",
+            check=check,
         )
 
     def _check_replicas(self, named: list[tuple[str, nn.Parameter]], options: list[tuple]) -> None:
@@ -298,7 +296,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         broadcast_coalesced(tensors, src, self.process_group)
 
 
-def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids, check_collectives: str) -> None:
+def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids) -> None:
     for name in unsupported:
         hint = _UNSUPPORTED.get(name)
         if hint is None:
@@ -315,14 +313,6 @@ def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids,
     if device_ids is not None and len(device_ids) > 1:
         raise ValueError(f"device_ids={list(device_ids)}: one device per process is supported; "
                          "launch one process per device (torchrun --nproc-per-node N)")
-    if check_collectives not in CHECK_MODES:
-        raise ValueError(f"check_collectives={check_collectives!r}: expected one of {', '.join(CHECK_MODES)}")
-
-
-def _collective_check(mode: str, timeout_s: float, group: dist.ProcessGroup) -> CollectiveCheck | None:
-    if mode == "off" or dist.get_world_size(group) == 1:
-        return None
-    return CollectiveCheck(timeout_s, group)
 
 
 def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:

@@ -116,12 +116,9 @@ class Reducer:
         nodes: int | Sequence[Sequence[int]] | None = None,
         traffic: comm.Traffic | None = None,
         check: CollectiveCheck | None = None,
-        check_every: bool = False,
     ):
         self.params = params
         self.check = check            # fingerprints each bucket's first reduction (or every one) across ranks
-        self.check_every = check_every
-        self._checked: set[int] = set()
         self.algorithm = algorithm    # how buckets are all-reduced without a hook (dptrain.comm)
         self.nodes = nodes
         self.traffic = traffic        # counts dptrain.comm's bytes sent, for tests and benchmarks
@@ -326,12 +323,11 @@ class Reducer:
         """Reduce ``buffer`` (the bucket's, or zeros of its layout): the comm hook or the averaging all-reduce.
 
         With a ``check``, the call's fingerprint is compared across ranks first (comm/fingerprint.py):
-        on each bucket's first reduction, or on every one with ``check_every``.
+        on each bucket's first reduction, or on every one.
         """
-        if self.check is not None and (self.check_every or bucket.index not in self._checked):
+        if self.check is not None:
             op = "all_reduce" if self.comm_hook is None else f"comm hook {_hook_name(self.comm_hook)}"
-            self.check.verify(op, [buffer], f"bucket {bucket.index}")
-            self._checked.add(bucket.index)
+            self.check.verify_site(bucket.index, op, [buffer], f"bucket {bucket.index}")
         if self.comm_hook is not None:
             return self.comm_hook(self.comm_state, self._grad_bucket(bucket, buffer))
         return self._all_reduce(buffer, span)

@@ -47,6 +47,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dptrain import comm
+from dptrain.comm.fingerprint import collective_check
 from dptrain.compress.zero import ShardedCompression
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
@@ -88,6 +89,11 @@ class ZeRO(nn.Module):
     vectors to decay only the former). ``compression``: a
     :class:`~dptrain.compress.zero.ShardedCompression` (fp16, bf16 or int8) that sends
     every gradient reduce-scatter compressed, on the same ranks as ``process_group``.
+    ``check_collectives``: compare each unit's all-gather and reduce-scatter fingerprints
+    across ranks through the job's store before calling them, on their first use
+    (``"first"``, default), on every use (``"every"``), or not (``"off"``); see
+    :mod:`dptrain.comm.fingerprint`. ``check_timeout_s``: how long a check waits for the
+    other ranks before naming the missing ones.
     """
 
     def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
@@ -97,7 +103,8 @@ class ZeRO(nn.Module):
                  device: torch.device | str | None = None, broadcast_buffers: bool = True,
                  traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
                  split_by: Callable[[str, torch.Tensor], Hashable] | None = None,
-                 compression: ShardedCompression | None = None):
+                 compression: ShardedCompression | None = None, check_collectives: str = "first",
+                 check_timeout_s: float = 300.0):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -126,6 +133,7 @@ class ZeRO(nn.Module):
             raise ValueError(f"algorithm {algorithm!r} chooses how uncompressed gradients are reduced; with "
                              "compression the codec's exchange does it: leave algorithm native")
         self.compression = compression
+        check = collective_check(check_collectives, check_timeout_s, process_group)
         self.device = torch.device(device) if device is not None else _default_device(module)
         refs, frozen = collect_params(module)
         # Verify first: ranks with different models could otherwise fail (or not) one by one below.
@@ -144,6 +152,7 @@ class ZeRO(nn.Module):
                             compression=compression)
             unit.owner = owner
             unit.key = self._key(members[0])
+            unit.check = check
             self.units.append(unit)
         self._reductions = ReductionQueue(1)
         for unit in self.units:

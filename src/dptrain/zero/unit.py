@@ -114,6 +114,7 @@ class FlatUnit:
                  reduce_dtype: torch.dtype | None = None, compression=None):
         self.index, self.refs, self.stage = index, refs, stage
         self.compression = compression  # a dptrain.compress.zero.ShardedCompression, or None
+        self.check = None  # a dptrain.comm.fingerprint.CollectiveCheck, set by ZeRO
         self.group, self.algorithm, self.nodes = group, algorithm, nodes
         self._comm = dict(algorithm=algorithm, group=group, nodes=nodes, validate=False, traffic=traffic)
         self.numel = full.numel()
@@ -176,6 +177,8 @@ class FlatUnit:
         self.stale = False
         with torch.no_grad():
             source = self.shard.detach().to(self.compute_dtype)  # the shard itself when no cast is needed
+            if self.check is not None:
+                self.check.verify_site(("gather", self.index), "all_gather", [self.full, source], f"unit {self.index}")
             work = comm.all_gather(self.full, source, async_op=True, **self._comm)
         if async_op:
             self._gathering = work
@@ -333,6 +336,9 @@ class FlatUnit:
             out = self.full_grad[self.lo:self.hi]  # stage 1: reduce straight into the gradient's home
         else:
             out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
+        if self.check is not None:
+            op = "reduce_scatter" if self.compression is None else f"{self.compression.codec.name} reduce_scatter"
+            self.check.verify_site(("reduce", self.index), op, [out, grad_full], f"unit {self.index}")
         if self.compression is not None:  # encoded now; the exchange runs on the compression's own thread
             work = self.compression.reduce_scatter(self.index, out, grad_full)
         else:
