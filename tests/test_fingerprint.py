@@ -22,9 +22,9 @@ from dptrain.train.roll_call import is_collective_failure, roll_call
 pytestmark = pytest.mark.timeout(120)
 
 
-def _on_threads(world_size: int, fn) -> dict:
+def _on_threads(world_size: int, fn, store: dist.Store | None = None) -> dict:
     """Run ``fn(rank, store)`` on one thread per rank over a shared in-memory store; rank -> result or error."""
-    store, results = dist.HashStore(), {}
+    store, results = store if store is not None else dist.HashStore(), {}
 
     def go(rank: int) -> None:
         try:
@@ -50,8 +50,10 @@ def test_equal_calls_pass_and_spent_keys_are_deleted():
         for i in range(20):
             check.verify("all_reduce", [torch.zeros(i + 1)], f"bucket {i}")
         return check.calls
-    results = _on_threads(3, fn)
+    store = dist.HashStore()
+    results = _on_threads(3, fn, store)
     assert results == {0: 20, 1: 20, 2: 20}
+    assert store.num_keys() == 3 + 3  # each rank's last call, and its key of call #19 (read, not yet spent)
 
 
 def test_different_calls_raise_on_every_rank_naming_each_call():
@@ -103,6 +105,7 @@ def test_only_a_lost_peer_or_a_timeout_calls_the_roll():
     assert is_collective_failure(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:36752"))
     assert is_collective_failure(RuntimeError("Timed out waiting 5000ms for recv operation to complete"))
     assert not is_collective_failure(ValueError("fault injected by DPTRAIN_FAULT on rank 1 at step 3"))
+    assert not is_collective_failure(TimeoutError("the data source timed out"))  # this rank's own problem
 
 
 def _model() -> nn.Module:

@@ -14,19 +14,27 @@ If rank 0's process died, its store went with it: the roll call says so and name
 from __future__ import annotations
 
 import os
+import re
 import time
 
 import torch.distributed as dist
 
-from dptrain.launch.local import PEER_LOST, TIMED_OUT
+from dptrain.launch.local import PEER_LOST
 
 __all__ = ["roll_call", "is_collective_failure"]
 
+# How a backend says that a collective waited too long: gloo, the c10d error types, NCCL's watchdog.
+_BACKEND_TIMEOUT = re.compile(r"Timed out waiting \d+ms|DistBackendError|DistNetworkError|"
+                              r"Watchdog caught collective operation timeout", re.IGNORECASE)
+
 
 def is_collective_failure(error: BaseException) -> bool:
-    """A peer went missing (a timeout, a closed connection), as opposed to this rank's own error."""
+    """A peer went missing (the backend's timeout, a closed connection), not this rank's own error.
+
+    Only the backend's own messages count: a ``TimeoutError`` from user code (a slow data
+    source, say) is this rank's problem, and a roll call would blame the ranks waiting for it."""
     text = f"{type(error).__name__}: {error}"
-    return bool(PEER_LOST.search(text) or TIMED_OUT.search(text))
+    return bool(PEER_LOST.search(text) or _BACKEND_TIMEOUT.search(text))
 
 
 def roll_call(step: int, error: BaseException, wait_s: float = 3.0, store: dist.Store | None = None,
