@@ -10,7 +10,8 @@ from pathlib import Path
 TESTS = Path(__file__).parent
 
 # A 2-block byte-level GPT (about 30k parameters) on 100 kB of stdlib source, with dropout
-# (so resumption must restore RNG streams) and tiny buckets (so there are many).
+# (so resumption must restore RNG streams) and tiny buckets (so there are many). No plots:
+# they cost every run a second or two; the end-to-end test turns them on and checks them.
 TINY_GPT = """
 [task]
 name = "chargpt"
@@ -34,6 +35,7 @@ eval_batches = 2
 trace_start = 3
 trace_steps = 2
 progress = "lines"
+plots = false
 [checkpoint]
 every = 10
 keep_last = 2

@@ -20,7 +20,7 @@ def train_records(run_dir):
 def test_two_workers_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir", str(run_dir),
-                   cwd=tmp_path)
+                   "--set", "log.plots=true", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     assert "run summary" in proc.stdout and "files written" in proc.stdout and "2 x cpu (gloo)" in proc.stdout
 
