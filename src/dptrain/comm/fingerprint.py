@@ -20,7 +20,7 @@ through a second gloo group, and must be chosen before the process starts; this 
 chosen per call site. The DDP engine checks the first reduction of each bucket (cheap:
 one exchange per bucket per run, which catches a comm hook or bucket layout that differs
 across ranks), or every one (``check_collectives="every"``: a rank that takes a different
-code path mid-run is named, at about three store round trips per collective).
+code path mid-run is named, at four store round trips per collective).
 
 Sequence numbers count checked calls, so every rank must check the same calls: the DDP
 engine's "first" rule is per bucket index, which is the same on every rank.
@@ -92,7 +92,6 @@ class CollectiveCheck:
         mine = fingerprint(op, tensors, label)
         seq = self.calls
         self.store.set(f"{seq}/{self.rank}", mine)
-        self.store.set(f"last/{self.rank}", f"#{seq}: {mine}")
         keys = [f"{seq}/{r}" for r in range(self.world_size)]
         try:
             self.store.wait(keys, self.timeout)
@@ -117,8 +116,8 @@ class CollectiveCheck:
     def _missing(self, seq: int, keys: list[str], mine: str, error: Exception) -> str:
         try:
             missing = [r for r, key in enumerate(keys) if not self.store.check([key])]
-            last = {r: self.store.get(f"last/{r}").decode() if self.store.check([f"last/{r}"]) else "none"
-                    for r in missing}
+            # a missing rank wrote #seq-1 (this rank read it) and deletes it only after #seq: it is still there
+            last = {r: f"#{seq - 1}: {self.store.get(f'{seq - 1}/{r}').decode()}" if seq else "none" for r in missing}
         except Exception:  # the store itself is gone: its host (rank 0's process) died
             return (f"collective check #{seq} ({mine}) on rank {self.rank}: the job's store stopped answering "
                     f"({error}); the rank hosting it (rank 0 under torchrun and dptrain run) is probably gone")
