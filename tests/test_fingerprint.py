@@ -173,7 +173,7 @@ def test_zero_names_a_rank_that_never_reaches_its_reduce_scatter():
         run_on_ranks(_zero_rank_stops_before_backward, 2, timeout=60)
     text = str(caught.value)
     assert "CollectiveTimeoutError: rank(s) [1] did not reach collective #1 within 3 s" in text, text
-    assert "rank 0 was about to call reduce_scatter(float32[" in text
+    assert "rank 0 was about to call reduce_scatter into float32(float32[" in text
     assert "rank 1's last checked call was #0: all_gather(float32[" in text
 
 

@@ -74,9 +74,9 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except Exception:
+    except Exception as e:
         text = traceback.format_exc()
-        _record_error(run_dir, env.rank, text)
+        _record_error(run_dir, env.rank, text, _one_line(e))
         if not local:  # the local launcher prints the first failing rank's traceback itself
             print(text, file=sys.stderr)
         return 1
@@ -85,8 +85,17 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
 
 
-def _record_error(run_dir: Path | None, rank: int, text: str) -> None:
-    record = {"rank": rank, "time": time.time(), "traceback": text}
+def _one_line(error: BaseException) -> str:
+    """``Type: first line of the message``, then any notes (the roll call's): what the launcher lists."""
+    message = str(error).strip().splitlines()
+    head = type(error).__qualname__ + (f": {message[0]}" if message else "")
+    if type(error).__module__ not in ("builtins", "__main__"):
+        head = f"{type(error).__module__}.{head}"
+    return "; ".join([head, *getattr(error, "__notes__", [])])
+
+
+def _record_error(run_dir: Path | None, rank: int, text: str, summary: str) -> None:
+    record = {"rank": rank, "time": time.time(), "traceback": text, "summary": summary}
     if run_dir is not None:
         path = error_file(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -142,25 +142,25 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
         if path.exists():
             record = json.loads(path.read_text())
             text = record["traceback"]
-            records.append((bool(PEER_LOST.search(text)), record["time"], rank, text))
+            last = text.strip().splitlines()[-1] if text.strip() else "?"
+            records.append((bool(PEER_LOST.search(text)), record["time"], rank, text, record.get("summary", last)))
         elif p.returncode not in (0, None) and not (p.returncode < 0 and exit_times[rank] >= stopped_at):
             # died on its own (a signal we did not send, or no traceback recorded)
-            records.append((False, exit_times[rank] or float("inf"), rank,
-                            f"exited with {_describe(p.returncode)} and no Python traceback; see "
-                            f"{run_dir / 'logs' / f'rank{rank}.console'} and {run_dir / 'logs' / f'rank{rank}.log'}"))
+            died = (f"exited with {_describe(p.returncode)} and no Python traceback; see "
+                    f"{run_dir / 'logs' / f'rank{rank}.console'} and {run_dir / 'logs' / f'rank{rank}.log'}")
+            records.append((False, exit_times[rank] or float("inf"), rank, died, died))
     records.sort()
     if not records:
         print("error: a worker failed without reporting why; see the logs in "
               f"{run_dir / 'logs'}", file=sys.stderr)
         return
-    _, _, rank, text = records[0]
+    _, _, rank, text, _ = records[0]
     print(f"\nerror: rank {rank} failed first:\n{text.rstrip()}", file=sys.stderr)
-    for _, _, other, text in records[1:]:
-        last = text.strip().splitlines()[-1] if text.strip() else "?"
-        print(f"(rank {other} also failed: {last})", file=sys.stderr)
-    failed = {r for _, _, r, _ in records}
+    for _, _, other, _, summary in records[1:]:
+        print(f"(rank {other} also failed: {summary})", file=sys.stderr)
+    failed = {r for _, _, r, _, _ in records}
     stopped = [r for r, p in enumerate(procs) if r not in failed and p.returncode is not None and p.returncode < 0]
-    if stopped and any(TIMED_OUT.search(t) for _, _, _, t in records):
+    if stopped and any(TIMED_OUT.search(t) for _, _, _, t, _ in records):
         print(f"rank(s) {stopped} were still running when the others timed out waiting for them, and were "
               f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
               f"{run_dir / 'logs'}", file=sys.stderr)
