@@ -85,7 +85,6 @@ class CollectiveCheck:
         self.world_size = dist.get_world_size(group) if world_size is None else world_size
         self.timeout = timedelta(seconds=timeout_s)
         self.calls = 0           # checked calls so far (the next one's sequence number)
-        self.last = "none yet"   # this rank's last checked call
 
     def verify(self, op: str, tensors: Sequence[torch.Tensor], label: str = "") -> None:
         """Raise on every rank unless every rank's next checked call is ``op`` on the same shapes and dtypes."""
@@ -103,7 +102,6 @@ class CollectiveCheck:
         if seq:  # every rank wrote #seq, so every rank has read #seq-1: this rank's key there is spent
             self.store.delete_key(f"{seq - 1}/{self.rank}")
         self.calls += 1
-        self.last = f"#{seq}: {mine}"
 
     def verify_site(self, site, op: str, tensors: Sequence[torch.Tensor], label: str = "") -> None:
         """:meth:`verify` on the first call from ``site`` (a bucket, a ZeRO unit), or on every call with ``every``.

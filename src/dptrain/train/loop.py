@@ -203,7 +203,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 _save(engine, rp, step, env, device, log, compression)
     except Exception as e:
         if env.world_size > 1 and is_collective_failure(e):  # name the ranks that stopped or died
-            e.add_note(roll_call(step, e))
+            e.add_note(roll_call(step))
         raise
     finally:
         if metrics_file is not None:

@@ -37,7 +37,7 @@ def is_collective_failure(error: BaseException) -> bool:
     return bool(PEER_LOST.search(text) or _BACKEND_TIMEOUT.search(text))
 
 
-def roll_call(step: int, error: BaseException, wait_s: float = 3.0, store: dist.Store | None = None,
+def roll_call(step: int, wait_s: float = 3.0, store: dist.Store | None = None,
               rank: int | None = None, world_size: int | None = None) -> str:
     """Report this rank's failure at ``step`` and return a line naming the ranks that reported none."""
     rank = dist.get_rank() if rank is None else rank
