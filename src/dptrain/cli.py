@@ -99,14 +99,14 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
 
 
 def _check_fault(spec: str, nproc: int) -> None:
-    from dptrain.train.faults import KINDS
+    from dptrain.train.faults import fault_spec
 
-    parts = spec.split(":")
-    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in KINDS:
-        raise ConfigError(f"--fault {spec!r}: expected RANK:STEP:KIND with KIND one of {', '.join(KINDS)}, "
-                          "e.g. --fault 1:12:kill")
-    if int(parts[0]) >= nproc:
-        raise ConfigError(f"--fault {spec!r}: rank {parts[0]} does not exist with --nproc {nproc}")
+    try:
+        rank, _, _ = fault_spec(spec)
+    except ValueError as e:
+        raise ConfigError(f"--fault {e}") from None
+    if rank >= nproc:
+        raise ConfigError(f"--fault {spec!r}: rank {rank} does not exist with --nproc {nproc}")
 
 
 def _expendable(cfg, nproc: int) -> set[int]:

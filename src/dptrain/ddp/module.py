@@ -123,6 +123,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         Joinable.__init__(self)
         _check_arguments(unsupported, bucket_cap_mb, device_ids)
         check = collective_check(check_collectives, check_timeout_s, process_group)  # validates the mode first
+        self.collective_check = check  # None when off or alone
         self.module = module
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         check_algorithm(algorithm, nodes, dist.get_world_size(self.process_group))

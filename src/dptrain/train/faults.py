@@ -15,8 +15,8 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
 - ``nan``: makes this step's gradient of its first parameter NaN (a numerical blow-up on
   one rank: the all-reduce spreads it, and the step is skipped on every rank);
 - ``mismatch``: calls one extra all-reduce, of one element, before the step (a branch that
-  depends on the rank: the others are in their gradient all-reduces). It goes through the
-  DDP engine's collective check when there is one (``ddp.check_collectives``): with
+  depends on the rank: the others are in their gradient collectives). It goes through the
+  DDP or ZeRO engine's collective check when there is one (``ddp.check_collectives``): with
   ``every`` each rank raises a ``CollectiveMismatchError`` naming the call; with ``first``
   (after step 1) this rank waits at the check and the others in gloo, until the timeout;
   with ``off`` gloo sees sizes that differ and aborts the process (SIGABRT).
@@ -35,19 +35,28 @@ import time
 
 import torch
 
-__all__ = ["parse_fault", "inject_fault", "KINDS"]
+__all__ = ["parse_fault", "fault_spec", "inject_fault", "KINDS"]
 
 KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch")
 
 
+def fault_spec(spec: str) -> tuple[int, int, str]:
+    """``RANK:STEP:KIND`` as ``(rank, step, kind)``; a ValueError that shows the expected form otherwise."""
+    parts = spec.split(":")
+    if len(parts) != 3 or not parts[0].isdigit() or not parts[1].isdigit() or parts[2] not in KINDS:
+        raise ValueError(f"{spec!r}: expected RANK:STEP:KIND with KIND one of {', '.join(KINDS)}, e.g. 1:12:kill")
+    return int(parts[0]), int(parts[1]), parts[2]
+
+
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
+    """The fault of ``DPTRAIN_FAULT`` for this attempt: None when unset, or after a restart (see above)."""
     restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
     if not spec or (restarted and not os.environ.get("DPTRAIN_FAULT_EVERY_ATTEMPT")):
         return None
-    rank, step, kind = spec.split(":")
-    if kind not in KINDS:
-        raise ValueError(f"DPTRAIN_FAULT={spec!r}: the kind must be one of {', '.join(KINDS)}")
-    return int(rank), int(step), kind
+    try:
+        return fault_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"DPTRAIN_FAULT={e}") from None
 
 
 def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None = None) -> None:
@@ -70,7 +79,7 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
                          "has none: use kill or raise there")
     if kind == "mismatch":
         extra = torch.ones(1, device=next(model.parameters()).device)
-        check = getattr(getattr(model, "reducer", None), "check", None)
+        check = getattr(model, "collective_check", None)  # DDP's and ZeRO's, when checking is on
         if check is not None:
             check.verify("all_reduce", [extra], f"a metric only rank {rank} computes")
         torch.distributed.all_reduce(extra)

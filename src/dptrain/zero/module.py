@@ -134,6 +134,7 @@ class ZeRO(nn.Module):
                              "compression the codec's exchange does it: leave algorithm native")
         self.compression = compression
         check = collective_check(check_collectives, check_timeout_s, process_group)
+        self.collective_check = check  # None when off or alone; shared by every unit
         self.device = torch.device(device) if device is not None else _default_device(module)
         refs, frozen = collect_params(module)
         # Verify first: ranks with different models could otherwise fail (or not) one by one below.
