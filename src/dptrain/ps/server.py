@@ -31,7 +31,7 @@ import math
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -65,6 +65,7 @@ class _Lost:
 class _Round:
     total: torch.Tensor
     workers: list[int] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
 
 
 class ShardServer:
@@ -94,6 +95,9 @@ class ShardServer:
         self.lookahead = Lookahead(self.optimizer, self.params, self.flat, list(links)) if lookahead else None
         self.num_workers = len(links)
         self.version = self.skipped = 0  # version: updates applied (a round's, or one gradient's)
+        # The losses of the last step's gradients, sent with every answer: the last round's (every worker's
+        # in sync, as DDP's logged loss), or in the async modes the last gradient of each of the workers.
+        self.recent_losses: deque[float] = deque(maxlen=len(links))
         self.records: list[Applied] = []
         self.dropped: list[Applied] = []
         self.lost: dict[int, str] = {}
@@ -157,11 +161,13 @@ class ShardServer:
             else:
                 self.round.total += message.payload
                 self.round.workers.append(w)
+                self.round.losses.append(message.x)
         else:
             delay = self.version - self.read_version[w]
             if self.lookahead:
                 self.lookahead.observe(w, delay)
             self._apply(message.payload, 1.0 / self.num_workers, skip=bool(message.b))
+            self.recent_losses.append(message.x)
             self.records.append(Applied(w, message.a, self.read_staleness[w], delay, self.version))
             self.held.add(w)
         self._progress()
@@ -172,6 +178,8 @@ class ShardServer:
         if self.consistency.rounds and done and len(done) >= self.consistency.needed(self.num_workers,
                                                                                        len(self.live)):
             self._apply(self.round.total.div_(len(done)), 1.0)
+            self.recent_losses.clear()
+            self.recent_losses.extend(self.round.losses)
             self.records += [Applied(w, self.clock[w], 0, 0, self.version) for w in done]
             self.held.update(done)
             self.round = _Round(self.round.total.zero_())
@@ -225,7 +233,8 @@ class ShardServer:
         if self.lookahead and kind == Kind.PARAMS:
             payload = self.lookahead.predict(w, self._next_lrs(1.0 / self.num_workers)[0], self.version)
         try:
-            self.links[w].send(kind, self.version, payload=payload)
+            self.links[w].send(kind, self.version, len(self.recent_losses), payload=payload,
+                               x=sum(self.recent_losses))
         except Exception as e:
             self._lose(w, describe_failure(e))
 

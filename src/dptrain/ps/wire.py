@@ -8,14 +8,17 @@ its server learns of the death at once instead of at a timeout. Within a pair, w
 to server messages use one tag and server to worker messages another, so a server can
 receive on its thread for that worker while it answers on its main thread.
 
-A message is ``header = int64[kind, a, b, n]`` and, when ``n > 0``, a payload of ``n``
-elements: fp32 for tensors, uint8 for text (an error message, the server's report).
+A message is ``header = int64[kind, a, b, n, x]`` and, when ``n > 0``, a payload of ``n``
+elements: fp32 for tensors, uint8 for text (an error message, the server's report). ``x``
+carries one float64 (its bits): a gradient's training loss, or the sum of the losses of the
+gradients the last step applied (see :class:`Kind`).
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -31,9 +34,11 @@ class PSError(RuntimeError):
 
 
 class Kind(enum.IntEnum):
-    GRAD = 1     # worker -> server: a = the worker's clock (gradients pushed, this one included), b = 1 to skip
+    GRAD = 1     # worker -> server: a = the worker's clock (gradients pushed, this one included), b = 1 to skip,
+    #              x = the loss the gradient was computed from
     DONE = 2     # worker -> server: the worker leaves (after a STOP, or at its end)
-    PARAMS = 3   # server -> worker: a = version, payload = the shard's parameters
+    PARAMS = 3   # server -> worker: a = version, payload = the shard's parameters, b and x = how many gradients
+    #              the last step applied and the sum of their losses (the run's logged loss is their mean)
     STOP = 4     # server -> worker: PARAMS, and the training budget is spent
     FINAL = 5    # server -> rank 0: the final shard, after every worker left
     REPORT = 6   # server -> rank 0: its statistics as JSON text
@@ -49,6 +54,7 @@ class Message:
     a: int = 0
     b: int = 0
     payload: torch.Tensor | None = None
+    x: float = 0.0
 
     def text(self) -> str:
         return bytes(self.payload.tolist()).decode() if self.payload is not None else ""
@@ -63,11 +69,11 @@ class Link:
     def __init__(self, group: dist.ProcessGroup, peer: int, send_tag: int, recv_tag: int):
         self.group, self.peer = group, peer
         self.send_tag, self.recv_tag = send_tag, recv_tag
-        self._header = torch.zeros(4, dtype=torch.int64)
+        self._header = torch.zeros(5, dtype=torch.int64)
 
-    def send(self, kind: Kind, a: int = 0, b: int = 0, payload: torch.Tensor | None = None) -> None:
+    def send(self, kind: Kind, a: int = 0, b: int = 0, payload: torch.Tensor | None = None, x: float = 0.0) -> None:
         n = 0 if payload is None else payload.numel()
-        header = torch.tensor([int(kind), a, b, n], dtype=torch.int64)
+        header = torch.tensor([int(kind), a, b, n, _float_bits(x)], dtype=torch.int64)
         dist.send(header, self.peer, group=self.group, tag=self.send_tag)
         if n:
             dist.send(payload.contiguous(), self.peer, group=self.group, tag=self.send_tag)
@@ -78,7 +84,7 @@ class Link:
     def recv(self, into: torch.Tensor | None = None) -> Message:
         """The next message; a tensor payload goes into ``into`` when given (its size must match)."""
         dist.recv(self._header, self.peer, group=self.group, tag=self.recv_tag)
-        kind, a, b, n = (int(v) for v in self._header.tolist())
+        kind, a, b, n, bits = self._header.tolist()
         kind = Kind(kind)
         payload = None
         if n:
@@ -89,7 +95,15 @@ class Link:
             else:
                 payload = torch.empty(n, dtype=torch.float32)
             dist.recv(payload, self.peer, group=self.group, tag=self.recv_tag)
-        return Message(kind, a, b, payload)
+        return Message(kind, a, b, payload, _bits_float(bits))
+
+
+def _float_bits(x: float) -> int:
+    return struct.unpack("<q", struct.pack("<d", x))[0]
+
+
+def _bits_float(bits: int) -> float:
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
 def pair_groups(workers: list[int], servers: list[int]) -> dict[tuple[int, int], dist.ProcessGroup]:

@@ -5,8 +5,9 @@ The model's parameters and gradients become views of two flat fp32 buffers, so s
 answer is received straight into the parameter slice (no copy). One step:
 
     for x, y in batches:                # the worker's own data shard
-        loss_fn(model(x), y).backward()
-        if worker.step():               # push to every server, wait for every answer
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        if worker.step(loss.item()):    # push to every server, wait for every answer
             break                       # the budget is spent: the parameters are final
     worker.leave()
 
@@ -43,18 +44,24 @@ class PSWorker:
         self.clock = 0
         self.version = [0] * len(links)
         self.grad_norm = 0.0
+        # the loss of the servers' last step: the mean over the gradients it applied (ShardServer.recent_losses)
+        self.step_loss = math.nan
         self.stopped = False
         self._receive_all(Kind.PARAMS)
 
-    def step(self) -> bool:
-        """Push this step's gradient to every server, receive the new parameters; True once the budget is spent."""
+    def step(self, loss: float = 0.0) -> bool:
+        """Push this step's gradient (computed at ``loss``) to every server, receive the new parameters.
+
+        Returns True once the budget is spent.
+        """
         self.clock += 1
         self.grad_norm = float(self.flat_grad.norm())
         skip = not math.isfinite(self.grad_norm)
         if self.clip_locally and not skip and self.grad_norm > self.clip_locally:
             self.flat_grad.mul_(self.clip_locally / (self.grad_norm + 1e-6))
         for link, part in zip(self.links, self.slices):
-            self._guard(link, lambda: link.send(Kind.GRAD, self.clock, int(skip), payload=self.flat_grad[part]))
+            self._guard(link, lambda: link.send(Kind.GRAD, self.clock, int(skip), payload=self.flat_grad[part],
+                                                x=loss))
         self._receive_all(Kind.PARAMS, Kind.STOP)
         self.flat_grad.zero_()
         return self.stopped
@@ -75,6 +82,8 @@ class PSWorker:
                 raise PSError(f"parameter server rank {link.peer} sent {message.kind.name}, expected "
                               f"{' or '.join(k.name for k in kinds)}")
             self.version[i] = message.a
+            if i == 0 and message.b:
+                self.step_loss = message.x / message.b
             self.stopped |= message.kind == Kind.STOP
 
     def _recv(self, link: Link, into: torch.Tensor | None = None):

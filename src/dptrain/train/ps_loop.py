@@ -151,7 +151,7 @@ class _WorkerLoop:
                 t0 = time.perf_counter()
                 loss, micro = self._compute()
                 t1 = time.perf_counter()
-                stop = self.role.step()
+                stop = self.role.step(loss)
                 t2 = time.perf_counter()
                 if self.tracer is not None and self.tracer.wants(step):
                     self.tracer.add_ps_step(step, t0, micro, t2)
@@ -189,11 +189,13 @@ class _WorkerLoop:
 
     def _record(self, version: int, worker_step: int, window: list[tuple], samples_per_s: float) -> dict:
         """Rank 0's metrics record. ``step``, the learning rate and the speed follow the servers' progress
-        (their versions, in synchronous steps), not rank 0's own steps, which run ahead or behind in async."""
+        (their versions, in synchronous steps), not rank 0's own steps, which run ahead or behind in async.
+        ``loss`` is the servers' last step's: the mean over the workers' gradients it applied (in sync, every
+        worker's loss of the step, as DDP logs it), not rank 0's own."""
         mean = (lambda i: sum(w[i] for w in window) / len(window))
         pushed = self.role.flat.numel() * 4
         step = self.step_of(version)
-        return {"kind": "train", "step": step, "worker_step": worker_step, "loss": window[-1][0],
+        return {"kind": "train", "step": step, "worker_step": worker_step, "loss": self.role.step_loss,
                 "lr": self.lr_at(step) * self.lr_scale, "grad_norm": self.role.grad_norm, "skipped_steps": 0,
                 "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.task.tokens_per_sample,
                 "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
