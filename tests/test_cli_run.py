@@ -70,6 +70,8 @@ def test_two_workers_end_to_end(tmp_path):
         assert name in summary["files"], name
     assert (run_dir / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summary["world_size"] == 2 and summary["global_batch_size"] == 8 and summary["steps"] == 20
+    # uncompressed, 2 ranks: a ring all-reduce of the fp32 gradients sends each rank's 4 bytes per parameter once
+    assert all(r["comm_sent_bytes_per_step"] == 4 * summary["parameters"] for r in train)
 
 
 @pytest.mark.timeout(360)

@@ -45,6 +45,10 @@ def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3(tmp_path):
     shutil.copytree(tmp_path / "b", tmp_path / "c")
 
     reference = _losses(tmp_path / "a")
+    # each unit's gradient, reduce-scattered (on gloo: all-reduced, so 2 ranks send 4 bytes per parameter)
+    params = json.loads((tmp_path / "a" / "summary.json").read_text())["parameters"]
+    last = read_metrics(tmp_path / "a" / "metrics.jsonl")[0][-1]
+    assert last["comm_bytes_per_step"] == last["comm_sent_bytes_per_step"] == 4 * params
     exported = load_file(tmp_path / "a" / "model.safetensors")
     for nproc, run in (("1", "b"), ("3", "c")):
         resumed = dptrain("run", "--nproc", nproc, *common, "--run-dir", str(tmp_path / run), cwd=tmp_path)

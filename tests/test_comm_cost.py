@@ -133,7 +133,9 @@ def _bytes_sent(rank: int, world_size: int, cases: list[tuple]) -> list[tuple[in
             comm.all_gather(x, x[a:b].clone(), **kw)
         else:
             comm.broadcast(x, src, **kw)
-        out.append((traffic.bytes_sent, traffic.rounds, traffic.peak_moved))
+        modelled = comm.sent_bytes(collective, n, x.element_size(), algorithm=algorithm, nodes=nodes) \
+            if collective != "broadcast" else traffic.bytes_sent
+        out.append((traffic.bytes_sent, traffic.rounds, traffic.peak_moved, modelled))
     return out
 
 
@@ -149,10 +151,27 @@ def test_bytes_each_rank_sends_equal_the_cost_model_exactly(world_size: int) -> 
                                world_size, nodes=nodes, src=src)
         sent = tuple(measured[r][i][0] for r in range(world_size))
         assert sent == cost.bytes_sent, (collective, algorithm, n, dtype, src, sent, cost.bytes_sent)
+        assert tuple(measured[r][i][3] for r in range(world_size)) == sent  # what the engines report per step
         peak = max(measured[r][i][2] for r in range(world_size))  # the half-duplex load of the busiest round
         assert peak == max((r.moved for r in cost.rounds), default=0), (collective, algorithm, n, dtype, src)
         if algorithm == "ring" and collective == "all_reduce" and n >= world_size:
             assert all(measured[r][i][1] == cost.steps() == 2 * (world_size - 1) for r in range(world_size))
+
+
+def _native_sent(rank: int, world_size: int) -> dict:
+    nbytes = lambda kind, numel, **kw: comm.sent_bytes(kind, numel, 4, **kw)  # noqa: E731
+    return {"scatter": nbytes("reduce_scatter", 12), "scatter_consumed": nbytes("reduce_scatter", 12, consume_input=True),
+            "scatter_uneven": nbytes("reduce_scatter", 13), "all_reduce": nbytes("all_reduce", 12),
+            "all_reduce_13": nbytes("all_reduce", 13)}
+
+
+def test_native_collectives_are_counted_as_the_collective_the_backend_runs() -> None:
+    """gloo runs a consumed reduce-scatter, and any uneven one, as an all-reduce: it sends what that sends."""
+    got = run_on_ranks(_native_sent, 3)
+    for rank, sent in enumerate(got):
+        assert sent["scatter"] == collective_cost("reduce_scatter", "ring", 12, 4, 3).bytes_sent[rank] == 2 * 4 * 4
+        assert sent["scatter_consumed"] == sent["all_reduce"] == 2 * sent["scatter"]
+        assert sent["scatter_uneven"] == sent["all_reduce_13"]
 
 
 @pytest.mark.parametrize("duplex", [True, False])

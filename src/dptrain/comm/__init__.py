@@ -13,10 +13,12 @@ from dptrain.comm.collectives import (
     broadcast,
     check_algorithm,
     reduce_scatter,
+    sent_bytes,
 )
 from dptrain.comm.progress import Work
 from dptrain.comm.topology import node_groups, shard_bounds, shard_range
 from dptrain.comm.wire import Traffic
 
 __all__ = ["ALGORITHMS", "CollectiveMismatchError", "Traffic", "Work", "all_gather", "all_reduce",
-           "broadcast", "check_algorithm", "node_groups", "reduce_scatter", "shard_bounds", "shard_range"]
+           "broadcast", "check_algorithm", "node_groups", "reduce_scatter", "sent_bytes", "shard_bounds",
+           "shard_range"]

@@ -42,12 +42,13 @@ import torch.distributed as dist
 
 from dptrain.comm import hierarchical, naive, ring, tree
 from dptrain.comm.compat import all_gather_single, reduce_scatter_single
+from dptrain.comm.cost import collective_cost
 from dptrain.comm.progress import Work, progress_thread
 from dptrain.comm.topology import Range, Team, node_groups, shard_bounds
 from dptrain.comm.wire import Traffic, Wire
 
 __all__ = ["ALGORITHMS", "check_algorithm", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
-           "CollectiveMismatchError"]
+           "CollectiveMismatchError", "sent_bytes"]
 
 ALGORITHMS = ("native", "ring", "tree", "naive", "hierarchical")
 _FLAT = {"ring": ring, "tree": tree, "naive": naive}
@@ -133,9 +134,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *
         return _write_back(output, out)
 
     def native() -> dist.Work:
-        gloo = _device_backend(call.group, flat_in.device) == "gloo"
-        if flat_in.numel() % call.world_size == 0 and not (consume_input and gloo):
-            # the backend's reduce-scatter wants equal shards
+        if not _scatter_as_all_reduce(flat_in.numel(), call.group, flat_in.device, consume_input):
             return reduce_scatter_single(out, flat_in.contiguous(), group=call.group, async_op=True)
         x = flat_in if consume_input else flat_in.clone()
         return _then(dist.all_reduce(x, group=call.group, async_op=True), lambda: copy_out(x))
@@ -258,6 +257,37 @@ class _Call:
             return work
         work.wait()
         return None
+
+
+def _scatter_as_all_reduce(numel: int, group: dist.ProcessGroup, device: torch.device, consume_input: bool) -> bool:
+    """Whether a native reduce-scatter is issued as an all-reduce (and a copy-out of the shard).
+
+    The backend's reduce-scatter wants equal shards; and gloo's is an all-reduce of a
+    copy anyway, so a consumed input is all-reduced in place.
+    """
+    gloo = _device_backend(group, device) == "gloo"
+    return numel % dist.get_world_size(group) != 0 or (consume_input and gloo)
+
+
+def sent_bytes(kind: str, numel: int, itemsize: int, *, algorithm: str = "native",
+               group: dist.ProcessGroup | None = None, nodes: int | Sequence[Sequence[int]] | None = None,
+               device: torch.device | None = None, consume_input: bool = False) -> int:
+    """The bytes this rank sends for one ``kind`` collective of ``numel`` elements, by the cost model.
+
+    For dptrain's own algorithms this is what their :class:`Traffic` counters measure
+    (the tests check the two agree exactly). For ``native``, the backend's traffic is
+    not observable: it is modelled as a ring (gloo's all-reduce is one, NCCL's too at
+    these sizes), and a reduce-scatter the backend runs as an all-reduce
+    (:func:`_scatter_as_all_reduce`) counts as one.
+    """
+    group = group if group is not None else dist.group.WORLD
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if kind == "reduce_scatter" and algorithm == "native" and _scatter_as_all_reduce(
+            numel, group, device or torch.device("cpu"), consume_input):
+        kind = "all_reduce"
+    if algorithm == "hierarchical":
+        nodes = check_algorithm(algorithm, nodes, world_size)
+    return collective_cost(kind, algorithm, numel, itemsize, world_size, nodes=nodes).bytes_sent[rank]
 
 
 # ------------------------------------------------------------------ argument checks

@@ -35,7 +35,6 @@ import enum
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
@@ -43,6 +42,7 @@ import torch.distributed as dist
 
 from dptrain import comm
 from dptrain.comm.fingerprint import CollectiveCheck
+from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp.arrivals import GradientArrivals
 from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, copy_into_slice
@@ -60,42 +60,6 @@ class _Phase(enum.Enum):
     ACCUMULATE = "accumulate"      # a no_sync forward ran: gradients accumulate locally
     EXPECT_SYNC = "expect_sync"    # a synced forward ran: its backward will reduce
     REDUCING = "reducing"          # that backward is running: buckets launch when ready
-
-
-@dataclass
-class StepCommStats:
-    """What one synced backward communicated (this rank), and when."""
-
-    calls: int = 0
-    bytes: int = 0
-    bucket_bytes: list[int] = field(default_factory=list)
-    launch_order: list[int] = field(default_factory=list)
-    launched_during_backward: int = 0
-    backward_start: float = 0.0   # time.perf_counter() when the backward reached the outputs
-    backward_end: float = 0.0     # when the last gradient was computed (finalize began)
-    comm_end: float = 0.0         # when every reduction had been waited for
-    # [bucket, launched, completed] per reduction (re-reductions included), in perf_counter
-    # seconds. Completion is exact with Reducer.record_spans (a callback on the work's
-    # future), else the time the reduction was waited for (an upper bound).
-    bucket_spans: list[list] = field(default_factory=list)
-
-    @property
-    def exposed_comm_s(self) -> float:
-        """Communication time not hidden behind backward: the wait after backward ended."""
-        return self.comm_end - self.backward_end
-
-    @property
-    def comm_busy_s(self) -> float:
-        """Time during which at least one reduction was in flight."""
-        return _union_length([(s, e) for _, s, e in self.bucket_spans if e is not None])
-
-    @property
-    def overlap(self) -> float:
-        """Fraction of the communication time that ran while backward was still computing."""
-        busy = self.comm_busy_s
-        hidden = _union_length([(s, min(e, self.backward_end)) for _, s, e in self.bucket_spans
-                                if e is not None and s < self.backward_end])
-        return hidden / busy if busy > 0 else 0.0
 
 
 class Reducer:
@@ -133,6 +97,9 @@ class Reducer:
         self.static_graph = static_graph
         self.arrivals = GradientArrivals(params, find_unused_parameters, static_graph)
         self.buckets = [Bucket(b, [params[i] for i in idx], idx) for b, idx in enumerate(bucket_indices)]
+        self._sent_bytes = [comm.sent_bytes("all_reduce", b.numel, b.buffer.element_size(), algorithm=algorithm,
+                                            group=process_group, nodes=nodes, device=b.buffer.device)
+                            for b in self.buckets]
         self._bucket_of = [0] * len(params)
         self._view_of: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for bucket in self.buckets:
@@ -330,6 +297,7 @@ class Reducer:
             self.check.verify_site(bucket.index, op, [buffer], f"bucket {bucket.index}")
         if self.comm_hook is not None:
             return self.comm_hook(self.comm_state, self._grad_bucket(bucket, buffer))
+        self._stats.sent_bytes += self._sent_bytes[bucket.index]
         return self._all_reduce(buffer, span)
 
     def _all_reduce(self, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
@@ -458,15 +426,6 @@ class _Timed:
             self.span[2] = done
         _stamp(self.span)
         return result
-
-
-def _union_length(intervals: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for start, stop in sorted(intervals):
-        if stop > end:
-            total += stop - max(start, end)
-            end = stop
-    return total
 
 
 def _unused_message(missing: list[str], rank: int) -> str:

@@ -178,7 +178,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     rec["batch_shares"] = list(batcher.shares)
                 if engine.gossip:  # collective, at the same logging steps on every rank
                     rec["consensus_distance"] = engine.model.consensus_distance()
-                    rec["comm_bytes_per_step"] = engine.model.bytes_per_mix
+                    rec["comm_bytes_per_step"] = rec["comm_sent_bytes_per_step"] = engine.model.bytes_per_mix
                     rec["gossip_mix_ms"] = 1e3 * engine.model.last_mix_s
                 if rank == 0:
                     metrics_file.write(json.dumps(rec) + "\n")

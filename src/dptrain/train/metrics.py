@@ -9,7 +9,8 @@ optimizer) and the DDP engine's communication statistics for the synced backward
   of communication that overlap did not hide;
 - **overlap %**: the fraction of the time reductions were in flight that ran while
   backward was still computing;
-- **comm bytes**: bytes this rank put into all-reduces for the step.
+- **comm bytes**: bytes this rank put into all-reduces for the step, and the bytes it
+  sent for them (by the cost model of the collective it ran: ``comm.sent_bytes``).
 
 At logging steps the ranks exchange one small vector (an ``all_gather``), so rank 0 can
 report the loss averaged over all ranks, the slowest rank's timings, and each rank's peak
@@ -27,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dptrain.ddp.reducer import StepCommStats
+from dptrain.comm.step_stats import StepCommStats
 
 __all__ = ["StepTimes", "StepRecorder", "peak_memory_mb", "format_line"]
 
@@ -51,6 +52,13 @@ class StepTimes:
     @property
     def exposed_comm_s(self) -> float:
         return max(0.0, self.comm.exposed_comm_s) if self.comm and self.comm.calls else 0.0
+
+    @property
+    def sent_bytes(self) -> float:
+        """Bytes this rank sent for the step's gradient reduction: the compression's count, else the engine's."""
+        if self.compressed:
+            return self.compressed["sent_bytes"]
+        return self.comm.sent_bytes if self.comm is not None else 0
 
     @property
     def compute_s(self) -> float:
@@ -91,7 +99,7 @@ class StepRecorder:
             "overlap": mean([c.overlap for c in comms]),
             "comm_bytes": mean([c.bytes for c in comms]),
             "comm_payload_bytes": mean([t.compressed["payload_bytes"] for t in times if t.compressed]),
-            "comm_wire_bytes": mean([t.compressed["sent_bytes"] for t in times if t.compressed]),
+            "comm_wire_bytes": mean([t.sent_bytes for t in times]),
             "peak_mem_mb": peak_memory_mb(self.device),
         }
         per_rank = _gather([local[k] for k in _GATHERED], self.device)
@@ -113,7 +121,7 @@ class StepRecorder:
             "comm_busy_ms": max(column["comm_busy_ms"]),
             "overlap_pct": 100 * statistics.fmean(column["overlap"]),
             "comm_bytes_per_step": column["comm_bytes"][0],
-            # with compression: the payload a rank encodes and the bytes it sends (0 without)
+            # with compression: the payload a rank encodes (0 without); with or without: the bytes it sends
             "comm_compressed_bytes_per_step": column["comm_payload_bytes"][0],
             "comm_sent_bytes_per_step": column["comm_wire_bytes"][0],
             "peak_mem_mb": column["peak_mem_mb"],
@@ -140,14 +148,14 @@ def format_line(rec: dict, total_steps: int) -> str:
             f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {_si(rec['tokens_per_s'])} tok/s "
             f"{rec['samples_per_s']:.0f} samples/s | compute {rec['compute_ms']:.1f} ms | comm "
             f"{rec['exposed_comm_ms']:.1f} ms exposed, {rec['overlap_pct']:.0f}% overlapped | "
-            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_compressed(rec)} | peak mem {mem} MiB")
+            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_sent(rec)} | peak mem {mem} MiB")
 
 
-def _compressed(rec: dict) -> str:
-    payload = rec.get("comm_compressed_bytes_per_step", 0)
-    if not payload:
-        return ""
-    return f" ({payload / 2**20:.2f} MiB compressed, {rec['comm_sent_bytes_per_step'] / 2**20:.2f} MiB sent)"
+def _sent(rec: dict) -> str:
+    payload, sent = rec.get("comm_compressed_bytes_per_step", 0), rec.get("comm_sent_bytes_per_step", 0)
+    if payload:
+        return f" ({payload / 2**20:.2f} MiB compressed, {sent / 2**20:.2f} MiB sent)"
+    return f" ({sent / 2**20:.2f} MiB sent)" if sent else ""
 
 
 def _si(x: float) -> str:

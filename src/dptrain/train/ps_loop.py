@@ -193,14 +193,14 @@ class _WorkerLoop:
         ``loss`` is the servers' last step's: the mean over the workers' gradients it applied (in sync, every
         worker's loss of the step, as DDP logs it), not rank 0's own."""
         mean = (lambda i: sum(w[i] for w in window) / len(window))
-        pushed = self.role.flat.numel() * 4
+        pushed = self.role.flat.numel() * 4  # the gradient, to the servers; the parameters come back
         step = self.step_of(version)
         return {"kind": "train", "step": step, "worker_step": worker_step, "loss": self.role.step_loss,
                 "lr": self.lr_at(step) * self.lr_scale, "grad_norm": self.role.grad_norm, "skipped_steps": 0,
                 "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.task.tokens_per_sample,
                 "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
                 "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,
-                "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": 0, "version": version,
+                "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": pushed, "version": version,
                 "peak_mem_mb": [peak_memory_mb(self.device)], "time": time.time()}
 
 

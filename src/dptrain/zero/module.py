@@ -48,6 +48,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dptrain import comm
 from dptrain.comm.fingerprint import collective_check
+from dptrain.comm.step_stats import StepCommStats
 from dptrain.compress.zero import ShardedCompression
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
@@ -156,8 +157,11 @@ class ZeRO(nn.Module):
             unit.check = check
             self.units.append(unit)
         self._reductions = ReductionQueue(1)
+        self.last_step_comm = StepCommStats()  # the last synchronising backward's reductions (calls, bytes)
+        self._step_comm = StepCommStats()
         for unit in self.units:
             unit.inflight = self._reductions
+            unit.step_comm = self._step_comm
         self._shards = nn.ParameterList([u.shard for u in self.units])
         self._frozen = frozen
         self._buffers_to_sync = [b for b in module.buffers()]
@@ -394,6 +398,10 @@ class ZeRO(nn.Module):
         for unit in self.units:
             unit.finish()
         self._reductions.clear()
+        if self._step_comm.calls:  # a synchronising backward (a no_sync one reduces nothing)
+            self.last_step_comm, self._step_comm = self._step_comm, StepCommStats()
+            for unit in self.units:
+                unit.step_comm = self._step_comm
         if self.stage == 3:
             self._release_all()
 

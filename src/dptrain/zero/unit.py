@@ -45,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain import comm
+from dptrain.comm.step_stats import StepCommStats
 
 __all__ = ["ParamRef", "FlatUnit", "ReductionQueue"]
 
@@ -157,6 +158,12 @@ class FlatUnit:
         self._fresh_cycle, self._has_local = True, False  # stage 1: the local accumulation's state
         self._carry: torch.Tensor | None = None
         self.require_sync = True
+        # this step's counts (set by ZeRO, which publishes them as last_step_comm), and what one
+        # reduction of this unit sends as the collective is issued (comm.sent_bytes)
+        self.step_comm: StepCommStats | None = None
+        self._sent_bytes = comm.sent_bytes("reduce_scatter", self.numel, self.reduce_dtype.itemsize,
+                                           algorithm=algorithm, group=group, nodes=nodes, device=self.device,
+                                           consume_input=True)
 
     # ------------------------------------------------------------------ parameters
 
@@ -340,9 +347,14 @@ class FlatUnit:
             op = "reduce_scatter" if self.compression is None else f"{self.compression.codec.name} reduce_scatter"
             op += f" into {str(out.dtype).removeprefix('torch.')}"  # of the full gradient; shards may differ by one
             self.check.verify_site(("reduce", self.index), op, [grad_full], f"unit {self.index}")
+        if self.step_comm is not None:
+            self.step_comm.calls += 1
+            self.step_comm.bytes += grad_full.numel() * grad_full.element_size()
         if self.compression is not None:  # encoded now; the exchange runs on the compression's own thread
-            work = self.compression.reduce_scatter(self.index, out, grad_full)
+            work = self.compression.reduce_scatter(self.index, out, grad_full)  # counts the bytes it sends
         else:
+            if self.step_comm is not None:
+                self.step_comm.sent_bytes += self._sent_bytes
             work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
         if self.inflight is not None:

@@ -1,0 +1,64 @@
+"""What one step's gradient reduction communicated, on this rank, and when.
+
+Filled by the engines (the DDP reducer bucket by bucket, ZeRO unit by unit) and read by
+the trainer's metrics (:mod:`dptrain.train.metrics`): bytes reduced, bytes sent, and for
+the DDP engine the spans that give exposed communication and overlap.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["StepCommStats"]
+
+
+@dataclass
+class StepCommStats:
+    """What one synced backward communicated (this rank), and when.
+
+    ZeRO fills the counts only (calls, bytes, sent_bytes): its spans are not recorded, so its
+    exposed communication and overlap read 0.
+    """
+
+    calls: int = 0
+    bytes: int = 0
+    # bytes this rank sent for its reductions, by the cost model (comm.sent_bytes); with a comm hook
+    # or compression the compressor counts its own (dptrain.compress), and a user's hook nothing here
+    sent_bytes: int = 0
+    bucket_bytes: list[int] = field(default_factory=list)
+    launch_order: list[int] = field(default_factory=list)
+    launched_during_backward: int = 0
+    backward_start: float = 0.0   # time.perf_counter() when the backward reached the outputs
+    backward_end: float = 0.0     # when the last gradient was computed (finalize began)
+    comm_end: float = 0.0         # when every reduction had been waited for
+    # [bucket, launched, completed] per reduction (re-reductions included), in perf_counter
+    # seconds. Completion is exact with Reducer.record_spans (a callback on the work's
+    # future), else the time the reduction was waited for (an upper bound).
+    bucket_spans: list[list] = field(default_factory=list)
+
+    @property
+    def exposed_comm_s(self) -> float:
+        """Communication time not hidden behind backward: the wait after backward ended."""
+        return self.comm_end - self.backward_end
+
+    @property
+    def comm_busy_s(self) -> float:
+        """Time during which at least one reduction was in flight."""
+        return _union_length([(s, e) for _, s, e in self.bucket_spans if e is not None])
+
+    @property
+    def overlap(self) -> float:
+        """Fraction of the communication time that ran while backward was still computing."""
+        busy = self.comm_busy_s
+        hidden = _union_length([(s, min(e, self.backward_end)) for _, s, e in self.bucket_spans
+                                if e is not None and s < self.backward_end])
+        return hidden / busy if busy > 0 else 0.0
+
+
+def _union_length(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for start, stop in sorted(intervals):
+        if stop > end:
+            total += stop - max(start, end)
+            end = stop
+    return total
