@@ -20,6 +20,7 @@ the start of that (1-based) step.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -66,6 +67,7 @@ from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.roll_call import is_collective_failure, roll_call
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
+from dptrain.train.tensor_peak import TensorPeak, data_tensors
 from dptrain.train.trace import TraceRecorder, trace_zero
 from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_sharded
 
@@ -150,6 +152,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     else:
         batches = engine.loader(task.train_set, seed=t.seed).micro_batches(start_step)
     recorder = StepRecorder(device, plan.global_batch_size, task.tokens_per_sample)
+    # the step whose live tensors are counted on CPU: this session's second, when the optimizer state exists
+    peak_step = start_step + min(2, max(1, t.steps - start_step))
     t0 = trace_zero(env.world_size == env.local_world_size, device)
     tracer = TraceRecorder(rank, t0, cfg.log.trace_start + start_step, cfg.log.trace_steps)
     fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
@@ -159,7 +163,12 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         for step in range(start_step + 1, t.steps + 1):
             if fault and fault[:2] == (rank, step):
                 inject_fault(fault[2], rank, step, engine.model)
-            info, times = timed_step(engine, task, batches, compression, straggler, batcher)
+            peak = TensorPeak(extra=_state_tensors(engine), exclude=data_tensors(task.train_set, task.val_set)) \
+                if step == peak_step and device.type == "cpu" else None
+            with peak or contextlib.nullcontext():
+                info, times = timed_step(engine, task, batches, compression, straggler, batcher)
+            if peak is not None:
+                recorder.tensor_peak_bytes = peak.peak_bytes
             recorder.add(times)
             if batcher is not None:  # compute before the collective, without the optimizer
                 batcher.observe(step, times.compute_s - (times.optimizer[1] - times.optimizer[0]))
@@ -243,6 +252,13 @@ def _divergence_monitor(cfg, engine: Engine) -> DivergenceMonitor | None:
     module = engine.model.module if hasattr(engine.model, "module") else engine.model
     optimizer = None if engine.sharded else engine.optimizer
     return DivergenceMonitor(lambda: replica_tensors(module, optimizer), repair=cfg.divergence.repair)
+
+
+def _state_tensors(engine: Engine) -> list[torch.Tensor]:
+    """Parameters, their gradients and the optimizer state: what a step starts with (for TensorPeak)."""
+    params = list(engine.model.parameters())
+    state = [v for s in engine.optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    return params + [p.grad for p in params if p.grad is not None] + state
 
 
 def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: Compressor | None = None,

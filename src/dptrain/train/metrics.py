@@ -14,12 +14,16 @@ optimizer) and the DDP engine's communication statistics for the synced backward
 
 At logging steps the ranks exchange one small vector (an ``all_gather``), so rank 0 can
 report the loss averaged over all ranks, the slowest rank's timings, and each rank's peak
-memory (peak RSS on CPU, ``max_memory_allocated`` on CUDA). Between logging steps
+memory, two ways: the process's peak resident set (``peak_rss_mb``: libraries and the
+allocator's cache included) and the peak of live tensor bytes (``peak_tensor_mb``, what
+``dptrain plan`` predicts: ``max_memory_allocated`` on CUDA; on CPU one step measured by
+:class:`~dptrain.train.tensor_peak.TensorPeak`, null until then). Between logging steps
 nothing extra is communicated.
 """
 
 from __future__ import annotations
 
+import math
 import resource
 import statistics
 import time
@@ -30,11 +34,11 @@ import torch.distributed as dist
 
 from dptrain.comm.step_stats import StepCommStats
 
-__all__ = ["StepTimes", "StepRecorder", "peak_memory_mb", "format_line"]
+__all__ = ["StepTimes", "StepRecorder", "peak_rss_mb", "peak_tensor_mb", "format_line"]
 
 # Per-rank values exchanged at a logging step, in this order.
 _GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "comm_busy_ms", "overlap", "comm_bytes",
-             "comm_payload_bytes", "comm_wire_bytes", "peak_mem_mb")
+             "comm_payload_bytes", "comm_wire_bytes", "peak_rss_mb", "peak_tensor_mb")
 
 
 @dataclass
@@ -66,11 +70,16 @@ class StepTimes:
         return sum(e - s for s, e in spans) - self.exposed_comm_s
 
 
-def peak_memory_mb(device: torch.device) -> float:
-    """Peak memory of this process so far: CUDA allocations on a GPU, resident set on CPU."""
+def peak_rss_mb() -> float:
+    """This process's peak resident set so far (MiB): tensors, libraries, the allocator's cache."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def peak_tensor_mb(device: torch.device, measured_bytes: int | None) -> float | None:
+    """Peak live tensor MiB: CUDA's allocator count, else what a :class:`TensorPeak` measured (None: not yet)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    return None if measured_bytes is None else measured_bytes / 2**20
 
 
 class StepRecorder:
@@ -81,6 +90,7 @@ class StepRecorder:
         self.global_batch_size = global_batch_size
         self.tokens_per_sample = tokens_per_sample
         self._times: list[StepTimes] = []
+        self.tensor_peak_bytes: int | None = None  # set by the trainer once a step was measured (CPU)
 
     def add(self, times: StepTimes) -> None:
         self._times.append(times)
@@ -100,7 +110,8 @@ class StepRecorder:
             "comm_bytes": mean([c.bytes for c in comms]),
             "comm_payload_bytes": mean([t.compressed["payload_bytes"] for t in times if t.compressed]),
             "comm_wire_bytes": mean([t.sent_bytes for t in times]),
-            "peak_mem_mb": peak_memory_mb(self.device),
+            "peak_rss_mb": peak_rss_mb(),
+            "peak_tensor_mb": _nan_if_none(peak_tensor_mb(self.device, self.tensor_peak_bytes)),
         }
         per_rank = _gather([local[k] for k in _GATHERED], self.device)
         column = {k: [row[i] for row in per_rank] for i, k in enumerate(_GATHERED)}
@@ -124,11 +135,16 @@ class StepRecorder:
             # with compression: the payload a rank encodes (0 without); with or without: the bytes it sends
             "comm_compressed_bytes_per_step": column["comm_payload_bytes"][0],
             "comm_sent_bytes_per_step": column["comm_wire_bytes"][0],
-            "peak_mem_mb": column["peak_mem_mb"],
+            "peak_rss_mb": column["peak_rss_mb"],
+            "peak_tensor_mb": [None if math.isnan(m) else m for m in column["peak_tensor_mb"]],
             # measured before the collective: a straggler shows here, not in step_ms (every rank waits for it)
             "compute_ms_per_rank": column["compute_ms"],
             "time": time.time(),
         }
+
+
+def _nan_if_none(x: float | None) -> float:
+    return math.nan if x is None else x
 
 
 def _gather(values: list[float], device: torch.device) -> list[list[float]]:
@@ -143,12 +159,14 @@ def _gather(values: list[float], device: torch.device) -> list[list[float]]:
 
 def format_line(rec: dict, total_steps: int) -> str:
     """One human-readable line for a train record."""
-    mem = "/".join(f"{m:.0f}" for m in rec["peak_mem_mb"])
+    mem = "/".join(f"{m:.0f}" for m in rec["peak_rss_mb"]) + " MiB resident"
+    if all(m is not None for m in rec["peak_tensor_mb"]):
+        mem += ", " + "/".join(f"{m:.1f}" for m in rec["peak_tensor_mb"]) + " MiB tensors"
     return (f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {rec['loss']:.4f} | "
             f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {_si(rec['tokens_per_s'])} tok/s "
             f"{rec['samples_per_s']:.0f} samples/s | compute {rec['compute_ms']:.1f} ms | comm "
             f"{rec['exposed_comm_ms']:.1f} ms exposed, {rec['overlap_pct']:.0f}% overlapped | "
-            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_sent(rec)} | peak mem {mem} MiB")
+            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_sent(rec)} | peak mem {mem}")
 
 
 def _sent(rec: dict) -> str:

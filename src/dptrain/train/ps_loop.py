@@ -15,6 +15,7 @@ run cannot resume yet (``prepare_run`` refuses a run directory that has some).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,7 +33,7 @@ from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import remove_partial
 from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import ShardedLoader
-from dptrain.train.metrics import peak_memory_mb
+from dptrain.train.metrics import peak_rss_mb, peak_tensor_mb
 from dptrain.train.optim import build_optimizer
 from dptrain.train.outputs import save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
@@ -40,6 +41,7 @@ from dptrain.train.prepare import RunPlan
 from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
+from dptrain.train.tensor_peak import TensorPeak, data_tensors
 from dptrain.train.trace import TraceRecorder
 
 __all__ = ["train_ps"]
@@ -137,6 +139,7 @@ class _WorkerLoop:
     lr_scale: float
     lr_at: Callable[[int], float]
     fault: tuple[int, int, str] | None  # DPTRAIN_FAULT, parsed
+    tensor_peak_bytes: int | None = None  # its second step's live tensors (CPU), once measured
 
     def run(self, metrics_path: Path | None) -> list[dict]:
         out = open(metrics_path, "w", buffering=1) if metrics_path else None
@@ -148,11 +151,17 @@ class _WorkerLoop:
                 step += 1
                 if fault and fault[:2] == (self.rank, step):
                     inject_fault(fault[2], self.rank, step, self.role.model)
-                t0 = time.perf_counter()
-                loss, micro = self._compute()
-                t1 = time.perf_counter()
-                stop = self.role.step(loss)
-                t2 = time.perf_counter()
+                peak = TensorPeak(extra=self.role.model.parameters(),  # its second step's live tensors
+                                  exclude=data_tensors(self.task.train_set, self.task.val_set)) \
+                    if step == 2 and self.device.type == "cpu" else None
+                with peak or contextlib.nullcontext():
+                    t0 = time.perf_counter()
+                    loss, micro = self._compute()
+                    t1 = time.perf_counter()
+                    stop = self.role.step(loss)
+                    t2 = time.perf_counter()
+                if peak is not None:
+                    self.tensor_peak_bytes = peak.peak_bytes
                 if self.tracer is not None and self.tracer.wants(step):
                     self.tracer.add_ps_step(step, t0, micro, t2)
                 window.append((loss, t1 - t0, t2 - t1, t2 - t0))
@@ -201,7 +210,8 @@ class _WorkerLoop:
                 "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
                 "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,
                 "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": pushed, "version": version,
-                "peak_mem_mb": [peak_memory_mb(self.device)], "time": time.time()}
+                "peak_rss_mb": [peak_rss_mb()], "peak_tensor_mb": [peak_tensor_mb(self.device, self.tensor_peak_bytes)],
+                "time": time.time()}
 
 
 def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,

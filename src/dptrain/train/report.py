@@ -87,8 +87,8 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
             "median_exposed_comm_ms": med("exposed_comm_ms"),
             "median_overlap_pct": med("overlap_pct"),
             "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
-            "peak_mem_mb_per_rank": [max(r["peak_mem_mb"][i] for r in session)
-                                     for i in range(len(session[-1]["peak_mem_mb"]))],
+            "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
+            "peak_tensor_mb_per_rank": _peak_per_rank(session, "peak_tensor_mb"),
             "skipped_steps": train[-1]["skipped_steps"],
         })
     per_rank = [r["compute_ms_per_rank"] for r in steady if "compute_ms_per_rank" in r]
@@ -100,6 +100,22 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     summary["files"]["summary.json"] = (run_dir / "summary.json").stat().st_size
     return summary
+
+
+def _peak_per_rank(session: list[dict], key: str) -> list[float | None]:
+    """Each rank's largest value of ``key`` over the session's records (None where none was measured)."""
+    ranks = range(len(session[-1][key]))
+    return [max((r[key][i] for r in session if r[key][i] is not None), default=None) for i in ranks]
+
+
+def _memory(summary: dict) -> str:
+    """Each rank's peak resident set, and its peak of live tensors (what ``dptrain plan`` predicts) if measured."""
+    rss = "/".join(f"{m:.0f}" for m in summary["peak_rss_mb_per_rank"])
+    tensors = summary["peak_tensor_mb_per_rank"]
+    if any(m is None for m in tensors):
+        return f"{rss} MiB resident (ranks 0-{len(tensors) - 1})"
+    return (f"{rss} MiB resident, " + "/".join(f"{m:.1f}" for m in tensors) + " MiB live tensors "
+            f"(ranks 0-{len(tensors) - 1})")
 
 
 def straggler_report(per_rank: list[list[float]]) -> dict[str, Any]:
@@ -149,8 +165,7 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
                                f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms"),
                  ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
                                    f"{summary['median_overlap_pct']:.0f}% overlapped with backward"),
-                 ("peak memory", ", ".join(f"rank {i}: {m:.0f} MiB"
-                                           for i, m in enumerate(summary["peak_mem_mb_per_rank"])))]
+                 ("peak memory", _memory(summary))]
         if summary["skipped_steps"]:
             rows += [("skipped steps", f"{summary['skipped_steps']} (non-finite gradients)")]
     if summary.get("stragglers"):
