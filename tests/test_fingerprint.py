@@ -93,10 +93,11 @@ def test_roll_call_names_the_silent_ranks():
         return roll_call(7, wait_s=1.0, store=store, rank=rank, world_size=3)
     results = _on_threads(3, fn)
     for rank in (0, 2):
-        assert "rank(s) [1] reported nothing within 1 s" in results[rank], results[rank]
-        assert "rank(s) [0, 2] reported failing" in results[rank]
+        assert results[rank].silent == [1]
+        assert "rank(s) [1] reported nothing within 1 s" in results[rank].note, results[rank]
+        assert "rank(s) [0, 2] reported failing" in results[rank].note
     every = _on_threads(2, lambda rank, store: roll_call(3, wait_s=5.0, store=store, rank=rank, world_size=2))
-    assert all("no rank is silent" in every[r] for r in (0, 1)), every
+    assert all(every[r].silent == [] and "no rank is silent" in every[r].note for r in (0, 1)), every
 
 
 def test_only_a_lost_peer_or_a_timeout_calls_the_roll():

@@ -43,10 +43,13 @@ def main() -> None:
 @click.option("--fault", metavar="RANK:STEP:KIND",
               help="inject a fault for experiments (kill, kill-in-backward, raise, hang, delay, flip, nan, mismatch); "
                    "the same as DPTRAIN_FAULT (docs/reliability.md)")
+@click.option("--start-method", type=click.Choice(["forkserver", "exec"]), default="forkserver", show_default=True,
+              help="how local workers start: forks of one process that imported torch once (forkserver), or a "
+                   "fresh `python -m dptrain.run` each, as torchrun starts them (exec)")
 @click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
 @click.option("--config-reference", is_flag=True, help="print every config key, default and meaning (Markdown)")
 def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,
-        max_restarts: int, fault: str | None, show_config: bool, config_reference: bool) -> None:
+        max_restarts: int, fault: str | None, start_method: str, show_config: bool, config_reference: bool) -> None:
     """Train on NPROC local workers (gloo on CPU, NCCL on GPUs).
 
     \b
@@ -95,7 +98,8 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
                        "yet; run without --max-restarts", err=True)
             sys.exit(2)
         sys.exit(launch_elastic(nproc, worker_args, rp.run_dir, max_restarts))
-    sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc)))
+    sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
+                          start_method=start_method, roll_call_s=cfg.ddp.roll_call_s))
 
 
 def _check_fault(spec: str, nproc: int) -> None:

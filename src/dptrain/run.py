@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         text = traceback.format_exc()
-        _record_error(run_dir, env.rank, text, _one_line(e))
+        _record_error(run_dir, env.rank, text, _one_line(e), getattr(e, "silent_ranks", []))
         if not local:  # the local launcher prints the first failing rank's traceback itself
             print(text, file=sys.stderr)
         return 1
@@ -94,8 +94,10 @@ def _one_line(error: BaseException) -> str:
     return "; ".join([head, *getattr(error, "__notes__", [])])
 
 
-def _record_error(run_dir: Path | None, rank: int, text: str, summary: str) -> None:
-    record = {"rank": rank, "time": time.time(), "traceback": text, "summary": summary}
+def _record_error(run_dir: Path | None, rank: int, text: str, summary: str, silent: list[int]) -> None:
+    """The launcher's view of this rank's end: the traceback, a one-line summary, and the ranks its roll call
+    found silent."""
+    record = {"rank": rank, "time": time.time(), "traceback": text, "summary": summary, "silent_ranks": silent}
     if run_dir is not None:
         path = error_file(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -91,6 +91,9 @@ class DDPConfig:
     find_unused_parameters: bool = opt(False, "allow parameters that get no gradient on some steps")
     static_graph: bool = opt(False, "the set of used parameters never changes")
     timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
+    roll_call_s: float = opt(3.0, "after a collective fails, how long each surviving rank waits for the others to "
+                             "report theirs; the ranks that report nothing (hung or dead) are named "
+                             "(docs/reliability.md)")
     check_collectives: str = opt("first", "compare each gradient bucket's all-reduce (op, dtype, shape, comm hook; "
                                  "with ZeRO each unit's all-gather and reduce-scatter) across ranks through the "
                                  "job's store before calling it: on its first use (first), on every use (every: "

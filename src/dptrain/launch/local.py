@@ -1,7 +1,9 @@
 """Run N workers on this machine: the default for ``dptrain run --nproc N``.
 
-Each worker is ``python -m dptrain.run`` with torchrun's environment variables set, so a
-worker cannot tell this launcher from torchrun. The launcher owns the job's lifetime:
+Each worker runs ``dptrain.run`` with torchrun's environment variables set, so a worker
+cannot tell this launcher from torchrun: a fork of a process that has imported torch
+once, or a fresh ``python -m dptrain.run`` (``launch.workers``). The launcher owns the
+job's lifetime:
 
 - rank 0 writes to the terminal; every rank also logs to ``logs/rank<r>.log``;
 - when a rank fails, the others get a few seconds to fail too (a dead peer ends their
@@ -26,10 +28,12 @@ import time
 from pathlib import Path
 
 from dptrain.launch.rendezvous import free_port
+from dptrain.launch.workers import start_worker
 
 __all__ = ["launch_local", "error_file", "PEER_LOST", "TIMED_OUT"]
 
-GRACE_S = 5.0
+GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
+FAIL_GRACE_S = 2.0  # after the first failure, the others' time to fail too, beyond their roll call
 SETTLE_S = 1.0  # [Note: settle before going on]
 
 # What a rank reports when a *peer* died: a consequence, not a cause.
@@ -47,11 +51,15 @@ def error_file(run_dir: Path, rank: int) -> Path:
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
-                 expendable: set[int] = frozenset()) -> int:
+                 expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0) -> int:
     """Start ``nproc`` workers, wait for them, return the job's exit code.
 
     The failure of an ``expendable`` rank (a worker of an async parameter-server job)
     does not end the job: it is reported, and the job's exit code is that of the rest.
+    ``start_method``: ``forkserver`` or ``exec`` (see ``launch.workers``). After a rank
+    fails, the others get their roll call (``roll_call_s``, see ``train.roll_call``) and
+    ``FAIL_GRACE_S`` more to fail too before they are stopped. Workers never outlive the
+    launcher: whatever ends it (an exception, an interrupt), they are stopped.
     """
     port = free_port()
     logs = run_dir / "logs"
@@ -63,18 +71,23 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    DPTRAIN_LAUNCHER="local")
-        console = None if rank == 0 else open(logs / f"rank{rank}.console", "w")
-        procs.append(subprocess.Popen([sys.executable, "-m", "dptrain.run", *worker_args], env=env,
-                                      stdout=console, stderr=subprocess.STDOUT if console else None))
+        console = None if rank == 0 else logs / f"rank{rank}.console"
+        try:
+            procs.append(start_worker(start_method, worker_args, env, console))
+        except BaseException:
+            _stop(procs, grace=GRACE_S)
+            raise
     exit_times = [0.0] * nproc
     for rank, proc in enumerate(procs):  # exact exit times, to order failures
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
     try:
-        return _supervise(procs, exit_times, run_dir, timeout_s, expendable)
+        return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable)
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
         return 130
+    finally:
+        _stop(procs, grace=GRACE_S)  # a no-op when they have ended
 
 
 def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> None:
@@ -82,7 +95,7 @@ def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> No
     exit_times[rank] = time.time()
 
 
-def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, timeout_s: float,
+def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, grace_s: float,
                expendable: set[int]) -> int:
     first_failure, survived, pending = None, set(), {}
     while True:
@@ -101,14 +114,25 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
         failed = [r for r, c in enumerate(codes) if c not in (None, 0) and r not in survived and r not in pending]
         if failed and first_failure is None:
             first_failure = time.monotonic()
-        if first_failure is not None and (all(c is not None for c in codes)
-                                          or time.monotonic() - first_failure > min(GRACE_S, timeout_s)):
-            stopped_at = _stop(procs, grace=GRACE_S)
+        running = {r for r, c in enumerate(codes) if c is None}
+        if first_failure is not None and (not running or time.monotonic() - first_failure > grace_s
+                                          or running <= _silent(run_dir, failed)):
+            stopped = _stop(procs, grace=GRACE_S)
             if all(p.returncode in (0, 2) for p in procs):
                 return 2  # bad input: the workers printed the error themselves
-            _report_failure(procs, exit_times, stopped_at, run_dir)
+            _report_failure(procs, exit_times, stopped, run_dir)
             return 1
         time.sleep(0.2)
+
+
+def _silent(run_dir: Path, failed: list[int]) -> set[int]:
+    """The ranks that the failed ranks' roll calls found silent: they had their time already, and get no grace."""
+    silent = set()
+    for rank in failed:
+        path = error_file(run_dir, rank)
+        if path.exists():
+            silent.update(json.loads(path.read_text()).get("silent_ranks", []))
+    return silent
 
 
 # [Note: settle before going on] An expendable rank's death is declared survivable only
@@ -118,12 +142,17 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
 # the job fails for the server's death.
 
 
-def _stop(procs: list[subprocess.Popen], grace: float) -> float:
-    """SIGTERM the running workers, SIGKILL them after ``grace``; return when we began."""
-    began = time.time()
-    for p in procs:
+def _stop(procs: list[subprocess.Popen], grace: float) -> set[int]:
+    """SIGTERM the running workers, SIGKILL them after ``grace``; return the ranks we signalled.
+
+    (Which ranks we stopped is known exactly here; telling them apart afterwards by exit
+    times raced with the threads that note those times.)
+    """
+    signalled = set()
+    for rank, p in enumerate(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            signalled.add(rank)
     deadline = time.monotonic() + grace
     for p in procs:
         try:
@@ -131,10 +160,10 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> float:
         except subprocess.TimeoutExpired:
             p.kill()
             p.wait()
-    return began
+    return signalled
 
 
-def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stopped_at: float,
+def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stopped: set[int],
                     run_dir: Path) -> None:
     records = []
     for rank, p in enumerate(procs):
@@ -144,7 +173,7 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
             text = record["traceback"]
             last = text.strip().splitlines()[-1] if text.strip() else "?"
             records.append((bool(PEER_LOST.search(text)), record["time"], rank, text, record.get("summary", last)))
-        elif p.returncode not in (0, None) and not (p.returncode < 0 and exit_times[rank] >= stopped_at):
+        elif p.returncode not in (0, None) and not (p.returncode < 0 and rank in stopped):
             # died on its own (a signal we did not send, or no traceback recorded)
             died = (f"exited with {_describe(p.returncode)} and no Python traceback; see "
                     f"{run_dir / 'logs' / f'rank{rank}.console'} and {run_dir / 'logs' / f'rank{rank}.log'}")
@@ -159,9 +188,9 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
     for _, _, other, _, summary in records[1:]:
         print(f"(rank {other} also failed: {summary})", file=sys.stderr)
     failed = {r for _, _, r, _, _ in records}
-    stopped = [r for r, p in enumerate(procs) if r not in failed and p.returncode is not None and p.returncode < 0]
-    if stopped and any(TIMED_OUT.search(t) for _, _, _, t, _ in records):
-        print(f"rank(s) {stopped} were still running when the others timed out waiting for them, and were "
+    running = sorted(r for r in stopped if r not in failed)
+    if running and any(TIMED_OUT.search(t) for _, _, _, t, _ in records):
+        print(f"rank(s) {running} were still running when the others timed out waiting for them, and were "
               f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
               f"{run_dir / 'logs'}", file=sys.stderr)
 

@@ -212,7 +212,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 _save(engine, rp, step, env, device, log, compression)
     except Exception as e:
         if env.world_size > 1 and is_collective_failure(e):  # name the ranks that stopped or died
-            e.add_note(roll_call(step))
+            call = roll_call(step, cfg.ddp.roll_call_s)
+            e.add_note(call.note)
+            e.silent_ranks = call.silent  # recorded for the local launcher, which then stops them at once
         raise
     finally:
         if metrics_file is not None:

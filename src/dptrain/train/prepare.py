@@ -106,7 +106,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         ("log.trace_start", cfg.log.trace_start, 1), ("log.trace_steps", cfg.log.trace_steps, 0),
         ("checkpoint.every", cfg.checkpoint.every, 0), ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
         ("train.lr", cfg.train.lr, 0.0), ("train.grad_clip", cfg.train.grad_clip, 0.0),
-        ("ddp.timeout_s", cfg.ddp.timeout_s, 1.0),
+        ("ddp.timeout_s", cfg.ddp.timeout_s, 1.0), ("ddp.roll_call_s", cfg.ddp.roll_call_s, 0.0),
     ]
     for name, value, low in checks:
         if value < low:

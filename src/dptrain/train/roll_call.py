@@ -16,12 +16,13 @@ from __future__ import annotations
 import os
 import re
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
 
 from dptrain.launch.local import PEER_LOST
 
-__all__ = ["roll_call", "is_collective_failure"]
+__all__ = ["roll_call", "RollCall", "is_collective_failure"]
 
 # How a backend says that a collective waited too long: gloo, the c10d error types, NCCL's watchdog.
 _BACKEND_TIMEOUT = re.compile(r"Timed out waiting \d+ms|DistBackendError|DistNetworkError|"
@@ -37,9 +38,17 @@ def is_collective_failure(error: BaseException) -> bool:
     return bool(PEER_LOST.search(text) or _BACKEND_TIMEOUT.search(text))
 
 
+@dataclass(frozen=True)
+class RollCall:
+    """The ranks that reported nothing (hung or dead), and the line that says so."""
+
+    silent: list[int]
+    note: str
+
+
 def roll_call(step: int, wait_s: float = 3.0, store: dist.Store | None = None,
-              rank: int | None = None, world_size: int | None = None) -> str:
-    """Report this rank's failure at ``step`` and return a line naming the ranks that reported none."""
+              rank: int | None = None, world_size: int | None = None) -> RollCall:
+    """Report this rank's failure at ``step``; return the ranks that reported none, and a line naming them."""
     rank = dist.get_rank() if rank is None else rank
     world_size = dist.get_world_size() if world_size is None else world_size
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a fresh key set after each restart
@@ -55,10 +64,11 @@ def roll_call(step: int, wait_s: float = 3.0, store: dist.Store | None = None,
             time.sleep(0.1)
         where = {r: store.get(str(r)).decode() for r in reported}
     except Exception as e:  # the store went away with its host
-        return f"roll call: the job's store did not answer ({type(e).__name__}); rank 0, its host, is probably gone"
+        return RollCall([], f"roll call: the job's store did not answer ({type(e).__name__}); rank 0, its host, is "
+                            "probably gone")
     silent = [r for r in range(world_size) if r not in where]
     if not silent:
-        return f"roll call: every rank reported a failed collective ({where}): no rank is silent"
-    return (f"roll call: rank(s) {silent} reported nothing within {wait_s:g} s of rank {rank}'s failed collective "
-            f"at step {step}: they stopped calling collectives (a hang) or died; rank(s) {sorted(where)} reported "
-            f"failing ({', '.join(f'rank {r} at {w}' for r, w in where.items())})")
+        return RollCall([], f"roll call: every rank reported a failed collective ({where}): no rank is silent")
+    return RollCall(silent, f"roll call: rank(s) {silent} reported nothing within {wait_s:g} s of rank {rank}'s failed "
+                            f"collective at step {step}: they stopped calling collectives (a hang) or died; rank(s) "
+                            f"{sorted(where)} reported failing ({', '.join(f'rank {r} at {w}' for r, w in where.items())})")
