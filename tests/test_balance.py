@@ -129,3 +129,20 @@ def test_dynamic_batching_run_matches_the_fixed_split_and_helps_the_straggler(tm
     shares = [r["batch_shares"] for r in records if r["kind"] == "train"]
     assert shares[-1][0] > shares[-1][1] and sum(shares[-1]) == 32
     assert "stragglers" in done.stdout
+
+
+def test_a_straggler_sleeps_factor_minus_one_times_its_last_compute(monkeypatch):
+    """The injected straggler's own rule, exactly (the end-to-end runs only see that it is slowest)."""
+    from dptrain.train import straggler
+
+    slept = []
+    monkeypatch.setattr(straggler.time, "sleep", slept.append)
+    s = straggler.Straggler(3.0)
+    s.delay()  # no compute measured yet: no sleep
+    s.step_done(0.010)
+    s.delay()  # 2 x the 10 ms computed
+    s.step_done(0.010 + 0.020 + 0.005)  # this step: 10 ms of compute, its 20 ms sleep, 5 ms more compute
+    s.delay()
+    assert slept == [pytest.approx(0.020), pytest.approx(0.030)]
+    with pytest.raises(ValueError, match="factor must be >= 1"):
+        straggler.Straggler(0.5)

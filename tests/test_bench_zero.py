@@ -15,6 +15,7 @@ TINY = ["--n-layer", "2", "--n-embd", "32", "--n-head", "2", "--block-size", "8"
         "--warmup", "2", "--memory-steps", "1", "--device", "cpu"]
 
 
+@pytest.mark.slow
 def test_bench_zero_compares_zero3_with_fsdp2_and_counts_their_memory(tmp_path):
     out = tmp_path / "zero.json"
     result = CliRunner().invoke(main, ["bench", "zero", *TINY, "--variants", "torch_fsdp2", "dptrain_zero3",

@@ -18,10 +18,11 @@ def train_records(run_dir):
     return [json.loads(line) for line in lines if json.loads(line)["kind"] == "train"]
 
 
+@pytest.mark.slow
 def test_two_workers_end_to_end(tmp_path):
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir", str(run_dir),
-                   "--set", "log.plots=true", cwd=tmp_path)
+                   "--set", "log.plots=true", cwd=tmp_path, fresh=True)  # python -m dptrain.cli, forked workers
     assert proc.returncode == 0, proc.stderr
     assert "run summary" in proc.stdout and "files written" in proc.stdout and "2 x cpu (gloo)" in proc.stdout
 
@@ -84,31 +85,34 @@ def test_two_workers_end_to_end(tmp_path):
     assert summary["peak_tensor_mb_per_rank"] == train[-1]["peak_tensor_mb"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_resume_after_a_kill_continues_exactly_by_hand_and_under_max_restarts(tmp_path):
+    """8 steps, a checkpoint every 4; rank 1 is SIGKILLed at the start of step 6, after the step-4 checkpoint and
+    one step beyond it (logged, then replayed)."""
     config = str(tiny_gpt_config(tmp_path))
-    straight = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
+    short = ["--set", "train.steps=8", "--set", "checkpoint.every=4"]
+    straight = dptrain("run", "--nproc", "2", "--config", config, *short, "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr
 
-    # Rank 1 is SIGKILLed at the start of step 13: the checkpoint of step 10 survives.
-    killed = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "b"), cwd=tmp_path,
-                     env={"DPTRAIN_FAULT": "1:13:kill"})
+    killed = dptrain("run", "--nproc", "2", "--config", config, *short, "--run-dir", str(tmp_path / "b"), cwd=tmp_path,
+                     env={"DPTRAIN_FAULT": "1:6:kill"})
     assert killed.returncode == 1
     assert "rank 1" in killed.stderr and "SIGKILL" in killed.stderr
-    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_00000010"]
-    assert max(r["step"] for r in train_records(tmp_path / "b")) == 12
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_00000004"]
+    assert max(r["step"] for r in train_records(tmp_path / "b")) == 5
 
-    resumed = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
+    resumed = dptrain("run", "--nproc", "2", "--config", config, *short, "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
-    assert "resumed from" in resumed.stdout and "step_00000010 at step 10" in resumed.stdout
+    assert "resumed from" in resumed.stdout and "step_00000004 at step 4" in resumed.stdout
 
     # The same kill under --max-restarts: torchrun's agent restarts both ranks, which resume by themselves.
-    restarted = dptrain("run", "--nproc", "2", "--config", config, "--run-dir", str(tmp_path / "c"), "--max-restarts",
-                        "2", cwd=tmp_path, env={"DPTRAIN_FAULT": "1:13:kill"})
+    restarted = dptrain("run", "--nproc", "2", "--config", config, *short, "--run-dir", str(tmp_path / "c"),
+                        "--max-restarts", "2", cwd=tmp_path, env={"DPTRAIN_FAULT": "1:6:kill"})
     assert restarted.returncode == 0, restarted.stderr
-    assert "step_00000010 at step 10" in restarted.stdout
+    assert "step_00000004 at step 4" in restarted.stdout
     summary = json.loads((tmp_path / "c" / "summary.json").read_text())
-    assert summary["restarts"] == 1 and summary["start_step"] == 10
+    assert summary["restarts"] == 1 and summary["start_step"] == 4
 
     a = load_file(tmp_path / "a" / "model.safetensors")
     losses_a = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / "a")]
@@ -116,12 +120,15 @@ def test_resume_after_a_kill_continues_exactly_by_hand_and_under_max_restarts(tm
         b = load_file(tmp_path / other / "model.safetensors")
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), other
         losses_b = [(r["step"], r["loss"], r["grad_norm"]) for r in train_records(tmp_path / other)]
-        assert losses_a == losses_b, other  # steps 11-12 were logged twice; the replay replaced them
+        assert losses_a == losses_b, other  # step 5 was logged twice; the replay replaced it
 
 
+@pytest.mark.slow
 def test_a_failing_rank_is_reported_first_and_the_job_stops(tmp_path):
+    """With workers started as torchrun starts them: a fresh `python -m dptrain.run` each."""
     proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir",
-                   str(tmp_path / "run"), cwd=tmp_path, env={"DPTRAIN_FAULT": "1:3:raise"})
+                   str(tmp_path / "run"), "--start-method", "exec", cwd=tmp_path, env={"DPTRAIN_FAULT": "1:3:raise"},
+                   fresh=True)
     assert proc.returncode == 1
     first = proc.stderr.index("rank 1 failed first")
     assert proc.stderr.index("RuntimeError: fault injected by DPTRAIN_FAULT on rank 1 at step 3") > first
@@ -144,6 +151,7 @@ def test_own_model_accumulation_and_bf16(tmp_path):
     assert "loss.png" not in summary["files"]
 
 
+@pytest.mark.slow
 def test_under_torchrun(tmp_path):
     import subprocess
     import sys

@@ -45,6 +45,7 @@ def test_up_creates_limited_links_and_down_removes_everything() -> None:
     assert not [n for n in namespaces() if n.startswith(f"{PREFIX}{net.tag}")]
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.timeout(180)
 def test_two_hosts_rendezvous_and_all_reduce(tmp_path) -> None:
@@ -64,6 +65,7 @@ def test_two_hosts_rendezvous_and_all_reduce(tmp_path) -> None:
     assert (tmp_path / "host0").read_text() == (tmp_path / "host1").read_text() == "2 3.0"
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.timeout(180)
 def test_a_failing_job_ends_the_others_and_tears_down(tmp_path) -> None:
@@ -91,6 +93,7 @@ def test_cluster_command_says_what_is_missing() -> None:
     assert out.returncode == 2 and "dptrain cluster needs" in out.stderr
 
 
+@pytest.mark.slow
 @needs_root
 @pytest.mark.timeout(300)
 def test_compression_link_benchmark_runs_every_variant_on_the_cluster() -> None:

@@ -187,9 +187,11 @@ def test_powersgd_rank_must_be_positive() -> None:
 
 
 def test_compression_study_runs_and_reports_the_ratio() -> None:
+    from _cli import TINY_GPT_SETTINGS
+
     from dptrain.bench.compression import run, table
 
-    result = run(steps=2, nproc=2, variants=["none", "int8+EF"])
+    result = run(steps=2, nproc=2, variants=["none", "int8+EF"], overrides=TINY_GPT_SETTINGS)
     rows = {r["variant"]: r for r in result["rows"]}
     assert rows["none"]["payload_bytes_per_step"] == rows["none"]["raw_bytes_per_step"]
     assert 3.5 < rows["int8+EF"]["raw_bytes_per_step"] / rows["int8+EF"]["payload_bytes_per_step"] <= 4

@@ -71,7 +71,8 @@ def test_repair_copies_a_healthy_rank_and_equal_replicas_pass():
 
 
 SMALL = ["--nproc", "2", "--set", "task.name=classifier", "--set", "train.steps=10", "--set", "log.every=1",
-         "--set", "log.progress=lines", "--set", "log.plots=false", "--set", "divergence.every=2"]
+         "--set", "log.progress=lines", "--set", "log.plots=false", "--set", "ddp.roll_call_s=1",
+         "--set", "divergence.every=2"]
 
 
 def test_a_flipped_bit_is_caught_within_k_steps_or_repaired(tmp_path):
@@ -104,13 +105,13 @@ def test_bad_divergence_input_is_refused(tmp_path, args, message):
 
 def test_a_hung_rank_ends_the_job_with_a_timeout_that_names_it(tmp_path):
     """Rank 1 stops calling collectives: rank 0 times out in its all-reduce, and the launcher names rank 1."""
-    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", "ddp.timeout_s=5",
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", "ddp.timeout_s=3",
                    env={"DPTRAIN_FAULT": "1:3:hang"}, cwd=tmp_path)
     assert done.returncode == 1
-    assert "error: rank 0 failed first" in done.stderr and "Timed out waiting 5000ms" in done.stderr, done.stderr
+    assert "error: rank 0 failed first" in done.stderr and "Timed out waiting 3000ms" in done.stderr, done.stderr
     assert "rank(s) [1] were still running when the others timed out waiting for them" in done.stderr
     # the worker names it too, through the job's store, so it is named under torchrun and Slurm as well
-    assert "roll call: rank(s) [1] reported nothing within 3 s of rank 0's failed collective at step 3" in done.stderr
+    assert "roll call: rank(s) [1] reported nothing within 1 s of rank 0's failed collective at step 3" in done.stderr
 
 
 def test_a_rank_calling_another_collective_is_named_on_every_rank(tmp_path):

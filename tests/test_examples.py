@@ -5,9 +5,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
+@pytest.mark.slow
 def test_custom_loop_example_trains():
     proc = subprocess.run([sys.executable, str(EXAMPLES / "custom_loop.py")], capture_output=True, text=True,
                           timeout=120)

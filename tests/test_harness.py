@@ -56,7 +56,7 @@ def _rank_zero_hangs(rank, world_size):
 
 def test_a_hang_becomes_a_timeout_with_every_ranks_stack():
     with pytest.raises(RankTimeoutError) as failure:
-        run_on_ranks(_rank_zero_hangs, 2, timeout=5, collective_timeout=60)
+        run_on_ranks(_rank_zero_hangs, 2, timeout=2, collective_timeout=60)
     message = str(failure.value)
     assert "ranks [0, 1] still running" in message
     assert "in _rank_zero_hangs" in message and "--- rank 1 stacks ---" in message

@@ -17,6 +17,7 @@ def _run(tmp_path, name: str, *args: str, env: dict | None = None):
                    env=env, cwd=tmp_path, timeout=240)
 
 
+@pytest.mark.slow
 def test_restarts_run_out_and_the_job_fails(tmp_path):
     """A fault that fires on every attempt (raise, not once: the restart count is faked away) exhausts them."""
     done = _run(tmp_path, "doomed", "--max-restarts", "1", "--set", "train.steps=4",

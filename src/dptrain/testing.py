@@ -1,10 +1,12 @@
 """Run a function on N local ranks: the multi-process harness every distributed test uses.
 
 Each rank is a process of its own, joined into a process group (gloo on CPU) through a
-``TCPStore`` that the calling process owns. The store listens on port 0, so there is no
-free-port race between tests running side by side. Ranks start from a forkserver that
-has torch preloaded: a rank costs tens of milliseconds to start instead of the seconds
-a fresh interpreter needs to import torch.
+``FileStore`` in a fresh temporary directory, as torch's own multi-process tests do: no
+port to pick, so no race between tests running side by side, and no TCP connection to
+the store. (A ``TCPStore`` connection looks its peer's IPv4-mapped IPv6 address up in
+the DNS; where the resolver drops a query, that costs its 5 s timeout: docs/testing.md.)
+Ranks start from a forkserver that has torch preloaded: a rank costs tens of
+milliseconds to start instead of the seconds a fresh interpreter needs to import torch.
 
 A distributed bug hangs rather than fails, so the harness never waits forever:
 
@@ -44,12 +46,10 @@ import torch
 import torch.distributed as dist
 
 from dptrain.allocator import tune_cpu_allocator
+from dptrain.launch.workers import PRELOAD
 
 __all__ = ["run_on_ranks", "RankFailedError", "RankTimeoutError"]
 
-# torch._dynamo is imported lazily by the first optimizer a process builds and costs
-# seconds; importing it once in the forkserver saves that in every rank.
-_FORKSERVER_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain"]
 
 
 class RankFailedError(RuntimeError):
@@ -93,14 +93,12 @@ def run_on_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(_FORKSERVER_PRELOAD)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout))
+        ctx.set_forkserver_preload(PRELOAD)  # the launcher's list: one server for both
     with tempfile.TemporaryDirectory(prefix="dptrain-ranks-") as tmp:
         procs, readers = [], []
         for rank in range(world_size):
             reader, writer = ctx.Pipe(duplex=False)
-            spec = _RankSpec(rank, world_size, store.port, backend, collective_timeout or timeout,
+            spec = _RankSpec(rank, world_size, os.path.join(tmp, "store"), backend, collective_timeout or timeout,
                              threads_per_rank, tune_allocator, os.path.join(tmp, f"stack{rank}.txt"), env or {})
             proc = ctx.Process(target=_rank_main, args=(fn, spec, args, kwargs, writer),
                                name=f"dptrain-rank{rank}", daemon=True)
@@ -112,14 +110,13 @@ def run_on_ranks(
             return _collect(procs, readers, timeout, tmp)
         finally:
             _kill(procs)
-            del store
 
 
 @dataclass
 class _RankSpec:
     rank: int
     world_size: int
-    port: int
+    store_path: str
     backend: str
     timeout: float
     threads: int
@@ -136,8 +133,8 @@ def _rank_main(fn, spec: _RankSpec, args, kwargs, writer) -> None:
     if spec.tune_allocator:
         tune_cpu_allocator()
     try:
-        store = dist.TCPStore("127.0.0.1", spec.port, is_master=False,
-                              timeout=timedelta(seconds=spec.timeout))
+        store = dist.FileStore(spec.store_path, spec.world_size)
+        store.set_timeout(timedelta(seconds=spec.timeout))
         dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.timeout))

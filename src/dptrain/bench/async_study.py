@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from dptrain.bench.results import save_result
-from dptrain.bench.runs import dptrain_run
+from dptrain.bench.runs import dptrain_run, with_overrides
 
 __all__ = ["VARIANTS", "run", "table", "main"]
 
@@ -49,13 +49,13 @@ VARIANTS = [
 
 
 def _one(name: str, settings: dict, extra: int, slowed: bool, steps: int, workers: int, factor: float,
-         directory: Path) -> dict:
+         directory: Path, overrides: list[str]) -> dict:
     base = {"train.steps": steps, "train.global_batch_size": 16 * workers, "log.every": max(1, steps // 20),
             "log.eval_every": 0, "log.progress": "lines", "log.plots": False, "checkpoint.every": 0,
             "log.trace_steps": 0, **settings}
     if slowed:
         base.update({"straggler.rank": 1, "straggler.factor": factor})
-    done = dptrain_run(workers + extra, base, directory / "run")
+    done = dptrain_run(workers + extra, with_overrides(base, overrides), directory / "run")
     s = done["summary"]
     row = {"variant": name, "samples_per_s": s["median_samples_per_s"], "val_loss": s["val_loss"],
            "wall_s": done["wall_s"]}
@@ -71,7 +71,8 @@ def _one(name: str, settings: dict, extra: int, slowed: bool, steps: int, worker
     return row
 
 
-def run(steps: int, workers: int, factor: float, rounds: int, variants: list[str] | None = None) -> dict:
+def run(steps: int, workers: int, factor: float, rounds: int, variants: list[str] | None = None,
+        overrides: list[str] | None = None) -> dict:
     chosen = [v for v in VARIANTS if variants is None or v[0] in variants]
     runs: dict[str, list[dict]] = {v[0]: [] for v in chosen}
     for r in range(rounds):
@@ -79,13 +80,14 @@ def run(steps: int, workers: int, factor: float, rounds: int, variants: list[str
         random.Random(r).shuffle(order)
         for name, settings, extra, slowed in order:
             with tempfile.TemporaryDirectory() as tmp:
-                row = _one(name, settings, extra, slowed, steps, workers, factor, Path(tmp))
+                row = _one(name, settings, extra, slowed, steps, workers, factor, Path(tmp), overrides or [])
             runs[name].append(row)
             print(f"round {r + 1}: {name}: {row['samples_per_s']:.1f} samples/s, val loss {row['val_loss']:.4f}",
                   flush=True)
     rows = [{"variant": name, "samples_per_s": statistics.median(x["samples_per_s"] for x in rs),
              "val_loss": statistics.median(x["val_loss"] for x in rs), "runs": rs} for name, rs in runs.items()]
-    return {"steps": steps, "workers": workers, "factor": factor, "rounds": rounds, "rows": rows}
+    return {"steps": steps, "workers": workers, "factor": factor, "rounds": rounds, "overrides": overrides or [],
+            "rows": rows}
 
 
 def table(result: dict) -> str:
@@ -109,9 +111,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--factor", type=float, default=2.0, help="how many times slower rank 1 is")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS])
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dptrain run setting for every variant, e.g. gpt.n_layer=2 (repeatable)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/async.json"))
     a = parser.parse_args(argv)
-    result = run(a.steps, a.workers, a.factor, a.rounds, a.variants)
+    result = run(a.steps, a.workers, a.factor, a.rounds, a.variants, a.overrides)
     print(table(result))
     save_result(a.out, result)
 

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 from dptrain.bench.results import save_result
-from dptrain.bench.runs import Raw, dptrain_run
+from dptrain.bench.runs import dptrain_run, with_overrides
 
 __all__ = ["VARIANTS", "run", "main"]
 
@@ -38,10 +38,7 @@ VARIANTS = [
 def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: list[str]) -> dict:
     base = {"train.steps": steps, "log.every": max(1, steps // 10), "log.progress": "lines", "log.plots": False,
             "checkpoint.every": 0, **{f"ddp.{k}": v for k, v in settings.items()}}
-    for override in overrides:
-        key, _, value = override.partition("=")
-        base[key] = Raw(value)
-    done = dptrain_run(nproc, base, directory / "run")
+    done = dptrain_run(nproc, with_overrides(base, overrides), directory / "run")
     summary, last = done["summary"], done["train"][-1]
     return {"val_loss": summary["val_loss"], "final_train_loss": summary["final_train_loss"],
             "raw_bytes_per_step": last["comm_bytes_per_step"],

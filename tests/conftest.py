@@ -1,0 +1,107 @@
+"""The test session's setup: one fork server with everything a rank imports, and a resolver timeout.
+
+Every multi-process test (``dptrain.testing.run_on_ranks``) and every ``dptrain run`` a
+test makes in process (``tests/_cli.py``) forks its ranks from one server per pytest
+process. A rank unpickles its function by module name, so it imports the test module,
+and with it pytest (50 ms): preloaded here, that is paid once per session instead of once
+per rank per test.
+
+A ``dptrain run`` rendezvous through a ``TCPStore``, whose every connection looks its
+peer's IPv4-mapped IPv6 address up in the DNS (torch's c10d names sockets for its logs).
+The sandboxes this suite runs in drop some of those queries, and the C library waits 5 s
+before asking again: a run stalled 5 s at random. One second is enough to know
+(``RES_OPTIONS`` is the C library's resolver setting; docs/testing.md has the measurements).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.forkserver
+import os
+
+import pytest
+
+from dptrain.launch.workers import PRELOAD
+
+os.environ.setdefault("RES_OPTIONS", "timeout:1")  # before any lookup here or in a process started from here
+
+
+def pytest_configure(config) -> None:
+    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, "pytest", "_models", "_cli"])
+    multiprocessing.forkserver.ensure_running()
+
+
+# ----------------------------------------------------------------------------- tiers
+#
+# What each kind of test costs, measured on every run and printed at the end: a test's
+# tier is the most expensive thing it did. New processes are seen by Python's audit
+# hook on subprocess.Popen (torchrun, `python -m dptrain.cli`, exec workers, the
+# cluster's `ip`); ranks and in-process `dptrain` commands by wrapping the one function
+# each goes through.
+
+TIERS = {"process": "one process", "ranks": "ranks (run_on_ranks)", "cli": "dptrain commands, in process",
+         "fresh": "new processes (torchrun, fresh CLI, clusters)"}
+_ORDER = list(TIERS)
+_current: dict = {"kinds": None}
+_seconds: dict = {}
+
+
+def _saw(kind: str) -> None:
+    if _current["kinds"] is not None:
+        _current["kinds"].add(kind)
+
+
+def _audit(event: str, args) -> None:
+    if event == "subprocess.Popen":
+        _saw("fresh")
+
+
+def _wrap(module, name: str, kind: str) -> None:
+    inner = getattr(module, name)
+
+    def wrapper(*args, **kwargs):
+        _saw(kind)
+        return inner(*args, **kwargs)
+    setattr(module, name, wrapper)
+
+
+def pytest_sessionstart(session) -> None:
+    import sys
+
+    import dptrain.bench.runs
+    import dptrain.testing
+
+    sys.addaudithook(_audit)
+    _wrap(dptrain.testing, "_collect", "ranks")
+    _wrap(dptrain.bench.runs, "_exit_code", "cli")
+
+
+def pytest_runtest_setup(item) -> None:
+    _current["kinds"] = set()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    if call.when == "teardown":  # the test is over: its tier, in its report (and --junitxml's properties)
+        tier = max(_current["kinds"] or (), key=_ORDER.index, default="process")
+        _current["kinds"] = None
+        item.user_properties.append(("tier", tier))
+        _seconds.setdefault(item.nodeid, [None, 0.0])[0] = tier
+    return (yield)
+
+
+def pytest_runtest_logreport(report) -> None:
+    _seconds.setdefault(report.nodeid, [None, 0.0])[1] += report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    totals = {t: [0, 0.0] for t in TIERS}
+    for tier, seconds in _seconds.values():
+        if tier is not None:
+            totals[tier][0] += 1
+            totals[tier][1] += seconds
+    if not any(n for n, _ in totals.values()):
+        return
+    terminalreporter.section("time per test tier (docs/testing.md)")
+    for tier, (n, seconds) in totals.items():
+        terminalreporter.write_line(f"{TIERS[tier]:48s} {n:4d} tests {seconds:8.1f} s")
