@@ -30,6 +30,13 @@ from dptrain.testing import run_on_ranks
 MICRO = 4
 STEPS = 6
 TOLERANCE = 1e-5
+# Adam's first step moves an element by lr * g / (|g| + eps): at a gradient near eps (a sum
+# that cancels) a rounding difference d moves it by up to lr * d / (4 eps). Measured: 3 ranks'
+# sum against one batch's gives 1.58e-7 against 1.56e-7 for one element of
+# checkpoint_reentrant_dynamic's inp.weight, 1.3e-5 of the parameter's scale after Adam on
+# one CPU (<1e-5 on another); every other case stays below 1.4e-6. A missing or wrong
+# reduction moves Adam's parameters by a good part of lr, far above this bound.
+ADAM_TOLERANCE = 1e-4
 TINY_BUCKETS = 0.0004  # MiB: a few hundred bytes, so tiny models still get several buckets
 
 
@@ -196,7 +203,7 @@ def test_parity_with_single_process(name: str, world_size: int) -> None:
     results = run_on_ranks(_run_case, world_size, case)
     for rank, result in enumerate(results):
         for opt_kind, per_step in result["errors"].items():
-            assert max(per_step) <= TOLERANCE, (
+            assert max(per_step) <= (ADAM_TOLERANCE if opt_kind == "adam" else TOLERANCE), (
                 f"{name}, world {world_size}, rank {rank}, {opt_kind}: relative difference from the "
                 f"single-process reference per step = {per_step}")
     for opt_kind in ("sgd", "adam"):
