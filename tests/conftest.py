@@ -6,11 +6,11 @@ process. A rank unpickles its function by module name, so it imports the test mo
 and with it pytest (50 ms): preloaded here, that is paid once per session instead of once
 per rank per test.
 
-A ``dptrain run`` rendezvous through a ``TCPStore``, whose every connection looks its
-peer's IPv4-mapped IPv6 address up in the DNS (torch's c10d names sockets for its logs).
-The sandboxes this suite runs in drop some of those queries, and the C library waits 5 s
-before asking again: a run stalled 5 s at random. One second is enough to know
-(``RES_OPTIONS`` is the C library's resolver setting; docs/testing.md has the measurements).
+A ``dptrain run`` rendezvous through a ``TCPStore``, and both ends of every connection
+look the peer's address up in the DNS. The machines this suite runs on leave some of
+those queries unanswered (1 in 27), and the C library waits 5 s before asking again:
+a run stalled 5 s now and then. One second is enough to know (``RES_OPTIONS`` is the C
+library's resolver setting; docs/testing.md has the measurements).
 """
 
 from __future__ import annotations

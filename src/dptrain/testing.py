@@ -3,8 +3,9 @@
 Each rank is a process of its own, joined into a process group (gloo on CPU) through a
 ``FileStore`` in a fresh temporary directory, as torch's own multi-process tests do: no
 port to pick, so no race between tests running side by side, and no TCP connection to
-the store. (A ``TCPStore`` connection looks its peer's IPv4-mapped IPv6 address up in
-the DNS; where the resolver drops a query, that costs its 5 s timeout: docs/testing.md.)
+the store. (Both ends of a ``TCPStore`` connection look the peer's address up in the
+DNS; where the resolver leaves a query unanswered, that costs its 5 s timeout:
+docs/testing.md.)
 Ranks start from a forkserver that has torch preloaded: a rank costs tens of
 milliseconds to start instead of the seconds a fresh interpreter needs to import torch.
 
