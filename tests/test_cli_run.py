@@ -135,6 +135,41 @@ def test_a_failing_rank_is_reported_first_and_the_job_stops(tmp_path):
     assert "Traceback" in proc.stderr[first:]
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGKILL"])
+def test_no_worker_trains_on_after_its_launcher_ends(tmp_path, sig):
+    """SIGTERM: the launcher stops its workers and exits 143. SIGKILL: it cannot, but its fork server ends with it,
+    and each forked worker is armed to get SIGTERM when that happens (launch/workers.py)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _cli import TESTS
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    launcher = subprocess.Popen([sys.executable, "-m", "dptrain.cli", "run", "--nproc", "2", "--config",
+                                 str(tiny_gpt_config(tmp_path)), "--run-dir", str(run_dir), "--set",
+                                 "train.steps=100000", "--set", "checkpoint.every=0", "--set", "log.eval_every=0"],
+                                cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):  # training: rank 0 logs every step
+        assert launcher.poll() is None and time.monotonic() < deadline, launcher.stderr.read()
+        time.sleep(0.2)
+    launcher.send_signal(getattr(signal, sig))
+    code = launcher.wait(timeout=30)
+    assert code == (143 if sig == "SIGTERM" else -signal.SIGKILL), launcher.stderr.read()
+    if sig == "SIGTERM":
+        assert "terminated (SIGTERM): workers stopped" in launcher.stderr.read()
+    time.sleep(1.0)  # the workers' own signal lands
+    logged = metrics.stat().st_size
+    time.sleep(2.0)  # a training rank 0 logs a step every few tens of milliseconds
+    assert metrics.stat().st_size == logged, "a worker is still training after its launcher ended"
+
+
 def test_own_model_accumulation_and_bf16(tmp_path):
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "2", "--run-dir", str(run_dir), "--set", "task.name=classifier",

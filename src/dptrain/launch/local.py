@@ -12,11 +12,13 @@ job's lifetime:
   rest, and within each kind the earliest failure (its error record's time, or when its
   process died) comes first;
 - Ctrl-C reaches every worker (same process group); they stop, and the launcher exits
-  130 after giving stragglers a few seconds.
+  130 after giving stragglers a few seconds. SIGTERM to the launcher stops its workers
+  the same way (exit 143).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -59,7 +61,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     ``start_method``: ``forkserver`` or ``exec`` (see ``launch.workers``). After a rank
     fails, the others get their roll call (``roll_call_s``, see ``train.roll_call``) and
     ``FAIL_GRACE_S`` more to fail too before they are stopped. Workers never outlive the
-    launcher: whatever ends it (an exception, an interrupt), they are stopped.
+    launcher: whatever ends it (an exception, an interrupt, SIGTERM), they are stopped.
     """
     port = free_port()
     logs = run_dir / "logs"
@@ -81,13 +83,39 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     for rank, proc in enumerate(procs):  # exact exit times, to order failures
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
     try:
-        return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable)
+        with _sigterm_raises():
+            return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable)
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
         return 130
+    except _Terminated:
+        _stop(procs, grace=GRACE_S * 2)
+        print("terminated (SIGTERM): workers stopped", file=sys.stderr)
+        return 128 + signal.SIGTERM
     finally:
         _stop(procs, grace=GRACE_S)  # a no-op when they have ended
+
+
+class _Terminated(Exception):
+    """The launcher got SIGTERM (``kill``, a scheduler's cancel): its workers are stopped before it exits."""
+
+
+@contextlib.contextmanager
+def _sigterm_raises():
+    """While supervising, SIGTERM raises :class:`_Terminated` instead of ending the launcher on the spot
+    (which would leave its workers training). Signal handlers belong to the main thread: elsewhere, a no-op."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def raise_terminated(signum, frame):
+        raise _Terminated()
+    previous = signal.signal(signal.SIGTERM, raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> None:

@@ -26,6 +26,7 @@ import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -117,6 +118,7 @@ class _Fd:
 
 def _forked_worker(argv: list[str], env: dict[str, str], cwd: str, output: tuple) -> None:
     """In the fork: become the worker ``python -m dptrain.run ARGV`` would have been, and run it."""
+    _leave_the_fork_server()
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -137,6 +139,7 @@ def _forked_worker(argv: list[str], env: dict[str, str], cwd: str, output: tuple
     sys.path[:0] = [p for p in dict.fromkeys(paths) if p not in sys.path]
     sys.argv = [sys.executable, "-m", "dptrain.run", *argv]
     _settings_read_at_import()
+    _linux_process_settings(f"dptrain-rank{env.get('RANK', '?')}")
 
     from dptrain.run import main
 
@@ -154,3 +157,46 @@ def _settings_read_at_import() -> None:
     dist.set_debug_level_from_env()
     if "OMP_NUM_THREADS" in os.environ:  # the OpenMP runtime read it when torch was loaded
         torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def _leave_the_fork_server() -> None:
+    """Drop the fork server's handles that multiprocessing gives each of its children.
+
+    A child inherits the launcher's end of the pipe the server watches to know that the
+    launcher is alive: while any worker held it, a SIGKILLed launcher left the server, and
+    with it the workers, running. Without it, the server ends with the launcher and the
+    workers with the server (``_linux_process_settings``). A worker that uses the forkserver
+    start method itself then starts a server of its own.
+    """
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_alive_fd", None) is not None:
+        os.close(server._forkserver_alive_fd)
+    for name in ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"):
+        if hasattr(server, name):
+            setattr(server, name, None)
+
+
+def _linux_process_settings(name: str) -> None:
+    """Show the fork as ``name`` in top and ``ps -o comm``, and end it with SIGTERM if the fork server ends.
+
+    Linux's prctl: PR_SET_NAME (15 bytes at most) and PR_SET_PDEATHSIG. The fork server
+    ends when the launcher's process does, however it ends (a SIGKILL too), so a worker
+    does not train on alone. Its full command line stays the fork server's (``ps -f`` shows
+    ``python -c from multiprocessing.forkserver import main ...``); ``--start-method exec``
+    gives each worker ``python -m dptrain.run``'s, as torchrun does.
+    """
+    if sys.platform != "linux":
+        return
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:  # no C library to call: both are conveniences
+        return
+    parent = os.getppid()
+    libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the server ended before the signal was armed
+        os.kill(os.getpid(), signal.SIGTERM)
