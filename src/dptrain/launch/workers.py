@@ -12,6 +12,12 @@ CUDA context to carry into a fork (the reason torch recommends this start method
 plain ``fork``). Within one launcher process (a test suite calling the CLI in process)
 later runs reuse the same server.
 
+What a process reads only when it starts comes from the environment the fork server
+started in (the launcher's): the C library's (``LD_PRELOAD``, glibc's ``MALLOC_*``) and
+torch's import-time settings, of which the worker reads again the two that matter here
+(``TORCH_DISTRIBUTED_DEBUG``, ``OMP_NUM_THREADS``). A later run in the same launcher
+process (tests) that needs other such settings must use ``exec``.
+
 ``exec``: each worker is ``python -m dptrain.run``, exactly what torchrun starts.
 
 Either way a worker sees the same thing: its environment (``RANK``, ``WORLD_SIZE``,
