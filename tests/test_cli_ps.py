@@ -68,14 +68,16 @@ def test_an_ssp_run_with_a_straggler_trains_and_reports(tmp_path):
 
 
 def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):
+    """Rank 1 is killed at the start of its first step. (At step 3, as before, the other two workers once pushed all
+    36 gradients before rank 1 got there: it ended normally and nothing was killed.)"""
     run_dir = tmp_path / "run"
     done = dptrain("run", "--nproc", "4", "--run-dir", str(run_dir), *SMALL, "--set", "ps.mode=async",
-                   env={"DPTRAIN_FAULT": "1:3:kill"}, cwd=tmp_path)
+                   env={"DPTRAIN_FAULT": "1:1:kill"}, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "warning: rank 1 exited with signal SIGKILL; the run goes on without it" in done.stderr
     report = _summary(run_dir)["ps"]["servers_report"]["server_rank3"]
     assert report["lost_workers"] == {"1": "its process died (connection closed)"}
-    assert report["gradients"] == 36 and report["applied_per_worker"]["1"] == 2
+    assert report["gradients"] == 36 and report["applied_per_worker"].get("1", 0) == 0, report
 
 
 def test_a_killed_server_ends_an_async_run_with_its_name_on_every_worker(tmp_path):
