@@ -42,7 +42,7 @@ def _measure(rank: int, world_size: int, stage: int) -> dict:
         optimizer.zero_grad(set_to_none=True)
         nn.functional.mse_loss(wrapped(x), y).backward()
         optimizer.step()
-    out = {"numel": numel, "live": live_tensor_bytes() - before}
+    out = {"numel": numel, "live": live_tensor_bytes(settle_s=0.1) - before}  # [Note: a finished collective's tensors]
     if stage:
         out.update(state_bytes(wrapped, optimizer))
     return out

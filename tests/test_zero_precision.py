@@ -166,7 +166,7 @@ def _memory(rank: int, world_size: int, stage: int, reduce_dtype: torch.dtype) -
         opt.zero_grad(set_to_none=True)
         nn.functional.mse_loss(zero(x), y).backward()
         opt.step()
-    return {"numel": numel, "live": live_tensor_bytes() - before, **state_bytes(zero, opt)}
+    return {"numel": numel, "live": live_tensor_bytes(settle_s=0.1) - before, **state_bytes(zero, opt)}
 
 
 @pytest.mark.parametrize("reduce_dtype", [torch.float32, torch.bfloat16])

@@ -257,7 +257,7 @@ def _memory_rank(rank: int, world_size: int, args: dict, variant: str) -> dict:
         _step(model, opt, x, y)
     method = meter.method + (", per-tensor mmap" if per_tensor_mmap and device.type == "cpu" else "")
     out = {"peak": meter.peak() - before, "build_peak": build_peak, "peak_method": method}
-    out["live"] = (live_tensor_bytes() if device.type == "cpu" else meter.now()) - live_before
+    out["live"] = (live_tensor_bytes(settle_s=0.1) if device.type == "cpu" else meter.now()) - live_before
     out.update(_state_bytes(model, opt))
     return out
 
