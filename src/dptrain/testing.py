@@ -139,6 +139,10 @@ def _rank_main(fn, spec: _RankSpec, args, kwargs, writer) -> None:
         dist.init_process_group(spec.backend, store=store, rank=spec.rank,
                                 world_size=spec.world_size,
                                 timeout=timedelta(seconds=spec.timeout))
+        # Every rank's transport is up before any rank runs fn: a rank that returned from init and
+        # then from an fn without collectives could exit while a slower rank was still connecting
+        # to it, failing that rank's init with "Connection closed by peer" (seen once, pytest -n 2).
+        dist.barrier()
         value = fn(spec.rank, spec.world_size, *args, **kwargs)
         payload = _Report(spec.rank, True, value, time.time())
         try:
