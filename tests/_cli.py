@@ -22,7 +22,8 @@ TESTS = Path(__file__).parent
 
 # A 2-block byte-level GPT (about 30k parameters) on 100 kB of stdlib source, with dropout
 # (so resumption must restore RNG streams) and tiny buckets (so there are many). No plots:
-# they cost every run a second or two; the end-to-end test turns them on and checks them.
+# they cost a run 0.35 s in process, 1.8 s in a fresh one (docs/testing.md); the end-to-end
+# test turns them on and checks them.
 # A failed collective's roll call waits 1 s, not 3: every rank that can report does so at once.
 TINY_GPT = """
 [task]
