@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from dptrain.data.sampler import DistributedSampler
+from dptrain.train.loader import set_epoch
 
 __all__ = ["split_shares", "DynamicBatcher", "DynamicLoader"]
 
@@ -116,6 +117,7 @@ class DynamicLoader:
             epoch, in_epoch = divmod(step, self.steps_per_epoch)
             if epoch != self._order.epoch or step == start_step:
                 self._order.set_epoch(epoch)
+                set_epoch(self.dataset, epoch)
                 order = self._order.permutation()
             begin = in_epoch * self.batcher.global_batch + self.batcher.offset
             micro = []

@@ -1,4 +1,4 @@
-"""The ``dptrain`` command line: ``run``, ``plan``, ``simulate``, ``cluster``, ``env``, ``bench``.
+"""The ``dptrain`` command line: ``run``, ``prepare-data``, ``plan``, ``simulate``, ``cluster``, ``env``, ``bench``.
 
 ``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
 checkpoint) before it starts a worker or creates the run directory: bad input is one
@@ -62,7 +62,9 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     torchrun's elastic agent. On a cluster, start the workers with torchrun instead:
     torchrun --nnodes N --nproc-per-node G ... -m dptrain.run --config job.toml
     """
+    from dptrain.data.prepare import prepare, prepare_command
     from dptrain.launch.local import launch_local
+    from dptrain.tasks.user import DataNotPrepared
     from dptrain.train.prepare import prepare_run
 
     if config_reference:
@@ -83,7 +85,12 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
         if show_config:
             click.echo(to_toml(cfg), nl=False)
             return
-        rp = prepare_run(cfg, nproc)
+        try:
+            rp = prepare_run(cfg, nproc)
+        except DataNotPrepared as e:  # text or hf data: tokenized once, here, before any worker starts
+            click.echo(f"{e.recipe.out} is not prepared yet: preparing it ({prepare_command(e.recipe)})", err=True)
+            prepare(e.recipe, progress=sys.stderr.isatty(), log=lambda line: click.echo(line, err=True))
+            rp = prepare_run(cfg, nproc)
     except _BAD_INPUT as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -118,6 +125,69 @@ def _expendable(cfg, nproc: int) -> set[int]:
     if cfg.ddp.strategy != "ps" or cfg.ps.mode == "sync":
         return set()
     return set(range(1, nproc - cfg.ps.servers))
+
+
+@main.command("prepare-data")
+@click.argument("inputs", nargs=-1)
+@click.option("--out", type=click.Path(path_type=Path), help="the token directory to write (train.bin, val.bin, "
+              "meta.json); default data/<name of the first input>")
+@click.option("--tokenizer", default="bytes", show_default=True,
+              help="bytes, or the path of a Hugging Face tokenizer.json (nothing is downloaded)")
+@click.option("--val", "val_inputs", multiple=True, help="a file (directory, glob) held out for validation "
+              "(repeatable); default: the tail of the tokens, --val-fraction")
+@click.option("--val-fraction", type=float, default=0.05, show_default=True)
+@click.option("--hf", "hf_files", is_flag=True, help="INPUTS are data files read by Hugging Face datasets "
+              "(.jsonl, .json, .parquet, .csv, .arrow); their --text-column is the text")
+@click.option("--text-column", default="text", show_default=True)
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="prepare what a run config's [data] section names instead (data.source text or hf)")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="with --config: override a field")
+def prepare_data(inputs: tuple[str, ...], out: Path | None, tokenizer: str, val_inputs: tuple[str, ...],
+                 val_fraction: float, hf_files: bool, text_column: str, config_path: Path | None,
+                 overrides: tuple[str, ...]) -> None:
+    """Tokenize text (files, directories, globs) or local data files into train.bin and val.bin, once.
+
+    \b
+    dptrain prepare-data books/ --out data/books                       # bytes: vocabulary 256
+    dptrain prepare-data corpus.txt --tokenizer tokenizer.json          # a Hugging Face tokenizer file
+    dptrain prepare-data train.jsonl --hf --text-column text --val val.jsonl
+    dptrain prepare-data --config job.toml                              # what the run's [data] names
+
+    Then train on them: dptrain run --set data.source=tokens --set data.dir=<out>
+    (docs/your-data.md). dptrain run on data.source text or hf prepares them itself.
+    """
+    from dptrain.data.prepare import Recipe, prepare, prepared
+
+    try:
+        if config_path is not None or overrides:
+            if inputs:
+                raise ConfigError("give INPUTS or --config, not both")
+            cfg = load_config(config_path, list(overrides))
+            if cfg.data.source not in ("text", "hf"):
+                raise ConfigError(f"data.source is {cfg.data.source!r}: prepare-data prepares sources text and hf")
+            recipe = Recipe.from_config(cfg.data)
+        else:
+            source = "hf" if hf_files else "text"
+            recipe = Recipe(source, tuple(inputs), out or Path(_default_out(inputs)), tokenizer, tuple(val_inputs),
+                            val_fraction, text_column)
+        done = prepared(recipe)  # a ConfigError if the directory holds something else
+        if done is not None:
+            click.echo(f"already prepared: {done.dir} ({done.tokens('train.bin'):,} train and "
+                       f"{done.tokens('val.bin'):,} validation tokens, vocabulary {done.vocab_size:,})")
+            return
+        prepare(recipe, progress=sys.stderr.isatty(), log=click.echo)
+    except _BAD_INPUT as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+def _default_out(inputs: tuple[str, ...]) -> str:
+    from dptrain.data.prepare import default_dir
+
+    out = default_dir(inputs)
+    if not out:
+        raise ConfigError("no INPUTS: give the text files (directories, globs) to prepare, or --config")
+    return out
 
 
 @main.command()

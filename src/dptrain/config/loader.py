@@ -18,7 +18,7 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from dptrain.config.schema import NOT_IDENTITY, RunConfig, section_fields
+from dptrain.config.schema import ADDED_LATER, NOT_IDENTITY, RunConfig, section_fields
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -197,6 +197,16 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
                 flat[dotted] = value
 
     walk(to_dict(cfg), "")
+    defaults = identity_defaults()
+    return {k: v for k, v in flat.items() if not (k.startswith(ADDED_LATER) and v == defaults.get(k))}
+
+
+def identity_defaults() -> dict[str, Any]:
+    """The default config's identity fields, flattened (what :data:`schema.ADDED_LATER` compares with)."""
+    flat: dict[str, Any] = {}
+    for section, values in to_dict(RunConfig()).items():
+        if isinstance(values, dict):
+            flat.update({f"{section}.{k}": v for k, v in values.items()})
     return flat
 
 

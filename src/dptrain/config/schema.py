@@ -28,8 +28,47 @@ class TaskConfig:
                     "source (chargpt) or a small classifier on synthetic data (classifier)",
                     choices=("chargpt", "classifier"))
     model: str = opt("", "your own model instead of the task's: 'package.module:factory'; the factory "
-                     "gets model_args as keyword arguments and must accept the task's batches")
+                     "gets model_args as keyword arguments and must accept the task's batches (docs/your-data.md: "
+                     "what a model may return)")
     model_args: dict = opt({}, "keyword arguments for the model factory")
+
+
+@dataclass
+class DataConfig:
+    source: str = opt("task", "where the training data comes from: the task's own (task), token files train.bin and "
+                      "val.bin (tokens), UTF-8 text files tokenized into token files (text), local files read by "
+                      "Hugging Face datasets and tokenized into token files (hf), or your own Python (factory); "
+                      "docs/your-data.md", choices=("task", "tokens", "text", "hf", "factory"))
+    dir: str = opt("", "tokens: the directory holding train.bin and val.bin; text and hf: where they are prepared "
+                   "(default data/<name of the first input>)")
+    dtype: str = opt("auto", "token files' integer type: uint16, uint32, or auto (the directory's meta.json, else "
+                     "uint16 as nanoGPT writes them)", choices=("auto", "uint16", "uint32"))
+    sampling: str = opt("sequential", "token data: sequential (non-overlapping windows of block_size + 1 tokens, "
+                        "shuffled each epoch: every token once an epoch, as the built-in task) or random (a window "
+                        "at a random offset for every sample, as nanoGPT)", choices=("sequential", "random"))
+    block_size: int = opt(0, "token data: tokens a sample feeds the model; 0: gpt.block_size for the built-in GPT, "
+                          "the config's context length (at most 1024) for a Hugging Face model")
+    text: list = opt([], "text: files, directories (their files, recursively) or globs of UTF-8 text")
+    files: list = opt([], "hf: local data files for Hugging Face datasets (.jsonl or .json, .parquet, .csv, .arrow)")
+    text_column: str = opt("text", "hf: the column that holds the text")
+    val_files: list = opt([], "text and hf: files held out for validation; empty: the last val_fraction of the "
+                          "tokens")
+    val_fraction: float = opt(0.05, "text and hf without val_files: the tail of the token stream held out for "
+                              "validation")
+    tokenizer: str = opt("bytes", "text and hf: bytes (one token per byte, vocabulary 256) or the path of a Hugging "
+                         "Face tokenizer.json (nothing is downloaded)")
+    factory: str = opt("", "factory: 'package.module:make_datasets', returning the train and validation torch "
+                       "Datasets (and optionally a collate function third)")
+    factory_args: dict = opt({}, "factory: keyword arguments for the data factory")
+
+
+@dataclass
+class HFConfig:
+    path: str = opt("", "a Hugging Face transformers model directory on this machine (config.json, and weights to "
+                    "fine-tune): its causal language model is trained instead of the built-in GPT; the hub is "
+                    "never contacted")
+    from_scratch: bool = opt(False, "train the directory's architecture from a fresh initialisation, even if the "
+                             "directory holds weights")
 
 
 @dataclass
@@ -37,7 +76,9 @@ class GPTConfig:
     n_layer: int = opt(4, "transformer blocks")
     n_head: int = opt(4, "attention heads per block")
     n_embd: int = opt(192, "embedding width")
-    block_size: int = opt(64, "context length in bytes; also the length of a training sample")
+    block_size: int = opt(64, "context length in tokens; also the length of a training sample")
+    vocab_size: int = opt(0, "vocabulary size; 0: the data's (256 for the built-in task and for bytes, the token "
+                          "directory's meta.json otherwise)")
     dropout: float = opt(0.0, "dropout probability")
     corpus_bytes: int = opt(2_000_000, "bytes of standard-library source to train on")
     val_fraction: float = opt(0.05, "tail of the corpus held out for validation")
@@ -192,6 +233,8 @@ class LogConfig:
 class RunConfig:
     run_dir: str = opt("", "where the run writes everything; default runs/<task>")
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    hf: HFConfig = field(default_factory=HFConfig)
     gpt: GPTConfig = field(default_factory=GPTConfig)
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -210,6 +253,12 @@ class RunConfig:
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
                 "ps", "gossip", "straggler", "balance", "divergence", "checkpoint", "log"}
+
+
+# Fields added after checkpoints were written: left out of the identity while they hold their
+# default, so a checkpoint written before they existed still resumes (and one that sets them
+# differently does not).
+ADDED_LATER = ("data.", "hf.", "gpt.vocab_size")
 
 
 def section_fields(cls: type) -> dict[str, Any]:

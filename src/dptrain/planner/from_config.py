@@ -17,14 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.data import default_collate
 
 from dptrain.batching import BatchPlan
 from dptrain.config import ConfigError, RunConfig
 from dptrain.planner.activations import ActivationTraceError, trace_activations
 from dptrain.planner.layout import Setup
 from dptrain.planner.plan import Row, plan_row
-from dptrain.tasks import build_task
+from dptrain.tasks import architecture, build_task, collate
 from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
 
@@ -51,7 +50,7 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     try:
         with mode:
-            model = task.build_model()
+            model = architecture(task)
     except Exception as e:  # the user's factory may fail in any way
         raise ConfigError(f"the model factory failed while building the model to plan: {type(e).__name__}: {e}") \
             from None
@@ -108,7 +107,7 @@ def _trace(task, micro_batch: int, compute: str, checkpoint: tuple[type, ...], m
     try:
         with mode:
             model = _build(task, torch.bfloat16 if compute == "bf16" else torch.float32)
-            batch = default_collate([task.train_set[i % len(task.train_set)] for i in range(micro_batch)])
+            batch = collate(task)([task.train_set[i % len(task.train_set)] for i in range(micro_batch)])
             batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, compute == "bf16"), batch)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "autocast"):
                 return trace_activations(model, batch, task.loss, checkpoint)
@@ -122,7 +121,7 @@ def _build(task, dtype: torch.dtype) -> nn.Module:
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return task.build_model()
+        return architecture(task)
     finally:
         torch.set_default_dtype(default)
 
@@ -163,14 +162,14 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
         torch.manual_seed(t.seed)
         model = task.build_model()
         opt = optimizer_for(cfg, [p for p in model.parameters() if p.requires_grad])
-        prof = measure_profile(model, default_collate(samples), task.loss, opt)
+        prof = measure_profile(model, collate(task)(samples), task.loss, opt)
     elif profile == "flops":
         if device_flops is None:
             raise ConfigError("profile 'flops' needs the device's throughput: --device-flops (FLOP/s)")
         mode = FakeTensorMode(allow_non_fake_inputs=True)
         with mode:
-            model = task.build_model()
-            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, False), default_collate(samples))
+            model = architecture(task)
+            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, False), collate(task)(samples))
             prof = flops_profile(model, batch, task.loss, device_flops)
     else:
         raise ConfigError(f"unknown profile {profile!r}; choose measured or flops")

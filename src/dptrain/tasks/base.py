@@ -12,11 +12,11 @@ from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from dptrain.config import ConfigError
 
-__all__ = ["Task", "load_factory"]
+__all__ = ["Task", "load_factory", "collate", "architecture"]
 
 
 class Task(Protocol):
@@ -24,6 +24,7 @@ class Task(Protocol):
     tokens_per_sample: int  # for tokens/s: sequence length, or 1 for a classifier
     train_set: Dataset
     val_set: Dataset
+    collate_fn: Callable | None  # how samples become a micro-batch; None: torch's default_collate
 
     def build_model(self) -> nn.Module: ...
 
@@ -34,18 +35,29 @@ class Task(Protocol):
         """Sums over the batch (loss_sum, count, ...) that all-reduce into epoch metrics."""
 
 
-def load_factory(spec: str) -> Callable[..., nn.Module]:
-    """``"package.module:factory"`` -> the callable, or a ConfigError saying what failed."""
+def load_factory(spec: str, key: str = "task.model") -> Callable[..., Any]:
+    """``"package.module:factory"`` -> the callable, or a ConfigError (naming the config ``key``) saying what failed."""
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"task.model {spec!r} must look like 'package.module:factory'")
+        raise ConfigError(f"{key} {spec!r} must look like 'package.module:factory'")
     try:
         module = importlib.import_module(module_name)
     except Exception as e:  # an import can fail in any way; report it as bad input
-        raise ConfigError(f"task.model {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}. "
+        raise ConfigError(f"{key} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}. "
                           "Is the package installed, or the module on PYTHONPATH (the working "
                           "directory is not searched by default)?") from None
     factory = getattr(module, attr, None)
     if not callable(factory):
-        raise ConfigError(f"task.model {spec!r}: {module_name!r} has no callable {attr!r}")
+        raise ConfigError(f"{key} {spec!r}: {module_name!r} has no callable {attr!r}")
     return factory
+
+
+def collate(task: Task) -> Callable:
+    """The task's collate function (torch's default_collate when it has none)."""
+    return getattr(task, "collate_fn", None) or default_collate
+
+
+def architecture(task: Task) -> nn.Module:
+    """The task's model without pretrained weights (for checks on the meta device and for planning)."""
+    build = getattr(task, "build_architecture", None)
+    return build() if build is not None else task.build_model()

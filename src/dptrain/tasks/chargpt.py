@@ -37,6 +37,7 @@ class ByteBlocks(Dataset):
 
 class CharGPTTask:
     name = "chargpt"
+    collate_fn = None
 
     def __init__(self, corpus_bytes: int, val_fraction: float, block_size: int, model_kwargs: dict,
                  factory: Callable[..., nn.Module] | None = None):

@@ -32,6 +32,7 @@ def gaussian_clusters(samples: int, features: int, classes: int, noise: float, s
 class ClassifierTask:
     name = "classifier"
     tokens_per_sample = 1
+    collate_fn = None
 
     def __init__(self, features: int, classes: int, hidden: int, depth: int, samples: int, noise: float,
                  seed: int, model_kwargs: dict | None = None, factory: Callable[..., nn.Module] | None = None):

@@ -7,6 +7,8 @@ the shard is skipped, so a step never straddles two epochs. Position is then a p
 function of the step count: step s reads epoch ``s // steps_per_epoch``, starting at
 global sample ``(s % steps_per_epoch) x global_batch_size`` of that epoch's permutation.
 That is all a checkpoint needs to store, and it means the same thing on any world size.
+A dataset with a ``set_epoch(epoch)`` method is told each epoch before it is read, as a
+sampler is (token files sampled at random offsets draw them per epoch).
 """
 
 from __future__ import annotations
@@ -19,7 +21,14 @@ from torch.utils.data import DataLoader, Dataset
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.data.sampler import DistributedSampler
 
-__all__ = ["ShardedLoader", "steps_per_epoch"]
+__all__ = ["ShardedLoader", "steps_per_epoch", "set_epoch"]
+
+
+def set_epoch(dataset: Dataset, epoch: int) -> None:
+    """Tell a dataset that draws per epoch (random token windows) which epoch is read, if it has ``set_epoch``."""
+    hook = getattr(dataset, "set_epoch", None)
+    if callable(hook):
+        hook(epoch)
 
 
 def steps_per_epoch(num_samples: int, plan: BatchPlan) -> int:
@@ -53,6 +62,7 @@ class ShardedLoader:
         epoch, start = self.position(start_step)
         while True:
             self.sampler.set_epoch(epoch, start=start)
+            set_epoch(self.dataset, epoch)
             # A generator of its own: a DataLoader iterator otherwise draws its base seed from
             # the global RNG, which would make the model's random stream (dropout) depend on
             # when iteration started, and a resumed run diverge from an uninterrupted one.

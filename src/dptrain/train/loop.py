@@ -42,7 +42,7 @@ from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
 from dptrain.divergence import DivergenceMonitor, replica_tensors
 from dptrain.launch.rendezvous import WorkerEnv
-from dptrain.tasks import Task
+from dptrain.tasks import Task, collate
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import (
     SHARDED,
@@ -148,9 +148,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         batcher = DynamicBatcher(plan.global_batch_size, env.world_size, rank, plan.grad_accum_steps,
                                  cfg.balance.every, cfg.balance.smoothing)
         batches = DynamicLoader(task.train_set, batcher, steps_per_epoch(len(task.train_set), plan),
-                                seed=t.seed).steps(start_step)
+                                seed=t.seed, collate_fn=collate(task)).steps(start_step)
     else:
-        batches = engine.loader(task.train_set, seed=t.seed).micro_batches(start_step)
+        batches = engine.loader(task.train_set, seed=t.seed, collate_fn=collate(task)).micro_batches(start_step)
     recorder = StepRecorder(device, plan.global_batch_size, task.tokens_per_sample)
     # the step whose live tensors are counted on CPU: this session's second, when the optimizer state exists
     peak_step = start_step + min(2, max(1, t.steps - start_step))

@@ -11,6 +11,7 @@ from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import DistributedSampler
+from dptrain.tasks.base import collate
 from dptrain.train.atomic import replacing
 
 __all__ = ["val_sums", "val_metrics", "save_weights"]
@@ -27,7 +28,7 @@ def val_sums(model: torch.nn.Module, task, micro_batch: int, num_batches: int, r
     was_training = model.training
     model.eval()
     sampler = DistributedSampler(task.val_set, num_replicas=replicas, rank=rank, shuffle=False, drop_last=True)
-    loader = DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler,
+    loader = DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler, collate_fn=collate(task),
                         generator=torch.Generator())  # leaves the global RNG (dropout) untouched
     sums: dict[str, float] = {}
     for _, batch in zip(range(num_batches), loader):

@@ -24,7 +24,7 @@ from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
-from dptrain.tasks import Task, build_task
+from dptrain.tasks import Task, architecture, build_task, run_name
 from dptrain.train.checkpoint import find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
 
@@ -46,7 +46,7 @@ class RunPlan:
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
-    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / cfg.task.name
+    return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / run_name(cfg)
 
 
 def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
@@ -74,8 +74,12 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     except ValueError as e:
         if isinstance(e, ConfigError):
             raise
-        raise ConfigError(f"task {cfg.task.name!r}: {e}") from None
-    steps_per_epoch(len(task.train_set), plan)
+        raise ConfigError(f"task {run_name(cfg)!r}: {e}") from None
+    try:
+        steps_per_epoch(len(task.train_set), plan)
+    except BatchSizeError as e:
+        about = getattr(task, "about", "")
+        raise BatchSizeError(f"{e}" + (f" (samples: {about})" if about else "")) from None
     n_params = _check_model_builds(task, cfg)
     run_dir = default_run_dir(cfg).resolve()
     _check_run_dir(run_dir, n_params, cfg)
@@ -237,10 +241,13 @@ def _check_model_builds(task: Task, cfg: RunConfig) -> int:
     """Build the model on the meta device (no memory, no init cost) to catch bad model arguments."""
     try:
         with torch.device("meta"):
-            model = task.build_model()
+            model = architecture(task)
     except (TypeError, ValueError) as e:
+        if isinstance(e, ConfigError):
+            raise
         section = "gpt" if cfg.task.name == "chargpt" else "classifier"
-        where = (f"task.model {cfg.task.model!r} with task.model_args {cfg.task.model_args}" if cfg.task.model
+        where = (f"hf.path {cfg.hf.path!r}" if cfg.hf.path and cfg.data.source != "task" else
+                 f"task.model {cfg.task.model!r} with task.model_args {cfg.task.model_args}" if cfg.task.model
                  else f"the [{section}] settings")
         raise ConfigError(f"{where} cannot build the model: {e}") from None
     if not any(p.requires_grad for p in model.parameters()):

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from dptrain.config import to_toml
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.ps import Consistency, PSWorker, ShardServer, build_parameter_server
+from dptrain.tasks import collate
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import remove_partial
 from dptrain.train.faults import inject_fault, parse_fault
@@ -82,7 +83,7 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         return None
     seed_everything(t.seed + 1 + rank)  # workers draw different dropout masks
     loop = _WorkerLoop(
-        role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed).micro_batches(), plan.grad_accum_steps,
+        role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed, collate_fn=collate(task)).micro_batches(), plan.grad_accum_steps,
         log, device, rank, every=cfg.log.every,
         straggler=Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None,
         tracer=TraceRecorder(0, time.perf_counter(), cfg.log.trace_start, cfg.log.trace_steps)

@@ -1,0 +1,312 @@
+"""Text and Hugging Face datasets into token files, once: what ``dptrain prepare-data`` does.
+
+The result is a token directory (``data/tokens.py``): ``train.bin``, ``val.bin`` and a
+``meta.json`` that records the dtype, the vocabulary size, the tokenizer and the recipe
+the files were made from (the inputs with their sizes and modification times, the
+validation split, the text column). A run that asks for the same recipe finds the
+directory prepared and uses it; one that asks for another is refused rather than
+trained on stale tokens.
+
+Sources:
+
+- ``text``: files, directories (their files, recursively, in sorted order) or globs; each
+  file is one document;
+- ``hf``: local data files read by Hugging Face ``datasets`` (json/jsonl, parquet, csv,
+  arrow; the ``hf`` extra); each row's ``text_column`` is one document.
+
+Validation is the token stream's tail (``val_fraction``, split as the built-in task
+splits its corpus), or separate files (``val_files``). Files are written into a staging
+directory beside the destination and renamed into place when complete: an interrupted
+preparation leaves nothing that looks prepared.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from dptrain.config import ConfigError
+from dptrain.data.tokenize import Tokenizer, describe_tokenizer, load_tokenizer
+from dptrain.data.tokens import DTYPES, META, SPLITS, TokenFiles, open_token_dir, read_meta
+from dptrain.extras import require
+
+__all__ = ["Recipe", "PrepareReport", "prepare", "prepared", "prepare_command", "expand_inputs"]
+
+HF_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a token directory is made from (``[data]``'s text and hf fields)."""
+
+    source: str  # "text" or "hf"
+    inputs: tuple[str, ...]
+    out: Path
+    tokenizer: str = "bytes"
+    val_inputs: tuple[str, ...] = ()
+    val_fraction: float = 0.05
+    text_column: str = "text"
+
+    @classmethod
+    def from_config(cls, data) -> "Recipe":
+        inputs = tuple(data.text if data.source == "text" else data.files)
+        out = data.dir or default_dir(inputs)
+        return cls(data.source, inputs, Path(out), data.tokenizer, tuple(data.val_files), data.val_fraction,
+                   data.text_column)
+
+    def fingerprint(self) -> dict:
+        """What must match for an existing directory to count as this recipe's (stored in meta.json)."""
+        def files(patterns, key):
+            return [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
+                    for p in expand_inputs(self.source, patterns, key)]
+        return {"source": self.source, "inputs": files(self.inputs, _key(self.source)),
+                "val_inputs": files(self.val_inputs, "data.val_files"),
+                "val_fraction": None if self.val_inputs else self.val_fraction,
+                "text_column": self.text_column if self.source == "hf" else None,
+                "tokenizer": describe_tokenizer(self.tokenizer)}
+
+
+@dataclass(frozen=True)
+class PrepareReport:
+    files: TokenFiles
+    train_tokens: int
+    val_tokens: int
+    vocab_size: int
+    bytes_written: int
+    seconds: float
+
+    def summary(self) -> str:
+        return (f"{self.train_tokens:,} train and {self.val_tokens:,} validation tokens, vocabulary "
+                f"{self.vocab_size:,} ({self.files.dtype}), {self.bytes_written:,} bytes written to {self.files.dir} "
+                f"in {self.seconds:.1f} s")
+
+
+def _key(source: str) -> str:
+    return "data.text" if source == "text" else "data.files"
+
+
+def default_dir(inputs: tuple[str, ...]) -> str:
+    """``data/<name of the first input>``, as nanoGPT keeps ``data/<dataset>``."""
+    if not inputs:
+        return ""
+    first = Path(str(inputs[0]).split("*")[0].rstrip("/") or ".")
+    return str(Path("data") / (first.stem or first.resolve().name or "text"))
+
+
+def expand_inputs(source: str, patterns: tuple[str, ...] | list[str], key: str) -> list[Path]:
+    """The files ``patterns`` name: files as given, directories' files recursively (sorted), globs' matches (sorted).
+
+    A ConfigError for a pattern that names nothing, and for an empty file.
+    """
+    out: list[Path] = []
+    for pattern in patterns:
+        path = Path(pattern)
+        if any(c in str(pattern) for c in "*?["):
+            matches = sorted(Path(m) for m in glob.glob(str(pattern), recursive=True) if Path(m).is_file())
+            if not matches:
+                raise ConfigError(f"{key}: {pattern!r} matches no file")
+            out += matches
+        elif path.is_dir():
+            matches = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            if not matches:
+                raise ConfigError(f"{key}: the directory {path} holds no file")
+            out += matches
+        elif path.is_file():
+            out.append(path)
+        else:
+            raise ConfigError(f"{key}: {path} does not exist")
+    for path in out:
+        if path.stat().st_size == 0:
+            raise ConfigError(f"{key}: {path} is empty")
+        if source == "hf" and path.suffix not in HF_FORMATS:
+            raise ConfigError(f"{key}: {path} is not a format Hugging Face datasets reads here; use "
+                              f"{', '.join(HF_FORMATS)} files")
+    return out
+
+
+def prepared(recipe: Recipe) -> TokenFiles | None:
+    """The recipe's token directory if it is prepared; None if it does not exist yet.
+
+    A ConfigError if the directory exists but holds something else (other inputs, another tokenizer,
+    files that changed since): training on it would use stale tokens.
+    """
+    if not recipe.out.exists():
+        return None
+    meta = read_meta(recipe.out)
+    made_from = meta.get("recipe")
+    if made_from is None:
+        raise ConfigError(f"data.dir {recipe.out} exists but was not prepared by dptrain (no recipe in its "
+                          f"{META}); for token files you made yourself use data.source = \"tokens\", or choose "
+                          "another data.dir")
+    now = recipe.fingerprint()
+    if made_from != now:
+        changed = [k for k in now if made_from.get(k) != now.get(k)]
+        raise ConfigError(f"data.dir {recipe.out} was prepared from another recipe (differs in: "
+                          f"{', '.join(changed)}): the inputs, the tokenizer or the split changed since. Delete "
+                          f"{recipe.out} to prepare it again, or choose another data.dir")
+    return open_token_dir(recipe.out, meta.get("dtype", "auto"))
+
+
+def prepare_command(recipe: Recipe) -> str:
+    """The ``dptrain prepare-data`` command line that prepares ``recipe``."""
+    args = ["dptrain", "prepare-data", *recipe.inputs, "--out", str(recipe.out), "--tokenizer", recipe.tokenizer]
+    if recipe.source == "hf":
+        args += ["--hf", "--text-column", recipe.text_column]
+    for val in recipe.val_inputs:
+        args += ["--val", val]
+    if not recipe.val_inputs:
+        args += ["--val-fraction", f"{recipe.val_fraction:g}"]
+    return shlex.join(args)
+
+
+def prepare(recipe: Recipe, progress: bool = True, log: Callable[[str], None] = print) -> PrepareReport:
+    """Tokenize the recipe's inputs into ``recipe.out``; returns what was written.
+
+    Checks come first (the inputs exist and are not empty, the tokenizer loads, the
+    split leaves tokens on both sides), then the staging directory is filled and renamed.
+    """
+    t0 = time.perf_counter()
+    if recipe.out.exists():
+        raise ConfigError(f"{recipe.out} already exists; delete it or choose another --out")
+    if not recipe.inputs:
+        raise ConfigError(f"{_key(recipe.source)} is empty: give the text files (or data files) to prepare")
+    if not recipe.val_inputs and not 0.0 < recipe.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction must be in (0, 1), got {recipe.val_fraction}")
+    fingerprint = recipe.fingerprint()  # also checks that every input exists and is not empty
+    tokenizer = load_tokenizer(recipe.tokenizer)
+    dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
+    train_files = expand_inputs(recipe.source, recipe.inputs, _key(recipe.source))
+    val_files = expand_inputs(recipe.source, recipe.val_inputs, "data.val_files")
+    recipe.out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{recipe.out.name}.", dir=recipe.out.parent))
+    try:
+        with _Progress(train_files + val_files, recipe.source, progress) as bar:
+            train = _write(staging / SPLITS[0], _documents(recipe, train_files, tokenizer, bar), dtype)
+            if val_files:
+                val = _write(staging / SPLITS[1], _documents(recipe, val_files, tokenizer, bar), dtype)
+            else:
+                train, val = _split_tail(staging, train, recipe.val_fraction, dtype)
+        if train == 0 or val == 0:
+            raise ConfigError(f"the inputs give {train:,} train and {val:,} validation tokens; both need some "
+                              "(more text, or another val_fraction or val_files)")
+        meta = {"dtype": dtype, "vocab_size": tokenizer.vocab_size, "separator": tokenizer.separator,
+                "train_tokens": train, "val_tokens": val, "recipe": fingerprint, "prepared_by": "dptrain prepare-data"}
+        (staging / META).write_text(json.dumps(meta, indent=2))
+        for f in staging.iterdir():
+            f.chmod(0o644)
+        staging.chmod(0o755)
+        os.rename(staging, recipe.out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    written = sum(f.stat().st_size for f in recipe.out.iterdir())
+    report = PrepareReport(open_token_dir(recipe.out), train, val, tokenizer.vocab_size, written,
+                           time.perf_counter() - t0)
+    log(f"prepared: {report.summary()}")
+    return report
+
+
+def _documents(recipe: Recipe, files: list[Path], tokenizer: Tokenizer, bar: "_Progress") -> Iterator[np.ndarray]:
+    """Each document's token ids, the separator after it when the tokenizer has one."""
+    sep = None if tokenizer.separator is None else np.asarray([tokenizer.separator], dtype=np.int64)
+    if recipe.source == "text":
+        for path in files:
+            data = path.read_bytes()
+            yield tokenizer.encode_bytes(data, str(path))
+            if sep is not None:
+                yield sep
+            bar.update(len(data))
+        return
+    for texts in _hf_texts(files, recipe.text_column, bar):
+        for ids in tokenizer.encode_texts(texts):
+            yield ids
+            if sep is not None:
+                yield sep
+
+
+def _hf_texts(files: list[Path], column: str, bar: "_Progress", batch: int = 1000) -> Iterator[list[str]]:
+    """Batches of the ``column`` values of local data files, read by Hugging Face datasets (nothing downloaded)."""
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    datasets = require("datasets", "data.source = \"hf\"")
+    datasets.disable_progress_bars()
+    formats = {HF_FORMATS[p.suffix] for p in files}
+    if len(formats) > 1:
+        raise ConfigError(f"data.files mixes formats ({', '.join(sorted(formats))}); one load reads one format")
+    with tempfile.TemporaryDirectory(prefix="dptrain-datasets-") as cache:  # no cache left in the user's home
+        try:
+            ds = datasets.load_dataset(formats.pop(), data_files=[str(p) for p in files], split="train",
+                                       cache_dir=cache)
+        except Exception as e:  # the library raises many kinds of errors for a file it cannot parse
+            raise ConfigError(f"Hugging Face datasets cannot read {', '.join(map(str, files))}: "
+                              f"{type(e).__name__}: {e}") from None
+        if column not in ds.column_names:
+            raise ConfigError(f"data.text_column {column!r} is not a column of {', '.join(map(str, files))}; its "
+                              f"columns are {ds.column_names}")
+        for start, rows in enumerate(ds.iter(batch_size=batch)):
+            texts = rows[column]
+            bad = next((i for i, t in enumerate(texts) if not isinstance(t, str)), None)
+            if bad is not None:
+                raise ConfigError(f"row {start * batch + bad:,} of column {column!r} holds "
+                                  f"{type(texts[bad]).__name__} {texts[bad]!r}, not text")
+            yield texts
+            bar.update(len(texts))
+
+
+def _write(path: Path, arrays: Iterator[np.ndarray], dtype: str) -> int:
+    """Stream ``arrays`` into ``path`` as ``dtype``; returns the token count."""
+    limit, count = np.iinfo(DTYPES[dtype]).max, 0
+    with open(path, "wb") as f:
+        for ids in arrays:
+            if len(ids) and int(ids.max()) > limit:  # a tokenizer whose ids exceed its own vocabulary size
+                raise ConfigError(f"token id {int(ids.max())} does not fit {dtype}")
+            f.write(np.ascontiguousarray(ids, dtype=DTYPES[dtype]).tobytes())
+            count += len(ids)
+    return count
+
+
+def _split_tail(staging: Path, total: int, fraction: float, dtype: str) -> tuple[int, int]:
+    """Move the last ``fraction`` of train.bin's tokens to val.bin, as the built-in task splits its corpus."""
+    split = int(total * (1 - fraction))
+    itemsize = np.dtype(DTYPES[dtype]).itemsize
+    train = staging / SPLITS[0]
+    with open(train, "rb") as src, open(staging / SPLITS[1], "wb") as dst:
+        src.seek(split * itemsize)
+        shutil.copyfileobj(src, dst)
+    os.truncate(train, split * itemsize)
+    return split, total - split
+
+
+class _Progress:
+    """A tqdm bar over the inputs (bytes of text files, rows of data files) on stderr, or nothing."""
+
+    def __init__(self, files: list[Path], source: str, enabled: bool):
+        self.bar = None
+        if enabled:
+            from tqdm import tqdm
+
+            total = sum(p.stat().st_size for p in files) if source == "text" else None
+            self.bar = tqdm(total=total, unit="B" if source == "text" else " rows", unit_scale=True,
+                            desc="tokenizing", file=sys.stderr, dynamic_ncols=True)
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def __enter__(self) -> "_Progress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,90 @@
+"""Hugging Face ``transformers`` causal language models from a directory on this machine.
+
+A directory with a ``config.json`` is an architecture; with weights beside it
+(``model.safetensors``, sharded safetensors with their index, or ``pytorch_model.bin``,
+as ``save_pretrained`` writes them) it is a model to fine-tune. The class comes from the
+config (``AutoModelForCausalLM``). The hub is never contacted: ``local_files_only``,
+and ``HF_HUB_OFFLINE`` set for the process, so a missing file is an error here rather
+than a download attempt (compute nodes often have no network, and this machine none).
+
+Parameters are kept in fp32 whatever dtype the weights were saved in: mixed precision
+is autocast's job (``train.precision``), with fp32 master weights. ``use_cache`` is
+turned off: training does not reuse attention keys and values, and keeping them costs
+memory. A transformer's decoder layers are the first ``ModuleList`` of the model, which
+is what ZeRO-3 makes its units of by default (``[zero] unit_classes``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dptrain.config import ConfigError
+from dptrain.extras import require
+
+__all__ = ["load_config", "causal_lm", "has_weights", "context_length"]
+
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+def _transformers():
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    transformers = require("transformers", "hf.path (a Hugging Face model)")
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def has_weights(path: str | Path) -> bool:
+    return any((Path(path) / name).is_file() for name in WEIGHTS)
+
+
+def load_config(path: str | Path):
+    """The model directory's config, or a ConfigError saying what is wrong with the directory."""
+    root = Path(path)
+    if not root.is_dir():
+        raise ConfigError(f"hf.path {root} is not a directory: it must be a Hugging Face model directory (what "
+                          "save_pretrained writes) on this machine; nothing is downloaded")
+    if not (root / "config.json").is_file():
+        raise ConfigError(f"hf.path {root} has no config.json: a Hugging Face model directory needs one (what "
+                          "save_pretrained or config.save_pretrained writes)")
+    transformers = _transformers()
+    try:
+        return transformers.AutoConfig.from_pretrained(str(root), local_files_only=True)
+    except Exception as e:  # transformers raises ValueError, OSError, KeyError... for configs it cannot read
+        raise ConfigError(f"hf.path {root}: config.json does not load ({type(e).__name__}: {e})") from None
+
+
+def context_length(config) -> int:
+    """The longest sequence the config's position embeddings take (0 if the config does not say)."""
+    for name in ("n_positions", "max_position_embeddings", "n_ctx", "max_sequence_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return 0
+
+
+def causal_lm(path: str | Path, from_scratch: bool = False, weights: bool = True) -> nn.Module:
+    """The directory's causal LM: its weights when it has them (unless ``from_scratch``), else freshly initialised.
+
+    ``weights=False`` builds the architecture only (planning, and checks on the meta device).
+    """
+    config = load_config(path)
+    transformers = _transformers()
+    config.use_cache = False
+    try:
+        if weights and not from_scratch and has_weights(path):
+            model = transformers.AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True)
+        else:
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
+        raise ConfigError(f"hf.path {path}: {type(config).__name__} is not a causal language model transformers "
+                          f"knows ({e}); dptrain trains AutoModelForCausalLM models") from None
+    except OSError as e:  # a weights file that does not load
+        raise ConfigError(f"hf.path {path}: the weights do not load ({e})") from None
+    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+        model = model.float()  # fp32 master weights; autocast computes in bf16/fp16
+    return model
