@@ -121,3 +121,22 @@ def test_zero_variants_match_ddp(case: str) -> None:
     model, stage, kw, accum = CASES[case]
     worst = run_on_ranks(_parity, 3, model, stage, kw, accum, timeout=120)
     assert max(worst) <= TOLERANCE, worst
+
+
+def _decayed_numel(rank: int, world_size: int, stage: int) -> tuple[int, int]:
+    from dptrain.train.optim import build_optimizer, decays
+
+    torch.manual_seed(0)
+    model = build("gpt")
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2)
+    zero = ZeRO(model, stage=stage, split_by=decays, **({"unit_classes": (Block,)} if stage == 3 else {}))
+    opt = build_optimizer(zero, "adamw", 1e-2, 0.1, (0.9, 0.99), 0.9)
+    return sum(p.numel() for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]), matrices
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_trainers_optimizer_decays_zeros_matrix_shards_and_not_the_others(stage: int) -> None:
+    """The trainer's AdamW decays matrices only; under ZeRO it reads each shard's unit key (split_by=decays). The key
+    was once read after flattening, when every parameter is 1-D, and no ZeRO run decayed anything."""
+    decayed, matrices = run_on_ranks(_decayed_numel, 1, stage, timeout=60)[0]
+    assert decayed == matrices > 0

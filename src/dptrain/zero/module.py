@@ -147,13 +147,14 @@ class ZeRO(nn.Module):
         mp = mixed_precision or MixedPrecision(param_dtype=None)
         self.units: list[FlatUnit] = []
         for index, (owner, members) in enumerate(groups):
+            key = self._key(members[0])  # before flattening: the key may read the parameter's shape
             full = self._flatten(members, init_fn)
             unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
                             nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
                             traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
                             compression=compression)
             unit.owner = owner
-            unit.key = self._key(members[0])
+            unit.key = key
             unit.check = check
             self.units.append(unit)
         self._reductions = ReductionQueue(1)
