@@ -106,7 +106,8 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             sys.exit(2)
         sys.exit(launch_elastic(nproc, worker_args, rp.run_dir, max_restarts))
     sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
-                          start_method=start_method, roll_call_s=cfg.ddp.roll_call_s))
+                          start_method=start_method, roll_call_s=cfg.ddp.roll_call_s,
+                          preload=("transformers.modeling_utils",) if cfg.hf.path else ()))
 
 
 def _check_fault(spec: str, nproc: int) -> None:

@@ -87,7 +87,8 @@ class PrepareReport:
     seconds: float
 
     def summary(self) -> str:
-        return (f"{self.train_tokens:,} train and {self.val_tokens:,} validation tokens, vocabulary "
+        return (f"{self.train_tokens + self.val_tokens:,} tokens ({self.train_tokens:,} train, {self.val_tokens:,} "
+                f"validation), vocabulary "
                 f"{self.vocab_size:,} ({self.files.dtype}), {self.bytes_written:,} bytes written to {self.files.dir} "
                 f"in {self.seconds:.1f} s")
 

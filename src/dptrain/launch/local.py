@@ -53,7 +53,8 @@ def error_file(run_dir: Path, rank: int) -> Path:
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
-                 expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0) -> int:
+                 expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0,
+                 preload: tuple[str, ...] = ()) -> int:
     """Start ``nproc`` workers, wait for them, return the job's exit code.
 
     The failure of an ``expendable`` rank (a worker of an async parameter-server job)
@@ -62,6 +63,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     fails, the others get their roll call (``roll_call_s``, see ``train.roll_call``) and
     ``FAIL_GRACE_S`` more to fail too before they are stopped. Workers never outlive the
     launcher: whatever ends it (an exception, an interrupt, SIGTERM), they are stopped.
+    ``preload``: modules forked workers find imported (``start_worker``).
     """
     port = free_port()
     logs = run_dir / "logs"
@@ -75,7 +77,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
                    DPTRAIN_LAUNCHER="local")
         console = None if rank == 0 else logs / f"rank{rank}.console"
         try:
-            procs.append(start_worker(start_method, worker_args, env, console))
+            procs.append(start_worker(start_method, worker_args, env, console, preload))
         except BaseException:
             _stop(procs, grace=GRACE_S)
             raise

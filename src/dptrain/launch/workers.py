@@ -47,8 +47,12 @@ START_METHODS = ("forkserver", "exec")
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.train.loop"]
 
 
-def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | None):
+def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | None,
+                 preload: tuple[str, ...] = ()):
     """Start one worker (``python -m dptrain.run ARGV``); ``console``: where its output goes (None: ours).
+
+    ``preload``: modules the fork server imports beyond ``PRELOAD`` (a Hugging Face model's:
+    seconds each worker would otherwise spend importing them).
 
     Returns an object with ``subprocess.Popen``'s ``pid``, ``poll``, ``wait``, ``send_signal``,
     ``kill`` and ``returncode``.
@@ -64,7 +68,7 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     if method != "forkserver":
         raise ValueError(f"start method must be one of {', '.join(START_METHODS)}, got {method!r}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # no effect once the server runs (it was started with this list)
+    ctx.set_forkserver_preload([*PRELOAD, *preload])  # no effect once the server runs (it was started with this list)
     output = ("path", str(console)) if console is not None else ("fds", _Fd(1), _Fd(2))
     proc = ctx.Process(target=_forked_worker, args=(argv, env, os.getcwd(), output), name="dptrain-worker")
     proc.start()

@@ -25,7 +25,7 @@ from torch import nn
 from dptrain.config import ConfigError
 from dptrain.extras import require
 
-__all__ = ["load_config", "causal_lm", "has_weights", "context_length"]
+__all__ = ["load_config", "causal_lm", "has_weights", "context_length", "save_pretrained_from"]
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -70,7 +70,8 @@ def context_length(config) -> int:
 def causal_lm(path: str | Path, from_scratch: bool = False, weights: bool = True) -> nn.Module:
     """The directory's causal LM: its weights when it has them (unless ``from_scratch``), else freshly initialised.
 
-    ``weights=False`` builds the architecture only (planning, and checks on the meta device).
+    ``weights=False`` builds the architecture only, in torch's default dtype (planning, and checks
+    on the meta device or under fake tensors, where the planner sets the dtype it plans for).
     """
     config = load_config(path)
     transformers = _transformers()
@@ -79,12 +80,53 @@ def causal_lm(path: str | Path, from_scratch: bool = False, weights: bool = True
         if weights and not from_scratch and has_weights(path):
             model = transformers.AutoModelForCausalLM.from_pretrained(str(path), config=config, local_files_only=True)
         else:
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.get_default_dtype())
     except ValueError as e:  # "Unrecognized configuration class ... for this kind of AutoModel"
         raise ConfigError(f"hf.path {path}: {type(config).__name__} is not a causal language model transformers "
                           f"knows ({e}); dptrain trains AutoModelForCausalLM models") from None
     except OSError as e:  # a weights file that does not load
         raise ConfigError(f"hf.path {path}: the weights do not load ({e})") from None
-    if any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
+    if weights and any(p.dtype != torch.float32 for p in model.parameters() if p.is_floating_point()):
         model = model.float()  # fp32 master weights; autocast computes in bf16/fp16
     return model
+
+
+def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
+    """A ``from_pretrained``-ready directory at ``out``: ``path``'s architecture with the trained ``weights``.
+
+    ``weights`` is the run's ``model.safetensors`` (tied weights stored once, under one of
+    their names); the model is rebuilt from ``path``'s config, the weights loaded strictly
+    up to tied names, and written with ``save_pretrained`` (config, safetensors, generation
+    config), plus ``tokenizer`` (a tokenizer.json) when the data was tokenized with one.
+    Written beside ``out`` and renamed into place: never half-written.
+    """
+    import shutil
+    import tempfile
+
+    from safetensors.torch import load_file
+
+    model = causal_lm(path, weights=False)
+    state = load_file(str(weights))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    names_of: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), set()).add(name)
+    loaded = {name for names in names_of.values() if names & state.keys() for name in names}  # tied: one name did
+    untied = [name for name in missing if name not in loaded]
+    if untied or unexpected:
+        raise ValueError(f"{weights} does not match {path}'s architecture: missing {untied}, unexpected {unexpected}")
+    out = Path(out)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        if tokenizer and tokenizer != "bytes":
+            shutil.copyfile(tokenizer, staging / "tokenizer.json")
+        for item in staging.iterdir():
+            item.chmod(0o644)
+        staging.chmod(0o755)
+        if out.exists():
+            shutil.rmtree(out)
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out

@@ -59,7 +59,7 @@ from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import steps_per_epoch
 from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer, decays
-from dptrain.train.outputs import save_weights, val_metrics, val_sums
+from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.ps_loop import train_ps
@@ -231,6 +231,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
             save_weights(engine.model.module, run_dir / "model.safetensors")
         else:
             (run_dir / "model.safetensors").chmod(0o644)  # safetensors creates it owner-only
+        save_hf_model(cfg, run_dir, log)
         train_recs, evals = read_metrics(metrics_path)
         if cfg.log.plots:
             plot_run(run_dir, title=f"{task.name} on {env.world_size} rank(s), global batch {plan.global_batch_size}")

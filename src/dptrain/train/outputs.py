@@ -14,7 +14,7 @@ from dptrain.data.sampler import DistributedSampler
 from dptrain.tasks.base import collate
 from dptrain.train.atomic import replacing
 
-__all__ = ["val_sums", "val_metrics", "save_weights"]
+__all__ = ["val_sums", "val_metrics", "save_weights", "save_hf_model"]
 
 
 @torch.no_grad()
@@ -62,3 +62,18 @@ def save_weights(module: torch.nn.Module, path: Path) -> None:
     with replacing(path) as tmp:
         save_model(module, str(tmp))
     path.chmod(0o644)  # safetensors creates it owner-only
+
+
+def save_hf_model(cfg, run_dir: Path, log) -> None:
+    """With ``hf.path``: the trained weights as a Hugging Face directory, ``<run_dir>/hf`` (rank 0, after the weights).
+
+    ``AutoModelForCausalLM.from_pretrained(run_dir / "hf")`` loads it; the tokenizer the
+    data was prepared with travels with it.
+    """
+    if not cfg.hf.path:
+        return
+    from dptrain.models.hf import save_pretrained_from
+
+    tokenizer = cfg.data.tokenizer if cfg.data.source in ("text", "hf") else None
+    out = save_pretrained_from(run_dir / "model.safetensors", cfg.hf.path, run_dir / "hf", tokenizer)
+    log.info(f"Hugging Face model: {out} (AutoModelForCausalLM.from_pretrained loads it)")

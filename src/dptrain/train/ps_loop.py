@@ -36,7 +36,7 @@ from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import ShardedLoader
 from dptrain.train.metrics import peak_rss_mb, peak_tensor_mb
 from dptrain.train.optim import build_optimizer
-from dptrain.train.outputs import save_weights, val_metrics, val_sums
+from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
 from dptrain.train.report import RunLog, print_summary, summarize
@@ -225,6 +225,7 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
         f.write(json.dumps(ev) + "\n")
     log.info(f"eval of the final parameters: val_loss {ev['val_loss']:.4f}")
     save_weights(model, run_dir / "model.safetensors")
+    save_hf_model(cfg, run_dir, log)
     train_recs, evals = read_metrics(run_dir / "metrics.jsonl")
     if cfg.log.plots:
         plot_run(run_dir, title=f"{rp.task.name}, parameter server ({cfg.ps.mode}), {plan.world_size} workers")

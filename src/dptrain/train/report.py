@@ -129,13 +129,18 @@ def straggler_report(per_rank: list[list[float]]) -> dict[str, Any]:
 
 
 def _listing(run_dir: Path) -> dict[str, int]:
-    """Files in the run directory with their sizes; a checkpoint counts as one entry."""
+    """Files in the run directory with their sizes; a checkpoint, and the Hugging Face export, count as one entry."""
     listing: dict[str, int] = {}
     for path in sorted(run_dir.rglob("*")):
         rel = path.relative_to(run_dir)
         if not path.is_file() or any(part.startswith(".") for part in rel.parts):
             continue
-        key = f"{rel.parts[0]}/{rel.parts[1]}/" if rel.parts[0] == "checkpoints" and len(rel.parts) > 2 else str(rel)
+        if rel.parts[0] == "checkpoints" and len(rel.parts) > 2:
+            key = f"{rel.parts[0]}/{rel.parts[1]}/"
+        elif rel.parts[0] == "hf" and len(rel.parts) > 1:  # the Hugging Face export, one directory
+            key = "hf/"
+        else:
+            key = str(rel)
         listing[key] = listing.get(key, 0) + path.stat().st_size
     return listing
 
