@@ -397,7 +397,7 @@ _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator
                "zero": "dptrain.bench.zero", "plan": "dptrain.bench.plan", "cluster": "dptrain.bench.cluster",
                "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
                "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
-               "faults": "dptrain.bench.faults"}
+               "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader"}
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})

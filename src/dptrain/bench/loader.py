@@ -1,0 +1,160 @@
+"""Benchmark: how fast the token-file loader feeds one rank, against what a training step takes from it.
+
+A token file (``--tokens`` random ids, uint16, memory-mapped) is read through the
+loader ``dptrain run`` uses (:class:`~dptrain.train.loader.ShardedLoader`: the
+distributed sampler, torch's DataLoader in the training process, and
+:class:`~dptrain.data.tokens.TokenWindows`), with sequential and with random windows;
+the built-in task's in-memory byte windows are measured beside them as the reference.
+The step is the default config's GPT (``dptrain run``'s model: 4 layers, width 192,
+block 64) taking a forward, backward and AdamW step on one micro-batch of the default
+global batch (32) in this process, all threads.
+
+Variants are interleaved: each round times every loader for ``--batches`` micro-batches
+and the step for ``--steps`` steps, in a shuffled order. A loader's samples per second
+against the step's gives the headroom: how many times faster than the step needs the
+loader delivers. The loader runs in the training process (no worker processes), so its
+time per micro-batch adds to the step's: 1/headroom is its share of the step.
+
+With ``--cold`` the token file is evicted from the page cache before each loader's turn,
+so windows are read from the disk (a dataset larger than memory); without it the file
+is cached, as a dataset that fits in memory is after its first epoch.
+
+    dptrain bench loader --rounds 5
+    dptrain bench loader --rounds 5 --cold
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dptrain.batching import BatchPlan
+from dptrain.bench.results import save_result
+from dptrain.config import RunConfig
+from dptrain.data.tokens import TokenWindows
+from dptrain.models.gpt import GPT
+from dptrain.tasks.chargpt import ByteBlocks
+from dptrain.train.loader import ShardedLoader
+from dptrain.train.optim import build_optimizer
+
+__all__ = ["main"]
+
+
+def _evict(dataset) -> None:
+    """Drop a token file's pages from the page cache (unmapped first): the next reads come from the disk."""
+    if not isinstance(dataset, TokenWindows):
+        return
+    dataset._data = None
+    gc.collect()
+    fd = os.open(dataset.path, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # dirty pages are not dropped
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _loader_rate(loader: ShardedLoader, start_step: int, batches: int, cold: bool) -> float:
+    """Samples per second over ``batches`` micro-batches from ``start_step`` (a fresh iterator each time, as a
+    resumed run starts one); ``cold``: with the file out of the page cache first."""
+    if cold:
+        _evict(loader.dataset)
+    it = loader.micro_batches(start_step)
+    next(it)  # the DataLoader's iterator is built on the first draw: counted in the run, not per batch
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        x, _y = next(it)
+    return batches * x.shape[0] / (time.perf_counter() - t0)
+
+
+def _step_rate(model: torch.nn.Module, opt: torch.optim.Optimizer, batch, steps: int) -> float:
+    x, y = batch
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+        opt.step()
+    return steps * x.shape[0] / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batches", type=int, default=200, help="micro-batches per loader per round")
+    parser.add_argument("--steps", type=int, default=5, help="training steps per round")
+    parser.add_argument("--tokens", type=float, default=50e6, help="tokens in the file (uint16: 2 bytes each)")
+    parser.add_argument("--cold", action="store_true", help="evict the token file from the page cache before each "
+                        "loader's turn (posix_fadvise DONTNEED): reads from the disk, as a file larger than memory")
+    parser.add_argument("--out", type=Path, default=Path("bench_results/loader.json"))
+    a = parser.parse_args(argv)
+
+    cfg = RunConfig()
+    g, t = cfg.gpt, cfg.train
+    plan = BatchPlan.resolve(1, t.global_batch_size or 32, t.micro_batch_size, t.grad_accum_steps)
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory(prefix="dptrain-bench-loader-") as tmp:
+        path = Path(tmp) / "train.bin"
+        rng = np.random.default_rng(0)
+        with open(path, "wb") as f:  # written in chunks: the file may be larger than one wants in memory
+            left = int(a.tokens)
+            while left:
+                n = min(left, 1 << 24)
+                rng.integers(0, 256, n, dtype=np.uint16).tofile(f)
+                left -= n
+        loaders = {
+            "token file, sequential": ShardedLoader(TokenWindows(path, "uint16", g.block_size), plan, rank=0),
+            "token file, random": ShardedLoader(TokenWindows(path, "uint16", g.block_size, "random"), plan, rank=0),
+            "built-in (bytes in memory)": ShardedLoader(
+                ByteBlocks(torch.randint(0, 256, (g.corpus_bytes,)), g.block_size), plan, rank=0),
+        }
+        model = GPT(vocab_size=256, block_size=g.block_size, n_layer=g.n_layer, n_head=g.n_head, n_embd=g.n_embd)
+        opt = build_optimizer(model, t.optimizer, t.lr, t.weight_decay, tuple(t.betas), t.momentum)
+        batch = next(loaders["token file, sequential"].micro_batches(0))
+        _step_rate(model, opt, batch, 2)  # warm-up
+        rates: dict[str, list[float]] = {name: [] for name in [*loaders, "training step"]}
+        order = random.Random(0)
+        for r in range(a.rounds):
+            names = list(rates)
+            order.shuffle(names)
+            for name in names:
+                if name == "training step":
+                    rates[name].append(_step_rate(model, opt, batch, a.steps))
+                else:  # a different place in the file each round: no window is read twice
+                    start = r * (a.batches + 1) // plan.grad_accum_steps
+                    rates[name].append(_loader_rate(loaders[name], start, a.batches, a.cold))
+        file_mb = path.stat().st_size / 2**20
+
+    step = statistics.median(rates["training step"])
+    print(f"default GPT ({sum(p.numel() for p in model.parameters()):,} parameters, block {g.block_size}), "
+          f"micro-batch {plan.micro_batch_size}, {torch.get_num_threads()} threads; token file {a.tokens:,.0f} "
+          f"tokens ({file_mb:,.0f} MiB, uint16, {'evicted from' if a.cold else 'in'} the page cache); {a.rounds} interleaved rounds of {a.batches} micro-batches per "
+          f"loader and {a.steps} steps\n")
+    print("| what | samples/s, median | per round | x what a step consumes | share of a step |")
+    print("|---|---:|---|---:|---:|")
+    for name, values in rates.items():
+        median = statistics.median(values)
+        each = ", ".join(f"{v:,.0f}" for v in values)
+        if name == "training step":
+            print(f"| {name} | {median:,.0f} | {each} | 1 | |")
+        else:
+            print(f"| loader: {name} | {median:,.0f} | {each} | {median / step:,.0f}x | {100 * step / median:.2f}% |")
+    worst = min(statistics.median(v) for k, v in rates.items() if k.startswith("token file")) / step
+    print(f"\ngoal: the token-file loader at least 20x faster than the step needs: {worst:,.0f}x "
+          f"({'met' if worst >= 20 else 'missed'})")
+    save_result(a.out, {"rates_samples_per_s": rates, "micro_batch": plan.micro_batch_size,
+                        "block_size": g.block_size, "tokens": a.tokens, "threads": torch.get_num_threads(),
+                        "cold": a.cold, "headroom_worst": worst})
+
+
+if __name__ == "__main__":
+    main()
