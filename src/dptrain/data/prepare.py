@@ -108,28 +108,30 @@ def default_dir(inputs: tuple[str, ...]) -> str:
 def expand_inputs(source: str, patterns: tuple[str, ...] | list[str], key: str) -> list[Path]:
     """The files ``patterns`` name: files as given, directories' files recursively (sorted), globs' matches (sorted).
 
-    A ConfigError for a pattern that names nothing, and for an empty file.
+    Empty files a directory or glob matches are skipped (an empty ``__init__.py`` is
+    normal); a ConfigError for a file named on its own that is empty, and for a pattern
+    that names no file or only empty ones.
     """
     out: list[Path] = []
     for pattern in patterns:
         path = Path(pattern)
         if any(c in str(pattern) for c in "*?["):
-            matches = sorted(Path(m) for m in glob.glob(str(pattern), recursive=True) if Path(m).is_file())
-            if not matches:
-                raise ConfigError(f"{key}: {pattern!r} matches no file")
-            out += matches
+            found = sorted(Path(m) for m in glob.glob(str(pattern), recursive=True) if Path(m).is_file())
+            what = f"{pattern!r} matches"
         elif path.is_dir():
-            matches = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
-            if not matches:
-                raise ConfigError(f"{key}: the directory {path} holds no file")
-            out += matches
+            found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            what = f"the directory {path} holds"
         elif path.is_file():
-            out.append(path)
+            if path.stat().st_size == 0:
+                raise ConfigError(f"{key}: {path} is empty")
+            found, what = [path], ""
         else:
             raise ConfigError(f"{key}: {path} does not exist")
+        matches = [p for p in found if p.stat().st_size > 0]
+        if not matches:
+            raise ConfigError(f"{key}: {what} {'only empty files' if found else 'no file'}")
+        out += matches
     for path in out:
-        if path.stat().st_size == 0:
-            raise ConfigError(f"{key}: {path} is empty")
         if source == "hf" and path.suffix not in HF_FORMATS:
             raise ConfigError(f"{key}: {path} is not a format Hugging Face datasets reads here; use "
                               f"{', '.join(HF_FORMATS)} files")
