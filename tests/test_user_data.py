@@ -397,3 +397,43 @@ def test_plan_for_a_hugging_face_config_on_token_files(hf_setup, tmp_path):
     assert rows["ddp"]["parameters_bytes"] == 4 * numel
     assert rows["zero3"]["parameters_bytes"] < rows["ddp"]["parameters_bytes"]  # sharded
     assert rows["ddp"]["activation_bytes"] > 0
+
+
+def test_directories_and_globs_skip_empty_files_but_a_named_empty_file_is_an_error(tmp_path):
+    from dptrain.data.prepare import expand_inputs
+
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "mod.py").write_text("x = 1\n")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    assert expand_inputs("text", [str(tmp_path / "pkg")], "data.text") == [tmp_path / "pkg" / "mod.py"]
+    assert expand_inputs("text", [str(tmp_path / "pkg" / "*.py")], "data.text") == [tmp_path / "pkg" / "mod.py"]
+    with pytest.raises(ConfigError, match=r"__init__.py is empty"):
+        expand_inputs("text", [str(tmp_path / "pkg" / "__init__.py")], "data.text")
+    with pytest.raises(ConfigError, match=r"the directory .*empty holds only empty files"):
+        expand_inputs("text", [str(tmp_path / "empty")], "data.text")
+    with pytest.raises(ConfigError, match=r"'.*\*.md' matches no file"):
+        expand_inputs("text", [str(tmp_path / "*.md")], "data.text")
+
+
+def test_jsonl_csv_parquet_and_arrow_give_the_same_tokens(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from dptrain.data.prepare import Recipe, prepare
+
+    rows = [{"id": i, "body": f"document {i}: " + "lorem ipsum " * (i % 7 + 1)} for i in range(50)]
+    table = datasets.Dataset.from_list(rows)
+    table.to_json(tmp_path / "rows.jsonl")
+    table.to_csv(tmp_path / "rows.csv", index=False)
+    table.to_parquet(tmp_path / "rows.parquet")
+    table.save_to_disk(tmp_path / "saved")  # arrow files, as datasets keeps them
+    (arrow,) = (tmp_path / "saved").glob("*.arrow")
+    arrow.rename(tmp_path / "rows.arrow")
+    tokens = {}
+    for name in ("rows.jsonl", "rows.csv", "rows.parquet", "rows.arrow"):
+        prepare(Recipe("hf", (str(tmp_path / name),), tmp_path / name.replace(".", "_"), text_column="body"),
+                progress=False, log=lambda line: None)
+        tokens[name] = b"".join((tmp_path / name.replace(".", "_") / split).read_bytes()
+                                for split in ("train.bin", "val.bin"))
+    expected = np.frombuffer("".join(r["body"] for r in rows).encode(), dtype=np.uint8).astype(np.uint16).tobytes()
+    assert tokens["rows.jsonl"] == tokens["rows.csv"] == tokens["rows.parquet"] == tokens["rows.arrow"] == expected

@@ -67,13 +67,20 @@ def save_weights(module: torch.nn.Module, path: Path) -> None:
 def save_hf_model(cfg, run_dir: Path, log) -> None:
     """With ``hf.path``: the trained weights as a Hugging Face directory, ``<run_dir>/hf`` (rank 0, after the weights).
 
-    ``AutoModelForCausalLM.from_pretrained(run_dir / "hf")`` loads it; the tokenizer the
-    data was prepared with travels with it.
+    ``AutoModelForCausalLM.from_pretrained(run_dir / "hf")`` loads it; the tokenizer.json the
+    data was prepared with (``data.tokenizer``, or the one a token directory's meta.json names)
+    travels with it.
     """
     if not cfg.hf.path:
         return
     from dptrain.models.hf import save_pretrained_from
 
     tokenizer = cfg.data.tokenizer if cfg.data.source in ("text", "hf") else None
+    if cfg.data.source == "tokens":  # prepared by dptrain: its meta.json names the tokenizer
+        from dptrain.data.tokens import read_meta
+
+        made_with = read_meta(Path(cfg.data.dir)).get("recipe", {}).get("tokenizer", {})
+        if made_with.get("kind") == "tokenizer.json" and Path(made_with.get("path", "")).is_file():
+            tokenizer = made_with["path"]
     out = save_pretrained_from(run_dir / "model.safetensors", cfg.hf.path, run_dir / "hf", tokenizer)
     log.info(f"Hugging Face model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
