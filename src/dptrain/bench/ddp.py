@@ -23,7 +23,15 @@ run with :func:`dptrain.allocator.tune_cpu_allocator` (``--default-malloc`` to t
 off): with glibc's defaults every step page-faults its gradients back in, which costs
 all variants alike but adds noise that depends on heap layout, not on the engine.
 
+Two regimes (``--model``): the default MLP of a few large parameters (16M parameters in
+16 tensors: the step is compute and bandwidth), and ``small-params``, blocks of
+Linear + LayerNorm (with ``--width 64 --depth 200``, 800 tensors, 0.86M parameters in
+all: the step is work per parameter, as in a transformer's many norms and biases, and on
+a GPU in every model). The table gives each variant's time above ``no_comm`` per
+parameter tensor.
+
     python -m dptrain.bench.ddp --world-size 2 --rounds 10
+    dptrain bench ddp --model small-params --width 64 --depth 200 --micro-batch 8 --caps 25 --views
 """
 
 from __future__ import annotations
@@ -46,10 +54,18 @@ from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 
 
-def build_model(width: int, depth: int) -> nn.Module:
+MODELS = ("mlp", "small-params")
+
+
+def build_model(width: int, depth: int, kind: str = "mlp") -> nn.Module:
+    """``mlp``: ``depth`` x (Linear(width), ReLU), a few large parameters. ``small-params``: ``depth`` x
+    (Linear(width), LayerNorm(width)), four small parameters a block: a transformer's shape, where the
+    work per parameter, not the bytes, sets the engine's overhead."""
+    if kind not in MODELS:
+        raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     layers: list[nn.Module] = []
     for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
+        layers += [nn.Linear(width, width), nn.ReLU() if kind == "mlp" else nn.LayerNorm(width)]
     return nn.Sequential(*layers)
 
 
@@ -76,10 +92,10 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None
 def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
     variants = args["variants"]
     torch.manual_seed(0)
-    reference = build_model(args["width"], args["depth"])
+    reference = build_model(args["width"], args["depth"], args["model"])
     models, opts = {}, {}
     for variant in variants:
-        module = build_model(args["width"], args["depth"])
+        module = build_model(args["width"], args["depth"], args["model"])
         module.load_state_dict(reference.state_dict())
         models[variant] = _wrap(variant, module)
         opts[variant] = torch.optim.SGD(models[variant].parameters(), lr=1e-4)
@@ -119,7 +135,7 @@ def _bucket_mib(model: nn.Module) -> list[float]:
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
         steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True,
-        check_every: bool = False) -> dict:
+        check_every: bool = False, model: str = "mlp") -> dict:
     variants = ["no_comm", "naive"]
     pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
     pairs += [("dptrain_ddp_every", "dptrain_ddp")] if check_every else []
@@ -127,7 +143,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
         for ours, theirs in pairs:
             variants += [v for v in (f"{theirs}/{cap:g}", f"{ours}/{cap:g}") if v not in variants]
     args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
-                rounds=rounds, steps=steps, warmup=warmup)
+                rounds=rounds, steps=steps, warmup=warmup, model=model)
     per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
                             tune_allocator=tune_allocator)
     # A step takes as long as its slowest rank.
@@ -141,9 +157,11 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
             paired = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs)]
             ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": bootstrap_ci(paired),
                                               "against": f"{theirs_kind}/{cap:g}"}
-    params = sum(p.numel() for p in build_model(width, depth).parameters())
+    built = build_model(width, depth, model)
+    params = sum(p.numel() for p in built.parameters())
     return {
         "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
+                       model=model, tensors=len(list(built.parameters())),
                        rounds=rounds, steps_per_round=steps, threads_per_rank=threads, backend="gloo",
                        tuned_allocator=tune_allocator,
                        torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
@@ -157,13 +175,18 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
 def to_markdown(result: dict) -> str:
     cfg, med = result["config"], result["median_step_s"]
     floor = med["no_comm"]
-    lines = [f"{cfg['params'] / 1e6:.1f}M-parameter MLP ({cfg['depth']} x Linear({cfg['width']})), "
+    tensors = cfg.get("tensors", 2 * cfg["depth"])
+    shape = (f"{cfg['depth']} x Linear({cfg['width']})" if cfg.get("model", "mlp") == "mlp" else
+             f"{cfg['depth']} x (Linear({cfg['width']}) + LayerNorm({cfg['width']}))")
+    lines = [f"{cfg['params'] / 1e6:.2f}M parameters in {tensors} tensors ({shape}), "
              f"world size {cfg['world_size']}, gloo, {cfg['threads_per_rank']} thread per rank, micro-batch "
              f"{cfg['micro_batch']}; median of {cfg['rounds']} rounds x {cfg['steps_per_round']} steps, "
              f"{'tuned' if cfg['tuned_allocator'] else 'default'} glibc malloc, torch {cfg['torch']}.", "",
-             "| variant | median step (ms) | vs no_comm |", "|---|---:|---:|"]
+             "| variant | median step (ms) | vs no_comm | above no_comm, µs per parameter tensor |",
+             "|---|---:|---:|---:|"]
     for variant, seconds in med.items():
-        lines.append(f"| {variant} | {seconds * 1e3:.1f} | {seconds / floor:.2f}x |")
+        lines.append(f"| {variant} | {seconds * 1e3:.2f} | {seconds / floor:.2f}x | "
+                     f"{(seconds - floor) * 1e6 / tensors:.1f} |")
     lines += ["", "| dptrain variant | against | ratio of step times (median of per-round ratios) "
               "| 90% interval |", "|---|---|---:|---:|"]
     for variant, ratio in result["ratios"].items():
@@ -179,6 +202,9 @@ def to_markdown(result: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--model", choices=MODELS, default="mlp",
+                        help="mlp: a few large parameters; small-params: Linear + LayerNorm blocks (try --width 64 "
+                        "--depth 200 --micro-batch 8)")
     parser.add_argument("--width", type=int, default=1408)
     parser.add_argument("--depth", type=int, default=8)
     parser.add_argument("--micro-batch", type=int, default=32)
@@ -195,7 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=Path("bench_results/ddp.json"))
     a = parser.parse_args(argv)
     result = run(a.world_size, a.width, a.depth, a.micro_batch, a.caps, a.rounds, a.steps, a.warmup, a.threads,
-                 a.views, not a.default_malloc, a.check_every)
+                 a.views, not a.default_malloc, a.check_every, a.model)
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(result, indent=1))
     print(to_markdown(result))

@@ -21,7 +21,7 @@ from typing import Hashable, Sequence
 
 import torch
 
-__all__ = ["ParamInfo", "assign_buckets", "Bucket", "copy_into_slice"]
+__all__ = ["ParamInfo", "assign_buckets", "Bucket", "SparseGradient", "copy_into_slice"]
 
 MiB = 1024 * 1024
 
@@ -90,6 +90,14 @@ def _in_launch_order(buckets: list[list[int]], order: list[int]) -> list[list[in
     return sorted(buckets, key=lambda bucket: position[bucket[-1]])
 
 
+class SparseGradient(ValueError):
+    """The bucket's parameter at ``position`` has a sparse gradient (buckets are dense)."""
+
+    def __init__(self, position: int):
+        super().__init__(f"sparse gradient at bucket position {position}")
+        self.position = position
+
+
 class Bucket:
     """A flat buffer holding the gradients of a group of parameters, back to back.
 
@@ -125,12 +133,57 @@ class Bucket:
         if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result.view(-1))
 
-    def write_back(self, used: list[bool], as_view: bool) -> None:
+    def fill(self, divisor: int | None, as_view: bool, batched: bool = True) -> None:
+        """Put every parameter's gradient into its slice, divided by ``divisor``; missing gradients as zeros.
+
+        Batched (the default): one ``_foreach_copy_`` for all the gradients that are not
+        their slice already, then one multiplication of the whole buffer by
+        ``1 / divisor``, instead of an operation per parameter (on a GPU, a kernel
+        launch per parameter). Gradients that already are their slice (``as_view``
+        after the first step) are divided in place, as ``copy_into_slice`` does, so the
+        result is bitwise that of the per-parameter path (``batched=False``, the oracle).
+        """
+        if not batched:
+            for position, (param, view) in enumerate(zip(self.params, self.views)):
+                if param.grad is not None and param.grad.is_sparse:
+                    raise SparseGradient(position)
+                copy_into_slice(param, view, divisor, as_view)
+            return
+        sources, targets, in_place, zeros = [], [], [], []
+        for position, (param, view) in enumerate(zip(self.params, self.views)):
+            grad = param.grad
+            if grad is None:
+                zeros.append(view)
+            elif grad.is_sparse:
+                raise SparseGradient(position)
+            elif as_view and grad.data_ptr() == view.data_ptr():  # only a bucket view's gradient can be its slice
+                in_place.append(view)
+            else:
+                sources.append(grad)
+                targets.append(view)
+                if as_view:
+                    param.grad = view
+        if targets:
+            torch._foreach_copy_(targets, sources)
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if divisor is None:
+            return
+        if not in_place:
+            self.buffer.mul_(1.0 / divisor)  # zeros stay zeros
+            return
+        if targets:
+            torch._foreach_mul_(targets, 1.0 / divisor)
+        torch._foreach_div_(in_place, divisor)
+
+    def write_back(self, used: list[bool], as_view: bool, batched: bool = True) -> None:
         """Hand the reduced gradients to the parameters whose index ``used`` marks.
 
         The others (no rank used them since the last sync) keep ``.grad`` untouched, as
-        in a single process, so optimizers skip them.
+        in a single process, so optimizers skip them. Batched: one ``_foreach_copy_``
+        into the existing gradients; ``batched=False`` copies parameter by parameter.
         """
+        targets, sources = [], []
         for i, param, view in zip(self.param_indices, self.params, self.views):
             if not used[i]:
                 continue
@@ -138,8 +191,13 @@ class Bucket:
                 param.grad = view
             elif param.grad is None:
                 param.grad = view.clone()
+            elif batched:
+                targets.append(param.grad)
+                sources.append(view)
             else:
                 param.grad.copy_(view)
+        if targets:
+            torch._foreach_copy_(targets, sources)
 
     def __repr__(self) -> str:
         return (f"Bucket(index={self.index}, params={len(self.params)}, "

@@ -45,7 +45,7 @@ from dptrain.comm.fingerprint import CollectiveCheck
 from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp.arrivals import GradientArrivals
 from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
-from dptrain.ddp.buckets import Bucket, copy_into_slice
+from dptrain.ddp.buckets import Bucket, SparseGradient
 from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, _WorkHandle
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
@@ -90,6 +90,7 @@ class Reducer:
         self.process_group = process_group
         self.comm_hook = comm_hook    # None: the built-in averaging all-reduce
         self.record_spans = False     # exact per-bucket completion times (StepCommStats.bucket_spans)
+        self.batched = True           # one copy per bucket, not per parameter (False: the per-parameter oracle)
         self.comm_state = comm_state
         self.divisor = dist.get_world_size(process_group)  # see join.py for when it changes
         self.gradient_as_bucket_view = gradient_as_bucket_view
@@ -101,11 +102,9 @@ class Reducer:
                                             group=process_group, nodes=nodes, device=b.buffer.device)
                             for b in self.buckets]
         self._bucket_of = [0] * len(params)
-        self._view_of: list[torch.Tensor] = [None] * len(params)  # type: ignore[list-item]
         for bucket in self.buckets:
-            for i, view in zip(bucket.param_indices, bucket.views):
+            for i in bucket.param_indices:
                 self._bucket_of[i] = bucket.index
-                self._view_of[i] = view
         # Held so that autograd keeps using these nodes: will_accumulate() asks about them.
         self._accumulators = [grad_accumulator(p) for p in params]
         self._phase = _Phase.IDLE
@@ -209,36 +208,34 @@ class Reducer:
         return hook
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        """A gradient piece landed in ``param.grad``: count it; launch the buckets it completes.
+
+        This runs once per parameter per backward, so it does only bookkeeping: the
+        gradients are copied into a bucket by one batched operation when the bucket
+        launches (``Bucket.fill``), as late as possible, so a piece that arrives after
+        the count said "ready" but before the launch is still in (the latest sum wins).
+        """
         phase = self._phase
-        if phase is _Phase.ACCUMULATE:
-            self.arrivals.mark_used(index)
-            return
-        if phase is _Phase.EXPECT_SYNC:
+        if phase is not _Phase.REDUCING:
+            if phase is _Phase.ACCUMULATE:
+                self.arrivals.locally_used[index] = True
+                return
+            if phase is not _Phase.EXPECT_SYNC:
+                return
             # The backward did not pass through the module's outputs' nodes (the loss
             # was built from other tensors): start here; correct except when this
             # hook runs inside a reentrant checkpoint's nested backward.
             self._begin_reduction(self._generation)
-        elif phase is not _Phase.REDUCING:
-            return
-        if param.grad is not None and param.grad.is_sparse:
-            raise RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's "
-                               "DDP reduces dense gradients only (use sparse=False)")
-        self.arrivals.mark_used(index)
-        self._fired[index] += 1
+        self.arrivals.locally_used[index] = True
+        fired = self._fired[index] = self._fired[index] + 1
         bucket = self._bucket_of[index]
         if bucket < self._next_bucket:
             self._on_late_gradient(index, bucket)
-            return
-        if self.arrivals.discovering or self._fired[index] < self._expected[index]:
-            # Discovery pass (everything is copied and launched at the end, once the
-            # number of pieces per gradient is known), or more pieces are coming.
-            return
-        if self._copied[index] and self.gradient_as_bucket_view:
-            self._on_late_gradient(index, bucket)  # it landed in an already averaged slice
-        self._copy_in(index)  # again if a piece arrives after "ready": the latest sum wins
-        if self._fired[index] == self._expected[index]:
-            self._pending[bucket] -= 1
-            if self._pending[bucket] == 0:
+        elif fired == self._expected[index] and not self.arrivals.discovering:
+            # (Discovery pass: everything is launched at the end, once the number of
+            # pieces per gradient is known. Fewer pieces than expected: more are coming.)
+            pending = self._pending[bucket] = self._pending[bucket] - 1
+            if pending == 0 and bucket == self._next_bucket:
                 self._launch_ready_buckets()
 
     def _on_late_gradient(self, index: int, bucket: int) -> None:
@@ -275,10 +272,13 @@ class Reducer:
         self._stats.launch_order.append(b)
 
     def _reduce(self, bucket: Bucket) -> ReduceHandle:
-        """Start reducing a bucket: fill in gradients not copied yet, then communicate."""
-        for i in bucket.param_indices:
-            if not self._copied[i]:
-                self._copy_in(i)
+        """Start reducing a bucket: copy its gradients in (averaged, unless a comm hook does it), then communicate."""
+        divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
+        try:
+            bucket.fill(divisor, self.gradient_as_bucket_view, self.batched)
+        except SparseGradient as e:
+            raise RuntimeError(f"parameter {self.names[bucket.param_indices[e.position]]!r} has a sparse gradient; "
+                               "dptrain's DDP reduces dense gradients only (use sparse=False)") from None
         self._stats.calls += 1
         self._stats.bytes += bucket.nbytes
         self._stats.bucket_bytes.append(bucket.nbytes)
@@ -316,12 +316,6 @@ class Reducer:
             work.get_future().add_done_callback(lambda _: _stamp(span))
         return _WorkHandle(work, buffer)
 
-    def _copy_in(self, index: int) -> None:
-        """Fill parameter ``index``'s bucket slice (when ready, or at launch if it never got a gradient)."""
-        self._copied[index] = True
-        divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
-        copy_into_slice(self.params[index], self._view_of[index], divisor, self.gradient_as_bucket_view)
-
     def _grad_bucket(self, bucket: Bucket, buffer: torch.Tensor) -> GradBucket:
         views = bucket.views if buffer is bucket.buffer else bucket.views_into(buffer)
         return GradBucket(bucket.index, buffer, views, bucket.params,
@@ -349,7 +343,7 @@ class Reducer:
                 bucket.store(handle.wait())
                 if late[bucket.index]:
                     self._reduce_again(bucket)
-                bucket.write_back(globally_used, self.gradient_as_bucket_view)
+                bucket.write_back(globally_used, self.gradient_as_bucket_view, self.batched)
             stats.comm_end = time.perf_counter()
             missing = [self.names[i] for i, n in enumerate(self._fired) if n == 0 and self._expected[i] > 0]
             self.arrivals.learn(self._fired, globally_used)
@@ -363,9 +357,7 @@ class Reducer:
             raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
 
     def _reduce_again(self, bucket: Bucket) -> None:
-        for i in bucket.param_indices:
-            self._copied[i] = False
-        bucket.store(self._reduce(bucket).wait())
+        bucket.store(self._reduce(bucket).wait())  # copies the gradients in again, late pieces included
 
     def _reset_step(self) -> None:
         n = len(self.params)
@@ -373,7 +365,6 @@ class Reducer:
         self._expected = [1] * n
         self._pending = [len(b.param_indices) for b in self.buckets]
         self._next_bucket = 0
-        self._copied = [False] * n
         self._handles: list[ReduceHandle] = []
         self._stale: set[int] = set()
         self._stats = StepCommStats()
