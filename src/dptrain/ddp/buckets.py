@@ -149,14 +149,19 @@ class Bucket:
                     raise SparseGradient(position)
                 copy_into_slice(param, view, divisor, as_view)
             return
+        grads = [p.grad for p in self.params]
+        if not as_view and all(g is not None and not g.is_sparse for g in grads):  # the usual case, no loop
+            torch._foreach_copy_(self.views, grads)
+            if divisor is not None:
+                self.buffer.mul_(1.0 / divisor)
+            return
         sources, targets, in_place, zeros = [], [], [], []
-        for position, (param, view) in enumerate(zip(self.params, self.views)):
-            grad = param.grad
+        for position, (param, view, grad) in enumerate(zip(self.params, self.views, grads)):
             if grad is None:
                 zeros.append(view)
             elif grad.is_sparse:
                 raise SparseGradient(position)
-            elif as_view and grad.data_ptr() == view.data_ptr():  # only a bucket view's gradient can be its slice
+            elif as_view and (grad is view or grad.data_ptr() == view.data_ptr()):  # only a view's can be its slice
                 in_place.append(view)
             else:
                 sources.append(grad)
@@ -176,19 +181,27 @@ class Bucket:
             torch._foreach_mul_(targets, 1.0 / divisor)
         torch._foreach_div_(in_place, divisor)
 
-    def write_back(self, used: list[bool], as_view: bool, batched: bool = True) -> None:
-        """Hand the reduced gradients to the parameters whose index ``used`` marks.
+    def write_back(self, used: list[bool] | bool, as_view: bool, batched: bool = True) -> None:
+        """Hand the reduced gradients to the parameters whose index ``used`` marks (``True``: all of them).
 
         The others (no rank used them since the last sync) keep ``.grad`` untouched, as
         in a single process, so optimizers skip them. Batched: one ``_foreach_copy_``
         into the existing gradients; ``batched=False`` copies parameter by parameter.
         """
+        if used is True and batched and not as_view:
+            grads = [p.grad for p in self.params]
+            if all(g is not None for g in grads):  # the usual case: one copy, no loop
+                torch._foreach_copy_(grads, self.views)
+                return
+        if used is True:
+            used = [True] * (max(self.param_indices) + 1)
         targets, sources = [], []
         for i, param, view in zip(self.param_indices, self.params, self.views):
             if not used[i]:
                 continue
             if as_view:
-                param.grad = view
+                if param.grad is not view:  # after the first step it is (autograd accumulates into it)
+                    param.grad = view
             elif param.grad is None:
                 param.grad = view.clone()
             elif batched:

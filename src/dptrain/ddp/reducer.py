@@ -108,6 +108,8 @@ class Reducer:
         # Held so that autograd keeps using these nodes: will_accumulate() asks about them.
         self._accumulators = [grad_accumulator(p) for p in params]
         self._phase = _Phase.IDLE
+        self._pending_for: tuple[list[int] | None, list[int]] = (None, [])  # (expected, pending per bucket)
+        self._discovering = True                      # arrivals.discovering, read once per backward
         self._generation = 0                          # synced forwards so far
         self._finalized_through = 0                   # generations whose backward is reduced
         self._reset_step()
@@ -134,7 +136,10 @@ class Reducer:
             self._generation += 1
         self._reset_step()
         self._expected = expected
-        self._pending = [sum(1 for i in b.param_indices if expected[i] > 0) for b in self.buckets]
+        if expected != self._pending_for[0]:  # the same expectations as last step (usual): the same counts
+            self._pending_for = (expected, [sum(1 for i in b.param_indices if expected[i] > 0) for b in self.buckets])
+        self._pending = list(self._pending_for[1])
+        self._discovering = self.arrivals.discovering
         self._phase = _Phase.EXPECT_SYNC
         self._stats.calls, self._stats.bytes = calls, nbytes
         return self._generation
@@ -231,7 +236,7 @@ class Reducer:
         bucket = self._bucket_of[index]
         if bucket < self._next_bucket:
             self._on_late_gradient(index, bucket)
-        elif fired == self._expected[index] and not self.arrivals.discovering:
+        elif fired == self._expected[index] and not self._discovering:
             # (Discovery pass: everything is launched at the end, once the number of
             # pieces per gradient is known. Fewer pieces than expected: more are coming.)
             pending = self._pending[bucket] = self._pending[bucket] - 1
@@ -337,15 +342,17 @@ class Reducer:
             if self.arrivals.discovering:
                 stats.calls += 1
                 stats.bytes += self.arrivals.learn_pieces(self.process_group, self._fired)
+            everything_used = False not in globally_used  # True: write_back skips the per-parameter check
             # Wait and copy out bucket by bucket: bucket k's copy overlaps bucket k+1's
             # reduction. Every rank re-reduces the same (agreed) late buckets in order.
             for bucket, handle in zip(self.buckets, self._handles):
                 bucket.store(handle.wait())
                 if late[bucket.index]:
                     self._reduce_again(bucket)
-                bucket.write_back(globally_used, self.gradient_as_bucket_view, self.batched)
+                bucket.write_back(everything_used or globally_used, self.gradient_as_bucket_view, self.batched)
             stats.comm_end = time.perf_counter()
-            missing = [self.names[i] for i, n in enumerate(self._fired) if n == 0 and self._expected[i] > 0]
+            missing = [] if 0 not in self._fired else \
+                [self.names[i] for i, n in enumerate(self._fired) if n == 0 and self._expected[i] > 0]
             self.arrivals.learn(self._fired, globally_used)
         finally:
             self.last_stats = stats
