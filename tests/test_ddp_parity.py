@@ -237,9 +237,13 @@ def test_bucketed_equals_naive(world_size: int) -> None:
         assert max(diffs) <= TOLERANCE, f"rank {rank}: bucketed vs naive per step {diffs}"
 
 
-def _batched_against_per_parameter(rank: int, world_size: int, name: str, as_view: bool, set_to_none: bool) -> int:
+def _batched_against_per_parameter(rank: int, world_size: int, name: str, as_view: bool, set_to_none: bool,
+                                   eager_numel: int) -> int:
     """Two replicas, one filling buckets with one batched copy, one parameter by parameter: gradients compared
     bitwise after every backward. Returns how many gradients were compared."""
+    import dptrain.ddp.reducer
+
+    dptrain.ddp.reducer.EAGER_NUMEL = eager_numel  # this rank's process only: gradients this large copied on arrival
     torch.manual_seed(0)
     model = build(name)
     engines = []
@@ -266,12 +270,14 @@ def _batched_against_per_parameter(rank: int, world_size: int, name: str, as_vie
     return compared
 
 
-@pytest.mark.parametrize("name,as_view,set_to_none", [("gpt", False, True), ("gpt", True, False),
-                                                       ("gpt", True, True), ("branchy", False, True),
-                                                       ("tied", True, False)])
-def test_the_batched_bucket_copy_is_bitwise_the_per_parameter_copy(name: str, as_view: bool,
-                                                                     set_to_none: bool) -> None:
+@pytest.mark.parametrize("name,as_view,set_to_none,eager_numel", [
+    ("gpt", False, True, 1 << 16), ("gpt", True, False, 1 << 16), ("gpt", True, True, 1 << 16),
+    ("branchy", False, True, 1 << 16), ("tied", True, False, 1 << 16),
+    ("gpt", False, True, 16), ("gpt", True, False, 16), ("branchy", False, True, 16)])
+def test_the_batched_bucket_copy_is_bitwise_the_per_parameter_copy(name: str, as_view: bool, set_to_none: bool,
+                                                                     eager_numel: int) -> None:
     """Three ranks (a divisor of 1/3 is not exact), tiny buckets, bucket views or not, gradients kept between steps
-    (divided in place in the slice) or set to None (copied in), unused parameters (zeros)."""
-    compared = run_on_ranks(_batched_against_per_parameter, 3, name, as_view, set_to_none, timeout=120)
+    (divided in place in the slice) or set to None (copied in), unused parameters (zeros); every gradient batched
+    (these models' are all below EAGER_NUMEL), or those of 16 elements and more copied as they arrive."""
+    compared = run_on_ranks(_batched_against_per_parameter, 3, name, as_view, set_to_none, eager_numel, timeout=120)
     assert all(n > 0 for n in compared)

@@ -133,30 +133,35 @@ class Bucket:
         if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result.view(-1))
 
-    def fill(self, divisor: int | None, as_view: bool, batched: bool = True) -> None:
-        """Put every parameter's gradient into its slice, divided by ``divisor``; missing gradients as zeros.
+    def fill(self, divisor: int | None, as_view: bool, batched: bool = True, filled: set[int] = frozenset()) -> None:
+        """Put the gradients into their slices, divided by ``divisor``; missing gradients as zeros.
 
-        Batched (the default): one ``_foreach_copy_`` for all the gradients that are not
-        their slice already, then one multiplication of the whole buffer by
-        ``1 / divisor``, instead of an operation per parameter (on a GPU, a kernel
-        launch per parameter). Gradients that already are their slice (``as_view``
+        ``filled``: positions already copied in (large gradients, as they arrived). Batched
+        (the default): one ``_foreach_copy_`` for the rest of the gradients that are not
+        their slice already, then one multiplication (of the whole buffer when nothing was
+        filled before) by ``1 / divisor``, instead of an operation per parameter (on a
+        GPU, a kernel launch each). Gradients that already are their slice (``as_view``
         after the first step) are divided in place, as ``copy_into_slice`` does, so the
         result is bitwise that of the per-parameter path (``batched=False``, the oracle).
         """
         if not batched:
             for position, (param, view) in enumerate(zip(self.params, self.views)):
-                if param.grad is not None and param.grad.is_sparse:
-                    raise SparseGradient(position)
-                copy_into_slice(param, view, divisor, as_view)
+                if position not in filled:
+                    _check_dense(param, position)
+                    copy_into_slice(param, view, divisor, as_view)
             return
-        grads = [p.grad for p in self.params]
-        if not as_view and all(g is not None and not g.is_sparse for g in grads):  # the usual case, no loop
-            torch._foreach_copy_(self.views, grads)
-            if divisor is not None:
-                self.buffer.mul_(1.0 / divisor)
-            return
+        if not filled and not as_view:
+            grads = [p.grad for p in self.params]
+            if all(g is not None and not g.is_sparse for g in grads):  # the usual case, no loop
+                torch._foreach_copy_(self.views, grads)
+                if divisor is not None:
+                    self.buffer.mul_(1.0 / divisor)
+                return
         sources, targets, in_place, zeros = [], [], [], []
-        for position, (param, view, grad) in enumerate(zip(self.params, self.views, grads)):
+        for position, (param, view) in enumerate(zip(self.params, self.views)):
+            if position in filled:
+                continue
+            grad = param.grad
             if grad is None:
                 zeros.append(view)
             elif grad.is_sparse:
@@ -174,12 +179,19 @@ class Bucket:
             torch._foreach_zero_(zeros)
         if divisor is None:
             return
-        if not in_place:
+        if not in_place and not filled:
             self.buffer.mul_(1.0 / divisor)  # zeros stay zeros
             return
         if targets:
             torch._foreach_mul_(targets, 1.0 / divisor)
-        torch._foreach_div_(in_place, divisor)
+        if in_place:
+            torch._foreach_div_(in_place, divisor)
+
+    def fill_one(self, position: int, divisor: int | None, as_view: bool) -> None:
+        """Copy one gradient into its slice now (a large one, while it is in cache)."""
+        param = self.params[position]
+        _check_dense(param, position)
+        copy_into_slice(param, self.views[position], divisor, as_view)
 
     def write_back(self, used: list[bool] | bool, as_view: bool, batched: bool = True) -> None:
         """Hand the reduced gradients to the parameters whose index ``used`` marks (``True``: all of them).
@@ -215,6 +227,11 @@ class Bucket:
     def __repr__(self) -> str:
         return (f"Bucket(index={self.index}, params={len(self.params)}, "
                 f"numel={self.numel}, dtype={self.buffer.dtype}, bytes={self.nbytes})")
+
+
+def _check_dense(param: torch.nn.Parameter, position: int) -> None:
+    if param.grad is not None and param.grad.is_sparse:
+        raise SparseGradient(position)
 
 
 def copy_into_slice(param: torch.nn.Parameter, view: torch.Tensor, divisor: int | None, as_view: bool) -> None:

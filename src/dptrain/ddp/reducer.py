@@ -62,6 +62,12 @@ class _Phase(enum.Enum):
     REDUCING = "reducing"          # that backward is running: buckets launch when ready
 
 
+# A gradient this large (256 KiB in fp32) is copied into its bucket when it arrives, on CPU: measured on the
+# 16M-parameter MLP (2M-element weights), copying whole buckets at launch instead cost 2-6% of a step, the
+# gradients having left the cache by then (docs/benchmarks.md).
+EAGER_NUMEL = 1 << 16
+
+
 class Reducer:
     """Bucketed, overlapped gradient averaging for a fixed list of parameters."""
 
@@ -102,9 +108,15 @@ class Reducer:
                                             group=process_group, nodes=nodes, device=b.buffer.device)
                             for b in self.buckets]
         self._bucket_of = [0] * len(params)
+        self._position = [0] * len(params)
         for bucket in self.buckets:
-            for i in bucket.param_indices:
-                self._bucket_of[i] = bucket.index
+            for position, i in enumerate(bucket.param_indices):
+                self._bucket_of[i], self._position[i] = bucket.index, position
+        # Gradients of at least EAGER_NUMEL elements are copied into their bucket as they arrive, while they are in
+        # the CPU's cache; smaller ones with their bucket, in one batched op at its launch. On a GPU every gradient
+        # waits for the batched op: there a copy costs a kernel launch, not cache misses.
+        eager = EAGER_NUMEL if params[0].device.type == "cpu" else None
+        self._eager = [eager is not None and p.numel() >= eager for p in params]
         # Held so that autograd keeps using these nodes: will_accumulate() asks about them.
         self._accumulators = [grad_accumulator(p) for p in params]
         self._phase = _Phase.IDLE
@@ -236,12 +248,29 @@ class Reducer:
         bucket = self._bucket_of[index]
         if bucket < self._next_bucket:
             self._on_late_gradient(index, bucket)
-        elif fired == self._expected[index] and not self._discovering:
-            # (Discovery pass: everything is launched at the end, once the number of
-            # pieces per gradient is known. Fewer pieces than expected: more are coming.)
+        elif self._discovering:
+            return  # everything is copied and launched at the end, once the pieces per gradient are known
+        elif fired == self._expected[index]:  # (fewer pieces than expected: more are coming)
+            if self._eager[index]:
+                self._fill_now(index, bucket)
             pending = self._pending[bucket] = self._pending[bucket] - 1
             if pending == 0 and bucket == self._next_bucket:
                 self._launch_ready_buckets()
+        elif fired > self._expected[index] and self._eager[index]:  # a piece after the copy, before the launch
+            if self.gradient_as_bucket_view:
+                self._on_late_gradient(index, bucket)  # it landed in the already averaged slice
+            self._fill_now(index, bucket)  # again: the latest sum wins
+
+    def _fill_now(self, index: int, bucket: int) -> None:
+        """Copy a large gradient into its slice as it arrives (``EAGER_NUMEL``)."""
+        position = self._position[index]
+        divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
+        try:
+            self.buckets[bucket].fill_one(position, divisor, self.gradient_as_bucket_view)
+        except SparseGradient:
+            raise RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's DDP reduces dense "
+                               "gradients only (use sparse=False)") from None
+        self._filled[bucket].add(position)
 
     def _on_late_gradient(self, index: int, bucket: int) -> None:
         if self.gradient_as_bucket_view:
@@ -280,7 +309,7 @@ class Reducer:
         """Start reducing a bucket: copy its gradients in (averaged, unless a comm hook does it), then communicate."""
         divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
         try:
-            bucket.fill(divisor, self.gradient_as_bucket_view, self.batched)
+            bucket.fill(divisor, self.gradient_as_bucket_view, self.batched, self._filled[bucket.index])
         except SparseGradient as e:
             raise RuntimeError(f"parameter {self.names[bucket.param_indices[e.position]]!r} has a sparse gradient; "
                                "dptrain's DDP reduces dense gradients only (use sparse=False)") from None
@@ -364,7 +393,8 @@ class Reducer:
             raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
 
     def _reduce_again(self, bucket: Bucket) -> None:
-        bucket.store(self._reduce(bucket).wait())  # copies the gradients in again, late pieces included
+        self._filled[bucket.index] = set()  # copy every gradient in again, late pieces included
+        bucket.store(self._reduce(bucket).wait())
 
     def _reset_step(self) -> None:
         n = len(self.params)
@@ -372,6 +402,7 @@ class Reducer:
         self._expected = [1] * n
         self._pending = [len(b.param_indices) for b in self.buckets]
         self._next_bucket = 0
+        self._filled: list[set[int]] = [set() for _ in self.buckets]  # positions copied in as they arrived
         self._handles: list[ReduceHandle] = []
         self._stale: set[int] = set()
         self._stats = StepCommStats()
