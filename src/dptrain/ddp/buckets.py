@@ -150,12 +150,20 @@ class Bucket:
                     _check_dense(param, position)
                     copy_into_slice(param, view, divisor, as_view)
             return
-        if not filled and not as_view:
+        if not filled:
             grads = [p.grad for p in self.params]
-            if all(g is not None and not g.is_sparse for g in grads):  # the usual case, no loop
+            if as_view and all(g is v for g, v in zip(grads, self.views)):  # views kept from the last step
+                if divisor is not None:
+                    self.buffer.div_(divisor)
+                return
+            if all(g is not None and not g.is_sparse for g in grads) and \
+                    (not as_view or not any(g is v for g, v in zip(grads, self.views))):  # the usual case
                 torch._foreach_copy_(self.views, grads)
                 if divisor is not None:
                     self.buffer.mul_(1.0 / divisor)
+                if as_view:
+                    for param, view in zip(self.params, self.views):
+                        param.grad = view
                 return
         sources, targets, in_place, zeros = [], [], [], []
         for position, (param, view) in enumerate(zip(self.params, self.views)):
