@@ -63,6 +63,17 @@ def _evict(dataset) -> None:
         os.close(fd)
 
 
+def _cold_read_s(path: Path) -> float:
+    """Seconds to read ``path`` sequentially after evicting it from the page cache."""
+    windows = TokenWindows(path, "uint16", 1)
+    _evict(windows)
+    t0 = time.perf_counter()
+    with open(path, "rb") as f:
+        while f.read(1 << 24):
+            pass
+    return time.perf_counter() - t0
+
+
 def _loader_rate(loader: ShardedLoader, start_step: int, batches: int, cold: bool) -> float:
     """Samples per second over ``batches`` micro-batches from ``start_step`` (a fresh iterator each time, as a
     resumed run starts one); ``cold``: with the file out of the page cache first."""
@@ -133,6 +144,7 @@ def main(argv: list[str] | None = None) -> None:
                     start = r * (a.batches + 1) // plan.grad_accum_steps
                     rates[name].append(_loader_rate(loaders[name], start, a.batches, a.cold))
         file_mb = path.stat().st_size / 2**20
+        disk = _cold_read_s(path) if a.cold else None
 
     step = statistics.median(rates["training step"])
     print(f"default GPT ({sum(p.numel() for p in model.parameters()):,} parameters, block {g.block_size}), "
@@ -148,12 +160,15 @@ def main(argv: list[str] | None = None) -> None:
             print(f"| {name} | {median:,.0f} | {each} | 1 | |")
         else:
             print(f"| loader: {name} | {median:,.0f} | {each} | {median / step:,.0f}x | {100 * step / median:.2f}% |")
+    if disk is not None:
+        print(f"the whole file read once from out of the page cache: {disk:.3f} s ({file_mb / disk:,.0f} MiB/s): "
+              "this disk's speed, which the cold figures assume")
     worst = min(statistics.median(v) for k, v in rates.items() if k.startswith("token file")) / step
     print(f"\ngoal: the token-file loader at least 20x faster than the step needs: {worst:,.0f}x "
           f"({'met' if worst >= 20 else 'missed'})")
     save_result(a.out, {"rates_samples_per_s": rates, "micro_batch": plan.micro_batch_size,
                         "block_size": g.block_size, "tokens": a.tokens, "threads": torch.get_num_threads(),
-                        "cold": a.cold, "headroom_worst": worst})
+                        "cold": a.cold, "cold_read_s": disk, "headroom_worst": worst})
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ from dptrain.config import ConfigError
 from dptrain.data.tokenize import Tokenizer, describe_tokenizer, load_tokenizer
 from dptrain.data.tokens import DTYPES, META, SPLITS, TokenFiles, open_token_dir, read_meta
 from dptrain.extras import require
+from dptrain.train.atomic import replacing_dir
 
 __all__ = ["Recipe", "PrepareReport", "prepare", "prepared", "prepare_command", "expand_inputs"]
 
@@ -65,13 +66,20 @@ class Recipe:
         return cls(data.source, inputs, Path(out), data.tokenizer, tuple(data.val_files), data.val_fraction,
                    data.text_column)
 
-    def fingerprint(self) -> dict:
-        """What must match for an existing directory to count as this recipe's (stored in meta.json)."""
-        def files(patterns, key):
+    def files(self) -> tuple[list[Path], list[Path]]:
+        """(training files, validation files) the patterns name, checked (``expand_inputs``)."""
+        return (expand_inputs(self.source, self.inputs, _key(self.source)),
+                expand_inputs(self.source, self.val_inputs, "data.val_files"))
+
+    def fingerprint(self, files: tuple[list[Path], list[Path]] | None = None) -> dict:
+        """What must match for an existing directory to count as this recipe's (stored in meta.json).
+
+        ``files``: what :meth:`files` returned, when the caller has it already."""
+        def stat(paths):
             return [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                    for p in expand_inputs(self.source, patterns, key)]
-        return {"source": self.source, "inputs": files(self.inputs, _key(self.source)),
-                "val_inputs": files(self.val_inputs, "data.val_files"),
+                    for p in paths]
+        train, val = files if files is not None else self.files()
+        return {"source": self.source, "inputs": stat(train), "val_inputs": stat(val),
                 "val_fraction": None if self.val_inputs else self.val_fraction,
                 "text_column": self.text_column if self.source == "hf" else None,
                 "tokenizer": describe_tokenizer(self.tokenizer)}
@@ -186,14 +194,11 @@ def prepare(recipe: Recipe, progress: bool = True, log: Callable[[str], None] = 
         raise ConfigError(f"{_key(recipe.source)} is empty: give the text files (or data files) to prepare")
     if not recipe.val_inputs and not 0.0 < recipe.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {recipe.val_fraction}")
-    fingerprint = recipe.fingerprint()  # also checks that every input exists and is not empty
+    train_files, val_files = recipe.files()  # checks that every input exists and is not empty
+    fingerprint = recipe.fingerprint((train_files, val_files))
     tokenizer = load_tokenizer(recipe.tokenizer)
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
-    train_files = expand_inputs(recipe.source, recipe.inputs, _key(recipe.source))
-    val_files = expand_inputs(recipe.source, recipe.val_inputs, "data.val_files")
-    recipe.out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{recipe.out.name}.", dir=recipe.out.parent))
-    try:
+    with replacing_dir(recipe.out) as staging:
         with _Progress(train_files + val_files, recipe.source, progress) as bar:
             train = _write(staging / SPLITS[0], _documents(recipe, train_files, tokenizer, bar), dtype)
             if val_files:
@@ -206,13 +211,6 @@ def prepare(recipe: Recipe, progress: bool = True, log: Callable[[str], None] = 
         meta = {"dtype": dtype, "vocab_size": tokenizer.vocab_size, "separator": tokenizer.separator,
                 "train_tokens": train, "val_tokens": val, "recipe": fingerprint, "prepared_by": "dptrain prepare-data"}
         (staging / META).write_text(json.dumps(meta, indent=2))
-        for f in staging.iterdir():
-            f.chmod(0o644)
-        staging.chmod(0o755)
-        os.rename(staging, recipe.out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     written = sum(f.stat().st_size for f in recipe.out.iterdir())
     report = PrepareReport(open_token_dir(recipe.out), train, val, tokenizer.vocab_size, written,
                            time.perf_counter() - t0)

@@ -45,7 +45,7 @@ class GradientArrivals:
         self.static_graph = static_graph
         self.last: list[int] | None = None          # arrivals in the last synced backward
         self.static_unused: set[int] | None = None   # static graph: globally unused, learned
-        self.locally_used = [False] * len(params)    # since the last sync (spans no_sync)
+        self.locally_used = [False] * len(params)    # since the last sync (spans no_sync); the reducer's hook sets it
         self.pieces_vary = False                      # some rank saw a gradient in pieces
 
     @property
@@ -116,9 +116,6 @@ class GradientArrivals:
         self.last = list(fired)
         if self.static_graph and self.static_unused is None:
             self.static_unused = {i for i, used in enumerate(globally_used) if not used}
-
-    def mark_used(self, index: int) -> None:
-        self.locally_used[index] = True
 
     def forget_used(self) -> None:
         """A sync happened (or failed): start a new record of what this rank used."""

@@ -213,11 +213,9 @@ class Bucket:
             if all(g is not None for g in grads):  # the usual case: one copy, no loop
                 torch._foreach_copy_(grads, self.views)
                 return
-        if used is True:
-            used = [True] * (max(self.param_indices) + 1)
         targets, sources = [], []
         for i, param, view in zip(self.param_indices, self.params, self.views):
-            if not used[i]:
+            if used is not True and not used[i]:
                 continue
             if as_view:
                 if param.grad is not view:  # after the first step it is (autograd accumulates into it)

@@ -227,10 +227,11 @@ class Reducer:
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
         """A gradient piece landed in ``param.grad``: count it; launch the buckets it completes.
 
-        This runs once per parameter per backward, so it does only bookkeeping: the
+        This runs once per parameter per backward, so it does little more than count: the
         gradients are copied into a bucket by one batched operation when the bucket
-        launches (``Bucket.fill``), as late as possible, so a piece that arrives after
-        the count said "ready" but before the launch is still in (the latest sum wins).
+        launches (``Bucket.fill``), so a piece that arrives after the count said "ready"
+        but before the launch is still in (the latest sum wins). Only a gradient of
+        ``EAGER_NUMEL`` elements or more, on CPU, is copied here, as it arrives.
         """
         phase = self._phase
         if phase is not _Phase.REDUCING:
@@ -268,9 +269,12 @@ class Reducer:
         try:
             self.buckets[bucket].fill_one(position, divisor, self.gradient_as_bucket_view)
         except SparseGradient:
-            raise RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's DDP reduces dense "
-                               "gradients only (use sparse=False)") from None
+            raise self._sparse_error(index) from None
         self._filled[bucket].add(position)
+
+    def _sparse_error(self, index: int) -> RuntimeError:
+        return RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's DDP reduces dense "
+                            "gradients only (use sparse=False)")
 
     def _on_late_gradient(self, index: int, bucket: int) -> None:
         if self.gradient_as_bucket_view:
@@ -311,8 +315,7 @@ class Reducer:
         try:
             bucket.fill(divisor, self.gradient_as_bucket_view, self.batched, self._filled[bucket.index])
         except SparseGradient as e:
-            raise RuntimeError(f"parameter {self.names[bucket.param_indices[e.position]]!r} has a sparse gradient; "
-                               "dptrain's DDP reduces dense gradients only (use sparse=False)") from None
+            raise self._sparse_error(bucket.param_indices[e.position]) from None
         self._stats.calls += 1
         self._stats.bytes += bucket.nbytes
         self._stats.bucket_bytes.append(bucket.nbytes)

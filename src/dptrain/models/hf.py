@@ -101,9 +101,10 @@ def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path,
     Written beside ``out`` and renamed into place: never half-written.
     """
     import shutil
-    import tempfile
 
     from safetensors.torch import load_file
+
+    from dptrain.train.atomic import replacing_dir
 
     model = causal_lm(path, weights=False)
     state = load_file(str(weights))
@@ -116,17 +117,8 @@ def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path,
     if untied or unexpected:
         raise ValueError(f"{weights} does not match {path}'s architecture: missing {untied}, unexpected {unexpected}")
     out = Path(out)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
+    with replacing_dir(out, replace=True) as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         if tokenizer and tokenizer != "bytes":
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
-        for item in staging.iterdir():
-            item.chmod(0o644)
-        staging.chmod(0o755)
-        if out.exists():
-            shutil.rmtree(out)
-        staging.rename(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return out

@@ -79,30 +79,32 @@ def _cross_entropy(logits: torch.Tensor, targets: torch.Tensor | None, reduction
                            reduction=reduction)
 
 
-def protocol_loss(model: nn.Module, batch: Any) -> torch.Tensor:
-    """The mean loss of ``batch``."""
-    output, targets, _ = call_model(model, batch)
+def _read(output: Any) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the loss the model computed, or None; else its logits), or a ProtocolError when it gave neither."""
     loss = _given_loss(output)
     if loss is not None:
-        return loss
+        return loss, None
     logits = _logits(output)
     if logits is None:
         raise ProtocolError(f"the model returned {type(output).__name__}, which is not a loss, logits, or an object "
                             "with .loss or .logits (docs/your-data.md: what a model may return)")
-    return _cross_entropy(logits, targets, "mean")
+    return None, logits
+
+
+def protocol_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """The mean loss of ``batch``."""
+    output, targets, _ = call_model(model, batch)
+    loss, logits = _read(output)
+    return loss if loss is not None else _cross_entropy(logits, targets, "mean")
 
 
 @torch.no_grad()
 def protocol_eval_sums(model: nn.Module, batch: Any) -> dict[str, float]:
     """Sums over ``batch`` that add up over batches and ranks (``val_metrics`` divides them)."""
     output, targets, samples = call_model(model, batch)
-    loss = _given_loss(output)  # first, as in training: a model that computes its own loss is taken at its word
+    loss, logits = _read(output)  # as in training: a model that computes its own loss is taken at its word
     if loss is not None:
         return {"loss_sum": float(loss) * samples, "count": float(samples)}
-    logits = _logits(output)
-    if logits is None:
-        raise ProtocolError(f"the model returned {type(output).__name__}, which is not a loss, logits, or an object "
-                            "with .loss or .logits (docs/your-data.md: what a model may return)")
     loss_sum = _cross_entropy(logits, targets, "sum")
     kept = targets != IGNORE
     return {"loss_sum": loss_sum.item(), "count": float(kept.sum()),

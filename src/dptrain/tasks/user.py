@@ -112,7 +112,7 @@ def token_task(cfg: RunConfig) -> ProtocolTask:
         raise ConfigError(f"{files.path(SPLITS[1])} has {val.num_tokens:,} tokens, fewer than one window of "
                           f"{block + 1} (block_size + 1): give more validation data or a shorter block_size")
     about = f"windows of {block} + 1 tokens from the {train.num_tokens:,} tokens of {files.path(SPLITS[0])}"
-    return ProtocolTask(files.dir.name or "lm", train, val, build, tokens_per_sample=block, about=about,
+    return ProtocolTask(run_name(cfg), train, val, build, tokens_per_sample=block, about=about,
                         shape=getattr(build, "architecture", None))
 
 
@@ -137,8 +137,14 @@ def _lm_model(cfg: RunConfig, files: TokenFiles) -> tuple[Callable[[], nn.Module
     if not vocab:
         raise ConfigError(f"{files.dir} has no meta.json saying its vocabulary size: set gpt.vocab_size (nanoGPT's "
                           "GPT-2 tokens: 50304)")
-    return (lambda: GPT(vocab_size=vocab, block_size=block, n_layer=g.n_layer, n_head=g.n_head, n_embd=g.n_embd,
-                        dropout=g.dropout)), vocab, block, block
+    return _builtin_gpt(cfg, vocab, block), vocab, block, block
+
+
+def _builtin_gpt(cfg: RunConfig, vocab: int, block: int) -> Callable[[], nn.Module]:
+    """The built-in GPT sized by ``[gpt]``, with this vocabulary and context."""
+    g = cfg.gpt
+    return lambda: GPT(vocab_size=vocab, block_size=block, n_layer=g.n_layer, n_head=g.n_head, n_embd=g.n_embd,
+                       dropout=g.dropout)
 
 
 def factory_task(cfg: RunConfig) -> ProtocolTask:
@@ -160,16 +166,11 @@ def factory_task(cfg: RunConfig) -> ProtocolTask:
         def build() -> nn.Module:
             return MLPClassifier(features=c.features, classes=c.classes, hidden=c.hidden, depth=c.depth)
     else:
-        g = cfg.gpt
-        if not g.vocab_size:
+        if not cfg.gpt.vocab_size:
             raise ConfigError("the built-in GPT on your datasets needs gpt.vocab_size (or set task.model or hf.path)")
-
-        def build() -> nn.Module:
-            return GPT(vocab_size=g.vocab_size, block_size=g.block_size, n_layer=g.n_layer, n_head=g.n_head,
-                       n_embd=g.n_embd, dropout=g.dropout)
-    name = cfg.data.factory.partition(":")[0].rsplit(".", 1)[-1] or "custom"
-    return ProtocolTask(name, train, val, build, tokens_per_sample=int(getattr(train, "tokens_per_sample", 1)),
-                        collate_fn=collate, about=f"samples of data.factory {cfg.data.factory!r}",
+        build = _builtin_gpt(cfg, cfg.gpt.vocab_size, cfg.gpt.block_size)
+    return ProtocolTask(run_name(cfg), train, val, build,
+                        tokens_per_sample=int(getattr(train, "tokens_per_sample", 1)), collate_fn=collate, about=f"samples of data.factory {cfg.data.factory!r}",
                         shape=getattr(build, "architecture", None))
 
 

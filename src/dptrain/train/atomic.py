@@ -8,10 +8,12 @@ starts with a dot, so listings of the run directory (the summary) skip it.
 from __future__ import annotations
 
 import contextlib
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["replacing", "write_text_atomic"]
+__all__ = ["replacing", "replacing_dir", "write_text_atomic"]
 
 
 @contextlib.contextmanager
@@ -23,6 +25,27 @@ def replacing(path: Path) -> Iterator[Path]:
         tmp.replace(path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def replacing_dir(path: Path, replace: bool = False) -> Iterator[Path]:
+    """A new staging directory beside ``path`` to fill; renamed to ``path`` if the block succeeds, removed if not.
+
+    Its files become readable by everyone (0644, the directory 0755). ``replace``: an
+    existing ``path`` is removed first (otherwise the rename fails on a non-empty one).
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    try:
+        yield staging
+        for item in staging.iterdir():
+            item.chmod(0o644)
+        staging.chmod(0o755)
+        if replace and path.exists():
+            shutil.rmtree(path)
+        staging.rename(path)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:
