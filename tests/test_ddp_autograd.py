@@ -214,3 +214,63 @@ def test_graphs_that_change_differently_on_each_rank(name: str, kwargs: dict) ->
     # buckets, so their collectives stay in step and the result is exact.
     for rank, diffs in enumerate(run_on_ranks(_rank_dependent_pieces, 2, name, kwargs)):
         assert max(diffs) <= 1e-5, f"rank {rank}: {diffs}"
+
+
+class _Swapped(nn.Module):
+    """Blocks whose second-registered layer runs first: gradients arrive out of registration order."""
+
+    def __init__(self, blocks: int = 4):
+        super().__init__()
+        self.firsts = nn.ModuleList(nn.Linear(IN, IN) for _ in range(blocks))
+        self.seconds = nn.ModuleList(nn.Linear(IN, IN) for _ in range(blocks))
+
+    def forward(self, x):
+        for first, second in zip(self.firsts, self.seconds):
+            x = torch.tanh(first(torch.tanh(second(x))))
+        return x
+
+
+def _launches_with_swapped_arrivals(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    reference = _Swapped()
+    model = DistributedDataParallel(copy.deepcopy(reference), bucket_cap_mb=0.0004)  # a few parameters a bucket
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    launched, diffs = [], []
+    for step in range(3):
+        x = torch.randn(MICRO * world_size, IN, generator=torch.Generator().manual_seed(step))
+        rows = slice(rank * MICRO, (rank + 1) * MICRO)
+        for m, opt, xs in ((model, opts[0], x[rows]), (reference, opts[1], x)):
+            opt.zero_grad()
+            m(xs).pow(2).mean().backward()
+            opt.step()
+        launched.append(model.last_step_comm.launched_during_backward)
+        diffs.append(max_relative_diff(model.module, reference))
+    return {"launched": launched, "buckets": len(model.reducer.buckets), "diffs": diffs}
+
+
+def test_buckets_launch_during_backward_when_gradients_arrive_out_of_registration_order() -> None:
+    # Each bucket's check runs in the hook of the parameter whose gradient came last in the
+    # previous step ([Note: arrival logs]): after the discovery step, every bucket is launched
+    # during backward even though the registration order predicted another last arrival.
+    for result in run_on_ranks(_launches_with_swapped_arrivals, 2):
+        assert result["buckets"] >= 3
+        assert result["launched"][0] == 0  # discovery: everything at the end
+        assert result["launched"][1:] == [result["buckets"]] * 2, result
+        assert max(result["diffs"]) <= 1e-5, result["diffs"]
+
+
+def _loss_without_the_outputs(rank: int, world_size: int) -> str:
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)))
+    model(torch.ones(2, 3)).sum().backward()  # step 1, through the outputs: fine
+    model(torch.ones(2, 3))
+    model.module[1].weight.sum().backward()  # not through the outputs, and not the bucket's trigger
+    try:
+        model(torch.ones(2, 3))
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_synced_backward_that_never_reaches_the_outputs_is_an_error_at_the_next_forward() -> None:
+    for message in run_on_ranks(_loss_without_the_outputs, 2):
+        assert "were not averaged" in message and "1.weight" in message, message

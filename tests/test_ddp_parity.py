@@ -45,7 +45,7 @@ class Case:
     model: str
     ddp: dict = field(default_factory=dict)
     reference: str = "full"            # "full" or "per_replica"
-    branch: str = "always"             # branchy only: "always", "odd_steps", "one_rank", "never"
+    branch: str = "always"             # branchy only: "always", "odd_steps", "one_rank", "never", "no_sync_only"
     dynamic_segments: bool = False     # checkpointed only: 2 segments on even steps, 3 on odd
     accum: int = 1                     # micro-steps per optimizer step (no_sync for all but last)
     set_to_none: bool = True           # zero_grad(set_to_none=...): False keeps .grad tensors alive
@@ -79,6 +79,9 @@ CASES = {
                                                             "find_unused_parameters": True},
                                          dynamic_segments=True),
     "no_sync_accumulation": Case("mlp", {"bucket_cap_mb": TINY_BUCKETS}, accum=3),
+    # The branch runs only in the no_sync micro-step: it is used, by every rank, since the last sync.
+    "no_sync_only_branch": Case("branchy", {"bucket_cap_mb": TINY_BUCKETS, "find_unused_parameters": True},
+                                reference="per_replica", accum=2, branch="no_sync_only"),
     "no_sync_accumulation_batchnorm": Case("bn", {"bucket_cap_mb": TINY_BUCKETS}, reference="per_replica",
                                            accum=2),
     # Buckets all-reduced by dptrain's own algorithms (dptrain.comm) instead of the backend's.
@@ -98,13 +101,13 @@ CASES = {
 }
 
 
-def _forward_kwargs(case: Case, step: int, replica: int, world_size: int) -> dict:
+def _forward_kwargs(case: Case, step: int, replica: int, world_size: int, micro: int = 0) -> dict:
     if case.dynamic_segments:
         return {"segments": 2 + step % 2}
     if case.model != "branchy":
         return {}
     use = {"always": True, "never": False, "odd_steps": step % 2 == 1,
-           "one_rank": replica == step % world_size}[case.branch]
+           "one_rank": replica == step % world_size, "no_sync_only": micro < case.accum - 1}[case.branch]
     return {"use_branch": use}
 
 
@@ -129,7 +132,7 @@ def _dp_step(case, model, opt, x, y, rank, world_size, step) -> None:
         rows = _micro_slice(case, k, rank, world_size)
         sync = contextlib.nullcontext() if k == case.accum - 1 else model.no_sync()
         with sync:
-            out = model(x[rows], **_forward_kwargs(case, step, rank, world_size))
+            out = model(x[rows], **_forward_kwargs(case, step, rank, world_size, k))
             (loss_fn(case.model, out, y[rows]) / case.accum).backward()
     opt.step()
 
@@ -149,7 +152,7 @@ def _reference_step(case, reference, opt, x, y, world_size, step) -> None:
         for replica in range(world_size):
             _load_buffers(reference, replica_buffers[replica])
             rows = _micro_slice(case, k, replica, world_size)
-            out = reference(x[rows], **_forward_kwargs(case, step, replica, world_size))
+            out = reference(x[rows], **_forward_kwargs(case, step, replica, world_size, k))
             (loss_fn(case.model, out, y[rows]) / (case.accum * world_size)).backward()
             replica_buffers[replica] = [b.clone() for b in reference.buffers()]
     _load_buffers(reference, replica_buffers[0])

@@ -2,6 +2,7 @@
 
     python docs/repro/ddp_small_params.py profile [--view] [--steps 50]
     python docs/repro/ddp_small_params.py views [--rounds 20]
+    python docs/repro/ddp_small_params.py hooks [--view] [--rounds 100]
 
 ``profile``: one rank (gloo, world size 1, one thread), dptrain's DDP with one 25 MiB
 bucket, SGD, micro-batch 8: the median step of 100 steps for dptrain and for torch's
@@ -15,6 +16,12 @@ engine's public constructor).
 ``gradient_as_bucket_view=True`` only, interleaved as ``dptrain bench ddp`` does
 (``_bench_rank``), and the dptrain/torch ratio of per-round medians with its 90%
 interval: the bucket-view comparison without the other variants in the process.
+
+``hooks``: one rank, one thread; the backward of the bare model, of the model with a
+do-nothing hook on every parameter (a list's C ``append``: autograd's own cost of a
+Python hook), of dptrain's DDP and of torch's, interleaved; the median time each spends
+above the bare backward, per parameter tensor (hooks, bucket copies, the world-size-1
+all-reduce and the copy out). The same ``PYTHONPATH`` trick compares commits.
 """
 
 from __future__ import annotations
@@ -105,6 +112,41 @@ def views(rounds: int) -> None:
           f"90% interval {low:.3f} - {high:.3f}")
 
 
+def hooks(view: bool, rounds: int) -> None:
+    from dptrain.ddp import DistributedDataParallel
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29548")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    torch.manual_seed(0)
+    log: list[torch.Tensor] = []
+    with_hook = build()
+    for p in with_hook.parameters():
+        p.register_post_accumulate_grad_hook(log.append)
+    models = {"bare": build(), "do-nothing hook": with_hook,
+              "dptrain DDP": DistributedDataParallel(build(), bucket_cap_mb=25, gradient_as_bucket_view=view),
+              "torch DDP": nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=25,
+                                                               gradient_as_bucket_view=view)}
+    x = torch.randn(8, 64)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for r in range(rounds + 5):
+        for name, model in models.items():
+            model.zero_grad(set_to_none=True)
+            log.clear()
+            loss = model(x).pow(2).mean()
+            start = time.perf_counter()
+            loss.backward()
+            if r >= 5:
+                times[name].append(time.perf_counter() - start)
+    bare = statistics.median(times["bare"])
+    print(f"backward, one rank, 800 parameter tensors{', bucket views' if view else ''}, median of {rounds}:")
+    for name, t in times.items():
+        print(f"  {name:16s} {statistics.median(t) * 1e3:6.2f} ms   above bare: "
+              f"{(statistics.median(t) - bare) / 800 * 1e6:5.2f} us per parameter")
+    dist.destroy_process_group()
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -113,5 +155,13 @@ if __name__ == "__main__":
     p.add_argument("--steps", type=int, default=50)
     v = sub.add_parser("views")
     v.add_argument("--rounds", type=int, default=20)
+    h = sub.add_parser("hooks")
+    h.add_argument("--view", action="store_true")
+    h.add_argument("--rounds", type=int, default=100)
     a = parser.parse_args()
-    profile(a.view, a.steps) if a.what == "profile" else views(a.rounds)
+    if a.what == "profile":
+        profile(a.view, a.steps)
+    elif a.what == "views":
+        views(a.rounds)
+    else:
+        hooks(a.view, a.rounds)
