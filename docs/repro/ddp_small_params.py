@@ -75,14 +75,19 @@ def _median_step(model: nn.Module, steps: int, profile: bool = False) -> tuple[f
     return statistics.median(times), report
 
 
-def profile(view: bool, steps: int) -> None:
-    from dptrain.ddp import DistributedDataParallel
-
+def _one_rank() -> None:
+    """A world of one gloo rank, one thread, seeded."""
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29547")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.manual_seed(0)
+
+
+def profile(view: bool, steps: int) -> None:
+    from dptrain.ddp import DistributedDataParallel
+
+    _one_rank()
     theirs = nn.parallel.DistributedDataParallel(build(), bucket_cap_mb=25, gradient_as_bucket_view=view)
     ours = DistributedDataParallel(build(), bucket_cap_mb=25, gradient_as_bucket_view=view)
     t_theirs, _ = _median_step(theirs, steps)
@@ -115,11 +120,7 @@ def views(rounds: int) -> None:
 def hooks(view: bool, rounds: int) -> None:
     from dptrain.ddp import DistributedDataParallel
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29548")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    torch.manual_seed(0)
+    _one_rank()
     log: list[torch.Tensor] = []
     with_hook = build()
     for p in with_hook.parameters():
