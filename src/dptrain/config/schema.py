@@ -129,7 +129,8 @@ class DDPConfig:
                        choices=("auto", "gloo", "nccl"))
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
     gradient_as_bucket_view: bool = opt(False, "make .grad views into the communication buckets")
-    find_unused_parameters: bool = opt(False, "allow parameters that get no gradient on some steps")
+    find_unused_parameters: bool = opt(False, "allow parameters (DDP) or units (ZeRO) that get no gradient on "
+                                              "some steps or ranks")
     static_graph: bool = opt(False, "the set of used parameters never changes")
     timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
     roll_call_s: float = opt(3.0, "after a collective fails, how long each surviving rank waits for the others to "

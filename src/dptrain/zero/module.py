@@ -31,6 +31,30 @@ How stage 3 frees parameters that autograd saved for backward: forward runs unde
 resharding unit's full buffer is packed as (unit, offset, size, stride) instead of
 being kept, and unpacking it in backward all-gathers the unit again (or waits for its
 prefetch). This is the same idea as activation offloading, applied to weights.
+
+[Note: units some ranks skip]
+Collectives pair up by order: every rank must issue the same all-gathers and
+reduce-scatters in the same order. A unit that some ranks skip in a step (a branch
+taken on some ranks, routed experts, a modality absent from one rank's batch) breaks
+that, in forward (stage 3's gathers) and in backward (every stage's reductions). With
+``find_unused_parameters=True`` the collectives stop following the computation:
+
+- stage 3 gathers its unit modules in index order, each rank every unit once per
+  forward (a unit's pre-hook first gathers the units before it; the end of forward
+  gathers the rest and drops those this rank skipped). Units stay gathered until the
+  end of backward, so backward gathers nothing (``reshard_after_forward`` and
+  ``prefetch`` are off);
+- every reduction waits for the end of backward. There one all-reduce of a flag per
+  unit tells which units any rank used, and every rank reduce-scatters each of those
+  in index order, with zeros for a unit it did not use. A unit no rank used keeps its
+  gradient untouched, as DDP's ``find_unused_parameters`` leaves ``.grad``.
+
+The price is DDP's memory during the step (full parameters and full gradients until the
+end of backward) and no overlap of reductions with backward: between steps the shards
+are as small as ever. FSDP2 instead runs a missing post-backward for groups that did not
+run at all, which keeps ranks in step only when every rank skipped the same groups.
+Without the flag, a synchronising backward that reached some units but not others
+raises on the rank that skipped (the others' collective then fails instead of hanging).
 """
 
 from __future__ import annotations
@@ -105,7 +129,7 @@ class ZeRO(nn.Module):
                  traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
                  split_by: Callable[[str, torch.Tensor], Hashable] | None = None,
                  compression: ShardedCompression | None = None, check_collectives: str = "first",
-                 check_timeout_s: float = 300.0):
+                 check_timeout_s: float = 300.0, find_unused_parameters: bool = False):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -118,6 +142,9 @@ class ZeRO(nn.Module):
         comm.check_algorithm(algorithm, nodes, dist.get_world_size(process_group))
         self.module = module
         self.stage, self.group, self.algorithm, self.nodes = stage, process_group, algorithm, nodes
+        self.find_unused_parameters = find_unused_parameters
+        if find_unused_parameters:  # [Note: units some ranks skip]
+            prefetch, reshard_after_forward = False, False
         self.prefetch, self.broadcast_buffers = prefetch, broadcast_buffers
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
             raise TypeError(f"mixed_precision must be a dptrain.zero.MixedPrecision, got {mixed_precision!r}")
@@ -156,6 +183,8 @@ class ZeRO(nn.Module):
             unit.owner = owner
             unit.key = key
             unit.check = check
+            if find_unused_parameters:
+                unit.defer, unit.single_piece = True, False
             self.units.append(unit)
         self._reductions = ReductionQueue(1)
         self.last_step_comm = StepCommStats()  # the last synchronising backward's reductions (calls, bytes)
@@ -183,6 +212,8 @@ class ZeRO(nn.Module):
             for holder, units in units_of.items():
                 holder.register_forward_pre_hook(self._make_first_use_hook(units))
         self._order: list[FlatUnit] = [u for u in self.units if u.owner is not None]
+        self._owned = list(self._order)  # stage 3's unit modules in index order
+        self._gathered = 0               # find_unused_parameters: _owned[:_gathered] gathered this forward
         self._ran: list[FlatUnit] = []
         self._live: dict[int, FlatUnit] = {}
         self._finish_queued = False
@@ -289,7 +320,7 @@ class ZeRO(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, 0, self.group)
-        self._ran = []
+        self._ran, self._gathered = [], 0
         for unit in self.units:
             if unit.owner is None:
                 # Stages 1-2: plain views now, so that every attribute exists; autograd views
@@ -306,6 +337,8 @@ class ZeRO(nn.Module):
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         with hooks:
             out = self.module(*args, **kwargs)
+        if self.find_unused_parameters and self.stage == 3:
+            self._gather_in_order(None)
         if mp is not None:
             out = cast_floats(out, mp.output_dtype)
         if self._ran:
@@ -321,6 +354,8 @@ class ZeRO(nn.Module):
     def _make_pre_hook(self, unit: FlatUnit):
         def pre_hook(module, args):
             self._ran.append(unit)
+            if self.find_unused_parameters:
+                self._gather_in_order(unit)
             unit.materialize()
             if unit.reshard_after_forward:
                 self._live[id(unit.full)] = unit
@@ -355,6 +390,24 @@ class ZeRO(nn.Module):
                 self._live.pop(id(unit.full), None)
                 unit.release()
         return post_hook
+
+    def _gather_in_order(self, through: FlatUnit | None) -> None:
+        """Stage 3, ``find_unused_parameters``: gather the unit modules up to ``through`` (None: all) in index order.
+
+        Every rank then gathers every unit once per forward, in the same order, whichever
+        units its forward runs ([Note: units some ranks skip]). A unit this rank skipped
+        is dropped again at the end of forward.
+        """
+        owned = self._owned
+        stop = len(owned) if through is None else owned.index(through) + 1
+        while self._gathered < stop:
+            owned[self._gathered].gather()
+            self._gathered += 1
+        if through is None:
+            ran = set(map(id, self._ran))
+            for unit in owned:
+                if id(unit) not in ran:
+                    unit.release(force=True)
 
     @staticmethod
     def _next_in(order: list[FlatUnit], unit: FlatUnit, step: int) -> FlatUnit | None:
@@ -393,9 +446,14 @@ class ZeRO(nn.Module):
 
     def _finish(self) -> None:
         self._finish_queued = False
-        for unit in self.units:
-            if unit.accumulates_in_place and unit.require_sync:
-                unit.reduce_accumulated()
+        syncing = self.units[0].require_sync
+        if syncing and self.find_unused_parameters:
+            self._reduce_in_order()
+        elif syncing:
+            self._check_every_unit_reduced()
+            for unit in self.units:
+                if unit.accumulates_in_place:
+                    unit.reduce_accumulated()
         for unit in self.units:
             unit.finish()
         self._reductions.clear()
@@ -405,6 +463,43 @@ class ZeRO(nn.Module):
                 unit.step_comm = self._step_comm
         if self.stage == 3:
             self._release_all()
+
+    def _reduce_in_order(self) -> None:
+        """``find_unused_parameters``: one reduce-scatter per unit some rank used, in index order, on every rank.
+
+        A rank that did not use a unit contributes zeros. Which units any rank used is
+        agreed with one all-reduce of a flag per unit; a unit no rank used is not reduced
+        and keeps its gradient untouched, so the optimizer skips it (as DDP leaves
+        ``.grad`` of parameters no rank used).
+        """
+        grads = [unit.take_unreduced() for unit in self.units]
+        used = torch.tensor([g is not None for g in grads], dtype=torch.int32, device=self.device)
+        if self.world_size > 1:
+            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
+        self._step_comm.calls += self.world_size > 1
+        self._step_comm.bytes += used.numel() * used.element_size() if self.world_size > 1 else 0
+        for unit, grad, anyone in zip(self.units, grads, used.tolist()):
+            if anyone:
+                unit.launch(grad if grad is not None else
+                            torch.zeros(unit.numel, dtype=unit.reduce_dtype, device=unit.device))
+
+    def _check_every_unit_reduced(self) -> None:
+        """Without ``find_unused_parameters``: a unit this synchronising backward did not reach is an error.
+
+        The other ranks are waiting in its reduce-scatter (or were paired with another
+        unit's); raising here ends this rank, and their collective fails instead of
+        waiting for the timeout. A backward that reached no unit (``torch.autograd.grad``
+        for a gradient penalty) is not a step and passes.
+        """
+        missing = [u for u in self.units if not u.reduced]
+        if missing and len(missing) < len(self.units):
+            names = ", ".join(f"unit {u.index} ({u.refs[0].name}{', ...' if len(u.refs) > 1 else ''})"
+                              for u in missing[:4])
+            raise RuntimeError(
+                f"ZeRO rank {dist.get_rank(self.group)}: {len(missing)} unit(s) received no gradient in this "
+                f"backward: {names}. Every rank must reduce every unit, so the other ranks' collectives cannot "
+                "complete. If some ranks or steps skip part of the model (a branch, routed experts), wrap with "
+                "ZeRO(..., find_unused_parameters=True) (dptrain run: --set ddp.find_unused_parameters=true)")
 
     def _release_all(self) -> None:
         for unit in self.units:

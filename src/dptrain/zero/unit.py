@@ -158,6 +158,10 @@ class FlatUnit:
         self._fresh_cycle, self._has_local = True, False  # stage 1: the local accumulation's state
         self._carry: torch.Tensor | None = None
         self.require_sync = True
+        # find_unused_parameters: reductions wait for the end of backward, where every rank issues one per
+        # unit in index order (ZeRO._reduce_in_order); this holds the gradient until then
+        self.defer = False
+        self._deferred: torch.Tensor | None = None
         # this step's counts (set by ZeRO, which publishes them as last_step_comm), and what one
         # reduction of this unit sends as the collective is issued (comm.sent_bytes)
         self.step_comm: StepCommStats | None = None
@@ -331,6 +335,29 @@ class FlatUnit:
         self.release()  # stage 3: backward is done with this unit's weights
 
     def _launch(self, grad_full: torch.Tensor) -> None:
+        if self.defer:
+            self._deferred = grad_full if self._deferred is None else self._deferred.add_(grad_full)
+        else:
+            self.launch(grad_full)
+
+    def take_unreduced(self) -> torch.Tensor | None:
+        """``find_unused_parameters``, end of a synchronising backward: this rank's full gradient, or None.
+
+        The deferred gradient, or one accumulated under ``no_sync`` that this backward
+        did not reach (the unit ran in an earlier micro-step only).
+        """
+        if self._accumulated:  # stage 1 in place: the accumulation is in full_grad
+            self.reduce_accumulated()
+        elif self.stage == 1 and self._has_local:
+            self._launch(self.full_grad)
+            self._has_local = False
+        elif self._unsynced is not None:
+            self._launch(self._unsynced)
+            self._unsynced = None
+        grad, self._deferred = self._deferred, None
+        return grad
+
+    def launch(self, grad_full: torch.Tensor) -> None:
         """Start reducing ``grad_full``, a full-size gradient nothing else reads afterwards.
 
         It is consumed: the collective works in it rather than in a copy (on gloo, whose
@@ -367,6 +394,11 @@ class FlatUnit:
                 work.wait()
                 self._pending[i] = (None, out, None)
                 return
+
+    @property
+    def reduced(self) -> bool:
+        """Whether this synchronising backward gave the unit a reduction (launched or deferred)."""
+        return bool(self._pending) or self._deferred is not None or self._accumulated
 
     def finish(self) -> None:
         """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
