@@ -83,3 +83,19 @@ def test_a_model_built_on_the_meta_device_is_materialised_shard_by_shard() -> No
     for o in out:
         assert o["finite"] and o["bias_zero"]
         assert 0.05 < o["fc_std"] < 0.5  # nn.Linear's reset_parameters: U(-1/sqrt(12), 1/sqrt(12)), std 0.167
+
+
+def _read_between_steps(rank: int, world_size: int) -> str:
+    model = ZeRO(build("tied"), stage=3, unit_classes=(nn.Embedding,))
+    x, y = global_batch("tied", 0, 4)
+    loss_fn("tied", model(x), y).backward()  # inside the forward the parent's read gathers the unit
+    try:
+        model.module.embed.weight
+    except AttributeError as e:
+        return str(e)
+    return ""
+
+
+def test_reading_a_stage_3_parameter_between_steps_says_how_to_get_it() -> None:
+    for message in run_on_ranks(_read_between_steps, 2, timeout=60):
+        assert "'embed.weight'" in message and "gathered_state()" in message, message

@@ -88,6 +88,9 @@ CASES = {
     # wte and lm_head share a weight and are different units: it must go to the root unit.
     "stage3_tied_across_units": ("gpt", 3, {"unit_classes": (torch.nn.Embedding, torch.nn.Linear)}, 1),
     "stage3_gpt_blocks": ("gpt", 3, {"unit_classes": (Block,)}, 1),
+    # the embedding is a unit of its own and the parent reads its weight for the output head
+    "stage3_tied_head_read_by_the_parent": ("tied", 3, {"unit_classes": (torch.nn.Embedding, torch.nn.Linear)}, 1),
+    "stage3_tied_head_read_by_the_parent_accumulation": ("tied", 3, {"unit_classes": (torch.nn.Embedding,)}, 2),
     "stage2_tied": ("tied", 2, {"bucket_cap_mb": 0.0004}, 1),
     "stage1_accumulation": ("mlp", 1, {"bucket_cap_mb": 0.0004}, 2),
     # a shared weight's gradient arrives in pieces: stage 1 must learn to reduce after backward

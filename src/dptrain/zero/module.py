@@ -201,6 +201,13 @@ class ZeRO(nn.Module):
             if unit.owner is not None:
                 unit.owner.register_forward_pre_hook(self._make_pre_hook(unit))
                 unit.owner.register_forward_hook(self._make_post_hook(unit))
+        self._in_forward = False
+        self._read_outside: list[FlatUnit] = []  # stage 3: units gathered for a read outside their forward
+        if stage == 3:
+            for unit in self.units:
+                for ref in unit.refs:
+                    for holder, attr in ref.holders:
+                        _gather_on_read(holder, attr, self, unit, ref.name)
         self._lazy: set[FlatUnit] = set()  # stages 1-2: units whose autograd views are not set yet
         if stage < 3:
             units_of: dict[nn.Module, list[FlatUnit]] = {}
@@ -335,10 +342,18 @@ class ZeRO(nn.Module):
         mp = self.mixed_precision
         if mp is not None and mp.cast_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        with hooks:
-            out = self.module(*args, **kwargs)
+        self._in_forward = True
+        try:
+            with hooks:
+                out = self.module(*args, **kwargs)
+        finally:
+            self._in_forward = False
         if self.find_unused_parameters and self.stage == 3:
             self._gather_in_order(None)
+        for unit in self._read_outside:
+            self._live.pop(id(unit.full), None)
+            unit.release()
+        self._read_outside = []
         if mp is not None:
             out = cast_floats(out, mp.output_dtype)
         if self._ran:
@@ -390,6 +405,27 @@ class ZeRO(nn.Module):
                 self._live.pop(id(unit.full), None)
                 unit.release()
         return post_hook
+
+    def read_outside_unit(self, unit: FlatUnit, module: nn.Module, attr: str, name: str) -> torch.Tensor:
+        """Stage 3: ``module.attr`` (parameter ``name``) was read while its unit was not gathered.
+
+        Inside the forward (a parent computing with a child unit's weight: a tied
+        output head ``h @ self.embed.weight.t()``, a positional table read by the top
+        module) the unit is gathered, every rank alike since every rank runs the same
+        code, and kept until the end of forward; backward gathers it again through the
+        saved-tensor hooks like any unit, and its gradient from both uses is summed.
+        Outside the forward the parameter is only a shard: reading it is an error.
+        """
+        if not self._in_forward:
+            raise AttributeError(
+                f"ZeRO stage 3: parameter {name!r} ({type(module).__name__}.{attr}) is sharded across ranks "
+                "outside the forward, so it cannot be read here. Read full parameters with "
+                "model.gathered_state() (every rank must call it), or the shards with model.parameters()")
+        unit.materialize()
+        if unit.reshard_after_forward:
+            self._live[id(unit.full)] = unit
+            self._read_outside.append(unit)
+        return module.__dict__[attr]
 
     def _gather_in_order(self, through: FlatUnit | None) -> None:
         """Stage 3, ``find_unused_parameters``: gather the unit modules up to ``through`` (None: all) in index order.
@@ -510,6 +546,39 @@ class ZeRO(nn.Module):
 
 
 # --------------------------------------------------------------------- helpers
+
+
+def _gather_on_read(module: nn.Module, attr: str, zero: ZeRO, unit: FlatUnit, name: str) -> None:
+    """Stage 3: make reading ``module.attr`` while its unit is released gather the unit (``read_outside_unit``).
+
+    A released unit's parameters are not attributes of their modules, so Python falls
+    back to the class's ``__getattr__``. The module's class is swapped for a subclass
+    (same name, made once per class, as FSDP2 swaps in ``FSDP<Class>``) whose
+    ``__getattr__`` looks the name up in the module's own table first.
+    """
+    cls = type(module)
+    if not getattr(cls, "_zero_gathers_on_read", False):
+        module.__class__ = _GATHERING_CLASSES.get(cls) or _gathering_class(cls)
+    reads = module.__dict__.setdefault("_zero_reads", {})
+    reads[attr] = (weakref.ref(zero), unit, name)
+
+
+_GATHERING_CLASSES: dict[type, type] = {}
+
+
+def _gathering_class(cls: type) -> type:
+    def __getattr__(self, attr: str):
+        entry = self.__dict__.get("_zero_reads", {}).get(attr)
+        if entry is not None:
+            zero = entry[0]()
+            if zero is not None:
+                return zero.read_outside_unit(entry[1], self, attr, entry[2])
+        return super(swapped, self).__getattr__(attr)
+
+    swapped = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "_zero_gathers_on_read": True,
+                                          "__qualname__": cls.__qualname__, "__module__": cls.__module__})
+    _GATHERING_CLASSES[cls] = swapped
+    return swapped
 
 
 def _default_device(module: nn.Module) -> torch.device:
