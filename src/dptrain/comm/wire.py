@@ -36,7 +36,7 @@ class Traffic:
     messages: int = 0
     rounds: int = 0
     peak_moved: int = 0
-    per_peer: dict[int, int] = field(default_factory=dict)
+    per_peer: dict[int, int] = field(default_factory=dict)  # bytes sent, by the peer's global rank
 
     def reset(self) -> None:
         self.bytes_sent = self.bytes_received = self.messages = self.rounds = self.peak_moved = 0
@@ -109,6 +109,7 @@ class Wire:
                 nbytes = t.numel() * t.element_size()
                 traffic.bytes_sent += nbytes
                 traffic.messages += 1
+                peer = dist.get_global_rank(self.group, peer) if self.group is not None else peer
                 traffic.per_peer[peer] = traffic.per_peer.get(peer, 0) + nbytes
                 moved += nbytes
         traffic.peak_moved = max(traffic.peak_moved, moved)

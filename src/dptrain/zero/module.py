@@ -77,6 +77,7 @@ from dptrain.compress.zero import ShardedCompression
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.zero.grouping import bucket_groups, collect_params, materialize_meta, module_groups
+from dptrain.zero.hybrid import hybrid_groups, hybrid_layout
 from dptrain.zero.precision import MixedPrecision, cast_floats
 from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
 
@@ -129,7 +130,8 @@ class ZeRO(nn.Module):
                  traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
                  split_by: Callable[[str, torch.Tensor], Hashable] | None = None,
                  compression: ShardedCompression | None = None, check_collectives: str = "first",
-                 check_timeout_s: float = 300.0, find_unused_parameters: bool = False):
+                 check_timeout_s: float = 300.0, find_unused_parameters: bool = False,
+                 shard_size: int | None = None):
         super().__init__()
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
@@ -142,6 +144,17 @@ class ZeRO(nn.Module):
         comm.check_algorithm(algorithm, nodes, dist.get_world_size(process_group))
         self.module = module
         self.stage, self.group, self.algorithm, self.nodes = stage, process_group, algorithm, nodes
+        # hybrid sharding (zero/hybrid.py): units are sharded over shard_group and replicated across
+        # replicate_group; without it both are plain ZeRO's (the whole group, no replicas)
+        self.shard_group, self.replicate_group = process_group, None
+        self.shard_size = shard_size or dist.get_world_size(process_group)
+        hybrid = self.shard_size != dist.get_world_size(process_group)
+        if hybrid:
+            hybrid_layout(dist.get_world_size(process_group), self.shard_size)  # a shard_size that does not divide
+            if algorithm == "hierarchical" or compression is not None:
+                raise ValueError("shard_size (hybrid sharding) is hierarchical by itself: use algorithm native, ring "
+                                 "or tree, and no compression")
+            nodes = None  # the subgroups' collectives stay within or across hosts: no node split inside them
         self.find_unused_parameters = find_unused_parameters
         if find_unused_parameters:  # [Note: units some ranks skip]
             prefetch, reshard_after_forward = False, False
@@ -167,6 +180,8 @@ class ZeRO(nn.Module):
         refs, frozen = collect_params(module)
         # Verify first: ranks with different models could otherwise fail (or not) one by one below.
         self._verify(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
+        if hybrid:
+            self.shard_group, self.replicate_group = hybrid_groups(self.shard_size, process_group)
         if stage < 3:
             groups = bucket_groups(refs, bucket_cap_mb, self.device, self._key)
         else:
@@ -176,10 +191,10 @@ class ZeRO(nn.Module):
         for index, (owner, members) in enumerate(groups):
             key = self._key(members[0])  # before flattening: the key may read the parameter's shape
             full = self._flatten(members, init_fn)
-            unit = FlatUnit(index, members, full, stage=stage, group=process_group, algorithm=algorithm,
+            unit = FlatUnit(index, members, full, stage=stage, group=self.shard_group, algorithm=algorithm,
                             nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
                             traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                            compression=compression)
+                            compression=compression, replicate_group=self.replicate_group)
             unit.owner = owner
             unit.key = key
             unit.check = check
@@ -234,7 +249,8 @@ class ZeRO(nn.Module):
     def _verify(self, refs: list[ParamRef], classes: tuple, min_numel: int | None, cap_mb: float) -> None:
         signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
         signature.append(("option", "zero", (self.stage, self.algorithm, [c.__name__ for c in classes], min_numel,
-                                             cap_mb, repr(self.mixed_precision), self._compression_name()),
+                                             cap_mb, repr(self.mixed_precision), self._compression_name(),
+                                             self.shard_size),
                           repr(self.nodes), False))
         verify_replicas(signature, self.group, self.device)
 
@@ -273,8 +289,8 @@ class ZeRO(nn.Module):
         out = {}
         for unit in self.units:
             full = torch.empty(unit.numel, dtype=unit.master_dtype, device=unit.device)
-            comm.all_gather(full, unit.shard.detach(), algorithm=self.algorithm, group=self.group,
-                            nodes=self.nodes, validate=False)
+            comm.all_gather(full, unit.shard.detach(), algorithm=self.algorithm, group=self.shard_group,
+                            nodes=self.nodes if self.replicate_group is None else None, validate=False)
             for ref, (a, b) in zip(unit.refs, unit.offsets()):
                 out[ref.name] = full[a:b].view(ref.shape).clone()
         return out
@@ -301,9 +317,9 @@ class ZeRO(nn.Module):
         for g in grads:
             g = g.detach().float()
             local = torch.maximum(local, g.abs().max()) if norm_type == math.inf else local + g.pow(2).sum()
-        if self.world_size > 1:
+        if self.shard_size > 1:  # the shard group's shards make the whole gradient (replicas hold the same)
             dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM,
-                            group=self.group)
+                            group=self.shard_group)
         norm = local if norm_type == math.inf else local.sqrt()
         if math.isfinite(max_norm) and torch.isfinite(norm):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

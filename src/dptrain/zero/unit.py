@@ -112,8 +112,13 @@ class FlatUnit:
     def __init__(self, index: int, refs: list[ParamRef], full: torch.Tensor, *, stage: int,
                  group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool,
                  traffic: comm.Traffic | None = None, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, compression=None):
+                 reduce_dtype: torch.dtype | None = None, compression=None,
+                 replicate_group: dist.ProcessGroup | None = None):
         self.index, self.refs, self.stage = index, refs, stage
+        # hybrid sharding (zero/hybrid.py): ``group`` is the shard group; each reduced shard is then
+        # averaged over the replicate group, the ranks holding the same shard
+        self.replicate_group = replicate_group
+        self._replicate_comm = dict(algorithm=algorithm, group=replicate_group, validate=False, traffic=traffic)
         self.compression = compression  # a dptrain.compress.zero.ShardedCompression, or None
         self.check = None  # a dptrain.comm.fingerprint.CollectiveCheck, set by ZeRO
         self.group, self.algorithm, self.nodes = group, algorithm, nodes
@@ -168,6 +173,9 @@ class FlatUnit:
         self._sent_bytes = comm.sent_bytes("reduce_scatter", self.numel, self.reduce_dtype.itemsize,
                                            algorithm=algorithm, group=group, nodes=nodes, device=self.device,
                                            consume_input=True)
+        if replicate_group is not None:
+            self._sent_bytes += comm.sent_bytes("all_reduce", self.hi - self.lo, self.reduce_dtype.itemsize,
+                                                algorithm=algorithm, group=replicate_group, device=self.device)
 
     # ------------------------------------------------------------------ parameters
 
@@ -280,8 +288,9 @@ class FlatUnit:
             return
         if self.single_piece is None:  # learnt at the first reduction, agreed by every rank
             local = torch.tensor([int(self._pieces <= len(self.refs) * self._forwards)], device=self.device)
-            if self.world_size > 1:
-                dist.all_reduce(local, op=dist.ReduceOp.MIN, group=self.group)
+            for group in (self.group, self.replicate_group) if self.world_size > 1 else (self.replicate_group,):
+                if group is not None:  # every rank agrees, replicas included
+                    dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
             self.single_piece = bool(local.item())
         self._accumulated = False
         self._waiting = self._pieces = self._forwards = 0
@@ -388,12 +397,21 @@ class FlatUnit:
             self.inflight.add(self)
 
     def settle_oldest(self) -> None:
-        """Wait for this unit's oldest unfinished reduction and drop its full-size input."""
+        """Wait for this unit's oldest unfinished reduce-scatter and drop its full-size input.
+
+        With hybrid sharding the shard's all-reduce over the replicate group starts here.
+        """
         for i, (work, out, grad_full) in enumerate(self._pending):
-            if work is not None:
+            if grad_full is not None:
                 work.wait()
-                self._pending[i] = (None, out, None)
+                self._pending[i] = (self._replicate(out), out, None)
                 return
+
+    def _replicate(self, out: torch.Tensor) -> comm.Work | None:
+        """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
+        if self.replicate_group is None:
+            return None
+        return comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
 
     @property
     def reduced(self) -> bool:
@@ -404,6 +422,9 @@ class FlatUnit:
         """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
         if not self._pending:
             return
+        for i in range(len(self._pending)):  # every reduce-scatter done, every replica all-reduce started
+            if self._pending[i][2] is not None:
+                self.settle_oldest()
         outs = []
         for work, out, _ in self._pending:
             if work is not None:
