@@ -36,6 +36,9 @@ def snapshot(directory):
     (["--set", 'ddp.algorithm="rings"'], "'ddp.algorithm' in --set ddp.algorithm=\"rings\" must be one of native, ring"),
     (["--nproc", "2", "--set", "ddp.ranks_per_node=3"],
      "ddp.ranks_per_node=3 does not divide the world size 2; choose one of [1, 2]"),
+    (["--nproc", "2", "--set", "ddp.strategy=zero3", "--set", "zero.shard_size=3"],
+     "zero.shard_size=3 does not divide the world size 2; choose one of [1, 2]"),
+    (["--set", "zero.shard_size=2"], "zero.shard_size=2 (hybrid sharding) needs strategy zero1, zero2 or zero3"),
     (["--set", "ddp.strategy=zero3", "--set", "ddp.compression=topk"],
      "ddp.compression 'topk' works with strategy ddp only, not 'zero3'; supported: strategy ddp with fp16, bf16, "
      "int8, topk or powersgd, and strategies zero1, zero2 and zero3 with fp16, bf16, int8"),

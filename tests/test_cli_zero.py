@@ -29,7 +29,7 @@ def _losses(run_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir / "metrics.jsonl")[0]}
 
 
-def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3(tmp_path):
+def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3_and_as_hsdp_on_4(tmp_path):
     config = str(tiny_gpt_config(tmp_path, ZERO))
     common = ["--config", config, "--set", "gpt.dropout=0.0", "--set", "train.global_batch_size=12",
               "--set", "train.steps=8", "--set", "checkpoint.every=4", "--set", 'ddp.strategy="zero3"']
@@ -43,6 +43,7 @@ def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3(tmp_path):
     assert meta["format"] == "sharded" and any(name.startswith("sharded/") for name in meta["files"])
     assert not (checkpoint / "model.pt").exists()
     shutil.copytree(tmp_path / "b", tmp_path / "c")
+    shutil.copytree(tmp_path / "b", tmp_path / "d")
 
     reference = _losses(tmp_path / "a")
     # each unit's gradient, reduce-scattered (on gloo: all-reduced, so 2 ranks send 4 bytes per parameter)
@@ -50,8 +51,9 @@ def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3(tmp_path):
     last = read_metrics(tmp_path / "a" / "metrics.jsonl")[0][-1]
     assert last["comm_bytes_per_step"] == last["comm_sent_bytes_per_step"] == 4 * params
     exported = load_file(tmp_path / "a" / "model.safetensors")
-    for nproc, run in (("1", "b"), ("3", "c")):
-        resumed = dptrain("run", "--nproc", nproc, *common, "--run-dir", str(tmp_path / run), cwd=tmp_path)
+    # ... and on 4 as hybrid sharding: 2 shard groups of 2 ranks, replicas all-reducing their shards
+    for nproc, run, extra in (("1", "b", []), ("3", "c", []), ("4", "d", ["--set", "zero.shard_size=2"])):
+        resumed = dptrain("run", "--nproc", nproc, *common, *extra, "--run-dir", str(tmp_path / run), cwd=tmp_path)
         assert resumed.returncode == 0, resumed.stderr
         assert "step_00000004 at step 4" in resumed.stdout
         losses = _losses(tmp_path / run)

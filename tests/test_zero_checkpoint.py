@@ -31,14 +31,15 @@ from dptrain.zero.checkpoint import (
 GLOBAL, FIRST, TOTAL = 12, 3, 6
 
 
-def _wrap(model: nn.Module, stage: int) -> ZeRO:
-    return ZeRO(model, stage=stage, **({"unit_classes": (Layer,)} if stage == 3 else {"bucket_cap_mb": 0.001}))
+def _wrap(model: nn.Module, stage: int, shard_size: int | None = None) -> ZeRO:
+    return ZeRO(model, stage=stage, shard_size=shard_size,
+                **({"unit_classes": (Layer,)} if stage == 3 else {"bucket_cap_mb": 0.001}))
 
 
 def _train(rank: int, world_size: int, stage: int, steps: range, save: str | None, load: str | None,
-           seed: int = 0) -> list[float]:
+           seed: int = 0, shard_size: int | None = None) -> list[float]:
     torch.manual_seed(seed)
-    model = _wrap(build("stack"), stage)
+    model = _wrap(build("stack"), stage, shard_size)
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     if load:
         assert load_sharded(load, model, optimizer, extra={"step": -1})["step"] == steps.start
@@ -72,6 +73,21 @@ def test_save_at_2_load_at_1_and_3_continues_like_an_uninterrupted_run(stage: in
     # without the optimizer state the continuation differs: the test would see a lost exp_avg
     fresh = run_on_ranks(_train, 1, stage, range(FIRST, TOTAL), None, None, timeout=60)[0]
     assert not fresh == pytest.approx(uninterrupted[FIRST:], rel=1e-3)
+
+
+def test_hybrid_sharded_checkpoints_reshard_to_and_from_plain_zero(tmp_path: Path) -> None:
+    # Replicas hold the same shards: DCP writes each piece once. Saved by HSDP (2 shard
+    # groups of 2), the checkpoint loads into plain ZeRO-3 at 2 ranks and into HSDP again;
+    # saved by plain ZeRO-3, it loads into HSDP.
+    uninterrupted = run_on_ranks(_train, 2, 3, range(TOTAL), None, None, timeout=60)[0]
+    hybrid, plain = str(tmp_path / "hybrid"), str(tmp_path / "plain")
+    first = run_on_ranks(_train, 4, 3, range(FIRST), hybrid, None, 0, 2, timeout=60)[0]
+    assert first == pytest.approx(uninterrupted[:FIRST], rel=1e-5)
+    run_on_ranks(_train, 2, 3, range(FIRST), plain, None, timeout=60)
+    for world_size, shard_size, path in ((2, None, hybrid), (4, 2, hybrid), (4, 2, plain)):
+        resumed = run_on_ranks(_train, world_size, 3, range(FIRST, TOTAL), None, path, 7, shard_size, timeout=60)
+        for rank_losses in resumed:
+            assert rank_losses == pytest.approx(uninterrupted[FIRST:], rel=1e-5), (world_size, path, rank_losses)
 
 
 def _export(rank: int, world_size: int, stage: int, path: str) -> dict:

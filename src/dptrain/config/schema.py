@@ -167,6 +167,9 @@ class ZeROConfig:
     prefetch: bool = opt(True, "zero3: start gathering the next unit while the current one computes")
     reduce_dtype: str = opt("fp32", "with precision bf16: the dtype gradients are reduce-scattered in (bf16 halves "
                             "the bytes)", choices=("fp32", "bf16"))
+    shard_size: int = opt(0, "zero1-3: shard over groups of this many consecutive ranks (a host's) and replicate "
+                          "across groups, all-reducing gradient shards between replicas (hybrid sharding, HSDP); "
+                          "0: shard over all ranks")
 
 
 @dataclass

@@ -432,7 +432,8 @@ def zero_kwargs_from_config(cfg, model: torch.nn.Module, nodes: int) -> dict[str
     kwargs: dict[str, Any] = dict(algorithm=cfg.ddp.algorithm, nodes=nodes, split_by=decays,
                                   reduce_dtype=torch.bfloat16 if z.reduce_dtype == "bf16" else torch.float32,
                                   check_collectives=cfg.ddp.check_collectives, check_timeout_s=cfg.ddp.timeout_s,
-                                  find_unused_parameters=cfg.ddp.find_unused_parameters)
+                                  find_unused_parameters=cfg.ddp.find_unused_parameters,
+                                  shard_size=z.shard_size or None)
     if cfg.ddp.bucket_cap_mb is not None and cfg.ddp.strategy != "zero3":
         kwargs["bucket_cap_mb"] = cfg.ddp.bucket_cap_mb
     if cfg.ddp.strategy != "zero3":

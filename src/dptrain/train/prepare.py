@@ -205,6 +205,14 @@ def _check_nodes(cfg: RunConfig, world_size: int) -> None:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ConfigError(f"ddp.ranks_per_node={per_node} does not divide the world size {world_size}; "
                           f"choose one of {divisors} (or 0 for the local world size)")
+    shard_size = cfg.zero.shard_size
+    if shard_size and cfg.ddp.strategy not in ("zero1", "zero2", "zero3"):
+        raise ConfigError(f"zero.shard_size={shard_size} (hybrid sharding) needs strategy zero1, zero2 or zero3, "
+                          f"not {cfg.ddp.strategy!r}")
+    if shard_size < 0 or (shard_size and world_size % shard_size):
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ConfigError(f"zero.shard_size={shard_size} does not divide the world size {world_size}; choose one "
+                          f"of {divisors} (the ranks per host, for hybrid sharding) or 0 to shard over all ranks")
 
 
 def _check_run_dir(run_dir: Path, n_params: int, cfg: RunConfig) -> None:
