@@ -36,12 +36,12 @@ def _zero_kwargs(stage: int) -> dict:
     return {"bucket_cap_mb": 0.0004, "split_by": _by_module}  # trunk, branch and head never share a unit
 
 
-def _skipping(rank: int, world_size: int, stage: int, accum: int) -> float:
+def _skipping(rank: int, world_size: int, stage: int, accum: int, shard_size: int | None = None) -> float:
     schedule = SCHEDULE_ACCUM if accum > 1 else SCHEDULE
     torch.manual_seed(0)
     model = build("branchy")
     ddp = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=0.0004, find_unused_parameters=True)
-    zero = ZeRO(model, stage=stage, find_unused_parameters=True, **_zero_kwargs(stage))
+    zero = ZeRO(model, stage=stage, find_unused_parameters=True, shard_size=shard_size, **_zero_kwargs(stage))
     assert len(zero.units) == 3, [u.refs[0].name for u in zero.units]
     opts = [torch.optim.Adam(w.parameters(), lr=0.01) for w in (ddp, zero)]
     worst = 0.0
@@ -88,6 +88,11 @@ def test_units_some_ranks_skip_match_ddp_with_find_unused_parameters(stage: int,
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_unit_used_only_in_a_no_sync_micro_step_is_reduced(stage: int) -> None:
     worst = run_on_ranks(_skipping, 3, stage, 2, timeout=120)
+    assert max(worst) <= TOLERANCE, worst
+
+
+def test_units_some_ranks_skip_under_hybrid_sharding() -> None:
+    worst = run_on_ranks(_skipping, 4, 3, 1, 2, timeout=120)  # 2 shard groups of 2
     assert max(worst) <= TOLERANCE, worst
 
 
