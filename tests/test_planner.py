@@ -120,14 +120,15 @@ OPTIMIZERS = {"adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-3),
               "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9)}
 
 
-def _measured(rank: int, world_size: int, name: str, strategy: str, precision: str, opt: str) -> dict:
+def _measured(rank: int, world_size: int, name: str, strategy: str, precision: str, opt: str,
+              shard_size: int | None = None) -> dict:
     model = {"gpt": _gpt, "mlp": _mlp}[name]()
     if strategy.startswith("ddp"):
         wrapped = DistributedDataParallel(model, gradient_as_bucket_view=strategy == "ddp_views")
     else:
         mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if precision == "bf16" else None
         kw = {"unit_classes": (Block,)} if strategy == "zero3" and name == "gpt" else {}
-        wrapped = ZeRO(model, stage=int(strategy[-1]), mixed_precision=mp, **kw)
+        wrapped = ZeRO(model, stage=int(strategy[-1]), mixed_precision=mp, shard_size=shard_size, **kw)
     optimizer = OPTIMIZERS[opt](list(wrapped.parameters()))
     x, y = _batch(name)
     _loss(name, wrapped(x), y).backward()
@@ -160,6 +161,36 @@ def test_planned_model_states_equal_the_live_tensors_exactly(name, strategy, pre
         planned = model_states(model, setup, rank, OPTIMIZERS[opt])
         assert (planned.parameters, planned.gradients, planned.optimizer) == (
             measured["parameters"], measured["gradients"], measured["optimizer"]), (rank, planned, measured)
+
+
+@pytest.mark.parametrize("strategy,precision", [("zero3", "fp32"), ("zero1", "fp32"), ("zero3", "bf16")])
+def test_planned_hybrid_sharding_states_equal_the_live_tensors_exactly(strategy: str, precision: str) -> None:
+    per_rank = run_on_ranks(_measured, 4, "gpt", strategy, precision, "adamw", 2, timeout=120)
+    with torch.device("meta"):
+        model = _gpt()
+    kw = {"unit_classes": (Block,)} if strategy == "zero3" else {}
+    setup = Setup(strategy, 4, precision, shard_size=2, **kw)
+    for rank, measured in enumerate(per_rank):
+        planned = model_states(model, setup, rank, OPTIMIZERS["adamw"])
+        assert (planned.parameters, planned.gradients, planned.optimizer) == (
+            measured["parameters"], measured["gradients"], measured["optimizer"]), (rank, planned, measured)
+    assert per_rank[0] == per_rank[2] and per_rank[1] == per_rank[3]  # replicas hold the same shards
+
+
+def test_hybrid_sharding_plans_zero_over_the_shard_group_and_one_shard_across() -> None:
+    psi, n, k = 1024 * 1000, 8, 2
+    hybrid = model_states(flat_model(psi), Setup("zero3", n, shard_size=k))
+    assert hybrid.total == zero_formula(3, psi, k) + 4  # 16Ψ/k: memory of ZeRO-3 over the shard group
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(4)]).to("meta")
+    psi = sum(p.numel() for p in model.parameters())
+    traffic = step_traffic(model, Setup("zero3", n, unit_classes=(nn.Linear,), shard_size=k))
+    within = step_traffic(model, Setup("zero3", k, unit_classes=(nn.Linear,)))
+    replicas = n // k
+    # ring all-reduce of each shard (Ψ/k of 4 bytes) over the n/k replicas: 2 (R - 1) / R of it
+    assert traffic.across_groups == pytest.approx(2 * (replicas - 1) / replicas * 4 * psi / k, rel=1e-3)
+    assert traffic.total == within.total + traffic.across_groups
+    with pytest.raises(ValueError, match="shard_size 3 needs a ZeRO strategy and must divide the world size 8"):
+        Setup("zero3", n, shard_size=3)
 
 
 # ---------------------------------------------------------------- the command

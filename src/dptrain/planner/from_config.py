@@ -84,7 +84,12 @@ def setup_for(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, 
     return Setup(strategy, world_size, precision, reduce_dtype=kw["reduce_dtype"],
                  bucket_cap_mb=kw.get("bucket_cap_mb"), unit_classes=kw.get("unit_classes", ()),
                  min_unit_numel=kw.get("min_unit_numel"), reshard_after_forward=kw.get("reshard_after_forward", True),
-                 split_by=kw["split_by"])
+                 split_by=kw["split_by"], shard_size=_hybrid(kw.get("shard_size"), world_size))
+
+
+def _hybrid(shard_size: int | None, world_size: int) -> int | None:
+    """``zero.shard_size`` where it makes this world size hybrid (a proper divisor); else plain ZeRO."""
+    return shard_size if shard_size and shard_size < world_size and world_size % shard_size == 0 else None
 
 
 def optimizer_for(cfg: RunConfig, params: list[torch.Tensor]) -> torch.optim.Optimizer:

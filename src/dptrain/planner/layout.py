@@ -54,6 +54,7 @@ class Setup:
     min_unit_numel: int | None = None
     reshard_after_forward: bool = True
     split_by: Callable[[str, torch.Tensor], Hashable] | None = field(default=None, compare=False)
+    shard_size: int | None = None  # hybrid sharding: ZeRO's units sharded over groups of this many ranks
 
     def __post_init__(self):
         if self.strategy not in STRATEGIES:
@@ -64,6 +65,19 @@ class Setup:
             raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
+        if self.shard_size is not None and (self.stage == 0 or self.world_size % self.shard_size):
+            raise ValueError(f"shard_size {self.shard_size} needs a ZeRO strategy and must divide the world size "
+                             f"{self.world_size}")
+
+    @property
+    def shards(self) -> int:
+        """Ranks a ZeRO unit is sharded over: the shard group's size (the world without hybrid sharding)."""
+        return self.shard_size or self.world_size
+
+    @property
+    def replicas(self) -> int:
+        """Shard groups holding the same shards (1 without hybrid sharding)."""
+        return self.world_size // self.shards
 
     @property
     def stage(self) -> int:

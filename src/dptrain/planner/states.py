@@ -90,7 +90,7 @@ def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: Optim
                       buffers=buffers)
     params, grads, shards = frozen, 0, []
     for unit in units(model, setup):
-        n, s = unit.numel, unit.shard(setup.world_size, rank)
+        n, s = unit.numel, unit.shard(setup.shards, rank % setup.shards)
         m = unit.dtype.itemsize
         c = setup.compute_dtype.itemsize if setup.compute_dtype is not None else m
         r = setup.reduce_dtype.itemsize if setup.compute_dtype is not None else c

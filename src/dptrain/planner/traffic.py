@@ -9,6 +9,11 @@ Per step (N ranks; Ψ parameters of b bytes; ring algorithm, which is also what
 - ``zero3``: the reduce-scatter, plus an all-gather before forward and another before
   backward for each resharding unit (the root unit is gathered once): up to 3/2 of DDP.
 
+Hybrid sharding (``Setup.shard_size`` = k): the reduce-scatters and all-gathers run over
+the rank's shard group of k, and each reduced shard is all-reduced over the N/k
+replicas: ``across_groups`` counts those bytes, the only ones that leave the shard group
+(a host, when k is the ranks per host).
+
 With ``micro_steps`` > 1 (gradient accumulation under ``no_sync``), gradients are
 reduced once per step, but stage 3 gathers its units again for every micro-step.
 Each number is :func:`dptrain.comm.cost.collective_cost`'s exact ``bytes_sent`` for
@@ -35,6 +40,7 @@ class Traffic:
     all_reduce: int = 0
     reduce_scatter: int = 0
     all_gather: int = 0
+    across_groups: int = 0  # hybrid sharding: the replicas' all-reduce (included in all_reduce)
 
     @property
     def total(self) -> int:
@@ -46,12 +52,13 @@ def step_traffic(model: nn.Module, setup: Setup, rank: int = 0, algorithm: str =
     """Bytes rank ``rank`` sends in one optimizer step of ``model`` under ``setup``."""
     if micro_steps < 1:
         raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
-    n = setup.world_size
+    k, replicas = setup.shards, setup.replicas
+    nodes = nodes if replicas == 1 else None  # hybrid: the groups are the hierarchy
 
-    def sent(collective: str, numel: int, dtype: torch.dtype) -> int:
-        return collective_cost(collective, algorithm, numel, dtype.itemsize, n, nodes=nodes).bytes_sent[rank]
+    def sent(collective: str, numel: int, dtype: torch.dtype, n: int = k, r: int = rank % k) -> int:
+        return collective_cost(collective, algorithm, numel, dtype.itemsize, n, nodes=nodes).bytes_sent[r]
 
-    out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0}
+    out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "across_groups": 0}
     for unit in units(model, setup):
         if setup.stage == 0:
             out["all_reduce"] += sent("all_reduce", unit.numel, unit.dtype)
@@ -61,4 +68,8 @@ def step_traffic(model: nn.Module, setup: Setup, rank: int = 0, algorithm: str =
         out["reduce_scatter"] += sent("reduce_scatter", unit.numel, reduce)
         gathers = 1 if setup.stage < 3 else micro_steps * (2 if unit.resharded else 1)
         out["all_gather"] += gathers * sent("all_gather", unit.numel, compute)
+        if replicas > 1:
+            across = sent("all_reduce", unit.shard(k, rank % k), reduce, replicas, rank // k)
+            out["all_reduce"] += across
+            out["across_groups"] += across
     return Traffic(**out)
