@@ -6,6 +6,9 @@
 2. Traffic: bytes sent per step / DDP's, stages 1-3 (and stage 3 without resharding), 2 and 4 ranks.
 3. Why the GPT parity cases use SGD: worst relative parameter difference from the DDP
    engine per step, 3 ranks, stage 3, Adam against SGD.
+4. Hybrid sharding, 4 ranks as 2 x 2: a bf16 reduce's distance from fp32 after 4 SGD
+   steps (plain ZeRO-3 beside it), and the bytes sent across hosts in one step, summed
+   over ranks, against ZeRO-3's over all 4 ranks.
 """
 
 import copy
@@ -17,6 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import torch  # noqa: E402
 from _models import build, global_batch, loss_fn  # noqa: E402
 from test_zero_memory import _measure  # noqa: E402
+from test_zero_hybrid import _bf16_reduce_gap, _cross_host_bytes  # noqa: E402
 from test_zero_traffic import _bytes_per_step  # noqa: E402
 
 from dptrain import DistributedDataParallel  # noqa: E402
@@ -61,3 +65,8 @@ if __name__ == "__main__":
     for optimizer in ("adam", "sgd"):
         drift = run_on_ranks(_drift, 3, optimizer, timeout=120)[0]
         print(f"GPT stage 3 vs DDP, 3 ranks, {optimizer}: " + " ".join(f"{d:.1e}" for d in drift))
+    hsdp, plain = (run_on_ranks(_bf16_reduce_gap, 4, k, timeout=120)[0] for k in (2, 4))
+    print(f"bf16 reduce after 4 SGD steps, 4 ranks, from fp32: hybrid 2 x 2 {hsdp:.2%}, plain ZeRO-3 {plain:.2%}")
+    hybrid, zero3 = (sum(r["cross"] for r in run_on_ranks(_cross_host_bytes, 4, k, timeout=120)) for k in (2, None))
+    print(f"bytes across hosts per step, all ranks: hybrid 2 x 2 {hybrid:,}, ZeRO-3 over 4 ranks {zero3:,} "
+          f"({hybrid / zero3:.2f}x)")

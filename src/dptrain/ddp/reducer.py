@@ -7,12 +7,12 @@ Algorithm (Li et al., VLDB 2020, section 3.2; torch's ``reducer.cpp`` does the s
    parameter known to be unused; 2 or more for a parameter whose gradient arrived in
    pieces last step (a weight shared between reentrant-checkpoint segments).
 2. Each parameter's post-accumulate-grad hook records its arrival in its bucket's
-   *arrival log*. For most parameters the hook is the log's own ``list.append``, a C
-   function: autograd calls it with no Python frame, which is most of what torch's C++
-   hook saves (see [Note: arrival logs]). One parameter per bucket, its *trigger* (the
-   one whose gradient came last in the previous step), has a Python hook: it checks
-   whether the bucket is complete (every expected gradient logged) and, if so and every
-   earlier bucket has been launched, copies the gradients into the bucket's flat buffer
+   *arrival log*; for most parameters the hook is the log's own ``list.append``, a C
+   function, so autograd runs no Python frame for them ([Note: arrival logs] in
+   ``arrival_log.py``). One parameter per bucket, its *trigger* (the one whose gradient
+   came last in the previous step), has a Python hook: it checks whether the bucket is
+   complete (every expected gradient logged) and, if so and every earlier bucket has
+   been launched, copies the gradients into the bucket's flat buffer
    in one batched operation, divided by the world size on the way (dividing before the
    sum also keeps fp16 buckets from overflowing), and all-reduces it asynchronously (or
    hands it to the communication hook) while backward continues on earlier layers.
@@ -30,31 +30,10 @@ end (as in torch DDP 2.13, whose first iteration uses a single bucket), and the
 observed arrival counts become the next step's expectations. A gradient that arrives
 after its bucket was launched (a dynamic graph that changed between steps) is not lost:
 the bucket is reduced again at the end of backward with the complete local gradients.
-
-[Note: arrival logs]
-A Python gradient hook costs about 0.55 us per parameter in autograd's machinery even
-when it does nothing, and one that counts arrivals and finds its bucket about 0.6 us
-more (``python docs/repro/ddp_small_params.py hooks``): on a model of 800 small tensors
-3% of a step at world size 2, most of dptrain's gap to torch's reducer there
-(docs/benchmarks.md). So the count is not kept
-per parameter: a bucket is complete when its log holds exactly the expected gradients
-(one ``set`` of ``id``s compared, in C), checked only by the trigger's hook. If the
-order changes and the trigger fires before the others, the bucket waits for the next
-trigger or the end of backward: later, never wrong. The end of backward reads the logs
-once: pieces per parameter (only when some bucket's log was not exactly as expected),
-gradients that arrived after their bucket was launched, and the next step's triggers.
-A ``no_sync`` backward's logs are read at the next forward, and only for what
-``find_unused_parameters`` needs (who used what).
-
-A backward must start the reduction: normally the forward's outputs' nodes do it
-(``autograd.py``), otherwise a trigger's hook. A backward after a synced forward that
-reaches neither (a loss built from a few parameters, not from the outputs) would leave
-gradients unaveraged; the next forward finds them in the logs and raises.
 """
 
 from __future__ import annotations
 
-import collections
 import enum
 import time
 import warnings
@@ -67,6 +46,7 @@ import torch.distributed as dist
 from dptrain import comm
 from dptrain.comm.fingerprint import CollectiveCheck
 from dptrain.comm.step_stats import StepCommStats
+from dptrain.ddp.arrival_log import ArrivalLog, Want
 from dptrain.ddp.arrivals import GradientArrivals
 from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, SparseGradient
@@ -144,27 +124,16 @@ class Reducer:
         # Held so that autograd keeps using these nodes: will_accumulate() asks about them.
         self._accumulators = [grad_accumulator(p) for p in params]
         self._phase = _Phase.IDLE
-        self._want_for: tuple[list[int] | None, list[_Want]] = (None, [])  # (expected, what completes each bucket)
+        self._want_for: tuple[list[int] | None, list[Want]] = (None, [])  # (expected, what completes each bucket)
         self._discovering = True                      # arrivals.discovering, read once per backward
         self._generation = 0                          # synced forwards so far
         self._finalized_through = 0                   # generations whose backward is reduced
-        self._index_of = {id(p): i for i, p in enumerate(params)}
-        # [Note: arrival logs]: the gradients accumulated this backward, per bucket, in arrival order.
-        self._logs: list[list[torch.Tensor]] = [[] for _ in self.buckets]
-        self._triggers = [b.param_indices[-1] for b in self.buckets]  # expected last in each bucket
-        self._want: list[_Want] = []                  # what completes each bucket this backward
+        self._want: list[Want] = []                   # what completes each bucket this backward
+        # The gradients accumulated this backward, per bucket ([Note: arrival logs]); a Python hook for
+        # each bucket's trigger and for the large CPU gradients copied as they arrive.
+        self._log = ArrivalLog(params, bucket_indices, self._make_grad_hook, self._eager)
         self._reset_step()
         self.last_stats = StepCommStats()
-        self._hook_handles = [self._register_hook(i) for i in range(len(params))]
-
-    def _register_hook(self, index: int) -> Any:
-        """A Python hook for triggers and large CPU gradients; for the rest the log's C ``append``."""
-        bucket = self._bucket_of[index]
-        if self._eager[index] or self._triggers[bucket] == index:
-            hook = self._make_grad_hook(index)
-        else:
-            hook = self._logs[bucket].append
-        return self.params[index].register_post_accumulate_grad_hook(hook)
 
     # ----------------------------------------------------------------- forward side
 
@@ -186,7 +155,7 @@ class Reducer:
         self._reset_step()
         self._expected = expected
         if expected != self._want_for[0]:  # the same expectations as last step (usual): the same wants
-            self._want_for = (expected, [_Want.of(b, expected) for b in self.buckets])
+            self._want_for = (expected, [Want.of(b, expected) for b in self.buckets])
         self._want = self._want_for[1]
         self._discovering = self.arrivals.discovering
         self._phase = _Phase.EXPECT_SYNC
@@ -211,11 +180,12 @@ class Reducer:
         ``no_sync`` steps. Gradients logged after a synced forward whose backward never
         started the reduction were not averaged: that is an error ([Note: arrival logs]).
         """
-        if not any(self._logs):
+        log = self._log
+        if log.is_empty():
             return
         if self._phase is _Phase.EXPECT_SYNC:
-            names = [self.names[self._index_of[id(p)]] for log in self._logs for p in log]
-            self._clear_logs()
+            names = [self.names[i] for i in log.indices()]
+            log.clear()
             raise RuntimeError(
                 f"a backward after a synced forward accumulated gradients for {len(names)} parameter(s) "
                 f"({', '.join(names[:5])}{', ...' if len(names) > 5 else ''}) without reaching that forward's "
@@ -223,14 +193,9 @@ class Reducer:
                 "outputs, or run that backward under model.no_sync().")
         if self._phase is _Phase.ACCUMULATE and self.arrivals.needs_used_map():
             used = self.arrivals.locally_used
-            for log in self._logs:
-                for param in log:
-                    used[self._index_of[id(param)]] = True
-        self._clear_logs()
-
-    def _clear_logs(self) -> None:
-        for log in self._logs:
-            log.clear()  # in place: the hooks hold the lists' append
+            for i in log.indices():
+                used[i] = True
+        log.clear()
 
     def _abandon_unfinished_backward(self) -> None:
         """A backward raised after launching buckets: wait for them, then start afresh.
@@ -247,7 +212,7 @@ class Reducer:
         self._phase = _Phase.IDLE
         self._finalized_through = self._generation
         self.arrivals.forget_used()
-        self._clear_logs()
+        self._log.clear()
         self._reset_step()
         for handle in handles:
             handle.wait()
@@ -301,7 +266,7 @@ class Reducer:
         CPU, is copied here, as it arrives.
         """
         bucket = self._bucket_of[index]
-        self._logs[bucket].append(param)
+        self._log.logs[bucket].append(param)
         phase = self._phase
         if phase is not _Phase.REDUCING:
             if phase is not _Phase.EXPECT_SYNC:
@@ -358,18 +323,14 @@ class Reducer:
     def _launch_ready_buckets(self) -> None:
         if self._discovering:
             return  # everything is launched at the end
-        while self._next_bucket < len(self.buckets):
-            b = self._next_bucket
-            exact = self._want[b].met_by(self._logs[b])
-            if exact is None:
-                return
-            self._exact[b] = exact
-            self._launch(b)
+        while self._next_bucket < len(self.buckets) and self._log.complete(self._next_bucket,
+                                                                           self._want[self._next_bucket]):
+            self._launch(self._next_bucket)
             self._stats.launched_during_backward += 1
 
     def _launch(self, b: int) -> None:
         bucket = self.buckets[b]
-        self._launched_at[b] = len(self._logs[b])
+        self._log.launched(b)
         self._handles.append(self._reduce(bucket))
         self._next_bucket = b + 1
         self._stats.launch_order.append(b)
@@ -457,47 +418,26 @@ class Reducer:
             self._phase = _Phase.IDLE
             self._finalized_through = self._generation
             self.arrivals.forget_used()
-            self._clear_logs()
+            self._log.clear()
             self._handles = []
         if missing and not (self.find_unused_parameters or self.static_graph):
             raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
 
     def _read_logs(self) -> list[int]:
-        """End of backward, every bucket launched: pieces per parameter, late pieces, next step's triggers.
+        """End of backward, every bucket launched: pieces per parameter; late pieces handled; next triggers set.
 
-        Pieces per parameter are the expectations when every bucket's log was exactly
-        what completed it and nothing came after its launch (the usual step: no loop over
-        parameters); otherwise counted from the logs. A piece logged after its bucket's
-        launch is late (``_on_late_gradient``). Used parameters go into the
-        ``find_unused_parameters`` map.
+        Used parameters go into the ``find_unused_parameters`` map.
         """
-        logs, launched_at = self._logs, self._launched_at
-        if all(self._exact) and all(len(log) == n for log, n in zip(logs, launched_at)):
-            fired = self._expected
-        else:
-            fired = [0] * len(self.params)
-            for b, log in enumerate(logs):
-                for position, param in enumerate(log):
-                    index = self._index_of[id(param)]
-                    fired[index] += 1
-                    if position >= launched_at[b]:
-                        self._on_late_gradient(index, b, fired[index])
+        fired, late = self._log.pieces(self._expected)
+        for index, bucket, piece in late:
+            self._on_late_gradient(index, bucket, piece)
         if self.arrivals.needs_used_map():
             used = self.arrivals.locally_used
             for i, n in enumerate(fired):
                 if n:
                     used[i] = True
-        for b, log in enumerate(logs):
-            if log and log[-1] is not self.params[self._triggers[b]]:
-                self._move_trigger(b, self._index_of[id(log[-1])])
+        self._log.follow()
         return fired
-
-    def _move_trigger(self, bucket: int, index: int) -> None:
-        """Make ``index`` (the bucket's last arrival this step) the parameter whose hook checks the bucket."""
-        old, self._triggers[bucket] = self._triggers[bucket], index
-        for i in (old, index):
-            self._hook_handles[i].remove()
-            self._hook_handles[i] = self._register_hook(i)
 
     def _reduce_again(self, bucket: Bucket) -> None:
         self._filled[bucket.index] = set()  # copy every gradient in again, late pieces included
@@ -507,8 +447,7 @@ class Reducer:
         n = len(self.params)
         self._eager_fired = [0] * n                 # pieces of large CPU gradients (copied as they arrive)
         self._expected = [1] * n
-        self._exact = [False] * len(self.buckets)   # launched with its log exactly as expected
-        self._launched_at = [0] * len(self.buckets)  # log length at launch: later entries are late pieces
+        self._log.new_backward()
         self._next_bucket = 0
         self._filled: list[set[int]] = [set() for _ in self.buckets]  # positions copied in as they arrived
         self._handles: list[ReduceHandle] = []
@@ -535,33 +474,6 @@ class Reducer:
         for bucket in self.buckets:
             if late[bucket.index]:  # the active ranks reduce it again: join them with zeros
                 self._communicate(bucket, torch.zeros_like(bucket.buffer)).wait()
-
-
-class _Want:
-    """What completes a bucket: its parameters' expected gradient pieces ([Note: arrival logs])."""
-
-    __slots__ = ("pieces", "counts", "ids")
-
-    def __init__(self, counts: dict[int, int]):
-        self.counts = counts                  # id(param) -> expected pieces, for parameters expecting any
-        self.pieces = sum(counts.values())
-        self.ids = set(counts) if all(c == 1 for c in counts.values()) else None  # the usual case
-
-    @classmethod
-    def of(cls, bucket: Bucket, expected: list[int]) -> "_Want":
-        return cls({id(p): expected[i] for i, p in zip(bucket.param_indices, bucket.params) if expected[i]})
-
-    def met_by(self, log: list[torch.Tensor]) -> bool | None:
-        """None: ``log`` lacks an expected piece; True: it is exactly the expected pieces; False: more."""
-        n = len(log)
-        if n < self.pieces:
-            return None
-        if n == self.pieces and self.ids is not None:
-            return True if set(map(id, log)) == self.ids else None
-        got = collections.Counter(map(id, log))
-        if any(got[k] < c for k, c in self.counts.items()):
-            return None
-        return n == self.pieces
 
 
 def _hook_name(hook: CommHook) -> str:

@@ -32,29 +32,8 @@ resharding unit's full buffer is packed as (unit, offset, size, stride) instead 
 being kept, and unpacking it in backward all-gathers the unit again (or waits for its
 prefetch). This is the same idea as activation offloading, applied to weights.
 
-[Note: units some ranks skip]
-Collectives pair up by order: every rank must issue the same all-gathers and
-reduce-scatters in the same order. A unit that some ranks skip in a step (a branch
-taken on some ranks, routed experts, a modality absent from one rank's batch) breaks
-that, in forward (stage 3's gathers) and in backward (every stage's reductions). With
-``find_unused_parameters=True`` the collectives stop following the computation:
-
-- stage 3 gathers its unit modules in index order, each rank every unit once per
-  forward (a unit's pre-hook first gathers the units before it; the end of forward
-  gathers the rest and drops those this rank skipped). Units stay gathered until the
-  end of backward, so backward gathers nothing (``reshard_after_forward`` and
-  ``prefetch`` are off);
-- every reduction waits for the end of backward. There one all-reduce of a flag per
-  unit tells which units any rank used, and every rank reduce-scatters each of those
-  in index order, with zeros for a unit it did not use. A unit no rank used keeps its
-  gradient untouched, as DDP's ``find_unused_parameters`` leaves ``.grad``.
-
-The price is DDP's memory during the step (full parameters and full gradients until the
-end of backward) and no overlap of reductions with backward: between steps the shards
-are as small as ever. FSDP2 instead runs a missing post-backward for groups that did not
-run at all, which keeps ranks in step only when every rank skipped the same groups.
-Without the flag, a synchronising backward that reached some units but not others
-raises on the rank that skipped (the others' collective then fails instead of hanging).
+Units some ranks skip (``find_unused_parameters``): ``skipped.py``. Parameters read outside
+their unit's forward: ``reads.py``.
 """
 
 from __future__ import annotations
@@ -79,6 +58,8 @@ from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_r
 from dptrain.zero.grouping import bucket_groups, collect_params, materialize_meta, module_groups
 from dptrain.zero.hybrid import hybrid_groups, hybrid_layout
 from dptrain.zero.precision import MixedPrecision, cast_floats
+from dptrain.zero.reads import gather_on_read
+from dptrain.zero.skipped import check_every_unit_reduced, reduce_in_order
 from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
 
 __all__ = ["ZeRO"]
@@ -156,7 +137,7 @@ class ZeRO(nn.Module):
                                  "or tree, and no compression")
             nodes = None  # the subgroups' collectives stay within or across hosts: no node split inside them
         self.find_unused_parameters = find_unused_parameters
-        if find_unused_parameters:  # [Note: units some ranks skip]
+        if find_unused_parameters:  # [Note: units some ranks skip] in skipped.py
             prefetch, reshard_after_forward = False, False
         self.prefetch, self.broadcast_buffers = prefetch, broadcast_buffers
         if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -222,7 +203,7 @@ class ZeRO(nn.Module):
             for unit in self.units:
                 for ref in unit.refs:
                     for holder, attr in ref.holders:
-                        _gather_on_read(holder, attr, self, unit, ref.name)
+                        gather_on_read(holder, attr, self, unit, ref.name)
         self._lazy: set[FlatUnit] = set()  # stages 1-2: units whose autograd views are not set yet
         if stage < 3:
             units_of: dict[nn.Module, list[FlatUnit]] = {}
@@ -423,14 +404,11 @@ class ZeRO(nn.Module):
         return post_hook
 
     def read_outside_unit(self, unit: FlatUnit, module: nn.Module, attr: str, name: str) -> torch.Tensor:
-        """Stage 3: ``module.attr`` (parameter ``name``) was read while its unit was not gathered.
+        """Stage 3: ``module.attr`` (parameter ``name``) was read while its unit was not gathered (``reads.py``).
 
-        Inside the forward (a parent computing with a child unit's weight: a tied
-        output head ``h @ self.embed.weight.t()``, a positional table read by the top
-        module) the unit is gathered, every rank alike since every rank runs the same
-        code, and kept until the end of forward; backward gathers it again through the
-        saved-tensor hooks like any unit, and its gradient from both uses is summed.
-        Outside the forward the parameter is only a shard: reading it is an error.
+        Inside the forward the unit is gathered and kept until the end of forward;
+        backward gathers it again through the saved-tensor hooks like any unit, and its
+        gradient from both uses is summed. Outside the forward it is an error.
         """
         if not self._in_forward:
             raise AttributeError(
@@ -447,7 +425,7 @@ class ZeRO(nn.Module):
         """Stage 3, ``find_unused_parameters``: gather the unit modules up to ``through`` (None: all) in index order.
 
         Every rank then gathers every unit once per forward, in the same order, whichever
-        units its forward runs ([Note: units some ranks skip]). A unit this rank skipped
+        units its forward runs ([Note: units some ranks skip] in skipped.py). A unit this rank skipped
         is dropped again at the end of forward.
         """
         owned = self._owned
@@ -500,9 +478,9 @@ class ZeRO(nn.Module):
         self._finish_queued = False
         syncing = self.units[0].require_sync
         if syncing and self.find_unused_parameters:
-            self._reduce_in_order()
+            reduce_in_order(self.units, self.group, self._step_comm)
         elif syncing:
-            self._check_every_unit_reduced()
+            check_every_unit_reduced(self.units, self.group)
             for unit in self.units:
                 if unit.accumulates_in_place:
                     unit.reduce_accumulated()
@@ -516,43 +494,6 @@ class ZeRO(nn.Module):
         if self.stage == 3:
             self._release_all()
 
-    def _reduce_in_order(self) -> None:
-        """``find_unused_parameters``: one reduce-scatter per unit some rank used, in index order, on every rank.
-
-        A rank that did not use a unit contributes zeros. Which units any rank used is
-        agreed with one all-reduce of a flag per unit; a unit no rank used is not reduced
-        and keeps its gradient untouched, so the optimizer skips it (as DDP leaves
-        ``.grad`` of parameters no rank used).
-        """
-        grads = [unit.take_unreduced() for unit in self.units]
-        used = torch.tensor([g is not None for g in grads], dtype=torch.int32, device=self.device)
-        if self.world_size > 1:
-            dist.all_reduce(used, op=dist.ReduceOp.MAX, group=self.group)
-        self._step_comm.calls += self.world_size > 1
-        self._step_comm.bytes += used.numel() * used.element_size() if self.world_size > 1 else 0
-        for unit, grad, anyone in zip(self.units, grads, used.tolist()):
-            if anyone:
-                unit.launch(grad if grad is not None else
-                            torch.zeros(unit.numel, dtype=unit.reduce_dtype, device=unit.device))
-
-    def _check_every_unit_reduced(self) -> None:
-        """Without ``find_unused_parameters``: a unit this synchronising backward did not reach is an error.
-
-        The other ranks are waiting in its reduce-scatter (or were paired with another
-        unit's); raising here ends this rank, and their collective fails instead of
-        waiting for the timeout. A backward that reached no unit (``torch.autograd.grad``
-        for a gradient penalty) is not a step and passes.
-        """
-        missing = [u for u in self.units if not u.reduced]
-        if missing and len(missing) < len(self.units):
-            names = ", ".join(f"unit {u.index} ({u.refs[0].name}{', ...' if len(u.refs) > 1 else ''})"
-                              for u in missing[:4])
-            raise RuntimeError(
-                f"ZeRO rank {dist.get_rank(self.group)}: {len(missing)} unit(s) received no gradient in this "
-                f"backward: {names}. Every rank must reduce every unit, so the other ranks' collectives cannot "
-                "complete. If some ranks or steps skip part of the model (a branch, routed experts), wrap with "
-                "ZeRO(..., find_unused_parameters=True) (dptrain run: --set ddp.find_unused_parameters=true)")
-
     def _release_all(self) -> None:
         for unit in self.units:
             if unit._gathering is not None:
@@ -562,39 +503,6 @@ class ZeRO(nn.Module):
 
 
 # --------------------------------------------------------------------- helpers
-
-
-def _gather_on_read(module: nn.Module, attr: str, zero: ZeRO, unit: FlatUnit, name: str) -> None:
-    """Stage 3: make reading ``module.attr`` while its unit is released gather the unit (``read_outside_unit``).
-
-    A released unit's parameters are not attributes of their modules, so Python falls
-    back to the class's ``__getattr__``. The module's class is swapped for a subclass
-    (same name, made once per class, as FSDP2 swaps in ``FSDP<Class>``) whose
-    ``__getattr__`` looks the name up in the module's own table first.
-    """
-    cls = type(module)
-    if not getattr(cls, "_zero_gathers_on_read", False):
-        module.__class__ = _GATHERING_CLASSES.get(cls) or _gathering_class(cls)
-    reads = module.__dict__.setdefault("_zero_reads", {})
-    reads[attr] = (weakref.ref(zero), unit, name)
-
-
-_GATHERING_CLASSES: dict[type, type] = {}
-
-
-def _gathering_class(cls: type) -> type:
-    def __getattr__(self, attr: str):
-        entry = self.__dict__.get("_zero_reads", {}).get(attr)
-        if entry is not None:
-            zero = entry[0]()
-            if zero is not None:
-                return zero.read_outside_unit(entry[1], self, attr, entry[2])
-        return super(swapped, self).__getattr__(attr)
-
-    swapped = type(cls.__name__, (cls,), {"__getattr__": __getattr__, "_zero_gathers_on_read": True,
-                                          "__qualname__": cls.__qualname__, "__module__": cls.__module__})
-    _GATHERING_CLASSES[cls] = swapped
-    return swapped
 
 
 def _default_device(module: nn.Module) -> torch.device:

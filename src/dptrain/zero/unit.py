@@ -401,11 +401,15 @@ class FlatUnit:
 
         With hybrid sharding the shard's all-reduce over the replicate group starts here.
         """
-        for i, (work, out, grad_full) in enumerate(self._pending):
+        for i, (_, _, grad_full) in enumerate(self._pending):
             if grad_full is not None:
-                work.wait()
-                self._pending[i] = (self._replicate(out), out, None)
+                self._settle(i)
                 return
+
+    def _settle(self, i: int) -> None:
+        work, out, _ = self._pending[i]
+        work.wait()
+        self._pending[i] = (self._replicate(out), out, None)
 
     def _replicate(self, out: torch.Tensor) -> comm.Work | None:
         """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
@@ -422,9 +426,9 @@ class FlatUnit:
         """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
         if not self._pending:
             return
-        for i in range(len(self._pending)):  # every reduce-scatter done, every replica all-reduce started
-            if self._pending[i][2] is not None:
-                self.settle_oldest()
+        for i, (_, _, grad_full) in enumerate(self._pending):  # every reduce-scatter done, replicas' started
+            if grad_full is not None:
+                self._settle(i)
         outs = []
         for work, out, _ in self._pending:
             if work is not None:
