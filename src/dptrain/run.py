@@ -21,13 +21,12 @@ import traceback
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
 from dptrain.config import ConfigError, load_config
 from dptrain.launch.local import error_file
-from dptrain.launch.rendezvous import detect_worker_env, init_distributed
+from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
 from dptrain.train.checkpoint import CheckpointError
 from dptrain.train.prepare import default_run_dir, prepare_run
 
@@ -81,8 +80,7 @@ def main(argv: list[str] | None = None) -> int:
             print(text, file=sys.stderr)
         return 1
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        leave_process_groups()
 
 
 def _one_line(error: BaseException) -> str:

@@ -56,6 +56,7 @@ from dptrain.bench.stats import paired_ratios
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.compress import make_codec
 from dptrain.compress.hook import CompressionHook
+from dptrain.launch.rendezvous import leave_process_groups
 from dptrain.config import load_config
 from dptrain.ddp import DistributedDataParallel
 from dptrain.tasks import build_task
@@ -151,7 +152,7 @@ def _worker(out: Path, args: dict) -> None:
         params = sum(p.numel() for p in reference.parameters())
         out.write_text(json.dumps({"step_times_s": slowest, "bytes": sent, "params": params}))
     dist.barrier()
-    dist.destroy_process_group()
+    leave_process_groups()
 
 
 def run(rate_gbit: float, rounds: int, steps: int, warmup: int, n_embd: int, n_layer: int, block_size: int,

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as TorchDDP
 from dptrain import DistributedDataParallel
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
-from dptrain.launch.rendezvous import free_port
+from dptrain.launch.rendezvous import free_port, leave_process_groups
 from dptrain.models.gpt import GPT
 
 __all__ = ["parity", "overhead", "main"]
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             print(f"  {key}: {r['median']:.4f}x (90% CI {r['ci90'][0]:.4f}-{r['ci90'][1]:.4f})")
         save_result(args.out, result)
     finally:
-        dist.destroy_process_group()
+        leave_process_groups()
 
 
 if __name__ == "__main__":

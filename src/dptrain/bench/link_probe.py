@@ -16,6 +16,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dptrain.launch.rendezvous import leave_process_groups
+
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # fp32 elements: 64 KiB to 32 MiB
 
 
@@ -35,7 +37,7 @@ def main(out: str, reps: int = 5) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"world_size": dist.get_world_size(), "seconds": medians}, f)
-    dist.destroy_process_group()
+    leave_process_groups()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ transport of its own:
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 import socket
@@ -27,7 +28,8 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-__all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "free_port", "first_slurm_host"]
+__all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
+           "first_slurm_host"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +111,21 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
     dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
                             timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
     return device
+
+
+def leave_process_groups() -> None:
+    """Destroy every process group and free them, with their backend threads, before the interpreter exits.
+
+    ``destroy_process_group`` forgets the groups, but a group's backend (gloo's worker and
+    transport threads) lives until its last reference goes, and the engines, checkpoints and
+    hooks of a finished run hold theirs in reference cycles that only the collector frees. Left
+    to the interpreter's exit, that free raced with it: a gloo worker releasing the tensors of
+    the last collective needs the GIL, a thread that asks for the GIL during finalization is
+    ended, and ending a C++ thread there calls ``std::terminate`` ("terminate called without
+    an active exception", SIGABRT; one torchrun job in about 30 did this). Collecting here
+    runs each backend's destructor while the interpreter is whole: it joins its threads with
+    the GIL released, so they finish their work and stop.
+    """
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
