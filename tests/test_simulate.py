@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -83,6 +85,49 @@ def test_hierarchical_uses_both_tiers() -> None:
     flat = simulate_step(model, Setup("ddp", 8), _profile(model), net, "ring")
     tiers = simulate_step(model, Setup("ddp", 8), _profile(model), net, "hierarchical")
     assert tiers.comm_s < flat.comm_s  # the slow link carries only the leaders' ring
+
+
+def test_zero_waits_for_the_previous_reduction_before_launching_the_next() -> None:
+    # ReductionQueue(1): on a link slower than backward, each reduce-scatter is launched only
+    # once the one before it is done, and compute is held back until then.
+    model = _model()
+    slow = Network("slow", Link(1e-4, 1e7), Link(1e-4, 1e7), 1, "hand-made")
+    p = simulate_step(model, Setup("zero3", 2, unit_classes=(nn.Linear,)), _profile(model), slow)
+    scatters = [c for c in p.collectives if c.name.startswith("reduce_scatter")]
+    assert len(scatters) == 8
+    for a, b in zip(scatters, scatters[1:]):
+        assert b.launched_s >= a.end_s - 1e-12
+    assert p.step_s == pytest.approx(scatters[-1].end_s + 0.01)
+
+
+def test_gloos_native_reduce_scatter_costs_an_all_reduce() -> None:
+    model = _model()
+    setup = Setup("zero2", 4, bucket_cap_mb=100)
+    nccl = simulate_step(model, setup, _profile(model), NET, "native")
+    gloo = simulate_step(model, setup, _profile(model), dataclasses.replace(NET, backend="gloo"), "native")
+    scatter = [c for c in gloo.collectives if c.name.startswith("reduce_scatter")][0]
+    assert scatter.end_s - scatter.start_s == pytest.approx(_all_reduce(units(model, setup)[0].numel, 4))
+    assert gloo.comm_s > nccl.comm_s
+
+
+def test_hybrid_sharding_keeps_gathers_in_the_host_and_all_reduces_shards_across() -> None:
+    # 2 hosts x 2 ranks, one slow link per host shared by its ranks: HSDP gathers and
+    # reduce-scatters on the fast node link and all-reduces each unit's half-shard across.
+    model = _model()
+    fast, slow = Link(1e-6, 1e11), Link(1e-4, 1e8)
+    net = Network("2x2", fast, slow, 2, "hand-made", shared_net=True)
+    prof = _profile(model)
+    hsdp = simulate_step(model, Setup("zero3", 4, unit_classes=(nn.Linear,), shard_size=2), prof, net)
+    zero3 = simulate_step(model, Setup("zero3", 4, unit_classes=(nn.Linear,)), prof, net)
+    across = [c for c in hsdp.collectives if c.name.startswith("all_reduce")]
+    assert len(across) == 8  # one per unit (the root holds no parameters)
+    shared = Link(slow.alpha, slow.beta / 2)  # both ranks of a host cross at once
+    layer = 256 * 256 + 256
+    assert across[0].end_s - across[0].start_s == pytest.approx(
+        collective_cost("all_reduce", "ring", layer // 2, 4, 2).predict(shared))
+    gather = [c for c in hsdp.collectives if c.name.startswith("all_gather")][0]
+    assert gather.end_s - gather.start_s == pytest.approx(collective_cost("all_gather", "ring", layer, 4, 2).predict(fast))
+    assert hsdp.step_s < zero3.step_s
 
 
 def test_flops_profile_counts_the_forward() -> None:

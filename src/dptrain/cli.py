@@ -283,9 +283,11 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
 @click.option("--bandwidth-gbit", type=float, help="a custom network instead: Gbit/s between hosts")
 @click.option("--latency-us", type=float, default=50.0, show_default=True, help="with --bandwidth-gbit")
 @click.option("--per-node", type=int, default=1, show_default=True, help="with --bandwidth-gbit: workers per host")
+@click.option("--node-bandwidth-gbit", type=float,
+              help="with --bandwidth-gbit: Gbit/s between the workers of a host (default: the same)")
 @click.option("--world-sizes", default="1,2,4,8,16,32,64", show_default=True)
-@click.option("--algorithm", type=click.Choice(["ring", "tree", "naive", "hierarchical"]), default="ring",
-              show_default=True)
+@click.option("--algorithm", type=click.Choice(["native", "ring", "tree", "naive", "hierarchical"]), default="native",
+              show_default=True, help="native: the backend's own collectives, modelled as rings")
 @click.option("--profile", type=click.Choice(["measured", "flops"]), default="measured", show_default=True,
               help="compute times: measured on this machine, or FLOPs at --device-flops")
 @click.option("--device-flops", type=float, help="FLOP/s of one device, for --profile flops")
@@ -293,14 +295,15 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="PNG: throughput, efficiency, breakdown")
 @click.option("--list-networks", is_flag=True, help="print the presets and their sources")
-def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency_us, per_node, world_sizes,
-             algorithm, profile, device_flops, micro_batch, json_path, plot_path, list_networks) -> None:
+def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency_us, per_node, node_bandwidth_gbit,
+             world_sizes, algorithm, profile, device_flops, micro_batch, json_path, plot_path, list_networks) -> None:
     """Predict step time, throughput and scaling efficiency against the data-parallel degree.
 
     \b
     dptrain simulate                                        # the default run on the presets
     dptrain simulate --bandwidth-gbit 1 --latency-us 100    # two hosts joined by 1 Gbit/s
     dptrain simulate --set ddp.bucket_cap_mb=100 --networks eth-10
+    dptrain simulate --strategy zero3 --set zero.shard_size=8 --networks eth-100   # HSDP, a host per shard group
 
     Weak scaling: every rank keeps the micro-batch, so N ranks process N times the
     samples per step. The backward pass is replayed bucket by bucket on the network's
@@ -323,7 +326,8 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
             if per_node < 1:
                 raise click.BadParameter(f"--per-node must be positive, got {per_node}")
             link = custom_link(bandwidth_gbit, latency_us * 1e-6)
-            nets = [Network(f"{bandwidth_gbit:g}Gbit", link, link, per_node,
+            node = link if node_bandwidth_gbit is None else custom_link(node_bandwidth_gbit, latency_us * 1e-6)
+            nets = [Network(f"{bandwidth_gbit:g}Gbit", node, link, per_node,
                             f"custom: {bandwidth_gbit:g} Gbit/s, {latency_us:g} us")]
         else:
             nets = [network(name.strip()) for name in networks.split(",") if name.strip()]

@@ -26,13 +26,20 @@ def _gbit(gbit_per_s: float) -> float:
 
 @dataclass(frozen=True)
 class Network:
-    """``node``: the link inside a host; ``net``: between hosts; ``per_node`` devices per host."""
+    """``node``: the link inside a host; ``net``: between hosts; ``per_node`` devices per host.
+
+    ``shared_net``: a host's devices share one ``net`` link (one NIC per host, as on the
+    emulated cluster) rather than having one each (the InfiniBand presets' NIC per GPU).
+    ``backend``: the process group's backend (gloo's reduce-scatter costs an all-reduce).
+    """
 
     name: str
     node: Link
     net: Link
     per_node: int
     source: str
+    shared_net: bool = False
+    backend: str = "nccl"
 
     def links(self) -> dict[str, Link]:
         return {"node": self.node, "net": self.net}
@@ -57,7 +64,7 @@ PRESETS: dict[str, Network] = {
     "loopback": Network("loopback", Link(1.41e-3, 1.12 * GB, 2e-10, duplex=False),
                         Link(1.41e-3, 1.12 * GB, 2e-10, duplex=False), 1 << 30,
                         "this machine's gloo over loopback TCP, fitted by dptrain bench comm --world-size 2 "
-                        "(bench_results/comm_ws2.json: alpha 1.41 ms, beta 1.12 GB/s, half duplex)"),
+                        "(bench_results/comm_ws2.json: alpha 1.41 ms, beta 1.12 GB/s, half duplex)", backend="gloo"),
 }
 
 

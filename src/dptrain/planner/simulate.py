@@ -36,7 +36,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from dptrain.comm.cost import collective_cost
+from dptrain.comm.cost import Link, collective_cost
 from dptrain.planner.layout import Setup, Unit, units
 from dptrain.planner.network import Network
 
@@ -156,53 +156,117 @@ class _Link:
         return self.free
 
 
+class _Reductions:
+    """ZeRO's reduce-scatters, at most one in flight (``ReductionQueue(1)``), and HSDP's replica all-reduces.
+
+    Before a unit's reduce-scatter is launched, the engine waits, on the compute thread,
+    for the previous one; then that unit's shard starts its all-reduce over the replicate
+    group, on the replicate group's own link. :meth:`launch` returns when compute can go
+    on; :meth:`finish` when the last reduction is done (end of backward's callback).
+    """
+
+    def __init__(self, shard_link: _Link, replica_link: _Link | None):
+        self.shard_link, self.replica_link = shard_link, replica_link
+        self._previous: tuple[Unit, int, float] | None = None  # (unit, index, its reduce-scatter's end)
+
+    def launch(self, unit: Unit, index: int, t: float) -> float:
+        t = self._settle(t)
+        self._previous = (unit, index, self.shard_link.run("reduce_scatter", unit, index, t))
+        return t
+
+    def finish(self, t: float) -> float:
+        t = self._settle(t)
+        return max(t, self.replica_link.free if self.replica_link is not None else 0.0)
+
+    def _settle(self, t: float) -> float:
+        if self._previous is None:
+            return t
+        unit, index, end = self._previous
+        t, self._previous = max(t, end), None
+        if self.replica_link is not None:
+            self.replica_link.run("all_reduce", unit, index, t)
+        return t
+
+
 def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, network: Network,
                   algorithm: str = "ring") -> StepPrediction:
     """Predict one optimizer step of ``model`` (one micro-batch per rank) under ``setup`` on ``network``."""
-    n = setup.world_size
     shapes = units(model, setup)
-    hosts = -(-n // network.per_node)
-    links = network.links() if algorithm == "hierarchical" else {
-        "net": network.net if hosts > 1 else network.node}
-    nodes = min(n, network.per_node) if algorithm == "hierarchical" else None
-
-    def duration(kind: str, unit: Unit) -> float:
-        if n == 1:
-            return 0.0
-        dtype = unit.dtype
-        if kind == "all_gather" and setup.compute_dtype is not None:
-            dtype = setup.compute_dtype
-        elif kind == "reduce_scatter" and setup.compute_dtype is not None:
-            dtype = setup.reduce_dtype
-        return collective_cost(kind, algorithm, unit.numel, dtype.itemsize, n, nodes=nodes).predict(links)
-
-    link = _Link(duration)
+    shard_link = _Link(_durations(setup, network, algorithm, setup.shards, shard=True))
+    replica_link = _Link(_durations(setup, network, algorithm, setup.replicas, shard=False)) \
+        if setup.replicas > 1 else None
     F, B, O = profile.forward_s, profile.backward_s, profile.optimizer_s
 
     def ready(unit: Unit) -> float:
         return max((profile.ready.get(name, 1.0) for name in unit.names), default=1.0)
 
-    if setup.stage < 3:
-        start = 0.0
-        if setup.stage > 0:  # the updated parameters are gathered before the next forward
-            for i, unit in enumerate(shapes):
-                start = link.run("all_gather", unit, i, 0.0)
-        backward_end = start + F + B
-        kind = "all_reduce" if setup.stage == 0 else "reduce_scatter"
+    if setup.stage == 0:  # the DDP engine launches each bucket when it is ready, in bucket order, without waiting
         launched = 0.0
-        for i, unit in enumerate(shapes):  # the engines launch in bucket order, each when it is ready
-            launched = max(launched, start + F + B * ready(unit))
-            link.run(kind, unit, i, launched)
+        for i, unit in enumerate(shapes):
+            launched = max(launched, F + B * ready(unit))
+            shard_link.run("all_reduce", unit, i, launched)
+        backward_end = F + B
+    elif setup.stage < 3:
+        start = 0.0
+        for i, unit in enumerate(shapes):  # the updated parameters are gathered before the next forward
+            start = shard_link.run("all_gather", unit, i, 0.0)
+        reductions = _Reductions(shard_link, replica_link)
+        delay = launched = 0.0  # compute held back by the waits for earlier reductions
+        for i, unit in enumerate(shapes):
+            launched = reductions.launch(unit, i, max(launched, start + F + B * ready(unit) + delay))
+            delay = max(delay, launched - (start + F + B * ready(unit)))
+        backward_end = reductions.finish(start + F + B + delay)
     else:
-        backward_end = _stage3(shapes, F, B, link)
-    end = max(backward_end, link.free)
-    step = end + O
-    comm = sum(c.end_s - c.start_s for c in link.log)
-    return StepPrediction(setup.strategy, n, F, B, O, step, comm, step - (F + B + O), link.log)
+        backward_end = _stage3(shapes, F, B, shard_link, _Reductions(shard_link, replica_link))
+    links = [shard_link] + ([replica_link] if replica_link is not None else [])
+    step = max(backward_end, *(link.free for link in links)) + O
+    log = sorted((c for link in links for c in link.log), key=lambda c: c.start_s)
+    comm = sum(c.end_s - c.start_s for c in log)
+    return StepPrediction(setup.strategy, setup.world_size, F, B, O, step, comm, step - (F + B + O), log)
 
 
-def _stage3(shapes: list[Unit], F: float, B: float, link: _Link) -> float:
-    """ZeRO-3's forward and backward with prefetching; returns when backward's compute ends."""
+def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool) -> Callable[[str, Unit], float]:
+    """A collective's duration on one group: the shard group (ZeRO's gathers and reduce-scatters, DDP's
+    all-reduces) or, with hybrid sharding, the replicate group (each unit's largest shard all-reduced).
+
+    The shard group's ranks are consecutive: inside one host while it fits there. The
+    replicate group's ranks are a shard group apart, on different hosts; every rank of a
+    host runs its own replica all-reduce at once, so where the hosts' devices share one
+    ``net`` link (``network.shared_net``) they divide its bandwidth.
+    """
+    hosts = -(-ranks * (1 if shard else setup.shards) // network.per_node)
+    if not shard and network.shared_net:
+        flows = min(setup.shards, network.per_node)
+        net = Link(network.net.alpha, network.net.beta / flows, network.net.gamma, duplex=network.net.duplex)
+    else:
+        net = network.net
+    if algorithm == "hierarchical" and shard:
+        links, nodes = {"node": network.node, "net": net}, min(ranks, network.per_node)
+    else:
+        links, nodes = {"net": net if hosts > 1 else network.node}, None
+        algorithm = "ring" if algorithm == "hierarchical" else algorithm
+
+    mixed = setup.compute_dtype is not None
+
+    def duration(kind: str, unit: Unit) -> float:
+        if ranks == 1:
+            return 0.0
+        dtype, numel = unit.dtype, unit.numel
+        if kind == "all_gather" and mixed:
+            dtype = setup.compute_dtype
+        elif kind == "reduce_scatter":
+            dtype = setup.reduce_dtype if mixed else dtype
+            if network.backend == "gloo" and algorithm == "native":  # gloo's reduce-scatter is an all-reduce
+                kind = "all_reduce"
+        if not shard:  # the reduced shard: the largest of the shard group's
+            dtype, numel = setup.reduce_dtype if mixed else dtype, -(-unit.numel // setup.shards)
+        return collective_cost(kind, algorithm, numel, dtype.itemsize, ranks, nodes=nodes).predict(links)
+
+    return duration
+
+
+def _stage3(shapes: list[Unit], F: float, B: float, link: _Link, reductions: _Reductions) -> float:
+    """ZeRO-3's forward and backward with prefetching; returns when backward's last reduction is done."""
     blocks = [i for i, u in enumerate(shapes) if u.resharded]
     kept = [i for i, u in enumerate(shapes) if not u.resharded]
     total = sum(u.numel for u in shapes) or 1
@@ -230,8 +294,7 @@ def _stage3(shapes: list[Unit], F: float, B: float, link: _Link) -> float:
         if k + 1 < len(order):
             nxt = order[k + 1]
             gathered[nxt] = link.run("all_gather", shapes[nxt], nxt, start)
-        t = start + B * share[i]
-        link.run("reduce_scatter", shapes[i], i, t)
+        t = reductions.launch(shapes[i], i, start + B * share[i])
     for i in kept:
-        link.run("reduce_scatter", shapes[i], i, t)
-    return t
+        t = reductions.launch(shapes[i], i, t)
+    return reductions.finish(t)
