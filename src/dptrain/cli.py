@@ -399,6 +399,7 @@ def cluster(hosts: int, per_host: int, bandwidth_gbit: float, queue_latency_ms: 
 _BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
                "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm",
                "zero": "dptrain.bench.zero", "plan": "dptrain.bench.plan", "cluster": "dptrain.bench.cluster",
+               "cluster-zero": "dptrain.bench.cluster_zero",
                "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
                "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
                "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader"}

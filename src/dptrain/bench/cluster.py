@@ -51,65 +51,82 @@ from dptrain.planner.simulate import ComputeProfile, measure_profile, simulate_s
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
 
-__all__ = ["run", "main"]
+__all__ = ["run", "main", "profile_together", "rescaled_profile", "fit_cluster_link",
+           "fit_probe", "measure_on_cluster"]
 
 MICRO = 16
 
 
-def _profile_rank(rank: int, world_size: int) -> ComputeProfile:
+def _profile_rank(rank: int, world_size: int, micro: int) -> ComputeProfile:
     cfg = load_config(None, [])
     task = build_task(cfg)
     torch.manual_seed(0)
     model = task.build_model()
-    batch = default_collate([task.train_set[i + rank * MICRO] for i in range(MICRO)])
+    batch = default_collate([task.train_set[i + rank * micro] for i in range(micro)])
     return measure_profile(model, batch, task.loss, optimizer_for(cfg, list(model.parameters())), steps=8)
 
 
-def _profile() -> ComputeProfile:
-    a, b = run_on_ranks(_profile_rank, 2, timeout=600, threads_per_rank=1)
-    return ComputeProfile(statistics.mean([a.forward_s, b.forward_s]), statistics.mean([a.backward_s, b.backward_s]),
-                          statistics.mean([a.optimizer_s, b.optimizer_s]),
-                          {k: (a.ready[k] + b.ready[k]) / 2 for k in a.ready},
-                          "measured: 2 processes at once, 1 thread each, no communication")
+def profile_together(ranks: int, micro: int) -> ComputeProfile:
+    """The default model's compute profile at ``micro`` samples, timed in ``ranks`` processes at once
+    (1 thread each, no communication: what the workers of a cluster job share), averaged."""
+    profiles = run_on_ranks(_profile_rank, ranks, micro, timeout=600, threads_per_rank=1)
+    return ComputeProfile(statistics.mean(p.forward_s for p in profiles),
+                          statistics.mean(p.backward_s for p in profiles),
+                          statistics.mean(p.optimizer_s for p in profiles),
+                          {k: statistics.mean(p.ready[k] for p in profiles) for k in profiles[0].ready},
+                          f"measured: {ranks} processes at once, 1 thread each, no communication")
 
 
-def _rescaled(profile: ComputeProfile, total_s: float) -> ComputeProfile:
+def rescaled_profile(profile: ComputeProfile, total_s: float) -> ComputeProfile:
     """``profile`` with forward, backward and optimizer scaled to add up to ``total_s`` (ready fractions kept)."""
     k = total_s / (profile.forward_s + profile.backward_s + profile.optimizer_s)
     return ComputeProfile(profile.forward_s * k, profile.backward_s * k, profile.optimizer_s * k, profile.ready,
                           profile.source + f", rescaled to the run's own compute ({total_s * 1e3:.0f} ms)")
 
 
-def _fit_link(rate_gbit: float) -> Link:
-    """α and β of the emulated link at ``rate_gbit``, fitted to timed all-reduces between the two hosts."""
+def fit_cluster_link(rate_gbit: float, per_host: int = 1, within_hosts: bool = False,
+                     kinds: tuple[str, ...] = ("all_reduce",)) -> Link:
+    """α and β of an emulated link at ``rate_gbit``, fitted to timed gloo collectives (``kinds``) on 2 hosts.
+
+    Across the hosts (over all ``per_host`` ranks of both, one each by default), or
+    ``within_hosts``: inside each host's ``per_host`` ranks, both hosts at once.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
         with Network(2, rate_mbit=rate_gbit * 1000) as net:
-            code = run_on_cluster(net, 1, ["-m", "dptrain.bench.link_probe", str(out)], timeout=600,
+            code = run_on_cluster(net, per_host, ["-m", "dptrain.bench.link_probe", str(out)]
+                                  + (["--within-hosts"] if within_hosts else []), timeout=600,
                                   env={"OMP_NUM_THREADS": "1"})
         if code != 0:
             raise RuntimeError(f"the link probe at {rate_gbit} Gbit/s exited with {code}")
-        probe = json.loads(out.read_text())
+        return fit_probe(json.loads(out.read_text()), kinds)
+
+
+def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
+    """α and β fitted to a link probe's timings (``{"world_size", "seconds": {kind: {numel: s}}}``) of ``kinds``,
+    each costed as the ring the cost model takes ``native`` collectives to be."""
     rounds, nbytes, seconds = [], [], []
-    for numel, t in probe["seconds"].items():
-        cost = collective_cost("all_reduce", "native", int(numel), 4, probe["world_size"])
-        rounds.append(cost.steps())
-        nbytes.append(cost.load(duplex=True))
-        seconds.append(t)
+    for kind in kinds:
+        for numel, t in probe["seconds"][kind].items():
+            cost = collective_cost(kind, "native", int(numel), 4, probe["world_size"])
+            rounds.append(cost.steps())
+            nbytes.append(cost.load(duplex=True))
+            seconds.append(t)
     return fit_link(rounds, nbytes, seconds)
 
 
-def _measure(rate_gbit: float, bucket_mb: float, steps: int, warmup: int) -> dict:
+def measure_on_cluster(rate_gbit: float, per_host: int, overrides: list[str], steps: int, warmup: int) -> dict:
+    """``dptrain run`` (the default task, ``overrides``) on 2 hosts x ``per_host``: the medians of its
+    step, compute and exposed-communication times (``metrics.jsonl``) after ``warmup`` steps."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        args = ["-m", "dptrain.run", "--set", f"train.steps={steps}", "--set", "train.global_batch_size=32",
-                "--set", f"ddp.bucket_cap_mb={bucket_mb}", "--set", "checkpoint.every=0", "--set", "log.every=1",
-                "--set", "log.eval_every=0",
-                "--run-dir", str(run_dir)]
+        args = ["-m", "dptrain.run", "--set", f"train.steps={steps}", "--set", "checkpoint.every=0",
+                "--set", "log.every=1", "--set", "log.eval_every=0", "--set", "log.plots=false",
+                *[a for o in overrides for a in ("--set", o)], "--run-dir", str(run_dir)]
         with Network(2, rate_mbit=rate_gbit * 1000) as net:
-            code = run_on_cluster(net, 1, args, timeout=900, env={"OMP_NUM_THREADS": "1"})
+            code = run_on_cluster(net, per_host, args, timeout=900, env={"OMP_NUM_THREADS": "1"})
         if code != 0:
-            raise RuntimeError(f"the cluster run at {rate_gbit} Gbit/s, {bucket_mb} MB buckets exited with {code}")
+            raise RuntimeError(f"the cluster run at {rate_gbit} Gbit/s with {' '.join(overrides)} exited with {code}")
         records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train" and r["step"] > warmup]
     return {"step_ms": statistics.median(r["step_ms"] for r in train),
@@ -120,12 +137,12 @@ def _measure(rate_gbit: float, bucket_mb: float, steps: int, warmup: int) -> dic
 
 def run(rates: list[float], buckets: list[float], steps: int, warmup: int) -> dict:
     check_root()
-    profile = _profile()
+    profile = profile_together(2, MICRO)
     cfg = load_config(None, [])
     model = build_task(cfg).build_model()
     rows, fits = [], {}
     for rate in rates:
-        link = _fit_link(rate)
+        link = fit_cluster_link(rate)
         fits[rate] = {"alpha_s": link.alpha, "beta_Bps": link.beta, "nominal_Bps": rate * 1e9 / 8}
         print(f"{rate:g} Gbit/s: fitted alpha {link.alpha * 1e3:.2f} ms, beta {link.beta * 8 / 1e9:.2f} Gbit/s",
               flush=True)
@@ -133,8 +150,9 @@ def run(rates: list[float], buckets: list[float], steps: int, warmup: int) -> di
         for bucket in buckets:
             setup = setup_for(load_config(None, [f"ddp.bucket_cap_mb={bucket}"]), model, "ddp", 2, "fp32")
             t0 = time.perf_counter()
-            measured = _measure(rate, bucket, steps, warmup)
-            own = _rescaled(profile, measured["compute_ms"] / 1e3)
+            measured = measure_on_cluster(rate, 1, ["train.global_batch_size=32", f"ddp.bucket_cap_mb={bucket}"],
+                                          steps, warmup)
+            own = rescaled_profile(profile, measured["compute_ms"] / 1e3)
             predicted = simulate_step(model, setup, own, links)
             apart = simulate_step(model, setup, profile, links)
             rows.append({"rate_gbit": rate, "bucket_mb": bucket, "predicted_step_ms": predicted.step_s * 1e3,

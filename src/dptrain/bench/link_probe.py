@@ -1,14 +1,19 @@
-"""Time gloo all-reduces of a few sizes between the ranks of a torchrun job; rank 0 writes the medians.
+"""Time gloo all-reduces and all-gathers of a few sizes between the ranks of a torchrun job; rank 0 writes the medians.
 
 Started by ``dptrain bench cluster`` on the emulated hosts, to fit α and β of the links
 the job actually gets (``dptrain.comm.fit.fit_link``), rather than trusting a nominal rate.
 
-    torchrun ... -m dptrain.bench.link_probe OUT.json
+With ``--within-hosts`` the collectives run inside each host's group of ranks instead,
+every host at once: the link between a host's ranks, under the load a sharded job puts
+on it (hybrid sharding's gathers and reduce-scatters stay inside hosts).
+
+    torchrun ... -m dptrain.bench.link_probe OUT.json [--within-hosts]
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -21,24 +26,31 @@ from dptrain.launch.rendezvous import leave_process_groups
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # fp32 elements: 64 KiB to 32 MiB
 
 
-def main(out: str, reps: int = 5) -> None:
+def main(out: str, within_hosts: bool = False, reps: int = 5) -> None:
     dist.init_process_group("gloo")
-    medians = {}
+    group = None
+    if within_hosts:  # torchrun numbers a host's ranks consecutively
+        group, _ = dist.new_subgroups(group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
+    n = dist.get_world_size(group)
+    medians: dict[str, dict[int, float]] = {"all_reduce": {}, "all_gather": {}}
     for numel in SIZES:
-        x = torch.ones(numel)
-        dist.all_reduce(x)  # warm-up: connections, buffers
-        times = []
-        for _ in range(reps):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        medians[numel] = statistics.median(times)
+        x, shard = torch.ones(numel), torch.ones(numel // n)
+        gathered = torch.empty(numel // n * n)
+        for kind, collective in (("all_reduce", lambda: dist.all_reduce(x, group=group)),
+                                 ("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard, group=group))):
+            collective()  # warm-up: connections, buffers
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                collective()
+                times.append(time.perf_counter() - t0)
+            medians[kind][numel // n * n if kind == "all_gather" else numel] = statistics.median(times)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
-            json.dump({"world_size": dist.get_world_size(), "seconds": medians}, f)
+            json.dump({"world_size": n, "seconds": medians}, f)
     leave_process_groups()
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], within_hosts="--within-hosts" in sys.argv[2:])

@@ -21,6 +21,7 @@ and each rank measures:
 Beside each measurement: the plan of ``dptrain plan`` for the same config (rank 0).
 
     python -m dptrain.bench.plan --world-size 2
+    python -m dptrain.bench.plan --world-size 4 --strategies zero3 --shard-size 2   # hybrid sharding
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def _reset_peak() -> None:
         f.write("5")
 
 
-def _overrides(strategy: str, precision: str) -> list[str]:
-    return [f"ddp.strategy={strategy}", f"train.precision={precision}"]
+def _overrides(strategy: str, precision: str, shard_size: int) -> list[str]:
+    hybrid = [f"zero.shard_size={shard_size}"] if shard_size and strategy != "ddp" else []
+    return [f"ddp.strategy={strategy}", f"train.precision={precision}", *hybrid]
 
 
-def _rank(rank: int, world_size: int, strategy: str, precision: str, steps: int) -> dict:
+def _rank(rank: int, world_size: int, strategy: str, precision: str, shard_size: int, steps: int) -> dict:
     _allocator_follows_tensors()
-    cfg = load_config(None, _overrides(strategy, precision))
+    cfg = load_config(None, _overrides(strategy, precision, shard_size))
     task = build_task(cfg)
     plan = BatchPlan.resolve(world_size, 32)
     before = _status("RssAnon")["RssAnon"]
@@ -111,17 +113,19 @@ def _model_states(engine: Engine) -> dict[str, int]:
             "optimizer": storage_bytes(state, seen)}
 
 
-def run(world_size: int, strategies: list[str], precisions: list[str], steps: int) -> dict:
+def run(world_size: int, strategies: list[str], precisions: list[str], steps: int, shard_size: int = 0) -> dict:
     rows = []
     for precision in precisions:
         for strategy in strategies:
-            planned = plan_config(load_config(None, _overrides(strategy, precision)), [world_size], [strategy],
-                                  [precision])[0]
-            per_rank = run_on_ranks(_rank, world_size, strategy, precision, steps, timeout=900,
+            overrides = _overrides(strategy, precision, shard_size)
+            planned = plan_config(load_config(None, overrides), [world_size], [strategy], [precision])[0]
+            per_rank = run_on_ranks(_rank, world_size, strategy, precision, shard_size, steps, timeout=900,
                                     tune_allocator=False)
             measured_states = per_rank[0]["states"]
+            hybrid = shard_size and strategy != "ddp"
             rows.append({
-                "strategy": strategy, "precision": precision, "world_size": world_size,
+                "strategy": strategy + (f", shard_size {shard_size}" if hybrid else ""),
+                "precision": precision, "world_size": world_size,
                 "micro_batch": per_rank[0]["micro_batch"],
                 "planned_model_states": planned.states.total, "measured_model_states_rank0": sum(
                     measured_states.values()),
@@ -154,11 +158,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "zero3"])
     parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--steps", type=int, default=4, help="steps per measurement (the first reported apart)")
+    parser.add_argument("--shard-size", type=int, default=0,
+                        help="hybrid sharding: ZeRO strategies shard over groups of this many ranks (zero.shard_size)")
     parser.add_argument("--out", type=Path, default=Path("bench_results/plan.json"))
     a = parser.parse_args(argv)
     if a.steps < 2:
         parser.error(f"--steps must be at least 2 (the first step is reported apart), got {a.steps}")
-    result = run(a.world_size, a.strategies, a.precisions, a.steps)
+    result = run(a.world_size, a.strategies, a.precisions, a.steps, a.shard_size)
     print(table(result))
     save_result(a.out, result)
 

@@ -19,6 +19,15 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   each unit's all-gather is launched when the previous unit starts computing
   (prefetch), in forward and, for units that reshard, again in backward; each unit's
   reduce-scatter is launched when its backward ends.
+- Every ZeRO stage keeps one reduce-scatter in flight (``ReductionQueue(1)``): before
+  launching one it waits for the previous, holding compute back; the optimizer steps
+  only this rank's shard (the profile's optimizer time over the shard group's size).
+- **Hybrid sharding** (``Setup.shard_size``): gathers and reduce-scatters run over the
+  shard group, on the link inside a host while the group fits in one; when a unit's
+  reduce-scatter has been waited for, its shard's all-reduce over the replicate group
+  starts on a second link (that group's own process group and thread), across hosts.
+  Where a host's ranks share one link to the others (``Network.shared_net``), their
+  concurrent all-reduces divide its bandwidth.
 
 Compute comes from a :class:`ComputeProfile`: measured on the real model
 (:func:`measure_profile`: forward, backward and optimizer times, and when each
@@ -195,7 +204,8 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     shard_link = _Link(_durations(setup, network, algorithm, setup.shards, shard=True))
     replica_link = _Link(_durations(setup, network, algorithm, setup.replicas, shard=False)) \
         if setup.replicas > 1 else None
-    F, B, O = profile.forward_s, profile.backward_s, profile.optimizer_s
+    F, B = profile.forward_s, profile.backward_s
+    O = profile.optimizer_s / (setup.shards if setup.stage else 1)  # ZeRO steps this rank's shard
 
     def ready(unit: Unit) -> float:
         return max((profile.ready.get(name, 1.0) for name in unit.names), default=1.0)
