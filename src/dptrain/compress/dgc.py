@@ -1,0 +1,99 @@
+"""Deep Gradient Compression's remedies for top-k sparsification (Lin et al., ICLR 2018).
+
+Plain error feedback (:mod:`dptrain.compress.feedback`) keeps what top-k dropped and adds it
+to the next gradient. With momentum SGD that residual misses the momentum the dropped
+coordinates would have gathered, and a coordinate may wait dozens of steps before it is
+sent. DGC fixes this on the worker:
+
+- **momentum correction** (DGC eq. 5-6): the worker keeps its own velocity
+  ``u_t = m u_{t-1} + g_t`` and accumulates ``v_t = v_{t-1} + u_t``; it sends top-k of
+  ``v_t`` and keeps the rest. The sum of what is sent equals the sum of the velocities,
+  so the optimizer applies the average *without* momentum of its own (SGD, momentum 0);
+- **momentum factor masking** (DGC sec. 3.2): the coordinates just sent are cleared in
+  ``u`` as well as in ``v``, so stale momentum does not push them again (without
+  masking, ``v`` keeps ``v - sent`` and ``u`` is kept whole);
+- **local gradient clipping** (DGC sec. 3.2): before accumulating, each worker clips its
+  own gradient to ``max_norm / sqrt(N)`` (N workers: the sum of N independent gradients
+  has about sqrt(N) times the norm of one): :func:`clip_local`;
+- **sparsity warm-up** (DGC sec. 3.3): the fraction sent starts at 25% and falls
+  exponentially, a factor 4 per stage, to the target over the warm-up steps.
+
+:class:`MomentumCorrection` has the interface of :class:`~dptrain.compress.feedback.ErrorFeedback`
+(``encode(key, x, codec)``, state dicts), so the compression hook can use either. Not yet
+wired into the hook's configuration or ``dptrain run``, nor measured in the compression
+study (issue 24 is open).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Hashable
+
+import torch
+
+from dptrain.compress.codecs import Codec, Encoded, TopK
+from dptrain.compress.feedback import _key, finite_or_zero
+
+__all__ = ["MomentumCorrection", "clip_local", "warmup_fraction"]
+
+
+class MomentumCorrection:
+    """Per-key velocity ``u`` and accumulation ``v`` of DGC's momentum correction (a key per bucket)."""
+
+    def __init__(self, momentum: float, masking: bool = True):
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum correction needs a momentum in [0, 1), got {momentum}")
+        self.momentum, self.masking = momentum, masking
+        self.velocity: dict[Hashable, torch.Tensor] = {}
+        self.accumulated: dict[Hashable, torch.Tensor] = {}
+
+    def encode(self, key: Hashable, x: torch.Tensor, codec: Codec) -> Encoded:
+        """``codec.encode(v)`` after folding the gradient ``x`` into ``u`` and ``v``; what was sent leaves ``v``
+        (and, with masking, ``u``)."""
+        g = x.reshape(-1).float()
+        u, v = self.velocity.get(key), self.accumulated.get(key)
+        if u is None or u.numel() != g.numel():
+            u, v = torch.zeros_like(g), torch.zeros_like(g)
+        u.mul_(self.momentum).add_(g)
+        v.add_(u)
+        payload = codec.encode(v)
+        sent = codec.decode(payload)
+        if self.masking:  # the coordinates sent: top-k's indices, else wherever something was sent
+            mask = payload.tensors[0].long() if isinstance(codec, TopK) else sent != 0
+            v[mask] = 0.0
+            u[mask] = 0.0
+        else:
+            v.sub_(sent)
+        self.velocity[key], self.accumulated[key] = finite_or_zero(u), finite_or_zero(v)
+        return payload
+
+    def state_dict(self) -> dict:
+        return {"velocity": {str(k): t.clone() for k, t in self.velocity.items()},
+                "accumulated": {str(k): t.clone() for k, t in self.accumulated.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.velocity = {_key(k): t.clone() for k, t in state["velocity"].items()}
+        self.accumulated = {_key(k): t.clone() for k, t in state["accumulated"].items()}
+
+
+def clip_local(g: torch.Tensor, max_norm: float, world_size: int) -> torch.Tensor:
+    """``g`` scaled down to norm ``max_norm / sqrt(world_size)`` if it is longer (DGC's local clipping)."""
+    limit = max_norm / math.sqrt(world_size)
+    norm = float(torch.linalg.vector_norm(g))
+    return g * (limit / norm) if norm > limit else g
+
+
+def warmup_fraction(step: int, target: float, warmup_steps: int, start: float = 0.25) -> float:
+    """The fraction top-k sends at ``step`` (0-based): ``start``, divided by 4 per stage, never below ``target``.
+
+    The warm-up's ``warmup_steps`` are split into equal stages, as many as the factor-4
+    falls from ``start`` to ``target`` take (DGC: 75%, 93.75%, 98.4375%, 99.6% sparsity over
+    the first four epochs); from ``warmup_steps`` on it is ``target``.
+    """
+    if not 0 < target <= 1 or start < target:
+        raise ValueError(f"sparsity warm-up needs 0 < target <= start <= 1, got target {target}, start {start}")
+    if warmup_steps <= 0 or step >= warmup_steps:
+        return target
+    stages = max(1, math.ceil(math.log(start / target, 4)))
+    stage = step * stages // warmup_steps
+    return max(target, start / 4 ** stage)
