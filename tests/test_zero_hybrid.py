@@ -62,15 +62,16 @@ def test_hsdp_with_a_bf16_reduce_stays_within_bf16_rounding_of_fp32() -> None:
     assert len(set(hsdp)) == 1, hsdp  # every rank holds the same parameters
 
 
-def _cross_host_bytes(rank: int, world_size: int, shard_size: int | None) -> dict:
+def _cross_host_bytes(rank: int, world_size: int, shard_size: int | None, name: str = "stack13",
+                      unit_classes: tuple = (Layer,)) -> dict:
     """Bytes this rank sends to ranks on the other host in one training step (hosts of 2 ranks)."""
     traffic = comm.Traffic()
     torch.manual_seed(0)
-    model = ZeRO(build("stack13"), stage=3, unit_classes=(Layer,), algorithm="ring", traffic=traffic,
+    model = ZeRO(build(name), stage=3, unit_classes=unit_classes, algorithm="ring", traffic=traffic,
                  shard_size=shard_size)
-    x, y = global_batch("stack13", 0, 3 * world_size)
+    x, y = global_batch(name, 0, 3 * world_size)
     traffic.reset()
-    loss_fn("stack13", model(x[3 * rank:3 * rank + 3]), y[3 * rank:3 * rank + 3]).backward()
+    loss_fn(name, model(x[3 * rank:3 * rank + 3]), y[3 * rank:3 * rank + 3]).backward()
     cross = sum(n for peer, n in traffic.per_peer.items() if peer // 2 != rank // 2)
     formula = 0
     if shard_size is not None:  # one ring all-reduce of each fp32 gradient shard over the 2 replicas
@@ -80,9 +81,12 @@ def _cross_host_bytes(rank: int, world_size: int, shard_size: int | None) -> dic
             "shards": sum(u.hi - u.lo for u in model.units)}
 
 
-def test_only_the_replicas_all_reduce_crosses_hosts_and_less_than_zero3_sends() -> None:
-    hsdp = run_on_ranks(_cross_host_bytes, 4, 2, timeout=120)
-    zero3 = run_on_ranks(_cross_host_bytes, 4, None, timeout=120)
+@pytest.mark.parametrize("name, unit_classes", [("stack13", (Layer,)), ("tied", (torch.nn.Embedding,))])
+def test_only_the_replicas_all_reduce_crosses_hosts_and_less_than_zero3_sends(name, unit_classes) -> None:
+    # "tied": the embedding's unit is used twice (its module, and the head in the parent):
+    # its two reductions still cross hosts as one all-reduce
+    hsdp = run_on_ranks(_cross_host_bytes, 4, 2, name, unit_classes, timeout=120)
+    zero3 = run_on_ranks(_cross_host_bytes, 4, None, name, unit_classes, timeout=120)
     for r in hsdp:
         assert r["cross"] == r["formula"] > 0, r
         # a ring all-reduce over 2 ranks sends each rank about its shard: 2 (R - 1) / R = 1 shard

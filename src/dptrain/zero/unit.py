@@ -158,13 +158,17 @@ class FlatUnit:
         self.stale = False  # the shard changed since the full buffer was gathered
         self._gathering: comm.Work | None = None
         self._pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None]] = []
+        # hybrid sharding: this backward's reductions still to come (one per differentiable use in a synced
+        # forward), and the reduced pieces held to be averaged over the replicas once, summed, in finish
+        self._pieces_due = 0
+        self._held: list[torch.Tensor] = []
         self.inflight: ReductionQueue | None = None  # shared by a model's units (set by ZeRO)
         self._unsynced: torch.Tensor | None = None  # stages 2-3: local gradients under no_sync
         self._fresh_cycle, self._has_local = True, False  # stage 1: the local accumulation's state
         self._carry: torch.Tensor | None = None
         self.require_sync = True
         # find_unused_parameters: reductions wait for the end of backward, where every rank issues one per
-        # unit in index order (ZeRO._reduce_in_order); this holds the gradient until then
+        # unit in index order (skipped.reduce_in_order); this holds the gradient until then
         self.defer = False
         self._deferred: torch.Tensor | None = None
         # this step's counts (set by ZeRO, which publishes them as last_step_comm), and what one
@@ -223,6 +227,8 @@ class FlatUnit:
             return self._materialize_leaves(full)
         if differentiable:
             out = _Unshard.apply(self.shard, full, self)
+            if self.replicate_group is not None and self.require_sync:
+                self._pieces_due += 1
         else:
             out = full.view(full.shape)
         parts = out.split([r.numel for r in self.refs])
@@ -375,6 +381,7 @@ class FlatUnit:
         """
         if self.inflight is not None:  # bound the full-size gradients alive at once (see ReductionQueue)
             self.inflight.make_room()
+        self._pieces_due = max(0, self._pieces_due - 1)
         if self._grad_is_view and not self._pending:
             out = self.full_grad[self.lo:self.hi]  # stage 1: reduce straight into the gradient's home
         else:
@@ -409,7 +416,11 @@ class FlatUnit:
     def _settle(self, i: int) -> None:
         work, out, _ = self._pending[i]
         work.wait()
-        self._pending[i] = (self._replicate(out), out, None)
+        if self.replicate_group is not None and (self._pieces_due or len(self._pending) > 1):
+            self._held.append(out)  # a unit used twice (a tied weight): its pieces cross hosts once, summed
+            self._pending[i] = (None, out, None)
+        else:
+            self._pending[i] = (self._replicate(out), out, None)
 
     def _replicate(self, out: torch.Tensor) -> comm.Work | None:
         """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
@@ -424,6 +435,7 @@ class FlatUnit:
 
     def finish(self) -> None:
         """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
+        self._pieces_due = 0
         if not self._pending:
             return
         for i, (_, _, grad_full) in enumerate(self._pending):  # every reduce-scatter done, replicas' started
@@ -433,7 +445,15 @@ class FlatUnit:
         for work, out, _ in self._pending:
             if work is not None:
                 work.wait()
-            outs.append(out)
+            if not any(out is held for held in self._held):
+                outs.append(out)
+        if self._held:  # one all-reduce over the replicas for the held pieces
+            held = self._held[0]
+            for piece in self._held[1:]:
+                held.add_(piece)
+            self._replicate(held).wait()
+            outs.append(held)
+            self._held = []
         self._pending.clear()
         total = outs[0]
         for out in outs[1:]:
