@@ -109,6 +109,11 @@ def test_gloos_native_reduce_scatter_costs_an_all_reduce() -> None:
     scatter = [c for c in gloo.collectives if c.name.startswith("reduce_scatter")][0]
     assert scatter.end_s - scatter.start_s == pytest.approx(_all_reduce(units(model, setup)[0].numel, 4))
     assert gloo.comm_s > nccl.comm_s
+    uneven = simulate_step(model, Setup("zero2", 3, bucket_cap_mb=100), _profile(model), NET, "native")
+    numel = units(model, Setup("zero2", 3, bucket_cap_mb=100))[0].numel
+    assert numel % 3  # any backend reduces uneven shards with an all-reduce
+    scatter = [c for c in uneven.collectives if c.name.startswith("reduce_scatter")][0]
+    assert scatter.end_s - scatter.start_s == pytest.approx(_all_reduce(numel, 3))
 
 
 def test_hybrid_sharding_keeps_gathers_in_the_host_and_all_reduces_shards_across() -> None:

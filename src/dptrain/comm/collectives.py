@@ -48,6 +48,7 @@ from dptrain.comm.topology import Range, Team, node_groups, shard_bounds
 from dptrain.comm.wire import Traffic, Wire
 
 __all__ = ["ALGORITHMS", "check_algorithm", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+           "native_scatter_is_all_reduce",
            "CollectiveMismatchError", "sent_bytes"]
 
 ALGORITHMS = ("native", "ring", "tree", "naive", "hierarchical")
@@ -260,13 +261,17 @@ class _Call:
 
 
 def _scatter_as_all_reduce(numel: int, group: dist.ProcessGroup, device: torch.device, consume_input: bool) -> bool:
-    """Whether a native reduce-scatter is issued as an all-reduce (and a copy-out of the shard).
+    return native_scatter_is_all_reduce(_device_backend(group, device), numel, dist.get_world_size(group),
+                                        consume_input)
+
+
+def native_scatter_is_all_reduce(backend: str, numel: int, world_size: int, consume_input: bool = True) -> bool:
+    """Whether a native reduce-scatter of ``numel`` elements is issued as an all-reduce (and a copy-out).
 
     The backend's reduce-scatter wants equal shards; and gloo's is an all-reduce of a
-    copy anyway, so a consumed input is all-reduced in place.
+    copy anyway, so a consumed input is all-reduced in place. (The simulator asks this too.)
     """
-    gloo = _device_backend(group, device) == "gloo"
-    return numel % dist.get_world_size(group) != 0 or (consume_input and gloo)
+    return numel % world_size != 0 or (consume_input and backend == "gloo")
 
 
 def sent_bytes(kind: str, numel: int, itemsize: int, *, algorithm: str = "native",

@@ -45,6 +45,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from dptrain.comm.collectives import native_scatter_is_all_reduce
 from dptrain.comm.cost import Link, collective_cost
 from dptrain.planner.layout import Setup, Unit, units
 from dptrain.planner.network import Network
@@ -266,8 +267,8 @@ def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard
             dtype = setup.compute_dtype
         elif kind == "reduce_scatter":
             dtype = setup.reduce_dtype if mixed else dtype
-            if network.backend == "gloo" and algorithm == "native":  # gloo's reduce-scatter is an all-reduce
-                kind = "all_reduce"
+            if algorithm == "native" and native_scatter_is_all_reduce(network.backend, numel, ranks):
+                kind = "all_reduce"  # gloo's, and any with uneven shards (ZeRO consumes its input)
         if not shard:  # the reduced shard: the largest of the shard group's
             dtype, numel = setup.reduce_dtype if mixed else dtype, -(-unit.numel // setup.shards)
         return collective_cost(kind, algorithm, numel, dtype.itemsize, ranks, nodes=nodes).predict(links)
