@@ -189,8 +189,10 @@ def test_hybrid_sharding_plans_zero_over_the_shard_group_and_one_shard_across() 
     # ring all-reduce of each shard (Ψ/k of 4 bytes) over the n/k replicas: 2 (R - 1) / R of it
     assert traffic.across_groups == pytest.approx(2 * (replicas - 1) / replicas * 4 * psi / k, rel=1e-3)
     assert traffic.total == within.total + traffic.across_groups
-    with pytest.raises(ValueError, match="shard_size 3 needs a ZeRO strategy and must divide the world size 8"):
+    with pytest.raises(ValueError, match="shard_size=3 does not divide the world size 8"):
         Setup("zero3", n, shard_size=3)
+    with pytest.raises(ValueError, match="shard_size 2 .hybrid sharding. needs a ZeRO strategy"):
+        Setup("ddp", n, shard_size=2)
 
 
 # ---------------------------------------------------------------- the command

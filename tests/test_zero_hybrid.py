@@ -22,7 +22,7 @@ from dptrain.zero.hybrid import hybrid_layout
 
 def test_the_layout_groups_ranks_host_by_host() -> None:
     assert hybrid_layout(6, 3) == ([[0, 1, 2], [3, 4, 5]], [[0, 3], [1, 4], [2, 5]])
-    with pytest.raises(ValueError, match="shard_size must divide the world size"):
+    with pytest.raises(ValueError, match=r"shard_size=4 does not divide the world size 6; choose one of \[1, 2, 3, 6\]"):
         hybrid_layout(6, 4)
 
 
@@ -99,5 +99,5 @@ def _bad_shard_size(rank: int, world_size: int) -> None:
 
 
 def test_a_shard_size_that_does_not_divide_the_world_is_refused() -> None:
-    with pytest.raises(RankFailedError, match="shard_size must divide the world size: got shard_size=3 for 4"):
+    with pytest.raises(RankFailedError, match=r"shard_size=3 does not divide the world size 4; choose one of \[1, 2, 4\]"):
         run_on_ranks(_bad_shard_size, 4, timeout=60)

@@ -23,6 +23,7 @@ from torch import nn
 from dptrain.comm.topology import shard_range
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
+from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["STRATEGIES", "PRECISIONS", "Setup", "Unit", "units"]
 
@@ -65,9 +66,10 @@ class Setup:
             raise ValueError(f"world size must be a positive integer, got {self.world_size!r}")
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
-        if self.shard_size is not None and (self.stage == 0 or self.world_size % self.shard_size):
-            raise ValueError(f"shard_size {self.shard_size} needs a ZeRO strategy and must divide the world size "
-                             f"{self.world_size}")
+        if self.shard_size is not None:
+            if self.stage == 0:
+                raise ValueError(f"shard_size {self.shard_size} (hybrid sharding) needs a ZeRO strategy")
+            check_shard_size(self.shard_size, self.world_size)
 
     @property
     def shards(self) -> int:

@@ -27,6 +27,7 @@ from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.tasks import Task, architecture, build_task, run_name
 from dptrain.train.checkpoint import find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
+from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["RunPlan", "prepare_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
 
@@ -209,10 +210,11 @@ def _check_nodes(cfg: RunConfig, world_size: int) -> None:
     if shard_size and cfg.ddp.strategy not in ("zero1", "zero2", "zero3"):
         raise ConfigError(f"zero.shard_size={shard_size} (hybrid sharding) needs strategy zero1, zero2 or zero3, "
                           f"not {cfg.ddp.strategy!r}")
-    if shard_size < 0 or (shard_size and world_size % shard_size):
-        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
-        raise ConfigError(f"zero.shard_size={shard_size} does not divide the world size {world_size}; choose one "
-                          f"of {divisors} (the ranks per host, for hybrid sharding) or 0 to shard over all ranks")
+    if shard_size:
+        try:
+            check_shard_size(shard_size, world_size)
+        except ValueError as e:
+            raise ConfigError(f"zero.{e}, or 0 to shard over all ranks") from None
 
 
 def _check_run_dir(run_dir: Path, n_params: int, cfg: RunConfig) -> None:

@@ -25,14 +25,20 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-__all__ = ["hybrid_groups", "hybrid_layout"]
+__all__ = ["check_shard_size", "hybrid_groups", "hybrid_layout"]
+
+
+def check_shard_size(shard_size: int, world_size: int) -> None:
+    """A ValueError naming the divisors of ``world_size`` unless ``shard_size`` is one of them."""
+    if shard_size < 1 or world_size % shard_size:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(f"shard_size={shard_size} does not divide the world size {world_size}; choose one of "
+                         f"{divisors} (the ranks per host, for hybrid sharding)")
 
 
 def hybrid_layout(world_size: int, shard_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups, replicate groups) of group ranks ``0..world_size-1`` with shards over ``shard_size`` ranks."""
-    if shard_size < 1 or world_size % shard_size:
-        raise ValueError(f"shard_size must divide the world size: got shard_size={shard_size} for "
-                         f"{world_size} ranks; use a divisor such as the ranks per node")
+    check_shard_size(shard_size, world_size)
     shards = [list(range(start, start + shard_size)) for start in range(0, world_size, shard_size)]
     replicas = [list(range(i, world_size, shard_size)) for i in range(shard_size)]
     return shards, replicas

@@ -56,7 +56,7 @@ from dptrain.compress.zero import ShardedCompression
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.zero.grouping import bucket_groups, collect_params, materialize_meta, module_groups
-from dptrain.zero.hybrid import hybrid_groups, hybrid_layout
+from dptrain.zero.hybrid import check_shard_size, hybrid_groups
 from dptrain.zero.precision import MixedPrecision, cast_floats
 from dptrain.zero.reads import gather_on_read
 from dptrain.zero.skipped import check_every_unit_reduced, reduce_in_order
@@ -124,18 +124,19 @@ class ZeRO(nn.Module):
                              "shards buckets (bucket_cap_mb) instead")
         comm.check_algorithm(algorithm, nodes, dist.get_world_size(process_group))
         self.module = module
-        self.stage, self.group, self.algorithm, self.nodes = stage, process_group, algorithm, nodes
+        self.stage, self.group, self.algorithm = stage, process_group, algorithm
         # hybrid sharding (zero/hybrid.py): units are sharded over shard_group and replicated across
         # replicate_group; without it both are plain ZeRO's (the whole group, no replicas)
         self.shard_group, self.replicate_group = process_group, None
         self.shard_size = shard_size or dist.get_world_size(process_group)
         hybrid = self.shard_size != dist.get_world_size(process_group)
         if hybrid:
-            hybrid_layout(dist.get_world_size(process_group), self.shard_size)  # a shard_size that does not divide
+            check_shard_size(self.shard_size, dist.get_world_size(process_group))
             if algorithm == "hierarchical" or compression is not None:
                 raise ValueError("shard_size (hybrid sharding) is hierarchical by itself: use algorithm native, ring "
                                  "or tree, and no compression")
             nodes = None  # the subgroups' collectives stay within or across hosts: no node split inside them
+        self.nodes = nodes
         self.find_unused_parameters = find_unused_parameters
         if find_unused_parameters:  # [Note: units some ranks skip] in skipped.py
             prefetch, reshard_after_forward = False, False
@@ -216,6 +217,7 @@ class ZeRO(nn.Module):
                 holder.register_forward_pre_hook(self._make_first_use_hook(units))
         self._order: list[FlatUnit] = [u for u in self.units if u.owner is not None]
         self._owned = list(self._order)  # stage 3's unit modules in index order
+        self._owned_at = {id(u): i for i, u in enumerate(self._owned)}
         self._gathered = 0               # find_unused_parameters: _owned[:_gathered] gathered this forward
         self._ran: list[FlatUnit] = []
         self._live: dict[int, FlatUnit] = {}
@@ -271,7 +273,7 @@ class ZeRO(nn.Module):
         for unit in self.units:
             full = torch.empty(unit.numel, dtype=unit.master_dtype, device=unit.device)
             comm.all_gather(full, unit.shard.detach(), algorithm=self.algorithm, group=self.shard_group,
-                            nodes=self.nodes if self.replicate_group is None else None, validate=False)
+                            nodes=self.nodes, validate=False)
             for ref, (a, b) in zip(unit.refs, unit.offsets()):
                 out[ref.name] = full[a:b].view(ref.shape).clone()
         return out
@@ -429,7 +431,7 @@ class ZeRO(nn.Module):
         is dropped again at the end of forward.
         """
         owned = self._owned
-        stop = len(owned) if through is None else owned.index(through) + 1
+        stop = len(owned) if through is None else self._owned_at[id(through)] + 1
         while self._gathered < stop:
             owned[self._gathered].gather()
             self._gathered += 1
