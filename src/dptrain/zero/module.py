@@ -26,28 +26,20 @@ The optimizer sees only shards: create it *after* wrapping, from ``model.paramet
 (one flat 1-D Parameter per unit). Any ``torch.optim`` optimizer works, and its state
 is then 1/N of the replicated state by construction.
 
-How stage 3 frees parameters that autograd saved for backward: forward runs under
-``torch.autograd.graph.saved_tensors_hooks``; a saved tensor that is a view of a
-resharding unit's full buffer is packed as (unit, offset, size, stride) instead of
-being kept, and unpacking it in backward all-gathers the unit again (or waits for its
-prefetch). This is the same idea as activation offloading, applied to weights.
-
-Units some ranks skip (``find_unused_parameters``): ``skipped.py``. Parameters read outside
-their unit's forward: ``reads.py``.
+How stage 3 frees the weights autograd saved for backward: ``saved.py``. Units some
+ranks skip (``find_unused_parameters``): ``skipped.py``. Parameters read outside their
+unit's forward: ``reads.py``. The optimizer check: ``replaced.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from dptrain import comm
 from dptrain.comm.fingerprint import collective_check
@@ -59,24 +51,12 @@ from dptrain.zero.grouping import bucket_groups, collect_params, materialize_met
 from dptrain.zero.hybrid import check_shard_size, hybrid_groups
 from dptrain.zero.precision import MixedPrecision, cast_floats
 from dptrain.zero.reads import gather_on_read
+from dptrain.zero.replaced import mark_replaced
+from dptrain.zero.saved import pack_weight, unpack_weight
 from dptrain.zero.skipped import check_every_unit_reduced, reduce_in_order
 from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
 
 __all__ = ["ZeRO"]
-
-# The original Parameters that ZeRO replaced by flat shards. torch's optimizer hooks
-# are process-wide, so this check is too: an optimizer created before wrapping holds
-# these and would silently step nothing (see _check_optimizer).
-_REPLACED: dict[int, weakref.ref] = {}
-_HOOKED = False
-
-
-@dataclass
-class _Packed:
-    unit: FlatUnit
-    offset: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
 
 
 class ZeRO(nn.Module):
@@ -222,7 +202,6 @@ class ZeRO(nn.Module):
         self._ran: list[FlatUnit] = []
         self._live: dict[int, FlatUnit] = {}
         self._finish_queued = False
-        _hook_optimizers()
 
     # ------------------------------------------------------------------ construction
 
@@ -252,7 +231,7 @@ class ZeRO(nn.Module):
         for ref in members:
             for module, attr in ref.holders:
                 del module._parameters[attr]
-            _REPLACED[id(ref.tensor)] = weakref.ref(ref.tensor)
+            mark_replaced(ref.tensor)  # an optimizer holding it raises (zero/replaced.py)
             ref.tensor.data = torch.empty(0, dtype=ref.tensor.dtype, device=ref.tensor.device)
         return full
 
@@ -450,23 +429,16 @@ class ZeRO(nn.Module):
         return order[i] if 0 <= i < len(order) else None
 
     def _pack(self, t: torch.Tensor) -> Any:
-        base = t._base
-        unit = self._live.get(id(base)) if base is not None else None
-        if unit is None or unit.full is not base:
-            return t
-        return _Packed(unit, t.storage_offset() - base.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        return pack_weight(self._live, t)
 
     def _unpack(self, packed: Any) -> torch.Tensor:
-        if not isinstance(packed, _Packed):
-            return packed
-        unit = packed.unit
-        first = unit.full is None or unit._gathering is not None
-        full = unit.wait_gathered()
-        if first and self.prefetch:
-            earlier = self._next_in(self._order, unit, -1)
-            if earlier is not None:
-                earlier.gather(async_op=True)
-        return full.as_strided(packed.size, packed.stride, packed.offset)
+        return unpack_weight(packed, self._prefetch_before)
+
+    def _prefetch_before(self, unit: FlatUnit) -> None:
+        """Backward regathered ``unit``: start gathering the one backward needs next (the one before it)."""
+        earlier = self._next_in(self._order, unit, -1) if self.prefetch else None
+        if earlier is not None:
+            earlier.gather(async_op=True)
 
     # ------------------------------------------------------------------ backward
 
@@ -512,22 +484,3 @@ def _default_device(module: nn.Module) -> torch.device:
         if not p.is_meta:
             return p.device
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-
-
-def _hook_optimizers() -> None:
-    global _HOOKED
-    if not _HOOKED:
-        register_optimizer_step_pre_hook(_check_optimizer)
-        _HOOKED = True
-
-
-def _check_optimizer(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            replaced = _REPLACED.get(id(p))
-            if replaced is not None and replaced() is p:
-                raise RuntimeError(
-                    "this optimizer was created before the model was wrapped with ZeRO: it holds the model's "
-                    "original parameters, which ZeRO replaced by flat shards, so its step would update nothing. "
-                    "Wrap first, then create the optimizer: model = ZeRO(model, ...); "
-                    "optimizer = torch.optim.AdamW(model.parameters(), ...)")
