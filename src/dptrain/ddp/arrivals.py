@@ -30,6 +30,8 @@ agreed on and the reducer raises instead.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 import torch.distributed as dist
 
@@ -71,6 +73,11 @@ class GradientArrivals:
         # trust the walk only for those that got no gradient last step either.
         return {i for i, p in enumerate(self.params)
                 if id(p) not in reached and (last is None or last[i] == 0)}
+
+    def mark_used(self, indices: Iterable[int]) -> None:
+        """Record parameters whose gradients arrived since the last sync (for :meth:`exchange`)."""
+        for i in indices:
+            self.locally_used[i] = True
 
     def needs_used_map(self) -> bool:
         """Whether this step must all-reduce the map of used parameters."""

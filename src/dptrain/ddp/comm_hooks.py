@@ -21,12 +21,13 @@ Compression codecs plug in here: encode in the hook, reduce, decode in ``wait()`
 
 from __future__ import annotations
 
+import time
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradBucket", "CommHook", "ReduceHandle", "allreduce_hook"]
+__all__ = ["GradBucket", "CommHook", "ReduceHandle", "allreduce_hook", "hook_name", "stamp", "TimedHandle"]
 
 
 class ReduceHandle(Protocol):
@@ -102,3 +103,32 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
         tensor.div_(world_size)
     work = dist.all_reduce(tensor, group=process_group, async_op=True)
     return _WorkHandle(work, tensor)
+
+
+def hook_name(hook: CommHook) -> str:
+    hook = getattr(hook, "func", hook)  # functools.partial
+    return getattr(hook, "__qualname__", type(hook).__qualname__)
+
+
+def stamp(span: list) -> None:
+    """Record a reduction's completion time, unless an earlier stamp exists."""
+    if span[2] is None:
+        span[2] = time.perf_counter()
+
+
+class TimedHandle:
+    """A reduction's handle that stamps its ``[bucket, launched, done]`` span when waited for (an upper bound on
+    completion; ``StepCommStats.bucket_spans``)."""
+
+    __slots__ = ("handle", "span")
+
+    def __init__(self, handle: ReduceHandle, span: list):
+        self.handle, self.span = handle, span
+
+    def wait(self) -> torch.Tensor:
+        result = self.handle.wait()
+        done = getattr(self.handle, "completed_at", None)  # dptrain.comm's handles know it exactly
+        if done is not None and self.span[2] is None:
+            self.span[2] = done
+        stamp(self.span)
+        return result

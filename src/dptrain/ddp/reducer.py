@@ -50,7 +50,7 @@ from dptrain.ddp.arrival_log import ArrivalLog, Want
 from dptrain.ddp.arrivals import GradientArrivals
 from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, SparseGradient
-from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, _WorkHandle
+from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, TimedHandle, _WorkHandle, hook_name, stamp
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
 
@@ -192,9 +192,7 @@ class Reducer:
                 "outputs, so they were not averaged across ranks. Build the loss from the DDP module's "
                 "outputs, or run that backward under model.no_sync().")
         if self._phase is _Phase.ACCUMULATE and self.arrivals.needs_used_map():
-            used = self.arrivals.locally_used
-            for i in log.indices():
-                used[i] = True
+            self.arrivals.mark_used(log.indices())
         log.clear()
 
     def _abandon_unfinished_backward(self) -> None:
@@ -289,12 +287,17 @@ class Reducer:
     def _fill_now(self, index: int, bucket: int) -> None:
         """Copy a large gradient into its slice as it arrives (``EAGER_NUMEL``)."""
         position = self._position[index]
-        divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
+        divisor = self._fill_divisor()
         try:
             self.buckets[bucket].fill_one(position, divisor, self.gradient_as_bucket_view)
         except SparseGradient:
             raise self._sparse_error(index) from None
         self._filled[bucket].add(position)
+
+    def _fill_divisor(self) -> float | None:
+        """What gradients are divided by as they are copied into a bucket: the world size, unless a comm hook
+        averages (then nothing)."""
+        return self.divisor if self.comm_hook is None and self.divisor != 1 else None
 
     def _sparse_error(self, index: int) -> RuntimeError:
         return RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's DDP reduces dense "
@@ -337,7 +340,7 @@ class Reducer:
 
     def _reduce(self, bucket: Bucket) -> ReduceHandle:
         """Start reducing a bucket: copy its gradients in (averaged, unless a comm hook does it), then communicate."""
-        divisor = self.divisor if self.comm_hook is None and self.divisor != 1 else None
+        divisor = self._fill_divisor()
         try:
             bucket.fill(divisor, self.gradient_as_bucket_view, self.batched, self._filled[bucket.index])
         except SparseGradient as e:
@@ -347,7 +350,7 @@ class Reducer:
         self._stats.bucket_bytes.append(bucket.nbytes)
         span = [bucket.index, time.perf_counter(), None]
         self._stats.bucket_spans.append(span)
-        return _Timed(self._communicate(bucket, bucket.buffer, span), span)
+        return TimedHandle(self._communicate(bucket, bucket.buffer, span), span)
 
     def _communicate(self, bucket: Bucket, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
         """Reduce ``buffer`` (the bucket's, or zeros of its layout): the comm hook or the averaging all-reduce.
@@ -356,7 +359,7 @@ class Reducer:
         on each bucket's first reduction, or on every one.
         """
         if self.check is not None:
-            op = "all_reduce" if self.comm_hook is None else f"comm hook {_hook_name(self.comm_hook)}"
+            op = "all_reduce" if self.comm_hook is None else f"comm hook {hook_name(self.comm_hook)}"
             self.check.verify_site(bucket.index, op, [buffer], f"bucket {bucket.index}")
         if self.comm_hook is not None:
             return self.comm_hook(self.comm_state, self._grad_bucket(bucket, buffer))
@@ -376,7 +379,7 @@ class Reducer:
                                    nodes=self.nodes, async_op=True, validate=False, traffic=self.traffic)
         work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
         if span is not None and self.record_spans:
-            work.get_future().add_done_callback(lambda _: _stamp(span))
+            work.get_future().add_done_callback(lambda _: stamp(span))
         return _WorkHandle(work, buffer)
 
     def _grad_bucket(self, bucket: Bucket, buffer: torch.Tensor) -> GradBucket:
@@ -432,10 +435,7 @@ class Reducer:
         for index, bucket, piece in late:
             self._on_late_gradient(index, bucket, piece)
         if self.arrivals.needs_used_map():
-            used = self.arrivals.locally_used
-            for i, n in enumerate(fired):
-                if n:
-                    used[i] = True
+            self.arrivals.mark_used(i for i, n in enumerate(fired) if n)
         self._log.follow()
         return fired
 
@@ -474,34 +474,6 @@ class Reducer:
         for bucket in self.buckets:
             if late[bucket.index]:  # the active ranks reduce it again: join them with zeros
                 self._communicate(bucket, torch.zeros_like(bucket.buffer)).wait()
-
-
-def _hook_name(hook: CommHook) -> str:
-    hook = getattr(hook, "func", hook)  # functools.partial
-    return getattr(hook, "__qualname__", type(hook).__qualname__)
-
-
-def _stamp(span: list) -> None:
-    """Record a reduction's completion time, unless an earlier stamp exists."""
-    if span[2] is None:
-        span[2] = time.perf_counter()
-
-
-class _Timed:
-    """A reduction's handle that stamps its span when waited for (an upper bound on completion)."""
-
-    __slots__ = ("handle", "span")
-
-    def __init__(self, handle: ReduceHandle, span: list):
-        self.handle, self.span = handle, span
-
-    def wait(self) -> torch.Tensor:
-        result = self.handle.wait()
-        done = getattr(self.handle, "completed_at", None)  # dptrain.comm's handles know it exactly
-        if done is not None and self.span[2] is None:
-            self.span[2] = done
-        _stamp(self.span)
-        return result
 
 
 def _unused_message(missing: list[str], rank: int) -> str:
