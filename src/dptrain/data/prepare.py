@@ -76,8 +76,8 @@ class Recipe:
 
         ``files``: what :meth:`files` returned, when the caller has it already."""
         def stat(paths):
-            return [{"path": str(p.resolve()), "bytes": p.stat().st_size, "mtime_ns": p.stat().st_mtime_ns}
-                    for p in paths]
+            return [{"path": str(p.resolve()), "bytes": st.st_size, "mtime_ns": st.st_mtime_ns}
+                    for p in paths for st in (p.stat(),)]
         train, val = files if files is not None else self.files()
         return {"source": self.source, "inputs": stat(train), "val_inputs": stat(val),
                 "val_fraction": None if self.val_inputs else self.val_fraction,
@@ -166,7 +166,7 @@ def prepared(recipe: Recipe) -> TokenFiles | None:
         raise ConfigError(f"data.dir {recipe.out} was prepared from another recipe (differs in: "
                           f"{', '.join(changed)}): the inputs, the tokenizer or the split changed since. Delete "
                           f"{recipe.out} to prepare it again, or choose another data.dir")
-    return open_token_dir(recipe.out, meta.get("dtype", "auto"))
+    return open_token_dir(recipe.out)  # its dtype from the same meta.json
 
 
 def prepare_command(recipe: Recipe) -> str:

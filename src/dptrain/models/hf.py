@@ -102,20 +102,15 @@ def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path,
     """
     import shutil
 
-    from safetensors.torch import load_file
+    from safetensors.torch import load_model
 
     from dptrain.train.atomic import replacing_dir
 
     model = causal_lm(path, weights=False)
-    state = load_file(str(weights))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    names_of: dict[int, set[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        names_of.setdefault(id(param), set()).add(name)
-    loaded = {name for names in names_of.values() if names & state.keys() for name in names}  # tied: one name did
-    untied = [name for name in missing if name not in loaded]
-    if untied or unexpected:
-        raise ValueError(f"{weights} does not match {path}'s architecture: missing {untied}, unexpected {unexpected}")
+    missing, unexpected = load_model(model, str(weights), strict=False)  # tied weights: stored under one name
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match {path}'s architecture: missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}")
     out = Path(out)
     with replacing_dir(out, replace=True) as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
