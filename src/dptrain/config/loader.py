@@ -183,7 +183,14 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
 
     A checkpoint may be resumed only by a config with the same identity; fields in
     ``schema.NOT_IDENTITY`` (step count, logging, micro-batch split, DDP tuning) may change.
+    Fields in ``schema.ADDED_LATER`` are left out while they hold their default, so that
+    checkpoints written before they existed keep their identity.
     """
+    defaults = _flat_identity(RunConfig())
+    return {k: v for k, v in _flat_identity(cfg).items() if not (k.startswith(ADDED_LATER) and v == defaults.get(k))}
+
+
+def _flat_identity(cfg: RunConfig) -> dict[str, Any]:
     flat: dict[str, Any] = {}
 
     def walk(node: dict, prefix: str) -> None:
@@ -197,16 +204,6 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
                 flat[dotted] = value
 
     walk(to_dict(cfg), "")
-    defaults = identity_defaults()
-    return {k: v for k, v in flat.items() if not (k.startswith(ADDED_LATER) and v == defaults.get(k))}
-
-
-def identity_defaults() -> dict[str, Any]:
-    """The default config's identity fields, flattened (what :data:`schema.ADDED_LATER` compares with)."""
-    flat: dict[str, Any] = {}
-    for section, values in to_dict(RunConfig()).items():
-        if isinstance(values, dict):
-            flat.update({f"{section}.{k}": v for k, v in values.items()})
     return flat
 
 
