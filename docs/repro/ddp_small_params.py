@@ -101,7 +101,7 @@ def profile(view: bool, steps: int) -> None:
 
 def views(rounds: int) -> None:
     from dptrain.bench.ddp import _bench_rank
-    from dptrain.bench.stats import bootstrap_ci
+    from dptrain.bench.stats import paired_ratios
     from dptrain.testing import run_on_ranks
 
     variants = ["no_comm", "torch_ddp_view/25", "dptrain_ddp_view/25"]
@@ -110,10 +110,9 @@ def views(rounds: int) -> None:
     per_rank = run_on_ranks(_bench_rank, 2, args, timeout=3600, threads_per_rank=1, tune_allocator=True)
     times = {v: [[max(r["times"][v][k][i] for r in per_rank) for i in range(5)] for k in range(rounds)]
              for v in variants}
-    paired = [statistics.median(a) / statistics.median(b)
-              for a, b in zip(times["dptrain_ddp_view/25"], times["torch_ddp_view/25"])]
-    low, high = bootstrap_ci(paired)
-    print(f"dptrain_ddp_view/25 / torch_ddp_view/25, {rounds} rounds x 5 steps: median {statistics.median(paired):.3f}, "
+    ratio = paired_ratios(times["dptrain_ddp_view/25"], times["torch_ddp_view/25"])
+    low, high = ratio["ci90"]
+    print(f"dptrain_ddp_view/25 / torch_ddp_view/25, {rounds} rounds x 5 steps: median {ratio['median']:.3f}, "
           f"90% interval {low:.3f} - {high:.3f}")
 
 

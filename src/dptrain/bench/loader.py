@@ -41,7 +41,7 @@ from dptrain.batching import BatchPlan
 from dptrain.bench.results import save_result
 from dptrain.config import RunConfig
 from dptrain.data.tokens import TokenWindows
-from dptrain.models.gpt import GPT
+from dptrain.tasks import build_task
 from dptrain.tasks.chargpt import ByteBlocks
 from dptrain.train.loader import ShardedLoader
 from dptrain.train.optim import build_optimizer
@@ -87,15 +87,13 @@ def _loader_rate(loader: ShardedLoader, start_step: int, batches: int, cold: boo
     return batches * x.shape[0] / (time.perf_counter() - t0)
 
 
-def _step_rate(model: torch.nn.Module, opt: torch.optim.Optimizer, batch, steps: int) -> float:
-    x, y = batch
+def _step_rate(task, model: torch.nn.Module, opt: torch.optim.Optimizer, batch, steps: int) -> float:
     t0 = time.perf_counter()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
-        logits = model(x)
-        torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), y.reshape(-1)).backward()
+        task.loss(model, batch).backward()
         opt.step()
-    return steps * x.shape[0] / (time.perf_counter() - t0)
+    return steps * batch[0].shape[0] / (time.perf_counter() - t0)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,10 +126,11 @@ def main(argv: list[str] | None = None) -> None:
             "built-in (bytes in memory)": ShardedLoader(
                 ByteBlocks(torch.randint(0, 256, (g.corpus_bytes,)), g.block_size), plan, rank=0),
         }
-        model = GPT(vocab_size=256, block_size=g.block_size, n_layer=g.n_layer, n_head=g.n_head, n_embd=g.n_embd)
+        task = build_task(cfg)  # the default run's model and loss
+        model = task.build_model()
         opt = build_optimizer(model, t.optimizer, t.lr, t.weight_decay, tuple(t.betas), t.momentum)
         batch = next(loaders["token file, sequential"].micro_batches(0))
-        _step_rate(model, opt, batch, 2)  # warm-up
+        _step_rate(task, model, opt, batch, 2)  # warm-up
         rates: dict[str, list[float]] = {name: [] for name in [*loaders, "training step"]}
         order = random.Random(0)
         for r in range(a.rounds):
@@ -139,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
             order.shuffle(names)
             for name in names:
                 if name == "training step":
-                    rates[name].append(_step_rate(model, opt, batch, a.steps))
+                    rates[name].append(_step_rate(task, model, opt, batch, a.steps))
                 else:  # a different place in the file each round: no window is read twice
                     start = r * (a.batches + 1) // plan.grad_accum_steps
                     rates[name].append(_loader_rate(loaders[name], start, a.batches, a.cold))
