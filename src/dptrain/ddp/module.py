@@ -142,7 +142,9 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self._forward_calls = 0
 
         named = _trainable_parameters(module)
-        self._has_buffers = any(True for _ in module.buffers())
+        # the buffers to broadcast each forward, listed once as torch's DDP does (a buffer reassigned to a new
+        # tensor after wrapping is not followed): walking every submodule costs 0.5 ms a forward on 400 modules
+        self._synced_buffers = list(module.buffers())
         self.device = _module_device(module)
         self._check_replicas(named, [("option", "algorithm", algorithm, repr(nodes), False)])
         self._param_names = [name for name, _ in named]
@@ -213,16 +215,14 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         return output
 
     def _will_sync_buffers(self) -> bool:
-        # Whether the module has buffers is known from construction (as torch's DDP keeps its
-        # buffer list): walking every submodule each forward costs 0.5 ms on 400 modules.
-        return self.broadcast_buffers and self.require_forward_param_sync and self._has_buffers
+        return self.broadcast_buffers and self.require_forward_param_sync and bool(self._synced_buffers)
 
     def _sync_buffers(self, is_active: bool) -> tuple[int, int]:
         """Broadcast buffers from rank 0, or under Join from the highest rank with data."""
         src = 0
         if self._join_config.enable:
             src = self._highest_rank_where(is_active)
-        return broadcast_coalesced(list(self.module.buffers()), src, self.process_group)
+        return broadcast_coalesced(self._synced_buffers, src, self.process_group)
 
     def _highest_rank_where(self, condition: bool) -> int:
         rank = dist.get_rank(self.process_group)
