@@ -32,48 +32,55 @@ from typing import Hashable
 import torch
 
 from dptrain.compress.codecs import Codec, Encoded, TopK
-from dptrain.compress.feedback import _key, finite_or_zero
+from dptrain.compress.feedback import ErrorFeedback, _key, finite_or_zero
 
 __all__ = ["MomentumCorrection", "clip_local", "warmup_fraction"]
 
 
 class MomentumCorrection:
-    """Per-key velocity ``u`` and accumulation ``v`` of DGC's momentum correction (a key per bucket)."""
+    """Per-key velocity ``u`` and accumulation ``v`` of DGC's momentum correction (a key per bucket).
+
+    ``v`` is error feedback's residual with the velocity fed in instead of the gradient, so
+    it is kept by an :class:`~dptrain.compress.feedback.ErrorFeedback`; masking clears the
+    sent coordinates instead of subtracting them.
+    """
 
     def __init__(self, momentum: float, masking: bool = True):
         if not 0 <= momentum < 1:
             raise ValueError(f"momentum correction needs a momentum in [0, 1), got {momentum}")
         self.momentum, self.masking = momentum, masking
         self.velocity: dict[Hashable, torch.Tensor] = {}
-        self.accumulated: dict[Hashable, torch.Tensor] = {}
+        self.accumulation = ErrorFeedback()
 
     def encode(self, key: Hashable, x: torch.Tensor, codec: Codec) -> Encoded:
         """``codec.encode(v)`` after folding the gradient ``x`` into ``u`` and ``v``; what was sent leaves ``v``
         (and, with masking, ``u``)."""
         g = x.reshape(-1).float()
-        u, v = self.velocity.get(key), self.accumulated.get(key)
-        if u is None or u.numel() != g.numel():
-            u, v = torch.zeros_like(g), torch.zeros_like(g)
-        u.mul_(self.momentum).add_(g)
-        v.add_(u)
+        u = self.velocity.get(key)
+        u = g.clone() if u is None or u.numel() != g.numel() else u.mul_(self.momentum).add_(g)
+        v = self.accumulation.correct(key, u)  # v + u
         payload = codec.encode(v)
-        sent = codec.decode(payload)
         if self.masking:  # the coordinates sent: top-k's indices, else wherever something was sent
-            mask = payload.tensors[0].long() if isinstance(codec, TopK) else sent != 0
+            mask = payload.tensors[0].long() if isinstance(codec, TopK) else codec.decode(payload) != 0
             v[mask] = 0.0
             u[mask] = 0.0
+            self.accumulation.residuals[key] = finite_or_zero(v)
         else:
-            v.sub_(sent)
-        self.velocity[key], self.accumulated[key] = finite_or_zero(u), finite_or_zero(v)
+            self.accumulation.keep(key, v, codec.decode(payload))
+        self.velocity[key] = finite_or_zero(u)
         return payload
+
+    @property
+    def accumulated(self) -> dict[Hashable, torch.Tensor]:
+        return self.accumulation.residuals
 
     def state_dict(self) -> dict:
         return {"velocity": {str(k): t.clone() for k, t in self.velocity.items()},
-                "accumulated": {str(k): t.clone() for k, t in self.accumulated.items()}}
+                "accumulation": self.accumulation.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.velocity = {_key(k): t.clone() for k, t in state["velocity"].items()}
-        self.accumulated = {_key(k): t.clone() for k, t in state["accumulated"].items()}
+        self.accumulation.load_state_dict(state["accumulation"])
 
 
 def clip_local(g: torch.Tensor, max_norm: float, world_size: int) -> torch.Tensor:
