@@ -48,13 +48,13 @@ class ProtocolTask:
     tokens_per_sample: int = 1
     collate_fn: Callable | None = None
     about: str = ""  # what a sample is, for messages about the data's size
-    shape: Callable[[], nn.Module] | None = None  # the architecture without pretrained weights (default: build)
 
     def build_model(self) -> nn.Module:
         return self.build()
 
     def build_architecture(self) -> nn.Module:
-        return (self.shape or self.build)()
+        """The model without pretrained weights (a builder's ``architecture``, when it has one)."""
+        return getattr(self.build, "architecture", self.build)()
 
     def loss(self, model: nn.Module, batch: Any) -> torch.Tensor:
         return protocol_loss(model, batch)
@@ -112,8 +112,7 @@ def token_task(cfg: RunConfig) -> ProtocolTask:
         raise ConfigError(f"{files.path(SPLITS[1])} has {val.num_tokens:,} tokens, fewer than one window of "
                           f"{block + 1} (block_size + 1): give more validation data or a shorter block_size")
     about = f"windows of {block} + 1 tokens from the {train.num_tokens:,} tokens of {files.path(SPLITS[0])}"
-    return ProtocolTask(run_name(cfg), train, val, build, tokens_per_sample=block, about=about,
-                        shape=getattr(build, "architecture", None))
+    return ProtocolTask(run_name(cfg), train, val, build, tokens_per_sample=block, about=about)
 
 
 def _lm_model(cfg: RunConfig, files: TokenFiles) -> tuple[Callable[[], nn.Module], int, int, int]:
@@ -125,11 +124,10 @@ def _lm_model(cfg: RunConfig, files: TokenFiles) -> tuple[Callable[[], nn.Module
         config = hf.load_config(cfg.hf.path)
         context = hf.context_length(config)
         block = d.block_size or min(context or DEFAULT_HF_CONTEXT, DEFAULT_HF_CONTEXT)
-        return _HFBuild(cfg.hf.path, cfg.hf.from_scratch), int(config.vocab_size), context, block
+        return _named_model(cfg), int(config.vocab_size), context, block
     block = d.block_size or g.block_size
     if cfg.task.model:
-        factory = load_factory(cfg.task.model)
-        return (lambda: factory(**cfg.task.model_args)), 0, 0, block
+        return _named_model(cfg), 0, 0, block
     if cfg.task.name != "chargpt":
         raise ConfigError(f"token data trains a language model: task.name {cfg.task.name!r} has none; use "
                           "task.name = \"chargpt\" (the built-in GPT), hf.path or task.model")
@@ -154,24 +152,26 @@ def factory_task(cfg: RunConfig) -> ProtocolTask:
         from dptrain.models import hf
 
         hf.load_config(cfg.hf.path)  # checked now, not in every worker at step 1
-        build = _HFBuild(cfg.hf.path, cfg.hf.from_scratch)
-    elif cfg.task.model:
-        factory = load_factory(cfg.task.model)
-
-        def build() -> nn.Module:
-            return factory(**cfg.task.model_args)
-    elif cfg.task.name == "classifier":
+    build = _named_model(cfg)
+    if build is None and cfg.task.name == "classifier":
         c = cfg.classifier
-
-        def build() -> nn.Module:
-            return MLPClassifier(features=c.features, classes=c.classes, hidden=c.hidden, depth=c.depth)
-    else:
+        build = lambda: MLPClassifier(features=c.features, classes=c.classes, hidden=c.hidden, depth=c.depth)  # noqa: E731
+    elif build is None:
         if not cfg.gpt.vocab_size:
             raise ConfigError("the built-in GPT on your datasets needs gpt.vocab_size (or set task.model or hf.path)")
         build = _builtin_gpt(cfg, cfg.gpt.vocab_size, cfg.gpt.block_size)
-    return ProtocolTask(run_name(cfg), train, val, build,
-                        tokens_per_sample=int(getattr(train, "tokens_per_sample", 1)), collate_fn=collate, about=f"samples of data.factory {cfg.data.factory!r}",
-                        shape=getattr(build, "architecture", None))
+    return ProtocolTask(run_name(cfg), train, val, build, tokens_per_sample=int(getattr(train, "tokens_per_sample", 1)),
+                        collate_fn=collate, about=f"samples of data.factory {cfg.data.factory!r}")
+
+
+def _named_model(cfg: RunConfig) -> Callable[[], nn.Module] | None:
+    """The builder of the model the config names (``hf.path``, else ``task.model``'s factory); None: neither."""
+    if cfg.hf.path:
+        return _HFBuild(cfg.hf.path, cfg.hf.from_scratch)
+    if cfg.task.model:
+        factory = load_factory(cfg.task.model)
+        return lambda: factory(**cfg.task.model_args)
+    return None
 
 
 @dataclass(frozen=True)
