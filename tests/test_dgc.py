@@ -64,8 +64,11 @@ def test_momentum_correction_state_round_trips():
 
 def test_local_clipping_scales_to_max_norm_over_root_n():
     g = torch.tensor([3.0, 4.0])  # norm 5
-    torch.testing.assert_close(clip_local(g, max_norm=2.0, world_size=4), g * (1.0 / 5.0))  # limit 2/sqrt(4) = 1
+    clipped = g.clone()
+    assert clip_local(clipped, max_norm=2.0, world_size=4) is clipped  # in place
+    torch.testing.assert_close(clipped, torch.tensor([0.6, 0.8]))  # limit 2/sqrt(4) = 1: g / 5
     assert clip_local(g, max_norm=20.0, world_size=4) is g  # limit 10: untouched
+    assert g.tolist() == [3.0, 4.0]
 
 
 def test_sparsity_warmup_falls_by_four_per_stage_to_the_target():

@@ -2,12 +2,18 @@
 
 Every variant is one ``dptrain run`` of the default task (the character GPT on 2
 workers, same seed, same data order, same steps), differing only in ``[ddp]
-compression`` and ``error_feedback``. Reported per variant: the bytes a rank's
-buckets would take uncompressed and the bytes its payloads take (per step, from the
-run's metrics), their ratio, the final validation loss (``dptrain run``'s end-of-run
-evaluation) and its ratio to the uncompressed run's.
+compression`` settings. Reported per variant: the bytes a rank's buckets would take
+uncompressed and the bytes its payloads take (per step, from the run's metrics: the
+last step's, and the mean over the logged steps, which differ under a warm-up), their
+ratio, the final validation loss (``dptrain run``'s end-of-run evaluation), its ratio to
+the uncompressed run's and the goal for the codec.
 
-    python -m dptrain.bench.compression --steps 150
+    python -m dptrain.bench.compression --steps 150                 # the codecs
+    python -m dptrain.bench.compression --steps 150 --variants none "topk 1%+EF" "topk 1%+EF +warmup"
+
+``REMEDIES`` are the variants with deep gradient compression's remedies for top-k and
+PowerSGD's warm-ups (docs/compression.md); those with momentum correction ("+MC") need
+``--set train.optimizer=sgd``.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ from pathlib import Path
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_run, with_overrides
 
-__all__ = ["VARIANTS", "run", "main"]
+__all__ = ["VARIANTS", "REMEDIES", "GOALS", "run", "main"]
 
 # (name, [ddp] settings)
 VARIANTS = [
@@ -33,6 +39,27 @@ VARIANTS = [
     ("powersgd r4 (no EF)", {"compression": "powersgd", "powersgd_rank": 4, "error_feedback": False}),
     ("powersgd r4", {"compression": "powersgd", "powersgd_rank": 4, "error_feedback": True}),
 ]
+# the remedies of deep gradient compression for top-k and the warm-ups of PowerSGD (dptrain.compress.remedies);
+# momentum correction needs --set train.optimizer=sgd
+_TOPK = {"compression": "topk", "topk_fraction": 0.01, "error_feedback": True}
+_PSGD = {"compression": "powersgd", "powersgd_rank": 4, "error_feedback": True}
+REMEDIES = [
+    ("topk 1%+EF +warmup", {**_TOPK, "topk_warmup_steps": 40}),
+    ("topk 1%+EF +clip", {**_TOPK, "local_clip": 1.0}),
+    ("topk 1%+EF +warmup +clip", {**_TOPK, "topk_warmup_steps": 40, "local_clip": 1.0}),
+    ("topk 1% +MC", {**_TOPK, "momentum_correction": True}),
+    ("topk 1% +MC (no masking)", {**_TOPK, "momentum_correction": True, "momentum_masking": False}),
+    ("topk 1% DGC (+MC +clip +warmup)", {**_TOPK, "momentum_correction": True, "local_clip": 1.0,
+                                         "topk_warmup_steps": 40}),
+    ("powersgd r4 +30 uncompressed", {**_PSGD, "powersgd_uncompressed_steps": 30}),
+    ("powersgd r4 +r16 for 50", {**_PSGD, "powersgd_warmup_rank": 16, "powersgd_warmup_steps": 50}),
+    ("powersgd r4 +30 uncompressed +r16 for 50", {**_PSGD, "powersgd_uncompressed_steps": 30,
+                                                  "powersgd_warmup_rank": 16, "powersgd_warmup_steps": 50}),
+    ("powersgd r4 +MC", {**_PSGD, "momentum_correction": True}),
+]
+CODEC_VARIANTS = list(VARIANTS)  # what runs without --variants
+VARIANTS += REMEDIES
+GOALS = {"int8": 1.01, "topk": 1.03, "powersgd": 1.03}  # final val loss / uncompressed (issues 7 and 24)
 
 
 def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: list[str]) -> dict:
@@ -40,15 +67,16 @@ def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: lis
             "checkpoint.every": 0, **{f"ddp.{k}": v for k, v in settings.items()}}
     done = dptrain_run(nproc, with_overrides(base, overrides), directory / "run")
     summary, last = done["summary"], done["train"][-1]
+    payloads = [r.get("comm_compressed_bytes_per_step") or r["comm_bytes_per_step"] for r in done["train"]]
     return {"val_loss": summary["val_loss"], "final_train_loss": summary["final_train_loss"],
             "raw_bytes_per_step": last["comm_bytes_per_step"],
-            "payload_bytes_per_step": last.get("comm_compressed_bytes_per_step") or last["comm_bytes_per_step"],
+            "payload_bytes_per_step": payloads[-1], "mean_logged_payload_bytes": sum(payloads) / len(payloads),
             "sent_bytes_per_step": last.get("comm_sent_bytes_per_step", 0), "wall_s": done["wall_s"]}
 
 
 def run(steps: int, nproc: int, variants: list[str] | None = None, overrides: list[str] | None = None) -> dict:
     rows = []
-    chosen = [(n, s) for n, s in VARIANTS if variants is None or n in variants]
+    chosen = [(n, s) for n, s in VARIANTS if n in variants] if variants else CODEC_VARIANTS
     for name, settings in chosen:
         with tempfile.TemporaryDirectory() as tmp:
             result = _one(settings, steps, nproc, Path(tmp), overrides or [])
@@ -59,14 +87,19 @@ def run(steps: int, nproc: int, variants: list[str] | None = None, overrides: li
 
 
 def table(result: dict) -> str:
+    """Markdown: a row per variant, its bytes at the end and on average, its loss against uncompressed and the goal."""
     base = next((r for r in result["rows"] if r["variant"] == "none"), None)
-    lines = ["| variant | MiB per step per rank (payload) | compression ratio | final val loss | vs uncompressed |",
-             "|---|---:|---:|---:|---:|"]
+    lines = ["| variant | MiB per step per rank (payload, last step) | mean over logged steps | compression ratio | "
+             "final val loss | vs uncompressed | goal |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         ratio = r["raw_bytes_per_step"] / r["payload_bytes_per_step"]
-        rel = f"{r['val_loss'] / base['val_loss']:.4f}" if base else "-"
-        lines.append(f"| {r['variant']} | {r['payload_bytes_per_step'] / 2**20:.3f} | {ratio:.1f}x | "
-                     f"{r['val_loss']:.4f} | {rel} |")
+        rel = r["val_loss"] / base["val_loss"] if base else None
+        goal = GOALS.get(r["settings"].get("compression"))
+        verdict = "-" if goal is None or rel is None else f"<= {goal:.2f}: {'met' if rel <= goal else 'missed'}"
+        mean = r.get("mean_logged_payload_bytes", r["payload_bytes_per_step"])
+        lines.append(f"| {r['variant']} | {r['payload_bytes_per_step'] / 2**20:.3f} | {mean / 2**20:.3f} | "
+                     f"{ratio:.1f}x | {r['val_loss']:.4f} | {'-' if rel is None else f'{rel:.4f}'} | {verdict} |")
     return "\n".join(lines)
 
 

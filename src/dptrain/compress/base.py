@@ -58,6 +58,11 @@ class Compressor:
         self.channel = dist.new_group(ranks=ranks, use_local_synchronization=True) if self.world_size > 1 else group
         self.stats = CompressionStats()
         self._spaces: dict = {}  # per bucket or unit: buffers reused from step to step
+        self.step = 0
+
+    def begin_step(self, step: int) -> None:
+        """Before a step's backward: its index (0-based, the steps already taken), which schedules read."""
+        self.step = step
 
     def _scratch(self, key, slot: int, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A buffer kept from one step to the next (a fresh one page-faults on first write).
@@ -79,7 +84,7 @@ class Compressor:
         return progress_thread(self.channel).submit(run, finish)
 
     def state_dict(self) -> dict:
-        return {"feedback": self.feedback.state_dict() if self.feedback else None}
+        return {"feedback": self.feedback.state_dict() if self.feedback else None, "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
         if self.feedback is not None and state.get("feedback") is not None:

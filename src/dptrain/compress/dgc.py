@@ -19,9 +19,11 @@ sent. DGC fixes this on the worker:
   exponentially, a factor 4 per stage, to the target over the warm-up steps.
 
 :class:`MomentumCorrection` has the interface of :class:`~dptrain.compress.feedback.ErrorFeedback`
-(``encode(key, x, codec)``, state dicts), so the compression hook can use either. Not yet
-wired into the hook's configuration or ``dptrain run``, nor measured in the compression
-study (issue 24 is open).
+(``encode(key, x, codec)``, state dicts), so the compression hook uses either. PowerSGD
+takes the velocity alone (:class:`Velocity`): its own error feedback is the accumulation,
+so the matrix it approximates is ``v_{t-1} + u_t`` (no masking: a low-rank update has no
+"sent coordinates"). ``dptrain run`` turns these on with ``[ddp] momentum_correction``,
+``momentum_masking``, ``local_clip`` and ``topk_warmup_steps`` (docs/compression.md).
 """
 
 from __future__ import annotations
@@ -34,7 +36,34 @@ import torch
 from dptrain.compress.codecs import Codec, Encoded, TopK
 from dptrain.compress.feedback import ErrorFeedback, _key, finite_or_zero
 
-__all__ = ["MomentumCorrection", "clip_local", "warmup_fraction"]
+__all__ = ["MomentumCorrection", "Velocity", "clip_local", "warmup_fraction"]
+
+
+class Velocity:
+    """Per-key local momentum ``u_t = m u_{t-1} + g_t`` (DGC eq. 5), a key per bucket."""
+
+    def __init__(self, momentum: float):
+        if not 0 <= momentum < 1:
+            raise ValueError(f"momentum correction needs a momentum in [0, 1), got {momentum}")
+        self.momentum = momentum
+        self.velocity: dict[Hashable, torch.Tensor] = {}
+
+    def fold(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
+        """``u`` after adding the gradient ``x``: the key's own buffer (the first is a copy of ``x``).
+
+        A velocity that turned non-finite (a skipped NaN step) starts again from zero.
+        """
+        g = x.reshape(-1).float()
+        u = self.velocity.get(key)
+        u = g.clone() if u is None or u.numel() != g.numel() else finite_or_zero(u).mul_(self.momentum).add_(g)
+        self.velocity[key] = u
+        return u
+
+    def state_dict(self) -> dict:
+        return {"velocity": {str(k): t.clone() for k, t in self.velocity.items()}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.velocity = {_key(k): t.clone() for k, t in state["velocity"].items()}
 
 
 class MomentumCorrection:
@@ -46,18 +75,14 @@ class MomentumCorrection:
     """
 
     def __init__(self, momentum: float, masking: bool = True):
-        if not 0 <= momentum < 1:
-            raise ValueError(f"momentum correction needs a momentum in [0, 1), got {momentum}")
-        self.momentum, self.masking = momentum, masking
-        self.velocity: dict[Hashable, torch.Tensor] = {}
+        self.masking = masking
+        self.velocities = Velocity(momentum)
         self.accumulation = ErrorFeedback()
 
     def encode(self, key: Hashable, x: torch.Tensor, codec: Codec) -> Encoded:
         """``codec.encode(v)`` after folding the gradient ``x`` into ``u`` and ``v``; what was sent leaves ``v``
         (and, with masking, ``u``)."""
-        g = x.reshape(-1).float()
-        u = self.velocity.get(key)
-        u = g.clone() if u is None or u.numel() != g.numel() else u.mul_(self.momentum).add_(g)
+        u = self.velocities.fold(key, x)
         v = self.accumulation.correct(key, u)  # v + u
         payload = codec.encode(v)
         if self.masking:  # the coordinates sent: top-k's indices, else wherever something was sent
@@ -67,27 +92,29 @@ class MomentumCorrection:
             self.accumulation.residuals[key] = finite_or_zero(v)
         else:
             self.accumulation.keep(key, v, codec.decode(payload))
-        self.velocity[key] = finite_or_zero(u)
         return payload
+
+    @property
+    def velocity(self) -> dict[Hashable, torch.Tensor]:
+        return self.velocities.velocity
 
     @property
     def accumulated(self) -> dict[Hashable, torch.Tensor]:
         return self.accumulation.residuals
 
     def state_dict(self) -> dict:
-        return {"velocity": {str(k): t.clone() for k, t in self.velocity.items()},
-                "accumulation": self.accumulation.state_dict()}
+        return {**self.velocities.state_dict(), "accumulation": self.accumulation.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.velocity = {_key(k): t.clone() for k, t in state["velocity"].items()}
+        self.velocities.load_state_dict(state)
         self.accumulation.load_state_dict(state["accumulation"])
 
 
 def clip_local(g: torch.Tensor, max_norm: float, world_size: int) -> torch.Tensor:
-    """``g`` scaled down to norm ``max_norm / sqrt(world_size)`` if it is longer (DGC's local clipping)."""
+    """``g`` scaled down, in place, to norm ``max_norm / sqrt(world_size)`` if it is longer (DGC's local clipping)."""
     limit = max_norm / math.sqrt(world_size)
     norm = float(torch.linalg.vector_norm(g))
-    return g * (limit / norm) if norm > limit else g
+    return g.mul_(limit / norm) if norm > limit else g
 
 
 def warmup_fraction(step: int, target: float, warmup_steps: int, start: float = 0.25) -> float:

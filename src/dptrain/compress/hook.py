@@ -19,6 +19,11 @@ reduces it the way the codec allows:
   uncompressed vectors) and of Q, orthonormalising P in between; its error feedback is
   part of the algorithm.
 
+``remedies`` (:class:`~dptrain.compress.remedies.Remedies`) adds, for top-k and PowerSGD,
+deep gradient compression's momentum correction, local clipping and sparsity warm-up,
+and PowerSGD's uncompressed start and higher starting rank; the schedules follow the
+step index given to :meth:`begin_step`.
+
 The collectives run on a process group of their own, on dptrain's progress thread for
 it, in launch order: a bucket's compressed reduction overlaps the rest of backward
 like an uncompressed one, and never interleaves with the engine's own collectives.
@@ -41,8 +46,10 @@ from dptrain.comm.progress import Work
 from dptrain.comm.topology import shard_bounds
 from dptrain.compress.base import LAUNCH, RUN, CompressionStats, Compressor
 from dptrain.compress.codecs import Codec, Encoded, Half, Int8, TopK
+from dptrain.compress.dgc import MomentumCorrection, Velocity, clip_local
 from dptrain.compress.feedback import finite_or_zero
 from dptrain.compress.powersgd import PowerSGD, orthonormalise, project
+from dptrain.compress.remedies import Remedies
 from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, sent_bytes
 from dptrain.ddp.comm_hooks import GradBucket
 
@@ -53,13 +60,37 @@ class CompressionHook(Compressor):
     """``hook(state, bucket)`` for the DDP engine: compress, reduce with the codec's collective, decode."""
 
     def __init__(self, codec: Codec | PowerSGD, error_feedback: bool = True,
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, remedies: Remedies = Remedies()):
         if not isinstance(codec, (Half, Int8, TopK, PowerSGD)):
             raise TypeError("CompressionHook supports the fp16, bf16, int8 and topk codecs and PowerSGD, "
                             f"got {codec!r}")
-        super().__init__(codec, error_feedback and not isinstance(codec, PowerSGD), process_group)
-        if isinstance(codec, PowerSGD):  # its residuals are part of the algorithm
+        remedies.check(codec.name)
+        if remedies.momentum is not None and not error_feedback:
+            raise ValueError("momentum correction accumulates what was not sent, which is error feedback: "
+                             "turn error_feedback on with it")
+        psgd = isinstance(codec, PowerSGD)
+        super().__init__(codec, error_feedback and not psgd, process_group)
+        if psgd:  # its residuals are part of the algorithm
             codec.error_feedback = error_feedback
+        self.remedies = remedies
+        self.rank_of_codec = codec.rank if psgd else None  # PowerSGD's configured rank; the warm-up's is higher
+        self.fraction = codec.fraction if isinstance(codec, TopK) else None  # top-k's target fraction
+        # DGC: top-k's accumulation replaces error feedback's residual; PowerSGD's residual is its accumulation
+        self.velocity = Velocity(remedies.momentum) if psgd and remedies.momentum is not None else None
+        if not psgd and remedies.momentum is not None:
+            self.feedback = MomentumCorrection(remedies.momentum, remedies.masking)
+        self.begin_step(0)
+
+    def begin_step(self, step: int) -> None:
+        """Set the step's top-k fraction or PowerSGD rank from the remedies' schedules."""
+        super().begin_step(step)
+        if self.fraction is not None:
+            self.codec.fraction = self.remedies.topk_fraction(step, self.fraction)
+        if self.rank_of_codec is not None:
+            rank = self.remedies.powersgd_rank(step, self.rank_of_codec)
+            if rank != self.codec.rank:  # the warm start's Q has the old rank's columns; residuals carry over
+                self.codec.rank = rank
+                self.codec.qs.clear()
 
     # the hook protocol
     def __call__(self, state, bucket: GradBucket) -> Work:
@@ -71,9 +102,16 @@ class CompressionHook(Compressor):
         if isinstance(self.codec, Half) and self.feedback is None and self.world_size > 1:
             return self._half(key, flat)
         # PowerSGD reads its share until the reduction ends; the other codecs encode it at once
-        owner = key if isinstance(self.codec, PowerSGD) else LAUNCH
+        psgd = isinstance(self.codec, PowerSGD)
+        owner = key if psgd else LAUNCH
         share = torch.div(flat, self.world_size, out=self._scratch(owner, 0, flat.numel(), torch.float32, flat.device))
-        if isinstance(self.codec, PowerSGD):
+        if self.remedies.local_clip:  # the rank's gradient to local_clip / sqrt(N), so its share to 1/N of that
+            clip_local(share, self.remedies.local_clip / self.world_size, self.world_size)
+        if psgd:
+            if self.velocity is not None:
+                share = self.velocity.fold(key, share)
+            if self.remedies.uncompressed(self.step):
+                return self._uncompressed(key, share, flat)
             return self._powersgd(key, share, [g.shape for g in bucket.gradients()], flat)
         if self.world_size == 1:
             payload = self._encode(key, share)
@@ -108,6 +146,21 @@ class CompressionHook(Compressor):
         self.stats.sent_bytes += collective_cost("all_reduce", "ring", t.numel(), t.element_size(),
                                                  self.world_size).bytes_sent[self.rank]
         return self._submit(lambda: dist.all_reduce(t, group=self.channel), lambda: flat.copy_(t))
+
+    def _uncompressed(self, key, share: torch.Tensor, flat: torch.Tensor) -> Work:
+        """An fp32 all-reduce of the shares (PowerSGD's uncompressed start), in the bucket's buffer when it is fp32.
+
+        ``share`` is not reduced in place: it may be the velocity, which the next step reads.
+        """
+        total = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32,
+                                                                          flat.device)
+        total.copy_(share)
+        self.stats.payload_bytes += 4 * total.numel()
+        if self.world_size > 1:
+            self.stats.sent_bytes += collective_cost("all_reduce", "ring", total.numel(), 4,
+                                                     self.world_size).bytes_sent[self.rank]
+        return self._submit(lambda: dist.all_reduce(total, group=self.channel) if self.world_size > 1 else None,
+                            lambda: total if total is flat else flat.copy_(total))
 
     def _topk(self, key, payload: Encoded, flat: torch.Tensor) -> Work:
         index, values = payload.tensors
@@ -242,9 +295,13 @@ class CompressionHook(Compressor):
     # checkpoints
     def state_dict(self) -> dict:
         return {**super().state_dict(),
-                "powersgd": self.codec.state_dict() if isinstance(self.codec, PowerSGD) else None}
+                "powersgd": self.codec.state_dict() if isinstance(self.codec, PowerSGD) else None,
+                "velocity": self.velocity.state_dict() if self.velocity is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
         super().load_state_dict(state)
+        self.begin_step(state.get("step", 0))  # the saved step's schedule: PowerSGD's rank its Qs have
         if isinstance(self.codec, PowerSGD) and state.get("powersgd") is not None:
             self.codec.load_state_dict(state["powersgd"])
+        if self.velocity is not None and state.get("velocity") is not None:
+            self.velocity.load_state_dict(state["velocity"])

@@ -154,6 +154,21 @@ class DDPConfig:
                                "(with ZeRO: a full-size fp32 residual per unit)")
     topk_fraction: float = opt(0.01, "with compression topk: the fraction of each bucket's elements sent, in (0, 1]")
     powersgd_rank: int = opt(4, "with compression powersgd: the rank of each gradient matrix's approximation")
+    momentum_correction: bool = opt(False, "with compression topk or powersgd and optimizer sgd: each rank keeps its "
+                                    "own velocity (momentum train.momentum) and compresses the accumulated "
+                                    "velocity, and the optimizer runs without momentum (deep gradient compression; "
+                                    "docs/compression.md)")
+    momentum_masking: bool = opt(True, "with momentum_correction and topk: clear the coordinates sent from the "
+                                 "velocity too")
+    local_clip: float = opt(0.0, "with compression topk or powersgd: each rank clips each bucket of its own gradient "
+                            "to this L2 norm / sqrt(ranks) before compressing; 0 off")
+    topk_warmup_steps: int = opt(0, "with compression topk: send 25% at first, 4x less per stage, down to "
+                                 "topk_fraction over this many steps; 0 off")
+    powersgd_uncompressed_steps: int = opt(0, "with compression powersgd: all-reduce this many first steps "
+                                           "uncompressed in fp32")
+    powersgd_warmup_rank: int = opt(0, "with compression powersgd: the rank for the first powersgd_warmup_steps "
+                                    "steps (0: powersgd_rank throughout)")
+    powersgd_warmup_steps: int = opt(0, "with compression powersgd: how many first steps use powersgd_warmup_rank")
 
 
 @dataclass

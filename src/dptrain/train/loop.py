@@ -61,7 +61,7 @@ from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer, decays
 from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
-from dptrain.train.prepare import RunPlan
+from dptrain.train.prepare import RunPlan, compression_remedies
 from dptrain.train.ps_loop import train_ps
 from dptrain.train.report import RunLog, print_summary, summarize
 from dptrain.train.roll_call import is_collective_failure, roll_call
@@ -100,8 +100,10 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                       find_unused_parameters=cfg.ddp.find_unused_parameters, static_graph=cfg.ddp.static_graph,
                       algorithm=cfg.ddp.algorithm, nodes=nodes, check_collectives=cfg.ddp.check_collectives,
                       check_timeout_s=cfg.ddp.timeout_s)
+    # under momentum correction the ranks keep the momentum (dptrain.compress.dgc): the optimizer has none
+    momentum = 0.0 if cfg.ddp.momentum_correction else t.momentum
     engine = Engine(model, lambda wrapped: build_optimizer(wrapped, t.optimizer, peak_lr, t.weight_decay,
-                                                           tuple(t.betas), t.momentum),
+                                                           tuple(t.betas), momentum),
                     plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio),
                     ddp_kwargs=ddp_kwargs, strategy=cfg.ddp.strategy,
@@ -165,6 +167,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 inject_fault(fault[2], rank, step, engine.model)
             peak = TensorPeak(extra=_state_tensors(engine), exclude=data_tensors(task.train_set, task.val_set)) \
                 if step == peak_step and device.type == "cpu" else None
+            if compression is not None:
+                compression.begin_step(step - 1)
             with peak or contextlib.nullcontext():
                 info, times = timed_step(engine, task, batches, compression, straggler, batcher)
             if peak is not None:
@@ -421,7 +425,7 @@ def _compression_hook(cfg, engine: Engine) -> Compressor | None:
     if engine.sharded:
         return engine.model.compression
     codec = make_codec(d.compression, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
-    hook = CompressionHook(codec, error_feedback=d.error_feedback)
+    hook = CompressionHook(codec, error_feedback=d.error_feedback, remedies=compression_remedies(cfg))
     engine.model.register_comm_hook(None, hook)
     return hook
 

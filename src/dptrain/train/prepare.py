@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from dptrain.batching import BatchPlan, BatchSizeError
+from dptrain.compress.remedies import Remedies
 from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.ps.consistency import Consistency
@@ -137,10 +138,28 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"ddp.powersgd_rank must be at least 1, got {d.powersgd_rank}")
     if not 0.0 < d.topk_fraction <= 1.0:
         raise ConfigError(f"ddp.topk_fraction must be in (0, 1], got {d.topk_fraction}")
-    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
-        raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
-    if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
-        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
+    try:
+        compression_remedies(cfg).check(d.compression)
+    except ValueError as e:
+        raise ConfigError(f"ddp: {e}") from None
+    if d.momentum_correction and cfg.train.optimizer != "sgd":
+        raise ConfigError(f"ddp.momentum_correction moves SGD's momentum (train.momentum) onto each rank, before "
+                          f"compression: it needs train.optimizer = \"sgd\", got {cfg.train.optimizer!r}")
+    if d.momentum_correction and not d.error_feedback:
+        raise ConfigError("ddp.momentum_correction accumulates the velocity that was not sent, which is error "
+                          "feedback: set ddp.error_feedback = true")
+
+
+def compression_remedies(cfg: RunConfig) -> Remedies:
+    """``[ddp]``'s corrections and schedules for top-k and PowerSGD (:mod:`dptrain.compress.remedies`)."""
+    d = cfg.ddp
+    try:
+        return Remedies(momentum=cfg.train.momentum if d.momentum_correction else None, masking=d.momentum_masking,
+                        local_clip=d.local_clip, topk_warmup_steps=d.topk_warmup_steps,
+                        powersgd_uncompressed_steps=d.powersgd_uncompressed_steps,
+                        powersgd_warmup_rank=d.powersgd_warmup_rank, powersgd_warmup_steps=d.powersgd_warmup_steps)
+    except ValueError as e:
+        raise ConfigError(f"ddp: {e}") from None
 
 
 def _check_ps(cfg: RunConfig, world_size: int) -> int:
