@@ -106,3 +106,4 @@ def test_compression_link_benchmark_runs_every_variant_on_the_cluster() -> None:
     sent_bytes = [sent[f"dptrain/{codec}"]["sent_bytes"] for codec in ("powersgd", "int8", "fp16")]
     assert sent_bytes == sorted(sent_bytes) and len(set(sent_bytes)) == 3
     assert "torch/powerSGD_hook" in table(result)
+    assert all(result["spans_s"]["dptrain/int8"][kind] > 0 for kind in ("encode", "communicate", "decode"))

@@ -196,3 +196,24 @@ def test_compression_study_runs_and_reports_the_ratio() -> None:
     assert rows["none"]["payload_bytes_per_step"] == rows["none"]["raw_bytes_per_step"]
     assert 3.5 < rows["int8+EF"]["raw_bytes_per_step"] / rows["int8+EF"]["payload_bytes_per_step"] <= 4
     assert "| int8+EF |" in table(result)
+
+
+def _timed_steps(rank: int, world_size: int, codec: str) -> list[dict]:
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.01)
+    hook = CompressionHook(make_codec(codec, topk_fraction=0.1, int8_chunk=64))
+    model.register_comm_hook(None, hook)
+    records = []
+    for timed in (False, True):
+        hook.stats.timed = timed
+        x, y = _batch(rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        records.append(hook.stats.close_step())
+    return records
+
+
+@pytest.mark.parametrize("codec", ["fp16", "int8", "topk", "powersgd"])
+def test_timed_steps_split_the_reduction_into_encode_communicate_decode(codec: str) -> None:
+    untimed, timed = run_on_ranks(_timed_steps, 2, codec, timeout=120)[0]
+    assert "encode_s" not in untimed
+    for kind in ("encode_s", "communicate_s", "decode_s"):
+        assert timed[kind] > 0, (kind, timed)

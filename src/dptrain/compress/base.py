@@ -10,6 +10,9 @@ would take, the bytes the encoded payloads take and the bytes sent on the wire.
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,20 +29,58 @@ __all__ = ["CompressionStats", "Compressor", "LAUNCH", "RUN"]
 
 @dataclass
 class CompressionStats:
-    """Bytes of the current step, this rank: fp32 buffers, encoded payloads, sent on the wire."""
+    """Bytes of the current step, this rank: fp32 buffers, encoded payloads, sent on the wire.
+
+    With ``timed`` set, also the seconds the step's reductions spent in three kinds of
+    work: ``encode`` (on the caller's thread, inside backward: the share, error feedback,
+    the encoding), ``communicate`` (inside the collectives, on the progress thread,
+    overlapping backward) and ``decode`` (everything else: decoding, the sums between
+    phases, int8's re-quantisation, PowerSGD's orthonormalisation and products, and the
+    write into the bucket when it is waited for). Off by default: timing is a clock read
+    per section.
+    """
 
     raw_bytes: int = 0
     payload_bytes: int = 0
     sent_bytes: int = 0
     buckets: int = 0
     history: list[dict] = field(default_factory=list)
+    timed: bool = False
+    seconds: dict = field(default_factory=lambda: dict.fromkeys(SPANS, 0.0))
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def clock(self, kind: str) -> contextlib.AbstractContextManager:
+        """A context that adds its wall time to ``seconds[kind]`` when timing is on (a no-op otherwise)."""
+        return _Span(self, kind) if self.timed else _UNTIMED
+
+    def add(self, kind: str, seconds: float) -> None:
+        with self._lock:  # the caller's thread and the progress thread both add
+            self.seconds[kind] += seconds
 
     def close_step(self) -> dict:
         record = dict(raw_bytes=self.raw_bytes, payload_bytes=self.payload_bytes, sent_bytes=self.sent_bytes,
                       buckets=self.buckets)
+        if self.timed:
+            record.update({f"{k}_s": v for k, v in self.seconds.items()})
+            self.seconds = dict.fromkeys(SPANS, 0.0)
         self.history.append(record)
         self.raw_bytes = self.payload_bytes = self.sent_bytes = self.buckets = 0
         return record
+
+
+SPANS = ("encode", "communicate", "decode")
+_UNTIMED = contextlib.nullcontext()
+
+
+class _Span:
+    def __init__(self, stats: CompressionStats, kind: str):
+        self.stats, self.kind = stats, kind
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc) -> None:
+        self.stats.add(self.kind, time.perf_counter() - self.start)
 
 
 LAUNCH, RUN = "launch", "run"  # scratch shared by all buckets, see Compressor._scratch
@@ -77,11 +118,30 @@ class Compressor:
         return self._spaces.setdefault(key, Workspace()).get(numel, dtype, device, slot)
 
     def _submit(self, run: Callable[[], None], finish: Callable[[], torch.Tensor]) -> Work:
-        """Run ``run`` on the progress thread (inline at world size 1); ``finish`` runs in ``wait()``."""
+        """Run ``run`` on the progress thread (inline at world size 1); ``finish`` runs in ``wait()``.
+
+        Timed, what ``run`` spends outside its collectives (clocked as ``communicate``) and
+        all of ``finish`` count as ``decode``.
+        """
+        if self.stats.timed:
+            run, finish = self._timed_run(run), self._timed_finish(finish)
         if self.world_size == 1:
             run()
             return Work.completed(finish)
         return progress_thread(self.channel).submit(run, finish)
+
+    def _timed_run(self, run: Callable[[], None]) -> Callable[[], None]:
+        def timed() -> None:
+            start, talked = time.perf_counter(), self.stats.seconds["communicate"]  # runs go one at a time
+            run()
+            self.stats.add("decode", time.perf_counter() - start - (self.stats.seconds["communicate"] - talked))
+        return timed
+
+    def _timed_finish(self, finish: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+        def timed() -> torch.Tensor:
+            with self.stats.clock("decode"):
+                return finish()
+        return timed
 
     def state_dict(self) -> dict:
         return {"feedback": self.feedback.state_dict() if self.feedback else None, "step": self.step}

@@ -35,6 +35,7 @@ collectives above move per rank in a ring or direct exchange).
 
 from __future__ import annotations
 
+import time
 import warnings
 
 import torch
@@ -94,6 +95,17 @@ class CompressionHook(Compressor):
 
     # the hook protocol
     def __call__(self, state, bucket: GradBucket) -> Work:
+        if not self.stats.timed:
+            return self._launch(bucket)
+        inline = self.world_size == 1  # its run happens inside the launch: not encoding
+        start, before = time.perf_counter(), sum(self.stats.seconds.values()) if inline else 0.0
+        work = self._launch(bucket)
+        ran = sum(self.stats.seconds.values()) - before if inline else 0.0
+        self.stats.add("encode", time.perf_counter() - start - ran)
+        return work
+
+    def _launch(self, bucket: GradBucket) -> Work:
+        """Encode the bucket (on the caller's thread) and submit its reduction."""
         x = bucket.buffer()
         key = bucket.index()
         self.stats.raw_bytes += x.numel() * x.element_size()
@@ -145,7 +157,11 @@ class CompressionHook(Compressor):
         (t,) = payload.tensors
         self.stats.sent_bytes += collective_cost("all_reduce", "ring", t.numel(), t.element_size(),
                                                  self.world_size).bytes_sent[self.rank]
-        return self._submit(lambda: dist.all_reduce(t, group=self.channel), lambda: flat.copy_(t))
+        def run() -> None:
+            with self.stats.clock("communicate"):
+                dist.all_reduce(t, group=self.channel)
+
+        return self._submit(run, lambda: flat.copy_(t))
 
     def _uncompressed(self, key, share: torch.Tensor, flat: torch.Tensor) -> Work:
         """An fp32 all-reduce of the shares (PowerSGD's uncompressed start), in the bucket's buffer when it is fp32.
@@ -159,8 +175,12 @@ class CompressionHook(Compressor):
         if self.world_size > 1:
             self.stats.sent_bytes += collective_cost("all_reduce", "ring", total.numel(), 4,
                                                      self.world_size).bytes_sent[self.rank]
-        return self._submit(lambda: dist.all_reduce(total, group=self.channel) if self.world_size > 1 else None,
-                            lambda: total if total is flat else flat.copy_(total))
+        def run() -> None:
+            if self.world_size > 1:
+                with self.stats.clock("communicate"):
+                    dist.all_reduce(total, group=self.channel)
+
+        return self._submit(run, lambda: total if total is flat else flat.copy_(total))
 
     def _topk(self, key, payload: Encoded, flat: torch.Tensor) -> Work:
         index, values = payload.tensors
@@ -170,8 +190,9 @@ class CompressionHook(Compressor):
         self.stats.sent_bytes += (n - 1) * payload.nbytes  # ring all-gather: every other rank's pairs pass once
 
         def run() -> None:
-            all_gather_single(all_index, index, group=self.channel)
-            all_gather_single(all_values, values, group=self.channel)
+            with self.stats.clock("communicate"):
+                all_gather_single(all_index, index, group=self.channel)
+                all_gather_single(all_values, values, group=self.channel)
 
         def finish() -> torch.Tensor:
             gathered = Encoded((all_index, all_values), payload.numel)
@@ -201,11 +222,13 @@ class CompressionHook(Compressor):
         def run() -> None:
             mine_sum = self._scratch(RUN, 0, sizes[r], torch.float32, share.device)
             decoded = self._scratch(RUN, 1, sizes[r], torch.float32, share.device)
-            again = codec.encode(exchange_sum(codec, pieces, r, self.channel, out=mine_sum, scratch=decoded))
+            again = codec.encode(exchange_sum(codec, pieces, r, self.channel, out=mine_sum, scratch=decoded,
+                                              clock=self.stats.clock))
             mine = self._scratch(RUN, 2, row, torch.uint8, share.device)  # padding bytes are never decoded
             mine[:sizes[r]] = again.tensors[0].view(torch.uint8)
             mine[width:width + 4 * chunks[r]] = again.tensors[1].view(torch.uint8)
-            all_gather_single(gathered, mine, group=self.channel)
+            with self.stats.clock("communicate"):
+                all_gather_single(gathered, mine, group=self.channel)
 
         def write(out: torch.Tensor) -> torch.Tensor:
             rows = gathered.view(n, row)
@@ -261,7 +284,8 @@ class CompressionHook(Compressor):
 
         def run() -> None:
             if self.world_size > 1:
-                dist.all_reduce(p_flat, group=self.channel)
+                with self.stats.clock("communicate"):
+                    dist.all_reduce(p_flat, group=self.channel)
             hats, at = [], 0
             for _, m in matrices:
                 hats.append(orthonormalise(p_flat[at:at + m.shape[0] * r].view(m.shape[0], r)))
@@ -272,7 +296,8 @@ class CompressionHook(Compressor):
                 q_flat[at:at + m.shape[1] * r] = local_qs[-1].reshape(-1)
                 at += m.shape[1] * r
             if self.world_size > 1:
-                dist.all_reduce(q_flat, group=self.channel)
+                with self.stats.clock("communicate"):
+                    dist.all_reduce(q_flat, group=self.channel)
             at = 0
             for (i, m), p_hat, q_local in zip(matrices, hats, local_qs):
                 q = q_flat[at:at + m.shape[1] * r].view(m.shape[1], r)

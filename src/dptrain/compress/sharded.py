@@ -17,6 +17,9 @@ know how much it receives before it does.
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -46,19 +49,23 @@ def sent_bytes(pieces: list[Encoded], rank: int) -> int:
 
 
 def exchange_sum(codec: Codec, pieces: list[Encoded], rank: int, group: dist.ProcessGroup,
-                 out: torch.Tensor | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, scratch: torch.Tensor | None = None,
+                 clock: Callable[[str], AbstractContextManager] | None = None) -> torch.Tensor:
     """Send encoded shard j to rank j; return the fp32 sum of every rank's shard ``rank``, decoded.
 
     A payload's tensors (int8's values and scales) travel packed as bytes in one
     all-to-all, not one collective each. ``out`` receives the sum and ``scratch`` (both
     fp32, the shard's size) the pieces as they are decoded: given, nothing is allocated
     for them (a fresh buffer page-faults on first write, see dptrain.comm.wire.Workspace).
+    ``clock("communicate")``, if given, times the all-to-all (:meth:`CompressionStats.clock`).
     """
     n = len(pieces)
     mine = pieces[rank]
     sizes = [p.nbytes for p in pieces]
     received = torch.empty(n * sizes[rank], dtype=torch.uint8, device=mine.tensors[0].device)
-    dist.all_to_all_single(received, torch.cat([pack(p) for p in pieces]), [sizes[rank]] * n, sizes, group=group)
+    packed = torch.cat([pack(p) for p in pieces])
+    with clock("communicate") if clock is not None else nullcontext():
+        dist.all_to_all_single(received, packed, [sizes[rank]] * n, sizes, group=group)
     total = codec.decode(unpack(received[:sizes[rank]], mine), out=out)
     for j in range(1, n):
         total += codec.decode(unpack(received[j * sizes[rank]:(j + 1) * sizes[rank]], mine), out=scratch)

@@ -49,14 +49,16 @@ class ShardedCompression(Compressor):
         ``input`` is read here, before this returns (it is encoded), and may then be reused.
         """
         flat = input.detach().reshape(-1)
-        share = torch.div(flat, self.world_size, out=self._scratch(LAUNCH, 0, flat.numel(), torch.float32, flat.device))
         self.stats.raw_bytes += input.numel() * input.element_size()
         self.stats.buckets += 1
-        corrected = self.feedback.correct(key, share) if self.feedback is not None else share
-        pieces = encode_shards(self.codec, corrected, self.world_size)
-        if self.feedback is not None:
-            sent = self._scratch(LAUNCH, 1, flat.numel(), torch.float32, flat.device)
-            self.feedback.keep(key, corrected, decode_shards(self.codec, pieces, sent))
+        with self.stats.clock("encode"):
+            share = torch.div(flat, self.world_size,
+                              out=self._scratch(LAUNCH, 0, flat.numel(), torch.float32, flat.device))
+            corrected = self.feedback.correct(key, share) if self.feedback is not None else share
+            pieces = encode_shards(self.codec, corrected, self.world_size)
+            if self.feedback is not None:
+                sent = self._scratch(LAUNCH, 1, flat.numel(), torch.float32, flat.device)
+                self.feedback.keep(key, corrected, decode_shards(self.codec, pieces, sent))
         self.stats.payload_bytes += sum(p.nbytes for p in pieces)
         self.stats.sent_bytes += sent_bytes(pieces, self.rank)
         numel = pieces[self.rank].numel
@@ -64,7 +66,8 @@ class ShardedCompression(Compressor):
         decoded = self._scratch(RUN, 0, numel, torch.float32, flat.device)
 
         def run() -> None:
-            exchange_sum(self.codec, pieces, self.rank, self.channel, out=total, scratch=decoded)
+            exchange_sum(self.codec, pieces, self.rank, self.channel, out=total, scratch=decoded,
+                         clock=self.stats.clock)
 
         def finish() -> torch.Tensor:
             return output if total is output else output.copy_(total)
