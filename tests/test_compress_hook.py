@@ -48,15 +48,16 @@ def _oracle(codec_name: str, world_size: int, buckets: list[list[int]]) -> list[
     local = [_local_grads(r) for r in range(world_size)]
     out = [None] * len(local[0])
     for bucket in buckets:
-        flat = [torch.cat([local[r][i].reshape(-1) for i in bucket]) / world_size for r in range(world_size)]
-        if isinstance(codec, Int8):
+        grads = [torch.cat([local[r][i].reshape(-1) for i in bucket]) for r in range(world_size)]
+        flat = [g / world_size for g in grads]
+        if isinstance(codec, Int8) and world_size > 2:  # shards exchanged and summed, the sum re-quantised
             parts = []
             for a, b in shard_bounds(flat[0].numel(), world_size):
-                total = sum(codec.roundtrip(f[a:b]) for f in flat)
+                total = sum(codec.roundtrip(g[a:b]) / world_size for g in grads)
                 parts.append(codec.roundtrip(total))
             reduced = torch.cat(parts)
-        elif isinstance(codec, TopK):
-            reduced = sum(codec.roundtrip(f) for f in flat)
+        elif isinstance(codec, (Int8, TopK)):  # each rank's gradient encoded, 1/N of it decoded and summed
+            reduced = sum(codec.roundtrip(g) / world_size for g in grads)
         else:
             reduced = sum(codec.roundtrip(f) for f in flat).to(codec.dtype).float()  # fp32 sum, then the wire dtype
         offset = 0

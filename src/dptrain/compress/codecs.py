@@ -105,14 +105,23 @@ class Int8(Codec):
         n = flat.numel()
         pad = (-n) % self.chunk
         blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, self.chunk)
-        absmax = blocks.abs().amax(dim=1)
-        # amax propagates NaN and infinity: such a chunk's scale is NaN, so it decodes to NaN
-        # whatever its (then meaningless) int8 values are
+        # max and -min per chunk: two reads and no |x| temporary (faster than abs().amax() and aminmax on CPU)
+        absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
+        # min and max propagate NaN (and an infinity is its own bound): such a chunk's scale is NaN, so it
+        # decodes to NaN whatever its (then meaningless) int8 values are
         finite = torch.isfinite(absmax)
-        scale = torch.where(finite, absmax / 127.0, torch.full_like(absmax, float("nan")))
+        all_finite = bool(finite.all())  # one number per chunk: cheap to ask
+        scale = absmax / 127.0 if all_finite else torch.where(finite, absmax / 127.0, float("nan"))
         inverse = torch.where(finite & (absmax > 0), 127.0 / absmax, torch.zeros_like(absmax))
-        q = (blocks * inverse[:, None]).round_().clamp_(-127, 127).nan_to_num_(0.0).to(torch.int8)
-        return Encoded((q.reshape(-1)[:n], scale), n)
+        q = torch.mul(blocks, inverse[:, None]).round_()  # |x| * 127 / absmax rounds to at most 127
+        if not all_finite:
+            q.nan_to_num_(0.0)
+        return Encoded((q.to(torch.int8).reshape(-1)[:n], scale), n)
+
+    def rescale_(self, payload: Encoded, factor: float) -> Encoded:
+        """The payload of ``factor * x`` from the payload of ``x``, in place: the scales times ``factor``."""
+        payload.tensors[1].mul_(factor)
+        return payload
 
     def decode(self, payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
         q, scale = payload.tensors
@@ -156,6 +165,11 @@ class TopK(Codec):
         index, values = payload.tensors
         out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device) if out is None else out.zero_()
         return out.index_put_((index.long(),), values, accumulate=True)
+
+    def rescale_(self, payload: Encoded, factor: float) -> Encoded:
+        """The payload of ``factor * x`` from the payload of ``x``, in place: the values times ``factor``."""
+        payload.tensors[1].mul_(factor)
+        return payload
 
     def wire_bytes(self, numel: int) -> int:
         return 8 * self.k(numel)

@@ -113,27 +113,47 @@ class CompressionHook(Compressor):
         flat = x.detach().reshape(-1)  # results are written back into the bucket's buffer
         if isinstance(self.codec, Half) and self.feedback is None and self.world_size > 1:
             return self._half(key, flat)
-        # PowerSGD reads its share until the reduction ends; the other codecs encode it at once
+        if isinstance(self.codec, (Int8, TopK)):
+            return self._scaled(key, flat)
+        # PowerSGD reads its share until the reduction ends; fp16/bf16 encode it at once
         psgd = isinstance(self.codec, PowerSGD)
         owner = key if psgd else LAUNCH
         share = torch.div(flat, self.world_size, out=self._scratch(owner, 0, flat.numel(), torch.float32, flat.device))
-        if self.remedies.local_clip:  # the rank's gradient to local_clip / sqrt(N), so its share to 1/N of that
-            clip_local(share, self.remedies.local_clip / self.world_size, self.world_size)
         if psgd:
+            if self.remedies.local_clip:  # the rank's gradient to local_clip / sqrt(N), so its share to 1/N of that
+                clip_local(share, self.remedies.local_clip / self.world_size, self.world_size)
             if self.velocity is not None:
                 share = self.velocity.fold(key, share)
             if self.remedies.uncompressed(self.step):
                 return self._uncompressed(key, share, flat)
             return self._powersgd(key, share, [g.shape for g in bucket.gradients()], flat)
-        if self.world_size == 1:
-            payload = self._encode(key, share)
-            return Work.completed(lambda: self._store(key, flat, lambda out: self.codec.decode(payload, out=out)))
-        if isinstance(self.codec, Int8):
-            return self._int8(key, share, flat)
         payload = self._encode(key, share)
         self.stats.payload_bytes += payload.nbytes
-        if isinstance(self.codec, Half):
-            return self._half(key, flat, payload)
+        if self.world_size == 1:
+            return Work.completed(lambda: self._store(key, flat, lambda out: self.codec.decode(payload, out=out)))
+        return self._half(key, flat, payload)
+
+    def _scaled(self, key, flat: torch.Tensor) -> Work:
+        """int8 and top-k: encode the rank's own gradient, then put the average's 1/N into the payload.
+
+        The int8 values and top-k's indices of ``g`` and of ``g / N`` are the same (up to a
+        rounding at a tie); scaling int8's per-chunk scales or top-k's k values instead of
+        the whole bucket saves a pass over it. Error feedback's residuals (and momentum
+        correction's velocity) are kept in the gradient's units, not the share's.
+        """
+        n = self.world_size
+        grad = flat if flat.dtype == torch.float32 else \
+            self._scratch(LAUNCH, 0, flat.numel(), torch.float32, flat.device).copy_(flat)
+        if self.remedies.local_clip:  # the rank's own gradient, to local_clip / sqrt(N); rewritten by the result
+            clip_local(grad, self.remedies.local_clip, n)
+        if isinstance(self.codec, Int8) and n > 2:
+            return self._int8(key, grad, flat)
+        payload = self.codec.rescale_(self._encode(key, grad), 1.0 / n)
+        self.stats.payload_bytes += payload.nbytes
+        if n == 1:
+            return Work.completed(lambda: self._store(key, flat, lambda out: self.codec.decode(payload, out=out)))
+        if isinstance(self.codec, Int8):
+            return self._int8_gathered(key, payload, flat)
         return self._topk(key, payload, flat)
 
     def _store(self, key, flat: torch.Tensor, write) -> torch.Tensor:
@@ -200,31 +220,63 @@ class CompressionHook(Compressor):
 
         return self._submit(run, finish)
 
-    def _int8(self, key, share: torch.Tensor, flat: torch.Tensor) -> Work:
+    def _int8_gathered(self, key, payload: Encoded, flat: torch.Tensor) -> Work:
+        """int8 on 2 ranks: one all-gather of the payloads, decoded and summed in fp32 (into the bucket's buffer).
+
+        At N = 2 it sends what the two-phase exchange sends (N - 1 = 2 (N - 1) / N payloads), in one
+        collective instead of two and with no re-quantisation of the sum; beyond 2 ranks it would
+        send more, and :meth:`_int8` is used.
+        """
+        codec, n = self.codec, self.world_size
+        values, scales = payload.tensors
+        row = values.numel() + 4 * scales.numel()
+        mine = self._scratch(key, 3, row, torch.uint8, flat.device)
+        torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], out=mine)
+        gathered = self._scratch(key, 2, n * row, torch.uint8, flat.device)
+        out = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32, flat.device)
+        self.stats.sent_bytes += (n - 1) * row
+
+        def run() -> None:
+            with self.stats.clock("communicate"):
+                all_gather_single(gathered, mine, group=self.channel)
+            decoded = self._scratch(RUN, 1, flat.numel(), torch.float32, flat.device)
+            for j, piece in enumerate(gathered.view(n, row)):
+                got = Encoded((piece[:values.numel()].view(torch.int8), _aligned(piece[values.numel():])
+                               .view(torch.float32)), payload.numel)
+                if j == 0:
+                    codec.decode(got, out=out)
+                else:
+                    out.add_(codec.decode(got, out=decoded))
+
+        return self._submit(run, lambda: out if out is flat else flat.copy_(out))
+
+    def _int8(self, key, grad: torch.Tensor, flat: torch.Tensor) -> Work:
         """All-to-all of int8 shards and fp32 sums (:mod:`~dptrain.compress.sharded`), re-quantise, all-gather."""
         codec, n, r = self.codec, self.world_size, self.rank
-        # feedback on the whole bucket, quantised shard by shard
-        corrected = self.feedback.correct(key, share) if self.feedback is not None else share
+        # feedback on the whole bucket, quantised shard by shard; the average's 1/N goes into the scales
+        corrected = self.feedback.correct(key, grad) if self.feedback is not None else grad
         pieces = encode_shards(codec, corrected, n)
         if self.feedback is not None:
-            sent = self._scratch(LAUNCH, 1, share.numel(), torch.float32, share.device)
+            sent = self._scratch(LAUNCH, 1, grad.numel(), torch.float32, grad.device)
             self.feedback.keep(key, corrected, decode_shards(codec, pieces, sent))
-        bounds = shard_bounds(share.numel(), n)
+        for piece in pieces:
+            codec.rescale_(piece, 1.0 / n)
+        bounds = shard_bounds(grad.numel(), n)
         sizes = [b - a for a, b in bounds]
         chunks = [-(-s // codec.chunk) for s in sizes]
         # phase two gathers one row of bytes per rank: its values, padded to a multiple of 4, then its scales
         width = -(-max(sizes) // 4) * 4
         row = width + 4 * max(chunks)
-        gathered = self._scratch(key, 2, n * row, torch.uint8, share.device)
+        gathered = self._scratch(key, 2, n * row, torch.uint8, grad.device)
         self.stats.payload_bytes += sum(p.nbytes for p in pieces)
         self.stats.sent_bytes += sent_bytes(pieces, r) + (n - 1) * row
 
         def run() -> None:
-            mine_sum = self._scratch(RUN, 0, sizes[r], torch.float32, share.device)
-            decoded = self._scratch(RUN, 1, sizes[r], torch.float32, share.device)
+            mine_sum = self._scratch(RUN, 0, sizes[r], torch.float32, grad.device)
+            decoded = self._scratch(RUN, 1, sizes[r], torch.float32, grad.device)
             again = codec.encode(exchange_sum(codec, pieces, r, self.channel, out=mine_sum, scratch=decoded,
                                               clock=self.stats.clock))
-            mine = self._scratch(RUN, 2, row, torch.uint8, share.device)  # padding bytes are never decoded
+            mine = self._scratch(RUN, 2, row, torch.uint8, grad.device)  # padding bytes are never decoded
             mine[:sizes[r]] = again.tensors[0].view(torch.uint8)
             mine[width:width + 4 * chunks[r]] = again.tensors[1].view(torch.uint8)
             with self.stats.clock("communicate"):
@@ -330,3 +382,8 @@ class CompressionHook(Compressor):
             self.codec.load_state_dict(state["powersgd"])
         if self.velocity is not None and state.get("velocity") is not None:
             self.velocity.load_state_dict(state["velocity"])
+
+
+def _aligned(data: torch.Tensor) -> torch.Tensor:
+    """Bytes that can be viewed as 4-byte numbers: ``data`` itself, or a copy when its offset is not a multiple of 4."""
+    return data if data.storage_offset() % 4 == 0 else data.clone()
