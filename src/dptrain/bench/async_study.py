@@ -3,18 +3,20 @@
 Every variant is one ``dptrain run`` of the default task (the character GPT, same seed,
 same number of samples: ``--steps`` synchronous steps, or the same number of gradients
 in the async modes) with ``--workers`` data ranks, rank 1 slowed ``--factor`` times
-(``[straggler]``), plus one server rank for the parameter-server variants:
+(``[straggler]``), plus the server ranks for the parameter-server variants:
 
 - ``DDP, no straggler``: the reference speed dynamic batching is measured against;
 - ``DDP`` (all-reduce), ``PS sync``, ``PS async``, ``PS async, look-ahead`` (delay
-  compensation, ``dptrain.ps.lookahead``), ``SSP s=1``, ``SSP s=4``, ``backup b=1``,
+  compensation, ``dptrain.ps.lookahead``), ``PS async, 2 servers`` (the parameters
+  sharded over two server ranks), ``SSP s=1``, ``SSP s=4``, ``backup b=1``,
   ``dynamic batching``, ``gossip ring``: each with the straggler.
 
 Throughput is samples per second that went into the model (a backup round's dropped
 gradients do not count), the median over a run's logged windows; loss is the final
 validation loss. Variants run one after another in a shuffled order per round (the
 same shuffle for a given round), so slow drifts of a shared machine hit them alike;
-the table shows medians over rounds.
+the table shows medians over rounds, and a second table each round's speed over DDP's
+in the same round.
 
     python -m dptrain.bench.async_study --steps 100 --rounds 2
 """
@@ -33,6 +35,7 @@ from dptrain.bench.runs import dptrain_run, with_overrides
 __all__ = ["VARIANTS", "run", "table", "main"]
 
 PS = {"ddp.strategy": "ps", "ps.servers": 1}
+ASYNC_GOAL = 1.5  # async's speed over DDP's with the straggler, in every round (issues 8 and 24)
 # (name, settings, extra ranks beyond the workers, with the straggler)
 VARIANTS = [
     ("DDP, no straggler", {}, 0, False),
@@ -41,6 +44,7 @@ VARIANTS = [
     ("PS sync", {**PS, "ps.mode": "sync"}, 1, True),
     ("PS async", {**PS, "ps.mode": "async"}, 1, True),
     ("PS async, look-ahead", {**PS, "ps.mode": "async", "ps.lookahead": True}, 1, True),
+    ("PS async, 2 servers", {**PS, "ps.mode": "async", "ps.servers": 2}, 2, True),
     ("SSP s=1", {**PS, "ps.mode": "ssp", "ps.staleness": 1}, 1, True),
     ("SSP s=4", {**PS, "ps.mode": "ssp", "ps.staleness": 4}, 1, True),
     ("backup b=1", {**PS, "ps.mode": "backup", "ps.backups": 1}, 1, True),
@@ -101,6 +105,22 @@ def table(result: dict) -> str:
         loss = f"{r['val_loss'] / sync['val_loss']:.4f}" if sync else "-"
         lines.append(f"| {r['variant']} | {r['samples_per_s']:.1f} | {speed} | {recovered} | {r['val_loss']:.4f} | "
                      f"{loss} |")
+    if sync and result["rounds"] > 1:
+        lines += ["", per_round(result, sync)]
+    return "\n".join(lines)
+
+
+def per_round(result: dict, sync: dict, goal: float = ASYNC_GOAL) -> str:
+    """Each round's speed over DDP's in the same round, and in how many rounds a variant reached ``goal``."""
+    rounds = result["rounds"]
+    lines = ["| variant (samples/s over DDP's, same round) | " + " | ".join(f"round {i + 1}" for i in range(rounds))
+             + f" | rounds >= {goal:g}x |", "|---|" + "---:|" * rounds + "---:|"]
+    for r in result["rows"]:
+        if r is sync:
+            continue
+        ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(r["runs"], sync["runs"])]
+        lines.append(f"| {r['variant']} | " + " | ".join(f"{x:.2f}" for x in ratios)
+                     + f" | {sum(x >= goal for x in ratios)} of {len(ratios)} |")
     return "\n".join(lines)
 
 
