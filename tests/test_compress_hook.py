@@ -218,3 +218,18 @@ def test_timed_steps_split_the_reduction_into_encode_communicate_decode(codec: s
     assert "encode_s" not in untimed
     for kind in ("encode_s", "communicate_s", "decode_s"):
         assert timed[kind] > 0, (kind, timed)
+
+
+def _loads_share_residuals(rank: int, world_size: int) -> list[torch.Tensor]:
+    hook = CompressionHook(make_codec("int8"))
+    old = {"feedback": {"residuals": {"0": torch.tensor([1.0, -2.0])}}}  # a checkpoint that kept shares
+    hook.load_state_dict(old)
+    again = CompressionHook(make_codec("int8"))
+    again.load_state_dict(hook.state_dict())  # saved in the gradient's units, loaded as they are
+    return [hook.feedback.residuals[0], again.feedback.residuals[0]]
+
+
+def test_residuals_saved_as_shares_are_loaded_in_the_gradients_units() -> None:
+    loaded, reloaded = run_on_ranks(_loads_share_residuals, 2, timeout=60)[0]
+    torch.testing.assert_close(loaded, torch.tensor([2.0, -4.0]))  # times N = 2
+    torch.testing.assert_close(reloaded, loaded)

@@ -113,39 +113,38 @@ class CompressionHook(Compressor):
         flat = x.detach().reshape(-1)  # results are written back into the bucket's buffer
         if isinstance(self.codec, Half) and self.feedback is None and self.world_size > 1:
             return self._half(key, flat)
-        if isinstance(self.codec, (Int8, TopK)):
-            return self._scaled(key, flat)
-        # PowerSGD reads its share until the reduction ends; fp16/bf16 encode it at once
-        psgd = isinstance(self.codec, PowerSGD)
-        owner = key if psgd else LAUNCH
-        share = torch.div(flat, self.world_size, out=self._scratch(owner, 0, flat.numel(), torch.float32, flat.device))
-        if psgd:
-            if self.remedies.local_clip:  # the rank's gradient to local_clip / sqrt(N), so its share to 1/N of that
-                clip_local(share, self.remedies.local_clip / self.world_size, self.world_size)
-            if self.velocity is not None:
-                share = self.velocity.fold(key, share)
-            if self.remedies.uncompressed(self.step):
-                return self._uncompressed(key, share, flat)
-            return self._powersgd(key, share, [g.shape for g in bucket.gradients()], flat)
+        if isinstance(self.codec, (Int8, TopK, PowerSGD)):
+            return self._scaled(key, flat, bucket)
+        # fp16/bf16 with error feedback: the share is encoded (dividing first keeps fp16's sum in range)
+        share = torch.div(flat, self.world_size, out=self._scratch(LAUNCH, 0, flat.numel(), torch.float32, flat.device))
         payload = self._encode(key, share)
         self.stats.payload_bytes += payload.nbytes
         if self.world_size == 1:
             return Work.completed(lambda: self._store(key, flat, lambda out: self.codec.decode(payload, out=out)))
         return self._half(key, flat, payload)
 
-    def _scaled(self, key, flat: torch.Tensor) -> Work:
-        """int8 and top-k: encode the rank's own gradient, then put the average's 1/N into the payload.
+    def _scaled(self, key, flat: torch.Tensor, bucket: GradBucket) -> Work:
+        """int8, top-k and PowerSGD: compress the rank's own gradient, and put the average's 1/N into the payload.
 
         The int8 values and top-k's indices of ``g`` and of ``g / N`` are the same (up to a
-        rounding at a tie); scaling int8's per-chunk scales or top-k's k values instead of
-        the whole bucket saves a pass over it. Error feedback's residuals (and momentum
-        correction's velocity) are kept in the gradient's units, not the share's.
+        rounding at a tie), and so is PowerSGD's orthonormal P; scaling int8's per-chunk
+        scales, top-k's k values or PowerSGD's Q instead of the whole bucket saves a pass
+        over it. Error feedback's residuals (and momentum correction's velocity) are kept
+        in the gradient's units (:data:`RESIDUAL_UNITS`), not the share's.
         """
         n = self.world_size
+        psgd = isinstance(self.codec, PowerSGD)
+        # PowerSGD reads it until the reduction ends: a bf16 bucket's fp32 copy is the bucket's own then
         grad = flat if flat.dtype == torch.float32 else \
-            self._scratch(LAUNCH, 0, flat.numel(), torch.float32, flat.device).copy_(flat)
+            self._scratch(key if psgd else LAUNCH, 0, flat.numel(), torch.float32, flat.device).copy_(flat)
         if self.remedies.local_clip:  # the rank's own gradient, to local_clip / sqrt(N); rewritten by the result
             clip_local(grad, self.remedies.local_clip, n)
+        if psgd:
+            if self.velocity is not None:
+                grad = self.velocity.fold(key, grad)
+            if self.remedies.uncompressed(self.step):
+                return self._uncompressed(key, grad, flat)
+            return self._powersgd(key, grad, [g.shape for g in bucket.gradients()], flat)
         if isinstance(self.codec, Int8) and n > 2:
             return self._int8(key, grad, flat)
         payload = self.codec.rescale_(self._encode(key, grad), 1.0 / n)
@@ -183,14 +182,15 @@ class CompressionHook(Compressor):
 
         return self._submit(run, lambda: flat.copy_(t))
 
-    def _uncompressed(self, key, share: torch.Tensor, flat: torch.Tensor) -> Work:
-        """An fp32 all-reduce of the shares (PowerSGD's uncompressed start), in the bucket's buffer when it is fp32.
+    def _uncompressed(self, key, grad: torch.Tensor, flat: torch.Tensor) -> Work:
+        """An fp32 all-reduce of the shares ``grad / N`` (PowerSGD's uncompressed start), in the bucket's buffer
+        when it is fp32.
 
-        ``share`` is not reduced in place: it may be the velocity, which the next step reads.
+        ``grad`` is not reduced in place: it may be the velocity, which the next step reads.
         """
         total = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32,
                                                                           flat.device)
-        total.copy_(share)
+        torch.div(grad, self.world_size, out=total)
         self.stats.payload_bytes += 4 * total.numel()
         if self.world_size > 1:
             self.stats.sent_bytes += collective_cost("all_reduce", "ring", total.numel(), 4,
@@ -294,17 +294,21 @@ class CompressionHook(Compressor):
 
         return self._submit(run, finish)
 
-    def _powersgd(self, key, share: torch.Tensor, shapes: list[torch.Size], flat: torch.Tensor) -> Work:
-        """See :mod:`dptrain.compress.powersgd`: all-reduce P (with the uncompressed rest), then Q."""
-        psgd, r = self.codec, self.codec.rank
-        pieces = list(share.split([s.numel() for s in shapes]))
+    def _powersgd(self, key, grad: torch.Tensor, shapes: list[torch.Size], flat: torch.Tensor) -> Work:
+        """See :mod:`dptrain.compress.powersgd`: all-reduce P (with the uncompressed rest), then Q.
+
+        ``grad`` is the rank's gradient (or velocity), not its share: P's direction does not
+        depend on the scale, the rest is divided by N as it is packed and Q once it is summed.
+        """
+        psgd, r, n = self.codec, self.codec.rank, self.world_size
+        pieces = list(grad.split([s.numel() for s in shapes]))
         matrices, rest = [], []
         for i, (piece, shape) in enumerate(zip(pieces, shapes)):
             if psgd.compresses(shape):
                 m = piece.view(shape[0], -1)
                 residual = psgd.residuals.get((key, i)) if psgd.error_feedback else None
-                # m is a view of ``share``, a buffer reused next step: with a residual the sum forms in the
-                # residual's buffer; the first residual gets a buffer of its own
+                # m is a view of the bucket (or the velocity), reused next step: with a residual the sum forms
+                # in the residual's buffer; the first residual gets a buffer of its own
                 if residual is not None:
                     m = residual.add_(m)
                 elif psgd.error_feedback:
@@ -320,15 +324,16 @@ class CompressionHook(Compressor):
         qs = [psgd.qs[(key, i)] if (key, i) in psgd.qs else psgd.initial_q((key, i), m.shape[1]) for i, m in matrices]
         n_p = sum(m.shape[0] * r for _, m in matrices)
         n_q = sum(m.shape[1] * r for _, m in matrices)
-        device = share.device
+        device = grad.device
         p_flat = torch.cat([project(m, q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest],
                            out=self._scratch(key, 2, n_p + sum(pieces[i].numel() for i in rest), torch.float32, device))
+        p_flat[n_p:].div_(n)  # the uncompressed rest: the rank's share of the average
         q_flat = self._scratch(key, 3, n_q, torch.float32, device)
         self.stats.payload_bytes += 4 * (p_flat.numel() + n_q)
         for numel in (p_flat.numel(), n_q):
             self.stats.sent_bytes += collective_cost("all_reduce", "ring", numel, 4, self.world_size).bytes_sent[
                 self.rank] if self.world_size > 1 else 0
-        # the update is written into the bucket's buffer when it is fp32 (nothing reads it after ``share``)
+        # the update is written into the bucket's buffer when it is fp32: each matrix's after every Q_w is formed
         out = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32, device)
         offsets = [0]
         for s in shapes:
@@ -350,6 +355,7 @@ class CompressionHook(Compressor):
             if self.world_size > 1:
                 with self.stats.clock("communicate"):
                     dist.all_reduce(q_flat, group=self.channel)
+            q_flat.div_(n)  # the sum of the ranks' Q, as the average's
             at = 0
             for (i, m), p_hat, q_local in zip(matrices, hats, local_qs):
                 q = q_flat[at:at + m.shape[1] * r].view(m.shape[1], r)
@@ -370,18 +376,36 @@ class CompressionHook(Compressor):
         return self._submit(run, finish)
 
     # checkpoints
+    def residual_units(self) -> str:
+        """What the residuals and velocities are kept in: the rank's gradient (int8, top-k, PowerSGD) or its share."""
+        return "share" if isinstance(self.codec, Half) else "gradient"
+
     def state_dict(self) -> dict:
-        return {**super().state_dict(),
+        return {**super().state_dict(), "residual_units": self.residual_units(),
                 "powersgd": self.codec.state_dict() if isinstance(self.codec, PowerSGD) else None,
                 "velocity": self.velocity.state_dict() if self.velocity is not None else None}
 
     def load_state_dict(self, state: dict) -> None:
+        saved = state.get("residual_units", "share")  # checkpoints without the key kept shares
+        if saved != self.residual_units():
+            state = _rescaled(state, self.world_size if saved == "share" else 1.0 / self.world_size)
         super().load_state_dict(state)
         self.begin_step(state.get("step", 0))  # the saved step's schedule: PowerSGD's rank its Qs have
         if isinstance(self.codec, PowerSGD) and state.get("powersgd") is not None:
             self.codec.load_state_dict(state["powersgd"])
         if self.velocity is not None and state.get("velocity") is not None:
             self.velocity.load_state_dict(state["velocity"])
+
+
+def _rescaled(state: dict, factor: float) -> dict:
+    """``state`` with its error-feedback and PowerSGD residuals times ``factor`` (shares <-> gradients)."""
+    state = dict(state)
+    if state.get("feedback") is not None:
+        state["feedback"] = {"residuals": {k: v * factor for k, v in state["feedback"]["residuals"].items()}}
+    if state.get("powersgd") is not None:
+        state["powersgd"] = {**state["powersgd"],
+                             "residuals": {k: v * factor for k, v in state["powersgd"]["residuals"].items()}}
+    return state
 
 
 def _aligned(data: torch.Tensor) -> torch.Tensor:
