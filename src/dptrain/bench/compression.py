@@ -55,6 +55,8 @@ REMEDIES = [
     ("powersgd r4 +r16 for 50", {**_PSGD, "powersgd_warmup_rank": 16, "powersgd_warmup_steps": 50}),
     ("powersgd r4 +30 uncompressed +r16 for 50", {**_PSGD, "powersgd_uncompressed_steps": 30,
                                                   "powersgd_warmup_rank": 16, "powersgd_warmup_steps": 50}),
+    ("powersgd r8 +30 uncompressed +r16 for 50", {**_PSGD, "powersgd_rank": 8, "powersgd_uncompressed_steps": 30,
+                                                  "powersgd_warmup_rank": 16, "powersgd_warmup_steps": 50}),
     ("powersgd r4 +MC", {**_PSGD, "momentum_correction": True}),
 ]
 CODEC_VARIANTS = list(VARIANTS)  # what runs without --variants
