@@ -63,7 +63,7 @@ from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan, compression_remedies
 from dptrain.train.ps_loop import train_ps
-from dptrain.train.report import RunLog, print_summary, summarize
+from dptrain.train.report import RunLog, print_summary, summarize, truncate_metrics
 from dptrain.train.roll_call import is_collective_failure, roll_call
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
@@ -143,7 +143,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
 
     metrics_path = run_dir / "metrics.jsonl"
     if rank == 0:
-        _truncate_metrics(metrics_path, start_step)
+        truncate_metrics(metrics_path, start_step)
     metrics_file = open(metrics_path, "a", buffering=1) if rank == 0 else None
     batcher = None
     if cfg.balance.dynamic_batching:
@@ -465,11 +465,3 @@ def _seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """Drop records after ``step`` (logged before a crash, then replayed by the resumed run)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
-    write_text_atomic(path, "".join(line + "\n" for line in keep))

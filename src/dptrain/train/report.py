@@ -21,7 +21,7 @@ from tqdm import tqdm
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.metrics import format_line
 
-__all__ = ["RunLog", "summarize", "print_summary"]
+__all__ = ["RunLog", "summarize", "print_summary", "truncate_metrics"]
 
 
 class RunLog:
@@ -65,6 +65,14 @@ class RunLog:
             self._bar.close()
             self._bar = None
         self._file.close()
+
+
+def truncate_metrics(path: Path, step: int) -> None:
+    """Drop records after ``step`` (logged before a crash, then replayed by the resumed run)."""
+    if not path.exists():
+        return
+    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+    write_text_atomic(path, "".join(line + "\n" for line in keep))
 
 
 def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: list[dict]) -> dict[str, Any]:
