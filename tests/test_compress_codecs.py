@@ -111,3 +111,22 @@ def test_error_feedback_state_round_trips() -> None:
 def test_bad_codec_arguments_name_the_value(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make_codec(**kwargs)
+
+
+@pytest.mark.parametrize("codec,numel", [(Int8(64), 256), (Int8(64), 250), (TopK(0.1), 256)])
+def test_encoding_keeping_the_error_leaves_x_minus_the_decoded_payload(codec, numel):
+    x = torch.randn(numel, generator=torch.Generator().manual_seed(3)) * 4
+    want_payload = codec.encode(x)
+    want_error = x - codec.decode(want_payload)
+    y = x.clone()
+    payload = codec.encode_keeping_error_(y)
+    for a, b in zip(payload.tensors, want_payload.tensors):
+        assert torch.equal(a, b)
+    torch.testing.assert_close(y, want_error, rtol=0, atol=1e-6)
+
+
+def test_a_non_finite_chunk_leaves_a_non_finite_error_for_feedback_to_reset():
+    x = torch.randn(128)
+    x[70] = float("nan")
+    Int8(64).encode_keeping_error_(x)
+    assert torch.isfinite(x[:64]).all() and torch.isnan(x[64:]).all()

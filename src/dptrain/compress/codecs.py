@@ -70,6 +70,16 @@ class Codec(ABC):
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         return self.decode(self.encode(x))
 
+    def encode_keeping_error_(self, x: torch.Tensor) -> Encoded:
+        """The payload of ``x`` (flat fp32), leaving in ``x`` what the encoding lost: ``x - decode(payload)``.
+
+        Error feedback's step. This general form decodes into a new tensor; codecs override
+        it to form the error in place from what encoding computed anyway.
+        """
+        payload = self.encode(x)
+        x.sub_(self.decode(payload))
+        return payload
+
 
 class Half(Codec):
     """Cast to fp16 or bf16."""
@@ -104,7 +114,22 @@ class Int8(Codec):
         flat = x.reshape(-1).float()
         n = flat.numel()
         pad = (-n) % self.chunk
-        blocks = (torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, self.chunk)
+        q, scale = self._quantise((torch.nn.functional.pad(flat, (0, pad)) if pad else flat).view(-1, self.chunk))
+        return Encoded((q.to(torch.int8).reshape(-1)[:n], scale), n)
+
+    def encode_keeping_error_(self, x: torch.Tensor) -> Encoded:
+        """Quantise and form ``x - q * scale`` in place from the rounded values: no decode, one pass for the error."""
+        n = x.numel()
+        if n % self.chunk or x.dtype != torch.float32 or not x.is_contiguous():
+            return super().encode_keeping_error_(x)
+        blocks = x.view(-1, self.chunk)
+        q, scale = self._quantise(blocks)
+        blocks.addcmul_(q, scale[:, None], value=-1.0)  # a NaN chunk's scale is NaN: its error is NaN too
+        return Encoded((q.to(torch.int8).reshape(-1), scale), n)
+
+    @staticmethod
+    def _quantise(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rounded values (still fp32) and the scales of ``blocks`` (one chunk per row)."""
         # max and -min per chunk: two reads and no |x| temporary (faster than abs().amax() and aminmax on CPU)
         absmax = torch.maximum(blocks.amax(dim=1), blocks.amin(dim=1).neg_())
         # min and max propagate NaN (and an infinity is its own bound): such a chunk's scale is NaN, so it
@@ -116,7 +141,7 @@ class Int8(Codec):
         q = torch.mul(blocks, inverse[:, None]).round_()  # |x| * 127 / absmax rounds to at most 127
         if not all_finite:
             q.nan_to_num_(0.0)
-        return Encoded((q.to(torch.int8).reshape(-1)[:n], scale), n)
+        return q, scale
 
     def rescale_(self, payload: Encoded, factor: float) -> Encoded:
         """The payload of ``factor * x`` from the payload of ``x``, in place: the scales times ``factor``."""
@@ -165,6 +190,12 @@ class TopK(Codec):
         index, values = payload.tensors
         out = torch.zeros(payload.numel, dtype=torch.float32, device=values.device) if out is None else out.zero_()
         return out.index_put_((index.long(),), values, accumulate=True)
+
+    def encode_keeping_error_(self, x: torch.Tensor) -> Encoded:
+        """Top-k, then the sent coordinates zeroed in ``x``: what was not sent is the error, with no decode."""
+        payload = self.encode(x)
+        x.reshape(-1)[payload.tensors[0].long()] = 0.0
+        return payload
 
     def rescale_(self, payload: Encoded, factor: float) -> Encoded:
         """The payload of ``factor * x`` from the payload of ``x``, in place: the values times ``factor``."""

@@ -48,8 +48,8 @@ class ErrorFeedback:
     def encode(self, key: Hashable, x: torch.Tensor, codec: Codec) -> Encoded:
         """``codec.encode(x + residual)``, keeping what the encoding lost as the new residual."""
         corrected = self.correct(key, x)
-        payload = codec.encode(corrected)
-        self.keep(key, corrected, codec.decode(payload))
+        payload = codec.encode_keeping_error_(corrected)  # corrected - decode(payload), formed in place
+        self.residuals[key] = finite_or_zero(corrected)
         return payload
 
     def correct(self, key: Hashable, x: torch.Tensor) -> torch.Tensor:
