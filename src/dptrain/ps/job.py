@@ -23,6 +23,7 @@ from torch import nn
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import Roles, partition
 from dptrain.ps.server import ShardServer
+from dptrain.ps.snapshot import CutPolicy
 from dptrain.ps.wire import DOWN, UP, Link, pair_groups
 from dptrain.ps.worker import PSWorker
 
@@ -33,8 +34,13 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
                            num_servers: int, consistency: Consistency, steps: int,
                            lr_at: Callable[[int], float] | None = None,
                            grad_clip: float = 0.0, lookahead: bool = False,
-                           before_server_step: Callable[[int], None] | None = None) -> ShardServer | PSWorker:
-    """Collective over the default group: this rank's :class:`ShardServer` or :class:`PSWorker`."""
+                           before_server_step: Callable[[int], None] | None = None,
+                           cuts: CutPolicy | None = None) -> ShardServer | PSWorker:
+    """Collective over the default group: this rank's :class:`ShardServer` or :class:`PSWorker`.
+
+    ``cuts``: this rank's part in checkpoints (:mod:`dptrain.ps.snapshot`); None takes none. A resumed
+    server is restored (:meth:`ShardServer.restore`) before it serves; a resumed worker gets its clock here.
+    """
     rank = dist.get_rank()
     roles = Roles(dist.get_world_size(), num_servers)
     consistency.check_workers(roles.num_workers)
@@ -48,7 +54,8 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
         mine = runs[roles.servers.index(rank)]
         return ShardServer([params[i] for i in mine], build_optimizer, links, consistency, steps, lr_at=lr_at,
                            grad_clip=grad_clip, server_group=server_group, reporter=roles.workers[0],
-                           lookahead=lookahead, before_step=before_server_step)
+                           lookahead=lookahead, before_step=before_server_step, cuts=cuts,
+                           leader=rank == roles.servers[0])
     links = [Link(groups[(rank, s)], s, send_tag=UP, recv_tag=DOWN) for s in roles.servers]
     return PSWorker(model, links, runs, clip_locally=None if consistency.rounds else (grad_clip or None),
-                    reporter=rank == roles.workers[0])
+                    reporter=rank == roles.workers[0], cuts=cuts)

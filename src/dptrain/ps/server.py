@@ -22,6 +22,10 @@ A worker that dies (its link reports "Connection closed by peer", or it says not
 the link's timeout) is dropped from the live set in async, ssp and backup; in sync a
 round can never complete without it, so the server sends ABORT with the reason to every
 worker and raises.
+
+Checkpoints: with a :class:`~dptrain.ps.snapshot.CutPolicy` the server takes part in the
+snapshot protocol of :mod:`dptrain.ps.snapshot` (the first server begins each cut), and
+:meth:`ShardServer.restore` continues from one.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from torch import nn
 
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.lookahead import Lookahead
+from dptrain.ps.snapshot import CutPolicy, Cuts
 from dptrain.ps.wire import Kind, Link, Message, PSError, describe_failure
 
 __all__ = ["ShardServer", "Applied"]
@@ -75,7 +80,8 @@ class ShardServer:
                  links: dict[int, Link], consistency: Consistency, steps: int, *,
                  lr_at: Callable[[int], float] | None = None, grad_clip: float = 0.0,
                  server_group: dist.ProcessGroup | None = None, reporter: int = 0, lookahead: bool = False,
-                 before_step: Callable[[int], None] | None = None):
+                 before_step: Callable[[int], None] | None = None, cuts: CutPolicy | None = None,
+                 leader: bool = True):
         consistency.check_workers(len(links))
         consistency.check_lookahead(lookahead)
         self.links, self.consistency, self.steps = links, consistency, steps
@@ -108,25 +114,37 @@ class ShardServer:
         self.round = _Round(torch.zeros_like(self.flat))
         self.events: queue.Queue = queue.Queue()
         self._buffers = {w: torch.empty_like(self.flat) for w in links}  # [Note: one buffer per worker]
+        self.leader = leader  # the first server: it begins every checkpoint cut
+        self.cuts = None if cuts is None or cuts.writer is None else \
+            Cuts(cuts.schedule, cuts.writer, in_flight=not consistency.rounds, begun=cuts.label)
 
     # ------------------------------------------------------------------ loop
 
     def serve(self) -> dict:
         """Serve until every worker has left or died; returns the report sent to rank 0."""
         t0 = time.perf_counter()
-        for w in sorted(self.live):
-            self._answer(w, Kind.PARAMS)
+        self.held.update(self.live)  # every worker waits for its first parameters (SSP's bound holds on resume)
+        self._progress()
         for w, link in self.links.items():
             threading.Thread(target=self._receive, args=(w, link), daemon=True, name=f"ps-recv-{w}").start()
         while self.live:
             event = self.events.get()
             if isinstance(event, _Lost):
                 self._lose(event.worker, event.reason)
-            elif event[1].kind == Kind.GRAD:
-                self._on_gradient(*event)
-            elif event[1].kind == Kind.DONE:
-                self.live.discard(event[0])
-                self.held.discard(event[0])
+                continue
+            w, message = event
+            if message.kind == Kind.GRAD:
+                if self.cuts:
+                    self.cuts.record(w, message)
+                self._accept(w, message)
+                self._progress()
+            elif message.kind == Kind.MARK:
+                self._on_mark(w, message)
+            elif message.kind == Kind.DONE:
+                self.live.discard(w)
+                self.held.discard(w)
+                if self.cuts:  # a worker marks every cut before it leaves; this closes what it could not mark
+                    self.cuts.mark(w, math.inf, message.a, None, self.live)
                 self._progress()
         report = self.report(time.perf_counter() - t0)
         self._send_final(report)
@@ -150,7 +168,8 @@ class ShardServer:
         budget = self.steps if self.consistency.rounds else self.steps * self.num_workers
         return self.version >= budget
 
-    def _on_gradient(self, w: int, message: Message) -> None:
+    def _accept(self, w: int, message: Message) -> None:
+        """The rules for one gradient: apply it or add it to the round, and hold its worker (answered by _progress)."""
         self.clock[w] = message.a
         if self.spent:
             self.held.add(w)
@@ -170,7 +189,7 @@ class ShardServer:
             self.recent_losses.append(message.x)
             self.records.append(Applied(w, message.a, self.read_staleness[w], delay, self.version))
             self.held.add(w)
-        self._progress()
+            self._begin_due_cuts()
 
     def _progress(self) -> None:
         """Close a round if it has its gradients, then answer every held worker that may go on."""
@@ -183,6 +202,7 @@ class ShardServer:
             self.records += [Applied(w, self.clock[w], 0, 0, self.version) for w in done]
             self.held.update(done)
             self.round = _Round(self.round.total.zero_())
+            self._begin_due_cuts()
         slowest = min((self.clock[w] for w in self.live), default=0)
         for w in sorted(self.held):
             if w not in self.held:  # answered (or lost) by a nested call while this loop ran
@@ -214,6 +234,60 @@ class ShardServer:
             self.optimizer.step()
         self.version += 1
 
+    # ---------------------------------------------------------- checkpoints
+
+    def _begin_due_cuts(self) -> None:
+        """The leader, after an update: record its state for a cut whose step it has reached (dptrain.ps.snapshot)."""
+        if self.cuts and self.leader:
+            self.cuts.begin(self._step(), self.state_dict)
+
+    def _on_mark(self, w: int, message: Message) -> None:
+        if not self.cuts:
+            return
+        if not self.leader:  # its first MARK of a cut is this server's moment to record it
+            self.cuts.begin(message.cut, self.state_dict)
+        self.cuts.mark(w, message.cut, message.a, message.payload, self.live)
+
+    def state_dict(self) -> dict:
+        """What a resumed server needs: the shard, optimizer and look-ahead state, version, the workers' clocks and
+        reads, and the report's counts. The tensors are the live ones: save them before the next update.
+
+        Not kept: a half-collected backup round (its gradients count as dropped, as a late one is), the held and
+        lost workers (a resumed job starts with every worker waiting for parameters)."""
+        return {"flat": self.flat, "optimizer": self.optimizer.state_dict(), "version": self.version,
+                "skipped": self.skipped, "clock": dict(self.clock), "read_version": dict(self.read_version),
+                "read_staleness": dict(self.read_staleness), "recent_losses": list(self.recent_losses),
+                "records": _rows(self.records), "dropped": _rows(self.dropped),
+                "expected": dict(self.lookahead.expected) if self.lookahead else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["flat"].shape != self.flat.shape:
+            raise PSError(f"a checkpointed shard of {state['flat'].numel():,} elements cannot load into this server's "
+                          f"{self.flat.numel():,}: it was saved with another model or another ps.servers")
+        with torch.no_grad():
+            self.flat.copy_(state["flat"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.version, self.skipped = state["version"], state["skipped"]
+        self.clock.update(state["clock"])
+        self.read_version.update(state["read_version"])
+        self.read_staleness.update(state["read_staleness"])
+        self.recent_losses.extend(state["recent_losses"])
+        self.records = [Applied(*row) for row in state["records"].tolist()]
+        self.dropped = [Applied(*row) for row in state["dropped"].tolist()]
+        if self.lookahead and state["expected"]:
+            self.lookahead.expected.update(state["expected"])
+
+    def restore(self, state: dict, in_flight: list[tuple[int, Message]], clocks: dict[int, int]) -> None:
+        """Continue from a cut: this server's recorded state, then the gradients it recorded in flight (applied now,
+        in their arrival order), then every worker's clock in the cut. Call before :meth:`serve`."""
+        self.load_state_dict(state)
+        for w, message in in_flight:
+            self._accept(w, message)
+        self.held.clear()
+        self.clock.update(clocks)
+
+    # ------------------------------------------------------------- schedule
+
     def _step(self) -> int:
         """The schedule's step of the next update: rounds so far, or async gradients so far / workers."""
         return self.version if self.consistency.rounds else self.version // self.num_workers
@@ -234,7 +308,7 @@ class ShardServer:
             payload = self.lookahead.predict(w, self._next_lrs(1.0 / self.num_workers)[0], self.version)
         try:
             self.links[w].send(kind, self.version, len(self.recent_losses), payload=payload,
-                               x=sum(self.recent_losses))
+                               x=sum(self.recent_losses), **self._labels())
         except Exception as e:
             self._lose(w, describe_failure(e))
 
@@ -254,6 +328,8 @@ class ShardServer:
                 except Exception:
                     pass
             raise PSError(why)
+        if self.cuts:  # it marks nothing more: its cut is its last gradient here
+            self.cuts.mark(w, math.inf, self.clock[w], None, self.live)
         if self.consistency.rounds and self.consistency.needed(self.num_workers, len(self.live)) < 1:
             return
         self._progress()
@@ -262,8 +338,14 @@ class ShardServer:
         if self.reporter in self.lost:
             return
         link = self.links[self.reporter]
-        link.send(Kind.FINAL, self.version, payload=self.flat)
+        link.send(Kind.FINAL, self.version, payload=self.flat, **self._labels())
         link.send_text(Kind.REPORT, json.dumps(report))
+
+    def _labels(self) -> dict[str, int]:
+        """The checkpoint labels an answer carries: the newest cut begun (the leader's marker), the newest complete."""
+        if not self.cuts:
+            return {}
+        return {"cut": self.cuts.begun if self.leader else 0, "saved": self.cuts.saved}
 
     def report(self, wall_s: float) -> dict:
         """What the run summary shows: versions, applied and dropped gradients, staleness and delay histograms."""
@@ -273,6 +355,11 @@ class ShardServer:
                 "delay": _histogram(r.delay for r in self.records),
                 "applied_per_worker": _histogram(r.worker for r in self.records),
                 "lost_workers": {str(w): why for w, why in self.lost.items()}, "wall_s": wall_s}
+
+
+def _rows(records: list[Applied]) -> torch.Tensor:
+    return torch.tensor([[r.worker, r.clock, r.staleness, r.delay, r.version] for r in records],
+                        dtype=torch.int64).reshape(-1, 5)
 
 
 def _histogram(values) -> dict[str, int]:

@@ -8,15 +8,17 @@ its server learns of the death at once instead of at a timeout. Within a pair, w
 to server messages use one tag and server to worker messages another, so a server can
 receive on its thread for that worker while it answers on its main thread.
 
-A message is ``header = int64[kind, a, b, n, x]`` and, when ``n > 0``, a payload of ``n``
-elements: fp32 for tensors, uint8 for text (an error message, the server's report). ``x``
-carries one float64 (its bits): a gradient's training loss, or the sum of the losses of the
-gradients the last step applied (see :class:`Kind`).
+A message is ``header = int64[kind, a, b, n, x, cut, saved]`` and, when ``n > 0``, a payload
+of ``n`` elements: fp32 for tensors, uint8 for bytes (an error message, the server's report,
+a worker's packed state). ``x`` carries one float64 (its bits): a gradient's training loss,
+or the sum of the losses of the gradients the last step applied (see :class:`Kind`).
+``cut`` and ``saved`` carry the checkpoint protocol's labels (:mod:`dptrain.ps.snapshot`).
 """
 
 from __future__ import annotations
 
 import enum
+import io
 import json
 import struct
 from dataclasses import dataclass
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Kind", "Message", "Link", "UP", "DOWN", "PSError", "pair_groups", "describe_failure"]
+__all__ = ["Kind", "Message", "Link", "UP", "DOWN", "PSError", "pair_groups", "describe_failure", "pack", "unpack"]
 
 UP, DOWN = 1, 2  # tags: worker -> server, server -> worker
 
@@ -38,14 +40,17 @@ class Kind(enum.IntEnum):
     #              x = the loss the gradient was computed from
     DONE = 2     # worker -> server: the worker leaves (after a STOP, or at its end)
     PARAMS = 3   # server -> worker: a = version, payload = the shard's parameters, b and x = how many gradients
-    #              the last step applied and the sum of their losses (the run's logged loss is their mean)
+    #              the last step applied and the sum of their losses (the run's logged loss is their mean);
+    #              cut = the newest checkpoint cut begun (the first server's marker), saved = the newest complete
     STOP = 4     # server -> worker: PARAMS, and the training budget is spent
-    FINAL = 5    # server -> rank 0: the final shard, after every worker left
+    FINAL = 5    # server -> rank 0: the final shard, after every worker left; saved as in PARAMS
     REPORT = 6   # server -> rank 0: its statistics as JSON text
     ABORT = 7    # either way: the run cannot go on; payload = the reason
+    MARK = 8     # worker -> server: a = the worker's clock, cut = the newest cut it marks (every one up to it),
+    #              payload = its packed state (random streams, buffers; dptrain.ps.snapshot)
 
 
-TEXT_KINDS = (Kind.REPORT, Kind.ABORT)
+BYTE_KINDS = (Kind.REPORT, Kind.ABORT, Kind.MARK)
 
 
 @dataclass
@@ -55,6 +60,8 @@ class Message:
     b: int = 0
     payload: torch.Tensor | None = None
     x: float = 0.0
+    cut: int = 0
+    saved: int = 0
 
     def text(self) -> str:
         return bytes(self.payload.tolist()).decode() if self.payload is not None else ""
@@ -69,11 +76,12 @@ class Link:
     def __init__(self, group: dist.ProcessGroup, peer: int, send_tag: int, recv_tag: int):
         self.group, self.peer = group, peer
         self.send_tag, self.recv_tag = send_tag, recv_tag
-        self._header = torch.zeros(5, dtype=torch.int64)
+        self._header = torch.zeros(7, dtype=torch.int64)
 
-    def send(self, kind: Kind, a: int = 0, b: int = 0, payload: torch.Tensor | None = None, x: float = 0.0) -> None:
+    def send(self, kind: Kind, a: int = 0, b: int = 0, payload: torch.Tensor | None = None, x: float = 0.0,
+             cut: int = 0, saved: int = 0) -> None:
         n = 0 if payload is None else payload.numel()
-        header = torch.tensor([int(kind), a, b, n, _float_bits(x)], dtype=torch.int64)
+        header = torch.tensor([int(kind), a, b, n, _float_bits(x), cut, saved], dtype=torch.int64)
         dist.send(header, self.peer, group=self.group, tag=self.send_tag)
         if n:
             dist.send(payload.contiguous(), self.peer, group=self.group, tag=self.send_tag)
@@ -84,18 +92,30 @@ class Link:
     def recv(self, into: torch.Tensor | None = None) -> Message:
         """The next message; a tensor payload goes into ``into`` when given (its size must match)."""
         dist.recv(self._header, self.peer, group=self.group, tag=self.recv_tag)
-        kind, a, b, n, bits = self._header.tolist()
+        kind, a, b, n, bits, cut, saved = self._header.tolist()
         kind = Kind(kind)
         payload = None
         if n:
-            if kind in TEXT_KINDS:
+            if kind in BYTE_KINDS:
                 payload = torch.empty(n, dtype=torch.uint8)
             elif into is not None and into.numel() == n:
                 payload = into
             else:
                 payload = torch.empty(n, dtype=torch.float32)
             dist.recv(payload, self.peer, group=self.group, tag=self.recv_tag)
-        return Message(kind, a, b, payload, _bits_float(bits))
+        return Message(kind, a, b, payload, _bits_float(bits), cut, saved)
+
+
+def pack(obj) -> torch.Tensor:
+    """``obj`` (tensors, numbers, strings, lists and dicts of them) as uint8 bytes, for a message payload."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def unpack(data: torch.Tensor):
+    """What :func:`pack` packed; ``weights_only``: no code runs from a payload or a checkpoint."""
+    return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
 
 
 def _float_bits(x: float) -> int:

@@ -13,6 +13,10 @@ answer is received straight into the parameter slice (no copy). One step:
 
 In the async modes the worker clips its own gradient before pushing (it is the whole
 update); in sync and backup the servers clip the averaged gradient, as DDP does.
+
+Checkpoints (:mod:`dptrain.ps.snapshot`): when the first server's answer names a cut this
+worker has not marked, it sends every server a MARK with its clock and its packed state
+before its next gradient. A worker resumed from a cut starts at that cut's clock.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import math
 import torch
 from torch import nn
 
+from dptrain.ps.snapshot import CutPolicy
 from dptrain.ps.wire import Kind, Link, PSError, describe_failure
 
 __all__ = ["PSWorker"]
@@ -29,7 +34,7 @@ __all__ = ["PSWorker"]
 
 class PSWorker:
     def __init__(self, model: nn.Module, links: list[Link], runs: list[range], *, clip_locally: float | None = None,
-                 reporter: bool = False):
+                 reporter: bool = False, cuts: CutPolicy | None = None):
         params = [p for p in model.parameters()]
         self.model, self.links, self.clip_locally, self.reporter = model, links, clip_locally, reporter
         self.flat = torch.cat([p.detach().reshape(-1).float() for p in params])
@@ -41,13 +46,17 @@ class PSWorker:
             p.grad = self.flat_grad[offset:offset + p.numel()].view(p.shape)
             offset += p.numel()
         self.slices = [slice(bounds[r.start][0], bounds[r.stop - 1][1]) for r in runs]
-        self.clock = 0
+        self.clock = cuts.clock if cuts else 0  # gradients pushed (since the start of training)
         self.version = [0] * len(links)
+        self.worker_state = cuts.worker_state if cuts else None
+        self.cut = self.marked = cuts.label if cuts else 0  # the newest cut the first server named; marked
+        self.saved = [self.marked] * len(links)  # each server's newest complete cut
         self.grad_norm = 0.0
         # the loss of the servers' last step: the mean over the gradients it applied (ShardServer.recent_losses)
         self.step_loss = math.nan
         self.stopped = False
-        self._receive_all(Kind.PARAMS)
+        self._receive_all(Kind.PARAMS, Kind.STOP)  # STOP: resumed from the last step's checkpoint
+        self._mark()
 
     def step(self, loss: float = 0.0) -> bool:
         """Push this step's gradient (computed at ``loss``) to every server, receive the new parameters.
@@ -63,6 +72,7 @@ class PSWorker:
             self._guard(link, lambda: link.send(Kind.GRAD, self.clock, int(skip), payload=self.flat_grad[part],
                                                 x=loss))
         self._receive_all(Kind.PARAMS, Kind.STOP)
+        self._mark()
         self.flat_grad.zero_()
         return self.stopped
 
@@ -82,9 +92,21 @@ class PSWorker:
                 raise PSError(f"parameter server rank {link.peer} sent {message.kind.name}, expected "
                               f"{' or '.join(k.name for k in kinds)}")
             self.version[i] = message.a
-            if i == 0 and message.b:
-                self.step_loss = message.x / message.b
+            self.saved[i] = message.saved
+            if i == 0:
+                self.cut = message.cut
+                if message.b:
+                    self.step_loss = message.x / message.b
             self.stopped |= message.kind == Kind.STOP
+
+    def _mark(self) -> None:
+        """Mark the newest cut the first server named, if it is new: this worker's clock and state to every server."""
+        if self.cut <= self.marked:
+            return
+        state = self.worker_state() if self.worker_state else None
+        for link in self.links:
+            self._guard(link, lambda: link.send(Kind.MARK, self.clock, payload=state, cut=self.cut))
+        self.marked = self.cut
 
     def _recv(self, link: Link, into: torch.Tensor | None = None):
         message = self._guard(link, lambda: link.recv(into=into))
