@@ -64,7 +64,8 @@ def test_an_ssp_run_with_a_straggler_trains_and_reports(tmp_path):
     assert applied["2"] <= min(applied["0"], applied["1"]) - 2, applied
     assert report["staleness"].get("2", 0) >= 12, report["staleness"]
     assert "parameter server" in done.stdout and "staleness (steps)" in done.stdout
-    assert (run_dir / "model.safetensors").exists() and not (run_dir / "checkpoints").exists()
+    assert (run_dir / "model.safetensors").exists() and summary["ps"]["checkpoints"] == [12]  # the last step's
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_00000012"]
 
 
 def test_a_killed_worker_does_not_stop_an_async_run(tmp_path):

@@ -100,10 +100,6 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     if max_restarts:
         from dptrain.launch.elastic import launch_elastic
 
-        if cfg.ddp.strategy == "ps":
-            click.echo("error: --max-restarts needs checkpoints to resume from, and strategy ps does not write them "
-                       "yet; run without --max-restarts", err=True)
-            sys.exit(2)
         sys.exit(launch_elastic(nproc, worker_args, rp.run_dir, max_restarts))
     sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
                           start_method=start_method, roll_call_s=cfg.ddp.roll_call_s,

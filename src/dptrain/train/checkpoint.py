@@ -14,7 +14,9 @@ A ZeRO run (``ddp.strategy = "zero1" | "zero2" | "zero3"``) writes ``sharded/`` 
 rank's shards of the parameters and optimizer state, in ``torch.distributed.checkpoint``'s
 format, loadable on any world size: :mod:`dptrain.zero.checkpoint`) instead of
 ``model.pt`` and ``optimizer.pt``; ``meta.json`` then says ``"format": "sharded"`` and
-holds a checksum of every file under ``sharded/`` too.
+holds a checksum of every file under ``sharded/`` too. A parameter-server run
+(``ddp.strategy = "ps"``) writes ``ps/`` instead: each server's shard and the workers'
+positions, ``"format": "ps"`` (:mod:`dptrain.train.ps_checkpoint`).
 
 **Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
 ``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
@@ -57,6 +59,7 @@ __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest
 _NAME = re.compile(r"^step_(\d{8})$")
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 SHARDED = "sharded"  # the subdirectory of a ZeRO checkpoint written by every rank
+_WRITTEN_BY = {"replicated": "ddp or gossip", "sharded": "zero1, zero2 or zero3", "ps": "ps"}  # format -> strategies
 
 
 class CheckpointError(ValueError):
@@ -127,7 +130,7 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
                               f"dptrain checkpoint; {fix}") from None
     except (json.JSONDecodeError, KeyError, TypeError) as e:
         raise CheckpointError(f"checkpoint {path}: meta.json is corrupt ({e}); {fix}") from None
-    required = ("trainer.pt",) if meta.get("format") == "sharded" else _FILES
+    required = _FILES if meta.get("format", "replicated") == "replicated" else ("trainer.pt",)
     for name in required:
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: meta.json lists no {name}; {fix}")
@@ -144,7 +147,7 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
     if saved_layout != layout:
         raise CheckpointError(
             f"checkpoint {path} is {saved_layout} (written with ddp.strategy "
-            f"{'ddp' if saved_layout == 'replicated' else 'zero1, zero2 or zero3'}) and this run's strategy "
+            f"{_WRITTEN_BY.get(saved_layout, saved_layout)}) and this run's strategy "
             f"writes {layout} checkpoints; resume with the strategy it was saved with (any ZeRO stage loads a "
             "sharded checkpoint), or start afresh with another run_dir")
     if meta.get("identity_hash") != identity_hash:

@@ -20,6 +20,12 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
   ``every`` each rank raises a ``CollectiveMismatchError`` naming the call; with ``first``
   (after step 1) this rank waits at the check and the others in gloo, until the timeout;
   with ``off`` gloo sees sizes that differ and aborts the process (SIGABRT).
+
+A parameter server (``ddp.strategy = "ps"``: the last ``ps.servers`` ranks) has no steps of
+its own: its STEP is the logged one, the rounds it applied in sync and backup, the
+gradients it applied divided by the number of workers in async and ssp. The fault fires
+once, before its first update of that step, and only kill, raise, hang and delay apply.
+
 A fault fires in a job's first attempt only: after a restart (torchrun's
 ``TORCHELASTIC_RESTART_COUNT`` > 0) the resumed run goes past that step, as it would after
 a real, one-off failure. ``DPTRAIN_FAULT_EVERY_ATTEMPT=1`` makes it fire after every

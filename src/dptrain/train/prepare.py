@@ -28,6 +28,7 @@ from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.tasks import Task, architecture, build_task, run_name
 from dptrain.train.checkpoint import find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
+from dptrain.train.ps_checkpoint import check_ps_resume
 from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["RunPlan", "prepare_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
@@ -90,13 +91,13 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
     ident_hash = identity_hash(ident)
     resume_from, meta = None, None
     latest = find_latest(run_dir)
-    if latest is not None and cfg.checkpoint.resume and cfg.ddp.strategy == "ps":
-        raise ConfigError(f"{run_dir} has checkpoints (newest: {latest.name}), but strategy ps does not resume from "
-                          "checkpoints yet (it writes only the final weights); use another run_dir")
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
-        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size,
-                                 "sharded" if cfg.ddp.strategy.startswith("zero") else "replicated")
+        layout = "ps" if cfg.ddp.strategy == "ps" else "sharded" if cfg.ddp.strategy.startswith("zero") else \
+            "replicated"
+        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, layout)
+        if layout == "ps":
+            check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
     elif latest is not None:
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "

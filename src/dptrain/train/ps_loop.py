@@ -9,8 +9,14 @@ same number of samples as ``train.steps`` synchronous steps.
 
 Rank 0 (worker 0) logs its own steps (there is no collective between workers: in async
 mode they are at different steps), evaluates the final parameters alone, writes the
-weights and the summary with every server's report. Checkpoints are not written: a ps
-run cannot resume yet (``prepare_run`` refuses a run directory that has some).
+weights and the summary with every server's report.
+
+Checkpoints (every ``checkpoint.every`` steps, and at the end) are cuts of
+:mod:`dptrain.ps.snapshot`, taken while training goes on; the servers write their files and
+rank 0 publishes each cut once every server reports it complete
+(:mod:`dptrain.train.ps_checkpoint`). A run started again in the same directory, by hand or
+by ``--max-restarts``, resumes from the newest: servers from their shards and the gradients
+they recorded in flight, workers from their clocks (so their data positions) and random streams.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ import torch.distributed as dist
 
 from dptrain.config import to_toml
 from dptrain.launch.rendezvous import WorkerEnv
-from dptrain.ps import Consistency, PSWorker, ShardServer, build_parameter_server
+from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
+from dptrain.ps.wire import pack
 from dptrain.tasks import collate
 from dptrain.train.atomic import write_text_atomic
-from dptrain.train.checkpoint import remove_partial
+from dptrain.train.checkpoint import remove_partial, rng_state, set_rng_state
 from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import ShardedLoader
 from dptrain.train.metrics import peak_rss_mb, peak_tensor_mb
@@ -39,7 +46,8 @@ from dptrain.train.optim import build_optimizer
 from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
 from dptrain.train.plots import plot_run, read_metrics
 from dptrain.train.prepare import RunPlan
-from dptrain.train.report import RunLog, print_summary, summarize
+from dptrain.train.ps_checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
+from dptrain.train.report import RunLog, print_summary, summarize, truncate_metrics
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
 from dptrain.train.tensor_peak import TensorPeak, data_tensors
@@ -63,56 +71,102 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
     peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
     consistency = Consistency(p.mode, staleness=p.staleness, backups=p.backups)
     fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+    start_step = rp.resume_meta["step"] if rp.resume_from is not None else 0
+    cuts, worker_state = _cut_policy(rp, env, model, device, start_step)
     role = build_parameter_server(
         model, lambda params: build_optimizer(params, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas),
                                               t.momentum),
         num_servers=p.servers, consistency=consistency, steps=t.steps,
         lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip,
-        lookahead=p.lookahead, before_server_step=_server_fault(fault, rank))
-    log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, 0)
+        lookahead=p.lookahead, before_server_step=_server_fault(fault, rank), cuts=cuts)
+    log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, start_step)
     workers = plan.world_size
     log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "
              f"parameter server ({p.mode}{_mode_detail(p)}): {workers} worker(s), {p.servers} server(s) "
              f"(ranks {workers}-{env.world_size - 1}); global batch {plan.global_batch_size} = micro "
              f"{plan.micro_batch_size} x {workers} workers x {plan.grad_accum_steps} accum")
+    if start_step:
+        log.info(f"resumed from {rp.resume_from} at step {start_step}")
     if isinstance(role, ShardServer):
+        if rp.resume_from is not None:
+            role.restore(*load_server_cut(rp.resume_from, rank - workers))
         report = role.serve()
         log.info(f"server rank {rank}: {report['updates']} updates from {report['gradients']} gradients, "
                  f"{report['dropped']} dropped, lost workers: {report['lost_workers'] or 'none'}")
         log.close()
         return None
-    seed_everything(t.seed + 1 + rank)  # workers draw different dropout masks
+    if worker_state is None:
+        seed_everything(t.seed + 1 + rank)  # workers draw different dropout masks
+        if rp.resume_from is not None:
+            log.info(f"rank {rank} had died before the cut it resumes from: its random streams start afresh")
+    else:
+        _load_worker_state(worker_state, model, device)
+    if rank == 0:
+        truncate_metrics(run_dir / "metrics.jsonl", start_step)
     loop = _WorkerLoop(
-        role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed, collate_fn=collate(task)).micro_batches(), plan.grad_accum_steps,
-        log, device, rank, every=cfg.log.every,
+        role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed, collate_fn=collate(task))
+        .micro_batches(role.clock), plan.grad_accum_steps, log, device, rank, every=cfg.log.every,
         straggler=Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None,
-        tracer=TraceRecorder(0, time.perf_counter(), cfg.log.trace_start, cfg.log.trace_steps)
+        tracer=TraceRecorder(0, time.perf_counter(), cfg.log.trace_start + role.clock, cfg.log.trace_steps)
         if rank == 0 and cfg.log.trace_steps else None,
         samples_per_update=plan.micro_batch_size * plan.grad_accum_steps * (
             workers if p.mode == "sync" else workers - p.backups if p.mode == "backup" else 1),
         step_of=lambda version: version if consistency.rounds else version // workers,
         lr_scale=1.0 if consistency.rounds else 1.0 / workers,
-        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), fault=fault)
+        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), fault=fault,
+        publisher=Publisher(rp, cuts.schedule, env.world_size, log, start_step) if rank == 0 else None)
     records = loop.run(run_dir / "metrics.jsonl" if rank == 0 else None)
     reports = role.leave()
     summary = None
     if rank == 0:
+        loop.publisher.advance(min(role.saved))  # the last cut, complete once every worker has left
         if loop.tracer is not None and loop.tracer.events:
             loop.tracer.write_local(run_dir / "trace.json")
             log.info(f"trace of rank 0's steps {loop.tracer.steps.start}-{loop.tracer.steps.stop - 1}: "
                      f"{run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
-        summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr)
+        summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, start_step,
+                          loop.publisher.labels)
     log.close()
     return summary
 
 
+def _cut_policy(rp: RunPlan, env: WorkerEnv, model, device: torch.device,
+                start_step: int) -> tuple[CutPolicy, dict | None]:
+    """This rank's part in checkpoints, and (a resumed worker) its state in the cut resumed from."""
+    roles = Roles(env.world_size, rp.cfg.ps.servers)
+    schedule = CutSchedule(rp.cfg.checkpoint.every, rp.cfg.train.steps)
+    if roles.is_server(env.rank):
+        index = roles.servers.index(env.rank)
+        return CutPolicy(schedule, writer=CutFiles(rp.run_dir, index, leader=index == 0), label=start_step), None
+    clock, state = load_worker_cut(rp.resume_from, env.rank) if rp.resume_from is not None else (0, None)
+    return CutPolicy(schedule, worker_state=lambda: pack(_worker_state(model, device)), label=start_step,
+                     clock=clock), state
+
+
+def _worker_state(model, device: torch.device) -> dict:
+    """What a worker's MARK carries: its random streams (dropout) and its buffers (the servers hold parameters)."""
+    return {"rng": rng_state(device), "buffers": {name: b.detach().cpu() for name, b in model.named_buffers()}}
+
+
+def _load_worker_state(state: dict, model, device: torch.device) -> None:
+    """A resumed worker's random streams and buffers, as its MARK recorded them."""
+    set_rng_state(state["rng"], device)
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            buffer.copy_(state["buffers"][name])
+
+
 def _server_fault(fault: tuple[int, int, str] | None, rank: int):
-    """DPTRAIN_FAULT for a server rank: it fires before the server applies the update of that step."""
+    """DPTRAIN_FAULT for a server rank: it fires once, before the server applies its first update of that step.
+
+    A server's step is the logged one: rounds in sync and backup, gradients applied / workers in async and ssp."""
     if not fault or fault[0] != rank:
         return None
+    fired = []
 
     def before_step(step: int) -> None:
-        if step == fault[1]:
+        if step == fault[1] and not fired:
+            fired.append(step)
             inject_fault(fault[2], rank, step)
     return before_step
 
@@ -140,21 +194,23 @@ class _WorkerLoop:
     lr_scale: float
     lr_at: Callable[[int], float]
     fault: tuple[int, int, str] | None  # DPTRAIN_FAULT, parsed
+    publisher: Publisher | None  # rank 0's: publishes the checkpoints the servers complete
     tensor_peak_bytes: int | None = None  # its second step's live tensors (CPU), once measured
 
     def run(self, metrics_path: Path | None) -> list[dict]:
-        out = open(metrics_path, "w", buffering=1) if metrics_path else None
+        out = open(metrics_path, "a", buffering=1) if metrics_path else None
         fault = self.fault
-        records, window, step = [], [], 0
+        records, window, step = [], [], self.role.clock  # a worker's steps go on from its clock in a resumed run
+        peak_step = step + 2  # the session's second step: its live tensors are measured
         last = (time.perf_counter(), min(self.role.version))
         try:
-            while True:
+            while not self.role.stopped:  # stopped at once: resumed from the last step's checkpoint
                 step += 1
                 if fault and fault[:2] == (self.rank, step):
                     inject_fault(fault[2], self.rank, step, self.role.model)
                 peak = TensorPeak(extra=self.role.model.parameters(),  # its second step's live tensors
                                   exclude=data_tensors(self.task.train_set, self.task.val_set)) \
-                    if step == 2 and self.device.type == "cpu" else None
+                    if step == peak_step and self.device.type == "cpu" else None
                 with peak or contextlib.nullcontext():
                     t0 = time.perf_counter()
                     loss, micro = self._compute()
@@ -167,6 +223,8 @@ class _WorkerLoop:
                     self.tracer.add_ps_step(step, t0, micro, t2)
                 window.append((loss, t1 - t0, t2 - t1, t2 - t0))
                 self.log.step_done()
+                if self.publisher is not None:
+                    self.publisher.advance(min(self.role.saved))
                 if out is not None and (step % self.every == 0 or stop):
                     now, version = time.perf_counter(), min(self.role.version)
                     rec = self._record(version, step, window,
@@ -176,7 +234,8 @@ class _WorkerLoop:
                     records.append(rec)
                     window, last = [], (now, version)
                 if stop:
-                    return records
+                    break
+            return records
         finally:
             if out is not None:
                 out.close()
@@ -216,7 +275,7 @@ class _WorkerLoop:
 
 
 def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
-            wall0: float, peak_lr: float) -> dict:
+            wall0: float, peak_lr: float, start_step: int, checkpoints: list[int]) -> dict:
     cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
     # rank 0 alone (no collective: a worker may be gone), on the samples all workers together would take
     sums = val_sums(model, rp.task, plan.micro_batch_size, cfg.log.eval_batches * plan.world_size)
@@ -233,11 +292,13 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
             "world_size": env.world_size, "device": device.type, "backend": dist.get_backend(),
             "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
             "grad_accum_steps": plan.grad_accum_steps, "lr_rule": f"peak {peak_lr:.3g}", "peak_lr": peak_lr,
-            "start_step": 0, "steps": t.steps, "wall_s": time.perf_counter() - wall0,
+            "start_step": start_step, "steps": t.steps, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+            "wall_s": time.perf_counter() - wall0,
             "ps": {"mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": plan.world_size,
                    "staleness_bound": cfg.ps.staleness if cfg.ps.mode == "ssp" else None,
                    "backups": cfg.ps.backups if cfg.ps.mode == "backup" else None,
                    "rank0_steps": records[-1]["worker_step"] if records else 0, "servers_report": reports,
+                   "checkpoints": checkpoints,
                    "straggler": None if cfg.straggler.rank < 0 else {"rank": cfg.straggler.rank,
                                                                     "factor": cfg.straggler.factor}}}
     summary = summarize(run_dir, info, train_recs, evals)
