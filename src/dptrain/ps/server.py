@@ -23,6 +23,10 @@ the link's timeout) is dropped from the live set in async, ssp and backup; in sy
 round can never complete without it, so the server sends ABORT with the reason to every
 worker and raises.
 
+With several servers the answers go out through an :class:`~dptrain.ps.wire.Outbox` per
+worker, so the event loop never waits for a worker to receive (see there why that could
+hang the job); one server sends them itself, without the copy.
+
 Checkpoints: with a :class:`~dptrain.ps.snapshot.CutPolicy` the server takes part in the
 snapshot protocol of :mod:`dptrain.ps.snapshot` (the first server begins each cut), and
 :meth:`ShardServer.restore` continues from one.
@@ -46,7 +50,7 @@ from torch import nn
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.lookahead import Lookahead
 from dptrain.ps.snapshot import CutPolicy, Cuts
-from dptrain.ps.wire import Kind, Link, Message, PSError, describe_failure
+from dptrain.ps.wire import Kind, Link, Message, Outbox, PSError, describe_failure
 
 __all__ = ["ShardServer", "Applied"]
 
@@ -114,6 +118,7 @@ class ShardServer:
         self.round = _Round(torch.zeros_like(self.flat))
         self.events: queue.Queue = queue.Queue()
         self._buffers = {w: torch.empty_like(self.flat) for w in links}  # [Note: one buffer per worker]
+        self.outboxes: dict[int, Outbox] = {}  # with several servers, each worker's, from serve() on
         self.leader = leader  # the first server: it begins every checkpoint cut
         self.cuts = None if cuts is None or cuts.writer is None else \
             Cuts(cuts.schedule, cuts.writer, in_flight=not consistency.rounds, begun=cuts.label)
@@ -123,6 +128,9 @@ class ShardServer:
     def serve(self) -> dict:
         """Serve until every worker has left or died; returns the report sent to rank 0."""
         t0 = time.perf_counter()
+        if self.server_group is not None:  # several servers: answers must not wait for their worker (Outbox)
+            self.outboxes = {w: Outbox(link, lambda e, w=w: self.events.put(_Lost(w, describe_failure(e))))
+                             for w, link in self.links.items()}
         self.held.update(self.live)  # every worker waits for its first parameters (SSP's bound holds on resume)
         self._progress()
         for w, link in self.links.items():
@@ -146,6 +154,7 @@ class ShardServer:
                 if self.cuts:  # a worker marks every cut before it leaves; this closes what it could not mark
                     self.cuts.mark(w, math.inf, message.a, None, self.live)
                 self._progress()
+        self._close_outboxes()
         report = self.report(time.perf_counter() - t0)
         self._send_final(report)
         return report
@@ -237,14 +246,16 @@ class ShardServer:
     # ---------------------------------------------------------- checkpoints
 
     def _begin_due_cuts(self) -> None:
-        """The leader, after an update: record its state for a cut whose step it has reached (dptrain.ps.snapshot)."""
-        if self.cuts and self.leader:
+        """After an update: record this server's state for a cut whose step it has reached (dptrain.ps.snapshot).
+
+        The leader does; in the round modes every server does, since they close each round together."""
+        if self.cuts and (self.leader or self.consistency.rounds):
             self.cuts.begin(self._step(), self.state_dict)
 
     def _on_mark(self, w: int, message: Message) -> None:
         if not self.cuts:
             return
-        if not self.leader:  # its first MARK of a cut is this server's moment to record it
+        if not self.leader and not self.consistency.rounds:  # its first MARK of a cut: its moment to record it
             self.cuts.begin(message.cut, self.state_dict)
         self.cuts.mark(w, message.cut, message.a, message.payload, self.live)
 
@@ -307,7 +318,7 @@ class ShardServer:
         if self.lookahead and kind == Kind.PARAMS:
             payload = self.lookahead.predict(w, self._next_lrs(1.0 / self.num_workers)[0], self.version)
         try:
-            self.links[w].send(kind, self.version, len(self.recent_losses), payload=payload,
+            self._link(w).send(kind, self.version, len(self.recent_losses), payload=payload,
                                x=sum(self.recent_losses), **self._labels())
         except Exception as e:
             self._lose(w, describe_failure(e))
@@ -324,15 +335,24 @@ class ShardServer:
                       "a sync round needs every worker; the async, ssp and backup modes go on without it"))
             for other in sorted(self.live):
                 try:
-                    self.links[other].send_text(Kind.ABORT, why)
+                    self._link(other).send_text(Kind.ABORT, why)
                 except Exception:
                     pass
+            self._close_outboxes()
             raise PSError(why)
         if self.cuts:  # it marks nothing more: its cut is its last gradient here
             self.cuts.mark(w, math.inf, self.clock[w], None, self.live)
         if self.consistency.rounds and self.consistency.needed(self.num_workers, len(self.live)) < 1:
             return
         self._progress()
+
+    def _link(self, w: int) -> Link | Outbox:
+        return self.outboxes.get(w) or self.links[w]
+
+    def _close_outboxes(self) -> None:
+        for outbox in self.outboxes.values():
+            outbox.close()
+        self.outboxes = {}
 
     def _send_final(self, report: dict) -> None:
         if self.reporter in self.lost:

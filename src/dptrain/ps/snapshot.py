@@ -15,7 +15,8 @@ channels, the (worker, server) links:
    gradients it pushed, so its data position; its random streams and buffers) and sends
    ``MARK`` with it to every server before its next gradient: the markers on the
    worker -> server channels. One MARK marks every cut up to the one it names.
-3. Every other server records its state at its first MARK of a cut.
+3. Every other server records its state at its first MARK of a cut (in the async modes;
+   the round modes are below).
 4. From its own snapshot until worker ``w``'s MARK, a server records the gradients that
    arrive from ``w`` (*in flight*): ``w`` pushed them before its cut, so they belong to
    it, but this server applied them after its snapshot. A cut is complete on a server
@@ -29,11 +30,11 @@ anyone. The shards agree on which gradients they hold, though each was recorded 
 another moment. The cost: a copy of each in-flight gradient, at most one per worker and
 server, held until the cut completes.
 
-In the round modes (sync, backup) every server applies round ``label`` together (the
-clipping norm is an all-reduce among them), the leader records its state right after,
-and its markers reach every worker with that round's answers, before any gradient of
-the next round. Nothing is in flight: sync's cut is the state after step ``label`` on
-every rank, so a resumed sync run continues bit for bit. A backup gradient that is
+In the round modes (sync, backup) the servers close round ``label`` together (the
+clipping norm is an all-reduce among them), so each records its state right after it,
+not at a MARK; the leader's markers reach every worker with that round's answers, before
+any gradient of the next round. Nothing is in flight: sync's cut is the state after step
+``label`` on every rank, so a resumed sync run continues bit for bit. A backup gradient that is
 in flight at the cut was computed before the round and would be dropped as late, so the
 round modes record nothing in flight (and a server keeps no half-collected round).
 """

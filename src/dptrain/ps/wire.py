@@ -20,13 +20,17 @@ from __future__ import annotations
 import enum
 import io
 import json
+import queue
 import struct
+import threading
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Kind", "Message", "Link", "UP", "DOWN", "PSError", "pair_groups", "describe_failure", "pack", "unpack"]
+__all__ = ["Kind", "Message", "Link", "Outbox", "UP", "DOWN", "PSError", "pair_groups", "describe_failure", "pack",
+           "unpack"]
 
 UP, DOWN = 1, 2  # tags: worker -> server, server -> worker
 
@@ -87,7 +91,7 @@ class Link:
             dist.send(payload.contiguous(), self.peer, group=self.group, tag=self.send_tag)
 
     def send_text(self, kind: Kind, text: str) -> None:
-        self.send(kind, payload=torch.tensor(list(text.encode()), dtype=torch.uint8))
+        self.send(kind, payload=_text(text))
 
     def recv(self, into: torch.Tensor | None = None) -> Message:
         """The next message; a tensor payload goes into ``into`` when given (its size must match)."""
@@ -116,6 +120,48 @@ def pack(obj) -> torch.Tensor:
 def unpack(data: torch.Tensor):
     """What :func:`pack` packed; ``weights_only``: no code runs from a payload or a checkpoint."""
     return torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=True)
+
+
+class Outbox:
+    """A link's outgoing messages, sent in order by a thread of their own: posting never waits for the peer.
+
+    A send blocks until the peer receives, and a worker receives from its servers in order.
+    So with several servers, one whose event loop blocks answering worker ``w`` while ``w``
+    still waits for another server, which waits for the first in a round's all-reduce, never
+    gets out: the job hangs (a backup round that two servers see differently did). Posting
+    instead copies the payload (the shard changes with the next update) and goes on.
+    ``on_failure`` gets the exception of a send that failed; later messages are not sent.
+    """
+
+    def __init__(self, link: Link, on_failure: Callable[[Exception], None]):
+        self.link, self.on_failure = link, on_failure
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, daemon=True, name=f"ps-send-{link.peer}")
+        self._thread.start()
+
+    def send(self, kind: Kind, a: int = 0, b: int = 0, payload: torch.Tensor | None = None, x: float = 0.0,
+             cut: int = 0, saved: int = 0) -> None:
+        self._queue.put((kind, a, b, None if payload is None else payload.clone(), x, cut, saved))
+
+    def send_text(self, kind: Kind, text: str) -> None:
+        self._queue.put((kind, 0, 0, _text(text), 0.0, 0, 0))
+
+    def close(self) -> None:
+        """Return once every posted message is sent, or a send failed."""
+        self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                self.link.send(*message)
+            except Exception as e:
+                self.on_failure(e)
+                return
+
+
+def _text(text: str) -> torch.Tensor:
+    return torch.tensor(list(text.encode()), dtype=torch.uint8)
 
 
 def _float_bits(x: float) -> int:
