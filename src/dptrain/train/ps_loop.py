@@ -144,8 +144,11 @@ def _cut_policy(rp: RunPlan, env: WorkerEnv, model, device: torch.device,
 
 
 def _worker_state(model, device: torch.device) -> dict:
-    """What a worker's MARK carries: its random streams (dropout) and its buffers (the servers hold parameters)."""
-    return {"rng": rng_state(device), "buffers": {name: b.detach().cpu() for name, b in model.named_buffers()}}
+    """What a worker's MARK carries: its random streams (dropout) and its persistent buffers (running statistics;
+    the servers hold the parameters, and a non-persistent buffer, such as a causal mask, is a constant)."""
+    names = {name for name, _ in model.named_buffers()}
+    return {"rng": rng_state(device),
+            "buffers": {name: b.detach().cpu() for name, b in model.state_dict().items() if name in names}}
 
 
 def _load_worker_state(state: dict, model, device: torch.device) -> None:
@@ -153,7 +156,8 @@ def _load_worker_state(state: dict, model, device: torch.device) -> None:
     set_rng_state(state["rng"], device)
     with torch.no_grad():
         for name, buffer in model.named_buffers():
-            buffer.copy_(state["buffers"][name])
+            if name in state["buffers"]:
+                buffer.copy_(state["buffers"][name])
 
 
 def _server_fault(fault: tuple[int, int, str] | None, rank: int):
@@ -292,8 +296,8 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
             "world_size": env.world_size, "device": device.type, "backend": dist.get_backend(),
             "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
             "grad_accum_steps": plan.grad_accum_steps, "lr_rule": f"peak {peak_lr:.3g}", "peak_lr": peak_lr,
-            "start_step": start_step, "steps": t.steps, "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
-            "wall_s": time.perf_counter() - wall0,
+            "start_step": start_step, "steps": t.steps,
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "wall_s": time.perf_counter() - wall0,
             "ps": {"mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": plan.world_size,
                    "staleness_bound": cfg.ps.staleness if cfg.ps.mode == "ssp" else None,
                    "backups": cfg.ps.backups if cfg.ps.mode == "backup" else None,
