@@ -51,7 +51,7 @@ from dptrain.compress.dgc import MomentumCorrection, Velocity, clip_local
 from dptrain.compress.feedback import finite_or_zero
 from dptrain.compress.powersgd import PowerSGD, orthonormalise, project
 from dptrain.compress.remedies import Remedies
-from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, sent_bytes
+from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, pack, sent_bytes, sum_decoded, unpack
 from dptrain.ddp.comm_hooks import GradBucket
 
 __all__ = ["CompressionHook", "CompressionStats"]
@@ -130,7 +130,7 @@ class CompressionHook(Compressor):
         rounding at a tie), and so is PowerSGD's orthonormal P; scaling int8's per-chunk
         scales, top-k's k values or PowerSGD's Q instead of the whole bucket saves a pass
         over it. Error feedback's residuals (and momentum correction's velocity) are kept
-        in the gradient's units (:data:`RESIDUAL_UNITS`), not the share's.
+        in the gradient's units (:meth:`residual_units`), not the share's.
         """
         n = self.world_size
         psgd = isinstance(self.codec, PowerSGD)
@@ -161,6 +161,12 @@ class CompressionHook(Compressor):
             return write(flat)
         return flat.copy_(write(self._scratch(key, 1, flat.numel(), torch.float32, flat.device)))
 
+    def _count_all_reduce(self, numel: int, element_size: int) -> None:
+        """Add the bytes this rank sends in a ring all-reduce of ``numel`` elements (none alone)."""
+        if self.world_size > 1:
+            self.stats.sent_bytes += collective_cost("all_reduce", "ring", numel, element_size,
+                                                     self.world_size).bytes_sent[self.rank]
+
     def _encode(self, key, share: torch.Tensor) -> Encoded:
         return self.feedback.encode(key, share, self.codec) if self.feedback else self.codec.encode(share)
 
@@ -174,8 +180,8 @@ class CompressionHook(Compressor):
             payload = Encoded((torch.div(flat, self.world_size, out=half),), flat.numel())
             self.stats.payload_bytes += payload.nbytes
         (t,) = payload.tensors
-        self.stats.sent_bytes += collective_cost("all_reduce", "ring", t.numel(), t.element_size(),
-                                                 self.world_size).bytes_sent[self.rank]
+        self._count_all_reduce(t.numel(), t.element_size())
+
         def run() -> None:
             with self.stats.clock("communicate"):
                 dist.all_reduce(t, group=self.channel)
@@ -192,9 +198,8 @@ class CompressionHook(Compressor):
                                                                           flat.device)
         torch.div(grad, self.world_size, out=total)
         self.stats.payload_bytes += 4 * total.numel()
-        if self.world_size > 1:
-            self.stats.sent_bytes += collective_cost("all_reduce", "ring", total.numel(), 4,
-                                                     self.world_size).bytes_sent[self.rank]
+        self._count_all_reduce(total.numel(), 4)
+
         def run() -> None:
             if self.world_size > 1:
                 with self.stats.clock("communicate"):
@@ -228,10 +233,8 @@ class CompressionHook(Compressor):
         send more, and :meth:`_int8` is used.
         """
         codec, n = self.codec, self.world_size
-        values, scales = payload.tensors
-        row = values.numel() + 4 * scales.numel()
-        mine = self._scratch(key, 3, row, torch.uint8, flat.device)
-        torch.cat([values.view(torch.uint8), scales.view(torch.uint8)], out=mine)
+        row = payload.nbytes
+        mine = pack(payload, out=self._scratch(key, 3, row, torch.uint8, flat.device))
         gathered = self._scratch(key, 2, n * row, torch.uint8, flat.device)
         out = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32, flat.device)
         self.stats.sent_bytes += (n - 1) * row
@@ -239,14 +242,8 @@ class CompressionHook(Compressor):
         def run() -> None:
             with self.stats.clock("communicate"):
                 all_gather_single(gathered, mine, group=self.channel)
-            decoded = self._scratch(RUN, 1, flat.numel(), torch.float32, flat.device)
-            for j, piece in enumerate(gathered.view(n, row)):
-                got = Encoded((piece[:values.numel()].view(torch.int8), _aligned(piece[values.numel():])
-                               .view(torch.float32)), payload.numel)
-                if j == 0:
-                    codec.decode(got, out=out)
-                else:
-                    out.add_(codec.decode(got, out=decoded))
+            sum_decoded(codec, [unpack(piece, payload) for piece in gathered.view(n, row)], out,
+                        self._scratch(RUN, 1, flat.numel(), torch.float32, flat.device))
 
         return self._submit(run, lambda: out if out is flat else flat.copy_(out))
 
@@ -331,8 +328,7 @@ class CompressionHook(Compressor):
         q_flat = self._scratch(key, 3, n_q, torch.float32, device)
         self.stats.payload_bytes += 4 * (p_flat.numel() + n_q)
         for numel in (p_flat.numel(), n_q):
-            self.stats.sent_bytes += collective_cost("all_reduce", "ring", numel, 4, self.world_size).bytes_sent[
-                self.rank] if self.world_size > 1 else 0
+            self._count_all_reduce(numel, 4)
         # the update is written into the bucket's buffer when it is fp32: each matrix's after every Q_w is formed
         out = flat if flat.dtype == torch.float32 else self._scratch(key, 1, flat.numel(), torch.float32, device)
         offsets = [0]
@@ -406,8 +402,3 @@ def _rescaled(state: dict, factor: float) -> dict:
         state["powersgd"] = {**state["powersgd"],
                              "residuals": {k: v * factor for k, v in state["powersgd"]["residuals"].items()}}
     return state
-
-
-def _aligned(data: torch.Tensor) -> torch.Tensor:
-    """Bytes that can be viewed as 4-byte numbers: ``data`` itself, or a copy when its offset is not a multiple of 4."""
-    return data if data.storage_offset() % 4 == 0 else data.clone()

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from dptrain.comm.topology import shard_bounds
 from dptrain.compress.codecs import Codec, Encoded
 
-__all__ = ["encode_shards", "decode_shards", "exchange_sum", "pack", "sent_bytes", "unpack"]
+__all__ = ["encode_shards", "decode_shards", "exchange_sum", "pack", "sent_bytes", "sum_decoded", "unpack"]
 
 
 def encode_shards(codec: Codec, x: torch.Tensor, world_size: int) -> list[Encoded]:
@@ -66,15 +66,23 @@ def exchange_sum(codec: Codec, pieces: list[Encoded], rank: int, group: dist.Pro
     packed = torch.cat([pack(p) for p in pieces])
     with clock("communicate") if clock is not None else nullcontext():
         dist.all_to_all_single(received, packed, [sizes[rank]] * n, sizes, group=group)
-    total = codec.decode(unpack(received[:sizes[rank]], mine), out=out)
-    for j in range(1, n):
-        total += codec.decode(unpack(received[j * sizes[rank]:(j + 1) * sizes[rank]], mine), out=scratch)
-    return total
+    size = sizes[rank]
+    out, scratch = (t if t is not None else torch.empty(mine.numel, dtype=torch.float32, device=received.device)
+                    for t in (out, scratch))
+    return sum_decoded(codec, [unpack(received[j * size:(j + 1) * size], mine) for j in range(n)], out, scratch)
 
 
-def pack(payload: Encoded) -> torch.Tensor:
-    """The payload's tensors as one flat uint8 tensor (their bytes, one after another)."""
-    return torch.cat([t.reshape(-1).view(torch.uint8) for t in payload.tensors])
+def pack(payload: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The payload's tensors as one flat uint8 tensor (their bytes, one after another), in ``out`` if given."""
+    return torch.cat([t.reshape(-1).view(torch.uint8) for t in payload.tensors], out=out)
+
+
+def sum_decoded(codec: Codec, payloads: list[Encoded], out: torch.Tensor, scratch: torch.Tensor) -> torch.Tensor:
+    """The fp32 sum of the payloads' decodings, in ``out``; ``scratch`` (the same size) receives each after the first."""
+    codec.decode(payloads[0], out=out)
+    for payload in payloads[1:]:
+        out += codec.decode(payload, out=scratch)
+    return out
 
 
 def unpack(data: torch.Tensor, like: Encoded) -> Encoded:
