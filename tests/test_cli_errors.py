@@ -44,6 +44,12 @@ def snapshot(directory):
      "int8, topk or powersgd, and strategies zero1, zero2 and zero3 with fp16, bf16, int8"),
     (["--set", "ddp.compression=topk", "--set", "ddp.topk_fraction=0"], "ddp.topk_fraction must be in (0, 1], got 0"),
     (["--set", "ddp.compression=fp16", "--set", "ddp.algorithm=ring"], "leave algorithm native"),
+    (["--set", "train.min_lr_ratio=5"], "train.min_lr_ratio must be within [0, 1], got 5"),
+    (["--set", "train.betas=[0.9]"], "train.betas must be two numbers in [0, 1), got [0.9]"),
+    (["--set", "ddp.compression=topk", "--set", "ddp.momentum_correction=true"],
+     "it needs train.optimizer = \"sgd\", got 'adamw'"),
+    (["--set", "ddp.compression=int8", "--set", "ddp.topk_warmup_steps=10"],
+     "ddp: topk_warmup_steps set, but compression int8 has no use for it"),
     pytest.param(["--set", "train.precision=fp16"], "fp16 needs CUDA", marks=pytest.mark.skipif(
         __import__("torch").cuda.is_available(), reason="fp16 is valid where CUDA is")),
 ])

@@ -149,6 +149,10 @@ def _check_ranges(cfg: RunConfig) -> None:
     if d.momentum_correction and not d.error_feedback:
         raise ConfigError("ddp.momentum_correction accumulates the velocity that was not sent, which is error "
                           "feedback: set ddp.error_feedback = true")
+    if not 0.0 <= cfg.train.min_lr_ratio <= 1.0:
+        raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
+    if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
+        raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
 
 
 def compression_remedies(cfg: RunConfig) -> Remedies:
