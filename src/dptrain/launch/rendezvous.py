@@ -60,6 +60,11 @@ def detect_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
     return WorkerEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "single")
 
 
+def restart_count(environ: Mapping[str, str] | None = None) -> int:
+    """How many times torchrun's agent has restarted this worker group (0 on the first attempt, or without it)."""
+    return int((os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def first_slurm_host(nodelist: str) -> str:
     """The first host of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
     first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]

@@ -41,6 +41,8 @@ import time
 
 import torch
 
+from dptrain.launch.rendezvous import restart_count
+
 __all__ = ["parse_fault", "fault_spec", "inject_fault", "KINDS"]
 
 KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch")
@@ -56,7 +58,7 @@ def fault_spec(spec: str) -> tuple[int, int, str]:
 
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
     """The fault of ``DPTRAIN_FAULT`` for this attempt: None when unset, or after a restart (see above)."""
-    restarted = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0
+    restarted = restart_count() > 0
     if not spec or (restarted and not os.environ.get("DPTRAIN_FAULT_EVERY_ATTEMPT")):
         return None
     try:

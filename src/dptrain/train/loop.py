@@ -41,7 +41,7 @@ from dptrain.compress.hook import CompressionHook
 from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
 from dptrain.divergence import DivergenceMonitor, replica_tensors
-from dptrain.launch.rendezvous import WorkerEnv
+from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.tasks import Task, collate
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import (
@@ -243,7 +243,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 "device": device.type, "backend": dist.get_backend(), "global_batch_size": plan.global_batch_size,
                 "micro_batch_size": plan.micro_batch_size, "grad_accum_steps": plan.grad_accum_steps,
                 "lr_rule": lr_rule, "peak_lr": peak_lr, "start_step": start_step, "steps": t.steps,
-                "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
+                "restarts": restart_count(),
                 "wall_s": time.perf_counter() - wall0}
         summary = summarize(run_dir, info, train_recs, evals)
         print_summary(summary, log)

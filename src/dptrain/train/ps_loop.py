@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.config import to_toml
-from dptrain.launch.rendezvous import WorkerEnv
+from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
 from dptrain.ps.wire import pack
 from dptrain.tasks import collate
@@ -297,7 +297,7 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
             "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
             "grad_accum_steps": plan.grad_accum_steps, "lr_rule": f"peak {peak_lr:.3g}", "peak_lr": peak_lr,
             "start_step": start_step, "steps": t.steps,
-            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), "wall_s": time.perf_counter() - wall0,
+            "restarts": restart_count(), "wall_s": time.perf_counter() - wall0,
             "ps": {"mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": plan.world_size,
                    "staleness_bound": cfg.ps.staleness if cfg.ps.mode == "ssp" else None,
                    "backups": cfg.ps.backups if cfg.ps.mode == "backup" else None,

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from dptrain.launch.local import PEER_LOST
+from dptrain.launch.rendezvous import restart_count
 
 __all__ = ["roll_call", "RollCall", "is_collective_failure"]
 
@@ -51,7 +52,7 @@ def roll_call(step: int, wait_s: float = 3.0, store: dist.Store | None = None,
     """Report this rank's failure at ``step``; return the ranks that reported none, and a line naming them."""
     rank = dist.get_rank() if rank is None else rank
     world_size = dist.get_world_size() if world_size is None else world_size
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # a fresh key set after each restart
+    attempt = str(restart_count())  # a fresh key set after each restart
     try:
         store = dist.PrefixStore(f"dptrain/roll_call/{attempt}/",
                                  store if store is not None else dist.distributed_c10d._get_default_store())
