@@ -100,12 +100,14 @@ class PSWorker:
             self.stopped |= message.kind == Kind.STOP
 
     def _mark(self) -> None:
-        """Mark the newest cut the first server named, if it is new: this worker's clock and state to every server."""
+        """Mark the newest cut the first server named, if it is new: this worker's clock to every server, and its
+        state to the first, which alone writes the workers' states."""
         if self.cut <= self.marked:
             return
         state = self.worker_state() if self.worker_state else None
-        for link in self.links:
-            self._guard(link, lambda: link.send(Kind.MARK, self.clock, payload=state, cut=self.cut))
+        for i, link in enumerate(self.links):
+            self._guard(link, lambda: link.send(Kind.MARK, self.clock, payload=state if i == 0 else None,
+                                                cut=self.cut))
         self.marked = self.cut
 
     def _recv(self, link: Link, into: torch.Tensor | None = None):
