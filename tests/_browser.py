@@ -1,0 +1,69 @@
+"""Open one of dptrain's HTML pages in headless Chromium, collecting what its console reports.
+
+The pages must work offline, as a user opens them from disk: the browser is the
+system's Chromium (Debian's ``chromium`` package, which ``.ci/run`` installs), driven
+by Playwright without its own browser download, and every request the page makes to
+the network is refused and recorded. Tests skip, naming what is missing, where there
+is no Chromium or no Playwright. ``DPTRAIN_CHROMIUM`` points at another binary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+__all__ = ["chromium_path", "open_page", "Console"]
+
+
+def chromium_path() -> str | None:
+    explicit = os.environ.get("DPTRAIN_CHROMIUM")
+    if explicit:
+        return explicit
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+class Console:
+    """What a page logged at error level, threw, or tried to fetch from the network."""
+
+    def __init__(self):
+        self.errors: list[str] = []
+        self.requests: list[str] = []
+
+    def problems(self) -> list[str]:
+        return self.errors + [f"network request: {url}" for url in self.requests]
+
+
+@contextlib.contextmanager
+def open_page(path: Path, width: int = 1400, height: int = 1000) -> Iterator[tuple[object, Console]]:
+    """(Playwright page, console) for the HTML file ``path``, loaded from disk with the network refused."""
+    binary = chromium_path()
+    if binary is None:
+        pytest.skip("no Chromium on this machine (apt-get install chromium, or set DPTRAIN_CHROMIUM)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="the page tests need playwright (the test extra)")
+    console = Console()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=binary, args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": width, "height": height})
+            page.on("console", lambda m: console.errors.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: console.errors.append(f"uncaught: {e}"))
+
+            def refuse(route):
+                console.requests.append(route.request.url)
+                route.abort()
+
+            page.route("http://**/*", refuse)
+            page.route("https://**/*", refuse)
+            page.goto(Path(path).resolve().as_uri(), wait_until="load")
+            yield page, console
+        finally:
+            browser.close()
