@@ -60,19 +60,30 @@ class States:
 
 
 def optimizer_state_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]], optimizer: OptimizerFactory) -> int:
-    """Bytes of state ``optimizer`` creates in one step over tensors of ``shapes`` (counted on the meta device)."""
-    params = []
+    """Bytes of state ``optimizer`` creates in one step over tensors of ``shapes`` (counted on the meta device).
+
+    torch's optimizers keep state per parameter, determined by its shape and dtype, so
+    one tensor of each distinct (shape, dtype) takes the step and its state counts once
+    per tensor of that kind: a 70B model's 960 tensors, or ZeRO's thousands of equal
+    shards, are a handful of distinct shapes.
+    """
+    counts: dict[tuple[tuple[int, ...], torch.dtype], int] = {}
     for shape, dtype in shapes:
+        counts[(tuple(shape), dtype)] = counts.get((tuple(shape), dtype), 0) + 1
+    params = []
+    for shape, dtype in counts:
         p = nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"))
         p.grad = torch.empty(shape, dtype=dtype, device="meta")
         params.append(p)
+    if not params:
+        return 0
     opt = optimizer(params)
     opt.step()
     total = 0
-    for state in opt.state.values():
-        for value in state.values():
+    for p, count in zip(params, counts.values()):
+        for value in opt.state.get(p, {}).values():
             if torch.is_tensor(value):
-                total += value.untyped_storage().nbytes()
+                total += count * value.untyped_storage().nbytes()
     return total
 
 
