@@ -53,6 +53,26 @@ def test_a_bucket_larger_than_the_model_defeats_overlap() -> None:
     assert many.exposed_s == pytest.approx(_all_reduce(256 * 256 + 256, 4))  # ...all but the last layer hidden
 
 
+def test_without_overlap_every_bucket_waits_for_the_end_of_backward() -> None:
+    model = _model()
+    p = simulate_step(model, Setup("ddp", 4, bucket_cap_mb=0.2), _profile(model), NET, overlap=False)
+    assert len(p.collectives) == 8
+    assert all(c.launched_s == pytest.approx(0.3) for c in p.collectives)
+    assert p.exposed_s == pytest.approx(p.comm_s) == pytest.approx(8 * _all_reduce(256 * 256 + 256, 4))
+
+
+def test_compression_sends_the_bucket_that_many_times_smaller() -> None:
+    model = _model()
+    numel = 256 * 256 + 256
+    for ratio in (1, 3, 64):
+        p = simulate_step(model, Setup("ddp", 4, bucket_cap_mb=0.2), _profile(model), NET, compression=ratio)
+        assert p.comm_s == pytest.approx(8 * _all_reduce(-(-numel // ratio), 4))
+    with pytest.raises(ValueError, match="positive integer"):
+        simulate_step(model, Setup("ddp", 4), _profile(model), NET, compression=0)
+    with pytest.raises(ValueError, match="apply to DDP"):
+        simulate_step(model, Setup("zero2", 4), _profile(model), NET, compression=4)
+
+
 def test_link_runs_one_collective_at_a_time_in_launch_order() -> None:
     model = _model()
     slow = Network("slow", Link(1e-4, 1e7), Link(1e-4, 1e7), 1, "hand-made")  # comm outlasts compute

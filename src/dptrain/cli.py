@@ -288,11 +288,15 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
               help="compute times: measured on this machine, or FLOPs at --device-flops")
 @click.option("--device-flops", type=float, help="FLOP/s of one device, for --profile flops")
 @click.option("--micro-batch", type=int, help="samples per rank (default: the config's at world size 1)")
+@click.option("--no-overlap", is_flag=True, help="DDP: launch every bucket when backward ends (no overlap)")
+@click.option("--compression", type=int, default=1, show_default=True,
+              help="DDP: gradients cross the link this many times smaller (encode/decode not charged)")
 @click.option("--json", "json_path", type=click.Path(path_type=Path))
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="PNG: throughput, efficiency, breakdown")
 @click.option("--list-networks", is_flag=True, help="print the presets and their sources")
 def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency_us, per_node, node_bandwidth_gbit,
-             world_sizes, algorithm, profile, device_flops, micro_batch, json_path, plot_path, list_networks) -> None:
+             world_sizes, algorithm, profile, device_flops, micro_batch, no_overlap, compression, json_path, plot_path,
+             list_networks) -> None:
     """Predict step time, throughput and scaling efficiency against the data-parallel degree.
 
     \b
@@ -329,7 +333,7 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
             nets = [network(name.strip()) for name in networks.split(",") if name.strip()]
         cfg = load_config(config_path, overrides)
         result = simulate_config(cfg, sizes, strategy or cfg.ddp.strategy, nets, algorithm, profile, micro_batch,
-                                 device_flops)
+                                 device_flops, overlap=not no_overlap, compression=compression)
     except (ValueError, *_BAD_INPUT) as e:
         click.echo(f"dptrain simulate: {e}", err=True)
         sys.exit(2)
@@ -343,6 +347,47 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
         click.echo(f"JSON: {scaling_json(result, json_path)}")
     if plot_path is not None:
         click.echo(f"plot: {plot_scaling(result, plot_path)}")
+
+
+@main.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path),
+              help="TOML config whose model joins the presets (default: the built-in run's)")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (repeatable)")
+@click.option("-o", "--out", "out", type=click.Path(path_type=Path), default=Path("explore.html"), show_default=True,
+              help="the HTML file to write")
+@click.option("--models", default="config,gpt2-124m,gpt2-355m,gpt2-774m,gpt2-1.5b,7b,70b", show_default=True,
+              help="models to offer, comma-separated: config (the config's model) and presets")
+@click.option("--micro-batches", default="1,4", show_default=True,
+              help="micro-batch sizes the memory panel offers (each costs a traced forward per model)")
+def explore(config_path: Path | None, overrides: tuple[str, ...], out: Path, models: str, micro_batches: str) -> None:
+    """Write one self-contained HTML page to explore memory, scaling and all-reduce interactively.
+
+    \b
+    dptrain explore                          # explore.html: the built-in run's model and the presets
+    dptrain explore --config job.toml -o job.html
+    dptrain explore --models config,7b,70b   # fewer models, a faster build
+
+    The ZeRO memory, DP scaling and all-reduce panels show what dptrain plan, dptrain
+    simulate and the collectives' cost model compute, over DP degrees 1 to 1024; the page
+    needs no network and no server. See docs/explore.md.
+    """
+    from dptrain.pages.explore import write_explore
+    from dptrain.pages.explore_data import PRESET_MODELS
+
+    names = [m.strip() for m in models.split(",") if m.strip()]
+    unknown = [m for m in names if m != "config" and m not in PRESET_MODELS]
+    if unknown or not names:
+        raise click.BadParameter(f"unknown model(s) {unknown or names}; choose from config, {', '.join(PRESET_MODELS)}",
+                                 param_hint="--models")
+    sizes = tuple(_int_list(micro_batches, "--micro-batches"))
+    try:
+        cfg = load_config(config_path, overrides)
+        path = write_explore(out, cfg=cfg, models=names, micro_batches=sizes,
+                             progress=lambda line: click.echo(f"explore: {line}", err=True))
+    except (ValueError, *_BAD_INPUT) as e:
+        click.echo(f"dptrain explore: {e}", err=True)
+        sys.exit(2)
+    click.echo(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): open it in a browser")
 
 
 @main.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})

@@ -12,7 +12,7 @@ the engine that will run, not a textbook one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -27,7 +27,8 @@ from dptrain.tasks import architecture, build_task, collate
 from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
 
-__all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for"]
+__all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
+           "checkpoint_classes", "trace_model"]
 
 
 def flat_model(numel: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -59,13 +60,13 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
     if all(v is None for v in sizes):
         sizes = (32, None, None)
     traced: dict[tuple[int, str], Any] = {}
-    checkpoint = _blocks(cfg, model)
+    checkpoint = checkpoint_classes(cfg, model)
     rows = []
     for world_size in world_sizes:
         batch = BatchPlan.resolve(world_size, *sizes)
         for precision in precisions:
             for strategy in strategies:
-                key = (batch.micro_batch_size, _compute(strategy, precision))
+                key = (batch.micro_batch_size, compute_mode(strategy, precision))
                 if key not in traced:
                     traced[key] = _trace(task, *key, checkpoint, mode, notes)
                 setup = setup_for(cfg, model, strategy, world_size, precision)
@@ -99,7 +100,7 @@ def optimizer_for(cfg: RunConfig, params: list[torch.Tensor]) -> torch.optim.Opt
     return build_optimizer(holder, t.optimizer, t.lr, t.weight_decay, tuple(t.betas), t.momentum)
 
 
-def _compute(strategy: str, precision: str) -> str:
+def compute_mode(strategy: str, precision: str) -> str:
     """How the forward computes: fp32; bf16 under autocast (the DDP engine: fp32 weights, bf16 matmuls,
     fp32 norms and softmax); or a bf16 model (ZeRO's mixed precision casts the module)."""
     if precision == "fp32":
@@ -109,24 +110,35 @@ def _compute(strategy: str, precision: str) -> str:
 
 def _trace(task, micro_batch: int, compute: str, checkpoint: tuple[type, ...], mode: FakeTensorMode,
            notes: list[str]):
+    def batch():
+        return collate(task)([task.train_set[i % len(task.train_set)] for i in range(micro_batch)])
+
+    return trace_model(lambda: architecture(task), batch, task.loss, compute, checkpoint, mode, notes,
+                       f"micro-batch {micro_batch}")
+
+
+def trace_model(build: Callable[[], nn.Module], batch: Callable[[], Any], loss: Callable[[nn.Module, Any], Any],
+                compute: str, checkpoint: tuple[type, ...], mode: FakeTensorMode, notes: list[str],
+                what: str = "") -> Any:
+    """Activations of ``loss(build(), batch())`` computed as ``compute`` (:func:`compute_mode`), traced in
+    ``mode`` (fake tensors); None, with the reason in ``notes``, when the forward does not trace."""
     try:
         with mode:
-            model = _build(task, torch.bfloat16 if compute == "bf16" else torch.float32)
-            batch = collate(task)([task.train_set[i % len(task.train_set)] for i in range(micro_batch)])
-            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, compute == "bf16"), batch)
+            model = _build(build, torch.bfloat16 if compute == "bf16" else torch.float32)
+            inputs = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, compute == "bf16"), batch())
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=compute == "autocast"):
-                return trace_activations(model, batch, task.loss, checkpoint)
+                return trace_activations(model, inputs, loss, checkpoint)
     except ActivationTraceError as e:
-        notes.append(f"activations ({compute}, micro-batch {micro_batch}): {e}")
+        notes.append(f"activations ({compute}{', ' + what if what else ''}): {e}")
         return None
 
 
-def _build(task, dtype: torch.dtype) -> nn.Module:
-    """The task's model with its floating-point parameters created in ``dtype`` (fake tensors cannot be cast)."""
+def _build(build: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:
+    """``build()`` with its floating-point parameters created in ``dtype`` (fake tensors cannot be cast)."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        return architecture(task)
+        return build()
     finally:
         torch.set_default_dtype(default)
 
@@ -139,18 +151,20 @@ def _fake(mode: FakeTensorMode, x: Any, bf16: bool) -> Any:
     return mode.from_tensor(x)
 
 
-def _blocks(cfg: RunConfig, model: nn.Module) -> tuple[type, ...]:
+def checkpoint_classes(cfg: RunConfig, model: nn.Module) -> tuple[type, ...]:
     """The module classes checkpointed in the estimate: ZeRO stage 3's unit classes, as ``dptrain run`` picks them."""
     as_zero3 = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy="zero3"))
     return tuple(zero_kwargs_from_config(as_zero3, model, nodes=1).get("unit_classes", ()))
 
 
 def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, networks: list, algorithm: str,
-                    profile: str, micro_batch: int | None = None, device_flops: float | None = None) -> dict:
+                    profile: str, micro_batch: int | None = None, device_flops: float | None = None,
+                    overlap: bool = True, compression: int = 1) -> dict:
     """Predicted steps of the run ``cfg`` describes, weak scaling: ``micro_batch`` per rank at every world size.
 
     ``profile="measured"`` times the real model on this machine (one thread);
     ``"flops"`` counts its FLOPs on fake tensors at ``device_flops`` FLOP/s.
+    ``overlap`` and ``compression``: as :func:`~dptrain.planner.simulate.simulate_step` (DDP).
     Returns the profile and one :class:`~dptrain.planner.simulate.StepPrediction` per
     network and world size.
     """
@@ -182,5 +196,5 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
     for net in networks:
         for n in world_sizes:
             setup = setup_for(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
-            predictions[(net.name, n)] = simulate_step(model, setup, prof, net, algorithm)
+            predictions[(net.name, n)] = simulate_step(model, setup, prof, net, algorithm, overlap, compression)
     return {"profile": prof, "micro_batch": micro_batch, "predictions": predictions}

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dptrain.planner.activations import Activations
-from dptrain.planner.layout import Setup, units
+from dptrain.planner.layout import Setup, Unit, units
 from dptrain.planner.states import OptimizerFactory, States, adam, model_states
 from dptrain.planner.traffic import Traffic, step_traffic
 
@@ -66,14 +66,17 @@ class Row:
         return out
 
 
-def comm_buffer_bytes(model: nn.Module, setup: Setup) -> int:
-    """Unit-sized buffers alive during backward beyond the model states (see the module docstring)."""
+def comm_buffer_bytes(model: nn.Module, setup: Setup, shapes: list[Unit] | None = None) -> int:
+    """Unit-sized buffers alive during backward beyond the model states (see the module docstring).
+
+    ``shapes``: ``units(model, setup)`` when the caller has them (they do not depend on the world size).
+    """
     compute = setup.compute_dtype
     reduce = setup.reduce_dtype if compute is not None else None
     in_place = setup.stage == 1 and (compute is None or reduce == compute)
     if setup.stage == 0 or in_place:
         return 0
-    shapes = units(model, setup)
+    shapes = shapes if shapes is not None else units(model, setup)
 
     def nbytes(unit, dtype):
         return unit.numel * (dtype or unit.dtype).itemsize
@@ -88,14 +91,17 @@ def comm_buffer_bytes(model: nn.Module, setup: Setup) -> int:
 
 
 def plan_row(model: nn.Module, setup: Setup, activations: Activations | None, micro_batch: int | None = None,
-             optimizer: OptimizerFactory = adam, micro_steps: int = 1, layered: bool = True) -> Row:
+             optimizer: OptimizerFactory = adam, micro_steps: int = 1, layered: bool = True,
+             shapes: list[Unit] | None = None) -> Row:
     """Rank 0's plan for ``model`` (built on the meta device or under a fake tensor mode) under ``setup``.
 
     ``layered=False``: ``model`` stands for a parameter count only, so the
     communication buffers, which depend on the sizes of layers, are not estimated.
+    ``shapes``: ``units(model, setup)``, computed once by a caller planning many world sizes.
     """
+    shapes = shapes if shapes is not None else units(model, setup)
     with torch.device("cpu"):
-        states = model_states(model, setup, 0, optimizer)
+        states = model_states(model, setup, 0, optimizer, shapes)
     return Row(setup.strategy, setup.world_size, setup.precision, micro_batch, states, activations,
-               comm_buffer_bytes(model, setup) if layered else None,
-               step_traffic(model, setup, 0, micro_steps=micro_steps))
+               comm_buffer_bytes(model, setup, shapes) if layered else None,
+               step_traffic(model, setup, 0, micro_steps=micro_steps, shapes=shapes))

@@ -199,10 +199,20 @@ class _Reductions:
 
 
 def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, network: Network,
-                  algorithm: str = "ring") -> StepPrediction:
-    """Predict one optimizer step of ``model`` (one micro-batch per rank) under ``setup`` on ``network``."""
+                  algorithm: str = "ring", overlap: bool = True, compression: int = 1) -> StepPrediction:
+    """Predict one optimizer step of ``model`` (one micro-batch per rank) under ``setup`` on ``network``.
+
+    ``overlap=False`` (DDP): every bucket is launched when backward ends, as an engine
+    without gradient hooks would. ``compression``: gradients cross the link ``compression``
+    times smaller (DDP: each bucket's all-reduce carries ceil(numel / compression)
+    elements); encoding and decoding are not charged.
+    """
+    if not isinstance(compression, int) or compression < 1:
+        raise ValueError(f"compression must be a positive integer ratio, got {compression!r}")
+    if setup.stage and (compression != 1 or not overlap):
+        raise ValueError("overlap=False and compression apply to DDP (strategy 'ddp'); ZeRO's schedule is fixed")
     shapes = units(model, setup)
-    shard_link = _Link(_durations(setup, network, algorithm, setup.shards, shard=True))
+    shard_link = _Link(_durations(setup, network, algorithm, setup.shards, shard=True, compression=compression))
     replica_link = _Link(_durations(setup, network, algorithm, setup.replicas, shard=False)) \
         if setup.replicas > 1 else None
     F, B = profile.forward_s, profile.backward_s
@@ -214,7 +224,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     if setup.stage == 0:  # the DDP engine launches each bucket when it is ready, in bucket order, without waiting
         launched = 0.0
         for i, unit in enumerate(shapes):
-            launched = max(launched, F + B * ready(unit))
+            launched = max(launched, F + B * (ready(unit) if overlap else 1.0))
             shard_link.run("all_reduce", unit, i, launched)
         backward_end = F + B
     elif setup.stage < 3:
@@ -236,7 +246,8 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step, comm, step - (F + B + O), log)
 
 
-def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool) -> Callable[[str, Unit], float]:
+def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool,
+               compression: int = 1) -> Callable[[str, Unit], float]:
     """A collective's duration on one group: the shard group (ZeRO's gathers and reduce-scatters, DDP's
     all-reduces) or, with hybrid sharding, the replicate group (each unit's largest shard all-reduced).
 
@@ -262,7 +273,7 @@ def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard
     def duration(kind: str, unit: Unit) -> float:
         if ranks == 1:
             return 0.0
-        dtype, numel = unit.dtype, unit.numel
+        dtype, numel = unit.dtype, -(-unit.numel // compression)
         if kind == "all_gather" and mixed:
             dtype = setup.compute_dtype
         elif kind == "reduce_scatter":

@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from dptrain.planner.layout import Setup, units
+from dptrain.planner.layout import Setup, Unit, units
 
 __all__ = ["States", "model_states", "optimizer_state_bytes", "adam"]
 
@@ -87,8 +87,12 @@ def optimizer_state_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]], opt
     return total
 
 
-def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: OptimizerFactory = adam) -> States:
-    """Rank ``rank``'s model-state bytes for ``model`` under ``setup`` (rank 0 holds the largest shards)."""
+def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: OptimizerFactory = adam,
+                 shapes: list[Unit] | None = None) -> States:
+    """Rank ``rank``'s model-state bytes for ``model`` under ``setup`` (rank 0 holds the largest shards).
+
+    ``shapes``: ``units(model, setup)`` when the caller has them (they do not depend on the world size).
+    """
     if not 0 <= rank < setup.world_size:
         raise ValueError(f"rank {rank} is not in a world of {setup.world_size}")
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -100,7 +104,7 @@ def model_states(model: nn.Module, setup: Setup, rank: int = 0, optimizer: Optim
                       optimizer=optimizer_state_bytes([(tuple(p.shape), p.dtype) for p in trainable], optimizer),
                       buffers=buffers)
     params, grads, shards = frozen, 0, []
-    for unit in units(model, setup):
+    for unit in shapes if shapes is not None else units(model, setup):
         n, s = unit.numel, unit.shard(setup.shards, rank % setup.shards)
         m = unit.dtype.itemsize
         c = setup.compute_dtype.itemsize if setup.compute_dtype is not None else m

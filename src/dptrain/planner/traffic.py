@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from dptrain.comm.cost import collective_cost
-from dptrain.planner.layout import Setup, units
+from dptrain.planner.layout import Setup, Unit, units
 
 __all__ = ["Traffic", "step_traffic"]
 
@@ -48,18 +48,24 @@ class Traffic:
 
 
 def step_traffic(model: nn.Module, setup: Setup, rank: int = 0, algorithm: str = "ring", micro_steps: int = 1,
-                 nodes=None) -> Traffic:
-    """Bytes rank ``rank`` sends in one optimizer step of ``model`` under ``setup``."""
+                 nodes=None, shapes: list[Unit] | None = None) -> Traffic:
+    """Bytes rank ``rank`` sends in one optimizer step of ``model`` under ``setup`` (``shapes``: its units, if
+    the caller has them)."""
     if micro_steps < 1:
         raise ValueError(f"micro_steps must be >= 1, got {micro_steps}")
     k, replicas = setup.shards, setup.replicas
     nodes = nodes if replicas == 1 else None  # hybrid: the groups are the hierarchy
 
+    costs: dict[tuple, tuple[int, ...]] = {}  # units of one size cost the same: a model's layers repeat
+
     def sent(collective: str, numel: int, dtype: torch.dtype, n: int = k, r: int = rank % k) -> int:
-        return collective_cost(collective, algorithm, numel, dtype.itemsize, n, nodes=nodes).bytes_sent[r]
+        key = (collective, numel, dtype.itemsize, n)
+        if key not in costs:
+            costs[key] = collective_cost(collective, algorithm, numel, dtype.itemsize, n, nodes=nodes).bytes_sent
+        return costs[key][r]
 
     out = {"all_reduce": 0, "reduce_scatter": 0, "all_gather": 0, "across_groups": 0}
-    for unit in units(model, setup):
+    for unit in shapes if shapes is not None else units(model, setup):
         if setup.stage == 0:
             out["all_reduce"] += sent("all_reduce", unit.numel, unit.dtype)
             continue
