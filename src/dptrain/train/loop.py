@@ -42,6 +42,7 @@ from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
 from dptrain.divergence import DivergenceMonitor, replica_tensors
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
+from dptrain.pages.run_report import try_write_run_report
 from dptrain.tasks import Task, collate
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import (
@@ -246,6 +247,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 "restarts": restart_count(),
                 "wall_s": time.perf_counter() - wall0}
         summary = summarize(run_dir, info, train_recs, evals)
+        if cfg.log.plots:  # after the summary, which it shows; a failure is a warning, never a failed run
+            try_write_run_report(run_dir, summary, cfg, log.info)
         print_summary(summary, log)
     log.close()
     dist.barrier()

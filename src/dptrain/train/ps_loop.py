@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from dptrain.config import to_toml
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
+from dptrain.pages.run_report import try_write_run_report
 from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
 from dptrain.ps.wire import pack
 from dptrain.tasks import collate
@@ -306,5 +307,7 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
                    "straggler": None if cfg.straggler.rank < 0 else {"rank": cfg.straggler.rank,
                                                                     "factor": cfg.straggler.factor}}}
     summary = summarize(run_dir, info, train_recs, evals)
+    if cfg.log.plots:  # after the summary, which it shows; a failure is a warning, never a failed run
+        try_write_run_report(run_dir, summary, cfg, log.info)
     print_summary(summary, log)
     return summary
