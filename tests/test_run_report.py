@@ -1,0 +1,168 @@
+"""A run's report.html: its data is the run's metrics, trace, summary and plan; it renders offline and responds;
+a section that cannot be drawn says why in one line, and a report that cannot be written never fails the run."""
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from _browser import open_page
+from _cli import dptrain, tiny_gpt_config
+
+from dptrain.config import load_config
+from dptrain.pages.run_report import main, try_write_run_report
+from dptrain.pages.run_report_data import report_data
+from dptrain.planner.from_config import plan_config
+from dptrain.train.plots import read_metrics
+
+pytestmark = pytest.mark.timeout(90)
+
+DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "img" / "report.png"
+# 4 steps: step 2 is the first whose peak of live tensors is measured, TINY_GPT traces steps 3-4, and the run
+# evaluates at its end
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory) -> Path:
+    """One tiny GPT run on 2 ranks with plots (and so the report) on, shared by the tests that read it."""
+    tmp = tmp_path_factory.mktemp("report")
+    run_dir = tmp / "chargpt"
+    proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp)), "--run-dir", str(run_dir),
+                   "--set", f"train.steps={STEPS}", "--set", "checkpoint.every=0", "--set", "log.plots=true", cwd=tmp)
+    assert proc.returncode == 0, proc.stderr
+    assert f"report: {run_dir / 'report.html'}" in proc.stdout
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def planned(run_dir):
+    """The planner's Row for the run's own config: 2 ranks, ddp, fp32."""
+    return plan_config(load_config(run_dir / "config.toml"), [2], ["ddp"], ["fp32"])[0]
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def test_report_data_is_the_runs_metrics_trace_summary_and_plan(run_dir, planned):
+    summary = _summary(run_dir)
+    data = report_data(run_dir, summary, load_config(run_dir / "config.toml"))
+    assert [key for key, section in data.items() if "why" in section] == []
+
+    train, evals = read_metrics(run_dir / "metrics.jsonl")
+    series = data["series"]["data"]
+    assert series["step"] == [r["step"] for r in train] == list(range(1, STEPS + 1))
+    for key in ("loss", "lr", "compute_ms", "exposed_comm_ms"):
+        assert series[key] == [r[key] for r in train], key
+    assert series["rate_key"] == "tokens_per_s" and series["rate"] == [r["tokens_per_s"] for r in train]
+    assert series["other_ms"] == [max(0.0, r["step_ms"] - r["compute_ms"] - r["exposed_comm_ms"]) for r in train]
+    assert (series["eval_step"], series["val_loss"]) == ([STEPS], [evals[-1]["val_loss"]])
+
+    events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
+    spans = [e for e in events if e["ph"] == "X" and e["cat"] != "step"]
+    timeline = data["timeline"]["data"]
+    t0 = min(e["ts"] for e in spans)
+    assert [(s["name"], s["start_ms"], s["dur_ms"]) for s in timeline["spans"]] == \
+        [(e["name"], (e["ts"] - t0) / 1e3, e["dur"] / 1e3) for e in spans]
+    assert timeline["rows"][0] == "rank 0: compute" and "rank 1: compute" in timeline["rows"]
+    assert len(timeline["rows"]) == len({(e["pid"], e["tid"]) for e in spans}) > 2  # the buckets have rows
+
+    memory = data["memory"]["data"]
+    assert memory["bytes"] == {"parameters": planned.states.parameters, "gradients": planned.states.gradients,
+                               "optimizer": planned.states.optimizer, "buffers": planned.states.buffers,
+                               "activations": planned.activations.saved, "comm_buffers": planned.comm_buffers,
+                               "total": planned.total()}
+    assert memory["total_mb"] == planned.total() / 2**20
+    assert [r["peak_tensor_mb"] for r in memory["ranks"]] == summary["peak_tensor_mb_per_rank"]
+    assert [r["peak_rss_mb"] for r in memory["ranks"]] == summary["peak_rss_mb_per_rank"]
+    assert [r["ratio"] for r in memory["ranks"]] == [m / memory["total_mb"] for m in summary["peak_tensor_mb_per_rank"]]
+    assert ("steps", str(STEPS)) in data["summary"]["data"]
+
+
+def test_report_renders_offline_and_responds(run_dir, planned, tmp_path):
+    summary = _summary(run_dir)
+    with open_page(run_dir / "report.html") as (page, console):
+        page.wait_for_selector("#fig-timeline .main-svg")
+        for figure in ("fig-loss", "fig-throughput", "fig-memory", "fig-timeline"):
+            assert page.locator(f"#{figure} .main-svg").count() > 0, figure
+        shot = DOCS_SCREENSHOT if os.environ.get("DPTRAIN_UPDATE_SCREENSHOTS") == "1" else tmp_path / "report.png"
+        shot.parent.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(shot), full_page=True)
+
+        # the summary table: the run's step count
+        steps = page.locator("#summary-table tr", has=page.locator("th", has_text=re.compile("^steps$"))).locator("td")
+        assert steps.inner_text() == str(summary["steps"]) == str(STEPS)
+
+        # planned beside measured: rank 0's peak of live tensors, the plan's total, their ratio, the resident set
+        cells = page.locator("#memory-ranks tr").nth(1).locator("td").all_inner_texts()
+        measured, total = summary["peak_tensor_mb_per_rank"][0], planned.total() / 2**20
+        assert cells == ["0", f"{measured:,.2f}", f"{total:,.2f}", f"{measured / total:.3f}",
+                         f"{summary['peak_rss_mb_per_rank'][0]:,.2f}"]
+
+        # the log-scale toggle: the loss axis changes type and the loss curve is drawn again on it
+        axis_type = "document.getElementById('fig-loss').layout.yaxis.type"
+        loss_line = page.locator("#fig-loss .scatterlayer .trace path.js-line").first
+        linear_path = loss_line.get_attribute("d")
+        assert page.evaluate(axis_type) == "linear"  # the tiny run's loss spans less than a decade
+        page.click("#loss-log")
+        page.wait_for_function(f"{axis_type} === 'log'")
+        assert loss_line.get_attribute("d") != linear_path
+
+        # hovering over a span of the timeline shows its name, start and duration
+        page.locator("#fig-timeline .bars .point path").first.hover(force=True)  # under plotly's drag layer
+        hover = page.locator("#fig-timeline .hoverlayer .hovertext")
+        hover.wait_for()
+        assert re.search(r"start [\d.]+ ms.*duration [\d.]+ ms", hover.text_content(), re.S), hover.text_content()
+        assert console.problems() == []
+
+
+def test_a_plan_that_cannot_trace_is_one_line_and_the_run_succeeds(tmp_path):
+    """A forward whose control flow reads a value cannot be traced on fake tensors: the plan has no total."""
+    run_dir = tmp_path / "run"
+    proc = dptrain("run", "--nproc", "2", "--run-dir", str(run_dir), "--set", "task.name=classifier",
+                   "--set", "task.model=_user_models:data_dependent", "--set", "ddp.find_unused_parameters=true",
+                   "--set", "train.steps=2", "--set", "log.trace_steps=0", "--set", "log.progress=lines",
+                   "--set", "log.plots=true", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    assert "report.html not written" not in proc.stdout
+    page = (run_dir / "report.html").read_text()
+    memory = _section(page, "memory")
+    why = re.findall(r'<p class="notice why">([^<\n]*)</p>', memory)
+    assert len(why) == 1 and why[0].startswith("no planned total: activations") and "could not trace" in why[0]
+    assert '<div class="figure" id="fig-loss">' in page  # the other sections are drawn
+
+
+def test_a_broken_trace_is_one_line_in_its_place(run_dir, tmp_path, capsys):
+    """``python -m dptrain.pages.run_report`` on a copy of the run whose trace.json was cut short."""
+    copy = tmp_path / "run"
+    copy.mkdir()
+    for name in ("config.toml", "metrics.jsonl", "summary.json"):
+        shutil.copy(run_dir / name, copy / name)
+    (copy / "trace.json").write_text((run_dir / "trace.json").read_text()[:100])
+    assert main([str(copy)]) == 0
+    assert capsys.readouterr().out.strip() == str(copy / "report.html")
+    page = (copy / "report.html").read_text()
+    why = re.findall(r'<p class="notice why">([^<\n]*)</p>', _section(page, "timeline"))
+    assert len(why) == 1 and why[0].startswith("no timeline: trace.json could not be read: JSONDecodeError: ")
+    assert "notice why" not in _section(page, "memory") and '<div class="figure" id="fig-memory">' in page
+
+
+def test_the_entry_point_names_its_usage_and_refuses_a_directory_that_is_no_run(tmp_path, capsys):
+    assert main([]) == 2
+    assert capsys.readouterr().err.startswith("usage: python -m dptrain.pages.run_report RUN_DIR")
+    assert main([str(tmp_path)]) == 2
+    assert f"{tmp_path} is not a run directory" in capsys.readouterr().err
+
+
+def test_a_report_that_cannot_be_written_is_one_warning(tmp_path):
+    lines = []
+    assert try_write_run_report(tmp_path / "gone", None, None, lines.append) is None
+    assert len(lines) == 1 and lines[0].startswith("warning: report.html not written: FileNotFoundError")
+
+
+def _section(page: str, key: str) -> str:
+    start = page.index(f'<section class="panel" id="{key}">')
+    return page[start:page.index("</section>", start)]
