@@ -19,7 +19,7 @@ from dptrain.train.plots import read_metrics
 
 pytestmark = pytest.mark.timeout(90)
 
-DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "img" / "report.png"
+DOCS_SCREENSHOT = Path(__file__).parent.parent / "docs" / "images" / "report.png"
 # 4 steps: step 2 is the first whose peak of live tensors is measured, TINY_GPT traces steps 3-4, and the run
 # evaluates at its end
 STEPS = 4

@@ -43,7 +43,8 @@ TRY_THIS = {
         ("With ZeRO-3 and DP=8, how much model-state memory does each GPU hold for a 7B model?",
          "Pick the 7B class, ZeRO-3, fp32, AdamW, DP 8 and read <i>model states</i>: about 16Ψ/8 bytes."),
         ("ZeRO-3 achieves near-perfect memory scaling. What is the cost?", "Read <i>sends per step</i> for ZeRO-3 "
-         "against DDP's: the parameters are gathered in forward and again in backward, 1.5× DDP's traffic."),
+         "against DDP's in fp32: the parameters are gathered in forward and again in backward, 1.5× DDP's traffic "
+         "(in bf16 the gathers carry half the bytes)."),
         ("When would you choose ZeRO-3 over basic data parallelism?", "Pick the 70B class with activation "
          "checkpointing: no DP degree makes DDP fit in 80 GB (every rank holds everything), while ZeRO-3 fits from "
          "DP 32."),

@@ -146,12 +146,15 @@
       type: "bar", name, x, marker: { color, opacity: D.strategies.map((s) => s === q.strategy ? 1 : 0.45) },
       y: rows.map((r) => r == null ? null : (key === "other" ? r.buffers + (r.comm_buffers || 0) : r[key] || 0) / GB),
       hovertemplate: "%{x}: " + name + " %{y:.2f} GB<extra></extra>" }));
+    const tallest = Math.max(0, ...rows.map((r) => r == null ? 0 : (r.total != null ? r.total : r.model_states) / GB));
+    const offScale = q.device > 3 * tallest;  // a small model: draw the bars, say where the device's line is
+    const line = offScale ? [] : [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }];
     Plotly.react("mem-bars", traces, {
       barmode: "stack", margin: { t: 30, r: 10, b: 40, l: 60 }, height: 360, legend: { orientation: "h", y: -0.15 },
-      yaxis: { title: "GB per rank (rank 0)" }, title: { text: "memory per rank at DP " + q.dp, font: { size: 14 } },
-      shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }],
-      annotations: [{ xref: "paper", x: 1, y: q.device, text: "device: " + q.device + " GB", showarrow: false,
-                      xanchor: "right", yanchor: "bottom", font: { color: "#b00" } }] }, plotConfig);
+      yaxis: Object.assign({ title: "GB per rank (rank 0)" }, offScale ? { range: [0, 1.15 * tallest] } : {}),
+      title: { text: "memory per rank at DP " + q.dp, font: { size: 14 } }, shapes: line,
+      annotations: [{ xref: "paper", x: 1, y: offScale ? 1.15 * tallest : q.device, text: "device: " + q.device + " GB" + (offScale ? " (above the scale)" : ""),
+                      showarrow: false, xanchor: "right", yanchor: offScale ? "top" : "bottom", font: { color: "#b00" } }] }, plotConfig);
     const lines = D.strategies.map((s) => ({ type: "scatter", mode: "lines+markers", name: STRATEGY_LABEL[s], x: D.dp,
       y: D.dp.map((n) => { const r = memory(q.model, s, q.precision, q.optimizer, n, q.microBatch, q.checkpointed);
                            return r == null || r.total == null ? null : r.total / GB; }),
