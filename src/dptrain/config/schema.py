@@ -245,7 +245,7 @@ class LogConfig:
     trace_steps: int = opt(3, "steps recorded in the Chrome trace; 0 disables it")
     progress: str = opt("auto", "progress bar (bar), log lines (lines), or bar when a terminal (auto)",
                         choices=("auto", "bar", "lines"))
-    plots: bool = opt(True, "write loss and throughput plots (PNG) at the end")
+    plots: bool = opt(True, "write loss and throughput plots (PNG) and report.html (interactive) at the end")
 
 
 @dataclass
