@@ -201,11 +201,13 @@
       title: { text: title, font: { size: 14 } }, xaxis: { type: "log", title: "DP degree", tickvals: D.dp },
       yaxis: { title: ytitle, type: ylog ? "log" : "linear", rangemode: "tozero" } });
     const mark = (ys) => ({ type: "scatter", mode: "markers", x: [q.dp], y: [ys[dpIndex(q.dp)]], marker: { size: 12, color: "#b00" }, hoverinfo: "skip" });
-    const tps = all.map((r) => r.tokens_per_s);
+    const tokens = byName(q.model).tokens_per_sample > 1;  // a token model; otherwise throughput is in samples
+    const unit = tokens ? "tokens" : "samples";
+    const tps = all.map((r) => tokens ? r.tokens_per_s : r.samples_per_s);
     Plotly.react("sc-throughput", [
-      { type: "scatter", mode: "lines", x: D.dp, y: D.dp.map((n) => base.tokens_per_s * n), line: { dash: "dot", color: "#999" }, name: "linear" },
-      { type: "scatter", mode: "lines+markers", x: D.dp, y: tps, name: "predicted", hovertemplate: "DP %{x}: %{y:.3s} tokens/s<extra></extra>" },
-      mark(tps)], layout("throughput (tokens/s)", "tokens / s", true), plotConfig);
+      { type: "scatter", mode: "lines", x: D.dp, y: D.dp.map((n) => tps[0] * n), line: { dash: "dot", color: "#999" }, name: "linear" },
+      { type: "scatter", mode: "lines+markers", x: D.dp, y: tps, name: "predicted", hovertemplate: "DP %{x}: %{y:.3s} " + unit + "/s<extra></extra>" },
+      mark(tps)], layout("throughput (" + unit + "/s)", unit + " / s", true), plotConfig);
     Plotly.react("sc-efficiency", [{ type: "scatter", mode: "lines+markers", x: D.dp, y: eff,
       hovertemplate: "DP %{x}: %{y:.1f}%<extra></extra>" }, mark(eff)], layout("scaling efficiency", "% of linear", false), plotConfig);
     const exposed = all.map((r) => r.exposed_s * 1e3);
@@ -216,10 +218,10 @@
     $("sc-readout").innerHTML = "DP <b>" + q.dp + "</b>: step <b id=sc-step>" + fmtTime(r.step_s) + "</b> (compute " +
       fmtTime(r.compute_s) + ", all-reduce busy " + fmtTime(r.comm_s) + ", exposed <b id=sc-exposed-out>" + fmtTime(r.exposed_s) +
       "</b>), " + r.buckets + " buckets; efficiency <b id=sc-eff>" + eff[dpIndex(q.dp)].toFixed(1) + "%</b>; <b id=sc-tps>" +
-      tps[dpIndex(q.dp)].toExponential(3) + "</b> tokens/s.";
+      tps[dpIndex(q.dp)].toExponential(3) + "</b> " + unit + "/s.";
     $("sc-batch").innerHTML = "global batch = micro-batch " + q.microBatch + " × DP " + q.dp + " × accumulation " + q.gradAcc +
-      " = <b>" + q.microBatch * q.dp * q.gradAcc + "</b> samples = <b id=sc-tokens>" + tokensGlobal.toLocaleString("en-US") +
-      "</b> tokens (× " + byName(q.model).tokens_per_sample + " tokens per sample)";
+      " = <b>" + q.microBatch * q.dp * q.gradAcc + "</b> samples" + (tokens ? " = <b id=sc-tokens>" + tokensGlobal.toLocaleString("en-US") +
+      "</b> tokens (× " + byName(q.model).tokens_per_sample + " tokens per sample)" : "");
   }
 
   // ------------------------------------------------------------------------------ all-reduce panel
