@@ -8,48 +8,75 @@ The public surface a training script needs::
 
     # or the whole step (accumulation, clipping, LR schedule, mixed precision), see docs/api.md
     from dptrain import Engine, init_distributed, warmup_cosine
+
+Every name is imported on first use (PEP 562 ``__getattr__``): ``import dptrain`` and the
+command line's ``--help`` do not import torch, which takes about a second.
 """
 
-from dptrain.allocator import tune_cpu_allocator
-from dptrain.batching import BatchPlan, BatchSizeError
-from dptrain.data.sampler import DistributedSampler
-from dptrain.ddp import (
-    DistributedDataParallel,
-    GradBucket,
-    NaiveDataParallel,
-    ReplicaMismatchError,
-    UnusedParametersError,
-    allreduce_hook,
-)
-from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
-from dptrain.train.engine import Engine, StepInfo
-from dptrain.train.loader import ShardedLoader
-from dptrain.train.schedule import scaled_lr, warmup_cosine
-from dptrain.zero import ZeRO
+from __future__ import annotations
 
-DDP = DistributedDataParallel
+import importlib
+from typing import TYPE_CHECKING
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DistributedDataParallel",
-    "DDP",
-    "ZeRO",
-    "NaiveDataParallel",
-    "GradBucket",
-    "allreduce_hook",
-    "DistributedSampler",
-    "BatchPlan",
-    "BatchSizeError",
-    "ReplicaMismatchError",
-    "UnusedParametersError",
-    "tune_cpu_allocator",
-    "Engine",
-    "StepInfo",
-    "ShardedLoader",
-    "init_distributed",
-    "detect_worker_env",
-    "WorkerEnv",
-    "scaled_lr",
-    "warmup_cosine",
-]
+# public name -> the module that defines it (its own name there, unless given after a colon)
+_EXPORTS = {
+    "DistributedDataParallel": "dptrain.ddp",
+    "DDP": "dptrain.ddp:DistributedDataParallel",
+    "ZeRO": "dptrain.zero",
+    "NaiveDataParallel": "dptrain.ddp",
+    "GradBucket": "dptrain.ddp",
+    "allreduce_hook": "dptrain.ddp",
+    "DistributedSampler": "dptrain.data.sampler",
+    "BatchPlan": "dptrain.batching",
+    "BatchSizeError": "dptrain.batching",
+    "ReplicaMismatchError": "dptrain.ddp",
+    "UnusedParametersError": "dptrain.ddp",
+    "tune_cpu_allocator": "dptrain.allocator",
+    "Engine": "dptrain.train.engine",
+    "StepInfo": "dptrain.train.engine",
+    "ShardedLoader": "dptrain.train.loader",
+    "init_distributed": "dptrain.launch.rendezvous",
+    "detect_worker_env": "dptrain.launch.rendezvous",
+    "WorkerEnv": "dptrain.launch.rendezvous",
+    "scaled_lr": "dptrain.train.schedule",
+    "warmup_cosine": "dptrain.train.schedule",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """Import an exported name from its module on first access, then keep it in this module."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'dptrain' has no attribute {name!r}")
+    module, _, attr = _EXPORTS[name].partition(":")
+    value = getattr(importlib.import_module(module), attr or name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
+    from dptrain.allocator import tune_cpu_allocator
+    from dptrain.batching import BatchPlan, BatchSizeError
+    from dptrain.data.sampler import DistributedSampler
+    from dptrain.ddp import (
+        DistributedDataParallel,
+        GradBucket,
+        NaiveDataParallel,
+        ReplicaMismatchError,
+        UnusedParametersError,
+        allreduce_hook,
+    )
+    from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
+    from dptrain.train.engine import Engine, StepInfo
+    from dptrain.train.loader import ShardedLoader
+    from dptrain.train.schedule import scaled_lr, warmup_cosine
+    from dptrain.zero import ZeRO
+
+    DDP = DistributedDataParallel

@@ -16,13 +16,19 @@ from pathlib import Path
 
 import click
 
-from dptrain.batching import BatchSizeError
-from dptrain.config import ConfigError, load_config, to_toml
-from dptrain.train.checkpoint import CheckpointError
-
 __all__ = ["main"]
 
-_BAD_INPUT = (ConfigError, BatchSizeError, CheckpointError)
+# Every command imports what it needs inside its body: `dptrain --help` and `dptrain CMD --help`
+# then never import torch (about a second at each start; tests/test_cli_papercuts.py checks).
+
+
+def _bad_input() -> tuple[type[Exception], ...]:
+    """The errors that mean bad input (one line, exit 2): imported on demand, since they pull in torch."""
+    from dptrain.batching import BatchSizeError
+    from dptrain.config import ConfigError
+    from dptrain.train.checkpoint import CheckpointError
+
+    return ConfigError, BatchSizeError, CheckpointError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -62,6 +68,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     torchrun's elastic agent. On a cluster, start the workers with torchrun instead:
     torchrun --nnodes N --nproc-per-node G ... -m dptrain.run --config job.toml
     """
+    from dptrain.config import ConfigError, load_config, to_toml
     from dptrain.data.prepare import prepare, prepare_command
     from dptrain.launch.local import launch_local
     from dptrain.tasks.user import DataNotPrepared
@@ -91,7 +98,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             click.echo(f"{e.recipe.out} is not prepared yet: preparing it ({prepare_command(e.recipe)})", err=True)
             prepare(e.recipe, progress=sys.stderr.isatty(), log=lambda line: click.echo(line, err=True))
             rp = prepare_run(cfg, nproc)
-    except _BAD_INPUT as e:
+    except _bad_input() as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
@@ -107,6 +114,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
 
 
 def _check_fault(spec: str, nproc: int) -> None:
+    from dptrain.config import ConfigError
     from dptrain.train.faults import fault_spec
 
     try:
@@ -153,6 +161,7 @@ def prepare_data(inputs: tuple[str, ...], out: Path | None, tokenizer: str, val_
     Then train on them: dptrain run --set data.source=tokens --set data.dir=<out>
     (docs/your-data.md). dptrain run on data.source text or hf prepares them itself.
     """
+    from dptrain.config import ConfigError, load_config
     from dptrain.data.prepare import Recipe, prepare, prepared
 
     try:
@@ -173,12 +182,13 @@ def prepare_data(inputs: tuple[str, ...], out: Path | None, tokenizer: str, val_
                        f"{done.tokens('val.bin'):,} validation tokens, vocabulary {done.vocab_size:,})")
             return
         prepare(recipe, progress=sys.stderr.isatty(), log=click.echo)
-    except _BAD_INPUT as e:
+    except _bad_input() as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
 
 def _default_out(inputs: tuple[str, ...]) -> str:
+    from dptrain.config import ConfigError
     from dptrain.data.prepare import default_dir
 
     out = default_dir(inputs)
@@ -232,6 +242,7 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     activations come from a traced forward of one micro-batch; the total adds the
     communication buffers alive in backward. See docs/planner.md.
     """
+    from dptrain.config import load_config
     from dptrain.planner import PRECISIONS, STRATEGIES, Setup, plan_row
     from dptrain.planner.from_config import flat_model, plan_config
     from dptrain.planner.report import plot as plot_rows
@@ -257,7 +268,7 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
                          "depend on the layers; plan a model for them); 'fits' compares the model states")
         else:
             rows = plan_config(load_config(config_path, overrides), sizes, chosen, precs, notes)
-    except _BAD_INPUT as e:
+    except _bad_input() as e:
         click.echo(f"dptrain plan: {e}", err=True)
         sys.exit(2)
     budget = int(device_memory * 2**30) if device_memory is not None else None
@@ -309,6 +320,7 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     samples per step. The backward pass is replayed bucket by bucket on the network's
     links with the collectives' cost model. See docs/planner.md.
     """
+    from dptrain.config import load_config
     from dptrain.planner.from_config import simulate_config
     from dptrain.planner.network import PRESETS, Network, custom_link, network
     from dptrain.planner.report import plot_scaling, scaling_table
@@ -334,7 +346,7 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
         cfg = load_config(config_path, overrides)
         result = simulate_config(cfg, sizes, strategy or cfg.ddp.strategy, nets, algorithm, profile, micro_batch,
                                  device_flops, overlap=not no_overlap, compression=compression)
-    except (ValueError, *_BAD_INPUT) as e:
+    except (ValueError, *_bad_input()) as e:
         click.echo(f"dptrain simulate: {e}", err=True)
         sys.exit(2)
     prof = result["profile"]
@@ -371,6 +383,7 @@ def explore(config_path: Path | None, overrides: tuple[str, ...], out: Path, mod
     simulate and the collectives' cost model compute, over DP degrees 1 to 1024; the page
     needs no network and no server. See docs/explore.md.
     """
+    from dptrain.config import load_config
     from dptrain.pages.explore import write_explore
     from dptrain.pages.explore_data import PRESET_MODELS
 
@@ -384,7 +397,7 @@ def explore(config_path: Path | None, overrides: tuple[str, ...], out: Path, mod
         cfg = load_config(config_path, overrides)
         path = write_explore(out, cfg=cfg, models=names, micro_batches=sizes,
                              progress=lambda line: click.echo(f"explore: {line}", err=True))
-    except (ValueError, *_BAD_INPUT) as e:
+    except (ValueError, *_bad_input()) as e:
         click.echo(f"dptrain explore: {e}", err=True)
         sys.exit(2)
     click.echo(f"wrote {path} ({path.stat().st_size / 1e6:.1f} MB): open it in a browser")
