@@ -18,6 +18,8 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+import tomli_w
+
 from dptrain.config.schema import ADDED_LATER, NOT_IDENTITY, RunConfig, section_fields
 
 if sys.version_info >= (3, 11):
@@ -37,7 +39,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     data: dict[str, Any] = {}
     if path is not None:
         try:
-            data = tomllib.loads(Path(path).read_text())
+            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))  # TOML is UTF-8
         except FileNotFoundError:
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
@@ -153,29 +155,34 @@ def to_dict(cfg: Any) -> dict:
 
 
 def to_toml(cfg: RunConfig) -> str:
-    """The resolved config as TOML that ``load_config`` reads back to an equal config."""
+    """The resolved config as TOML that ``load_config`` reads back to an equal config.
+
+    Written by ``tomli_w``, so any key or value the config holds is quoted and escaped as
+    TOML needs (``task.model_args`` may have keys with spaces, dots or quotes). For people
+    to read, each section is one ``[section]`` with its fields in the schema's order, and
+    a dict-valued field follows as its own ``[section.field]`` table. TOML has no null: a
+    field that is None is written as the comment ``# key: none``, and reads back as its
+    default, which for every optional field is None (``tests/test_config_roundtrip.py``).
+    """
     data = to_dict(cfg)
-    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items() if not isinstance(v, dict) and v is not None]
-    for section, values in data.items():
-        if isinstance(values, dict):
-            lines += ["", f"[{section}]"]
-            for key, value in values.items():
-                lines.append(f"# {key}: none" if value is None else f"{key} = {_toml_value(value)}")
-    return "\n".join(lines) + "\n"
+    top = {key: value for key, value in data.items() if key not in _SECTIONS and value is not None}
+    parts = [tomli_w.dumps(top)] if top else []
+    parts += [_toml_section(name, values) for name, values in data.items() if name in _SECTIONS]
+    return "\n".join(part.rstrip("\n") + "\n" for part in parts)
 
 
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (int, float)):
-        return repr(value)
-    if isinstance(value, str):
-        return json.dumps(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        return "{ " + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + " }"
-    raise TypeError(f"cannot write {value!r} as TOML")
+def _toml_section(name: str, values: dict[str, Any]) -> str:
+    """``[name]``, its fields in order (None as a comment), then its dict-valued fields as sub-tables."""
+    lines = [tomli_w.dumps({name: {}}).rstrip("\n")]  # the header, quoted by tomli_w if it must be
+    for key, value in values.items():
+        if value is None:
+            lines.append(f"# {key}: none")
+        elif not isinstance(value, dict):
+            lines.append(tomli_w.dumps({key: value}).rstrip("\n"))
+    tables = {key: value for key, value in values.items() if isinstance(value, dict)}
+    if tables:
+        lines += ["", tomli_w.dumps({name: tables}).rstrip("\n")]
+    return "\n".join(lines)
 
 
 def identity(cfg: RunConfig) -> dict[str, Any]:
