@@ -38,3 +38,150 @@ def test_every_exported_name_still_imports_from_the_package():
     assert DDP is DistributedDataParallel
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         dptrain.nope  # noqa: B018
+
+
+# --- dptrain bench NAME: each benchmark a click command with its own options -------------------------------------
+
+# Every benchmark command line in docs/ and README.md, as written there (continuation lines joined).
+DOCUMENTED_BENCH = [
+    "dptrain bench async --steps 100 --rounds 2",
+    'dptrain bench async --steps 100 --rounds 5 --variants DDP "PS async" "PS async, 2 servers" '
+    "--out bench_results/async_servers.json",
+    "dptrain bench async --workers 4 --steps 100 --rounds 1",
+    'dptrain bench async --variants DDP "PS async" "PS async, look-ahead"',
+    "dptrain bench cluster",
+    "dptrain bench cluster-zero",
+    "dptrain bench comm --world-size 2",
+    "dptrain bench comm --world-size 4 --nodes 2 --max-size 4M --reps 8",
+    "dptrain bench compression --steps 150",
+    'dptrain bench compression --steps 600 --variants none "powersgd r4"',
+    'dptrain bench compression --steps 150 --variants "powersgd r4" --set ddp.powersgd_rank=8',
+    'dptrain bench compression --steps 150 --variants none "topk 1%" "topk 1%+EF" --set train.optimizer=sgd '
+    "--set train.lr=0.5 --set train.weight_decay=0",
+    'dptrain bench compression --steps 150 --variants "topk 1%" "topk 1%+EF" --set ddp.topk_fraction=0.1',
+    "dptrain bench compression --steps 150 --out bench_results/compression_remedies_adamw.json --variants none "
+    '"topk 1%+EF" "topk 1%+EF +warmup" "topk 1%+EF +clip" "topk 1%+EF +warmup +clip" "powersgd r4" '
+    '"powersgd r4 +30 uncompressed" "powersgd r4 +r16 for 50" "powersgd r4 +30 uncompressed +r16 for 50"',
+    "dptrain bench compression --steps 150 --out bench_results/compression_remedies_adamw_r8.json --variants none "
+    '"powersgd r8 +30 uncompressed +r16 for 50"',
+    "dptrain bench compression --steps 150 --out bench_results/compression_remedies_sgd.json --set "
+    "train.optimizer=sgd --set train.lr=0.5 --set train.weight_decay=0 --variants none "
+    '"topk 1%" "topk 1%+EF" "topk 1%+EF +warmup" "topk 1%+EF +clip" "topk 1% +MC" "topk 1% +MC (no masking)" '
+    '"topk 1% DGC (+MC +clip +warmup)" "powersgd r4" "powersgd r4 +MC"',
+    "dptrain bench compression-link --rate 1 --rounds 8",
+    "dptrain bench ddp --model small-params --width 64 --depth 200 --micro-batch 8 --caps 25 --views --rounds 30 "
+    "--steps 5",
+    "dptrain bench ddp --caps 1 25 --rounds 10 --check-every",
+    "dptrain bench faults",
+    "dptrain bench gpu --rounds 15",
+    "dptrain bench loader --rounds 5",
+    "dptrain bench loader --rounds 5 --cold",
+    "dptrain bench plan --world-size 2",
+    "dptrain bench run-overhead --rounds 12",
+    "dptrain bench zero --world-size 2",
+    "python -m dptrain.bench.allocator --trials 6",
+    "python -m dptrain.bench.cluster --rates 1 5 --buckets 1 4 25",
+    "python -m dptrain.bench.cluster_zero --rate 1 --rounds 3",
+    "python -m dptrain.bench.compression",
+    "python -m dptrain.bench.compression_link",
+    "python -m dptrain.bench.ddp --caps 25 --views --rounds 20",
+    "python -m dptrain.bench.ddp --views --rounds 30",
+    "python -m dptrain.bench.plan",
+    "python -m dptrain.bench.plan --world-size 4 --strategies zero3 --shard-size 2",
+    "python -m dptrain.bench.run_overhead --rounds 12",
+    "python -m dptrain.bench.zero",
+]
+
+
+def _bench_command(line: str):
+    """The click command a documented line runs, and its arguments."""
+    import importlib
+    import shlex
+
+    from dptrain.bench.command import BENCHMARKS
+
+    words = shlex.split(line)
+    if words[:2] == ["dptrain", "bench"]:
+        return importlib.import_module(BENCHMARKS[words[2]]).main, words[3:]
+    assert words[:2] == ["python", "-m"], line
+    return importlib.import_module(words[2]).main, words[3:]
+
+
+@pytest.mark.parametrize("line", DOCUMENTED_BENCH)
+def test_every_documented_bench_command_line_still_parses(line):
+    command, args = _bench_command(line)
+    ctx = command.make_context("bench", args)  # parses and converts every value; runs nothing
+    if "--caps 1 25" in line:
+        assert ctx.params["caps"] == (1.0, 25.0)
+    if '"PS async, 2 servers"' in line:
+        assert ctx.params["variants"] == ("DDP", "PS async", "PS async, 2 servers")
+        assert ctx.params["out"].name == "async_servers.json" and ctx.params["rounds"] == 5
+    if "--rates 1 5 --buckets 1 4 25" in line:
+        assert ctx.params["rates"] == (1.0, 5.0) and ctx.params["buckets"] == (1.0, 4.0, 25.0)
+
+
+def test_bench_help_lists_every_benchmark_on_one_line():
+    from click.testing import CliRunner
+
+    from dptrain.bench.command import BENCHMARKS
+    from dptrain.cli import main
+
+    result = CliRunner().invoke(main, ["bench", "--help"])
+    assert result.exit_code == 0, result.output
+    listed = result.output.split("Benchmarks:\n")[1].splitlines()
+    assert [line.split()[0] for line in listed] == sorted(BENCHMARKS)
+    assert "ddp               dptrain's DDP against torch's DDP" in result.output
+
+
+@pytest.mark.parametrize("name", ["ddp", "zero", "comm", "async", "compression", "plan", "cluster", "cluster-zero",
+                                  "compression-link", "gpu", "faults", "loader", "allocator", "run-overhead"])
+def test_each_benchmark_shows_its_own_options_with_help(name):
+    import click
+    from click.testing import CliRunner
+
+    from dptrain.cli import main
+
+    result = CliRunner().invoke(main, ["bench", name, "--help"])
+    assert result.exit_code == 0, result.output
+    assert f"Usage: main bench {name} [OPTIONS]" in result.output and "[default: " in result.output
+    command = _bench_command(f"dptrain bench {name}")[0]
+    undocumented = [p.name for p in command.params if isinstance(p, click.Option) and not p.help]
+    assert undocumented == []
+
+
+def test_python_m_runs_the_same_benchmark_command():
+    proc = subprocess.run([sys.executable, "-m", "dptrain.bench.ddp", "--help"], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "Usage: python -m dptrain.bench.ddp [OPTIONS]" in proc.stdout and "--caps FLOAT [...]" in proc.stdout
+
+
+def test_variadic_options_take_values_up_to_the_next_option():
+    import click
+
+    from dptrain.bench.command import spread_variadic
+
+    flags = {"--caps"}
+    assert spread_variadic(["--caps", "1", "25", "--rounds", "2"], flags) == \
+        ["--caps", "1", "--caps", "25", "--rounds", "2"]
+    assert spread_variadic(["--caps=1", "4", "--views"], flags) == ["--caps=1", "--caps", "4", "--views"]
+    assert spread_variadic(["--caps", "-1.5", "2"], flags) == ["--caps", "-1.5", "--caps", "2"]
+    for args in (["--caps", "--rounds", "2"], ["--rounds", "2", "--caps"]):
+        with pytest.raises(click.UsageError, match="--caps needs at least one value"):
+            spread_variadic(args, flags)
+
+
+def test_a_benchmark_runs_for_real_through_the_group(tmp_path):
+    from click.testing import CliRunner
+
+    from dptrain.cli import main
+
+    out = tmp_path / "ddp.json"
+    result = CliRunner().invoke(main, ["bench", "ddp", "--width", "16", "--depth", "2", "--micro-batch", "4",
+                                       "--caps", "1", "25", "--rounds", "1", "--steps", "1", "--warmup", "1",
+                                       "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    import json
+
+    caps = {row.split("/")[-1] for row in json.loads(out.read_text())["step_times_s"]}
+    assert caps >= {"1", "25"}, caps

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import click
 
+from dptrain.bench.command import BenchGroup  # no torch: the benchmarks load when run
+
 __all__ = ["main"]
 
 # Every command imports what it needs inside its body: `dptrain --help` and `dptrain CMD --help`
@@ -450,23 +452,17 @@ def cluster(hosts: int, per_host: int, bandwidth_gbit: float, queue_latency_ms: 
     sys.exit(code)
 
 
-_BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator",
-               "run-overhead": "dptrain.bench.run_overhead", "comm": "dptrain.bench.comm",
-               "zero": "dptrain.bench.zero", "plan": "dptrain.bench.plan", "cluster": "dptrain.bench.cluster",
-               "cluster-zero": "dptrain.bench.cluster_zero",
-               "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
-               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
-               "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader"}
+@main.group(cls=BenchGroup)
+def bench() -> None:
+    """Run a benchmark: variants measured side by side in one run, results under bench_results/.
 
+    \b
+    dptrain bench ddp --caps 1 25 --rounds 10     # each benchmark's options: dptrain bench NAME --help
+    dptrain bench comm --world-size 2
+    python -m dptrain.bench.ddp --rounds 10       # the same command, as a module
 
-@main.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True})
-@click.argument("name", type=click.Choice(sorted(_BENCHMARKS)))
-@click.pass_context
-def bench(ctx: click.Context, name: str) -> None:
-    """Run a benchmark; arguments after NAME go to it (dptrain bench ddp --help)."""
-    import importlib
-
-    importlib.import_module(_BENCHMARKS[name]).main(ctx.args)
+    Benchmarks are not tests: they print ratios and write JSON. See docs/benchmarks.md.
+    """
 
 
 if __name__ == "__main__":

@@ -10,13 +10,14 @@ process-wide, so the comparison alternates processes rather than steps.
 
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import time
 
+import click
 import torch
 
+from dptrain.bench.command import bench_command
 from dptrain.bench.ddp import build_model
 from dptrain.testing import run_on_ranks
 
@@ -38,21 +39,20 @@ def _steps(rank: int, world_size: int, width: int, depth: int, micro_batch: int,
     return statistics.median(times), statistics.median(faults)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--trials", type=int, default=4, help="processes per setting, alternating")
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--width", type=int, default=1408)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=32)
-    a = parser.parse_args(argv)
+@bench_command(__doc__)
+@click.option("--trials", type=int, default=4, help="processes per setting, alternating")
+@click.option("--steps", type=int, default=12, help="timed steps per process (the median is reported)")
+@click.option("--width", type=int, default=1408, help="MLP width (features per Linear)")
+@click.option("--depth", type=int, default=8, help="Linear layers in the MLP")
+@click.option("--micro-batch", type=int, default=32, help="samples per step")
+def main(trials: int, steps: int, width: int, depth: int, micro_batch: int) -> None:
     results: dict[str, list[tuple[float, float]]] = {"glibc default": [], "tune_cpu_allocator()": []}
-    for _ in range(a.trials):
+    for _ in range(trials):
         for name, tuned in (("glibc default", False), ("tune_cpu_allocator()", True)):
-            results[name].append(run_on_ranks(_steps, 1, a.width, a.depth, a.micro_batch, a.steps,
+            results[name].append(run_on_ranks(_steps, 1, width, depth, micro_batch, steps,
                                               tune_allocator=tuned, timeout=1800)[0])
-    print(f"plain {a.depth} x Linear({a.width}) MLP, batch {a.micro_batch}, 1 thread, "
-          f"{a.trials} alternating processes per setting, median of {a.steps} steps each\n")
+    print(f"plain {depth} x Linear({width}) MLP, batch {micro_batch}, 1 thread, "
+          f"{trials} alternating processes per setting, median of {steps} steps each\n")
     print("| malloc | step (ms), median over processes | minor page faults per step, median | "
           "each process: step ms / faults |")
     print("|---|---:|---:|---|")

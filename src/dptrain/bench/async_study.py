@@ -23,12 +23,14 @@ in the same round.
 
 from __future__ import annotations
 
-import argparse
 import random
 import statistics
 import tempfile
 from pathlib import Path
 
+import click
+
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_run, with_overrides
 
@@ -124,20 +126,22 @@ def per_round(result: dict, sync: dict, goal: float = ASYNC_GOAL) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--factor", type=float, default=2.0, help="how many times slower rank 1 is")
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=[v[0] for v in VARIANTS])
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a dptrain run setting for every variant, e.g. gpt.n_layer=2 (repeatable)")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/async.json"))
-    a = parser.parse_args(argv)
-    result = run(a.steps, a.workers, a.factor, a.rounds, a.variants, a.overrides)
+@bench_command(__doc__)
+@click.option("--steps", type=int, default=100, help="training steps per variant")
+@click.option("--workers", type=int, default=2, help="worker processes per run")
+@click.option("--factor", type=float, default=2.0, help="how many times slower rank 1 is")
+@click.option("--rounds", type=int, default=2, help="times each variant runs, interleaved")
+@click.option("--variants", cls=Variadic, type=click.Choice([v[0] for v in VARIANTS]),
+              help="the variants to run (quote names with spaces); default: all")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="a dptrain run setting for every variant, e.g. gpt.n_layer=2 (repeatable)")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/async.json"),
+              help="the JSON result to write")
+def main(steps: int, workers: int, factor: float, rounds: int, variants: tuple[str, ...],
+         overrides: tuple[str, ...], out: Path) -> None:
+    result = run(steps, workers, factor, rounds, list(variants) or None, list(overrides))
     print(table(result))
-    save_result(a.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":

@@ -30,16 +30,17 @@ Needs root (``dptrain cluster``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+import click
 import torch
 from torch.utils.data import default_collate
 
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.comm.cost import Link, collective_cost
@@ -179,17 +180,17 @@ def table(result: dict) -> str:
     return head + "\n" + "\n".join(_line(r) for r in result["rows"])
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rates", nargs="+", type=float, default=[1.0, 5.0], help="link rates, Gbit/s")
-    parser.add_argument("--buckets", nargs="+", type=float, default=[1.0, 4.0, 25.0], help="DDP bucket caps, MB")
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--out", type=Path, default=Path("bench_results/cluster.json"))
-    a = parser.parse_args(argv)
-    if a.steps <= a.warmup:
-        parser.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
-    result = run(a.rates, a.buckets, a.steps, a.warmup)
+@bench_command(__doc__)
+@click.option("--rates", cls=Variadic, type=float, default=(1.0, 5.0), help="link rates, Gbit/s")
+@click.option("--buckets", cls=Variadic, type=float, default=(1.0, 4.0, 25.0), help="DDP bucket caps, MB")
+@click.option("--steps", type=int, default=16, help="steps per run (the first --warmup not timed)")
+@click.option("--warmup", type=int, default=4, help="untimed steps at the start of each run")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/cluster.json"),
+              help="the JSON result to write")
+def main(rates: tuple[float, ...], buckets: tuple[float, ...], steps: int, warmup: int, out: Path) -> None:
+    if steps <= warmup:
+        raise click.UsageError(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    result = run(list(rates), list(buckets), steps, warmup)
     p = result["profile"]
     print(f"compute profile: forward {p['forward_ms']:.1f} ms, backward {p['backward_ms']:.1f} ms, optimizer "
           f"{p['optimizer_ms']:.1f} ms ({p['source']})")
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"link {rate:g} Gbit/s (tbf): fitted alpha {fit['alpha_s'] * 1e3:.2f} ms, beta "
               f"{fit['beta_Bps'] * 8 / 1e9:.2f} Gbit/s")
     print(table(result))
-    save_result(a.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":

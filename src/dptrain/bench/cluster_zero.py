@@ -35,14 +35,15 @@ Needs root (``dptrain cluster``).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from pathlib import Path
 
+import click
 import torch
 
 from dptrain.bench.cluster import fit_cluster_link, measure_on_cluster, profile_together, rescaled_profile
+from dptrain.bench.command import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
 from dptrain.cluster import check_root
@@ -118,26 +119,26 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", type=float, default=1.0, help="each host's link rate, Gbit/s")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=14)
-    parser.add_argument("--warmup", type=int, default=4)
-    parser.add_argument("--micro", type=int, default=1, help="samples per rank per step")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/cluster_zero.json"))
-    a = parser.parse_args(argv)
-    if a.steps <= a.warmup:
-        parser.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup})")
-    if a.rounds < 1 or a.micro < 1:
-        parser.error(f"--rounds and --micro must be positive, got {a.rounds} and {a.micro}")
-    result = run(a.rate, a.rounds, a.steps, a.warmup, a.micro)
+@bench_command(__doc__)
+@click.option("--rate", type=float, default=1.0, help="each host's link rate, Gbit/s")
+@click.option("--rounds", type=int, default=3, help="times each variant runs, interleaved")
+@click.option("--steps", type=int, default=14, help="steps per run (the first --warmup not timed)")
+@click.option("--warmup", type=int, default=4, help="untimed steps at the start of each run")
+@click.option("--micro", type=int, default=1, help="samples per rank per step")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/cluster_zero.json"),
+              help="the JSON result to write")
+def main(rate: float, rounds: int, steps: int, warmup: int, micro: int, out: Path) -> None:
+    if steps <= warmup:
+        raise click.UsageError(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    if rounds < 1 or micro < 1:
+        raise click.UsageError(f"--rounds and --micro must be positive, got {rounds} and {micro}")
+    result = run(rate, rounds, steps, warmup, micro)
     p = result["profile"]
     print(f"compute profile: forward {p['forward_ms']:.1f} ms, backward {p['backward_ms']:.1f} ms, optimizer "
           f"{p['optimizer_ms']:.1f} ms ({p['source']}); DDP's measured compute per round: "
           f"{', '.join(f'{x:.0f}' for x in result['ddp_compute_ms'])} ms")
     print(table(result))
-    save_result(a.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ too, and all of it goes to JSON for the planner.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -32,10 +31,12 @@ import statistics
 import time
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 
 from dptrain import comm
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.stats import bootstrap_ci
 from dptrain.comm.cost import Link, busbw_factor, collective_cost
 from dptrain.comm.fit import fit_gamma, fit_link
@@ -288,32 +289,33 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--min-size", default="4K")
-    parser.add_argument("--max-size", default="64M")
-    parser.add_argument("--algorithms", nargs="+", default=None,
-                        help="default: native ring tree naive, and hierarchical with --nodes")
-    parser.add_argument("--collectives", nargs="+", default=list(COLLECTIVES), choices=COLLECTIVES)
-    parser.add_argument("--nodes", type=int, default=None, help="ranks per node for the hierarchical algorithm")
-    parser.add_argument("--reps", type=int, default=12, help="repetitions per size below 4 MiB")
-    parser.add_argument("--reps-large", type=int, default=6, help="repetitions per size from 4 MiB")
-    parser.add_argument("--out", type=Path, default=None, help="default bench_results/comm_ws<N>.json")
-    parser.add_argument("--report", type=Path, default=None, help="print the tables of a saved result and exit")
-    a = parser.parse_args(argv)
-    if a.report:
-        print(to_markdown(json.loads(a.report.read_text())))
+@bench_command(__doc__)
+@click.option("--world-size", type=int, default=2, help="ranks (processes on this machine, gloo)")
+@click.option("--min-size", default="4K", help="smallest message, bytes (K, M, G suffixes)")
+@click.option("--max-size", default="64M", help="largest message; sizes grow 4x from --min-size")
+@click.option("--algorithms", cls=Variadic, help="default: native ring tree naive, and hierarchical with --nodes")
+@click.option("--collectives", cls=Variadic, type=click.Choice(COLLECTIVES), default=COLLECTIVES,
+              help="the collectives to time")
+@click.option("--nodes", type=int, default=None, help="ranks per node for the hierarchical algorithm")
+@click.option("--reps", type=int, default=12, help="repetitions per size below 4 MiB")
+@click.option("--reps-large", type=int, default=6, help="repetitions per size from 4 MiB")
+@click.option("--out", type=click.Path(path_type=Path), default=None, help="default bench_results/comm_ws<N>.json")
+@click.option("--report", type=click.Path(path_type=Path), default=None,
+              help="print the tables of a saved result and exit")
+def main(world_size: int, min_size: str, max_size: str, algorithms: tuple[str, ...], collectives: tuple[str, ...],
+         nodes: int | None, reps: int, reps_large: int, out: Path | None, report: Path | None) -> None:
+    if report:
+        print(to_markdown(json.loads(report.read_text())))
         return
-    sizes, size = [], parse_size(a.min_size)
-    while size <= parse_size(a.max_size):
+    sizes, size = [], parse_size(min_size)
+    while size <= parse_size(max_size):
         sizes.append(size)
         size *= 4
-    algorithms = a.algorithms or ["native", "ring", "tree", "naive"] + (["hierarchical"] if a.nodes else [])
+    algorithms = list(algorithms) or ["native", "ring", "tree", "naive"] + (["hierarchical"] if nodes else [])
     for algorithm in algorithms:
-        comm.check_algorithm(algorithm, a.nodes, a.world_size)
-    result = run(a.world_size, sizes, algorithms, a.collectives, a.nodes, a.reps, a.reps_large)
-    out = a.out or Path(f"bench_results/comm_ws{a.world_size}.json")
+        comm.check_algorithm(algorithm, nodes, world_size)
+    result = run(world_size, sizes, algorithms, list(collectives), nodes, reps, reps_large)
+    out = out or Path(f"bench_results/comm_ws{world_size}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(to_markdown(result))

@@ -18,10 +18,12 @@ PowerSGD's warm-ups (docs/compression.md); those with momentum correction ("+MC"
 
 from __future__ import annotations
 
-import argparse
 import tempfile
 from pathlib import Path
 
+import click
+
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_run, with_overrides
 
@@ -105,18 +107,19 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150)
-    parser.add_argument("--nproc", type=int, default=2)
-    parser.add_argument("--variants", nargs="+", choices=[n for n, _ in VARIANTS])
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="a dptrain run setting for every variant, e.g. train.optimizer=sgd (repeatable)")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/compression.json"))
-    a = parser.parse_args(argv)
-    result = run(a.steps, a.nproc, a.variants, a.overrides)
+@bench_command(__doc__)
+@click.option("--steps", type=int, default=150, help="training steps per variant")
+@click.option("--nproc", type=int, default=2, help="worker processes per run")
+@click.option("--variants", cls=Variadic, type=click.Choice([n for n, _ in VARIANTS]),
+              help="the variants to run (quote names with spaces); default: every codec, no remedies")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
+              help="a dptrain run setting for every variant, e.g. train.optimizer=sgd (repeatable)")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/compression.json"),
+              help="the JSON result to write")
+def main(steps: int, nproc: int, variants: tuple[str, ...], overrides: tuple[str, ...], out: Path) -> None:
+    result = run(steps, nproc, list(variants) or None, list(overrides))
     print(table(result))
-    save_result(a.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":

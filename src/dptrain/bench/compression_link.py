@@ -39,7 +39,6 @@ Needs root (``dptrain cluster``).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -49,12 +48,14 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import default_collate
 
 from dptrain.allocator import tune_cpu_allocator
+from dptrain.bench.command import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
 from dptrain.cluster import Network, check_root, run_on_cluster
@@ -227,26 +228,26 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--worker":
-        _worker(Path(argv[1]), json.loads(argv[3]))
-        return
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rate", type=float, default=1.0, help="link rate, Gbit/s")
-    parser.add_argument("--rounds", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3, help="steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--n-embd", type=int, default=512)
-    parser.add_argument("--n-layer", type=int, default=4)
-    parser.add_argument("--block-size", type=int, default=64)
-    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per rank per step")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/compression_link.json"))
-    a = parser.parse_args(argv)
-    result = run(a.rate, a.rounds, a.steps, a.warmup, a.n_embd, a.n_layer, a.block_size, a.micro_batch)
+@bench_command(__doc__)
+@click.option("--rate", type=float, default=1.0, help="link rate, Gbit/s")
+@click.option("--rounds", type=int, default=8, help="times each variant runs, interleaved")
+@click.option("--steps", type=int, default=3, help="steps per variant per round")
+@click.option("--warmup", type=int, default=3, help="untimed steps before the rounds")
+@click.option("--n-embd", type=int, default=512, help="the GPT's width")
+@click.option("--n-layer", type=int, default=4, help="the GPT's blocks")
+@click.option("--block-size", type=int, default=64, help="tokens per sequence")
+@click.option("--micro-batch", type=int, default=1, help="sequences per rank per step")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/compression_link.json"),
+              help="the JSON result to write")
+def main(rate: float, rounds: int, steps: int, warmup: int, n_embd: int, n_layer: int, block_size: int,
+         micro_batch: int, out: Path) -> None:
+    result = run(rate, rounds, steps, warmup, n_embd, n_layer, block_size, micro_batch)
     print(table(result))
-    save_result(a.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:  # one host's process of run()'s cluster job: --worker OUT --worker-args JSON
+        _worker(Path(sys.argv[2]), json.loads(sys.argv[4]))
+    else:
+        main()

@@ -36,7 +36,6 @@ parameter tensor.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -45,10 +44,12 @@ import statistics
 import time
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.stats import bootstrap_ci
 from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
@@ -199,33 +200,33 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--model", choices=MODELS, default="mlp",
-                        help="mlp: a few large parameters; small-params: Linear + LayerNorm blocks (try --width 64 "
-                        "--depth 200 --micro-batch 8)")
-    parser.add_argument("--width", type=int, default=1408)
-    parser.add_argument("--depth", type=int, default=8)
-    parser.add_argument("--micro-batch", type=int, default=32)
-    parser.add_argument("--caps", type=float, nargs="+", default=[1, 4, 25], help="bucket sizes in MiB")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--views", action="store_true", help="also compare gradient_as_bucket_view=True")
-    parser.add_argument("--check-every", action="store_true",
-                        help="also time check_collectives='every' against the default (first)")
-    parser.add_argument("--default-malloc", action="store_true",
-                        help="keep glibc's default malloc settings (see dptrain.allocator)")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/ddp.json"))
-    a = parser.parse_args(argv)
-    result = run(a.world_size, a.width, a.depth, a.micro_batch, a.caps, a.rounds, a.steps, a.warmup, a.threads,
-                 a.views, not a.default_malloc, a.check_every, a.model)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+@bench_command(__doc__)
+@click.option("--world-size", type=int, default=2, help="ranks (processes on this machine)")
+@click.option("--model", type=click.Choice(MODELS), default="mlp",
+              help="mlp: a few large parameters; small-params: Linear + LayerNorm blocks (try --width 64 "
+              "--depth 200 --micro-batch 8)")
+@click.option("--width", type=int, default=1408, help="features per layer")
+@click.option("--depth", type=int, default=8, help="layers (blocks for small-params)")
+@click.option("--micro-batch", type=int, default=32, help="samples per rank per step")
+@click.option("--caps", cls=Variadic, type=float, default=(1, 4, 25), help="bucket sizes in MiB")
+@click.option("--rounds", type=int, default=20, help="rounds; each runs every variant in a shuffled order")
+@click.option("--steps", type=int, default=2, help="steps per variant per round")
+@click.option("--warmup", type=int, default=3, help="untimed steps per variant before the rounds")
+@click.option("--threads", type=int, default=1, help="torch threads per rank")
+@click.option("--views", is_flag=True, help="also compare gradient_as_bucket_view=True")
+@click.option("--check-every", is_flag=True, help="also time check_collectives='every' against the default (first)")
+@click.option("--default-malloc", is_flag=True, help="keep glibc's default malloc settings (see dptrain.allocator)")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/ddp.json"),
+              help="the JSON result (raw step times) to write")
+def main(world_size: int, model: str, width: int, depth: int, micro_batch: int, caps: tuple[float, ...], rounds: int,
+         steps: int, warmup: int, threads: int, views: bool, check_every: bool, default_malloc: bool,
+         out: Path) -> None:
+    result = run(world_size, width, depth, micro_batch, list(caps), rounds, steps, warmup, threads,
+                 views, not default_malloc, check_every, model)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     print(to_markdown(result))
-    print(f"\nraw step times: {a.out}")
+    print(f"\nraw step times: {out}")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,6 @@ The final state is compared with the fault-free run's ``model.safetensors``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -37,9 +36,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import torch
 from safetensors.torch import load_file
 
+from dptrain.bench.command import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_command
 
@@ -172,14 +173,14 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("bench_results/faults.json"))
-    args = parser.parse_args(argv)
+@bench_command(__doc__)
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/faults.json"),
+              help="the JSON result to write")
+def main(out: Path) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = run(Path(tmp))
     print(table(result))
-    save_result(args.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":

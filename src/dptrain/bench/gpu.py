@@ -21,18 +21,19 @@ machine; ``docs/gpu.md`` lists the ones checked.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import random
 import statistics
 import time
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from dptrain import DistributedDataParallel
+from dptrain.bench.command import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
 from dptrain.launch.rendezvous import free_port, leave_process_groups
@@ -111,17 +112,18 @@ def overhead(device: torch.device, rounds: int, steps: int, n_layer: int, n_embd
             "dptrain_views_vs_torch_ddp": paired_ratios(times["dptrain_ddp_views"], times["torch_ddp"])}
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant per round")
-    parser.add_argument("--parity-steps", type=int, default=20)
-    parser.add_argument("--n-layer", type=int, default=12)
-    parser.add_argument("--n-embd", type=int, default=768)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--block", type=int, default=512)
-    parser.add_argument("--out", type=Path, default=Path("bench_results/gpu.json"))
-    args = parser.parse_args(argv)
+@bench_command(__doc__)
+@click.option("--rounds", type=int, default=20, help="rounds; each times every variant in a shuffled order")
+@click.option("--steps", type=int, default=5, help="timed steps per variant per round")
+@click.option("--parity-steps", type=int, default=20, help="AdamW steps of the parity check against torch's DDP")
+@click.option("--n-layer", type=int, default=12, help="the timed GPT's blocks")
+@click.option("--n-embd", type=int, default=768, help="the timed GPT's width")
+@click.option("--batch", type=int, default=16, help="sequences per step")
+@click.option("--block", type=int, default=512, help="tokens per sequence")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/gpu.json"),
+              help="the JSON result to write")
+def main(rounds: int, steps: int, parity_steps: int, n_layer: int, n_embd: int, batch: int, block: int,
+         out: Path) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("dptrain bench gpu needs a CUDA device; this machine has none (torch.cuda.is_available() "
                          "is False)")
@@ -133,19 +135,19 @@ def main(argv: list[str] | None = None) -> None:
         result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                   "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
                   "backend": dist.get_backend()}
-        result["parity"] = [parity(device, args.parity_steps, autocast) for autocast in (False, True)]
+        result["parity"] = [parity(device, parity_steps, autocast) for autocast in (False, True)]
         for p in result["parity"]:
             print(f"parity ({'bf16 autocast' if p['autocast_bf16'] else 'fp32'}, {p['steps']} steps): "
                   f"max relative parameter difference {p['max_relative_param_diff']:.3g}; final loss torch "
                   f"{p['final_loss_torch']:.4f}, dptrain {p['final_loss_dptrain']:.4f}")
-        o = overhead(device, args.rounds, args.steps, args.n_layer, args.n_embd, args.batch, args.block)
+        o = overhead(device, rounds, steps, n_layer, n_embd, batch, block)
         result["overhead"] = o
-        print(f"overhead ({o['model']['params'] / 1e6:.1f}M parameters, batch {args.batch}x{args.block}, bf16): "
+        print(f"overhead ({o['model']['params'] / 1e6:.1f}M parameters, batch {batch}x{block}, bf16): "
               + ", ".join(f"{k} {v:.2f} ms" for k, v in o["median_ms"].items()))
         for key in ("dptrain_vs_plain", "dptrain_vs_torch_ddp", "torch_ddp_vs_plain", "dptrain_views_vs_torch_ddp"):
             r = o[key]
             print(f"  {key}: {r['median']:.4f}x (90% CI {r['ci90'][0]:.4f}-{r['ci90'][1]:.4f})")
-        save_result(args.out, result)
+        save_result(out, result)
     finally:
         leave_process_groups()
 

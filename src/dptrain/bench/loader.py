@@ -25,7 +25,6 @@ is cached, as a dataset that fits in memory is after its first epoch.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import os
 import random
@@ -34,10 +33,12 @@ import tempfile
 import time
 from pathlib import Path
 
+import click
 import numpy as np
 import torch
 
 from dptrain.batching import BatchPlan
+from dptrain.bench.command import bench_command
 from dptrain.bench.results import save_result
 from dptrain.config import RunConfig
 from dptrain.data.tokens import TokenWindows
@@ -96,17 +97,16 @@ def _step_rate(task, model: torch.nn.Module, opt: torch.optim.Optimizer, batch, 
     return steps * batch[0].shape[0] / (time.perf_counter() - t0)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--batches", type=int, default=200, help="micro-batches per loader per round")
-    parser.add_argument("--steps", type=int, default=5, help="training steps per round")
-    parser.add_argument("--tokens", type=float, default=50e6, help="tokens in the file (uint16: 2 bytes each)")
-    parser.add_argument("--cold", action="store_true", help="evict the token file from the page cache before each "
-                        "loader's turn (posix_fadvise DONTNEED): reads from the disk, as a file larger than memory")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/loader.json"))
-    a = parser.parse_args(argv)
-
+@bench_command(__doc__)
+@click.option("--rounds", type=int, default=5, help="interleaved rounds of every loader and the training step")
+@click.option("--batches", type=int, default=200, help="micro-batches per loader per round")
+@click.option("--steps", type=int, default=5, help="training steps per round")
+@click.option("--tokens", type=float, default=50e6, help="tokens in the file (uint16: 2 bytes each)")
+@click.option("--cold", is_flag=True, help="evict the token file from the page cache before each "
+              "loader's turn (posix_fadvise DONTNEED): reads from the disk, as a file larger than memory")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/loader.json"),
+              help="the JSON result to write")
+def main(rounds: int, batches: int, steps: int, tokens: float, cold: bool, out: Path) -> None:
     cfg = RunConfig()
     g, t = cfg.gpt, cfg.train
     plan = BatchPlan.resolve(1, t.global_batch_size or 32, t.micro_batch_size, t.grad_accum_steps)
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         path = Path(tmp) / "train.bin"
         rng = np.random.default_rng(0)
         with open(path, "wb") as f:  # written in chunks: the file may be larger than one wants in memory
-            left = int(a.tokens)
+            left = int(tokens)
             while left:
                 n = min(left, 1 << 24)
                 rng.integers(0, 256, n, dtype=np.uint16).tofile(f)
@@ -133,23 +133,23 @@ def main(argv: list[str] | None = None) -> None:
         _step_rate(task, model, opt, batch, 2)  # warm-up
         rates: dict[str, list[float]] = {name: [] for name in [*loaders, "training step"]}
         order = random.Random(0)
-        for r in range(a.rounds):
+        for r in range(rounds):
             names = list(rates)
             order.shuffle(names)
             for name in names:
                 if name == "training step":
-                    rates[name].append(_step_rate(task, model, opt, batch, a.steps))
+                    rates[name].append(_step_rate(task, model, opt, batch, steps))
                 else:  # a different place in the file each round: no window is read twice
-                    start = r * (a.batches + 1) // plan.grad_accum_steps
-                    rates[name].append(_loader_rate(loaders[name], start, a.batches, a.cold))
+                    start = r * (batches + 1) // plan.grad_accum_steps
+                    rates[name].append(_loader_rate(loaders[name], start, batches, cold))
         file_mb = path.stat().st_size / 2**20
-        disk = _cold_read_s(path) if a.cold else None
+        disk = _cold_read_s(path) if cold else None
 
     step = statistics.median(rates["training step"])
     print(f"default GPT ({sum(p.numel() for p in model.parameters()):,} parameters, block {g.block_size}), "
-          f"micro-batch {plan.micro_batch_size}, {torch.get_num_threads()} threads; token file {a.tokens:,.0f} "
-          f"tokens ({file_mb:,.0f} MiB, uint16, {'evicted from' if a.cold else 'in'} the page cache); {a.rounds} interleaved rounds of {a.batches} micro-batches per "
-          f"loader and {a.steps} steps\n")
+          f"micro-batch {plan.micro_batch_size}, {torch.get_num_threads()} threads; token file {tokens:,.0f} "
+          f"tokens ({file_mb:,.0f} MiB, uint16, {'evicted from' if cold else 'in'} the page cache); {rounds} interleaved rounds of {batches} micro-batches per "
+          f"loader and {steps} steps\n")
     print("| what | samples/s, median | per round | x what a step consumes | share of a step |")
     print("|---|---:|---|---:|---:|")
     for name, values in rates.items():
@@ -165,9 +165,9 @@ def main(argv: list[str] | None = None) -> None:
     worst = min(statistics.median(v) for k, v in rates.items() if k.startswith("token file")) / step
     print(f"\ngoal: the token-file loader at least 20x faster than the step needs: {worst:,.0f}x "
           f"({'met' if worst >= 20 else 'missed'})")
-    save_result(a.out, {"rates_samples_per_s": rates, "micro_batch": plan.micro_batch_size,
-                        "block_size": g.block_size, "tokens": a.tokens, "threads": torch.get_num_threads(),
-                        "cold": a.cold, "cold_read_s": disk, "headroom_worst": worst})
+    save_result(out, {"rates_samples_per_s": rates, "micro_batch": plan.micro_batch_size,
+                        "block_size": g.block_size, "tokens": tokens, "threads": torch.get_num_threads(),
+                        "cold": cold, "cold_read_s": disk, "headroom_worst": worst})
 
 
 if __name__ == "__main__":

@@ -26,12 +26,13 @@ Beside each measurement: the plan of ``dptrain plan`` for the same config (rank 
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 
+import click
 import torch
 
 from dptrain.batching import BatchPlan
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.zero import _allocator_follows_tensors
 from dptrain.config import load_config
@@ -152,21 +153,24 @@ def table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "zero3"])
-    parser.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
-    parser.add_argument("--steps", type=int, default=4, help="steps per measurement (the first reported apart)")
-    parser.add_argument("--shard-size", type=int, default=0,
-                        help="hybrid sharding: ZeRO strategies shard over groups of this many ranks (zero.shard_size)")
-    parser.add_argument("--out", type=Path, default=Path("bench_results/plan.json"))
-    a = parser.parse_args(argv)
-    if a.steps < 2:
-        parser.error(f"--steps must be at least 2 (the first step is reported apart), got {a.steps}")
-    result = run(a.world_size, a.strategies, a.precisions, a.steps, a.shard_size)
+@bench_command(__doc__)
+@click.option("--world-size", type=int, default=2, help="ranks (processes on this machine)")
+@click.option("--strategies", cls=Variadic, type=click.Choice(["ddp", "zero1", "zero2", "zero3"]),
+              default=("ddp", "zero1", "zero2", "zero3"), help="the strategies to plan and measure")
+@click.option("--precisions", cls=Variadic, type=click.Choice(["fp32", "bf16"]), default=("fp32", "bf16"),
+              help="the precisions to plan and measure")
+@click.option("--steps", type=int, default=4, help="steps per measurement (the first reported apart)")
+@click.option("--shard-size", type=int, default=0,
+              help="hybrid sharding: ZeRO strategies shard over groups of this many ranks (zero.shard_size)")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/plan.json"),
+              help="the JSON result to write")
+def main(world_size: int, strategies: tuple[str, ...], precisions: tuple[str, ...], steps: int, shard_size: int,
+         out: Path) -> None:
+    if steps < 2:
+        raise click.UsageError(f"--steps must be at least 2 (the first step is reported apart), got {steps}")
+    result = run(world_size, list(strategies), list(precisions), steps, shard_size)
     print(table(result))
-    save_result(a.out, result)
+    save_result(out, result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ with a bootstrap 90% interval. Timings mean something only side by side within a
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -30,10 +29,12 @@ import statistics
 import time
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 
 from dptrain.batching import BatchPlan
+from dptrain.bench.command import bench_command
 from dptrain.bench.stats import paired_ratios
 from dptrain.config import load_config
 from dptrain.tasks import build_task
@@ -112,23 +113,24 @@ def run(world_size: int, rounds: int, steps: int, warmup: int, log_every: int, g
     }
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=12)
-    parser.add_argument("--steps", type=int, default=5, help="steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--log-every", type=int, default=10, help="metrics record (all_gather) every N steps")
-    parser.add_argument("--global-batch", type=int, default=32)
-    parser.add_argument("--corpus-bytes", type=int, default=500_000)
-    parser.add_argument("--out", type=Path, default=Path("bench_results/run_overhead.json"))
-    a = parser.parse_args(argv)
-    result = run(a.world_size, a.rounds, a.steps, a.warmup, a.log_every, a.global_batch, a.corpus_bytes)
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+@bench_command(__doc__)
+@click.option("--world-size", type=int, default=2, help="ranks (processes on this machine)")
+@click.option("--rounds", type=int, default=12, help="rounds; each runs every variant in a shuffled order")
+@click.option("--steps", type=int, default=5, help="steps per variant per round")
+@click.option("--warmup", type=int, default=3, help="untimed steps per variant before the rounds")
+@click.option("--log-every", type=int, default=10, help="metrics record (all_gather) every N steps")
+@click.option("--global-batch", type=int, default=32, help="samples per step over all ranks")
+@click.option("--corpus-bytes", type=int, default=500_000, help="bytes of the chargpt training text")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/run_overhead.json"),
+              help="the JSON result (raw step times) to write")
+def main(world_size: int, rounds: int, steps: int, warmup: int, log_every: int, global_batch: int,
+         corpus_bytes: int, out: Path) -> None:
+    result = run(world_size, rounds, steps, warmup, log_every, global_batch, corpus_bytes)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     med = result["median_step_ms"]
-    print(f"{a.world_size} ranks, default chargpt GPT, global batch {a.global_batch}, {a.rounds} rounds x "
-          f"{a.steps} steps per variant")
+    print(f"{world_size} ranks, default chargpt GPT, global batch {global_batch}, {rounds} rounds x "
+          f"{steps} steps per variant")
     print(f"median step: bare {med['bare']:.1f} ms, instrumented {med['instrumented']:.1f} ms, "
           f"bare_control {med['bare_control']:.1f} ms")
     for name, key in (("instrumented / bare", "instrumented_over_bare"), ("bare_control / bare (A/A)",
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
         ratio = result[key]
         print(f"{name}, paired per round: median {ratio['median']:.3f}, "
               f"90% interval [{ratio['ci90'][0]:.3f}, {ratio['ci90'][1]:.3f}]")
-    print(f"raw step times: {a.out}")
+    print(f"raw step times: {out}")
 
 
 if __name__ == "__main__":

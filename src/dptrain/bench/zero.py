@@ -44,7 +44,6 @@ for ``--memory-steps`` steps. Reported per rank, the largest rank's:
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import ctypes.util
 import json
@@ -57,6 +56,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import click
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -65,6 +65,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 
+from dptrain.bench.command import Variadic, bench_command
 from dptrain.bench.stats import paired_ratios
 from dptrain.models.gpt import GPT, Block
 from dptrain.testing import run_on_ranks
@@ -363,30 +364,33 @@ def to_markdown(result: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--n-layer", type=int, default=6)
-    parser.add_argument("--n-embd", type=int, default=320)
-    parser.add_argument("--n-head", type=int, default=5)
-    parser.add_argument("--block-size", type=int, default=32, help="tokens per sequence")
-    parser.add_argument("--micro-batch", type=int, default=2, help="sequences per rank per step")
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--steps", type=int, default=2, help="steps per variant per round")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--memory-steps", type=int, default=3, help="steps in each variant's memory run")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu",
-                        help="cuda needs --world-size GPUs (one per rank, nccl)")
-    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
-    parser.add_argument("--out", type=Path, default=Path("bench_results/zero.json"))
-    a = parser.parse_args(argv)
-    result = run(a.world_size, a.n_layer, a.n_embd, a.n_head, a.block_size, a.micro_batch, a.rounds, a.steps,
-                 a.warmup, a.memory_steps, a.threads, a.device, tuple(a.variants))
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=1))
+@bench_command(__doc__)
+@click.option("--world-size", type=int, default=2, help="ranks (processes on this machine, or GPUs with cuda)")
+@click.option("--n-layer", type=int, default=6, help="the GPT's blocks")
+@click.option("--n-embd", type=int, default=320, help="the GPT's width")
+@click.option("--n-head", type=int, default=5, help="attention heads")
+@click.option("--block-size", type=int, default=32, help="tokens per sequence")
+@click.option("--micro-batch", type=int, default=2, help="sequences per rank per step")
+@click.option("--rounds", type=int, default=20, help="rounds; each runs every variant in a shuffled order")
+@click.option("--steps", type=int, default=2, help="steps per variant per round")
+@click.option("--warmup", type=int, default=3, help="untimed steps per variant before the rounds")
+@click.option("--memory-steps", type=int, default=3, help="steps in each variant's memory run")
+@click.option("--threads", type=int, default=1, help="torch threads per rank")
+@click.option("--device", type=click.Choice(("cpu", "cuda")), default=lambda: "cuda" if torch.cuda.is_available()
+              else "cpu", show_default="cuda if available, else cpu", help="cuda needs --world-size GPUs (one per "
+              "rank, nccl)")
+@click.option("--variants", cls=Variadic, type=click.Choice(VARIANTS), default=VARIANTS, help="the variants to run")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/zero.json"),
+              help="the JSON result (raw step times, per-rank memory) to write")
+def main(world_size: int, n_layer: int, n_embd: int, n_head: int, block_size: int, micro_batch: int, rounds: int,
+         steps: int, warmup: int, memory_steps: int, threads: int, device: str, variants: tuple[str, ...],
+         out: Path) -> None:
+    result = run(world_size, n_layer, n_embd, n_head, block_size, micro_batch, rounds, steps,
+                 warmup, memory_steps, threads, device, tuple(variants))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
     print(to_markdown(result))
-    print(f"\nraw step times and per-rank memory: {a.out}")
+    print(f"\nraw step times and per-rank memory: {out}")
 
 
 if __name__ == "__main__":
