@@ -185,3 +185,15 @@ def test_a_benchmark_runs_for_real_through_the_group(tmp_path):
 
     caps = {row.split("/")[-1] for row in json.loads(out.read_text())["step_times_s"]}
     assert caps >= {"1", "25"}, caps
+
+
+# --- every option of every command says what it does --------------------------------------------------------------
+
+def test_every_cli_option_has_help():
+    import click
+
+    from dptrain.cli import main
+
+    missing = [(name, p.opts[0]) for name, command in main.commands.items() if not isinstance(command, click.Group)
+               for p in command.params if isinstance(p, click.Option) and not p.help]
+    assert missing == []

@@ -142,10 +142,12 @@ def _expendable(cfg, nproc: int) -> set[int]:
               help="bytes, or the path of a Hugging Face tokenizer.json (nothing is downloaded)")
 @click.option("--val", "val_inputs", multiple=True, help="a file (directory, glob) held out for validation "
               "(repeatable); default: the tail of the tokens, --val-fraction")
-@click.option("--val-fraction", type=float, default=0.05, show_default=True)
+@click.option("--val-fraction", type=float, default=0.05, show_default=True,
+              help="without --val: the share of the tokens, at the end, held out for validation")
 @click.option("--hf", "hf_files", is_flag=True, help="INPUTS are data files read by Hugging Face datasets "
               "(.jsonl, .json, .parquet, .csv, .arrow); their --text-column is the text")
-@click.option("--text-column", default="text", show_default=True)
+@click.option("--text-column", default="text", show_default=True,
+              help="with --hf: the column holding the text")
 @click.option("--config", "config_path", type=click.Path(path_type=Path),
               help="prepare what a run config's [data] section names instead (data.source text or hf)")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="with --config: override a field")
@@ -225,8 +227,11 @@ def _int_list(text: str, what: str) -> list[int]:
 @click.option("--params", type=float, help="plan a bare parameter count instead of the config's model "
               "(model states and communication only)")
 @click.option("--world-sizes", default="1,2,4,8", show_default=True, help="data-parallel degrees, comma-separated")
-@click.option("--strategies", default="ddp,zero1,zero2,zero3", show_default=True)
-@click.option("--precisions", default="fp32,bf16", show_default=True)
+@click.option("--strategies", default="ddp,zero1,zero2,zero3", show_default=True,
+              help="strategies to plan, comma-separated: ddp, zero1, zero2, zero3 (ZeRO stages, docs/zero.md)")
+@click.option("--precisions", default="fp32,bf16", show_default=True,
+              help="precisions to plan, comma-separated: fp32, bf16 (mixed precision: DDP under autocast, ZeRO "
+                   "with bf16 parameters and fp32 master copies)")
 @click.option("--device-memory", type=float, help="GiB per device: adds a 'fits' column")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the plan as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="write a PNG of memory per rank here")
@@ -294,7 +299,8 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
 @click.option("--per-node", type=int, default=1, show_default=True, help="with --bandwidth-gbit: workers per host")
 @click.option("--node-bandwidth-gbit", type=float,
               help="with --bandwidth-gbit: Gbit/s between the workers of a host (default: the same)")
-@click.option("--world-sizes", default="1,2,4,8,16,32,64", show_default=True)
+@click.option("--world-sizes", default="1,2,4,8,16,32,64", show_default=True,
+              help="data-parallel degrees to simulate, comma-separated")
 @click.option("--algorithm", type=click.Choice(["native", "ring", "tree", "naive", "hierarchical"]), default="native",
               show_default=True, help="native: the backend's own collectives, modelled as rings")
 @click.option("--profile", type=click.Choice(["measured", "flops"]), default="measured", show_default=True,
@@ -304,7 +310,8 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
 @click.option("--no-overlap", is_flag=True, help="DDP: launch every bucket when backward ends (no overlap)")
 @click.option("--compression", type=int, default=1, show_default=True,
               help="DDP: gradients cross the link this many times smaller (encode/decode not charged)")
-@click.option("--json", "json_path", type=click.Path(path_type=Path))
+@click.option("--json", "json_path", type=click.Path(path_type=Path),
+              help="write the simulation as JSON here (every cell, the profile, the networks)")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="PNG: throughput, efficiency, breakdown")
 @click.option("--list-networks", is_flag=True, help="print the presets and their sources")
 def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency_us, per_node, node_bandwidth_gbit,
