@@ -27,7 +27,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-__all__ = ["ConfigError", "load_config", "build", "to_dict", "to_toml", "identity", "identity_hash"]
+__all__ = ["ConfigError", "load_config", "build", "to_dict", "to_toml", "identity", "identity_hash",
+           "normalize_identity", "unused_fields", "unused_settings"]
 
 
 class ConfigError(ValueError):
@@ -189,12 +190,74 @@ def identity(cfg: RunConfig) -> dict[str, Any]:
     """The fields that decide what each step computes, flattened to dotted keys.
 
     A checkpoint may be resumed only by a config with the same identity; fields in
-    ``schema.NOT_IDENTITY`` (step count, logging, micro-batch split, DDP tuning) may change.
+    ``schema.NOT_IDENTITY`` (step count, logging, micro-batch split, DDP tuning) may change,
+    and so may the fields this run does not read (:func:`unused_fields`: ``[gpt]`` for the
+    classifier, the built-in model's shape under ``task.model``), which are left out.
     Fields in ``schema.ADDED_LATER`` are left out while they hold their default, so that
     checkpoints written before they existed keep their identity.
     """
+    return normalize_identity(_flat_identity(cfg))
+
+
+def normalize_identity(flat: dict[str, Any]) -> dict[str, Any]:
+    """An identity (a checkpoint's stored one, too) as :func:`identity` computes it now.
+
+    Checkpoints written before unused fields were left out stored them; leaving them out
+    of the stored identity as well (``verify_checkpoint``) lets those checkpoints resume.
+    """
     defaults = _flat_identity(RunConfig())
-    return {k: v for k, v in _flat_identity(cfg).items() if not (k.startswith(ADDED_LATER) and v == defaults.get(k))}
+    unused = unused_fields(flat)
+    return {k: v for k, v in flat.items()
+            if k not in unused and not (k.startswith(ADDED_LATER) and v == defaults.get(k))}
+
+
+# Which fields the run's data and model read (tasks/__init__.py, tasks/user.py): the built-in GPT's and
+# MLP's shapes, the built-in tasks' data. Leaving one out of the identity lets it change between a
+# checkpoint and its resumption, so a field is listed here only where no code path reads it.
+_GPT_SHAPE = ("gpt.n_layer", "gpt.n_head", "gpt.n_embd", "gpt.dropout")
+_GPT = (*_GPT_SHAPE, "gpt.block_size", "gpt.vocab_size", "gpt.corpus_bytes", "gpt.val_fraction")
+_CLASSIFIER = ("classifier.features", "classifier.classes", "classifier.hidden", "classifier.depth",
+               "classifier.samples", "classifier.noise")
+
+
+def unused_fields(flat: dict[str, Any]) -> set[str]:
+    """The dotted fields of an identity (or of a whole flattened config) that the run it describes never reads."""
+    defaults = _flat_identity(RunConfig())
+    name, source, model, hf = (flat.get(k, defaults[k]) for k in ("task.name", "data.source", "task.model",
+                                                                   "hf.path"))
+    own_model = bool(model or hf)
+    builtin_gpt = not own_model and (source in ("tokens", "text", "hf") or name == "chargpt")
+    builtin_mlp = not own_model and name == "classifier" and source in ("task", "factory")
+    unused = set() if model and not hf else {"task.model_args"}
+    if name == "classifier" and source == "task" or source == "factory" and not builtin_gpt:
+        unused |= set(_GPT)
+    elif not builtin_gpt:
+        unused |= set(_GPT_SHAPE)
+    if not (source == "task" and name == "chargpt"):
+        unused |= {"gpt.corpus_bytes", "gpt.val_fraction"}
+    if not (name == "classifier" and source == "task"):
+        unused |= {"classifier.samples", "classifier.noise"}
+        if not builtin_mlp:
+            unused |= {"classifier.features", "classifier.classes"}
+    if not builtin_mlp:
+        unused |= {"classifier.hidden", "classifier.depth"}
+    return unused
+
+
+def unused_settings(cfg: RunConfig) -> str | None:
+    """One line naming the fields set away from their defaults that this run never reads; None if there are none."""
+    flat, defaults = _flat_identity(cfg), _flat_identity(RunConfig())
+    unused = unused_fields(flat)
+    settings = [f"{k}={json.dumps(v)}" for k, v in flat.items() if k in unused and v != defaults[k]]
+    if not settings:
+        return None
+    why = ("hf.path builds the model" if cfg.hf.path else f"task.model {cfg.task.model!r} builds the model from "
+           "task.model_args" if cfg.task.model else f"the task is {cfg.task.name!r}")
+    if cfg.data.source != "task":
+        why += f" on data.source {cfg.data.source!r}"
+    one = len(settings) == 1
+    return (f"{', '.join(settings)} {'is' if one else 'are'} not used by this run ({why}), so "
+            f"{'it changes' if one else 'they change'} nothing; remove {'it' if one else 'them'} from the config")
 
 
 def _flat_identity(cfg: RunConfig) -> dict[str, Any]:

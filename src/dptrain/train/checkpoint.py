@@ -53,6 +53,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dptrain.config.loader import identity_hash as hash_identity
+from dptrain.config.loader import normalize_identity
+
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
            "prune_checkpoints", "remove_partial", "rng_state", "set_rng_state"]
 
@@ -150,8 +153,9 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
             f"{_WRITTEN_BY.get(saved_layout, saved_layout)}) and this run's strategy "
             f"writes {layout} checkpoints; resume with the strategy it was saved with (any ZeRO stage loads a "
             "sharded checkpoint), or start afresh with another run_dir")
-    if meta.get("identity_hash") != identity_hash:
-        saved = meta.get("identity", {})
+    stored = meta.get("identity")
+    saved = normalize_identity(stored if isinstance(stored, dict) else {})  # as computed now (older ones kept more)
+    if meta.get("identity_hash") != identity_hash and hash_identity(saved) != identity_hash:
         diffs = [f"{k}: {saved.get(k, '<absent>')!r} -> {identity.get(k, '<absent>')!r}"
                  for k in sorted(set(saved) | set(identity)) if saved.get(k) != identity.get(k)]
         raise CheckpointError(
