@@ -53,11 +53,14 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
         cfg = load_config(args.config, overrides)
         run_dir = default_run_dir(cfg).resolve()
-        rp = prepare_run(cfg, env.world_size)
+        rp = prepare_run(cfg, env.world_size, check_forward=not local)  # `dptrain run` traced the forward already
     except BAD_INPUT as e:
         if env.rank == 0 or not local:  # the local launcher already reported it once
             print(f"error: {e}", file=sys.stderr)
         return 2
+    if env.rank == 0 and not local:  # under torchrun or Slurm no launcher printed them
+        for line in rp.warnings:
+            print(line, file=sys.stderr)
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
     if not torch.cuda.is_available():

@@ -28,7 +28,7 @@ from dptrain.train.loop import zero_kwargs_from_config
 from dptrain.train.optim import build_optimizer
 
 __all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
-           "checkpoint_classes", "trace_model"]
+           "checkpoint_classes", "trace_model", "loss_problem"]
 
 
 def flat_model(numel: int, dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -131,6 +131,68 @@ def trace_model(build: Callable[[], nn.Module], batch: Callable[[], Any], loss: 
     except ActivationTraceError as e:
         notes.append(f"activations ({compute}{', ' + what if what else ''}): {e}")
         return None
+
+
+def loss_problem(task, micro_batch: int) -> str | None:
+    """Why the task's loss cannot use the model's output, found by tracing one micro-batch on fake tensors.
+
+    The trace is :func:`trace_model`'s (no memory, no compute, milliseconds for a small
+    model). Only a forward that runs on fake tensors counts: then a loss that raises on its
+    output (a tuple where logits were expected, logits that do not line up with the
+    targets, neither a loss nor logits), or logits with fewer classes than the batch's
+    targets (:func:`~dptrain.tasks.protocol.check_classes`), is the problem. A forward that
+    cannot run without data (``.item()``, data-dependent control flow, an operation
+    without a fake kernel) gives None: the real run may well work.
+    """
+    from dptrain.tasks.protocol import ProtocolError, check_classes
+
+    samples = [task.train_set[i % len(task.train_set)] for i in range(micro_batch)]
+    probe = _LossProbe(task.loss)
+    try:
+        real = collate(task)(samples)
+        traced = trace_model(lambda: architecture(task), lambda: real, probe, "fp32", (),
+                             FakeTensorMode(allow_non_fake_inputs=True), [])
+    except Exception:  # building the model or the batch: checked elsewhere, or left to the real run
+        return None
+    if not probe.forward_returned:
+        return None
+    if traced is None:
+        error = probe.error
+        limit = isinstance(error, NotImplementedError) or type(error).__module__.startswith(_FAKE_LIMITS)
+        return None if error is None or limit else f"{type(error).__name__}: {error}"
+    try:
+        check_classes(probe.output, real)
+    except ProtocolError as e:
+        return str(e)
+    return None
+
+
+# Where the exceptions of a computation that fake tensors cannot follow come from (a value read, a
+# data-dependent shape): the forward's failure, not the output's.
+_FAKE_LIMITS = ("torch._subclasses", "torch.fx", "torch._dynamo")
+
+
+class _LossProbe:
+    """``loss(model, batch)`` that records whether the model's forward returned, its output, and what was raised."""
+
+    def __init__(self, loss: Callable[[nn.Module, Any], Any]):
+        self.loss = loss
+        self.forward_returned = False
+        self.output: Any = None
+        self.error: Exception | None = None
+
+    def __call__(self, model: nn.Module, batch: Any) -> Any:
+        handle = model.register_forward_hook(self._record)
+        try:
+            return self.loss(model, batch)
+        except Exception as e:
+            self.error = e
+            raise
+        finally:
+            handle.remove()
+
+    def _record(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.forward_returned, self.output = True, output
 
 
 def _build(build: Callable[[], nn.Module], dtype: torch.dtype) -> nn.Module:

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["call_model", "protocol_loss", "protocol_eval_sums", "ProtocolError", "IGNORE"]
+__all__ = ["call_model", "protocol_loss", "protocol_eval_sums", "check_classes", "ProtocolError", "IGNORE"]
 
 IGNORE = -100
 
@@ -109,3 +109,28 @@ def protocol_eval_sums(model: nn.Module, batch: Any) -> dict[str, float]:
     kept = targets != IGNORE
     return {"loss_sum": loss_sum.item(), "count": float(kept.sum()),
             "correct": float(((logits.argmax(-1) == targets) & kept).sum())}
+
+
+def check_classes(output: Any, batch: Any) -> None:
+    """Raise a ProtocolError when ``output``'s logits have fewer classes than ``batch``'s targets need.
+
+    Cross-entropy indexes the logits' last dimension by the target, so a target at or
+    beyond it fails only when the loss runs on data (a device-side assert on CUDA). The
+    targets are read as :func:`call_model` reads them (a tuple's last element, a dict's
+    ``labels``); ``output`` may hold fake tensors (only its shape is read), ``batch`` must
+    hold real ones. A model that computes its own loss, or a batch without integer
+    targets, is not checked.
+    """
+    targets = batch[-1] if isinstance(batch, (tuple, list)) and len(batch) > 1 else \
+        batch.get("labels") if isinstance(batch, dict) else None
+    if _given_loss(output) is not None or not torch.is_tensor(targets) or targets.is_floating_point():
+        return
+    logits = _logits(output)
+    kept = targets[targets != IGNORE]
+    if not torch.is_tensor(logits) or logits.dim() == 0 or kept.numel() == 0:
+        return
+    classes, largest = logits.size(-1), int(kept.max())
+    if largest >= classes:
+        raise ProtocolError(f"the model's logits have {classes} classes (their last dimension) and a batch's "
+                            f"targets go up to {largest}: the model needs at least {largest + 1} outputs (the "
+                            "vocabulary size, or the number of classes)")

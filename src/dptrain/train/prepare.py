@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.compress.remedies import Remedies
 from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
+from dptrain.config.loader import unused_settings
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.tasks import Task, architecture, build_task, run_name
@@ -46,13 +47,16 @@ class RunPlan:
     identity_hash: str
     resume_from: Path | None
     resume_meta: dict[str, Any] | None
+    warnings: list[str] = field(default_factory=list)  # for the launcher to print once, before launch
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / run_name(cfg)
 
 
-def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
+def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> RunPlan:
+    """The checked plan of a run; ``check_forward``: trace the model's forward and loss on fake tensors
+    (:func:`_check_forward`; a launcher that already did may skip it in the workers)."""
     if world_size < 1:
         raise ConfigError(f"the world size must be at least 1, got {world_size}")
     _check_ranges(cfg)
@@ -84,6 +88,8 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
         about = getattr(task, "about", "")
         raise BatchSizeError(f"{e}" + (f" (samples: {about})" if about else "")) from None
     n_params = _check_model_builds(task, cfg)
+    if check_forward:
+        _check_forward(task, cfg, plan.micro_batch_size)
     run_dir = default_run_dir(cfg).resolve()
     _check_run_dir(run_dir, n_params, cfg)
     ident = identity(cfg)
@@ -102,7 +108,8 @@ def prepare_run(cfg: RunConfig, world_size: int) -> RunPlan:
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
                           f"Use another run_dir, or delete {latest.parent}")
-    return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta)
+    notes = [f"warning: {line}" for line in [unused_settings(cfg)] if line]
+    return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta, notes)
 
 
 def _check_ranges(cfg: RunConfig) -> None:
@@ -292,3 +299,23 @@ def _check_model_builds(task: Task, cfg: RunConfig) -> int:
         except PSLayoutError as e:
             raise ConfigError(f"ps.servers={cfg.ps.servers}: {e}") from None
     return sum(p.numel() for p in model.parameters())
+
+
+def _check_forward(task: Task, cfg: RunConfig, micro_batch: int) -> None:
+    """Refuse a model whose output the task's loss cannot use, found by ``dptrain plan``'s fake-tensor trace.
+
+    Without this the workers start, write the run directory, and fail at step 1. A forward
+    that cannot be traced without data (``.item()``, data-dependent control flow) is let
+    through: only the real run can tell (:func:`~dptrain.planner.from_config.loss_problem`).
+    """
+    from dptrain.planner.from_config import loss_problem  # the planner imports the trainer: only when checking
+
+    problem = loss_problem(task, micro_batch)
+    if problem is None:
+        return
+    model = (f"hf.path {cfg.hf.path!r}" if cfg.hf.path and cfg.data.source != "task" else
+             f"task.model {cfg.task.model!r}" if cfg.task.model else "the built-in model")
+    raise ConfigError(f"the output of {model} cannot be used by the {run_name(cfg)!r} task's loss (one micro-batch "
+                      f"of {micro_batch} traced on fake tensors): {problem}. Make the model return a scalar loss, an "
+                      "object with .loss, or logits whose last dimension is the classes and whose other dimensions "
+                      "match the targets (docs/your-data.md: what a model may return)")
