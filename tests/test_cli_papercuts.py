@@ -197,3 +197,62 @@ def test_every_cli_option_has_help():
     missing = [(name, p.opts[0]) for name, command in main.commands.items() if not isinstance(command, click.Group)
                for p in command.params if isinstance(p, click.Option) and not p.help]
     assert missing == []
+
+
+# --- plan and simulate: which model, one batch rule, skipped world sizes, the measured-CPU warning -----------------
+
+TINY = ["--set", "gpt.n_layer=1", "--set", "gpt.n_embd=16", "--set", "gpt.n_head=2", "--set", "gpt.block_size=8",
+        "--set", "gpt.corpus_bytes=20000"]
+
+
+def _invoke(*args: str):
+    from click.testing import CliRunner
+
+    from dptrain.cli import main
+
+    return CliRunner().invoke(main, list(args))
+
+
+def test_plan_names_the_model_states_the_batch_rule_and_skips_a_world_size_it_cannot_split():
+    result = _invoke("plan", *TINY, "--world-sizes", "1,3,4", "--strategies", "ddp", "--precisions", "fp32")
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert lines[0] == "model: task chargpt: a GPT of 1 blocks, width 16, 8 tokens per sample"
+    assert lines[1].startswith("batch rule: the global batch stays 32 samples per step as N grows")
+    assert "| ddp | 1 | fp32 | 32 |" in result.output and "| ddp | 4 | fp32 | 8 |" in result.output
+    assert "| ddp | 3 |" not in result.output
+    skip = next(line for line in lines if "N=3 skipped" in line)
+    assert "global batch 32 is not divisible" in skip and "--set train.global_batch_size" in skip
+    help_text = _invoke("plan", "--help").output
+    assert "Batch rule (plan and simulate)" in help_text and "global batch" in help_text
+
+
+def test_plan_with_no_world_size_left_is_an_error():
+    result = _invoke("plan", *TINY, "--world-sizes", "3,5", "--strategies", "ddp", "--precisions", "fp32")
+    assert result.exit_code == 2
+    assert "no world size left to plan" in result.stderr and "N=5 skipped" in result.stderr
+
+
+def test_simulate_follows_the_same_batch_rule_as_plan():
+    flops = ["--profile", "flops", "--device-flops", "1e12", "--networks", "eth-10"]
+    result = _invoke("simulate", *TINY, *flops, "--world-sizes", "1,2,3")
+    assert result.exit_code == 0, result.output
+    assert result.output.splitlines()[1].startswith("batch rule: the global batch stays 32 samples per step")
+    assert "| eth-10 | 1 | 32 |" in result.output and "| eth-10 | 2 | 16 |" in result.output
+    assert "N=3 skipped: global batch 32 is not divisible" in result.output
+    assert "warning" not in result.stderr  # a FLOPs profile on a GPU preset: nothing to warn about
+    weak = _invoke("simulate", *TINY, *flops, "--world-sizes", "1,2,3", "--micro-batch", "4")
+    assert weak.exit_code == 0, weak.output
+    assert "batch rule: the micro-batch stays 4 samples per rank" in weak.output
+    assert all(f"| eth-10 | {n} | 4 |" in weak.output for n in (1, 2, 3))
+    assert "Batch rule (plan and simulate)" in _invoke("simulate", "--help").output
+
+
+def test_simulate_warns_when_this_cpu_is_replayed_over_gpu_links():
+    measured = _invoke("simulate", *TINY, "--networks", "loopback,nvlink4+ib-ndr", "--world-sizes", "1,2")
+    assert measured.exit_code == 0, measured.output
+    warning = next(line for line in measured.stderr.splitlines() if line.startswith("warning:"))
+    assert "nvlink4+ib-ndr" in warning and "--profile flops --device-flops" in warning
+    assert "loopback" not in warning
+    local = _invoke("simulate", *TINY, "--networks", "loopback", "--world-sizes", "1,2")
+    assert local.exit_code == 0 and "warning" not in local.stderr

@@ -245,7 +245,10 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     dptrain plan --set gpt.n_layer=24 --set gpt.n_embd=2048 --device-memory 80
     dptrain plan --params 7e9 --world-sizes 8,64   # a bare parameter count
 
-    Model states are exact (the engines' own layout code on a model without storage);
+    Batch rule (plan and simulate): the config's batch as dptrain run resolves it at each
+    N. Its global batch (32 if none is given) stays fixed as N grows and each rank takes
+    global / N; a world size it cannot be split over is skipped with the reason. Model
+    states are exact (the engines' own layout code on a model without storage);
     activations come from a traced forward of one micro-batch; the total adds the
     communication buffers alive in backward. See docs/planner.md.
     """
@@ -253,7 +256,7 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     from dptrain.planner import PRECISIONS, STRATEGIES, Setup, plan_row
     from dptrain.planner.from_config import flat_model, plan_config
     from dptrain.planner.report import plot as plot_rows
-    from dptrain.planner.report import table, to_json
+    from dptrain.planner.report import batch_rule, table, to_json
 
     sizes = _int_list(world_sizes, "--world-sizes")
     chosen = [s.strip() for s in strategies.split(",") if s.strip()]
@@ -273,12 +276,20 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
             rows = [plan_row(model, Setup(s, n, p), None, layered=False) for n in sizes for p in precs for s in chosen]
             notes.append("a bare parameter count: activations and communication buffers are not estimated (they "
                          "depend on the layers; plan a model for them); 'fits' compares the model states")
+            head = [f"model: a bare parameter count, {int(params):,} parameters"]
         else:
-            rows = plan_config(load_config(config_path, overrides), sizes, chosen, precs, notes)
+            cfg = load_config(config_path, overrides)
+            rows = plan_config(cfg, sizes, chosen, precs, notes)
+            head = [f"model: {_model_name(cfg)}", batch_rule("global" if _fixed_global(cfg) else "micro",
+                                                             *_batch_sizes(cfg))]
     except _bad_input() as e:
         click.echo(f"dptrain plan: {e}", err=True)
         sys.exit(2)
+    if not rows:
+        click.echo("dptrain plan: no world size left to plan:\n" + "\n".join(notes), err=True)
+        sys.exit(2)
     budget = int(device_memory * 2**30) if device_memory is not None else None
+    click.echo("\n".join(head))
     click.echo(table(rows, budget))
     for note in notes:
         click.echo(f"note: {note}")
@@ -306,7 +317,8 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
 @click.option("--profile", type=click.Choice(["measured", "flops"]), default="measured", show_default=True,
               help="compute times: measured on this machine, or FLOPs at --device-flops")
 @click.option("--device-flops", type=float, help="FLOP/s of one device, for --profile flops")
-@click.option("--micro-batch", type=int, help="samples per rank (default: the config's at world size 1)")
+@click.option("--micro-batch", type=int, help="fix the samples per rank instead of the config's global batch "
+              "(accumulation 1): N ranks then process N times as many per step")
 @click.option("--no-overlap", is_flag=True, help="DDP: launch every bucket when backward ends (no overlap)")
 @click.option("--compression", type=int, default=1, show_default=True,
               help="DDP: gradients cross the link this many times smaller (encode/decode not charged)")
@@ -325,14 +337,18 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     dptrain simulate --set ddp.bucket_cap_mb=100 --networks eth-10
     dptrain simulate --strategy zero3 --set zero.shard_size=8 --networks eth-100   # HSDP, a host per shard group
 
-    Weak scaling: every rank keeps the micro-batch, so N ranks process N times the
-    samples per step. The backward pass is replayed bucket by bucket on the network's
-    links with the collectives' cost model. See docs/planner.md.
+    Batch rule (plan and simulate): the config's batch as dptrain run resolves it at each
+    N. Its global batch (32 if none is given) stays fixed as N grows and each rank takes
+    global / N (strong scaling); --micro-batch fixes the samples per rank instead (weak
+    scaling). A world size the batch cannot be split over is skipped with the reason.
+    The backward pass is replayed bucket by bucket on the network's links with the
+    collectives' cost model. --profile measured times this machine: for GPU networks
+    give --profile flops --device-flops. See docs/simulator.md.
     """
     from dptrain.config import load_config
     from dptrain.planner.from_config import simulate_config
     from dptrain.planner.network import PRESETS, Network, custom_link, network
-    from dptrain.planner.report import plot_scaling, scaling_table
+    from dptrain.planner.report import batch_rule, plot_scaling, scaling_table, skip_lines
 
     if list_networks:
         for net in PRESETS.values():
@@ -358,16 +374,70 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     except (ValueError, *_bad_input()) as e:
         click.echo(f"dptrain simulate: {e}", err=True)
         sys.exit(2)
-    prof = result["profile"]
-    click.echo(f"compute per micro-batch of {result['micro_batch']}: forward {prof.forward_s * 1e3:.1f} ms, "
-               f"backward {prof.backward_s * 1e3:.1f} ms, optimizer {prof.optimizer_s * 1e3:.1f} ms ({prof.source})")
+    if not result["batches"]:
+        click.echo("dptrain simulate: no world size left to simulate:\n" + "\n".join(skip_lines(result["skipped"])),
+                   err=True)
+        sys.exit(2)
+    first = result["batches"][min(result["batches"])]
+    click.echo(f"model: {_model_name(cfg)}")
+    click.echo(batch_rule(result["fixed"], first.global_batch_size, first.micro_batch_size))
+    if profile == "measured" and any(_gpu_class(net) for net in nets):
+        click.echo(f"warning: --profile measured replays this machine's compute ({_this_device()}) over GPU-class "
+                   f"links ({', '.join(net.name for net in nets if _gpu_class(net))}); for a GPU cluster give "
+                   "--profile flops --device-flops F, e.g. 4e14 for an H100 reaching 40% of its 989e12 dense bf16 FLOP/s",
+                   err=True)
+    for micro, prof in result["profiles"].items():
+        click.echo(f"compute per micro-batch of {micro}: forward {prof.forward_s * 1e3:.1f} ms, "
+                   f"backward {prof.backward_s * 1e3:.1f} ms, optimizer {prof.optimizer_s * 1e3:.1f} ms "
+                   f"({prof.source})")
     click.echo(scaling_table(result))
+    for line in skip_lines(result["skipped"]):
+        click.echo(line)
     if json_path is not None:
         from dptrain.planner.report import scaling_json
 
         click.echo(f"JSON: {scaling_json(result, json_path)}")
     if plot_path is not None:
         click.echo(f"plot: {plot_scaling(result, plot_path)}")
+
+
+def _model_name(cfg) -> str:
+    """What a config trains, in a few words: the task, and the user's factory or Hugging Face path if any."""
+    if cfg.hf.path:
+        return f"the Hugging Face model in {cfg.hf.path} (task {cfg.task.name})"
+    if cfg.task.model:
+        return f"{cfg.task.model} (the factory of task.model, task {cfg.task.name})"
+    if cfg.task.name == "chargpt":
+        g = cfg.gpt
+        return f"task chargpt: a GPT of {g.n_layer} blocks, width {g.n_embd}, {g.block_size} tokens per sample"
+    return f"task {cfg.task.name}'s built-in model"
+
+
+def _batch_sizes(cfg) -> tuple[int | None, int | None]:
+    """The global and micro batch at world size 1, as the batch rule line quotes them."""
+    from dptrain.batching import BatchPlan
+
+    t = cfg.train
+    sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
+    batch = BatchPlan.resolve(1, *(sizes if any(v is not None for v in sizes) else (32, None, None)))
+    return batch.global_batch_size, batch.micro_batch_size
+
+
+def _fixed_global(cfg) -> bool:
+    """Whether the config's batch keeps the global batch fixed over world sizes (it does unless only micro is set)."""
+    t = cfg.train
+    return t.global_batch_size is not None or t.micro_batch_size is None
+
+
+def _gpu_class(net) -> bool:
+    """Whether a network is a GPU cluster's: the presets with NVLink inside a host (all but loopback)."""
+    return "nvlink" in f"{net.name} {net.source}".lower()
+
+
+def _this_device() -> str:
+    import platform
+
+    return f"{platform.processor() or platform.machine()} CPU, one thread"
 
 
 @main.command()

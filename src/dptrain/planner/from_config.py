@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from dptrain.batching import BatchPlan
+from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.config import ConfigError, RunConfig
 from dptrain.planner.activations import ActivationTraceError, trace_activations
 from dptrain.planner.layout import Setup
@@ -63,7 +63,12 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
     checkpoint = checkpoint_classes(cfg, model)
     rows = []
     for world_size in world_sizes:
-        batch = BatchPlan.resolve(world_size, *sizes)
+        try:  # the global batch is fixed: a world size it cannot be split over is skipped, not fatal
+            batch = BatchPlan.resolve(world_size, *sizes)
+        except BatchSizeError as e:
+            notes.append(f"N={world_size} skipped: {e} (set it with --set train.global_batch_size=..., or leave "
+                         f"{world_size} out of --world-sizes)")
+            continue
         for precision in precisions:
             for strategy in strategies:
                 key = (batch.micro_batch_size, compute_mode(strategy, precision))
@@ -222,41 +227,68 @@ def checkpoint_classes(cfg: RunConfig, model: nn.Module) -> tuple[type, ...]:
 def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, networks: list, algorithm: str,
                     profile: str, micro_batch: int | None = None, device_flops: float | None = None,
                     overlap: bool = True, compression: int = 1) -> dict:
-    """Predicted steps of the run ``cfg`` describes, weak scaling: ``micro_batch`` per rank at every world size.
+    """Predicted steps of the run ``cfg`` describes at each world size, its batch resolved as ``dptrain run`` does.
 
-    ``profile="measured"`` times the real model on this machine (one thread);
-    ``"flops"`` counts its FLOPs on fake tensors at ``device_flops`` FLOP/s.
+    The rule is :func:`plan_config`'s: the config's batch sizes are kept and the rest follows
+    the world size (:meth:`BatchPlan.resolve`). The config's global batch (32 if none is
+    given) stays fixed as N grows, each rank taking global / N; ``micro_batch`` fixes the
+    samples per rank instead (no global batch, accumulation 1), so N ranks process N
+    times as many. A world size the batch cannot be split over, or that would accumulate
+    gradients (not simulated), is skipped with the reason in ``skipped``.
+
+    ``profile="measured"`` times the real model on this machine (one thread), once per
+    micro-batch size; ``"flops"`` counts its FLOPs on fake tensors at ``device_flops`` FLOP/s.
     ``overlap`` and ``compression``: as :func:`~dptrain.planner.simulate.simulate_step` (DDP).
-    Returns the profile and one :class:`~dptrain.planner.simulate.StepPrediction` per
-    network and world size.
+    Returns the profiles by micro-batch, the batch plan and one
+    :class:`~dptrain.planner.simulate.StepPrediction` per network and world size.
     """
     from dptrain.planner.simulate import flops_profile, measure_profile, simulate_step
 
     task = build_task(cfg)
     t = cfg.train
-    if micro_batch is None:
-        sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
-        micro_batch = BatchPlan.resolve(1, *(sizes if any(v is not None for v in sizes) else (32, None, None))) \
-            .micro_batch_size
-    samples = [task.train_set[i % len(task.train_set)] for i in range(micro_batch)]
+    sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps) if micro_batch is None else \
+        (None, micro_batch, None)
+    if all(v is None for v in sizes):
+        sizes = (32, None, None)
+    batches, skipped = {}, {}
+    for n in world_sizes:
+        try:
+            batches[n] = BatchPlan.resolve(n, *sizes)
+        except BatchSizeError as e:
+            skipped[n] = f"{e} (set it with --set train.global_batch_size=..., or fix the samples per rank with " \
+                         "--micro-batch)"
+            continue
+        if batches[n].grad_accum_steps > 1:
+            skipped[n] = (f"{batches.pop(n).grad_accum_steps} accumulation steps per step, which the simulator "
+                          "does not model (--set train.grad_accum_steps=1, or --micro-batch)")
+    if profile == "flops" and device_flops is None:
+        raise ConfigError("profile 'flops' needs the device's throughput: --device-flops (FLOP/s)")
+    if profile not in ("measured", "flops"):
+        raise ConfigError(f"unknown profile {profile!r}; choose measured or flops")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
     if profile == "measured":
         torch.manual_seed(t.seed)
         model = task.build_model()
         opt = optimizer_for(cfg, [p for p in model.parameters() if p.requires_grad])
-        prof = measure_profile(model, collate(task)(samples), task.loss, opt)
-    elif profile == "flops":
-        if device_flops is None:
-            raise ConfigError("profile 'flops' needs the device's throughput: --device-flops (FLOP/s)")
-        mode = FakeTensorMode(allow_non_fake_inputs=True)
+    else:
         with mode:
             model = architecture(task)
-            batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, False), collate(task)(samples))
-            prof = flops_profile(model, batch, task.loss, device_flops)
-    else:
-        raise ConfigError(f"unknown profile {profile!r}; choose measured or flops")
+    profiles = {}
+    for m in sorted({b.micro_batch_size for b in batches.values()}, reverse=True):
+        samples = collate(task)([task.train_set[i % len(task.train_set)] for i in range(m)])
+        if profile == "measured":
+            profiles[m] = measure_profile(model, samples, task.loss, opt)
+        else:
+            with mode:
+                batch = torch.utils._pytree.tree_map(lambda x: _fake(mode, x, False), samples)
+                profiles[m] = flops_profile(model, batch, task.loss, device_flops)
     predictions = {}
     for net in networks:
-        for n in world_sizes:
+        for n, b in batches.items():
             setup = setup_for(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
-            predictions[(net.name, n)] = simulate_step(model, setup, prof, net, algorithm, overlap, compression)
-    return {"profile": prof, "micro_batch": micro_batch, "predictions": predictions}
+            predictions[(net.name, n)] = simulate_step(model, setup, profiles[b.micro_batch_size], net, algorithm,
+                                                       overlap, compression)
+    first = batches[min(batches)].micro_batch_size if batches else None
+    return {"profile": profiles.get(first), "profiles": profiles, "micro_batch": first, "batches": batches,
+            "skipped": skipped, "fixed": "micro" if micro_batch is not None or sizes[0] is None else "global",
+            "predictions": predictions}

@@ -103,23 +103,46 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
 
 
 def _scaling_rows(result: dict) -> list[dict]:
+    """Per network and N: the step, its parts, samples/s and efficiency (throughput over N x one rank's ideal).
+
+    One rank's ideal is the first world size's per-rank compute with no communication; with
+    a fixed micro-batch the efficiency is that step over the N-rank step, as before.
+    """
     rows = []
-    micro = result["micro_batch"]
-    base: dict[str, float] = {}
+    batches = result.get("batches") or {}
+    micro = {n: b.micro_batch_size for n, b in batches.items()}
+    ideal: dict[str, float] = {}
     for (net, n), p in result["predictions"].items():
-        base.setdefault(net, p.compute_s)  # one rank with no communication: the ideal per-rank step
+        ideal.setdefault(net, micro.get(n, result["micro_batch"]) / p.compute_s)  # samples/s of one rank, no comm
     for (net, n), p in result["predictions"].items():
-        rows.append(dict(network=net, world_size=n, step_s=p.step_s, compute_s=p.compute_s, comm_s=p.comm_s,
-                         exposed_s=p.exposed_s, samples_per_s=n * micro / p.step_s,
-                         efficiency=base[net] / p.step_s))
+        m = micro.get(n, result["micro_batch"])
+        rate = n * m / p.step_s
+        rows.append(dict(network=net, world_size=n, micro_batch=m, global_batch=n * m, step_s=p.step_s,
+                         compute_s=p.compute_s, comm_s=p.comm_s, exposed_s=p.exposed_s, samples_per_s=rate,
+                         efficiency=rate / (n * ideal[net])))
     return rows
 
 
+def batch_rule(fixed: str, global_batch: int | None = None, micro_batch: int | None = None) -> str:
+    """The line ``dptrain plan`` and ``dptrain simulate`` print about how the batch follows the world size N."""
+    if fixed == "global":
+        return (f"batch rule: the global batch stays {global_batch} samples per step as N grows, each rank taking "
+                f"{global_batch} / N (the config's batch, as dptrain run resolves it)")
+    return (f"batch rule: the micro-batch stays {micro_batch} samples per rank as N grows, the global batch "
+            f"{micro_batch} x N")
+
+
+def skip_lines(skipped: dict[int, str]) -> list[str]:
+    """One line per world size left out of a table, with why."""
+    return [f"N={n} skipped: {why}" for n, why in skipped.items()]
+
+
 def scaling_table(result: dict) -> str:
-    lines = ["| network | N | step (ms) | compute (ms) | link busy (ms) | exposed (ms) | samples/s | efficiency |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| network | N | micro-batch | step (ms) | compute (ms) | link busy (ms) | exposed (ms) | samples/s | "
+             "efficiency |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in _scaling_rows(result):
-        lines.append(f"| {r['network']} | {r['world_size']} | {r['step_s'] * 1e3:.1f} | {r['compute_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['network']} | {r['world_size']} | {r['micro_batch']} | {r['step_s'] * 1e3:.1f} | "
+                     f"{r['compute_s'] * 1e3:.1f} | "
                      f"{r['comm_s'] * 1e3:.1f} | {r['exposed_s'] * 1e3:.1f} | {r['samples_per_s']:,.0f} | "
                      f"{r['efficiency']:.2f} |")
     return "\n".join(lines)
@@ -130,6 +153,7 @@ def scaling_json(result: dict, path: Path) -> Path:
     data = {"micro_batch": result["micro_batch"],
             "profile": {"forward_s": prof.forward_s, "backward_s": prof.backward_s, "optimizer_s": prof.optimizer_s,
                         "source": prof.source},
+            "skipped": {str(n): why for n, why in (result.get("skipped") or {}).items()},
             "rows": _scaling_rows(result)}
     with replacing(path) as tmp:
         tmp.write_text(json.dumps(data, indent=2))
