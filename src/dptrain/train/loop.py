@@ -58,6 +58,7 @@ from dptrain.train.checkpoint import (
 from dptrain.train.engine import Engine, StepInfo
 from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import steps_per_epoch
+from dptrain.train.log_backends import backends_from_config
 from dptrain.train.metrics import StepRecorder, StepTimes
 from dptrain.train.optim import build_optimizer, decays
 from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
@@ -145,7 +146,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     metrics_path = run_dir / "metrics.jsonl"
     if rank == 0:
         truncate_metrics(metrics_path, start_step)
-    metrics_file = open(metrics_path, "a", buffering=1) if rank == 0 else None
+    sink = backends_from_config(cfg, run_dir, start_step) if rank == 0 else None  # metrics.jsonl and log.backends
+    for line in sink.where() if sink is not None else []:
+        log.info(f"metrics also go to {line}")
     batcher = None
     if cfg.balance.dynamic_batching:
         batcher = DynamicBatcher(plan.global_batch_size, env.world_size, rank, plan.grad_accum_steps,
@@ -195,7 +198,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                     rec["comm_bytes_per_step"] = rec["comm_sent_bytes_per_step"] = engine.model.bytes_per_mix
                     rec["gossip_mix_ms"] = 1e3 * engine.model.last_mix_s
                 if rank == 0:
-                    metrics_file.write(json.dumps(rec) + "\n")
+                    sink.log(rec, step)
                 log.train_record(rec)
                 if not math.isfinite(rec["loss"]):
                     log.info(f"warning: loss is {rec['loss']} at step {step}")
@@ -210,7 +213,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 ev = evaluate(engine, task, cfg.log.eval_batches)
                 ev = {"kind": "eval", "step": step, **ev, "time": time.time()}
                 if rank == 0:
-                    metrics_file.write(json.dumps(ev) + "\n")
+                    sink.log(ev, step)
                 log.info(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
                                                               if k.startswith("val_")))
             if not saved and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
@@ -222,8 +225,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
             e.silent_ranks = call.silent  # recorded for the local launcher, which then stops them at once
         raise
     finally:
-        if metrics_file is not None:
-            metrics_file.close()
+        if sink is not None:
+            sink.close()
 
     if cfg.log.trace_steps and tracer.events and tracer.write_merged(run_dir / "trace.json"):
         log.info(f"trace of steps {tracer.steps.start}-{tracer.steps.stop - 1}: {run_dir / 'trace.json'} "

@@ -67,6 +67,7 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
     _check_straggler(cfg, world_size)
     _check_balance(cfg)
     _check_divergence(cfg)
+    _check_log_backends(cfg)
     data_ranks = _check_ps(cfg, world_size) if cfg.ddp.strategy == "ps" else world_size
     try:
         plan = BatchPlan.resolve(data_ranks, *sizes)
@@ -217,6 +218,16 @@ def _check_divergence(cfg: RunConfig) -> None:
         raise ConfigError(f"divergence.every compares replicated state, which strategy {cfg.ddp.strategy!r} does not "
                           "keep (zero3 shards the parameters, gossip replicas differ by design, ps workers hold "
                           "copies); use strategy ddp, zero1 or zero2, or divergence.every = 0")
+
+
+def _check_log_backends(cfg: RunConfig) -> None:
+    """``log.backends``: known names, with metrics.jsonl, and each one's library installed (nothing imported)."""
+    from dptrain.train.log_backends import check_backends  # here: the edit stays within this check
+
+    try:
+        check_backends(cfg.log.backends)
+    except ValueError as e:
+        raise ConfigError(f"log.backends: {e}") from None
 
 
 def _check_straggler(cfg: RunConfig, world_size: int) -> None:

@@ -22,11 +22,9 @@ they recorded in flight, workers from their clocks (so their data positions) and
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
@@ -42,6 +40,7 @@ from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import remove_partial, rng_state, set_rng_state
 from dptrain.train.faults import inject_fault, parse_fault
 from dptrain.train.loader import ShardedLoader
+from dptrain.train.log_backends import LogBackends, backends_from_config
 from dptrain.train.metrics import peak_rss_mb, peak_tensor_mb
 from dptrain.train.optim import build_optimizer
 from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
@@ -104,6 +103,9 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         _load_worker_state(worker_state, model, device)
     if rank == 0:
         truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    sink = backends_from_config(cfg, run_dir, start_step) if rank == 0 else None  # metrics.jsonl and log.backends
+    for line in sink.where() if sink is not None else []:
+        log.info(f"metrics also go to {line}")
     loop = _WorkerLoop(
         role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed, collate_fn=collate(task))
         .micro_batches(role.clock), plan.grad_accum_steps, log, device, rank, every=cfg.log.every,
@@ -116,17 +118,21 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         lr_scale=1.0 if consistency.rounds else 1.0 / workers,
         lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), fault=fault,
         publisher=Publisher(rp, cuts.schedule, env.world_size, log, start_step) if rank == 0 else None)
-    records = loop.run(run_dir / "metrics.jsonl" if rank == 0 else None)
-    reports = role.leave()
-    summary = None
-    if rank == 0:
-        loop.publisher.advance(min(role.saved))  # the last cut, complete once every worker has left
-        if loop.tracer is not None and loop.tracer.events:
-            loop.tracer.write_local(run_dir / "trace.json")
-            log.info(f"trace of rank 0's steps {loop.tracer.steps.start}-{loop.tracer.steps.stop - 1}: "
-                     f"{run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
-        summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, start_step,
-                          loop.publisher.labels)
+    try:
+        records = loop.run(sink)
+        reports = role.leave()
+        summary = None
+        if rank == 0:
+            loop.publisher.advance(min(role.saved))  # the last cut, complete once every worker has left
+            if loop.tracer is not None and loop.tracer.events:
+                loop.tracer.write_local(run_dir / "trace.json")
+                log.info(f"trace of rank 0's steps {loop.tracer.steps.start}-{loop.tracer.steps.stop - 1}: "
+                         f"{run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
+            summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, start_step,
+                              loop.publisher.labels, sink)
+    finally:
+        if sink is not None:
+            sink.close()
     log.close()
     return summary
 
@@ -202,48 +208,44 @@ class _WorkerLoop:
     publisher: Publisher | None  # rank 0's: publishes the checkpoints the servers complete
     tensor_peak_bytes: int | None = None  # its second step's live tensors (CPU), once measured
 
-    def run(self, metrics_path: Path | None) -> list[dict]:
-        out = open(metrics_path, "a", buffering=1) if metrics_path else None
+    def run(self, out: LogBackends | None) -> list[dict]:
+        """Steps until the servers stop; each record to ``out`` (rank 0's backends, which the caller closes)."""
         fault = self.fault
         records, window, step = [], [], self.role.clock  # a worker's steps go on from its clock in a resumed run
         peak_step = step + 2  # the session's second step: its live tensors are measured
         last = (time.perf_counter(), min(self.role.version))
-        try:
-            while not self.role.stopped:  # stopped at once: resumed from the last step's checkpoint
-                step += 1
-                if fault and fault[:2] == (self.rank, step):
-                    inject_fault(fault[2], self.rank, step, self.role.model)
-                peak = TensorPeak(extra=self.role.model.parameters(),  # its second step's live tensors
-                                  exclude=data_tensors(self.task.train_set, self.task.val_set)) \
-                    if step == peak_step and self.device.type == "cpu" else None
-                with peak or contextlib.nullcontext():
-                    t0 = time.perf_counter()
-                    loss, micro = self._compute()
-                    t1 = time.perf_counter()
-                    stop = self.role.step(loss)
-                    t2 = time.perf_counter()
-                if peak is not None:
-                    self.tensor_peak_bytes = peak.peak_bytes
-                if self.tracer is not None and self.tracer.wants(step):
-                    self.tracer.add_ps_step(step, t0, micro, t2)
-                window.append((loss, t1 - t0, t2 - t1, t2 - t0))
-                self.log.step_done()
-                if self.publisher is not None:
-                    self.publisher.advance(min(self.role.saved))
-                if out is not None and (step % self.every == 0 or stop):
-                    now, version = time.perf_counter(), min(self.role.version)
-                    rec = self._record(version, step, window,
-                                       (version - last[1]) * self.samples_per_update / (now - last[0]))
-                    out.write(json.dumps(rec) + "\n")
-                    self.log.train_record(rec)
-                    records.append(rec)
-                    window, last = [], (now, version)
-                if stop:
-                    break
-            return records
-        finally:
-            if out is not None:
-                out.close()
+        while not self.role.stopped:  # stopped at once: resumed from the last step's checkpoint
+            step += 1
+            if fault and fault[:2] == (self.rank, step):
+                inject_fault(fault[2], self.rank, step, self.role.model)
+            peak = TensorPeak(extra=self.role.model.parameters(),  # its second step's live tensors
+                              exclude=data_tensors(self.task.train_set, self.task.val_set)) \
+                if step == peak_step and self.device.type == "cpu" else None
+            with peak or contextlib.nullcontext():
+                t0 = time.perf_counter()
+                loss, micro = self._compute()
+                t1 = time.perf_counter()
+                stop = self.role.step(loss)
+                t2 = time.perf_counter()
+            if peak is not None:
+                self.tensor_peak_bytes = peak.peak_bytes
+            if self.tracer is not None and self.tracer.wants(step):
+                self.tracer.add_ps_step(step, t0, micro, t2)
+            window.append((loss, t1 - t0, t2 - t1, t2 - t0))
+            self.log.step_done()
+            if self.publisher is not None:
+                self.publisher.advance(min(self.role.saved))
+            if out is not None and (step % self.every == 0 or stop):
+                now, version = time.perf_counter(), min(self.role.version)
+                rec = self._record(version, step, window,
+                                   (version - last[1]) * self.samples_per_update / (now - last[0]))
+                out.log(rec, rec["step"])
+                self.log.train_record(rec)
+                records.append(rec)
+                window, last = [], (now, version)
+            if stop:
+                break
+        return records
 
     def _compute(self) -> tuple[float, list[tuple[float, float, float]]]:
         """Forward and backward of every micro-step; the mean loss and each micro-step's (forward, backward, end)."""
@@ -280,13 +282,12 @@ class _WorkerLoop:
 
 
 def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
-            wall0: float, peak_lr: float, start_step: int, checkpoints: list[int]) -> dict:
+            wall0: float, peak_lr: float, start_step: int, checkpoints: list[int], sink: LogBackends) -> dict:
     cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
     # rank 0 alone (no collective: a worker may be gone), on the samples all workers together would take
     sums = val_sums(model, rp.task, plan.micro_batch_size, cfg.log.eval_batches * plan.world_size)
     ev = {"kind": "eval", "step": t.steps, **val_metrics(sums), "time": time.time()}
-    with open(run_dir / "metrics.jsonl", "a") as f:
-        f.write(json.dumps(ev) + "\n")
+    sink.log(ev, t.steps)
     log.info(f"eval of the final parameters: val_loss {ev['val_loss']:.4f}")
     save_weights(model, run_dir / "model.safetensors")
     save_hf_model(cfg, run_dir, log)
