@@ -256,3 +256,45 @@ def test_simulate_warns_when_this_cpu_is_replayed_over_gpu_links():
     assert "loopback" not in warning
     local = _invoke("simulate", *TINY, "--networks", "loopback", "--world-sizes", "1,2")
     assert local.exit_code == 0 and "warning" not in local.stderr
+
+
+# --- a task without tokens reports samples/s only -----------------------------------------------------------------
+
+def _train_record(samples_per_s: float, tokens_per_sample: int) -> dict:
+    return dict(kind="train", step=5, loss=0.7, lr=1e-3, grad_norm=0.5, skipped_steps=0, samples_per_s=samples_per_s,
+                tokens_per_s=samples_per_s * tokens_per_sample, step_ms=10.0, compute_ms=8.0, exposed_comm_ms=2.0,
+                comm_busy_ms=3.0, overlap_pct=50.0, comm_bytes_per_step=2**20, comm_compressed_bytes_per_step=0,
+                comm_sent_bytes_per_step=2**20, peak_rss_mb=[100.0], peak_tensor_mb=[None])
+
+
+def test_console_line_shows_tokens_only_for_a_task_with_tokens():
+    from dptrain.train.metrics import format_line
+
+    classifier = format_line(_train_record(3200.0, 1), 10)
+    assert "3200 samples/s" in classifier and "tok/s" not in classifier
+    gpt = format_line(_train_record(3200.0, 64), 10)
+    assert "204.8k tok/s 3200 samples/s" in gpt
+
+
+@pytest.mark.parametrize("tokens_per_sample", [1, 64])
+def test_run_summary_shows_tokens_only_for_a_task_with_tokens(tmp_path, tokens_per_sample):
+    import io
+
+    from dptrain.train.report import RunLog, print_summary
+
+    summary = dict(run_dir="runs/x", task="classifier", parameters=1000, world_size=2, device="cpu", backend="gloo",
+                   global_batch_size=32, micro_batch_size=16, grad_accum_steps=1, lr_rule="2e-3", start_step=0,
+                   steps=10, wall_s=3.0, final_train_loss=0.5, median_step_ms=10.0, median_compute_ms=8.0,
+                   median_exposed_comm_ms=2.0, median_samples_per_s=3200.0,
+                   median_tokens_per_s=3200.0 * tokens_per_sample, comm_bytes_per_step=2**20,
+                   median_overlap_pct=50.0, peak_rss_mb_per_rank=[100.0], peak_tensor_mb_per_rank=[None],
+                   skipped_steps=0, files={})
+    out = io.StringIO()
+    log = RunLog(tmp_path / "log.txt", 0, "lines", 10, 0, stream=out)
+    print_summary(summary, log)
+    log.close()
+    throughput = next(line for line in out.getvalue().splitlines() if "throughput" in line)
+    if tokens_per_sample == 1:
+        assert throughput.split()[-3:] == ["3,200.0", "samples/s", "(median)"] and "tokens/s" not in throughput
+    else:
+        assert "204,800 tokens/s, 3,200.0 samples/s (median)" in throughput

@@ -384,8 +384,8 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     if profile == "measured" and any(_gpu_class(net) for net in nets):
         click.echo(f"warning: --profile measured replays this machine's compute ({_this_device()}) over GPU-class "
                    f"links ({', '.join(net.name for net in nets if _gpu_class(net))}); for a GPU cluster give "
-                   "--profile flops --device-flops F, e.g. 4e14 for an H100 reaching 40% of its 989e12 dense bf16 FLOP/s",
-                   err=True)
+                   "--profile flops --device-flops F, e.g. 4e14 for an H100 reaching 40% of its 989e12 dense "
+                   "bf16 FLOP/s", err=True)
     for micro, prof in result["profiles"].items():
         click.echo(f"compute per micro-batch of {micro}: forward {prof.forward_s * 1e3:.1f} ms, "
                    f"backward {prof.backward_s * 1e3:.1f} ms, optimizer {prof.optimizer_s * 1e3:.1f} ms "

@@ -157,13 +157,24 @@ def _gather(values: list[float], device: torch.device) -> list[list[float]]:
     return [r.tolist() for r in rows]
 
 
+def has_tokens(tokens_per_s: float | None, samples_per_s: float | None) -> bool:
+    """Whether a rate is worth showing in tokens: the task's samples are sequences of several tokens.
+
+    Records keep ``tokens_per_s`` for every task (samples/s x the task's tokens_per_sample);
+    a task without tokens (a classifier, a user dataset without ``tokens_per_sample``)
+    counts one per sample, so its tokens/s equals its samples/s and is not shown.
+    """
+    return tokens_per_s is not None and samples_per_s is not None and tokens_per_s != samples_per_s
+
+
 def format_line(rec: dict, total_steps: int) -> str:
-    """One human-readable line for a train record."""
+    """One human-readable line for a train record (tokens/s only for a task with tokens)."""
     mem = "/".join(f"{m:.0f}" for m in rec["peak_rss_mb"]) + " MiB resident"
     if all(m is not None for m in rec["peak_tensor_mb"]):
         mem += ", " + "/".join(f"{m:.1f}" for m in rec["peak_tensor_mb"]) + " MiB tensors"
+    tokens = f"{_si(rec['tokens_per_s'])} tok/s " if has_tokens(rec.get("tokens_per_s"), rec["samples_per_s"]) else ""
     return (f"step {rec['step']:>{len(str(total_steps))}}/{total_steps} | loss {rec['loss']:.4f} | "
-            f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {_si(rec['tokens_per_s'])} tok/s "
+            f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {tokens}"
             f"{rec['samples_per_s']:.0f} samples/s | compute {rec['compute_ms']:.1f} ms | comm "
             f"{rec['exposed_comm_ms']:.1f} ms exposed, {rec['overlap_pct']:.0f}% overlapped | "
             f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_sent(rec)} | peak mem {mem}")

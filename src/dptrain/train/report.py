@@ -19,7 +19,7 @@ from typing import Any, TextIO
 from tqdm import tqdm
 
 from dptrain.train.atomic import write_text_atomic
-from dptrain.train.metrics import format_line
+from dptrain.train.metrics import format_line, has_tokens
 
 __all__ = ["RunLog", "summarize", "print_summary", "truncate_metrics"]
 
@@ -54,9 +54,10 @@ class RunLog:
         line = format_line(rec, self.total_steps)
         if self._bar is not None:
             self._file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
-            self._bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.1e}",
-                                  tok_s=f"{rec['tokens_per_s']:.0f}", comm=f"{rec['exposed_comm_ms']:.0f}ms",
-                                  refresh=False)
+            rate = ({"tok_s": f"{rec['tokens_per_s']:.0f}"} if has_tokens(rec.get("tokens_per_s"), rec["samples_per_s"])
+                    else {"samples_s": f"{rec['samples_per_s']:.0f}"})
+            self._bar.set_postfix(loss=f"{rec['loss']:.4f}", lr=f"{rec['lr']:.1e}", **rate,
+                                  comm=f"{rec['exposed_comm_ms']:.0f}ms", refresh=False)
         else:
             self.info(line)
 
@@ -172,8 +173,9 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
         acc = f", accuracy {100 * summary['val_accuracy']:.1f}%" if "val_accuracy" in summary else ""
         rows += [("validation loss", f"{summary['val_loss']:.4f}{acc}")]
     if summary.get("median_step_ms") is not None:
-        rows += [("throughput", f"{summary['median_tokens_per_s']:,.0f} tokens/s, "
-                                f"{summary['median_samples_per_s']:,.1f} samples/s (median)"),
+        tokens = (f"{summary['median_tokens_per_s']:,.0f} tokens/s, "
+                  if has_tokens(summary.get("median_tokens_per_s"), summary["median_samples_per_s"]) else "")
+        rows += [("throughput", f"{tokens}{summary['median_samples_per_s']:,.1f} samples/s (median)"),
                  ("step time", f"{summary['median_step_ms']:.1f} ms: compute {summary['median_compute_ms']:.1f} ms, "
                                f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms"),
                  ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
