@@ -298,3 +298,51 @@ def test_run_summary_shows_tokens_only_for_a_task_with_tokens(tmp_path, tokens_p
         assert throughput.split()[-3:] == ["3,200.0", "samples/s", "(median)"] and "tokens/s" not in throughput
     else:
         assert "204,800 tokens/s, 3,200.0 samples/s (median)" in throughput
+
+
+# --- loss.png: log scale over a decade, validation accuracy; the plots' command line --------------------------------
+
+def _metrics(run_dir, losses, accuracy: bool):
+    import json
+
+    records = [_train_record(100.0, 1) | {"step": i + 1, "loss": loss} for i, loss in enumerate(losses)]
+    records.append({"kind": "eval", "step": len(losses), "val_loss": losses[-1] * 1.1}
+                   | ({"val_accuracy": 0.9} if accuracy else {}))
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return [r for r in records if r["kind"] == "train"], [r for r in records if r["kind"] == "eval"]
+
+
+def test_loss_plot_is_logarithmic_over_a_decade_and_shows_validation_accuracy(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    from dptrain.train.plots import _draw_loss, plot_run, spans_a_decade
+
+    assert spans_a_decade([5.0, 0.4]) and not spans_a_decade([2.3, 0.5]) and not spans_a_decade([])
+    train, evals = _metrics(tmp_path, [5.0, 1.0, 0.2], accuracy=True)
+    fig, ax = plt.subplots()
+    _draw_loss(ax, train, evals)
+    assert ax.get_yscale() == "log"
+    twins = [a for a in fig.axes if a is not ax]
+    assert len(twins) == 1 and twins[0].get_ylabel() == "validation accuracy (%)"
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "train loss (mean over ranks)", "validation loss", "validation accuracy"]
+    plt.close(fig)
+    flat, flat_evals = _metrics(tmp_path, [2.3, 1.9, 1.5], accuracy=False)
+    fig, ax = plt.subplots()
+    _draw_loss(ax, flat, flat_evals)
+    assert ax.get_yscale() == "linear" and fig.axes == [ax]
+    plt.close(fig)
+    written = plot_run(tmp_path)
+    assert [p.name for p in written] == ["loss.png", "throughput.png"] and all(p.stat().st_size for p in written)
+
+
+def test_plots_command_without_a_run_dir_prints_usage_and_exits_2(tmp_path):
+    for args in ([], [str(tmp_path / "missing")]):
+        proc = subprocess.run([sys.executable, "-m", "dptrain.train.plots", *args], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 2, proc.stderr
+        assert proc.stderr.startswith("usage: python -m dptrain.train.plots RUN_DIR")
+        assert "Traceback" not in proc.stderr

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 from dptrain.train.atomic import replacing
+from dptrain.train.metrics import has_tokens
 
-__all__ = ["read_metrics", "plot_run", "plot_timeline"]
+__all__ = ["read_metrics", "plot_run", "plot_timeline", "spans_a_decade"]
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -41,14 +42,8 @@ def plot_run(run_dir: Path, title: str = "") -> list[Path]:
     written = []
 
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=[3, 1])
-    ax.plot(steps, [r["loss"] for r in train], label="train loss (mean over ranks)", color="tab:blue")
-    if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss",
-                color="tab:orange")
-    ax.set_ylabel("loss")
+    _draw_loss(ax, train, evals)
     ax.set_title(title or f"{run_dir.name}: loss")
-    ax.grid(alpha=0.3)
-    ax.legend()
     ax_lr.plot(steps, [r["lr"] for r in train], color="tab:green")
     ax_lr.set_ylabel("learning rate")
     ax_lr.set_xlabel("optimizer step")
@@ -58,8 +53,9 @@ def plot_run(run_dir: Path, title: str = "") -> list[Path]:
     plt.close(fig)
 
     fig, (ax, ax_ms) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-    ax.plot(steps, [r["tokens_per_s"] for r in train], color="tab:purple")
-    ax.set_ylabel("tokens / s (global)")
+    tokens = all(has_tokens(r.get("tokens_per_s"), r["samples_per_s"]) for r in train)
+    ax.plot(steps, [r["tokens_per_s" if tokens else "samples_per_s"] for r in train], color="tab:purple")
+    ax.set_ylabel("tokens / s (global)" if tokens else "samples / s (global)")
     ax.set_title(title or f"{run_dir.name}: throughput")
     ax.grid(alpha=0.3)
     compute = [r["compute_ms"] for r in train]
@@ -77,6 +73,38 @@ def plot_run(run_dir: Path, title: str = "") -> list[Path]:
     if (run_dir / "trace.json").exists():
         written.append(plot_timeline(run_dir / "trace.json", run_dir / "timeline.png"))
     return written
+
+
+def _draw_loss(ax, train: list[dict], evals: list[dict]) -> None:
+    """Train and validation loss, on a log scale when they span more than a decade; validation accuracy on a
+    second y-axis when the eval records have it (a classifier's)."""
+    losses = [r["loss"] for r in train] + [r["val_loss"] for r in evals]
+    ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss (mean over ranks)",
+            color="tab:blue")
+    if evals:
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="validation loss",
+                color="tab:orange")
+    if spans_a_decade(losses):
+        ax.set_yscale("log")
+    ax.set_ylabel("loss" + (" (log scale)" if ax.get_yscale() == "log" else ""))
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    scored = [r for r in evals if r.get("val_accuracy") is not None]
+    if scored:
+        ax_acc = ax.twinx()
+        ax_acc.plot([r["step"] for r in scored], [100 * r["val_accuracy"] for r in scored], "s--",
+                    label="validation accuracy", color="tab:red")
+        ax_acc.set_ylabel("validation accuracy (%)")
+        ax_acc.set_ylim(0, 100)
+        more = ax_acc.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels)
+
+
+def spans_a_decade(values: list[float]) -> bool:
+    """Whether positive values range over more than a factor of 10 (a log scale then shows the late steps)."""
+    finite = [v for v in values if v > 0 and v != float("inf")]
+    return bool(finite) and max(finite) > 10 * min(finite)
 
 
 _COLORS = {"forward": "tab:blue", "backward": "tab:green", "backward (no sync)": "tab:olive",
@@ -123,6 +151,25 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-if __name__ == "__main__":
-    for written in plot_run(Path(sys.argv[1])):  # also draws timeline.png when trace.json exists
+_USAGE = "usage: python -m dptrain.train.plots RUN_DIR   (redraws loss.png, throughput.png, timeline.png)"
+
+
+def main(argv: list[str]) -> int:
+    """The command line: redraw a run's plots; exit status 2 with the usage when RUN_DIR is missing or wrong."""
+    if argv[:1] in (["-h"], ["--help"]):
+        print(_USAGE)
+        return 0
+    if len(argv) != 1:
+        print(_USAGE, file=sys.stderr)
+        return 2
+    metrics = Path(argv[0]) / "metrics.jsonl"
+    if not metrics.exists():
+        print(f"{_USAGE}\nerror: {metrics} does not exist: RUN_DIR is the directory dptrain run wrote", file=sys.stderr)
+        return 2
+    for written in plot_run(Path(argv[0])):  # also draws timeline.png when trace.json exists
         print(written)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
