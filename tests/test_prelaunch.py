@@ -213,5 +213,6 @@ def test_classifier_run_resumes_with_gpt_settings(classifier_run):
                    cwd=classifier_run)
     assert proc.returncode == 0, proc.stderr
     assert "resum" in (proc.stdout + proc.stderr).lower()
+    assert proc.stderr.count("warning: gpt.n_layer=2 is not used by this run") == 1  # said once, before launch
     assert torch.load(classifier_run / "out" / "checkpoints" / "step_00000003" / "trainer.pt",
                       weights_only=True)["step"] == 3

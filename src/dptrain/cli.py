@@ -103,6 +103,8 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     except _bad_input() as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    for line in rp.warnings:  # e.g. settings this run never reads
+        click.echo(line, err=True)
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
