@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from dptrain.planner import PRECISIONS, STRATEGIES
 from dptrain.train.plots import read_metrics
+from dptrain.train.report import summary_rows
 
 __all__ = ["Unavailable", "report_data", "metric_series", "loss_spans_decades", "timeline_spans", "summary_rows",
            "plan_vs_measured"]
@@ -138,43 +139,6 @@ def _detail(args: dict) -> str:
     """A span's arguments, for its hover: a bucket's bytes, a micro-step's index."""
     return ", ".join(f"{v:,} bytes" if k == "bytes" else f"{k.replace('_', ' ')} {v}" for k, v in args.items())
 
-
-def summary_rows(summary: dict) -> list[tuple[str, str]]:
-    """The summary's headline numbers as (label, value) rows, as the console's run summary words them."""
-    s = summary
-    steps = f"{s['start_step']} -> {s['steps']}" if s["start_step"] else str(s["steps"])
-    rows = [("task", f"{s['task']} ({s['parameters']:,} parameters)"),
-            ("workers", f"{s['world_size']} x {s['device']} ({s['backend']})"),
-            ("batch", f"global {s['global_batch_size']} = micro {s['micro_batch_size']} x "
-                      f"{s.get('ps', {}).get('workers', s['world_size'])} ranks x {s['grad_accum_steps']} accum"),
-            ("learning rate", s["lr_rule"]),
-            ("steps", steps + (f" (after {s['restarts']} restart(s))" if s.get("restarts") else "")),
-            ("wall time", f"{s['wall_s']:.1f} s")]
-    if "final_train_loss" in s:
-        rows.append(("final train loss", f"{s['final_train_loss']:.4f}"))
-    if "val_loss" in s:
-        rows.append(("validation loss", f"{s['val_loss']:.4f}"))
-    if s.get("median_step_ms") is not None:
-        rows += [("throughput (median)", f"{s['median_tokens_per_s']:,.0f} tokens/s, "
-                                         f"{s['median_samples_per_s']:,.1f} samples/s"),
-                 ("step time (median)", f"{s['median_step_ms']:.1f} ms: compute {s['median_compute_ms']:.1f} ms, "
-                                        f"exposed comm {s['median_exposed_comm_ms']:.1f} ms"),
-                 ("communication", f"{s['comm_bytes_per_step'] / MiB:.2f} MiB/step per rank, "
-                                   f"{s['median_overlap_pct']:.0f}% overlapped with backward"),
-                 ("peak resident (MiB per rank)", _per_rank(s["peak_rss_mb_per_rank"])),
-                 ("peak live tensors (MiB per rank)", _per_rank(s["peak_tensor_mb_per_rank"])),
-                 ("skipped steps", str(s["skipped_steps"]))]
-    if s.get("stragglers"):
-        st = s["stragglers"]
-        rows.append(("slowest rank", f"rank {st['slowest_rank']}, {st['slowdown']:.2f}x the others' compute"))
-    if s.get("ps"):
-        rows.append(("parameter server", f"{s['ps']['mode']}, {s['ps']['servers']} server(s), "
-                                         f"{s['ps']['workers']} worker(s)"))
-    return rows
-
-
-def _per_rank(values: list[float | None]) -> str:
-    return " / ".join("not measured" if v is None else f"{v:,.2f}" for v in values)
 
 
 def plan_vs_measured(cfg, summary: dict) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.metrics import format_line, has_tokens
 
-__all__ = ["RunLog", "summarize", "print_summary", "truncate_metrics"]
+__all__ = ["RunLog", "summarize", "print_summary", "summary_rows", "truncate_metrics"]
 
 
 class RunLog:
@@ -155,8 +155,16 @@ def _listing(run_dir: Path) -> dict[str, int]:
 
 
 def print_summary(summary: dict[str, Any], log: RunLog) -> None:
-    rows = [("run directory", summary["run_dir"]),
-            ("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
+    rows = [("run directory", summary["run_dir"]), *summary_rows(summary)]
+    width = max(len(k) for k, _ in rows)
+    lines = ["", "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["files written"]
+    lines += [f"  {name:<40} {_size(size)}" for name, size in summary["files"].items()]
+    log.info("\n".join(lines))
+
+
+def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The run summary's (label, value) rows, as the console prints them and report.html shows them."""
+    rows = [("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
             ("workers", f"{summary['world_size']} x {summary['device']} ({summary['backend']})"),
             ("batch", f"global {summary['global_batch_size']} = micro {summary['micro_batch_size']} x "
                       f"{summary.get('ps', {}).get('workers', summary['world_size'])} ranks x "
@@ -190,10 +198,7 @@ def print_summary(summary: dict[str, Any], log: RunLog) -> None:
                                 + ", ".join(f"{i}: {m:.1f}" for i, m in enumerate(st["compute_ms_per_rank"])))]
     if summary.get("ps"):
         rows += _ps_rows(summary["ps"])
-    width = max(len(k) for k, _ in rows)
-    lines = ["", "run summary"] + [f"  {k:<{width}}  {v}" for k, v in rows] + ["files written"]
-    lines += [f"  {name:<40} {_size(size)}" for name, size in summary["files"].items()]
-    log.info("\n".join(lines))
+    return rows
 
 
 def _ps_rows(ps: dict[str, Any]) -> list[tuple[str, str]]:
