@@ -10,6 +10,7 @@ import csv
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,6 +85,8 @@ def wandb_records(offline_dir: Path):
             pos += block - pos % block
             continue
         _crc, length, kind = struct.unpack("<IHB", raw[pos:pos + 7])
+        if pos + 7 + length > len(raw):  # a chunk still being written
+            return
         data += raw[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a whole record, or a record's last chunk
@@ -93,10 +96,22 @@ def wandb_records(offline_dir: Path):
             yield record
 
 
+def finished_wandb_records(offline_dir: Path, timeout_s: float = 30.0) -> list:
+    """The records of an offline run once its ``exit`` record is on disk: ``run.finish()`` returns when wandb-core
+    has handled the exit, and its writer reaches the file a moment later (here, now and then, after the test
+    had read a log that ended early)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        records = list(wandb_records(offline_dir))
+        if records and records[-1].WhichOneof("record_type") == "exit" or time.monotonic() > deadline:
+            return records
+        time.sleep(0.05)
+
+
 def wandb_history(offline_dir: Path) -> tuple[list[dict], dict]:
     """The history rows (``_step`` and the values) and the final summary of an offline W&B run."""
     rows, summary = [], {}
-    for record in wandb_records(offline_dir):
+    for record in finished_wandb_records(offline_dir):
         kind = record.WhichOneof("record_type")
         if kind == "history":
             rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
@@ -151,7 +166,8 @@ def test_csv_widens_its_header_once_and_drops_replayed_rows_on_resume(tmp_path):
     assert [(row["kind"], int(row["step"])) for row in rows] == [(r["kind"], r["step"]) for r in RECORDS]
     assert [float(row["loss"]) for row in rows if row["loss"]] == [5.5, 5.25, 5.0]
     assert rows[2]["val_loss"] == "5.125" and rows[0]["val_loss"] == "" and rows[2]["loss"] == ""
-    assert json.loads(rows[1]["peak_rss_mb"]) == [401.0, 411.0] and json.loads(rows[0]["peak_tensor_mb"]) == [None, None]
+    assert json.loads(rows[1]["peak_rss_mb"]) == [401.0, 411.0]
+    assert json.loads(rows[0]["peak_tensor_mb"]) == [None, None]
 
     resumed = CSVBackend(path, start_step=1)  # a crash after step 3, resumed from the step-1 checkpoint
     resumed.log({**RECORDS[1], "loss": 5.3}, 2)
@@ -195,7 +211,8 @@ def test_wandb_offline_history_summary_and_resumed_id(tmp_path):
     resumed.log(RECORDS[1], 2)
     resumed.close()
     (second,) = set((tmp_path / "wandb").glob("offline-run-*")) - {first}
-    assert [rec.run.run_id for rec in wandb_records(second) if rec.WhichOneof("record_type") == "run"] == [run_id]
+    records = finished_wandb_records(second)
+    assert [rec.run.run_id for rec in records if rec.WhichOneof("record_type") == "run"] == [run_id]
     assert [row["_step"] for row in wandb_history(second)[0]] == [2]  # the resumed session's, from the checkpoint
 
 
@@ -269,7 +286,7 @@ def test_run_with_every_backend_matches_metrics_jsonl(run_all_backends):
     history, summary = wandb_history(offline)
     assert [(row["_step"], row["loss"]) for row in history] == logged(records, "loss")
     assert summary["loss"] == train[-1]["loss"] and summary["val_loss"] == logged(records, "val_loss")[-1][1]
-    (run,) = [rec.run for rec in wandb_records(offline) if rec.WhichOneof("record_type") == "run"]
+    (run,) = [rec.run for rec in finished_wandb_records(offline) if rec.WhichOneof("record_type") == "run"]
     config = {item.key: json.loads(item.value_json) for item in run.config.update}
     assert config["train"]["steps"] == 3 and run.project == "dptrain-tests" and run.display_name == "run"
 

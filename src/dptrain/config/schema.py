@@ -247,12 +247,13 @@ class LogConfig:
                         choices=("auto", "bar", "lines"))
     plots: bool = opt(True, "write loss and throughput plots (PNG) and report.html (interactive) at the end")
     backends: list = opt(["jsonl"], "where rank 0's metrics records go, a list of: jsonl (metrics.jsonl, always "
-                         "listed: the summary, plots and resumption read it), tensorboard (<run_dir>/tensorboard), csv "
-                         "(<run_dir>/metrics.csv), wandb (an offline W&B run in <run_dir>/wandb, uploaded later with "
-                         "wandb sync), mlflow (an MLflow run at mlflow_uri); pip install 'dptrain[logging]' installs "
-                         "their libraries (docs/run.md, Logging backends)")
+                         "listed: the summary, plots and resumption read it), tensorboard (the run directory's "
+                         "tensorboard/), csv (its metrics.csv), wandb (an offline W&B run in its wandb/, uploaded "
+                         "later with wandb sync), mlflow (an MLflow run at mlflow_uri); pip install "
+                         "'dptrain[logging]' installs their libraries (docs/run.md, Logging backends)")
     wandb_project: str = opt("dptrain", "backend wandb: the W&B project of the run (named after the run directory)")
-    mlflow_uri: str = opt("", "backend mlflow: the tracking URI; empty: sqlite:///<run_dir>/mlflow.db")
+    mlflow_uri: str = opt("", "backend mlflow: the tracking URI; empty: an SQLite store, mlflow.db in the run "
+                          "directory")
     mlflow_experiment: str = opt("dptrain", "backend mlflow: the experiment of the run (named after the run "
                                  "directory)")
 
