@@ -1,0 +1,27 @@
+"""What the ``dptrain`` commands share about their input: the errors that mean bad input, integer lists."""
+
+from __future__ import annotations
+
+import click
+
+__all__ = ["bad_input", "int_list"]
+
+
+def bad_input() -> tuple[type[Exception], ...]:
+    """The errors that mean bad input (one line, exit 2): imported on demand, since they pull in torch."""
+    from dptrain.batching import BatchSizeError
+    from dptrain.config import ConfigError
+    from dptrain.train.checkpoint import CheckpointError
+
+    return ConfigError, BatchSizeError, CheckpointError
+
+
+def int_list(text: str, what: str) -> list[int]:
+    """``"1,2,4"`` as positive integers, or a usage error naming ``what``."""
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v < 1 for v in values):
+        raise click.BadParameter(f"{what} must be positive integers, got {text!r}")
+    return values
