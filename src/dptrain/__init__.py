@@ -9,6 +9,9 @@ The public surface a training script needs::
     # or the whole step (accumulation, clipping, LR schedule, mixed precision), see docs/api.md
     from dptrain import Engine, init_distributed, warmup_cosine
 
+    # or an Accelerate-style loop: prepare(model, optimizer, loader, scheduler), see docs/api.md
+    from dptrain import prepare
+
 Every name is imported on first use (PEP 562 ``__getattr__``): ``import dptrain`` and the
 command line's ``--help`` do not import torch, which takes about a second.
 """
@@ -36,6 +39,7 @@ _EXPORTS = {
     "tune_cpu_allocator": "dptrain.allocator",
     "Engine": "dptrain.train.engine",
     "StepInfo": "dptrain.train.engine",
+    "prepare": "dptrain.train.wrap",
     "ShardedLoader": "dptrain.train.loader",
     "init_distributed": "dptrain.launch.rendezvous",
     "detect_worker_env": "dptrain.launch.rendezvous",
@@ -76,6 +80,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
     from dptrain.train.engine import Engine, StepInfo
     from dptrain.train.loader import ShardedLoader
+    from dptrain.train.wrap import prepare
     from dptrain.train.schedule import scaled_lr, warmup_cosine
     from dptrain.zero import ZeRO
 

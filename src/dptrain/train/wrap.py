@@ -1,0 +1,522 @@
+"""``prepare()``: an ordinary training loop made data-parallel, as Hugging Face Accelerate's is.
+
+``prepare(model, optimizer, loader, scheduler, ...)`` recognises each object by its type and
+returns a wrapped one in the same place, so the loop stays the one a single process runs::
+
+    model, optimizer, loader, scheduler = prepare(model, optimizer, loader, scheduler,
+                                                  strategy="ddp", grad_accum_steps=4, grad_clip=1.0)
+    for x, y in loader:          # this rank's shard, on the device, reshuffled each pass
+        loss_fn(model(x), y).backward()
+        optimizer.step(); scheduler.step(); optimizer.zero_grad()
+
+The wrappers share one :class:`AccumulationState`; gradient accumulation is a window of
+``grad_accum_steps`` micro-steps, a micro-step being one forward of the model with autograd on:
+
+1. the model's forward opens a window after a closed one, counts the micro-step and decides
+   whether it closes the window: the ``grad_accum_steps``-th does, and so does the last batch of
+   a prepared loader's pass (a pass that is not a multiple of ``grad_accum_steps`` ends on a
+   shorter window, as in Accelerate). All but the closing micro-step run under the strategy's
+   ``no_sync()``, held open until the closing forward: gradients add up locally and the
+   closing backward reduces their sum once;
+2. ``optimizer.step()`` does nothing inside a window. At its close it divides the gradients
+   by the window's micro-step count ``k`` (the loss is a mean over a micro-batch, DDP averages
+   over ranks, so the gradient becomes the mean over the window's global batch: nanoGPT scales
+   the loss for the same reason; here the user's ``loss.backward()`` is left alone), clips by
+   the global norm, and steps unless the norm is not finite (every rank sees the same norm, so
+   every rank skips together);
+3. ``optimizer.zero_grad()`` does nothing inside a window, so gradients accumulate whichever
+   end of the loop body it is called at; ``scheduler.step()`` steps only after its optimizer
+   really stepped: the schedule counts optimizer steps, as a single process on the global
+   batch would (Accelerate steps it ``num_processes`` times per step unless ``split_batches``).
+
+The loader is rebuilt over the same dataset with :class:`~dptrain.data.sampler.DistributedSampler`
+(``batch_size`` per rank); ``strategy`` zero1-3 wraps the model in :class:`~dptrain.zero.ZeRO` and
+moves the optimizer onto its flat shards in place (as Accelerate does for FSDP2).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import difflib
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
+                              SequentialSampler)
+from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
+
+from dptrain.data.sampler import DistributedSampler
+from dptrain.ddp import DistributedDataParallel
+from dptrain.train.loader import set_epoch
+from dptrain.zero import MixedPrecision, ZeRO
+
+__all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
+           "PreparedLoader", "shard_loader", "STRATEGIES", "PRECISIONS"]
+
+STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass
+class AccumulationState:
+    """Where the loop is in the current accumulation window; one per ``prepare()`` call, shared by its wrappers."""
+
+    grad_accum_steps: int
+    window: int = 0               # windows opened so far; the current one is number ``window``
+    micro_step: int = 0           # micro-steps (training forwards) in the current window
+    sync_gradients: bool = True   # the current micro-step closes its window: reduce, step, zero
+    end_of_data: bool = False     # a prepared loader is yielding the last batch of its pass
+
+    def begin_micro_step(self) -> bool:
+        """Count a training forward; return whether it closes its window."""
+        if self.sync_gradients:  # the previous window closed: this micro-step opens the next
+            self.window += 1
+            self.micro_step = 0
+        self.micro_step += 1
+        self.sync_gradients = self.micro_step == self.grad_accum_steps or self.end_of_data
+        return self.sync_gradients
+
+
+def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_accum_steps: int = 1,
+            grad_clip: float = 0.0, device: torch.device | str | None = None,
+            process_group: dist.ProcessGroup | None = None, seed: int = 0, ddp_kwargs: dict | None = None,
+            zero_kwargs: dict | None = None) -> Any:
+    """Wrap a model, optimizers, DataLoaders and LR schedulers for data parallelism; return them in order.
+
+    The trade-off against :class:`~dptrain.train.engine.Engine`: the loop stays an ordinary
+    one, and the accumulation window is inferred from forwards and loader passes instead of
+    being spelt out (see the module docstring for the algorithm).
+
+    - ``strategy``: ``"ddp"`` (dptrain's DistributedDataParallel, ``ddp_kwargs``) or
+      ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``; at most one
+      optimizer, created over the unwrapped model and not yet stepped).
+    - ``precision``: ``"fp32"`` or ``"bf16"``: autocast around the forward with fp32 weights and
+      outputs cast back to fp32 (under ZeRO its own ``MixedPrecision``, fp32 master shards).
+    - ``grad_accum_steps``: micro-steps per optimizer step; ``grad_clip``: max global L2 norm (0: none).
+    - ``device``: default ``cuda:<current>`` with NCCL, else CPU; ``process_group``: default the world.
+    - ``seed``: the loaders' shuffling seed (epoch ``e`` draws the permutation of ``seed + e``).
+
+    One object returns it alone, several a tuple. Anything but a module, an optimizer, a
+    DataLoader or an LR scheduler is a TypeError.
+    """
+    _check_settings(strategy, precision, grad_accum_steps, grad_clip)
+    if not dist.is_initialized():
+        raise RuntimeError("prepare() needs torch.distributed initialised: call device = dptrain.init_distributed() "
+                           "first (torchrun, Slurm or a single process)")
+    kinds = [_kind(obj) for obj in objects]
+    picked = {kind: list({id(o): o for o, k in zip(objects, kinds) if k == kind}.values())
+              for kind in ("model", "optimizer", "scheduler", "loader")}
+    if len(picked["model"]) > 1:
+        raise ValueError(f"prepare() got {len(picked['model'])} models; it counts one model's forwards as the "
+                         "accumulation's micro-steps. Put the models in one nn.Module, or prepare each with its own "
+                         "optimizers in separate prepare() calls")
+    device = torch.device(device) if device is not None else _default_device(process_group)
+    state = AccumulationState(grad_accum_steps)
+    done: dict[int, Any] = {}
+    zero = None
+    for model in picked["model"]:
+        done[id(model)] = prepared = _prepare_model(model, picked["optimizer"], strategy, precision, device,
+                                                    process_group, state, ddp_kwargs, zero_kwargs)
+        zero = prepared.module if isinstance(prepared.module, ZeRO) else None
+    for optimizer in picked["optimizer"]:
+        done[id(optimizer)] = PreparedOptimizer(optimizer, state, grad_clip, zero)
+    for scheduler in picked["scheduler"]:
+        done[id(scheduler)] = PreparedScheduler(scheduler, _optimizer_of(scheduler, done), state)
+    world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    for loader in picked["loader"]:
+        done[id(loader)] = PreparedLoader(shard_loader(loader, world, rank, seed), state, device)
+    result = tuple(done[id(obj)] for obj in objects)
+    return result[0] if len(result) == 1 else result
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class PreparedModel(nn.Module):
+    """The strategy's wrapper (``.module``), with the accumulation's sync switch and autocast around its forward.
+
+    A forward with autograd on is one micro-step (:meth:`AccumulationState.begin_micro_step`);
+    one that does not close its window enters the strategy's ``no_sync()`` and leaves it open
+    through its backward (ZeRO reads the switch during backward, DDP at forward) until the
+    window's closing forward leaves it. Forwards under ``torch.no_grad()`` (evaluation) are
+    not counted. ``unwrap()`` is the original module (under ZeRO its parameters live in the
+    shards: save with ``dptrain.zero.checkpoint.save_sharded(path, model.module, optimizer.optimizer)``).
+    """
+
+    def __init__(self, wrapped: nn.Module, state: AccumulationState, autocast_dtype: torch.dtype | None,
+                 device: torch.device):
+        super().__init__()
+        self.module = wrapped
+        self.accumulation = state
+        self.device = device
+        self._autocast_dtype = autocast_dtype
+        self._no_sync = contextlib.ExitStack()  # holds the strategy's no_sync() open between forwards
+        self._accumulating = False
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.is_grad_enabled():
+            self._set_gradient_sync(self.accumulation.begin_micro_step())
+        if self._autocast_dtype is None:
+            return self.module(*args, **kwargs)
+        with torch.autocast(self.device.type, dtype=self._autocast_dtype):
+            out = self.module(*args, **kwargs)
+        # the loss is computed outside, after the forward: in fp32, as Accelerate's convert_outputs_to_fp32
+        return _map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        if not sync and not self._accumulating:
+            self._no_sync.enter_context(self.module.no_sync())
+            self._accumulating = True
+        elif sync and self._accumulating:
+            self._no_sync.close()
+            self._accumulating = False
+
+    def unwrap(self) -> nn.Module:
+        """The model as it was passed to ``prepare()`` (on the device)."""
+        return self.module.module
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_parameters(prefix, recurse, remove_duplicate)
+
+
+def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], strategy: str, precision: str,
+                   device: torch.device, group: dist.ProcessGroup | None, state: AccumulationState,
+                   ddp_kwargs: dict | None, zero_kwargs: dict | None) -> PreparedModel:
+    model = model.to(device)  # the same Parameter objects: an optimizer built over them stays valid
+    bf16 = precision == "bf16"
+    if strategy == "ddp":
+        wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
+        return PreparedModel(wrapped, state, torch.bfloat16 if bf16 else None, device)
+    return PreparedModel(_wrap_zero(model, optimizers, int(strategy[-1]), bf16, group, zero_kwargs),
+                         state, None, device)
+
+
+def _wrap_zero(model: nn.Module, optimizers: list[torch.optim.Optimizer], stage: int, bf16: bool,
+               group: dist.ProcessGroup | None, zero_kwargs: dict | None) -> ZeRO:
+    """ZeRO over ``model``, the optimizer's groups switched in place onto the shards of their parameters.
+
+    ZeRO flattens parameters into units and shards each unit. ``split_by`` keeps parameters
+    of different param groups in different units, so every shard belongs to one group and
+    the group's hyperparameters apply to exactly the parameters they applied to before.
+    """
+    if len(optimizers) > 1:
+        raise ValueError(f"strategy zero{stage} with {len(optimizers)} optimizers: the gradient clipping and "
+                         "scaling are over the whole sharded model, once per step. Use one optimizer with a "
+                         "param group per part, or strategy='ddp'")
+    kwargs = dict(zero_kwargs or {})
+    if "split_by" in kwargs or "mixed_precision" in kwargs:
+        raise ValueError("zero_kwargs may not set split_by or mixed_precision: prepare() derives them from the "
+                         "optimizer's param groups and precision=")
+    group_of = {id(p): j for optimizer in optimizers for j, g in enumerate(optimizer.param_groups)
+                for p in g["params"]}
+    for optimizer in optimizers:
+        _check_movable(optimizer, stage)
+    reduce_dtype = kwargs.pop("reduce_dtype", torch.float32)
+    if bf16:
+        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                                                   output_dtype=torch.float32)
+    replaced = {id(p) for p in model.parameters() if p.requires_grad}  # what ZeRO turns into shards
+    zero = ZeRO(model, stage=stage, process_group=group, split_by=lambda name, p: group_of.get(id(p)), **kwargs)
+    for optimizer in optimizers:
+        for j, g in enumerate(optimizer.param_groups):
+            others = [p for p in g["params"] if id(p) not in replaced]  # not the model's: kept as they are
+            g["params"] = others + [unit.shard for unit in zero.units if unit.key == j]
+    return zero
+
+
+def _check_movable(optimizer: torch.optim.Optimizer, stage: int) -> None:
+    if optimizer.state:
+        raise ValueError(f"the {type(optimizer).__name__} already has state for {len(optimizer.state)} parameters "
+                         f"(it stepped, or loaded a checkpoint); zero{stage} replaces the parameters by flat shards, "
+                         "so that state cannot follow them. prepare() it before its first step, and resume from a "
+                         "sharded checkpoint afterwards: dptrain.zero.checkpoint.load_sharded(path, model.module, "
+                         "optimizer.optimizer)")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError(f"LBFGS keeps its own list of parameters, which cannot be moved onto zero{stage}'s "
+                         "shards; use strategy='ddp'")
+
+
+# ------------------------------------------------------------------- optimizer and scheduler
+
+
+class PreparedOptimizer(torch.optim.Optimizer):
+    """The optimizer, stepping and zeroing only when an accumulation window closes.
+
+    At the close, ``step()`` divides the gradients by the window's micro-step count, clips by
+    the global norm (``grad_clip``; under ZeRO over every rank's shard) and steps unless the norm
+    is not finite. ``grad_norm`` (before clipping), ``steps``, ``skipped_steps`` and
+    ``step_was_skipped`` describe the last step; ``accumulation`` is the shared state. Like
+    Accelerate's AcceleratedOptimizer it subclasses ``torch.optim.Optimizer`` (LR schedulers
+    accept it) without calling its ``__init__``: param groups and state are the wrapped
+    optimizer's, and any other attribute is looked up there.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, state: AccumulationState, grad_clip: float,
+                 zero: ZeRO | None = None):
+        self.optimizer = optimizer
+        self.accumulation = state
+        self.grad_clip = grad_clip
+        self._zero = zero
+        self.grad_norm: float | None = None
+        self.steps = 0
+        self.skipped_steps = 0
+        self.step_was_skipped = False
+        self._stepped_window = -1  # the window this optimizer last stepped in
+
+    param_groups = property(lambda self: self.optimizer.param_groups)
+    state = property(lambda self: self.optimizer.state)
+    defaults = property(lambda self: self.optimizer.defaults)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":  # not set yet (copy, unpickling): no wrapped optimizer to ask
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def stepped_in_window(self) -> bool:
+        """Whether the optimizer really stepped (not skipped) in the current window."""
+        return self._stepped_window == self.accumulation.window and not self.step_was_skipped
+
+    def step(self, closure: Callable[[], float] | None = None) -> Any:
+        acc = self.accumulation
+        if not acc.sync_gradients or self._stepped_window == acc.window:
+            return None
+        self._stepped_window = acc.window
+        params = self._params()
+        if acc.micro_step > 1:
+            with torch.no_grad():
+                for p in params:
+                    p.grad.div_(acc.micro_step)
+        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
+        if self._zero is not None:  # the norm over every rank's shard, the same on every rank
+            self.grad_norm = float(self._zero.clip_grad_norm_(max_norm))
+        else:
+            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        self.step_was_skipped = not math.isfinite(self.grad_norm)
+        if self.step_was_skipped:
+            self.skipped_steps += 1
+            return None
+        self.steps += 1
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def _params(self) -> list[nn.Parameter]:
+        """The parameters whose gradients this step scales: the optimizer's, and under ZeRO every shard."""
+        params = {id(p): p for g in self.param_groups for p in g["params"]}
+        if self._zero is not None:
+            params.update((id(p), p) for p in self._zero.parameters())
+        return [p for p in params.values() if p.grad is not None]
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.accumulation.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def __repr__(self) -> str:
+        return f"PreparedOptimizer({self.optimizer!r})"
+
+
+class PreparedScheduler:
+    """The LR scheduler, stepping only after its optimizer really stepped (not inside a window, not on a skip).
+
+    A scheduler whose optimizer was not prepared in the same call steps whenever a window closes.
+    """
+
+    def __init__(self, scheduler: LRScheduler, optimizer: PreparedOptimizer | None, state: AccumulationState):
+        self.scheduler = scheduler
+        self.optimizer = optimizer
+        self.accumulation = state
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        due = self.optimizer.stepped_in_window() if self.optimizer is not None else self.accumulation.sync_gradients
+        if due:
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:  # get_last_lr, state_dict, last_epoch, ...
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+
+def _optimizer_of(scheduler: LRScheduler, done: dict[int, Any]) -> PreparedOptimizer | None:
+    if isinstance(scheduler.optimizer, PreparedOptimizer):  # built on an optimizer prepared earlier
+        return scheduler.optimizer
+    prepared = done.get(id(scheduler.optimizer))
+    return prepared if isinstance(prepared, PreparedOptimizer) else None
+
+
+# ----------------------------------------------------------------------------- the data
+
+
+class PreparedLoader:
+    """A DataLoader over this rank's shard: ``set_epoch`` before each pass, batches moved to the device.
+
+    Each ``iter()`` is one pass: the sampler (and a dataset with ``set_epoch``) is told the
+    pass's epoch, 0, 1, 2, ... or from ``set_epoch(e)`` on, so every pass is reshuffled. While
+    it yields its last batch it marks the end of data, and the forward on that batch closes
+    the accumulation window. Other attributes (``dataset``, ``batch_size``, ``sampler``) are
+    the rebuilt DataLoader's.
+    """
+
+    def __init__(self, loader: DataLoader, state: AccumulationState, device: torch.device):
+        self.loader = loader
+        self.accumulation = state
+        self.device = device
+        self.epoch = 0        # the epoch of the current or next pass
+        self._started = False
+
+    def set_epoch(self, epoch: int) -> None:
+        """Make the next pass epoch ``epoch`` (to resume; passes count on from it)."""
+        self.epoch, self._started = epoch, False
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._started:
+            self.epoch += 1
+        self._started = True
+        if hasattr(self.loader.sampler, "set_epoch"):
+            self.loader.sampler.set_epoch(self.epoch)
+        set_epoch(self.loader.dataset, self.epoch)
+        last = len(self.loader) - 1
+        try:
+            for i, batch in enumerate(self.loader):
+                self.accumulation.end_of_data = i == last
+                yield _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+        finally:
+            self.accumulation.end_of_data = False
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "loader":
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int = 0) -> DataLoader:
+    """``loader`` rebuilt over rank ``rank``'s :class:`DistributedSampler` shard; its settings kept.
+
+    ``batch_size`` stays the batch per rank. A RandomSampler becomes a shuffled shard, a
+    SequentialSampler an ordered one; a DistributedSampler (dptrain's or torch's) is kept as
+    it is. The shard is padded to equal length on every rank (``drop_last`` of the sampler
+    is False), so every rank has the same number of batches and the ranks close their last
+    window together.
+    """
+    sampler = _shard_sampler(loader, world_size, rank, seed)
+    options = dict(batch_size=loader.batch_size, num_workers=loader.num_workers, collate_fn=loader.collate_fn,
+                   pin_memory=loader.pin_memory, drop_last=loader.drop_last, timeout=loader.timeout,
+                   worker_init_fn=loader.worker_init_fn, multiprocessing_context=loader.multiprocessing_context,
+                   generator=loader.generator, persistent_workers=loader.persistent_workers,
+                   in_order=loader.in_order)
+    if loader.num_workers > 0:
+        options["prefetch_factor"] = loader.prefetch_factor
+    if loader.pin_memory_device:
+        options["pin_memory_device"] = loader.pin_memory_device
+    return DataLoader(loader.dataset, sampler=sampler, **options)
+
+
+def _shard_sampler(loader: DataLoader, world_size: int, rank: int, seed: int) -> Any:
+    name = f"the DataLoader's {type(loader.sampler).__name__}"
+    if isinstance(loader.dataset, IterableDataset):
+        raise TypeError(f"{type(loader.dataset).__name__} is an IterableDataset, which has no indices to shard: "
+                        "have it yield rank torch.distributed.get_rank()'s part itself and iterate that DataLoader "
+                        "without prepare()")
+    if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        raise TypeError(f"the DataLoader's batch_sampler is a {type(loader.batch_sampler).__name__}: prepare() "
+                        "rebuilds a loader from batch_size and a sampler only. Build it with batch_size= and "
+                        "shuffle=, or shard your batch sampler by rank yourself and leave the loader unprepared")
+    sampler = loader.sampler
+    if isinstance(sampler, (DistributedSampler, TorchDistributedSampler)):
+        if sampler.num_replicas != world_size or sampler.rank != rank:
+            raise ValueError(f"{name} is for rank {sampler.rank} of {sampler.num_replicas}, this is rank {rank} of "
+                             f"{world_size}; let prepare() shard a plain DataLoader (shuffle=True or False)")
+        return sampler
+    if type(sampler) is RandomSampler and (sampler.replacement or sampler.num_samples != len(loader.dataset)):
+        raise TypeError(f"{name} draws {sampler.num_samples} samples (replacement={sampler.replacement}); "
+                        "prepare() shards a permutation of the whole dataset. Use shuffle=True without num_samples")
+    if type(sampler) not in (RandomSampler, SequentialSampler):
+        raise TypeError(f"{name} is not one prepare() can shard faithfully (it knows RandomSampler, from "
+                        "shuffle=True; SequentialSampler, from shuffle=False; and DistributedSampler). Use "
+                        "shuffle=, or pass sampler=dptrain.DistributedSampler(dataset, num_replicas=world_size, "
+                        "rank=rank) yourself")
+    return DistributedSampler(loader.dataset, num_replicas=world_size, rank=rank,
+                              shuffle=type(sampler) is RandomSampler, seed=seed, drop_last=False)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _kind(obj: Any) -> str:
+    if isinstance(obj, (PreparedModel, PreparedOptimizer, PreparedScheduler, PreparedLoader)):
+        raise TypeError(f"this {type(obj).__name__} was already prepared; pass the original object")
+    if isinstance(obj, (DistributedDataParallel, ZeRO, nn.parallel.DistributedDataParallel)):
+        raise TypeError(f"the model is already wrapped in {type(obj).__name__}; pass the bare module, prepare() "
+                        "wraps it for strategy=")
+    for kind, types in (("model", nn.Module), ("optimizer", torch.optim.Optimizer), ("scheduler", LRScheduler),
+                        ("loader", DataLoader)):
+        if isinstance(obj, types):
+            return kind
+    hint = " (a Dataset: wrap it in a DataLoader first)" if isinstance(obj, Dataset) else ""
+    raise TypeError(f"prepare() does not know what to do with a {type(obj).__name__}{hint}; it takes an "
+                    "nn.Module, torch.optim.Optimizers, torch.utils.data.DataLoaders and LR schedulers")
+
+
+def _check_settings(strategy: str, precision: str, grad_accum_steps: int, grad_clip: float) -> None:
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}{_did_you_mean(strategy, STRATEGIES)}; prepare() takes "
+                         f"{', '.join(STRATEGIES)} (gossip mixes parameters in its own step: use dptrain.Engine)")
+    if precision == "fp16":
+        raise ValueError("precision fp16 needs a loss scaler, which a plain loss.backward() cannot apply; use bf16 "
+                         "(no scaler needed), or dptrain.Engine(precision='fp16') on CUDA")
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}{_did_you_mean(precision, PRECISIONS)}; use fp32 or bf16")
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}")
+    if not grad_clip >= 0:
+        raise ValueError(f"grad_clip must be >= 0 (0: no clipping), got {grad_clip!r}")
+
+
+def _did_you_mean(value: str, choices: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(str(value).lower(), choices, n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _default_device(group: dist.ProcessGroup | None) -> torch.device:
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with ``fn`` applied to every tensor in nested lists, tuples, namedtuples and mappings.
+
+    A mapping is copied and assigned item by item, so its type survives (a Hugging Face
+    ``BatchEncoding`` or ``ModelOutput`` keeps its attribute access).
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return type(obj)(*(_map_tensors(x, fn) for x in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(x, fn) for x in obj)
+    if isinstance(obj, Mapping):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = _map_tensors(value, fn)
+        return out
+    return obj

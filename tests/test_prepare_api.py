@@ -1,0 +1,267 @@
+"""dptrain.prepare(): an Accelerate-style loop against one process on the global batch, checked after every step."""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+
+from dptrain import prepare
+from dptrain.testing import run_on_ranks
+from dptrain.train.wrap import AccumulationState, PreparedLoader, shard_loader
+
+SAMPLES, MICRO, ACCUM, EPOCHS, CLIP = 30, 3, 3, 2, 0.5  # a rank's pass: 30/N samples, 10/N micro-batches
+
+
+def _model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _dataset():
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(SAMPLES, 5, generator=g), torch.randint(0, 3, (SAMPLES,), generator=g),
+                         torch.arange(SAMPLES))
+
+
+def _optimizer(model):  # two param groups: weight decay on the matrices only
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": matrices, "weight_decay": 0.1}, {"params": vectors, "weight_decay": 0.0}],
+                             lr=0.05)
+
+
+def _scheduler(optimizer):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def _params(model):
+    """Every parameter, full, by name (under ZeRO gathered from the shards; all ranks take part)."""
+    if hasattr(model.module, "gathered_state"):
+        return model.module.gathered_state()
+    return {name: p.detach().clone() for name, p in model.unwrap().named_parameters()}
+
+
+def _prepared_run(rank, world_size, strategy):
+    model = _model()
+    optimizer = _optimizer(model)
+    scheduler = _scheduler(optimizer)
+    train = DataLoader(_dataset(), batch_size=MICRO, shuffle=True)
+    val = DataLoader(_dataset(), batch_size=4)
+    # any order, a loader for evaluation too
+    train, scheduler, model, val, optimizer = prepare(train, scheduler, model, val, optimizer, strategy=strategy,
+                                                      grad_accum_steps=ACCUM, grad_clip=CLIP)
+    steps, window, passes, synced, evals = [], [], [], [], 0
+    comm = model.module.last_step_comm
+    for _ in range(EPOCHS):
+        passes.append([])
+        for x, y, index in train:
+            F.cross_entropy(model(x), y).backward()
+            synced.append(model.module.last_step_comm is not comm)  # reduced in this backward?
+            comm = model.module.last_step_comm
+            window.append(index.tolist())
+            passes[-1] += index.tolist()
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+            if optimizer.accumulation.sync_gradients:
+                steps.append((window, _params(model), optimizer.grad_norm, scheduler.get_last_lr()))
+                window = []
+        with torch.no_grad():  # evaluation forwards are not micro-steps
+            for x, _, _ in val:
+                model(x)
+                evals += 1
+    return steps, passes, synced, evals, scheduler.last_epoch, optimizer.steps
+
+
+def _reference(windows):
+    """One process: step s on the samples every rank saw in window s, all at once."""
+    x, y, _ = _dataset().tensors
+    model = _model()
+    optimizer = _optimizer(model)
+    scheduler = _scheduler(optimizer)
+    out = []
+    for window in windows:
+        batch = torch.tensor([i for micro_batch in window for i in micro_batch])
+        F.cross_entropy(model(x[batch]), y[batch]).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, norm, scheduler.get_last_lr()))
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size, strategy", [(1, "ddp"), (2, "ddp"), (2, "zero2"), (2, "zero3")])
+def test_prepared_loop_matches_one_process_on_the_global_batch(world_size, strategy):
+    results = run_on_ranks(_prepared_run, world_size, strategy)
+    micro_per_pass = SAMPLES // world_size // MICRO
+    windows_per_pass = -(-micro_per_pass // ACCUM)  # the pass's last window is shorter: 10 = 3+3+3+1, 5 = 3+2
+    step_windows = [[w for rank_steps, _, _, _, _, _ in results for w in rank_steps[s][0]]
+                    for s in range(EPOCHS * windows_per_pass)]
+    expected = _reference(step_windows)
+    for steps, passes, synced, evals, scheduler_steps, optimizer_steps in results:
+        assert len(steps) == len(expected) == scheduler_steps == optimizer_steps == EPOCHS * windows_per_pass
+        for (_, params, norm, lr), (want, want_norm, want_lr) in zip(steps, expected):
+            assert params.keys() == want.keys()
+            for name in want:
+                torch.testing.assert_close(params[name], want[name], rtol=1e-5, atol=1e-6)
+            assert norm == pytest.approx(want_norm, rel=1e-5) and lr == pytest.approx(want_lr)
+        # the all-reduce ran on the window's last backward only
+        sizes = [len(window) for window, _, _, _ in steps]
+        assert synced == [k == size - 1 for size in sizes for k in range(size)]
+        assert sizes[:windows_per_pass] == [ACCUM] * (micro_per_pass // ACCUM) + [micro_per_pass % ACCUM] * (
+            micro_per_pass % ACCUM > 0)
+        assert evals == EPOCHS * -(-SAMPLES // world_size // 4)
+    for epoch in range(EPOCHS):  # each pass: every sample once, on one rank
+        assert sorted(i for _, passes, *_ in results for i in passes[epoch]) == list(range(SAMPLES))
+    assert results[0][1][0] != results[0][1][1]  # reshuffled
+
+
+def _precision_run(rank, world_size, strategy):
+    seen = []
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            seen.append(x.dtype)
+            return x
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), Probe(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = prepare(model, optimizer, strategy=strategy, precision="bf16")
+    out = model(torch.randn(4, 5))
+    out.sum().backward()
+    optimizer.step()
+    return seen, out.dtype, {p.dtype for p in optimizer.param_groups[0]["params"]}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_bf16_computes_in_bf16_and_keeps_fp32_weights_and_outputs(strategy):
+    [(seen, out_dtype, param_dtypes)] = run_on_ranks(_precision_run, 1, strategy)
+    assert seen == [torch.bfloat16] and out_dtype == torch.float32 and param_dtypes == {torch.float32}
+
+
+# ------------------------------------------------------------------------ no process group
+
+
+def test_a_window_closes_after_grad_accum_steps_or_at_the_end_of_data():
+    state = AccumulationState(grad_accum_steps=3)
+    closes = []
+    for end in [False] * 4 + [True] + [False] * 3:  # a pass of 5 micro-batches, then the next pass begins
+        state.end_of_data = end
+        closes.append(state.begin_micro_step())
+    assert closes == [False, False, True, False, True, False, False, True]
+    assert state.window == 3 and state.micro_step == 3
+
+
+def test_the_loader_shards_disjointly_keeps_its_settings_and_reshuffles_each_pass():
+    def collate(samples):
+        return torch.stack([s[0] for s in samples])
+
+    dataset = TensorDataset(torch.arange(20))
+    loader = DataLoader(dataset, batch_size=3, shuffle=True, drop_last=True, collate_fn=collate)
+    shards = [shard_loader(loader, 2, rank, seed=5) for rank in range(2)]
+    assert [(s.batch_size, s.drop_last, s.collate_fn) for s in shards] == [(3, True, collate)] * 2
+    prepared = [PreparedLoader(s, AccumulationState(1), torch.device("cpu")) for s in shards]
+    assert [len(p) for p in prepared] == [3, 3]  # 10 samples a rank, whole batches of 3
+    passes = [[torch.cat(list(p)).tolist() for p in prepared] for _ in range(3)]
+    for first, second in passes:
+        assert not set(first) & set(second) and len(first) == len(second) == 9
+    assert passes[0] != passes[1] != passes[2]
+    assert [p.epoch for p in prepared] == [2, 2]
+    prepared[0].set_epoch(1)  # resuming: the next pass is epoch 1 again
+    assert torch.cat(list(prepared[0])).tolist() == passes[1][0]
+
+
+def test_the_loader_marks_its_last_batch_as_the_end_of_data():
+    state = AccumulationState(4)
+    loader = PreparedLoader(shard_loader(DataLoader(TensorDataset(torch.arange(7)), batch_size=2), 1, 0), state,
+                            torch.device("cpu"))
+    assert [state.end_of_data for _ in loader] == [False, False, False, True]
+    assert not state.end_of_data  # cleared when the pass ends
+
+
+def test_settings_are_checked_before_anything_else():
+    with pytest.raises(ValueError, match=r"unknown strategy 'zero-2' \(did you mean 'zero2'\?\)"):
+        prepare(strategy="zero-2")
+    with pytest.raises(ValueError, match="fp16 needs a loss scaler.*use bf16"):
+        prepare(precision="fp16")
+    with pytest.raises(ValueError, match="grad_accum_steps must be an integer >= 1, got 0"):
+        prepare(grad_accum_steps=0)
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="dptrain.init_distributed"):
+            prepare(nn.Linear(2, 2))
+
+
+class _Stream(IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def _errors(rank, world_size):
+    data = TensorDataset(torch.arange(8.0))
+    attempts = {
+        "unknown": lambda: prepare(nn.Linear(2, 2), "model.pt"),
+        "dataset": lambda: prepare(data),
+        "two models": lambda: prepare(nn.Linear(2, 2), nn.Linear(2, 2)),
+        "iterable": lambda: prepare(DataLoader(_Stream(), batch_size=2)),
+        "batch sampler": lambda: prepare(DataLoader(data, batch_sampler=[[0, 1], [2, 3]])),
+        "replacement": lambda: prepare(DataLoader(data, batch_size=2, sampler=RandomSampler(data, True, 4))),
+        "custom sampler": lambda: prepare(DataLoader(data, batch_size=2, sampler=[3, 1, 2])),
+        "wrapped": lambda: prepare(prepare(nn.Linear(2, 2))),
+    }
+    model = nn.Linear(2, 2)
+    stepped = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 2)).sum().backward()
+    stepped.step()
+    attempts["stepped"] = lambda: prepare(model, stepped, strategy="zero2")
+    attempts["two optimizers"] = lambda: prepare(model, torch.optim.SGD(model.parameters(), lr=1),
+                                                 torch.optim.SGD(model.parameters(), lr=1), strategy="zero1")
+    attempts["split_by"] = lambda: prepare(nn.Linear(2, 2), strategy="zero3", zero_kwargs={"split_by": len})
+    messages = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except (TypeError, ValueError) as e:
+            messages[name] = f"{type(e).__name__}: {e}"
+    return messages
+
+
+@pytest.mark.timeout(60)
+def test_what_prepare_cannot_do_faithfully_is_an_error_naming_the_fix():
+    [messages] = run_on_ranks(_errors, 1)
+    expected = {
+        "unknown": re.escape("TypeError: prepare() does not know what to do with a str; it takes an nn.Module"),
+        "dataset": "TypeError: .*TensorDataset \\(a Dataset: wrap it in a DataLoader first\\)",
+        "two models": "ValueError: prepare\\(\\) got 2 models.*separate prepare\\(\\) calls",
+        "iterable": "TypeError: _Stream is an IterableDataset.*without prepare\\(\\)",
+        "batch sampler": "TypeError: the DataLoader's batch_sampler is a list.*batch_size= and shuffle=",
+        "replacement": "TypeError: the DataLoader's RandomSampler draws 4 samples \\(replacement=True\\)",
+        "custom sampler": "TypeError: the DataLoader's list is not one prepare\\(\\) can shard.*dptrain.DistributedSampler",
+        "wrapped": "TypeError: this PreparedModel was already prepared",
+        "stepped": "ValueError: the Adam already has state for 2 parameters.*load_sharded",
+        "two optimizers": "ValueError: strategy zero1 with 2 optimizers.*strategy='ddp'",
+        "split_by": "ValueError: zero_kwargs may not set split_by",
+    }
+    assert messages.keys() == expected.keys()
+    for name, pattern in expected.items():
+        assert re.match(pattern, messages[name]), (name, messages[name])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_prepare_example_trains():
+    example = Path(__file__).parent.parent / "examples" / "prepare_loop.py"
+    proc = subprocess.run([sys.executable, str(example)], capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stderr
+    losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
+    assert len(losses) >= 3 and losses[-1] < 0.5 * losses[0], proc.stdout
