@@ -1,33 +1,43 @@
-"""Sharded checkpoints of a ZeRO model and its optimizer, with ``torch.distributed.checkpoint``.
+"""Sharded checkpoints of a ZeRO model and its optimizer: DCP files of DTensors, keyed by parameter name.
 
-Each rank writes only what it owns, and a checkpoint saved on N ranks loads on M: the
+Each rank writes only what it holds, and a checkpoint saved on N ranks loads on M: the
 resharding is done by ``torch.distributed.checkpoint`` (DCP), which reads, for every
-tensor a rank asks for, the overlapping pieces of the chunks that were saved.
+chunk a rank asks for, the overlapping parts of the chunks that were saved. Keys are
+those of ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, and
+``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``), so the DDP
+engine's checkpoints (:mod:`dptrain.train.strategy_state`) use the same names::
 
-What makes that possible is the layout the checkpoint is written in. It is not the
-units' flat buffers (their shard boundaries depend on the world size) but the model's
-own parameters, by their original names, each *flattened* to 1-D. Rank r's shard of a
-unit covers the elements ``[lo_r, hi_r)`` of the flat buffer; intersected with a
-parameter's ``[start, end)`` that is one contiguous piece of the flattened parameter,
-saved as one chunk of a ``ShardedTensor`` whose global layout every rank computes
-without communication (:func:`~dptrain.comm.topology.shard_range` of every rank).
-Optimizer state that has one value per element (Adam's ``exp_avg``) is saved the same
-way; scalar state (``step``) once per parameter. Keys::
+    model.<fqn>                        every parameter (each name of a tied one), buffer and frozen
+                                       parameter, in its own shape
+    optim.state.<fqn>.<key>            per-element optimizer state (Adam's exp_avg) in the
+                                       parameter's shape; scalar state (step) as saved
+    optim.param_groups.<fqn>.<name>    the hyperparameters of the parameter's group (lr, betas...)
+    extra.<key>                        whatever the caller adds
 
-    model.<name>             the flattened parameter (ShardedTensor, numel elements)
-    optim.<name>.<key>       per-element state (ShardedTensor) or scalar state (tensor)
-    shapes                   JSON {name: shape}: what the flattened parameters are reshaped to
-    optim.groups             JSON: the optimizer's hyperparameters, one dict per param group
-    optim.kinds              JSON {key: "sharded" | "scalar"}
-    extra.<key>              whatever the caller adds (step counters, RNG states...)
+**Layout.** A tensor is a DTensor ``Shard(0)`` over the ZeRO group (``[Replicate(),
+Shard(0)]`` on a 2-D mesh under hybrid sharding, whose replicas DCP writes once): rows
+split as ``torch.chunk`` splits them, what FSDP2 saves. ZeRO's own shards are contiguous
+ranges of a flat buffer cut wherever a parameter happens to be, which no DTensor
+placement describes, so saving first moves each unit's shard, and each per-element
+optimizer state, into row chunks with one all-to-all (:mod:`dptrain.zero.redistribute`);
+loading asks DCP for row chunks of the current world size and moves them back.
+
+**Why not the helpers themselves.** ``get_model_state_dict`` / ``set_*`` read and write
+``module.state_dict()`` and ``optimizer.state_dict()``; ZeRO's optimizer holds one flat
+shard per unit, which those helpers would save as ``unit0``, ``unit1``... with no
+parameter names. The keys above are theirs; the DTensors are built here.
+
+**Trade-off.** The all-to-all sends each element at most once, only where the two cuts
+disagree, and it buys a format that FSDP2, torchtitan and the DDP engine read, resharding
+by DCP's public planner. Measured (docs/zero.md, Checkpoints): on 2 gloo ranks it is a
+small part of a save, which is dominated by writing the files.
 
 Loading first compares the checkpoint's parameter names and shapes with the model's
 and raises :class:`ShardedCheckpointError` naming every difference, on every rank,
-before anything is read. Saving writes into ``<path>.tmp`` and renames it once DCP has
-written its metadata (its last file), so a crash never leaves a checkpoint that looks
-complete. :func:`consolidated_state` reads a checkpoint back into full tensors in one
-process (no process group); :func:`export_safetensors` writes the live model's full
-weights from rank 0.
+before anything is read. A checkpoint in the format dptrain wrote before (flattened
+parameters in ``ShardedTensor`` s) is refused with what to do; :func:`consolidated_state`
+still reads it. Saving writes into ``<path>.tmp`` and renames it once DCP has written
+its metadata (its last file), so a crash never leaves a checkpoint that looks complete.
 """
 
 from __future__ import annotations
@@ -38,112 +48,129 @@ import os
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, ShardMetadata
-from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
-from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from dptrain import comm
-from dptrain.zero.unit import FlatUnit
+from dptrain.zero.redistribute import chunk_intervals, chunk_rows, redistribute, zero_intervals
+from dptrain.zero.unit import FlatUnit, ParamRef
 
-__all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded", "consolidated_state", "export_safetensors",
-           "checkpoint_shapes"]
+__all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded", "load_full_state", "consolidated_state",
+           "export_safetensors", "checkpoint_shapes", "layout_differences", "MODEL", "OPTIM"]
+
+MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."  # key prefixes (get_state_dict's "model" and "optim")
 
 
 class ShardedCheckpointError(ValueError):
     """A sharded checkpoint that does not fit the model it is loaded into."""
 
 
-# --------------------------------------------------------------------- layout
+# --------------------------------------------------------------------- names and layout
 
 
-def _pieces(unit: FlatUnit) -> list[tuple[Any, int, int, list[tuple[int, int, int]]]]:
-    """Per parameter of ``unit``: (ref, this rank's start in the shard, length, every rank's (rank, offset, size))."""
-    bounds = [comm.shard_range(unit.numel, unit.world_size, r) for r in range(unit.world_size)]
-    out = []
-    for ref, (start, end) in zip(unit.refs, unit.offsets()):
-        everyone = []
-        for r, (lo, hi) in enumerate(bounds):
-            a, b = max(start, lo), min(end, hi)
-            if b > a:
-                everyone.append((r, a - start, b - a))
-        a, b = max(start, unit.lo), min(end, unit.hi)
-        out.append((ref, a - unit.lo, max(b - a, 0), everyone))
+def _aliases(model) -> dict[str, list[str]]:
+    """Every name of each trainable parameter (tied ones have several), the first being ``ref.name``."""
+    prefixes: dict[int, list[str]] = {}
+    for prefix, sub in model.module.named_modules(remove_duplicate=False):
+        prefixes.setdefault(id(sub), []).append(prefix)
+    out = {}
+    for ref in _refs(model):
+        names = [ref.name]
+        for holder, attr in ref.holders:
+            names += [f"{p}.{attr}" if p else attr for p in prefixes.get(id(holder), [])]
+        out[ref.name] = list(dict.fromkeys(names))
     return out
 
 
-def _sharded(unit: FlatUnit, local: torch.Tensor, numel: int, pieces: list[tuple[int, int, int]]) -> ShardedTensor:
-    """A 1-D ShardedTensor of ``numel`` elements whose chunk on this rank is ``local``."""
-    device = local.device
-    place = [(dist.get_global_rank(unit.group, r) if unit.group is not None else r, offset, size)
-             for r, offset, size in pieces]
-    metas = [ShardMetadata(shard_offsets=[offset], shard_sizes=[size], placement=f"rank:{g}/{device}")
-             for g, offset, size in place]
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    global_meta = ShardedTensorMetadata(shards_metadata=metas, size=torch.Size([numel]), tensor_properties=props)
-    me = dist.get_rank()
-    local_shards = [Shard(local, meta) for (g, _, _), meta in zip(place, metas) if g == me]
-    return ShardedTensor._init_from_local_shards_and_global_metadata(local_shards, global_meta,
-                                                                      process_group=unit.group)
+def _refs(model) -> Iterator[ParamRef]:
+    return (ref for unit in model.units for ref in unit.refs)
 
 
-def _state_dict(model, optimizer: torch.optim.Optimizer | None, states: dict | None) -> dict[str, Any]:
-    """The DCP state dict over the tensors themselves (views), for saving from or loading into."""
-    sd: dict[str, Any] = {"shapes": json.dumps({r.name: list(r.shape) for u in model.units for r in u.refs})}
-    kinds: dict[str, str] = {}
+def _mesh(model) -> tuple[DeviceMesh, bool]:
+    """The DeviceMesh of the ZeRO group, 2-D (replicate, shard) under hybrid sharding; whether it is hybrid."""
+    device = model.device.type
+    if model.replicate_group is None:
+        return DeviceMesh.from_group(model.shard_group or dist.group.WORLD, device), False
+    ranks = dist.get_process_group_ranks(model.group) if model.group is not None else range(dist.get_world_size())
+    grid = torch.tensor(list(ranks)).view(-1, model.shard_size)  # shard groups are consecutive ranks (hybrid.py)
+    return DeviceMesh.from_group([model.replicate_group, model.shard_group], device, grid,
+                                 mesh_dim_names=("replicate", "shard")), True
+
+
+def _local_shapes(unit: FlatUnit) -> list[torch.Size]:
+    """This rank's ``Shard(0)`` chunk shape of each parameter of the unit (a 0-dim one: whole, replicated)."""
+    out = []
+    for ref in unit.refs:
+        first, last = chunk_rows(ref.shape[0], unit.world_size, unit.rank) if len(ref.shape) else (0, 0)
+        out.append(torch.Size([last - first, *ref.shape[1:]]) if len(ref.shape) else torch.Size([]))
+    return out
+
+
+def _dtensors(unit: FlatUnit, chunks: torch.Tensor, mesh: DeviceMesh, hybrid: bool) -> list[DTensor]:
+    """The unit's parameters as DTensors whose local parts are views of ``chunks`` (this rank's row chunks)."""
+    out, at = [], 0
+    for ref, local_shape in zip(unit.refs, _local_shapes(unit)):
+        local = chunks[at:at + local_shape.numel()].view(local_shape)
+        at += local_shape.numel()
+        shard = Shard(0) if len(ref.shape) else Replicate()
+        placements = (Replicate(), shard) if hybrid else (shard,)
+        out.append(DTensor.from_local(local, mesh, placements, run_check=False, shape=ref.shape,
+                                      stride=torch.empty(ref.shape, device="meta").stride()))
+    return out
+
+
+def _to_chunks(unit: FlatUnit, flat_shard: torch.Tensor) -> torch.Tensor:
+    """Collective: this rank's ZeRO shard of a unit-shaped tensor -> its row chunks of every parameter."""
+    shapes = [r.shape for r in unit.refs]
+    return redistribute(flat_shard, zero_intervals(unit.numel, unit.world_size),
+                        chunk_intervals(shapes, unit.world_size), unit.group)
+
+
+def _to_shard(unit: FlatUnit, chunks: torch.Tensor) -> torch.Tensor:
+    """Collective: the inverse of :func:`_to_chunks` (replicated 0-dim parameters sent by rank 0 alone)."""
+    shapes = [r.shape for r in unit.refs]
+    held = chunk_intervals(shapes, unit.world_size)[unit.rank]
+    return redistribute(chunks, chunk_intervals(shapes, unit.world_size, sending=True),
+                        zero_intervals(unit.numel, unit.world_size), unit.group, held=held)
+
+
+def _state_kinds(model, optimizer: torch.optim.Optimizer) -> dict[int, dict[str, str]]:
+    """Per unit index, ``{key: "element" | "scalar" | "object"}`` of its optimizer state, agreed by every rank.
+
+    Collective: a rank that has not stepped a unit (an empty shard) must still take
+    part in its all-to-alls, so the kinds are the union over the ZeRO group.
+    """
+    mine: dict[int, dict[str, str]] = {}
     for unit in model.units:
-        shard = unit.shard.detach()
-        unit_state = states[unit] if states is not None else {}
-        for ref, begin, length, everyone in _pieces(unit):
-            sd[f"model.{ref.name}"] = _sharded(unit, shard[begin:begin + length], ref.numel, everyone)
-            for key, value in unit_state.items():
-                if not torch.is_tensor(value):
-                    continue
-                if value.dim() == 1 and value.shape == unit.shard.shape:
-                    kinds[key] = "sharded"
-                    sd[f"optim.{ref.name}.{key}"] = _sharded(unit, value[begin:begin + length], ref.numel, everyone)
-                else:
-                    kinds[key] = "scalar"
-                    sd[f"optim.{ref.name}.{key}"] = value
-    if optimizer is not None:
-        sd["optim.groups"] = json.dumps([{k: v for k, v in g.items() if k != "params"}
-                                         for g in optimizer.param_groups], default=_plain)
-        sd["optim.kinds"] = json.dumps(kinds)
-    return sd
+        state = optimizer.state.get(unit.shard, {})
+        mine[unit.index] = {k: ("element" if torch.is_tensor(v) and v.dim() == 1 and v.shape == unit.shard.shape
+                                else "scalar" if torch.is_tensor(v) else "object") for k, v in state.items()}
+    if model.world_size == 1:
+        return mine
+    everyone: list = [None] * model.world_size
+    dist.all_gather_object(everyone, mine, group=model.group)
+    return {u.index: {k: v for other in everyone for k, v in other[u.index].items()} for u in model.units}
 
 
 @contextlib.contextmanager
-def _quiet():
-    """DCP warns that ShardedTensor is deprecated in favour of DTensor each time it touches one.
-
-    DTensor's Shard placement splits a tensor the way ``torch.chunk`` does, which cannot
-    describe a piece of a parameter cut at an arbitrary flat-buffer boundary; the
-    ShardedTensor metadata can, and DCP reads and reshards it. A single-process read
-    (``no_dist``) warns that it is one, which is what it is meant to be.
-    """
+def _quiet() -> Iterator[None]:
+    """A local read (``no_dist``) warns that it is one, which is what it is meant to be."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
         yield
 
 
-def _plain(value: Any) -> Any:
-    """JSON for optimizer hyperparameters that are not plain numbers (a tensor lr, a tuple)."""
-    return value.item() if torch.is_tensor(value) and value.numel() == 1 else str(value)
-
-
-# --------------------------------------------------------------------- save / load
+# --------------------------------------------------------------------- save
 
 
 def save_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict[str, Any] | None = None) -> Path:
-    """Collective: every rank writes its shards of ``model`` (and ``optimizer``'s state) to ``path``.
+    """Collective: every rank writes its row chunks of ``model`` (and ``optimizer``'s state) to ``path``.
 
     ``extra``: more entries (tensors or picklable objects), saved under ``extra.<key>``
     as they are; a tensor there is taken to be the same on every rank.
@@ -153,11 +180,9 @@ def save_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
     if dist.get_rank() == 0 and tmp.exists():
         shutil.rmtree(tmp)
     dist.barrier()
-    states = {u: optimizer.state.get(u.shard, {}) for u in model.units} if optimizer is not None else None
-    sd = _state_dict(model, optimizer, states)
-    sd.update({f"extra.{k}": v for k, v in (extra or {}).items()})
-    with _quiet():
-        dcp.save(sd, checkpoint_id=str(tmp))  # returns on every rank once the metadata file is written
+    sd = _save_entries(model, optimizer)
+    sd.update({f"{EXTRA}{k}": v for k, v in (extra or {}).items()})
+    dcp.save(sd, checkpoint_id=str(tmp), process_group=model.group)  # returns once the metadata is written
     if dist.get_rank() == 0:
         if path.exists():
             shutil.rmtree(path)
@@ -166,111 +191,264 @@ def save_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
     return path
 
 
-def checkpoint_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
-    """``{name: shape}`` of the parameters in a sharded checkpoint (read locally, no collective)."""
-    return _read_json(path, ("shapes",))["shapes"]
+def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    mesh, hybrid = _mesh(model)
+    names = _aliases(model)
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()}  # buffers, frozen
+    kinds = _state_kinds(model, optimizer) if optimizer is not None else {}
+    for unit in model.units:
+        for ref, tensor in zip(unit.refs, _dtensors(unit, _to_chunks(unit, unit.shard.detach()), mesh, hybrid)):
+            sd.update({MODEL + name: tensor for name in names[ref.name]})
+        state = optimizer.state.get(unit.shard, {}) if optimizer is not None else {}
+        for key, kind in kinds.get(unit.index, {}).items():
+            value = state.get(key)
+            if kind == "element":
+                local = value.detach() if value is not None else unit.shard.new_zeros(unit.shard.shape)
+                values = _dtensors(unit, _to_chunks(unit, local), mesh, hybrid)
+            else:
+                values = [value] * len(unit.refs)
+            sd.update({f"{OPTIM}state.{ref.name}.{key}": v for ref, v in zip(unit.refs, values)})
+    for group in optimizer.param_groups if optimizer is not None else []:
+        for shard in group["params"]:
+            for ref in shard._zero_unit.refs:
+                sd.update({f"{OPTIM}param_groups.{ref.name}.{k}": v for k, v in group.items() if k != "params"})
+    return sd
 
 
-def _read_json(path: str | os.PathLike, keys: tuple[str, ...]) -> dict[str, Any]:
-    """The checkpoint's JSON entries ``keys``, in one local read."""
-    if not (Path(path) / ".metadata").is_file():
+# --------------------------------------------------------------------- load
+
+
+def _metadata(path: Path) -> dict[str, Any]:
+    """The checkpoint's ``{key: storage metadata}``, read locally (no collective)."""
+    if not (path / ".metadata").is_file():
         raise ShardedCheckpointError(f"{path} is not a dptrain sharded checkpoint: it has no .metadata file "
                                      "(written last by a complete save)")
-    sd: dict[str, Any] = {key: "" for key in keys}
     try:
-        with _quiet():
-            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:  # DCP raises CheckpointException / FileNotFoundError / RuntimeError
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:  # a truncated or foreign .metadata: pickle, EOF or attribute errors
         raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
-    return {key: json.loads(sd[key]) for key in keys}
 
 
-def _check_layout(path: Path, model, saved: dict[str, list[int]]) -> None:
-    mine = {r.name: list(r.shape) for u in model.units for r in u.refs}
+def _refuse_old_format(path: Path, meta: Mapping[str, Any]) -> None:
+    if "shapes" in meta:
+        raise ShardedCheckpointError(
+            f"{path} is in the sharded format dptrain wrote before DTensor checkpoints (flattened parameters in "
+            "ShardedTensors), which cannot be resumed by this version. Export its weights with `dptrain "
+            f"consolidate {path.parent if path.name == 'sharded' else path}` (which reads it), resume it with the "
+            "dptrain version that wrote it, or start afresh (--set checkpoint.resume=false or another run_dir)")
+
+
+def layout_differences(saved: Mapping[str, list[int]], mine: Mapping[str, list[int]]) -> list[str]:
+    """What differs between a checkpoint's ``{name: shape}`` and a model's: missing, unexpected, other shapes."""
     missing = sorted(set(mine) - set(saved))
     unexpected = sorted(set(saved) - set(mine))
     differ = [f"{n} (checkpoint {tuple(saved[n])}, model {tuple(mine[n])})"
-              for n in sorted(set(mine) & set(saved)) if saved[n] != mine[n]]
-    if missing or unexpected or differ:
-        parts = []
-        if missing:
-            parts.append(f"missing from the checkpoint: {', '.join(missing)}")
-        if unexpected:
-            parts.append(f"in the checkpoint but not in the model: {', '.join(unexpected)}")
-        if differ:
-            parts.append(f"shapes differ: {', '.join(differ)}")
+              for n in sorted(set(mine) & set(saved)) if list(saved[n]) != list(mine[n])]
+    parts = []
+    if missing:
+        parts.append(f"missing from the checkpoint: {', '.join(missing)}")
+    if unexpected:
+        parts.append(f"in the checkpoint but not in the model: {', '.join(unexpected)}")
+    if differ:
+        parts.append(f"shapes differ: {', '.join(differ)}")
+    return parts
+
+
+def _model_shapes(model) -> dict[str, list[int]]:
+    names = _aliases(model)
+    shapes = {name: list(ref.shape) for ref in _refs(model) for name in names[ref.name]}
+    shapes.update({k: list(v.shape) for k, v in model.module.state_dict().items()})
+    return shapes
+
+
+def _check_layout(path: Path, model, saved: dict[str, list[int]]) -> None:
+    parts = layout_differences(saved, _model_shapes(model))
+    if parts:
         raise ShardedCheckpointError(
             f"checkpoint {path} does not fit this model ({'; '.join(parts)}). Build the model with the "
-            "configuration the checkpoint was saved with, or export it (consolidated_state) and load "
+            "configuration the checkpoint was saved with, or export it (dptrain consolidate) and load "
             "what matches by hand")
+
+
+def checkpoint_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
+    """``{name: shape}`` of the model entries of a sharded checkpoint (read locally, no collective)."""
+    path = Path(path)
+    meta = _metadata(path)
+    _refuse_old_format(path, meta)
+    return _shapes(meta)
+
+
+def _shapes(meta: Mapping[str, Any]) -> dict[str, list[int]]:
+    return {k[len(MODEL):]: list(md.size) for k, md in meta.items()
+            if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
+
+
+def _element_keys(meta: Mapping[str, Any], shapes: Mapping[str, torch.Size]) -> set[str]:
+    """Optimizer state keys with one value per element: saved in the shape of a parameter with dimensions."""
+    keys = set()
+    for k, md in meta.items():
+        if k.startswith(OPTIM + "state.") and isinstance(md, TensorStorageMetadata):
+            for name, shape in shapes.items():
+                prefix = f"{OPTIM}state.{name}."
+                if k.startswith(prefix) and len(shape) and md.size == shape:
+                    keys.add(k[len(prefix):])
+    return keys
 
 
 def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimizer | None = None,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Collective: load ``path`` into ``model``'s shards (and ``optimizer``), on any world size.
 
-    ``extra``: ``{key: default}`` of extra entries to read back; returns them loaded.
-    Raises :class:`ShardedCheckpointError` (on every rank) when parameter names or
-    shapes differ from the model's.
+    DCP reads this rank's row chunks of the current world size; one all-to-all per unit
+    and per-element state moves them into the ZeRO shards. ``extra``: ``{key: default}``
+    of extra entries to read back; returns them loaded. Raises
+    :class:`ShardedCheckpointError` (on every rank) when parameter names or shapes
+    differ from the model's.
     """
     path = Path(path)
-    head = _read_json(path, ("shapes", "optim.kinds", "optim.groups") if optimizer is not None else ("shapes",))
-    _check_layout(path, model, head["shapes"])
-    kinds: dict[str, str] = head.get("optim.kinds", {})
-    groups: list = head.get("optim.groups", [])
-    if optimizer is not None:
-        if len(groups) != len(optimizer.param_groups):
-            raise ShardedCheckpointError(
-                f"checkpoint {path} has {len(groups)} optimizer param groups, this optimizer "
-                f"{len(optimizer.param_groups)}; build the optimizer as the saved run did")
-    states = None
-    if optimizer is not None:
-        meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-        states = {}
-        for unit in model.units:
-            first = unit.refs[0].name
-            states[unit] = {}
-            for key, kind in kinds.items():
-                md = meta.get(f"optim.{first}.{key}")
-                if md is None:
-                    continue  # this unit had no such state (e.g. never stepped)
-                dtype = md.properties.dtype
-                states[unit][key] = (torch.zeros(unit.shard.shape, dtype=dtype, device=unit.shard.device)
-                                     if kind == "sharded" else torch.zeros(md.size, dtype=dtype))
-    sd = _state_dict(model, optimizer, states)
-    if optimizer is not None:  # scalars are read per unit from its first parameter only
-        for unit in model.units:
-            for ref in unit.refs[1:]:
-                for key, kind in kinds.items():
-                    if kind == "scalar":
-                        sd.pop(f"optim.{ref.name}.{key}", None)
-        sd.pop("optim.groups")
-        sd.pop("optim.kinds")
-    sd.update({f"extra.{k}": v for k, v in (extra or {}).items()})
-    with torch.no_grad(), _quiet():
-        dcp.load(sd, checkpoint_id=str(path))
+    meta = _metadata(path)
+    _refuse_old_format(path, meta)
+    _check_layout(path, model, _shapes(meta))
+    mesh, hybrid = _mesh(model)
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()}  # buffers: in place
+    element = _element_keys(meta, {r.name: r.shape for r in _refs(model)}) if optimizer is not None else set()
+    chunks: dict[tuple[int, str], torch.Tensor] = {}  # (unit, "" for the parameters or a state key) -> row chunks
+
+    def placeholders(unit: FlatUnit, key: str, dtype: torch.dtype) -> None:
+        chunks[unit.index, key] = torch.empty(sum(s.numel() for s in _local_shapes(unit)), dtype=dtype,
+                                              device=unit.device)
+        names = [MODEL + r.name if not key else f"{OPTIM}state.{r.name}.{key}" for r in unit.refs]
+        sd.update(zip(names, _dtensors(unit, chunks[unit.index, key], mesh, hybrid)))
+
     for unit in model.units:
-        unit.stale = True  # the next forward gathers the loaded shards
-    if optimizer is not None:
+        placeholders(unit, "", unit.master_dtype)
+        for key in _state_keys(meta, unit) if optimizer is not None else []:
+            md = meta[f"{OPTIM}state.{unit.refs[0].name}.{key}"]
+            if key in element:
+                placeholders(unit, key, md.properties.dtype)
+            else:  # scalar state: the unit's first parameter's
+                sd[f"{OPTIM}state.{unit.refs[0].name}.{key}"] = _placeholder(md, unit.device)
+    for group in optimizer.param_groups if optimizer is not None else []:
+        if group["params"]:
+            first = group["params"][0]._zero_unit.refs[0].name
+            sd.update({f"{OPTIM}param_groups.{first}.{k}": None for k in group if k != "params"})
+    sd.update({f"{EXTRA}{k}": v for k, v in (extra or {}).items()})
+    try:
+        with torch.no_grad():
+            dcp.load(sd, checkpoint_id=str(path), process_group=model.group)
+    except dcp.CheckpointException as e:
+        raise ShardedCheckpointError(f"checkpoint {path} could not be read into this model and optimizer: {e}. "
+                                     "Build the optimizer as the saved run did") from None
+    with torch.no_grad():
         for unit in model.units:
-            if states[unit]:
-                optimizer.state[unit.shard] = states[unit]
-        for group, saved in zip(optimizer.param_groups, groups):
-            group.update(saved)
-    return {k: sd[f"extra.{k}"] for k in (extra or {})}
+            unit.shard.copy_(_to_shard(unit, chunks[unit.index, ""]))
+            unit.stale = True  # the next forward gathers the loaded shards
+            if optimizer is not None:
+                _set_unit_state(optimizer, unit, {
+                    key: _to_shard(unit, chunks[unit.index, key]) if (unit.index, key) in chunks
+                    else sd[f"{OPTIM}state.{unit.refs[0].name}.{key}"] for key in _state_keys(meta, unit)})
+    if optimizer is not None:
+        _set_groups(optimizer, lambda name: sd[f"{OPTIM}param_groups.{name}"])
+    return {k: sd[f"{EXTRA}{k}"] for k in (extra or {})}
+
+
+def _state_keys(meta: Mapping[str, Any], unit: FlatUnit) -> list[str]:
+    """The optimizer state keys saved for the unit's first parameter (every parameter of a unit has the same)."""
+    prefix = f"{OPTIM}state.{unit.refs[0].name}."
+    return [k[len(prefix):] for k in meta if k.startswith(prefix)]
+
+
+def _placeholder(md: Any, device: torch.device) -> Any:
+    """An entry for DCP to load a scalar into: a tensor of the saved size and dtype, or anything for bytes."""
+    if isinstance(md, BytesStorageMetadata):
+        return None
+    return torch.empty(md.size, dtype=md.properties.dtype, device=device if len(md.size) else "cpu")
+
+
+def _set_unit_state(optimizer: torch.optim.Optimizer, unit: FlatUnit, state: dict[str, Any]) -> None:
+    if state:
+        optimizer.state[unit.shard] = state
+
+
+def _set_groups(optimizer: torch.optim.Optimizer, saved) -> None:
+    """Each param group's hyperparameters from its first parameter's saved ones (``saved("<fqn>.<name>")``)."""
+    for group in optimizer.param_groups:
+        if group["params"]:
+            first = group["params"][0]._zero_unit.refs[0].name
+            group.update({k: saved(f"{first}.{k}") for k in group if k != "params"})
+
+
+def load_full_state(model, optimizer: torch.optim.Optimizer | None, model_state: Mapping[str, torch.Tensor],
+                    optim_state: Mapping[str, Any] | None, source: str) -> None:
+    """Every rank: fill ``model``'s shards (and ``optimizer``) from full tensors under the same keys, no collective.
+
+    ``model_state``: ``{fqn: tensor}``; ``optim_state``: ``{"state.<fqn>.<key>": ...,
+    "param_groups.<fqn>.<name>": ...}`` (``get_optimizer_state_dict`` flattened), as the
+    DDP engine saves them; memory-mapped tensors are read only where this rank's shard
+    falls. ``source`` names them in errors.
+    """
+    parts = layout_differences({k: list(v.shape) for k, v in model_state.items()}, _model_shapes(model))
+    if parts:
+        raise ShardedCheckpointError(f"checkpoint {source} does not fit this model ({'; '.join(parts)}). Build the "
+                                     "model with the configuration the checkpoint was saved with")
+    with torch.no_grad():
+        for name, tensor in model.module.state_dict().items():  # buffers, frozen parameters
+            tensor.copy_(model_state[name])
+        for unit in model.units:
+            unit.shard.copy_(_slice_shard(unit, lambda ref: model_state[ref.name], unit.shard.dtype))
+            unit.stale = True
+            if optimizer is None or optim_state is None:
+                continue
+            prefix = f"state.{unit.refs[0].name}."
+            state = {}
+            for key in [k[len(prefix):] for k in optim_state if k.startswith(prefix)]:
+                value = optim_state[prefix + key]
+                if torch.is_tensor(value) and len(unit.refs[0].shape) and value.shape == unit.refs[0].shape:
+                    value = _slice_shard(unit, lambda ref, key=key: optim_state[f"state.{ref.name}.{key}"],
+                                         value.dtype)
+                state[key] = value.to(unit.device) if torch.is_tensor(value) and value.dim() else value
+            _set_unit_state(optimizer, unit, state)
+    if optimizer is not None and optim_state is not None:
+        _set_groups(optimizer, lambda name: optim_state[f"param_groups.{name}"])
+
+
+def _slice_shard(unit: FlatUnit, full_of, dtype: torch.dtype) -> torch.Tensor:
+    """This rank's ZeRO shard of the unit, cut from each parameter's full tensor ``full_of(ref)``."""
+    pieces = []
+    for ref, (start, end) in zip(unit.refs, unit.offsets()):
+        a, b = max(start, unit.lo), min(end, unit.hi)
+        if b > a:
+            pieces.append(full_of(ref).reshape(-1)[a - start:b - start])
+    if not pieces:
+        return torch.empty(0, dtype=dtype, device=unit.device)
+    return torch.cat(pieces).to(device=unit.device, dtype=dtype)
 
 
 # --------------------------------------------------------------------- export
 
 
-def consolidated_state(path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every parameter of a sharded checkpoint, full and in its shape, read in this process alone."""
-    shapes = checkpoint_shapes(path)
-    sd: dict[str, Any] = {}
-    with _quiet():
-        _load_state_dict(sd, storage_reader=dcp.FileSystemReader(str(path)), planner=_EmptyStateDictLoadPlanner(),
-                         no_dist=True)
-    return {name: sd[f"model.{name}"].reshape(shape) for name, shape in shapes.items()}
+def consolidated_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str, Any]:
+    """Every entry under ``prefix`` (``model.``: parameters by name, ``optim.``: optimizer state), full, in one process.
+
+    No process group: DCP reads every chunk of each entry into one tensor. Also reads the
+    older flattened format (its ``shapes`` entry gives each parameter's shape).
+    """
+    path = Path(path)
+    meta = _metadata(path)
+    sd = {k: _placeholder(md, torch.device("cpu")) for k, md in meta.items() if k.startswith(prefix)}
+    old = "shapes" in meta
+    if old:
+        sd["shapes"] = ""
+    try:
+        with _quiet():
+            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:  # DCP raises CheckpointException / FileNotFoundError / RuntimeError
+        raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
+    if old:
+        shapes = json.loads(sd.pop("shapes"))
+        return {k[len(prefix):]: v.reshape(shapes[k[len(MODEL):]]) if k[len(MODEL):] in shapes else v
+                for k, v in sd.items()}
+    return {k[len(prefix):]: v for k, v in sd.items()}
 
 
 def export_safetensors(model, path: str | os.PathLike) -> Path | None:
@@ -285,3 +463,4 @@ def export_safetensors(model, path: str | os.PathLike) -> Path | None:
         os.replace(tmp, path)
     dist.barrier()
     return path if dist.get_rank() == 0 else None
+
