@@ -150,6 +150,29 @@ def test_bf16_computes_in_bf16_and_keeps_fp32_weights_and_outputs(strategy):
     assert seen == [torch.bfloat16] and out_dtype == torch.float32 and param_dtypes == {torch.float32}
 
 
+def _nonfinite_run(rank, world_size):
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, scheduler = prepare(model, optimizer, _scheduler(optimizer), grad_accum_steps=2)
+    params = []
+    for micro_step in range(6):
+        x = torch.randn(2, 5)
+        if rank == 1 and micro_step == 2:
+            x[0, 0] = float("inf")  # one rank's bad sample poisons the second window's reduced gradient everywhere
+        model(x).sum().backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        if optimizer.accumulation.sync_gradients:
+            params.append(torch.cat([p.detach().flatten() for p in model.parameters()]))
+    return optimizer.steps, optimizer.skipped_steps, scheduler.last_epoch, torch.equal(params[0], params[1])
+
+
+@pytest.mark.timeout(60)
+def test_a_non_finite_window_skips_the_step_and_the_scheduler_on_every_rank():
+    assert run_on_ranks(_nonfinite_run, 2) == [(2, 1, 2, True)] * 2
+
+
 # ------------------------------------------------------------------------ no process group
 
 
@@ -177,8 +200,8 @@ def test_the_loader_shards_disjointly_keeps_its_settings_and_reshuffles_each_pas
     for first, second in passes:
         assert not set(first) & set(second) and len(first) == len(second) == 9
     assert passes[0] != passes[1] != passes[2]
-    assert [p.epoch for p in prepared] == [2, 2]
-    prepared[0].set_epoch(1)  # resuming: the next pass is epoch 1 again
+    assert [p.epoch for p in prepared] == [3, 3]  # the next pass's
+    prepared[0].set_epoch(1)  # resuming at epoch 1
     assert torch.cat(list(prepared[0])).tolist() == passes[1][0]
 
 

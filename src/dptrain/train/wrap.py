@@ -1,33 +1,23 @@
 """``prepare()``: an ordinary training loop made data-parallel, as Hugging Face Accelerate's is.
 
 ``prepare(model, optimizer, loader, scheduler, ...)`` recognises each object by its type and
-returns a wrapped one in the same place, so the loop stays the one a single process runs::
-
-    model, optimizer, loader, scheduler = prepare(model, optimizer, loader, scheduler,
-                                                  strategy="ddp", grad_accum_steps=4, grad_clip=1.0)
-    for x, y in loader:          # this rank's shard, on the device, reshuffled each pass
-        loss_fn(model(x), y).backward()
-        optimizer.step(); scheduler.step(); optimizer.zero_grad()
-
-The wrappers share one :class:`AccumulationState`; gradient accumulation is a window of
+returns a wrapped one in the same place, so the loop stays the one a single process runs
+(``loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad()``). The wrappers share one :class:`AccumulationState`; gradient accumulation is a window of
 ``grad_accum_steps`` micro-steps, a micro-step being one forward of the model with autograd on:
 
-1. the model's forward opens a window after a closed one, counts the micro-step and decides
-   whether it closes the window: the ``grad_accum_steps``-th does, and so does the last batch of
-   a prepared loader's pass (a pass that is not a multiple of ``grad_accum_steps`` ends on a
-   shorter window, as in Accelerate). All but the closing micro-step run under the strategy's
-   ``no_sync()``, held open until the closing forward: gradients add up locally and the
-   closing backward reduces their sum once;
+1. the model's forward counts the micro-step; the ``grad_accum_steps``-th closes the window,
+   and so does the last batch of a prepared loader's pass (a pass that is not a multiple of
+   ``grad_accum_steps`` ends on a shorter window, as in Accelerate). The others run under the
+   strategy's ``no_sync()``, held open until the closing forward: gradients add up locally
+   and the closing backward reduces their sum once;
 2. ``optimizer.step()`` does nothing inside a window. At its close it divides the gradients
-   by the window's micro-step count ``k`` (the loss is a mean over a micro-batch, DDP averages
-   over ranks, so the gradient becomes the mean over the window's global batch: nanoGPT scales
-   the loss for the same reason; here the user's ``loss.backward()`` is left alone), clips by
-   the global norm, and steps unless the norm is not finite (every rank sees the same norm, so
-   every rank skips together);
-3. ``optimizer.zero_grad()`` does nothing inside a window, so gradients accumulate whichever
-   end of the loop body it is called at; ``scheduler.step()`` steps only after its optimizer
-   really stepped: the schedule counts optimizer steps, as a single process on the global
-   batch would (Accelerate steps it ``num_processes`` times per step unless ``split_batches``).
+   by the window's micro-step count ``k`` (each loss is a micro-batch mean and DDP averages
+   over ranks, so the gradient becomes the mean over the window's global batch; nanoGPT scales
+   the loss instead, but here ``loss.backward()`` is the user's), clips by the global norm, and
+   steps unless the norm is not finite (the same on every rank, so all ranks skip together);
+3. ``optimizer.zero_grad()`` does nothing inside a window; ``scheduler.step()`` steps when it
+   closes, unless the optimizer skipped its step, so the schedule counts optimizer steps as
+   one process on the global batch would (Accelerate steps it ``num_processes`` times).
 
 The loader is rebuilt over the same dataset with :class:`~dptrain.data.sampler.DistributedSampler`
 (``batch_size`` per rank); ``strategy`` zero1-3 wraps the model in :class:`~dptrain.zero.ZeRO` and
@@ -89,9 +79,8 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
             zero_kwargs: dict | None = None) -> Any:
     """Wrap a model, optimizers, DataLoaders and LR schedulers for data parallelism; return them in order.
 
-    The trade-off against :class:`~dptrain.train.engine.Engine`: the loop stays an ordinary
-    one, and the accumulation window is inferred from forwards and loader passes instead of
-    being spelt out (see the module docstring for the algorithm).
+    Against :class:`~dptrain.train.engine.Engine`: the loop stays an ordinary one, at the cost
+    of inferring the accumulation window from forwards and loader passes (module docstring).
 
     - ``strategy``: ``"ddp"`` (dptrain's DistributedDataParallel, ``ddp_kwargs``) or
       ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``; at most one
@@ -152,9 +141,7 @@ class PreparedModel(nn.Module):
     def __init__(self, wrapped: nn.Module, state: AccumulationState, autocast_dtype: torch.dtype | None,
                  device: torch.device):
         super().__init__()
-        self.module = wrapped
-        self.accumulation = state
-        self.device = device
+        self.module, self.accumulation, self.device = wrapped, state, device
         self._autocast_dtype = autocast_dtype
         self._no_sync = contextlib.ExitStack()  # holds the strategy's no_sync() open between forwards
         self._accumulating = False
@@ -180,12 +167,6 @@ class PreparedModel(nn.Module):
     def unwrap(self) -> nn.Module:
         """The model as it was passed to ``prepare()`` (on the device)."""
         return self.module.module
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        return self.module.named_parameters(prefix, recurse, remove_duplicate)
 
 
 def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], strategy: str, precision: str,
@@ -267,9 +248,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.grad_clip = grad_clip
         self._zero = zero
         self.grad_norm: float | None = None
-        self.steps = 0
-        self.skipped_steps = 0
-        self.step_was_skipped = False
+        self.steps, self.skipped_steps, self.step_was_skipped = 0, 0, False
         self._stepped_window = -1  # the window this optimizer last stepped in
 
     param_groups = property(lambda self: self.optimizer.param_groups)
@@ -280,10 +259,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if name == "optimizer":  # not set yet (copy, unpickling): no wrapped optimizer to ask
             raise AttributeError(name)
         return getattr(self.optimizer, name)
-
-    def stepped_in_window(self) -> bool:
-        """Whether the optimizer really stepped (not skipped) in the current window."""
-        return self._stepped_window == self.accumulation.window and not self.step_was_skipped
 
     def step(self, closure: Callable[[], float] | None = None) -> Any:
         acc = self.accumulation
@@ -327,24 +302,21 @@ class PreparedOptimizer(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
-    def __repr__(self) -> str:
-        return f"PreparedOptimizer({self.optimizer!r})"
-
 
 class PreparedScheduler:
-    """The LR scheduler, stepping only after its optimizer really stepped (not inside a window, not on a skip).
+    """The LR scheduler, stepping when an accumulation window closes unless its optimizer skipped the step.
 
-    A scheduler whose optimizer was not prepared in the same call steps whenever a window closes.
+    As Accelerate's AcceleratedScheduler (which also lets it precede ``optimizer.step()``), but
+    once per optimizer step. Without a prepared optimizer: whenever a window closes.
     """
 
     def __init__(self, scheduler: LRScheduler, optimizer: PreparedOptimizer | None, state: AccumulationState):
-        self.scheduler = scheduler
-        self.optimizer = optimizer
-        self.accumulation = state
+        self.scheduler, self.optimizer, self.accumulation = scheduler, optimizer, state
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        due = self.optimizer.stepped_in_window() if self.optimizer is not None else self.accumulation.sync_gradients
-        if due:
+        optimizer = self.optimizer
+        state = optimizer.accumulation if optimizer is not None else self.accumulation
+        if state.sync_gradients and not (optimizer is not None and optimizer.step_was_skipped):
             self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:  # get_last_lr, state_dict, last_epoch, ...
@@ -366,39 +338,35 @@ def _optimizer_of(scheduler: LRScheduler, done: dict[int, Any]) -> PreparedOptim
 class PreparedLoader:
     """A DataLoader over this rank's shard: ``set_epoch`` before each pass, batches moved to the device.
 
-    Each ``iter()`` is one pass: the sampler (and a dataset with ``set_epoch``) is told the
-    pass's epoch, 0, 1, 2, ... or from ``set_epoch(e)`` on, so every pass is reshuffled. While
-    it yields its last batch it marks the end of data, and the forward on that batch closes
-    the accumulation window. Other attributes (``dataset``, ``batch_size``, ``sampler``) are
-    the rebuilt DataLoader's.
+    Each ``iter()`` is one pass over epoch ``epoch``: the sampler (and a dataset with
+    ``set_epoch``) is told it first, so every epoch is reshuffled, and a pass that runs to its
+    end moves ``epoch`` on by one (save it, ``set_epoch`` it to resume). While the pass yields
+    its last batch it marks the end of data: the forward on that batch closes the accumulation
+    window. Other attributes (``dataset``, ``batch_size``, ``sampler``) are the DataLoader's.
     """
 
     def __init__(self, loader: DataLoader, state: AccumulationState, device: torch.device):
-        self.loader = loader
-        self.accumulation = state
-        self.device = device
-        self.epoch = 0        # the epoch of the current or next pass
-        self._started = False
+        self.loader, self.accumulation, self.device = loader, state, device
+        self.epoch = 0  # the epoch of the pass in progress, or of the next one
 
     def set_epoch(self, epoch: int) -> None:
-        """Make the next pass epoch ``epoch`` (to resume; passes count on from it)."""
-        self.epoch, self._started = epoch, False
+        """Make the next pass epoch ``epoch`` (to resume)."""
+        self.epoch = epoch
 
     def __len__(self) -> int:
         return len(self.loader)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._started:
-            self.epoch += 1
-        self._started = True
+        epoch = self.epoch
         if hasattr(self.loader.sampler, "set_epoch"):
-            self.loader.sampler.set_epoch(self.epoch)
-        set_epoch(self.loader.dataset, self.epoch)
+            self.loader.sampler.set_epoch(epoch)
+        set_epoch(self.loader.dataset, epoch)
         last = len(self.loader) - 1
         try:
             for i, batch in enumerate(self.loader):
                 self.accumulation.end_of_data = i == last
                 yield _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+            self.epoch = epoch + 1
         finally:
             self.accumulation.end_of_data = False
 
