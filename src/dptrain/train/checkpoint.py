@@ -3,20 +3,23 @@
 Layout of a run directory's ``checkpoints/``::
 
     step_00000100/
-        model.pt        the model's state_dict (replicated, so rank 0's)
-        optimizer.pt    the optimizer's state_dict
+        model.pt        the model's state (replicated, so rank 0's): get_model_state_dict
+        optimizer.pt    the optimizer's: get_optimizer_state_dict, flattened (state.<fqn>.<key>,
+                        param_groups.<fqn>.<name>)
         trainer.pt      step, loss scaler, and every rank's RNG states
-        meta.json       written last: step, world size, global batch, the config's
+        meta.json       written last: step, world size, strategy, global batch, the config's
                         identity and its hash, and a sha256 of each file above
     step_00000200/ ...
 
 A ZeRO run (``ddp.strategy = "zero1" | "zero2" | "zero3"``) writes ``sharded/`` (every
-rank's shards of the parameters and optimizer state, in ``torch.distributed.checkpoint``'s
-format, loadable on any world size: :mod:`dptrain.zero.checkpoint`) instead of
-``model.pt`` and ``optimizer.pt``; ``meta.json`` then says ``"format": "sharded"`` and
-holds a checksum of every file under ``sharded/`` too. A parameter-server run
-(``ddp.strategy = "ps"``) writes ``ps/`` instead: each server's shard and the workers'
-positions, ``"format": "ps"`` (:mod:`dptrain.train.ps_checkpoint`).
+rank's row chunks of the parameters and optimizer state as DTensors, in
+``torch.distributed.checkpoint``'s format, loadable on any world size:
+:mod:`dptrain.zero.checkpoint`) instead of ``model.pt`` and ``optimizer.pt``;
+``meta.json`` then says ``"format": "sharded"`` and holds a checksum of every file
+under ``sharded/`` too. Both use the same names for the same state, so a run may
+change between ddp and any ZeRO stage when it resumes (:mod:`dptrain.train.strategy_state`).
+A parameter-server run (``ddp.strategy = "ps"``) writes ``ps/`` instead: each server's
+shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.train.ps_checkpoint`).
 
 **Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
 ``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
@@ -31,10 +34,10 @@ mismatch is a :class:`CheckpointError` naming the differing keys, which the CLI 
 with exit code 2 before anything is written.
 
 Data position needs no state of its own: the loader's position is a function of the
-step (``ShardedLoader``). The data-parallel model is replicated, so one copy is saved
-with ``torch.save``; sharded strategies will use ``torch.distributed.checkpoint``.
-Only rank 0 writes (RNG states are gathered to it), so saving needs no shared file
-system; resuming reads the files on every rank, so multi-node resumption needs one.
+step (``ShardedLoader``). A replicated model's state is saved by rank 0 alone (RNG
+states are gathered to it), so saving needs no shared file system; a sharded one is
+written by every rank, and resuming reads the files on every rank, so both need one
+across nodes.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ _NAME = re.compile(r"^step_(\d{8})$")
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 SHARDED = "sharded"  # the subdirectory of a ZeRO checkpoint written by every rank
 _WRITTEN_BY = {"replicated": "ddp or gossip", "sharded": "zero1, zero2 or zero3", "ps": "ps"}  # format -> strategies
+_INTERCHANGEABLE = ("replicated", "sharded")  # the same names in two containers (train/strategy_state.py)
 
 
 class CheckpointError(ValueError):
@@ -147,12 +151,12 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
                                   f"(sha256 {digest[:12]}..., expected {files[name][:12]}...), so it was "
                                   f"truncated or modified; {fix}")
     saved_layout = meta.get("format", "replicated")
-    if saved_layout != layout:
+    if saved_layout != layout and {saved_layout, layout} != set(_INTERCHANGEABLE):
         raise CheckpointError(
             f"checkpoint {path} is {saved_layout} (written with ddp.strategy "
             f"{_WRITTEN_BY.get(saved_layout, saved_layout)}) and this run's strategy "
-            f"writes {layout} checkpoints; resume with the strategy it was saved with (any ZeRO stage loads a "
-            "sharded checkpoint), or start afresh with another run_dir")
+            f"writes {layout} checkpoints; resume with a strategy that reads it (ddp, gossip and zero1-3 read "
+            "each other's; ps only its own), or start afresh with another run_dir")
     stored = meta.get("identity")
     saved = normalize_identity(stored if isinstance(stored, dict) else {})  # as computed now (older ones kept more)
     if meta.get("identity_hash") != identity_hash and hash_identity(saved) != identity_hash:
@@ -174,7 +178,8 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
 def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
     """The checkpoint's ``.pt`` files, loaded with ``weights_only`` (no code runs from a checkpoint).
 
-    A sharded checkpoint's ``sharded/`` is loaded by :func:`dptrain.zero.checkpoint.load_sharded`.
+    A sharded checkpoint's ``sharded/`` is read by :mod:`dptrain.zero.checkpoint`; a run
+    resumes through :func:`dptrain.train.strategy_state.load_model_and_optimizer`.
     """
     return {name.removesuffix(".pt"): torch.load(path / name, map_location=device, weights_only=True)
             for name in _FILES if (path / name).exists()}

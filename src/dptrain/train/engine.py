@@ -186,19 +186,30 @@ class Engine:
     # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Replicated (DDP) state; a sharded model saves with :func:`dptrain.zero.checkpoint.save_sharded`."""
+        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.train.strategy_state`).
+
+        A sharded model saves with :func:`dptrain.zero.checkpoint.save_sharded` (every rank).
+        """
+        from dptrain.train.strategy_state import replicated_state  # torch.distributed.checkpoint: when saving
+
         if self.sharded:
             raise RuntimeError("a ZeRO model's state is sharded: save it with dptrain.zero.checkpoint.save_sharded "
                                "(every rank), as dptrain run does")
-        state = {"model": self.model.module.state_dict(), "optimizer": self.optimizer.state_dict(),
-                 "step": self.step_count, "skipped_steps": self.skipped_steps}
+        model_state, optim_state = replicated_state(self.model.module, self.optimizer)
+        state = {"model": model_state, "optimizer": optim_state, "step": self.step_count,
+                 "skipped_steps": self.skipped_steps}
         if self.scaler is not None:
             state["scaler"] = self.scaler.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.module.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Load :meth:`state_dict`'s output (or an older one, whose optimizer state is keyed by parameter index)."""
+        from dptrain.train.strategy_state import set_replicated_state
+
+        if self.sharded:
+            raise RuntimeError("a ZeRO model's state is sharded: load it with dptrain.zero.checkpoint.load_sharded "
+                               "(every rank), as dptrain run does")
+        set_replicated_state(self.model.module, self.optimizer, state["model"], state["optimizer"])
         self.step_count = state["step"]
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.scaler is not None and "scaler" in state:

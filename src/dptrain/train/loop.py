@@ -47,7 +47,6 @@ from dptrain.tasks import Task, collate
 from dptrain.train.atomic import write_text_atomic
 from dptrain.train.checkpoint import (
     SHARDED,
-    load_checkpoint,
     prune_checkpoints,
     remove_partial,
     rng_state,
@@ -69,9 +68,10 @@ from dptrain.train.report import RunLog, print_summary, summarize, truncate_metr
 from dptrain.train.roll_call import is_collective_failure, roll_call
 from dptrain.train.schedule import scaled_lr, warmup_cosine
 from dptrain.train.straggler import Straggler
+from dptrain.train.strategy_state import load_model_and_optimizer, replicated_state
 from dptrain.train.tensor_peak import TensorPeak, data_tensors
 from dptrain.train.trace import TraceRecorder, trace_zero
-from dptrain.zero.checkpoint import export_safetensors, load_sharded, save_sharded
+from dptrain.zero.checkpoint import export_safetensors, save_sharded
 
 __all__ = ["train", "timed_step", "evaluate", "zero_kwargs_from_config"]
 
@@ -120,7 +120,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     if rp.resume_from is not None:
         start_step = _resume(engine, rp.resume_from, rank, device)
         if compression is not None:
-            resume_note = _resume_compression(compression, rp.resume_from, rank, env.world_size)
+            resume_note = _resume_compression(compression, rp.resume_from, rank, env.world_size, cfg.ddp.strategy)
         if engine.gossip:
             resume_note = _resume_gossip(engine, rp.resume_from, rank, env.world_size)
     else:
@@ -353,11 +353,12 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
             trainer["scaler"] = engine.scaler.state_dict()
         meta = {"identity": rp.identity, "identity_hash": rp.identity_hash,
                 "global_batch_size": rp.plan.global_batch_size, "world_size": env.world_size,
-                "torch_version": torch.__version__, "format": "sharded" if engine.sharded else "replicated"}
+                "torch_version": torch.__version__, "format": "sharded" if engine.sharded else "replicated",
+                "strategy": rp.cfg.ddp.strategy}
         files = {"trainer.pt": trainer}
-        if not engine.sharded:
-            files = {"model.pt": engine.model.module.state_dict(), "optimizer.pt": engine.optimizer.state_dict(),
-                     **files}
+        if not engine.sharded:  # the names every strategy reads (train/strategy_state.py)
+            model_state, optim_state = replicated_state(engine.model.module, engine.optimizer)
+            files = {"model.pt": model_state, "optimizer.pt": optim_state, **files}
         path = save_checkpoint(rp.run_dir, step, files, meta, staged=every_rank)
         deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last)
         log.info(f"checkpoint {path.name} saved" + (f" ({len(deleted)} older deleted)" if deleted else ""),
@@ -366,15 +367,12 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
 
 
 def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
-    state = load_checkpoint(path, device)
-    trainer = state["trainer"]
-    if engine.sharded:  # collective; reshards when the world size changed
-        load_sharded(path / SHARDED, engine.model, engine.optimizer)
-        engine.step_count, engine.skipped_steps = trainer["step"], trainer.get("skipped_steps", 0)
-    else:
-        engine.load_state_dict({"model": state["model"], "optimizer": state["optimizer"], "step": trainer["step"],
-                                "skipped_steps": trainer.get("skipped_steps", 0),
-                                **({"scaler": trainer["scaler"]} if "scaler" in trainer else {})})
+    """Model, optimizer, step and RNG states from ``path``, whichever strategy wrote it (strategy_state.py)."""
+    trainer = torch.load(path / "trainer.pt", map_location=device, weights_only=True)
+    load_model_and_optimizer(path, engine, device)  # collective when both are sharded (DCP reshards)
+    engine.step_count, engine.skipped_steps = trainer["step"], trainer.get("skipped_steps", 0)
+    if engine.scaler is not None and "scaler" in trainer:
+        engine.scaler.load_state_dict(trainer["scaler"])
     rngs = trainer["rng"]
     if rank < len(rngs):
         set_rng_state(rngs[rank], device)
@@ -383,18 +381,20 @@ def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
     return trainer["step"]
 
 
-def _resume_compression(hook: Compressor, path: Path, rank: int, world_size: int) -> str | None:
-    """Load this rank's error-feedback residuals when the checkpoint has them for this world size.
+def _resume_compression(hook: Compressor, path: Path, rank: int, world_size: int, strategy: str) -> str | None:
+    """Load this rank's error-feedback residuals when the checkpoint has them for this world size and strategy.
 
     Returns what to tell the user when they start from zero instead.
     """
     saved = path / COMPRESSION / f"rank{rank}.pt"
-    meta_world = json.loads((path / "meta.json").read_text()).get("world_size")
-    if meta_world == world_size and saved.exists():
+    meta = json.loads((path / "meta.json").read_text())
+    meta_world, saved_by = meta.get("world_size"), meta.get("strategy")
+    if meta_world == world_size and saved.exists() and saved_by in (None, strategy):
         hook.load_state_dict(torch.load(saved, map_location="cpu", weights_only=True))
         return None
     reason = (f"the checkpoint was saved on {meta_world} ranks, this run has {world_size}"
-              if meta_world != world_size else "the checkpoint has none")
+              if meta_world != world_size else f"the checkpoint was saved by strategy {saved_by}, this run is "
+              f"{strategy}" if saved.exists() else "the checkpoint has none")
     return f"compression residuals start from zero: {reason}"
 
 

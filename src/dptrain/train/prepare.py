@@ -27,9 +27,10 @@ from dptrain.config.loader import unused_settings
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.tasks import Task, architecture, build_task, run_name
-from dptrain.train.checkpoint import find_latest, verify_checkpoint
+from dptrain.train.checkpoint import CheckpointError, find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
 from dptrain.train.ps_checkpoint import check_ps_resume
+from dptrain.train.strategy_state import check_strategy_resume
 from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["RunPlan", "prepare_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
@@ -105,6 +106,11 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, layout)
         if layout == "ps":
             check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
+        else:
+            try:  # older formats, named before launch (ddp <-> zero otherwise resume either way)
+                check_strategy_resume(resume_from, meta.get("format", "replicated"), layout)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
     elif latest is not None:
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "

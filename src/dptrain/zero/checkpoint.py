@@ -61,7 +61,7 @@ from dptrain.zero.redistribute import chunk_intervals, chunk_rows, redistribute,
 from dptrain.zero.unit import FlatUnit, ParamRef
 
 __all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded", "load_full_state", "consolidated_state",
-           "export_safetensors", "checkpoint_shapes", "layout_differences", "MODEL", "OPTIM"]
+           "export_safetensors", "checkpoint_shapes", "layout_differences", "local_read", "MODEL", "OPTIM"]
 
 MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."  # key prefixes (get_state_dict's "model" and "optim")
 
@@ -158,7 +158,7 @@ def _state_kinds(model, optimizer: torch.optim.Optimizer) -> dict[int, dict[str,
 
 
 @contextlib.contextmanager
-def _quiet() -> Iterator[None]:
+def local_read() -> Iterator[None]:
     """A local read (``no_dist``) warns that it is one, which is what it is meant to be."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
@@ -440,7 +440,7 @@ def consolidated_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str
     if old:
         sd["shapes"] = ""
     try:
-        with _quiet():
+        with local_read():
             dcp.load(sd, checkpoint_id=str(path), no_dist=True)
     except Exception as e:  # DCP raises CheckpointException / FileNotFoundError / RuntimeError
         raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
