@@ -15,7 +15,7 @@ from dptrain.config.loader import _flat_identity
 from dptrain.config.schema import ADDED_LATER, RunConfig
 from dptrain.planner.from_config import loss_problem
 from dptrain.tasks import build_task
-from dptrain.train.checkpoint import CheckpointError, save_checkpoint
+from dptrain.train.checkpoint import CheckpointError, save_checkpoint, staging_dir
 from dptrain.train.prepare import prepare_run
 
 
@@ -216,3 +216,37 @@ def test_classifier_run_resumes_with_gpt_settings(classifier_run):
     assert proc.stderr.count("warning: gpt.n_layer=2 is not used by this run") == 1  # said once, before launch
     assert torch.load(classifier_run / "out" / "checkpoints" / "step_00000003" / "trainer.pt",
                       weights_only=True)["step"] == 3
+
+
+def _checkpoint(run_dir, fmt: str, files: dict, sharded=None) -> None:
+    """A checkpoint of this config's identity in ``fmt``, its ``sharded/`` written by ``sharded(path)``."""
+    cfg = load_config(None, ["task.name=classifier", f'run_dir="{run_dir}"'])
+    ident = identity(cfg)
+    ident["train.global_batch_size"] = 32
+    if sharded is not None:
+        staging_dir(run_dir, 10).mkdir(parents=True)
+        sharded(staging_dir(run_dir, 10) / "sharded")
+    meta = {"identity": ident, "identity_hash": identity_hash(ident), "global_batch_size": 32, "world_size": 2,
+            "format": fmt}
+    save_checkpoint(run_dir, 10, files, meta, staged=sharded is not None)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_a_checkpoint_in_the_older_sharded_format_is_refused_before_launch(tmp_path, strategy):
+    from test_zero_checkpoint import write_old_format
+
+    _checkpoint(tmp_path, "sharded", {"trainer.pt": {}}, lambda p: write_old_format(p, {"w": torch.ones(2, 3)}))
+    with pytest.raises(CheckpointError, match="in the sharded format dptrain wrote before DTensor checkpoints.*"
+                                              "dptrain consolidate"):
+        prepare_run(load_config(None, ["task.name=classifier", f'run_dir="{tmp_path}"', f"ddp.strategy={strategy}"]), 2)
+
+
+def test_an_index_keyed_optimizer_resumes_ddp_and_is_refused_by_zero_before_launch(tmp_path):
+    """optimizer.pt as dptrain saved it before checkpoints named the parameters: optimizer.state_dict()."""
+    index_keyed = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    _checkpoint(tmp_path, "replicated", {"model.pt": {}, "optimizer.pt": index_keyed, "trainer.pt": {}})
+    settings = ["task.name=classifier", f'run_dir="{tmp_path}"']
+    assert prepare_run(load_config(None, settings), 2).resume_from is not None
+    with pytest.raises(CheckpointError, match=r"keyed by parameter index.*Resume it once with "
+                                              r"ddp.strategy=\"ddp\" until it saves a checkpoint"):
+        prepare_run(load_config(None, [*settings, "ddp.strategy=zero3"]), 2)

@@ -9,11 +9,13 @@ size; only the order of the gradient sums differs).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from _models import HIDDEN, OUT, Layer, build, global_batch, loss_fn
 from safetensors.torch import load_file
 from torch import nn
@@ -154,3 +156,31 @@ def test_mismatched_names_and_shapes_are_named_on_every_rank(tmp_path: Path) -> 
 def test_a_directory_that_is_no_checkpoint_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ShardedCheckpointError, match="not a dptrain sharded checkpoint: it has no .metadata"):
         consolidated_state(tmp_path)
+
+
+def write_old_format(path: Path, weights: dict[str, torch.Tensor]) -> None:
+    """A checkpoint in the format dptrain wrote before DTensor (its keys: flattened parameters, JSON shapes)."""
+    sd = {"shapes": json.dumps({k: list(v.shape) for k, v in weights.items()}), "optim.kinds": "{}",
+          "optim.groups": "[]", **{f"model.{k}": v.reshape(-1) for k, v in weights.items()}}
+    with pytest.warns(UserWarning, match="assuming the intent is to save in a single process"):
+        dcp.save(sd, checkpoint_id=str(path), no_dist=True)
+
+
+def _load_old(rank: int, world_size: int, path: str) -> str:
+    model = _wrap(build("stack"), 2)
+    try:
+        load_sharded(path, model, torch.optim.Adam(model.parameters()))
+    except ShardedCheckpointError as e:
+        return str(e)
+    return "loaded"
+
+
+def test_the_older_format_is_refused_with_what_to_do_and_still_consolidated(tmp_path: Path) -> None:
+    weights = dict(build("stack").named_parameters())
+    path = tmp_path / "step_00000003" / "sharded"
+    write_old_format(path, {k: v.detach() for k, v in weights.items()})
+    for message in run_on_ranks(_load_old, 2, str(path), timeout=60):
+        assert f"{path} is in the sharded format dptrain wrote before DTensor checkpoints" in message, message
+        assert f"dptrain consolidate {path.parent}" in message, message
+    offline = consolidated_state(path)
+    assert set(offline) == set(weights) and all(torch.equal(offline[k], weights[k]) for k in weights)

@@ -437,6 +437,9 @@ def consolidated_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str
     meta = _metadata(path)
     sd = {k: _placeholder(md, torch.device("cpu")) for k, md in meta.items() if k.startswith(prefix)}
     old = "shapes" in meta
+    if old and prefix != MODEL:
+        raise ShardedCheckpointError(f"{path} is in the older sharded format, whose optimizer state is not saved "
+                                     "by parameter name; only its weights can be read (leave out the optimizer)")
     if old:
         sd["shapes"] = ""
     try:

@@ -1,0 +1,106 @@
+"""One safetensors file of a checkpoint's full weights, in one process: what ``dptrain consolidate`` writes.
+
+No process group and no GPU: a sharded checkpoint's ``sharded/`` is read by DCP, every
+chunk of each parameter into one tensor (whatever the world size that wrote it); a
+replicated one's ``model.pt`` is memory-mapped. The names are the model's own
+(``get_model_state_dict``'s: tied parameters under each name, buffers included), so
+``model.load_state_dict(safetensors.torch.load_file(path))`` loads it. With the
+optimizer, its per-parameter state follows under ``optim.state.<fqn>.<key>`` and the
+hyperparameters of each parameter's group go into the file's metadata (JSON under
+``optim.param_groups``), safetensors holding tensors only.
+
+The file is written beside its destination under a temporary name and renamed over it
+(:func:`dptrain.train.atomic.replacing`): a reader sees the old file or the new one.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dptrain.train.atomic import replacing
+from dptrain.train.checkpoint import SHARDED, find_latest
+from dptrain.train.strategy_state import full_state
+
+__all__ = ["ConsolidateError", "Consolidated", "find_checkpoint", "consolidate_checkpoint"]
+
+
+class ConsolidateError(ValueError):
+    """A path that holds no checkpoint, or a checkpoint that cannot be written out as asked."""
+
+
+@dataclass(frozen=True)
+class Consolidated:
+    checkpoint: Path   # the checkpoint directory read
+    output: Path
+    tensors: int       # entries written
+    numel: int         # their elements, together
+    size_bytes: int    # the file's size
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, its newest ``step_*`` (a run directory), or above ``sharded/``.
+
+    Raises :class:`ConsolidateError` naming what was looked for.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ConsolidateError(f"{path} does not exist; give a run directory, a checkpoint directory "
+                               "(checkpoints/step_*) or its sharded/ directory")
+    if path.name == SHARDED and path.is_dir():  # the reader names what it lacks
+        return path.parent
+    if (path / SHARDED).is_dir() or (path / "model.pt").is_file():
+        return path
+    latest = find_latest(path)
+    if latest is not None:
+        return latest
+    raise ConsolidateError(f"{path} is not a dptrain checkpoint: it has no model.pt (ddp), no sharded/ (zero1-3) "
+                           "and no checkpoints/step_* (a run directory). Give a run directory, a checkpoint "
+                           "directory (checkpoints/step_*) or its sharded/ directory")
+
+
+def consolidate_checkpoint(path: Path, output: Path, optimizer: bool = False) -> Consolidated:
+    """Write the full weights of the checkpoint ``path`` names (:func:`find_checkpoint`) to ``output``, atomically."""
+    from safetensors.torch import save_file
+
+    checkpoint = find_checkpoint(path)
+    try:
+        model_state, optim_state = full_state(checkpoint, optimizer=optimizer)
+    except ValueError as e:  # ShardedCheckpointError: unreadable, or an optimizer without names
+        raise ConsolidateError(str(e)) from None
+    tensors = {k: v for k, v in model_state.items() if torch.is_tensor(v)}
+    tensors.update({f"optim.{k}": v for k, v in optim_state.items() if k.startswith("state.") and torch.is_tensor(v)})
+    metadata = {"format": "pt", "checkpoint": str(checkpoint)}
+    if optimizer:
+        groups = {k[len("param_groups."):]: v for k, v in optim_state.items() if k.startswith("param_groups.")}
+        metadata["optim.param_groups"] = json.dumps(groups, default=_plain)
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    with replacing(output) as tmp:
+        save_file(_own_storage(tensors), str(tmp), metadata=metadata)
+    output.chmod(0o644)  # safetensors creates it owner-only
+    return Consolidated(checkpoint, output, len(tensors), sum(t.numel() for t in tensors.values()),
+                        output.stat().st_size)
+
+
+def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors, each with a storage of its own: safetensors refuses shared ones (tied weights)."""
+    seen: set[int] = set()
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach().cpu().contiguous()
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(t.untyped_storage().data_ptr())
+        out[name] = t
+    return out
+
+
+def _plain(value: Any) -> Any:
+    """JSON for hyperparameters that are not plain numbers (a tensor lr)."""
+    return value.item() if torch.is_tensor(value) and value.numel() == 1 else str(value)
