@@ -29,6 +29,7 @@ from dptrain.zero.checkpoint import (
     load_sharded,
     save_sharded,
 )
+from dptrain.zero.redistribute import chunk_intervals, chunk_rows, transfers, zero_intervals
 
 GLOBAL, FIRST, TOTAL = 12, 3, 6
 
@@ -184,3 +185,30 @@ def test_the_older_format_is_refused_with_what_to_do_and_still_consolidated(tmp_
         assert f"dptrain consolidate {path.parent}" in message, message
     offline = consolidated_state(path)
     assert set(offline) == set(weights) and all(torch.equal(offline[k], weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_the_interval_exchange_delivers_every_element_once_both_ways(world_size: int) -> None:
+    """Pure layout arithmetic, no process group: ZeRO's flat shards <-> Shard(0) row chunks, simulated."""
+    shapes = [torch.Size(s) for s in ([3, 4], [5], [], [2, 7], [1, 1], [0, 3], [4, 2, 2])]
+    numel = sum(s.numel() for s in shapes)
+    flat = torch.arange(numel, dtype=torch.float32)
+    zero, chunks = zero_intervals(numel, world_size), chunk_intervals(shapes, world_size)
+    sending = chunk_intervals(shapes, world_size, sending=True)
+    for source, target in ((zero, chunks), (sending, zero)):
+        moved = 0
+        for rank in range(world_size):
+            _, receives = transfers(source, target, rank)
+            got = torch.cat([flat[lo:hi] for per_rank in receives for lo, hi in per_rank] or [flat[:0]])
+            want = torch.cat([flat[lo:hi] for lo, hi in target[rank]] or [flat[:0]])
+            assert torch.equal(got.sort().values, want), (rank, receives, target[rank])  # each element once
+            moved += sum(hi - lo for s, per_rank in enumerate(receives) if s != rank for lo, hi in per_rank)
+            for s in range(world_size):  # what s sends rank is what rank receives from s
+                assert transfers(source, target, s)[0][rank] == receives[s]
+        assert moved <= numel + world_size  # at most once each (the replicated 0-dim one to every rank)
+    # the row chunks are torch.chunk's, as DTensor's Shard(0) cuts them
+    for shape in shapes:
+        if len(shape):
+            rows = [chunk_rows(shape[0], world_size, r) for r in range(world_size)]
+            assert [b - a for a, b in rows if b > a] == [c.shape[0] for c in torch.empty(shape).chunk(world_size)
+                                                         if c.shape[0]]

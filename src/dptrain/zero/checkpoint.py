@@ -28,9 +28,12 @@ shard per unit, which those helpers would save as ``unit0``, ``unit1``... with n
 parameter names. The keys above are theirs; the DTensors are built here.
 
 **Trade-off.** The all-to-all sends each element at most once, only where the two cuts
-disagree, and it buys a format that FSDP2, torchtitan and the DDP engine read, resharding
-by DCP's public planner. Measured (docs/zero.md, Checkpoints): on 2 gloo ranks it is a
-small part of a save, which is dominated by writing the files.
+disagree, and buys a format that FSDP2, torchtitan and the DDP engine read, resharded by
+DCP's public planner. Measured on the default chargpt GPT (1.8 M parameters, AdamW, 2
+gloo ranks; ``docs/repro/checkpoint_redistribution.py``): the all-to-alls are about a
+tenth of a save; the save takes about twice as long as the ShardedTensor one did, most
+of the difference being DCP's cost per entry (every parameter carries its own copy of
+its group's hyperparameters under torch's flattened names), not the communication.
 
 Loading first compares the checkpoint's parameter names and shapes with the model's
 and raises :class:`ShardedCheckpointError` naming every difference, on every rank,
@@ -181,7 +184,8 @@ def save_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
         shutil.rmtree(tmp)
     dist.barrier()
     sd = _save_entries(model, optimizer)
-    sd.update({f"{EXTRA}{k}": v for k, v in (extra or {}).items()})
+    if model.world_size == 1 or dist.get_rank(model.group) == 0:  # the same on every rank: one copy
+        sd.update({f"{EXTRA}{k}": v for k, v in (extra or {}).items()})
     dcp.save(sd, checkpoint_id=str(tmp), process_group=model.group)  # returns once the metadata is written
     if dist.get_rank() == 0:
         if path.exists():
@@ -192,23 +196,33 @@ def save_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
 
 
 def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, Any]:
+    """What this rank saves: its row chunks as DTensors; the replicated entries from the group's rank 0 alone.
+
+    Buffers, scalar optimizer state and hyperparameters are the same on every rank; DCP
+    would write them once anyway, but each rank's would still travel in the save plans
+    gathered to the coordinator, hundreds of small entries per rank. Rank 0 of the group
+    holds a non-empty shard of every unit (``shard_range`` gives it the first elements),
+    so it has stepped them all.
+    """
     mesh, hybrid = _mesh(model)
     names = _aliases(model)
-    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()}  # buffers, frozen
+    lead = model.world_size == 1 or dist.get_rank(model.group) == 0
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()} if lead else {}
     kinds = _state_kinds(model, optimizer) if optimizer is not None else {}
     for unit in model.units:
         for ref, tensor in zip(unit.refs, _dtensors(unit, _to_chunks(unit, unit.shard.detach()), mesh, hybrid)):
             sd.update({MODEL + name: tensor for name in names[ref.name]})
         state = optimizer.state.get(unit.shard, {}) if optimizer is not None else {}
         for key, kind in kinds.get(unit.index, {}).items():
-            value = state.get(key)
             if kind == "element":
-                local = value.detach() if value is not None else unit.shard.new_zeros(unit.shard.shape)
+                local = state[key].detach() if key in state else unit.shard.new_zeros(unit.shard.shape)
                 values = _dtensors(unit, _to_chunks(unit, local), mesh, hybrid)
+            elif lead:
+                values = [state[key]] * len(unit.refs)
             else:
-                values = [value] * len(unit.refs)
+                continue
             sd.update({f"{OPTIM}state.{ref.name}.{key}": v for ref, v in zip(unit.refs, values)})
-    for group in optimizer.param_groups if optimizer is not None else []:
+    for group in optimizer.param_groups if optimizer is not None and lead else []:
         for shard in group["params"]:
             for ref in shard._zero_unit.refs:
                 sd.update({f"{OPTIM}param_groups.{ref.name}.{k}": v for k, v in group.items() if k != "params"})
