@@ -30,7 +30,6 @@ from dptrain.tasks import Task, architecture, build_task, run_name
 from dptrain.train.checkpoint import CheckpointError, find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
 from dptrain.train.ps_checkpoint import check_ps_resume
-from dptrain.train.strategy_state import check_strategy_resume
 from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["RunPlan", "prepare_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
@@ -106,8 +105,10 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, layout)
         if layout == "ps":
             check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
-        else:
-            try:  # older formats, named before launch (ddp <-> zero otherwise resume either way)
+        else:  # older formats, named before launch (ddp <-> zero otherwise resume either way)
+            from dptrain.train.strategy_state import check_strategy_resume  # DCP: only when resuming
+
+            try:
                 check_strategy_resume(resume_from, meta.get("format", "replicated"), layout)
             except ValueError as e:
                 raise CheckpointError(str(e)) from None
