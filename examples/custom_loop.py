@@ -1,6 +1,7 @@
 """Your own training loop on dptrain's Engine: accumulation, clipping, LR schedule, bf16.
 
-    torchrun --standalone --nproc-per-node 2 examples/custom_loop.py    # 2 workers
+    dptrain launch --nproc 2 examples/custom_loop.py                     # 2 workers
+    torchrun --standalone --nproc-per-node 2 examples/custom_loop.py    # the same, under torchrun
     python examples/custom_loop.py                                       # 1 process
 
 The Engine owns what every data-parallel step needs and you would otherwise get wrong:
@@ -52,7 +53,7 @@ def main() -> None:
     if rank == 0:
         print(f"global batch {plan.global_batch_size} = micro {plan.micro_batch_size} x {world} ranks x "
               f"{plan.grad_accum_steps} accum; skipped steps: {engine.skipped_steps}")
-    dist.destroy_process_group()
+    dptrain.leave_process_groups()    # destroys the group and frees gloo's threads before the interpreter exits
 
 
 if __name__ == "__main__":

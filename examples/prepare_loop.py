@@ -1,6 +1,7 @@
 """An ordinary PyTorch training script made data-parallel with dptrain.prepare(), as with Accelerate.
 
-    torchrun --standalone --nproc-per-node 2 examples/prepare_loop.py    # 2 workers
+    dptrain launch --nproc 2 examples/prepare_loop.py                     # 2 workers
+    torchrun --standalone --nproc-per-node 2 examples/prepare_loop.py    # the same, under torchrun
     python examples/prepare_loop.py                                       # 1 process
 
 The model, optimizer, DataLoader and LR scheduler are built as for one process; prepare()
@@ -20,7 +21,6 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
 import dptrain
-from dptrain.launch.rendezvous import leave_process_groups
 
 
 def clusters(samples: int, seed: int) -> TensorDataset:
@@ -81,7 +81,7 @@ def main() -> None:
         print(f"{optimizer.steps} optimizer steps ({scheduler.last_epoch} scheduler steps) of global batch "
               f"{32 * world * accum} = 32 x {world} ranks x {accum} accum; {args.strategy} {args.precision}; "
               f"{time.perf_counter() - start:.1f} s")
-    leave_process_groups()                # frees gloo's threads before exit (a bare destroy can SIGABRT)
+    dptrain.leave_process_groups()        # frees gloo's threads before exit (a bare destroy can SIGABRT)
 
 
 if __name__ == "__main__":

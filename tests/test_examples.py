@@ -11,10 +11,13 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 
 
 @pytest.mark.slow
-def test_custom_loop_example_trains():
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "custom_loop.py")], capture_output=True, text=True,
-                          timeout=120)
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("launcher, ranks, accum", [([], 1, 4), (["-m", "dptrain.cli", "launch", "--nproc", "2"], 2, 2)],
+                         ids=["python", "dptrain-launch"])
+def test_custom_loop_example_trains(launcher, ranks, accum):
+    proc = subprocess.run([sys.executable, *launcher, str(EXAMPLES / "custom_loop.py")], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 6 and losses[-1] < 0.5 * losses[0]
-    assert "global batch 128 = micro 32 x 1 ranks x 4 accum; skipped steps: 0" in proc.stdout
+    assert f"global batch 128 = micro 32 x {ranks} ranks x {accum} accum; skipped steps: 0" in proc.stdout

@@ -42,6 +42,7 @@ _EXPORTS = {
     "prepare": "dptrain.train.wrap",
     "ShardedLoader": "dptrain.train.loader",
     "init_distributed": "dptrain.launch.rendezvous",
+    "leave_process_groups": "dptrain.launch.rendezvous",
     "detect_worker_env": "dptrain.launch.rendezvous",
     "WorkerEnv": "dptrain.launch.rendezvous",
     "scaled_lr": "dptrain.train.schedule",
@@ -77,7 +78,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         UnusedParametersError,
         allreduce_hook,
     )
-    from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
+    from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed, leave_process_groups
     from dptrain.train.engine import Engine, StepInfo
     from dptrain.train.loader import ShardedLoader
     from dptrain.train.wrap import prepare

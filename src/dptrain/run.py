@@ -16,16 +16,14 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
-from pathlib import Path
 
 import torch
 
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
 from dptrain.config import ConfigError, load_config
-from dptrain.launch.local import error_file
+from dptrain.launch.local import error_summary, write_error_record
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
 from dptrain.train.checkpoint import CheckpointError
 from dptrain.train.prepare import default_run_dir, prepare_run
@@ -78,36 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except Exception as e:
         text = traceback.format_exc()
-        _record_error(run_dir, env.rank, text, _one_line(e), getattr(e, "silent_ranks", []))
+        write_error_record(run_dir, env.rank, text, error_summary(e), getattr(e, "silent_ranks", []))
         if not local:  # the local launcher prints the first failing rank's traceback itself
             print(text, file=sys.stderr)
         return 1
     finally:
         leave_process_groups()
-
-
-def _one_line(error: BaseException) -> str:
-    """``Type: first line of the message``, then any notes (the roll call's): what the launcher lists."""
-    message = str(error).strip().splitlines()
-    head = type(error).__qualname__ + (f": {message[0]}" if message else "")
-    if type(error).__module__ not in ("builtins", "__main__"):
-        head = f"{type(error).__module__}.{head}"
-    return "; ".join([head, *getattr(error, "__notes__", [])])
-
-
-def _record_error(run_dir: Path | None, rank: int, text: str, summary: str, silent: list[int]) -> None:
-    """The launcher's view of this rank's end: the traceback, a one-line summary, and the ranks its roll call
-    found silent."""
-    record = {"rank": rank, "time": time.time(), "traceback": text, "summary": summary, "silent_ranks": silent}
-    if run_dir is not None:
-        path = error_file(run_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
-    torchrun_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if torchrun_file:  # torchrun reports the first failure from these files
-        Path(torchrun_file).write_text(json.dumps({"message": {"message": text.strip().splitlines()[-1],
-                                                               "extraInfo": {"py_callstack": text,
-                                                                             "timestamp": str(int(time.time()))}}}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Starting workers: where a worker stands in the job, and the local multi-process launcher."""
+"""Starting workers: where a worker stands in the job (``rendezvous``), the local multi-process launcher
+(``local``, ``workers``), torchrun's agent for restarts and nodes (``elastic``), and the runner of a user's
+script (``script``).
 
-from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed
-
-__all__ = ["WorkerEnv", "detect_worker_env", "init_distributed"]
+Nothing is imported here: the launchers do not import torch (a second at each start), only the workers do.
+"""

@@ -1,4 +1,4 @@
-"""``dptrain run --max-restarts K``: the same workers under torchrun's elastic agent.
+"""``dptrain run --max-restarts K`` and ``dptrain launch`` over nodes: the same workers under torchrun's agent.
 
 dptrain does not restart workers itself. With ``--max-restarts K > 0`` the local launcher
 hands the job to torchrun (``python -m torch.distributed.run --standalone``), whose agent
@@ -16,6 +16,10 @@ gives each round's process group a store of its own: 6 of 6 trials restarted wit
 of 6 without (``docs/repro/restart_store_trials.sh``). It is set unless the environment
 already sets it.
 
+``dptrain launch --nnodes N`` (or inside a Slurm job of several nodes) hands its job to
+torchrun the same way, with a c10d rendezvous (:class:`Nodes`): torchrun's agent is the
+multi-node launcher; dptrain brings none of its own.
+
 The same job under plain torchrun behaves the same:
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node 2 --max-restarts 3 \\
@@ -27,28 +31,63 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
-__all__ = ["launch_elastic", "torchrun_command"]
-
-
-def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str]) -> list[str]:
-    """torchrun on this machine (a standalone rendezvous on a free port) running ``dptrain.run``."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", "dptrain.run", *worker_args]
+__all__ = ["launch_elastic", "torchrun_command", "Nodes", "slurm_nodes"]
 
 
-def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int) -> int:
-    """Run the job under torchrun with ``max_restarts``; return its exit code."""
+@dataclass(frozen=True)
+class Nodes:
+    """A job over several machines: torchrun's c10d rendezvous at ``endpoint`` (``host:port``), ``nnodes`` agents."""
+    nnodes: int
+    endpoint: str
+    run_id: str = "dptrain"
+    node_rank: int | None = None  # None: the rendezvous assigns it
+
+    def torchrun_args(self) -> list[str]:
+        args = [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+                f"--rdzv-id={self.run_id}"]
+        return args + ([f"--node-rank={self.node_rank}"] if self.node_rank is not None else [])
+
+
+def slurm_nodes(environ: Mapping[str, str], port: int | None = None) -> Nodes | None:
+    """The nodes of the Slurm job this runs in (one ``dptrain launch`` per node: ``srun --ntasks-per-node=1``),
+    or None outside Slurm or on one node. The rendezvous is on the job's first host, at ``port`` or a port
+    derived from the job id (the same on every node, with no communication)."""
+    nnodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
+    if nnodes <= 1 or "SLURM_JOB_NODELIST" not in environ:
+        return None
+    from dptrain.launch.rendezvous import first_slurm_host
+
+    job = environ.get("SLURM_JOB_ID", "0")
+    port = port or 20000 + int(job) % 20000
+    node_rank = int(environ["SLURM_NODEID"]) if "SLURM_NODEID" in environ else None
+    return Nodes(nnodes, f"{first_slurm_host(environ['SLURM_JOB_NODELIST'])}:{port}", f"slurm-{job}", node_rank)
+
+
+def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], module: str = "dptrain.run",
+                     nodes: Nodes | None = None) -> list[str]:
+    """torchrun running ``python -m MODULE WORKER_ARGS`` on ``nproc`` workers per node: on this machine alone (a
+    standalone rendezvous on a free port) or on ``nodes``."""
+    where = nodes.torchrun_args() if nodes else ["--standalone"]
+    return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", module, *worker_args]
+
+
+def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
+                   module: str = "dptrain.run", nodes: Nodes | None = None, env: Mapping[str, str] = ()) -> int:
+    """Run the job under torchrun with ``max_restarts``; return its exit code. ``env``: added to the workers'."""
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
+    env = dict(os.environ, **dict(env))
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # [Note: a fresh store per restart]
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # torchrun would say 1
     env.pop("DPTRAIN_LAUNCHER", None)  # the workers print their own errors, as under torchrun
     try:
-        return subprocess.run(torchrun_command(nproc, max_restarts, worker_args), env=env).returncode
+        return subprocess.run(torchrun_command(nproc, max_restarts, worker_args, module, nodes), env=env).returncode
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

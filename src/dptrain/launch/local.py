@@ -23,16 +23,16 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-from dptrain.launch.rendezvous import free_port
 from dptrain.launch.workers import start_worker
 
-__all__ = ["launch_local", "error_file", "PEER_LOST", "TIMED_OUT"]
+__all__ = ["launch_local", "free_port", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT"]
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
 FAIL_GRACE_S = 2.0  # after the first failure, the others' time to fail too, beyond their roll call
@@ -47,14 +47,47 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited
 TIMED_OUT = re.compile(r"timed out|timeout|DistBackendError.*watchdog", re.IGNORECASE)
 
 
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (the OS's pick)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def error_file(run_dir: Path, rank: int) -> Path:
     """Where a worker records the traceback that ended it (read by the launcher)."""
     return run_dir / "logs" / f"rank{rank}.error.json"
 
 
+def write_error_record(run_dir: Path | None, rank: int, text: str, summary: str, silent: list[int] = ()) -> None:
+    """A worker's record of its end, read by the launcher: the traceback, a one-line summary, and the ranks
+    its roll call found silent; also written to torchrun's ``TORCHELASTIC_ERROR_FILE``, from which torchrun
+    reports the first failure."""
+    record = {"rank": rank, "time": time.time(), "traceback": text, "summary": summary,
+              "silent_ranks": list(silent)}
+    if run_dir is not None:
+        path = error_file(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(record))
+    torchrun_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if torchrun_file:
+        Path(torchrun_file).write_text(json.dumps({"message": {"message": text.strip().splitlines()[-1],
+                                                               "extraInfo": {"py_callstack": text,
+                                                                             "timestamp": str(int(time.time()))}}}))
+
+
+def error_summary(error: BaseException) -> str:
+    """``module.Type: first line of the message``, then any notes (the roll call's): what the launcher lists."""
+    message = str(error).strip().splitlines()
+    head = type(error).__qualname__ + (f": {message[0]}" if message else "")
+    if type(error).__module__ not in ("builtins", "__main__"):
+        head = f"{type(error).__module__}.{head}"
+    return "; ".join([head, *getattr(error, "__notes__", [])])
+
+
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
                  expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0,
-                 preload: tuple[str, ...] = ()) -> int:
+                 preload: tuple[str, ...] = (), module: str = "dptrain.run", env: dict[str, str] | None = None) -> int:
     """Start ``nproc`` workers, wait for them, return the job's exit code.
 
     The failure of an ``expendable`` rank (a worker of an async parameter-server job)
@@ -63,7 +96,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     fails, the others get their roll call (``roll_call_s``, see ``train.roll_call``) and
     ``FAIL_GRACE_S`` more to fail too before they are stopped. Workers never outlive the
     launcher: whatever ends it (an exception, an interrupt, SIGTERM), they are stopped.
-    ``preload``: modules forked workers find imported (``start_worker``).
+    ``preload``: modules forked workers find imported (``start_worker``). ``module``: what each
+    worker runs, ``python -m MODULE WORKER_ARGS`` (``dptrain.launch.script`` for ``dptrain
+    launch``); ``env``: added to the workers' environment.
     """
     port = free_port()
     logs = run_dir / "logs"
@@ -72,12 +107,12 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     for rank in range(nproc):
         error_file(run_dir, rank).unlink(missing_ok=True)  # from an earlier attempt in this directory
     for rank in range(nproc):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   DPTRAIN_LAUNCHER="local")
+        worker_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local")
         console = None if rank == 0 else logs / f"rank{rank}.console"
         try:
-            procs.append(start_worker(start_method, worker_args, env, console, preload))
+            procs.append(start_worker(start_method, worker_args, worker_env, console, preload, module))
         except BaseException:
             _stop(procs, grace=GRACE_S)
             raise

@@ -19,7 +19,6 @@ from __future__ import annotations
 import gc
 import os
 import re
-import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -27,6 +26,8 @@ from typing import Mapping
 
 import torch
 import torch.distributed as dist
+
+from dptrain.launch.local import free_port  # the launcher's, which imports no torch
 
 __all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
            "first_slurm_host"]
@@ -73,12 +74,6 @@ def first_slurm_host(nodelist: str) -> str:
         return first
     prefix, ranges, suffix = match.groups()
     return prefix + ranges.split(",")[0].split("-")[0] + suffix
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def choose_backend(requested: str, local_world_size: int, cuda_devices: int) -> str:

@@ -28,6 +28,7 @@ output on the launcher's terminal (rank 0) or in ``logs/rank<r>.console``.
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.reduction
@@ -48,8 +49,11 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.ru
 
 
 def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | None,
-                 preload: tuple[str, ...] = ()):
-    """Start one worker (``python -m dptrain.run ARGV``); ``console``: where its output goes (None: ours).
+                 preload: tuple[str, ...] = (), module: str = "dptrain.run"):
+    """Start one worker (``python -m MODULE ARGV``); ``console``: where its output goes (None: ours).
+
+    ``module``: ``dptrain.run`` (a ``dptrain run`` worker) or ``dptrain.launch.script`` (your
+    script, for ``dptrain launch``); forked, its ``main(argv)`` is called.
 
     ``preload``: modules the fork server imports beyond ``PRELOAD`` (a Hugging Face model's:
     seconds each worker would otherwise spend importing them).
@@ -60,7 +64,7 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     if method == "exec":
         out = None if console is None else open(console, "w")
         try:
-            return subprocess.Popen([sys.executable, "-m", "dptrain.run", *argv], env=env, stdout=out,
+            return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=out,
                                     stderr=subprocess.STDOUT if out else None)
         finally:
             if out is not None:
@@ -70,7 +74,7 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *preload])  # no effect once the server runs (it was started with this list)
     output = ("path", str(console)) if console is not None else ("fds", _Fd(1), _Fd(2))
-    proc = ctx.Process(target=_forked_worker, args=(argv, env, os.getcwd(), output), name="dptrain-worker")
+    proc = ctx.Process(target=_forked_worker, args=(module, argv, env, os.getcwd(), output), name="dptrain-worker")
     proc.start()
     return _Forked(proc)
 
@@ -126,8 +130,8 @@ class _Fd:
         return _Fd(dup.detach())
 
 
-def _forked_worker(argv: list[str], env: dict[str, str], cwd: str, output: tuple) -> None:
-    """In the fork: become the worker ``python -m dptrain.run ARGV`` would have been, and run it."""
+def _forked_worker(module: str, argv: list[str], env: dict[str, str], cwd: str, output: tuple) -> None:
+    """In the fork: become the worker ``python -m MODULE ARGV`` would have been, and run it."""
     _leave_the_fork_server()
     os.environ.clear()
     os.environ.update(env)
@@ -147,13 +151,11 @@ def _forked_worker(argv: list[str], env: dict[str, str], cwd: str, output: tuple
     sys.stdout.reconfigure(line_buffering=os.isatty(1))
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p] + [cwd]
     sys.path[:0] = [p for p in dict.fromkeys(paths) if p not in sys.path]
-    sys.argv = [sys.executable, "-m", "dptrain.run", *argv]
+    sys.argv = [sys.executable, "-m", module, *argv]
     _settings_read_at_import()
     _linux_process_settings(f"dptrain-rank{env.get('RANK', '?')}")
 
-    from dptrain.run import main
-
-    code = main(argv)
+    code = importlib.import_module(module).main(argv)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)

@@ -1,0 +1,134 @@
+"""``dptrain launch``: your own training script on N workers, with ``dptrain run``'s launcher.
+
+The script is any torch.distributed program: a plain torch DDP script
+(``init_process_group`` with ``env://``), one on dptrain's ``Engine`` or ``prepare()``, or
+one on dptrain's DDP or ZeRO. Each rank runs it as ``python SCRIPT ARGS`` would, with
+torchrun's variables set (``launch.script``); the launcher supervises them as it does
+``dptrain run``'s workers (``launch.local``): the rank that failed first is reported
+first, with its traceback, and the others are stopped rather than left waiting in a
+collective. With ``--max-restarts`` or several nodes (``--nnodes``, or a Slurm job of
+several nodes) torchrun's agent runs the same workers (``launch.elastic``).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+__all__ = ["launch"]
+
+
+class LaunchError(ValueError):
+    """Bad input to ``dptrain launch``: one line, exit 2, nothing started or written."""
+
+
+@click.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+@click.option("--nproc", type=int, default=1, show_default=True, help="worker processes on this machine (per node)")
+@click.option("-m", "--module", "as_module", is_flag=True,
+              help="SCRIPT is a module to run as `python -m MODULE` (e.g. -m mypkg.train)")
+@click.option("--run-dir", type=click.Path(path_type=Path),
+              help="where logs/ and the workers' error records go (default runs/<script name>); the script finds "
+                   "it in $DPTRAIN_RUN_DIR")
+@click.option("--max-restarts", type=int, default=0, show_default=True,
+              help="restart every worker up to this many times after a failure (torchrun's elastic agent); your "
+                   "script resumes from its own checkpoints ($TORCHELASTIC_RESTART_COUNT says which attempt)")
+@click.option("--nnodes", type=int, help="machines in the job, one `dptrain launch` on each (torchrun's c10d "
+              "rendezvous); inside a Slurm job of several nodes this and the endpoint come from Slurm")
+@click.option("--rdzv-endpoint", metavar="HOST:PORT", help="with --nnodes: the rendezvous, on one of the machines")
+@click.option("--node-rank", type=int, help="with --nnodes: this machine's rank (default: assigned at rendezvous)")
+@click.option("--start-method", type=click.Choice(["exec", "forkserver"]), default="exec", show_default=True,
+              help="local workers: a fresh interpreter each, as torchrun and `python SCRIPT` start them (exec), "
+                   "or forks of a process that imported torch once (forkserver: starts faster, but the script "
+                   "ends as a multiprocessing child does: objects still alive are not finalized, so a file it "
+                   "never closed may lose its last writes)")
+@click.argument("script")
+@click.argument("args", nargs=-1, type=click.UNPROCESSED)
+def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int, nnodes: int | None,
+           rdzv_endpoint: str | None, node_rank: int | None, start_method: str, script: str,
+           args: tuple[str, ...]) -> None:
+    """Run your training script on NPROC workers, as torchrun would, with dptrain's failure report.
+
+    \b
+    dptrain launch --nproc 2 train.py --lr 1e-3          # a plain torch DDP script
+    dptrain launch --nproc 4 -m mypkg.train              # a module
+    dptrain launch --nproc 2 --max-restarts 3 train.py   # under torchrun's elastic agent
+    srun --ntasks-per-node=1 dptrain launch --nproc 8 train.py   # Slurm, one launch per node
+
+    Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
+    MASTER_PORT, so init_process_group("gloo" or "nccl") reads them (env://), and so does
+    dptrain.init_distributed(). Rank 0 writes to this terminal, rank r to
+    RUN_DIR/logs/rank<r>.console. When a rank fails, the rank that failed first is
+    named with its traceback, the others are stopped, and the exit code is 1; see
+    docs/launch.md.
+    """
+    try:
+        target = _check_target(script, as_module)
+        if nproc < 1:
+            raise LaunchError(f"--nproc must be at least 1, got {nproc}")
+        if max_restarts < 0:
+            raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
+        nodes = _nodes(nnodes, rdzv_endpoint, node_rank)
+    except LaunchError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    run_dir = (run_dir or Path("runs") / target).resolve()
+    worker_args = (["-m"] if as_module else []) + [script, *args]
+    env = {"DPTRAIN_RUN_DIR": str(run_dir)}
+    if "OMP_NUM_THREADS" not in os.environ:  # N workers, each with every core's threads, would oversubscribe
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if max_restarts or nodes is not None:
+        from dptrain.launch.elastic import launch_elastic
+
+        sys.exit(launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env))
+    from dptrain.launch.local import launch_local
+
+    sys.exit(launch_local(nproc, worker_args, run_dir, timeout_s=float("inf"), start_method=start_method,
+                          roll_call_s=0.0, module="dptrain.launch.script", env=env))
+
+
+def _check_target(script: str, as_module: bool) -> str:
+    """The script's (module's) short name, once it is known to exist: the default run directory's name."""
+    if as_module:
+        import importlib.util
+
+        sys.path.insert(0, os.getcwd())  # where `python -m` looks first
+        try:
+            found = importlib.util.find_spec(script)
+        except (ImportError, ValueError) as e:
+            raise LaunchError(f"module {script!r} cannot be found: {e}") from None
+        finally:
+            sys.path.pop(0)
+        if found is None:
+            raise LaunchError(f"no module named {script!r} from {os.getcwd()} (is its package installed, or on "
+                              "PYTHONPATH?)")
+        return script.rsplit(".", 1)[-1]
+    path = Path(script)
+    if not path.is_file():
+        hint = " (a module? add -m)" if "/" not in script and not script.endswith(".py") else ""
+        raise LaunchError(f"no script {script!r}{hint}: give the path of a Python file to run")
+    return path.stem
+
+
+def _nodes(nnodes: int | None, endpoint: str | None, node_rank: int | None):
+    """Several machines: from the options, else from Slurm; None for this machine alone."""
+    from dptrain.launch.elastic import Nodes, slurm_nodes
+
+    if nnodes is None:
+        if endpoint is not None or node_rank is not None:
+            raise LaunchError("--rdzv-endpoint and --node-rank go with --nnodes N")
+        return slurm_nodes(os.environ)
+    if nnodes < 1:
+        raise LaunchError(f"--nnodes must be at least 1, got {nnodes}")
+    if endpoint is None:
+        slurm = slurm_nodes(os.environ)
+        if slurm is None:
+            raise LaunchError(f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT, the same on every machine "
+                              "(one of them, reachable from all)")
+        endpoint = slurm.endpoint
+    host, _, port = endpoint.rpartition(":")
+    if not host or not port.isdigit():
+        raise LaunchError(f"--rdzv-endpoint {endpoint!r} is not HOST:PORT")
+    return Nodes(nnodes, endpoint, os.environ.get("SLURM_JOB_ID", "dptrain"), node_rank)

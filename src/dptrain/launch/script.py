@@ -1,0 +1,132 @@
+"""A worker that runs your script: ``python -m dptrain.launch.script SCRIPT [ARGS]`` (or ``-m MODULE``).
+
+``dptrain launch`` starts one of these per rank. It runs the script as ``python SCRIPT``
+would (``__name__ == "__main__"``, ``sys.argv`` and the script's directory first on
+``sys.path``; with ``-m``, as ``python -m MODULE`` would) and adds two things a training
+script does not do for itself:
+
+- **the cause of its end, recorded**: an uncaught exception's traceback goes to
+  ``<run dir>/logs/rank<r>.error.json`` (and to torchrun's ``TORCHELASTIC_ERROR_FILE``
+  under torchrun), which is how the launcher names the rank that failed *first* and
+  shows its traceback before the others' "connection reset by peer";
+- **torchrun's variables under Slurm**: started by ``srun`` (one task per device) without
+  ``RANK`` and ``WORLD_SIZE``, the worker derives them, and ``MASTER_ADDR``/``MASTER_PORT``,
+  from Slurm's (:func:`dptrain.launch.rendezvous.detect_worker_env`), so a plain torch
+  script's ``init_process_group(init_method="env://")`` works unchanged.
+
+Exit codes are the script's: ``sys.exit(n)`` is ``n``, an uncaught exception 1,
+Ctrl-C 130.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+import traceback
+from pathlib import Path
+from typing import Mapping
+
+from dptrain.launch.local import error_summary, write_error_record
+
+__all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
+
+RUN_DIR_ENV = "DPTRAIN_RUN_DIR"  # the launch's run directory: logs/ and the error records live there
+
+# [Note: the script's objects live until the process ends] What the script leaves behind (its
+# globals, or the frames of the exception that ended it) is kept here rather than freed when it
+# returns. Freed then, a torch DDP model frees its reducer, whose process group's destructor joins
+# gloo's worker threads while holding the GIL; a worker thread still releasing its last
+# collective needs the GIL, and the two wait for each other forever (seen on 1 start in 3 on a
+# busy machine: a plain DDP script whose rank never exited). Kept, they end with the
+# interpreter, as `python SCRIPT`'s do.
+_KEPT: list[object] = []
+
+
+def torchrun_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
+    """torchrun's variables for a worker that ``srun`` started, or {} when they are set already (or no Slurm)."""
+    if "RANK" in environ or "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
+        return {}
+    from dptrain.launch.rendezvous import detect_worker_env  # imports torch: only for srun's workers
+
+    env = detect_worker_env(environ)
+    return {"RANK": str(env.rank), "WORLD_SIZE": str(env.world_size), "LOCAL_RANK": str(env.local_rank),
+            "LOCAL_WORLD_SIZE": str(env.local_world_size), "MASTER_ADDR": env.master_addr,
+            "MASTER_PORT": str(env.master_port)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as this rank's program; return its exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] == "-m" and len(argv) < 2:
+        print("usage: python -m dptrain.launch.script SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
+        return 2
+    os.environ.update(torchrun_env_from_slurm(os.environ))
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
+            _KEPT.append(runpy.run_module(argv[1], run_name="__main__", alter_sys=True))
+        else:
+            script = Path(argv[0])
+            sys.argv = [str(script), *argv[1:]]
+            _script_dir_first(script)
+            _KEPT.append(runpy.run_path(str(script), run_name="__main__"))
+        return 0
+    except SystemExit as e:
+        _KEPT.append(e)
+        return _exit_code(e.code)
+    except KeyboardInterrupt as e:
+        _KEPT.append(e)
+        return 130
+    except BaseException as e:  # noqa: BLE001 - every end of a worker is recorded for the launcher
+        _KEPT.append(e)  # its traceback holds the script's frames and globals
+        text = _user_traceback(e)
+        record_error(rank, text, error_summary(e))
+        if rank != 0 or os.environ.get("DPTRAIN_LAUNCHER") != "local":  # rank 0's terminal gets it from the
+            print(text, file=sys.stderr, end="")                         # local launcher, first failure first
+        return 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def record_error(rank: int, text: str, summary: str) -> None:
+    """Write this rank's traceback where the launcher (``logs/rank<r>.error.json``) and torchrun look for it."""
+    run_dir = os.environ.get(RUN_DIR_ENV)
+    write_error_record(Path(run_dir) if run_dir else None, rank, text, summary)
+
+
+def _script_dir_first(script: Path) -> None:
+    """``sys.path`` as ``python SCRIPT`` has it: the script's directory first, and the working directory
+    (which ``python -m`` put there for us) gone unless ``PYTHONPATH`` names it."""
+    cwd = os.getcwd()
+    named = {os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p}
+    for i, entry in enumerate(sys.path):
+        if os.path.abspath(entry or ".") == cwd and cwd not in named:
+            del sys.path[i]
+            break
+    sys.path.insert(0, str(script.resolve().parent))
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback from the script's first frame: the runner's and runpy's frames above it are noise."""
+    tb = error.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename == __file__
+                              or tb.tb_frame.f_code.co_filename.startswith("<frozen runpy")):
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def _exit_code(code: object) -> int:
+    """``sys.exit``'s argument as a process's exit status: None is 0, a message is printed and is 1."""
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code
+    print(code, file=sys.stderr)
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
