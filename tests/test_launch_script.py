@@ -142,12 +142,17 @@ def test_a_module_runs_as_python_m_would_with_forked_workers(tmp_path):
     (["--nnodes", "2", "train.py"], "--nnodes 2 needs --rdzv-endpoint HOST:PORT"),
     (["--nnodes", "2", "--rdzv-endpoint", "nohostport", "train.py"], "is not HOST:PORT"),
     (["--node-rank", "1", "train.py"], "--rdzv-endpoint and --node-rank go with --nnodes N"),
+    (["--slurm-step", "train.py"], "this Slurm step runs 8 tasks on 2 node(s)"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
-    for key in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NODELIST"):
+    for key in ("SLURM_JOB_NUM_NODES", "SLURM_NNODES", "SLURM_JOB_NODELIST", "SLURM_STEP_NUM_TASKS"):
         monkeypatch.delenv(key, raising=False)
     (tmp_path / "train.py").write_text("raise SystemExit('never run')\n")
+    if args[0] == "--slurm-step":  # started by srun once per device, not once per node
+        monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+        monkeypatch.setenv("SLURM_STEP_NUM_NODES", "2")
+        args = args[1:]
     result = CliRunner().invoke(launch, args)
     assert result.exit_code == 2, result.output
     assert message in result.output

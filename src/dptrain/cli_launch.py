@@ -79,6 +79,9 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     env = {"DPTRAIN_RUN_DIR": str(run_dir)}
     if "OMP_NUM_THREADS" not in os.environ:  # N workers, each with every core's threads, would oversubscribe
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if nodes is not None:
+        click.echo(f"dptrain launch: {nproc} worker(s) here, one of {nodes.nnodes} nodes meeting at "
+                   f"{nodes.endpoint} (torchrun's c10d rendezvous)", err=True)
     if max_restarts or nodes is not None:
         from dptrain.launch.elastic import launch_elastic
 
@@ -116,6 +119,12 @@ def _nodes(nnodes: int | None, endpoint: str | None, node_rank: int | None):
     """Several machines: from the options, else from Slurm; None for this machine alone."""
     from dptrain.launch.elastic import Nodes, slurm_nodes
 
+    steps = int(os.environ.get("SLURM_STEP_NUM_TASKS", 0))
+    if steps > int(os.environ.get("SLURM_STEP_NUM_NODES", steps)):
+        raise LaunchError(f"this Slurm step runs {steps} tasks on {os.environ['SLURM_STEP_NUM_NODES']} node(s), but "
+                          "dptrain launch starts its node's workers itself: run one per node (srun "
+                          "--ntasks-per-node=1 dptrain launch --nproc G ...), or each task as one worker (srun "
+                          "python -m dptrain.launch.script SCRIPT ...)")
     if nnodes is None:
         if endpoint is not None or node_rank is not None:
             raise LaunchError("--rdzv-endpoint and --node-rank go with --nnodes N")
