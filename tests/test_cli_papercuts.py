@@ -347,3 +347,17 @@ def test_plots_command_without_a_run_dir_prints_usage_and_exits_2(tmp_path):
         assert proc.returncode == 2, proc.stderr
         assert proc.stderr.startswith("usage: python -m dptrain.train.plots RUN_DIR")
         assert "Traceback" not in proc.stderr
+
+
+def test_the_summary_lists_a_directory_a_backend_wrote_as_one_entry(tmp_path):
+    from dptrain.train.report import _listing
+
+    for rel in ("wandb/offline-run-1/files/config.yaml", "wandb/offline-run-1/run-1.wandb", "tensorboard/events.1",
+                "checkpoints/step_00000010/model.pt", "checkpoints/step_00000010/meta.json", "logs/rank0.log",
+                "logs/rank1.log", "hf/config.json", "report.html", ".hidden/x"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("12345")
+    listing = _listing(tmp_path)
+    assert list(listing) == ["checkpoints/step_00000010/", "hf/", "logs/rank0.log", "logs/rank1.log", "report.html",
+                             "tensorboard/", "wandb/"]
+    assert listing["wandb/"] == 10 and listing["checkpoints/step_00000010/"] == 10

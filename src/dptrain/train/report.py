@@ -138,7 +138,8 @@ def straggler_report(per_rank: list[list[float]]) -> dict[str, Any]:
 
 
 def _listing(run_dir: Path) -> dict[str, int]:
-    """Files in the run directory with their sizes; a checkpoint, and the Hugging Face export, count as one entry."""
+    """Files in the run directory with their sizes. A checkpoint counts as one entry, and so does every other
+    directory but ``logs/``: the Hugging Face export, a logging backend's (``wandb/``, ``tensorboard/``...)."""
     listing: dict[str, int] = {}
     for path in sorted(run_dir.rglob("*")):
         rel = path.relative_to(run_dir)
@@ -146,8 +147,8 @@ def _listing(run_dir: Path) -> dict[str, int]:
             continue
         if rel.parts[0] == "checkpoints" and len(rel.parts) > 2:
             key = f"{rel.parts[0]}/{rel.parts[1]}/"
-        elif rel.parts[0] == "hf" and len(rel.parts) > 1:  # the Hugging Face export, one directory
-            key = "hf/"
+        elif rel.parts[0] != "logs" and len(rel.parts) > 1:
+            key = f"{rel.parts[0]}/"
         else:
             key = str(rel)
         listing[key] = listing.get(key, 0) + path.stat().st_size
