@@ -2,7 +2,8 @@
 
 ``prepare(model, optimizer, loader, scheduler, ...)`` recognises each object by its type and
 returns a wrapped one in the same place, so the loop stays the one a single process runs
-(``loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad()``). The wrappers share one :class:`AccumulationState`; gradient accumulation is a window of
+(``loss.backward(); optimizer.step(); scheduler.step(); optimizer.zero_grad()``). The
+wrappers share one :class:`AccumulationState`; gradient accumulation is a window of
 ``grad_accum_steps`` micro-steps, a micro-step being one forward of the model with autograd on:
 
 1. the model's forward counts the micro-step; the ``grad_accum_steps``-th closes the window,
