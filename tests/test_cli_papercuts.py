@@ -23,7 +23,7 @@ assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith
 
 @pytest.mark.parametrize("args", [["--help"], ["run", "--help"], ["plan", "--help"], ["simulate", "--help"],
                                   ["bench", "--help"], ["explore", "--help"], ["prepare-data", "--help"],
-                                  ["launch", "--help"]])
+                                  ["launch", "--help"], ["consolidate", "--help"]])
 def test_help_does_not_import_torch(args):
     proc = subprocess.run([sys.executable, "-c", _NO_TORCH.format(args=args)], capture_output=True, text=True,
                           timeout=60)

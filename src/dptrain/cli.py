@@ -1,5 +1,6 @@
-"""The ``dptrain`` command line: ``run``, ``prepare-data``, ``cluster``, ``env``, ``bench``; ``launch`` from
-:mod:`dptrain.cli_launch`; ``plan``, ``simulate`` and ``explore`` from :mod:`dptrain.cli_planning`.
+"""The ``dptrain`` command line: ``run``, ``prepare-data``, ``cluster``, ``env``, ``bench``; ``launch``
+from :mod:`dptrain.cli_launch`; ``consolidate`` from :mod:`dptrain.cli_checkpoint`; ``plan``,
+``simulate`` and ``explore`` from :mod:`dptrain.cli_planning`.
 
 ``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
 checkpoint) before it starts a worker or creates the run directory: bad input is one
@@ -18,6 +19,7 @@ from pathlib import Path
 import click
 
 from dptrain.bench.command import BenchGroup  # no torch: the benchmarks load when run
+from dptrain.cli_checkpoint import consolidate
 from dptrain.cli_input import bad_input as _bad_input
 from dptrain.cli_launch import launch
 from dptrain.cli_planning import explore, plan, simulate
@@ -268,7 +270,7 @@ def bench() -> None:
     """
 
 
-for _command in (launch, plan, simulate, explore):
+for _command in (launch, consolidate, plan, simulate, explore):
     main.add_command(_command)
 
 if __name__ == "__main__":
