@@ -34,6 +34,7 @@ def run_dir(tmp_path_factory) -> Path:
                    "--set", f"train.steps={STEPS}", "--set", "checkpoint.every=0", "--set", "log.plots=true", cwd=tmp)
     assert proc.returncode == 0, proc.stderr
     assert f"report: {run_dir / 'report.html'}" in proc.stdout
+    assert re.search(r"^  report\.html +\d", proc.stdout, re.MULTILINE), proc.stdout  # in the summary's files
     return run_dir
 
 

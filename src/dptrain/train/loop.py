@@ -252,6 +252,8 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
         summary = summarize(run_dir, info, train_recs, evals)
         if cfg.log.plots:  # after the summary, which it shows; a failure is a warning, never a failed run
             try_write_run_report(run_dir, summary, cfg, log.info)
+            if (run_dir / "report.html").exists():  # listed as summary.json is: printed, not inside summary.json
+                summary["files"]["report.html"] = (run_dir / "report.html").stat().st_size
         print_summary(summary, log)
     log.close()
     dist.barrier()
