@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # fresh interpreters: torchrun's, or exec workers
 
 # Ordinary torch DDP, as users write it: env:// rendezvous from torchrun's variables.
 PLAIN_DDP = textwrap.dedent('''
-    import argparse, os
+    import argparse, atexit, os
     import torch, torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -46,9 +46,12 @@ PLAIN_DDP = textwrap.dedent('''
             raise ValueError(f"bad batch on rank {rank} at step {step}")
         loss = model(torch.randn(8, 4, generator=data)).square().mean()
         opt.zero_grad(); loss.backward(); opt.step()
-    out = os.path.join(os.environ["DPTRAIN_RUN_DIR"], f"params{rank}.pt")
-    torch.save({"params": model.module.state_dict(), "steps": args.steps, "name": __name__}, out)
-    dist.destroy_process_group()
+    out = os.path.join(os.environ["DPTRAIN_RUN_DIR"], f"params{rank}")
+    torch.save({"params": model.module.state_dict(), "steps": args.steps, "name": __name__}, out + ".pt")
+    log = open(out + ".log", "w")                        # never closed: flushed as the interpreter would
+    log.write(f"rank {rank} trained {args.steps} steps")
+    atexit.register(print, f"rank {rank}: atexit handler ran")
+    dist.destroy_process_group()                         # the bare call: the worker must still end cleanly
 ''')
 
 
@@ -62,6 +65,10 @@ def test_a_plain_torch_ddp_script_trains_on_two_workers(tmp_path):
     (tmp_path / "train.py").write_text(PLAIN_DDP)
     proc = _launch(["--nproc", "2", "--run-dir", "run", "train.py", "--steps", "4"], tmp_path)
     assert proc.returncode == 0, proc.stderr
+    assert "rank 0: atexit handler ran" in proc.stdout
+    assert "rank 1: atexit handler ran" in (tmp_path / "run" / "logs" / "rank1.console").read_text()
+    assert [(tmp_path / "run" / f"params{r}.log").read_text() for r in range(2)] == [
+        "rank 0 trained 4 steps", "rank 1 trained 4 steps"]
     saved = [torch.load(tmp_path / "run" / f"params{r}.pt") for r in range(2)]
     assert all(s["steps"] == 4 and s["name"] == "__main__" for s in saved)  # its arguments, run as __main__
     for name, value in saved[0]["params"].items():  # different data, all-reduced gradients: the same replica

@@ -41,9 +41,9 @@ class LaunchError(ValueError):
 @click.option("--node-rank", type=int, help="with --nnodes: this machine's rank (default: assigned at rendezvous)")
 @click.option("--start-method", type=click.Choice(["exec", "forkserver"]), default="exec", show_default=True,
               help="local workers: a fresh interpreter each, as torchrun and `python SCRIPT` start them (exec), "
-                   "or forks of a process that imported torch once (forkserver: starts faster, but the script "
-                   "ends as a multiprocessing child does: objects still alive are not finalized, so a file it "
-                   "never closed may lose its last writes)")
+                   "or forks of a process that imported torch once (forkserver: starts faster, but torch is "
+                   "imported before your script runs, so environment variables it sets for torch's import "
+                   "come too late)")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int, nnodes: int | None,

@@ -20,9 +20,14 @@ Ctrl-C 130.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import gc
+import io
 import os
 import runpy
 import sys
+import threading
 import traceback
 from pathlib import Path
 from typing import Mapping
@@ -33,13 +38,19 @@ __all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
 
 RUN_DIR_ENV = "DPTRAIN_RUN_DIR"  # the launch's run directory: logs/ and the error records live there
 
-# [Note: the script's objects live until the process ends] What the script leaves behind (its
-# globals, or the frames of the exception that ended it) is kept here rather than freed when it
-# returns. Freed then, a torch DDP model frees its reducer, whose process group's destructor joins
-# gloo's worker threads while holding the GIL; a worker thread still releasing its last
-# collective needs the GIL, and the two wait for each other forever (seen on 1 start in 3 on a
-# busy machine: a plain DDP script whose rank never exited). Kept, they end with the
-# interpreter, as `python SCRIPT`'s do.
+# [Note: how a worker ends] A torch DDP model holds its process group through its C++ reducer.
+# Whenever that group is freed, its destructor joins gloo's worker threads; a worker thread
+# still releasing its last collective may need the GIL for it. Freed while the interpreter
+# runs (the script's globals, dropped when it returns), the destructor holds the GIL and the
+# two wait for each other forever: a rank of a plain DDP script never exited, 1 start in 3 on
+# a busy machine. Freed by the interpreter's teardown (as after `python SCRIPT`), the worker
+# thread is ended when it asks for the GIL, from inside a C++ destructor, and the process
+# aborts ("terminate called without an active exception", SIGABRT) after the script has
+# finished: both ranks of the same script, once in a clean-clone test run. So what the script
+# leaves behind (its globals, or the frames of the exception that ended it) is kept in _KEPT,
+# and the worker ends as a multiprocessing child does: the interpreter's exit short of the
+# teardown (:func:`_finish`: the script's threads joined, its atexit handlers run, the files
+# it left open flushed), then ``os._exit``.
 _KEPT: list[object] = []
 
 
@@ -56,13 +67,21 @@ def torchrun_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as this rank's program; return its exit code."""
+    """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as this rank's program; return its exit code.
+
+    The caller ends the process with ``os._exit`` on it ([Note: how a worker ends]).
+    """
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] == "-m" and len(argv) < 2:
         print("usage: python -m dptrain.launch.script SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
         return 2
     os.environ.update(torchrun_env_from_slurm(os.environ))
-    rank = int(os.environ.get("RANK", "0"))
+    code = _run(argv, int(os.environ.get("RANK", "0")))
+    _finish()
+    return code
+
+
+def _run(argv: list[str], rank: int) -> int:
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
@@ -86,9 +105,21 @@ def main(argv: list[str] | None = None) -> int:
         if rank != 0 or os.environ.get("DPTRAIN_LAUNCHER") != "local":  # rank 0's terminal gets it from the
             print(text, file=sys.stderr, end="")                         # local launcher, first failure first
         return 1
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
+
+
+def _finish() -> None:
+    """The interpreter's exit for the script, short of tearing its objects down ([Note: how a worker ends])."""
+    for thread in threading.enumerate():  # as the interpreter waits for non-daemon threads
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the script's handlers (logging's flush, trackers' finish)
+    for obj in gc.get_objects():  # what a file's finalizer would do at teardown
+        if isinstance(obj, io.IOBase):
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
 
 
 def record_error(rank: int, text: str, summary: str) -> None:
@@ -129,4 +160,4 @@ def _exit_code(code: object) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    os._exit(main())  # [Note: how a worker ends]
