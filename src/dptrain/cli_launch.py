@@ -77,8 +77,10 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     run_dir = (run_dir or Path("runs") / target).resolve()
     worker_args = (["-m"] if as_module else []) + [script, *args]
     env = {"DPTRAIN_RUN_DIR": str(run_dir)}
-    if "OMP_NUM_THREADS" not in os.environ:  # N workers, each with every core's threads, would oversubscribe
-        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // nproc))
+    if "OMP_NUM_THREADS" not in os.environ:
+        from dptrain.launch.local import threads_per_worker
+
+        env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     if nodes is not None:
         click.echo(f"dptrain launch: {nproc} worker(s) here, one of {nodes.nnodes} nodes meeting at "
                    f"{nodes.endpoint} (torchrun's c10d rendezvous)", err=True)

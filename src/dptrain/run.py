@@ -23,7 +23,7 @@ import torch
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
 from dptrain.config import ConfigError, load_config
-from dptrain.launch.local import error_summary, write_error_record
+from dptrain.launch.local import error_summary, threads_per_worker, write_error_record
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
 from dptrain.train.checkpoint import CheckpointError
 from dptrain.train.prepare import default_run_dir, prepare_run
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         for line in rp.warnings:
             print(line, file=sys.stderr)
     if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, env.local_world_size)))
+        torch.set_num_threads(threads_per_worker(env.local_world_size))
     if not torch.cuda.is_available():
         tune_cpu_allocator()
     try:

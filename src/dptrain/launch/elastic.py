@@ -35,6 +35,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from dptrain.launch.local import threads_per_worker
+from dptrain.launch.slurm import first_slurm_host, job_port
+
 __all__ = ["launch_elastic", "torchrun_command", "Nodes", "slurm_nodes"]
 
 
@@ -52,19 +55,16 @@ class Nodes:
         return args + ([f"--node-rank={self.node_rank}"] if self.node_rank is not None else [])
 
 
-def slurm_nodes(environ: Mapping[str, str], port: int | None = None) -> Nodes | None:
+def slurm_nodes(environ: Mapping[str, str]) -> Nodes | None:
     """The nodes of the Slurm job this runs in (one ``dptrain launch`` per node: ``srun --ntasks-per-node=1``),
-    or None outside Slurm or on one node. The rendezvous is on the job's first host, at ``port`` or a port
-    derived from the job id (the same on every node, with no communication)."""
+    or None outside Slurm or on one node. The rendezvous is on the job's first host, at a port derived from
+    the job id (``launch.slurm``: the same on every node, with no communication)."""
     nnodes = int(environ.get("SLURM_JOB_NUM_NODES") or environ.get("SLURM_NNODES") or 1)
     if nnodes <= 1 or "SLURM_JOB_NODELIST" not in environ:
         return None
-    from dptrain.launch.rendezvous import first_slurm_host
-
-    job = environ.get("SLURM_JOB_ID", "0")
-    port = port or 20000 + int(job) % 20000
+    endpoint = f"{first_slurm_host(environ['SLURM_JOB_NODELIST'])}:{job_port(environ)}"
     node_rank = int(environ["SLURM_NODEID"]) if "SLURM_NODEID" in environ else None
-    return Nodes(nnodes, f"{first_slurm_host(environ['SLURM_JOB_NODELIST'])}:{port}", f"slurm-{job}", node_rank)
+    return Nodes(nnodes, endpoint, f"slurm-{environ.get('SLURM_JOB_ID', '0')}", node_rank)
 
 
 def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], module: str = "dptrain.run",
@@ -84,7 +84,7 @@ def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restar
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, **dict(env))
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # [Note: a fresh store per restart]
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))  # torchrun would say 1
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))  # torchrun would say 1
     env.pop("DPTRAIN_LAUNCHER", None)  # the workers print their own errors, as under torchrun
     try:
         return subprocess.run(torchrun_command(nproc, max_restarts, worker_args, module, nodes), env=env).returncode

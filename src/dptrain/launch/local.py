@@ -32,7 +32,7 @@ from pathlib import Path
 
 from dptrain.launch.workers import start_worker
 
-__all__ = ["launch_local", "free_port", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT"]
+__all__ = ["launch_local", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT"]
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
 FAIL_GRACE_S = 2.0  # after the first failure, the others' time to fail too, beyond their roll call
@@ -52,6 +52,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def threads_per_worker(workers: int) -> int:
+    """This machine's cores shared by ``workers`` processes (at least 1 each): N workers with every core's
+    threads each would fight over the cores."""
+    return max(1, (os.cpu_count() or 1) // max(1, workers))
 
 
 def error_file(run_dir: Path, rank: int) -> Path:

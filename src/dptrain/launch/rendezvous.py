@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import gc
 import os
-import re
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.launch.local import free_port  # the launcher's, which imports no torch
+from dptrain.launch.slurm import first_slurm_host, job_port
 
 __all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
            "first_slurm_host"]
@@ -55,7 +55,7 @@ def detect_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         world = int(env["SLURM_NTASKS"])
         per_node = env.get("SLURM_NTASKS_PER_NODE", str(world)).split("(")[0].split(",")[0]
         addr = env.get("MASTER_ADDR") or first_slurm_host(env.get("SLURM_JOB_NODELIST", "127.0.0.1"))
-        port = int(env.get("MASTER_PORT") or 20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000)
+        port = int(env.get("MASTER_PORT") or job_port(env))
         return WorkerEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), int(per_node),
                          addr, port, "slurm")
     return WorkerEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "single")
@@ -64,16 +64,6 @@ def detect_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
 def restart_count(environ: Mapping[str, str] | None = None) -> int:
     """How many times torchrun's agent has restarted this worker group (0 on the first attempt, or without it)."""
     return int((os.environ if environ is None else environ).get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm node list: "gpu[03-05,09],cpu1" -> "gpu03"."""
-    first = re.split(r",(?![^\[]*\])", nodelist.strip())[0]
-    match = re.fullmatch(r"(.*)\[([^\]]+)\](.*)", first)
-    if not match:
-        return first
-    prefix, ranges, suffix = match.groups()
-    return prefix + ranges.split(",")[0].split("-")[0] + suffix
 
 
 def choose_backend(requested: str, local_world_size: int, cuda_devices: int) -> str:
