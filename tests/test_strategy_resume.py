@@ -120,3 +120,49 @@ def test_dptrain_run_resumes_a_ddp_run_as_zero2(tmp_path: Path) -> None:
     assert a[:3] == b[:3]  # the same ddp run up to the checkpoint
     for (step, loss_a, norm_a), (_, loss_b, norm_b) in zip(a[3:], b[3:]):
         assert loss_b == pytest.approx(loss_a, rel=1e-6) and norm_b == pytest.approx(norm_a, rel=1e-5), step
+
+
+class _ScalarFirst(torch.nn.Module):
+    """A unit whose first parameter is 0-dim: its optimizer state alone cannot tell per-element from scalar."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.tensor(1.5))
+        self.linear = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.scale * self.linear(x)
+
+
+def _scalar_first_resume(rank: int, world_size: int) -> None:
+    from dptrain.zero import ZeRO
+    from dptrain.zero.checkpoint import load_full_state
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    reference = _ScalarFirst()
+    ddp_optimizer = torch.optim.AdamW(reference.parameters(), lr=0.1)
+    reference(x).square().mean().backward()
+    ddp_optimizer.step()
+    model_state, optim_state = replicated_state(reference, ddp_optimizer)
+
+    torch.manual_seed(1)
+    zero = ZeRO(_ScalarFirst(), stage=2)
+    optimizer = torch.optim.AdamW(zero.parameters(), lr=0.1)
+    load_full_state(zero, optimizer, model_state, optim_state, "test")
+    for unit in zero.units:
+        state = optimizer.state[unit.shard]
+        assert state["exp_avg"].shape == unit.shard.shape and state["step"].dim() == 0
+
+    for _ in range(2):  # both continue identically from the same state
+        for model, opt in ((reference, ddp_optimizer), (zero, optimizer)):
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            opt.step()
+    zero_loss = float(zero(x).square().mean())
+    assert abs(zero_loss - float(reference(x).square().mean())) < 1e-5
+
+
+@pytest.mark.timeout(60)
+def test_zero_resumes_ddp_state_of_a_unit_whose_first_parameter_is_a_scalar():
+    run_on_ranks(_scalar_first_resume, 1)

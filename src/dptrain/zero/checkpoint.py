@@ -414,12 +414,16 @@ def load_full_state(model, optimizer: torch.optim.Optimizer | None, model_state:
             if optimizer is None or optim_state is None:
                 continue
             prefix = f"state.{unit.refs[0].name}."
+            shaped = next((ref for ref in unit.refs if len(ref.shape)), None)  # tells per-element from scalar
             state = {}
             for key in [k[len(prefix):] for k in optim_state if k.startswith(prefix)]:
                 value = optim_state[prefix + key]
-                if torch.is_tensor(value) and len(unit.refs[0].shape) and value.shape == unit.refs[0].shape:
+                if shaped is not None and torch.is_tensor(optim_state.get(f"state.{shaped.name}.{key}")) \
+                        and optim_state[f"state.{shaped.name}.{key}"].shape == shaped.shape:
                     value = _slice_shard(unit, lambda ref, key=key: optim_state[f"state.{ref.name}.{key}"],
                                          value.dtype)
+                elif torch.is_tensor(value):
+                    value = value.clone()  # not a view into the memory-mapped file, which pruning deletes
                 state[key] = value.to(unit.device) if torch.is_tensor(value) and value.dim() else value
             _set_unit_state(optimizer, unit, state)
     if optimizer is not None and optim_state is not None:
