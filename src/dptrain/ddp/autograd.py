@@ -23,7 +23,9 @@ such as ``torch.autograd.grad(out.sum(), x, create_graph=True)`` for a gradient 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+from collections.abc import MutableMapping
 from typing import Any, Callable, Iterable, Iterator
 
 import torch
@@ -87,9 +89,10 @@ def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """A copy of nested tuples, lists and dicts with ``fn`` applied to every tensor.
+    """A copy of nested tuples, namedtuples, lists and mutable mappings with ``fn`` applied to every tensor.
 
-    Used for inputs only (moving them to the module's device); other objects pass
+    A mapping is copied and assigned item by item, so its type survives (a Hugging Face
+    ``BatchEncoding`` or ``ModelOutput`` keeps its attribute access). Other objects pass
     through unchanged.
     """
     if isinstance(obj, torch.Tensor):
@@ -98,8 +101,11 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
         return type(obj)(*(map_tensors(x, fn) for x in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(map_tensors(x, fn) for x in obj)
-    if isinstance(obj, dict):
-        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, MutableMapping):
+        out = copy.copy(obj)
+        for key, value in obj.items():
+            out[key] = map_tensors(value, fn)
+        return out
     return obj
 
 

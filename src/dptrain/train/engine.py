@@ -48,6 +48,7 @@ from torch.utils.data import Dataset
 
 from dptrain.batching import BatchPlan
 from dptrain.ddp import DistributedDataParallel
+from dptrain.ddp.autograd import map_tensors
 from dptrain.gossip import GossipDataParallel
 from dptrain.train.loader import ShardedLoader
 from dptrain.zero import MixedPrecision, ZeRO
@@ -232,10 +233,4 @@ def _precision(name: str, device: torch.device) -> tuple[torch.dtype | None, Any
 def _to_device(batch: Any, device: torch.device) -> Any:
     if device.type == "cpu":
         return batch
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))

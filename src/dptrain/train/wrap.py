@@ -28,11 +28,10 @@ moves the optimizer onto its flat shards in place (as Accelerate does for FSDP2)
 from __future__ import annotations
 
 import contextlib
-import copy
 import difflib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from torch.utils.data.distributed import DistributedSampler as TorchDistributedS
 
 from dptrain.data.sampler import DistributedSampler
 from dptrain.ddp import DistributedDataParallel
+from dptrain.ddp.autograd import map_tensors
 from dptrain.train.loader import set_epoch
 from dptrain.zero import MixedPrecision, ZeRO
 
@@ -155,7 +155,7 @@ class PreparedModel(nn.Module):
         with torch.autocast(self.device.type, dtype=self._autocast_dtype):
             out = self.module(*args, **kwargs)
         # the loss is computed outside, after the forward: in fp32, as Accelerate's convert_outputs_to_fp32
-        return _map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
+        return map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
 
     def _set_gradient_sync(self, sync: bool) -> None:
         if not sync and not self._accumulating:
@@ -366,7 +366,7 @@ class PreparedLoader:
         try:
             for i, batch in enumerate(self.loader):
                 self.accumulation.end_of_data = i == last
-                yield _map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
+                yield map_tensors(batch, lambda t: t.to(self.device, non_blocking=True))
             self.epoch = epoch + 1
         finally:
             self.accumulation.end_of_data = False
@@ -469,23 +469,3 @@ def _default_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with ``fn`` applied to every tensor in nested lists, tuples, namedtuples and mappings.
-
-    A mapping is copied and assigned item by item, so its type survives (a Hugging Face
-    ``BatchEncoding`` or ``ModelOutput`` keeps its attribute access).
-    """
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
-        return type(obj)(*(_map_tensors(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(x, fn) for x in obj)
-    if isinstance(obj, Mapping):
-        out = copy.copy(obj)
-        for key, value in obj.items():
-            out[key] = _map_tensors(value, fn)
-        return out
-    return obj
