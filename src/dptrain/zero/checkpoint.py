@@ -31,9 +31,9 @@ parameter names. The keys above are theirs; the DTensors are built here.
 disagree, and buys a format that FSDP2, torchtitan and the DDP engine read, resharded by
 DCP's public planner. Measured on the default chargpt GPT (1.8 M parameters, AdamW, 2
 gloo ranks; ``docs/repro/checkpoint_redistribution.py``): the all-to-alls are about a
-tenth of a save; the save takes about twice as long as the ShardedTensor one did, most
-of the difference being DCP's cost per entry (every parameter carries its own copy of
-its group's hyperparameters under torch's flattened names), not the communication.
+tenth of a save; the save takes about twice as long as the ShardedTensor one did. The
+rest is not broken down; likely DCP's cost per entry (every parameter carries its own
+copy of its group's hyperparameters under torch's flattened names), not measured apart.
 
 Loading first compares the checkpoint's parameter names and shapes with the model's
 and raises :class:`ShardedCheckpointError` naming every difference, on every rank,
