@@ -302,10 +302,10 @@ def _element_keys(meta: Mapping[str, Any], shapes: Mapping[str, torch.Size]) -> 
     keys = set()
     for k, md in meta.items():
         if k.startswith(OPTIM + "state.") and isinstance(md, TensorStorageMetadata):
-            for name, shape in shapes.items():
-                prefix = f"{OPTIM}state.{name}."
-                if k.startswith(prefix) and len(shape) and md.size == shape:
-                    keys.add(k[len(prefix):])
+            name, _, key = k[len(OPTIM + "state."):].rpartition(".")  # a state key has no dot; a name may
+            shape = shapes.get(name)
+            if shape is not None and len(shape) and md.size == shape:
+                keys.add(key)
     return keys
 
 
