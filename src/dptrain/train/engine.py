@@ -53,7 +53,7 @@ from dptrain.gossip import GossipDataParallel
 from dptrain.train.loader import ShardedLoader
 from dptrain.zero import MixedPrecision, ZeRO
 
-__all__ = ["Engine", "StepInfo"]
+__all__ = ["Engine", "StepInfo", "clip_by_global_norm"]
 
 
 @dataclass(frozen=True)
@@ -163,12 +163,8 @@ class Engine:
             group["lr"] = lr
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        if self.sharded:  # the norm over every rank's shard, the same on all ranks
-            norm = float(self.model.clip_grad_norm_(max_norm))
-        else:
-            params = [p for p in self.model.parameters() if p.grad is not None]
-            norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        params = [] if self.sharded else [p for p in self.model.parameters() if p.grad is not None]
+        norm = clip_by_global_norm(params, self.grad_clip, self.model if self.sharded else None)
         skipped = not math.isfinite(norm)
         self.skipped_steps += skipped
         if self.gossip:  # D-PSGD: mix the parameters, then apply the gradient taken before mixing
@@ -215,6 +211,19 @@ class Engine:
         self.skipped_steps = state.get("skipped_steps", 0)
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
+
+
+def clip_by_global_norm(params: list[torch.Tensor], grad_clip: float, zero: ZeRO | None = None) -> float:
+    """The gradients' global L2 norm before clipping them to ``grad_clip`` (0: the norm only).
+
+    Under ZeRO (``zero``) the norm is over every rank's shard, the same on every rank;
+    otherwise over ``params``' gradients, which the all-reduce made the same on every rank.
+    A norm that is not finite is for the caller to skip the step on.
+    """
+    max_norm = grad_clip if grad_clip > 0 else math.inf
+    if zero is not None:
+        return float(zero.clip_grad_norm_(max_norm))
+    return float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
 
 
 def _precision(name: str, device: torch.device) -> tuple[torch.dtype | None, Any]:

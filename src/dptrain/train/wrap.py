@@ -44,6 +44,7 @@ from torch.utils.data.distributed import DistributedSampler as TorchDistributedS
 from dptrain.data.sampler import DistributedSampler
 from dptrain.ddp import DistributedDataParallel
 from dptrain.ddp.autograd import map_tensors
+from dptrain.train.engine import clip_by_global_norm
 from dptrain.train.loader import set_epoch
 from dptrain.zero import MixedPrecision, ZeRO
 
@@ -271,11 +272,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
             with torch.no_grad():
                 for p in params:
                     p.grad.div_(acc.micro_step)
-        max_norm = self.grad_clip if self.grad_clip > 0 else math.inf
-        if self._zero is not None:  # the norm over every rank's shard, the same on every rank
-            self.grad_norm = float(self._zero.clip_grad_norm_(max_norm))
-        else:
-            self.grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
+        self.grad_norm = clip_by_global_norm(params, self.grad_clip, self._zero)
         self.step_was_skipped = not math.isfinite(self.grad_norm)
         if self.step_was_skipped:
             self.skipped_steps += 1
