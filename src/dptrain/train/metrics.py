@@ -1,14 +1,17 @@
 """Per-step measurements: where a data-parallel step's time goes, and what it moved.
 
 For each optimizer step every rank records wall-clock spans (forward, backward, the
-optimizer) and the DDP engine's communication statistics for the synced backward:
+optimizer) and the engine's communication statistics for the step (``last_step_comm``: the
+DDP engine's buckets; ZeRO's all-gathers and reduce-scatters, :mod:`dptrain.zero.timing`):
 
 - **compute ms**: forward + backward + optimizer time, less the communication that was
   left exposed (the end-of-backward wait is inside ``loss.backward()``);
-- **exposed comm ms**: the wait for gradients after the last one was computed, the part
-  of communication that overlap did not hide;
-- **overlap %**: the fraction of the time reductions were in flight that ran while
-  backward was still computing;
+- **exposed comm ms**: the part of communication that overlap did not hide: DDP's wait for
+  gradients after the last one was computed; ZeRO's waits for its collectives, in forward
+  and backward alike;
+- **comm busy ms**: the time at least one collective was in flight;
+- **overlap %**: the fraction of that busy time that computation hid (DDP: that ran while
+  backward was still computing);
 - **comm bytes**: bytes this rank put into all-reduces for the step, and the bytes it
   sent for them (by the cost model of the collective it ran: ``comm.sent_bytes``).
 

@@ -94,6 +94,7 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
             "median_step_ms": med("step_ms"),
             "median_compute_ms": med("compute_ms"),
             "median_exposed_comm_ms": med("exposed_comm_ms"),
+            "median_comm_busy_ms": med("comm_busy_ms"),
             "median_overlap_pct": med("overlap_pct"),
             "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
             "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
@@ -188,7 +189,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                  ("step time", f"{summary['median_step_ms']:.1f} ms: compute {summary['median_compute_ms']:.1f} ms, "
                                f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms"),
                  ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
-                                   f"{summary['median_overlap_pct']:.0f}% overlapped with backward"),
+                                   f"{_busy(summary)}{summary['median_overlap_pct']:.0f}% overlapped with computation"),
                  ("peak memory", _memory(summary))]
         if summary["skipped_steps"]:
             rows += [("skipped steps", f"{summary['skipped_steps']} (non-finite gradients)")]
@@ -200,6 +201,12 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if summary.get("ps"):
         rows += _ps_rows(summary["ps"])
     return rows
+
+
+def _busy(summary: dict[str, Any]) -> str:
+    """The collectives' busy time (a summary.json written before it was recorded has none)."""
+    busy = summary.get("median_comm_busy_ms")
+    return f"busy {busy:.1f} ms, " if busy is not None else ""
 
 
 def _ps_rows(ps: dict[str, Any]) -> list[tuple[str, str]]:

@@ -7,7 +7,10 @@ backward, the wait for gradients after backward (exposed communication) and the
 optimizer step; each gradient bucket's all-reduce is a span on a track of its own
 (``bucket k``), from launch to completion. Overlap is then visible at a glance: bucket
 spans that lie under the backward span were hidden; the ``wait for gradients`` span is
-what was not.
+what was not. Under ZeRO each unit has a track (``unit k``) with its all-gathers and
+reduce-scatters, and every wait of the training thread for one is a ``wait for ...`` span
+on the compute track, inside the forward or backward that waited: those are its exposed
+communication.
 
 Clocks (``trace_zero``): on one machine every process reads the same monotonic clock
 (``time.perf_counter``), so all ranks take rank 0's zero and line up exactly. Across
@@ -49,7 +52,7 @@ class TraceRecorder:
         self.rank, self.t0 = rank, t0
         self.steps = range(first_step, first_step + num_steps)
         self.events: list[dict] = []
-        self._buckets: dict[int, int] = {}  # bucket index -> its size in bytes
+        self._tracks: dict[int, str] = {}  # a collective track's tid -> its name
 
     def wants(self, step: int) -> bool:
         return step in self.steps
@@ -64,14 +67,24 @@ class TraceRecorder:
                 self._span("backward", "compute", bwd[0], comm.backward_end, _COMPUTE_TID, micro_step=k)
                 self._span("wait for gradients", "comm", comm.backward_end, bwd[1], _COMPUTE_TID,
                            exposed_ms=round(1e3 * (bwd[1] - comm.backward_end), 3))
-                for (index, launch, done), nbytes in zip(comm.bucket_spans, comm.bucket_bytes):
-                    self._buckets[index] = nbytes
-                    self._span(f"all-reduce bucket {index}", "comm", launch, done if done else bwd[1],
-                               _BUCKET_TID0 + index, bytes=nbytes)
+                self._collectives(comm, bwd[1])
             else:
                 self._span("backward (no sync)" if comm is None else "backward", "compute", *bwd,
                            _COMPUTE_TID, micro_step=k)
         self._span("optimizer", "compute", *times.optimizer, _COMPUTE_TID)
+
+    def _collectives(self, comm, end: float) -> None:
+        """Each collective of the step on its track; ZeRO's waits for them on the compute track."""
+        sharded = hasattr(comm, "span_name")  # zero.timing.ShardedStepComm: every unit's collectives
+        names = {}
+        for i, ((index, launch, done), nbytes) in enumerate(zip(comm.bucket_spans, comm.bucket_bytes)):
+            name = comm.span_name(i) if sharded else f"all-reduce bucket {index}"
+            names[id(comm.bucket_spans[i])] = name
+            tid = _BUCKET_TID0 + index
+            self._tracks[tid] = f"unit {index}" if sharded else f"bucket {index} ({nbytes / 2**20:.2f} MiB)"
+            self._span(name, "comm", launch, done if done else end, tid, bytes=nbytes)
+        for span, start, stop in getattr(comm, "waits", ()):
+            self._span(f"wait for {names.get(id(span), 'a collective')}", "comm", start, stop, _COMPUTE_TID)
 
     def add_ps_step(self, step: int, start: float, micro: list[tuple[float, float, float]], end: float) -> None:
         """A parameter-server worker's step: each micro-step's forward and backward, then push and wait."""
@@ -95,9 +108,8 @@ class TraceRecorder:
                 {"name": "process_sort_index", "ph": "M", "pid": self.rank, "args": {"sort_index": self.rank}},
                 {"name": "thread_name", "ph": "M", "pid": self.rank, "tid": _COMPUTE_TID,
                  "args": {"name": "compute"}}]
-        for index, nbytes in sorted(self._buckets.items()):
-            meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": _BUCKET_TID0 + index,
-                         "args": {"name": f"bucket {index} ({nbytes / 2**20:.2f} MiB)"}})
+        for tid, name in sorted(self._tracks.items()):
+            meta.append({"name": "thread_name", "ph": "M", "pid": self.rank, "tid": tid, "args": {"name": name}})
         return meta
 
     def write_merged(self, path: Path) -> bool:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
 import torch
@@ -54,6 +55,7 @@ from dptrain.zero.reads import gather_on_read
 from dptrain.zero.replaced import mark_replaced
 from dptrain.zero.saved import pack_weight, unpack_weight
 from dptrain.zero.skipped import check_every_unit_reduced, reduce_in_order
+from dptrain.zero.timing import ShardedStepComm
 from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
 
 __all__ = ["ZeRO"]
@@ -164,8 +166,10 @@ class ZeRO(nn.Module):
                 unit.defer, unit.single_piece = True, False
             self.units.append(unit)
         self._reductions = ReductionQueue(1)
-        self.last_step_comm = StepCommStats()  # the last synchronising backward's reductions (calls, bytes)
-        self._step_comm = StepCommStats()
+        # the last synchronising backward's reductions (calls, bytes), and every collective's span and wait since
+        # the step before (zero/timing.py)
+        self.last_step_comm: StepCommStats = ShardedStepComm()
+        self._step_comm = ShardedStepComm()
         for unit in self.units:
             unit.inflight = self._reductions
             unit.step_comm = self._step_comm
@@ -451,6 +455,8 @@ class ZeRO(nn.Module):
     def _finish(self) -> None:
         self._finish_queued = False
         syncing = self.units[0].require_sync
+        if syncing:
+            self._step_comm.backward_end = time.perf_counter()  # every gradient computed: what follows is waiting
         if syncing and self.find_unused_parameters:
             reduce_in_order(self.units, self.group, self._step_comm)
         elif syncing:
@@ -462,7 +468,8 @@ class ZeRO(nn.Module):
             unit.finish()
         self._reductions.clear()
         if self._step_comm.calls:  # a synchronising backward (a no_sync one reduces nothing)
-            self.last_step_comm, self._step_comm = self._step_comm, StepCommStats()
+            self._step_comm.comm_end = time.perf_counter()
+            self.last_step_comm, self._step_comm = self._step_comm, ShardedStepComm()
             for unit in self.units:
                 unit.step_comm = self._step_comm
         if self.stage == 3:

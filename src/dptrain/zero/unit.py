@@ -46,6 +46,7 @@ from torch import nn
 
 from dptrain import comm
 from dptrain.comm.step_stats import StepCommStats
+from dptrain.zero.timing import start_timing
 
 __all__ = ["ParamRef", "FlatUnit", "ReductionQueue"]
 
@@ -171,7 +172,7 @@ class FlatUnit:
         # unit in index order (skipped.reduce_in_order); this holds the gradient until then
         self.defer = False
         self._deferred: torch.Tensor | None = None
-        # this step's counts (set by ZeRO, which publishes them as last_step_comm), and what one
+        # this step's counts and collective spans (set by ZeRO, which publishes them as last_step_comm), and what one
         # reduction of this unit sends as the collective is issued (comm.sent_bytes)
         self.step_comm: StepCommStats | None = None
         self._sent_bytes = comm.sent_bytes("reduce_scatter", self.numel, self.reduce_dtype.itemsize,
@@ -203,6 +204,7 @@ class FlatUnit:
             if self.check is not None:  # the full buffer only: shards differ by one element where numel is uneven
                 self.check.verify_site(("gather", self.index), "all_gather", [self.full], f"unit {self.index}")
             work = comm.all_gather(self.full, source, async_op=True, **self._comm)
+        work = start_timing(work, self.step_comm, "all-gather", self.index, self.full)
         if async_op:
             self._gathering = work
         else:
@@ -399,6 +401,7 @@ class FlatUnit:
             if self.step_comm is not None:
                 self.step_comm.sent_bytes += self._sent_bytes
             work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
+        work = start_timing(work, self.step_comm, "reduce-scatter", self.index, grad_full)
         self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
         if self.inflight is not None:
             self.inflight.add(self)
@@ -426,7 +429,8 @@ class FlatUnit:
         """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
         if self.replicate_group is None:
             return None
-        return comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
+        work = comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
+        return start_timing(work, self.step_comm, "all-reduce over replicas", self.index, out)
 
     @property
     def reduced(self) -> bool:
