@@ -9,16 +9,19 @@ what works for one model works for all: every strategy, mixed precision, checkpo
 evaluation, the planner.
 
 Token data is checked before a worker starts: the files (present, not empty, whole
-tokens), the largest token id in a sample of each file against the model's vocabulary,
-and the context length against the model's.
+tokens), the largest token id of each file against the model's vocabulary, and the
+context length against the model's. The built-in GPT's vocabulary comes from
+``gpt.vocab_size``, else the directory's meta.json, else nanoGPT's meta.pkl (read as
+plain data, ``data/pickle_meta.py``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -26,7 +29,8 @@ from torch.utils.data import Dataset
 from dptrain.config import ConfigError, RunConfig
 from dptrain.data.factory import user_datasets
 from dptrain.data.prepare import Recipe, prepare_command, prepared
-from dptrain.data.tokens import SPLITS, TokenFiles, TokenWindows, open_token_dir
+from dptrain.data.pickle_meta import META_PKL, pkl_vocab_size
+from dptrain.data.tokens import DTYPES, SPLITS, TokenFiles, TokenWindows, open_token_dir
 from dptrain.models.gpt import GPT
 from dptrain.models.mlp import MLPClassifier
 from dptrain.tasks.base import load_factory
@@ -48,6 +52,8 @@ class ProtocolTask:
     tokens_per_sample: int = 1
     collate_fn: Callable | None = None
     about: str = ""  # what a sample is, for messages about the data's size
+    data_files: dict[str, tuple[Path, int]] = field(default_factory=dict)  # name -> (path, bytes per token)
+    notes: list[str] = field(default_factory=list)  # for the run's first lines (e.g. where the vocabulary came from)
 
     def build_model(self) -> nn.Module:
         return self.build()
@@ -100,7 +106,8 @@ def token_task(cfg: RunConfig) -> ProtocolTask:
     """A language model on a token directory: windows of ``block_size + 1`` tokens."""
     d, t = cfg.data, cfg.train
     files = token_files(cfg)
-    build, vocab, context, block = _lm_model(cfg, files)
+    notes: list[str] = []
+    build, vocab, context, block = _lm_model(cfg, files, notes)
     if context and block > context:
         raise ConfigError(f"data.block_size {block} is longer than the model's context ({context} positions); "
                           f"use data.block_size <= {context}")
@@ -112,11 +119,15 @@ def token_task(cfg: RunConfig) -> ProtocolTask:
         raise ConfigError(f"{files.path(SPLITS[1])} has {val.num_tokens:,} tokens, fewer than one window of "
                           f"{block + 1} (block_size + 1): give more validation data or a shorter block_size")
     about = f"windows of {block} + 1 tokens from the {train.num_tokens:,} tokens of {files.path(SPLITS[0])}"
-    return ProtocolTask(run_name(cfg), train, val, build, tokens_per_sample=block, about=about)
+    itemsize = np.dtype(DTYPES[files.dtype]).itemsize
+    return ProtocolTask(run_name(cfg), train, val, build, tokens_per_sample=block, about=about,
+                        data_files={s: (files.path(s), itemsize) for s in SPLITS}, notes=notes)
 
 
-def _lm_model(cfg: RunConfig, files: TokenFiles) -> tuple[Callable[[], nn.Module], int, int, int]:
-    """(model builder, its vocabulary size, its context length, the sample length); 0 where not known."""
+def _lm_model(cfg: RunConfig, files: TokenFiles, notes: list[str]) -> tuple[Callable[[], nn.Module], int, int, int]:
+    """(model builder, its vocabulary size, its context length, the sample length); 0 where not known.
+
+    ``notes`` gets a line when the vocabulary size comes from nanoGPT's meta.pkl."""
     g, d = cfg.gpt, cfg.data
     if cfg.hf.path:
         from dptrain.models import hf
@@ -132,9 +143,14 @@ def _lm_model(cfg: RunConfig, files: TokenFiles) -> tuple[Callable[[], nn.Module
         raise ConfigError(f"token data trains a language model: task.name {cfg.task.name!r} has none; use "
                           "task.name = \"chargpt\" (the built-in GPT), hf.path or task.model")
     vocab = g.vocab_size or files.vocab_size
+    if not vocab and not files.meta:  # nanoGPT's directory: its meta.pkl, read as plain data
+        vocab = pkl_vocab_size(files.dir)
+        if vocab:
+            notes.append(f"note: vocabulary size {vocab:,} read from {files.dir / META_PKL} (nanoGPT's; plain data "
+                         "only, nothing in it run); set gpt.vocab_size to choose another")
     if not vocab:
-        raise ConfigError(f"{files.dir} has no meta.json saying its vocabulary size: set gpt.vocab_size (nanoGPT's "
-                          "GPT-2 tokens: 50304)")
+        raise ConfigError(f"{files.dir} has no meta.json (or nanoGPT meta.pkl) saying its vocabulary size: set "
+                          "gpt.vocab_size (nanoGPT's GPT-2 tokens: 50304)")
     return _builtin_gpt(cfg, vocab, block), vocab, block, block
 
 
