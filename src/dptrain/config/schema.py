@@ -60,6 +60,9 @@ class DataConfig:
     factory: str = opt("", "factory: 'package.module:make_datasets', returning the train and validation torch "
                        "Datasets (and optionally a collate function third)")
     factory_args: dict = opt({}, "factory: keyword arguments for the data factory")
+    allow_changed: bool = opt(False, "resume a checkpoint on data files that changed since it was written (token "
+                              "counts or sampled contents differ; a resumed run is otherwise refused, naming what "
+                              "changed; docs/your-data.md)")
 
 
 @dataclass
@@ -280,8 +283,8 @@ class RunConfig:
 
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
-NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "ddp", "zero",
-                "ps", "gossip", "straggler", "balance", "divergence", "checkpoint", "log"}
+NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "data.allow_changed",
+                "ddp", "zero", "ps", "gossip", "straggler", "balance", "divergence", "checkpoint", "log"}
 
 
 # Fields added after checkpoints were written: left out of the identity while they hold their

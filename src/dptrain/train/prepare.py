@@ -2,7 +2,8 @@
 
 ``prepare_run`` resolves the run directory and the batch plan, imports the model
 factory, builds the task's datasets far enough to know they fit one global batch, and
-verifies the checkpoint a resumption would start from. It raises
+verifies the checkpoint a resumption would start from (its config, and its data: the
+fingerprints of the data files it was trained on, ``data/identity.py``). It raises
 :class:`~dptrain.config.ConfigError`, :class:`~dptrain.batching.BatchSizeError` or
 :class:`~dptrain.train.checkpoint.CheckpointError` (exit code 2 from the CLI) and has no
 side effects, so ``dptrain run`` calls it before spawning workers or creating the run
@@ -24,6 +25,7 @@ from dptrain.compress.remedies import Remedies
 from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.config.loader import unused_settings
+from dptrain.data.identity import data_changes, data_identity
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.tasks import Task, architecture, build_task, run_name
@@ -48,6 +50,7 @@ class RunPlan:
     resume_from: Path | None
     resume_meta: dict[str, Any] | None
     warnings: list[str] = field(default_factory=list)  # for the launcher to print once, before launch
+    data_identity: dict[str, Any] = field(default_factory=dict)  # the data files' fingerprints, for meta.json
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
@@ -116,8 +119,33 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
                           f"Use another run_dir, or delete {latest.parent}")
-    notes = [f"warning: {line}" for line in [unused_settings(cfg)] if line]
-    return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta, notes)
+    notes = [f"warning: {line}" for line in [unused_settings(cfg)] if line] + list(getattr(task, "notes", []))
+    data = data_identity(getattr(task, "data_files", {}))
+    if meta is not None:
+        notes += check_data_identity(meta.get("data"), data, resume_from, cfg.data.allow_changed)
+    return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta, notes, data)
+
+
+def check_data_identity(before: dict | None, now: dict, checkpoint: Path, allow_changed: bool) -> list[str]:
+    """Refuse to resume ``checkpoint`` on data other than its own (:func:`~dptrain.data.identity.data_changes`).
+
+    Returns the lines to print: a note for a checkpoint that recorded no data (written
+    before checkpoints did), a warning for changed data under ``data.allow_changed``.
+    """
+    if before is None:
+        return [f"note: checkpoint {checkpoint.name} does not record its data (written by an older dptrain): the "
+                "data is not checked against it"] if now else []
+    changes = data_changes(before, now)
+    if not changes:
+        return []
+    what = "; ".join(changes)
+    if allow_changed:
+        return [f"warning: the data changed since checkpoint {checkpoint.name} ({what}); resuming on it anyway "
+                "(data.allow_changed)"]
+    raise CheckpointError(f"the data changed since checkpoint {checkpoint} was written: {what}. Resume on the data it "
+                          "was trained on, or resume on this data anyway with --set data.allow_changed=true (the "
+                          "rest of the run then differs from an uninterrupted one), or start afresh with another "
+                          "run_dir")
 
 
 def _check_ranges(cfg: RunConfig) -> None:
@@ -127,12 +155,15 @@ def _check_ranges(cfg: RunConfig) -> None:
         ("log.eval_every", cfg.log.eval_every, 0), ("log.eval_batches", cfg.log.eval_batches, 1),
         ("log.trace_start", cfg.log.trace_start, 1), ("log.trace_steps", cfg.log.trace_steps, 0),
         ("checkpoint.every", cfg.checkpoint.every, 0), ("checkpoint.keep_last", cfg.checkpoint.keep_last, 1),
-        ("train.lr", cfg.train.lr, 0.0), ("train.grad_clip", cfg.train.grad_clip, 0.0),
+        ("train.grad_clip", cfg.train.grad_clip, 0.0), ("train.weight_decay", cfg.train.weight_decay, 0.0),
+        ("train.momentum", cfg.train.momentum, 0.0),
         ("ddp.timeout_s", cfg.ddp.timeout_s, 1.0), ("ddp.roll_call_s", cfg.ddp.roll_call_s, 0.0),
     ]
     for name, value, low in checks:
         if value < low:
             raise ConfigError(f"{name} must be at least {low}, got {value}")
+    if not cfg.train.lr > 0:  # the loader refuses nan and inf already
+        raise ConfigError(f"train.lr must be a positive learning rate, got {cfg.train.lr}; e.g. --set train.lr=3e-4")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs CUDA (it relies on a loss scaler); use bf16 on CPU")
     if cfg.ddp.backend == "nccl" and not torch.cuda.is_available():
