@@ -55,6 +55,7 @@ from dptrain.zero.checkpoint import (
     load_sharded,
     local_read,
 )
+from dptrain.zero.safe_metadata import dcp_load
 
 __all__ = ["replicated_state", "set_replicated_state", "load_model_and_optimizer", "full_state",
            "check_strategy_resume", "index_keyed"]
@@ -121,7 +122,7 @@ def _load_sharded_into_replicated(path: Path, module: nn.Module, optimizer: torc
     sd = {"model": model_state, "optim": optim_state}
     try:
         with torch.no_grad(), local_read():
-            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+            dcp_load(sd, path, no_dist=True)
     except dcp.CheckpointException as e:
         raise ShardedCheckpointError(f"checkpoint {path} could not be read into this model and optimizer: {e}. "
                                      "Build the optimizer as the saved run did") from None

@@ -61,6 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from dptrain.zero.redistribute import chunk_intervals, chunk_rows, redistribute, zero_intervals
+from dptrain.zero.safe_metadata import UnsafeCheckpointError, dcp_load, read_metadata
 from dptrain.zero.unit import FlatUnit, ParamRef
 
 __all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded", "load_full_state", "consolidated_state",
@@ -238,7 +239,9 @@ def _metadata(path: Path) -> dict[str, Any]:
         raise ShardedCheckpointError(f"{path} is not a dptrain sharded checkpoint: it has no .metadata file "
                                      "(written last by a complete save)")
     try:
-        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+        return read_metadata(path).state_dict_metadata  # never plain pickle: it could run code
+    except UnsafeCheckpointError as e:
+        raise ShardedCheckpointError(str(e)) from None
     except Exception as e:  # a truncated or foreign .metadata: pickle, EOF or attribute errors
         raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
 
@@ -349,7 +352,7 @@ def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
     sd.update({f"{EXTRA}{k}": v for k, v in (extra or {}).items()})
     try:
         with torch.no_grad():
-            dcp.load(sd, checkpoint_id=str(path), process_group=model.group)
+            dcp_load(sd, path, process_group=model.group)
     except dcp.CheckpointException as e:
         raise ShardedCheckpointError(f"checkpoint {path} could not be read into this model and optimizer: {e}. "
                                      "Build the optimizer as the saved run did") from None
@@ -462,7 +465,7 @@ def consolidated_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str
         sd["shapes"] = ""
     try:
         with local_read():
-            dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+            dcp_load(sd, path, no_dist=True)
     except Exception as e:  # DCP raises CheckpointException / FileNotFoundError / RuntimeError
         raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
     if old:
