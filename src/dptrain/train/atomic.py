@@ -3,17 +3,24 @@
 ``os.replace`` within one directory is atomic on POSIX, so a reader (or a run resumed
 after a crash) sees the old file or the new one, never half of one. The temporary name
 starts with a dot, so listings of the run directory (the summary) skip it.
+
+Deleting works the same way backwards (:func:`remove_tree`): a directory is first
+renamed to a hidden trash name beside it, then removed; nobody ever sees a half-deleted
+directory under its real name, and one that was found complete stays so or is gone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["replacing", "replacing_dir", "write_text_atomic"]
+__all__ = ["replacing", "replacing_dir", "write_text_atomic", "remove_tree", "TRASH"]
+
+TRASH = ".trash"  # the infix of a directory being deleted: .<name>.trash-<pid>
 
 
 @contextlib.contextmanager
@@ -42,7 +49,7 @@ def replacing_dir(path: Path, replace: bool = False) -> Iterator[Path]:
             item.chmod(0o644)
         staging.chmod(0o755)
         if replace and path.exists():
-            shutil.rmtree(path)
+            remove_tree(path)
         staging.rename(path)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -51,3 +58,22 @@ def replacing_dir(path: Path, replace: bool = False) -> Iterator[Path]:
 def write_text_atomic(path: Path, text: str) -> None:
     with replacing(path) as tmp:
         tmp.write_text(text)
+
+
+def remove_tree(path: Path) -> bool:
+    """Rename ``path`` to ``.<name>.trash-<pid>`` beside it, then delete that; False if ``path`` was already gone.
+
+    The rename is atomic, so a concurrent reader finds the directory whole or not at
+    all; another process deleting the same tree at once is not an error (whoever
+    renames first deletes it).
+    """
+    trash = path.with_name(f".{path.name}{TRASH}-{os.getpid()}")
+    try:
+        path.rename(trash)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(trash, ignore_errors=True)
+    if trash.exists():  # not a concurrent deletion (that leaves nothing): raise what stopped it
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(trash)
+    return True

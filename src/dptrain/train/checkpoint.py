@@ -25,7 +25,8 @@ shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.train.ps_che
 ``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
 disk; a crash mid-save leaves a ``.tmp`` directory that the next run deletes, never a
 checkpoint that looks complete. Older checkpoints beyond ``keep_last`` are deleted only
-after the new one is in place.
+after the new one is in place, each renamed to a hidden trash name first, and never
+while a reader (``dptrain consolidate``) holds it ([Note: rotation and readers]).
 
 **Checked**: before resuming, the checkpoint's files are hashed against ``meta.json``
 (a truncated or edited file is caught) and its config identity (the fields that decide
@@ -42,6 +43,8 @@ across nodes.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -51,16 +54,17 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 
 from dptrain.config.loader import identity_hash as hash_identity
 from dptrain.config.loader import normalize_identity
+from dptrain.train.atomic import TRASH, remove_tree
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
-           "prune_checkpoints", "remove_partial", "rng_state", "set_rng_state"]
+           "verify_files", "prune_checkpoints", "reading", "remove_partial", "rng_state", "set_rng_state"]
 
 _NAME = re.compile(r"^step_(\d{8})$")
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
@@ -117,7 +121,7 @@ def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[
     meta = dict(meta, step=step, files=digests, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     _write_synced(tmp / "meta.json", json.dumps(meta, indent=2).encode())
     if final.exists():  # the same step saved again (e.g. a re-run that ended here): replace it
-        shutil.rmtree(final)
+        remove_tree(final)
     tmp.rename(final)
     _fsync_dir(root)
     return final
@@ -126,30 +130,7 @@ def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[
 def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
                       global_batch_size: int, layout: str = "replicated") -> dict[str, Any]:
     """``meta.json`` of the checkpoint at ``path`` once it is known to be intact and compatible."""
-    meta_path = path / "meta.json"
-    fix = (f"delete {path} to resume from an earlier checkpoint, or start afresh with another run_dir "
-           f"or --set checkpoint.resume=false")
-    try:
-        meta = json.loads(meta_path.read_text())
-        files = meta["files"]
-    except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {path} has no meta.json, so it is incomplete or not a "
-                              f"dptrain checkpoint; {fix}") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise CheckpointError(f"checkpoint {path}: meta.json is corrupt ({e}); {fix}") from None
-    required = _FILES if meta.get("format", "replicated") == "replicated" else ("trainer.pt",)
-    for name in required:
-        if name not in files:
-            raise CheckpointError(f"checkpoint {path}: meta.json lists no {name}; {fix}")
-    for name in files:
-        try:
-            digest = hashlib.sha256((path / name).read_bytes()).hexdigest()
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint {path}: {name} is missing; {fix}") from None
-        if digest != files[name]:
-            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in meta.json "
-                                  f"(sha256 {digest[:12]}..., expected {files[name][:12]}...), so it was "
-                                  f"truncated or modified; {fix}")
+    meta = verify_files(path)
     saved_layout = meta.get("format", "replicated")
     if saved_layout != layout and {saved_layout, layout} != set(_INTERCHANGEABLE):
         raise CheckpointError(
@@ -175,6 +156,38 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
     return meta
 
 
+def verify_files(path: Path, fix: str | None = None) -> dict[str, Any]:
+    """``meta.json`` of the checkpoint at ``path`` once every file it lists matches its sha256, or a
+    :class:`CheckpointError` naming what is missing, corrupt or modified and ``fix`` (what to do)."""
+    meta_path = path / "meta.json"
+    fix = fix or (f"delete {path} to resume from an earlier checkpoint, or start afresh with another run_dir "
+                  f"or --set checkpoint.resume=false")
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {path} has no meta.json, so it is incomplete or not a "
+                              f"dptrain checkpoint; {fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise CheckpointError(f"checkpoint {path}: meta.json is corrupt ({e}); {fix}") from None
+    if not isinstance(files, dict):
+        raise CheckpointError(f"checkpoint {path}: meta.json is corrupt (its files are not a mapping); {fix}")
+    required = _FILES if meta.get("format", "replicated") == "replicated" else ("trainer.pt",)
+    for name in required:
+        if name not in files:
+            raise CheckpointError(f"checkpoint {path}: meta.json lists no {name}; {fix}")
+    for name in files:
+        try:
+            digest = hashlib.sha256((path / name).read_bytes()).hexdigest()
+        except (FileNotFoundError, IsADirectoryError):
+            raise CheckpointError(f"checkpoint {path}: {name} is missing; {fix}") from None
+        if digest != files[name]:
+            raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in meta.json "
+                                  f"(sha256 {digest[:12]}..., expected {str(files[name])[:12]}...), so it was "
+                                  f"truncated or modified; {fix}")
+    return meta
+
+
 def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
     """The checkpoint's ``.pt`` files, loaded with ``weights_only`` (no code runs from a checkpoint).
 
@@ -186,21 +199,69 @@ def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest ``keep_last`` complete checkpoints; return what was deleted."""
+    """Delete all but the newest ``keep_last`` complete checkpoints; return what was deleted.
+
+    [Note: rotation and readers] A reader (``dptrain consolidate`` of a live run) holds a
+    shared ``flock`` on the checkpoint directory it reads (:func:`reading`); rotation
+    takes an exclusive one without waiting and skips a directory it cannot lock, leaving
+    it to a later rotation. What it deletes it first renames to a hidden trash name
+    (:func:`~dptrain.train.atomic.remove_tree`), so :func:`find_latest` (a resume) never
+    picks a checkpoint being deleted, and a reader finds it whole or gone, never half.
+    """
     root = checkpoint_root(run_dir)
     found = sorted(p for p in root.iterdir() if _NAME.match(p.name)) if root.is_dir() else []
     doomed = found[:-keep_last] if keep_last > 0 else []
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed
+    return [path for path in doomed if _remove_unless_read(path)]
+
+
+def _remove_unless_read(path: Path) -> bool:
+    """Delete checkpoint ``path`` unless a reader holds it (or it is gone already); whether it was deleted."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return False  # pinned by a reader: a later rotation deletes it
+    try:
+        return remove_tree(path)
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[Path]:
+    """Hold checkpoint ``path`` against rotation while the block reads it ([Note: rotation and readers]).
+
+    Raises :class:`CheckpointError` when rotation deleted it before the hold was taken.
+    """
+    gone = CheckpointError(f"checkpoint {path} was deleted (its run's rotation, checkpoint.keep_last) while it "
+                           "was being opened; give a newer checkpoint, or the run directory for its newest")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except FileNotFoundError:
+        raise gone from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # waits only while a rotation renames it away
+        try:
+            same = os.stat(path).st_ino == os.fstat(fd).st_ino
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise gone
+        yield path
+    finally:
+        os.close(fd)
 
 
 def remove_partial(run_dir: Path) -> list[Path]:
-    """Delete ``.step_*.tmp`` directories left by a save that was interrupted."""
+    """Delete ``.step_*.tmp`` directories left by a save that was interrupted, and trash a deletion left behind."""
     root = checkpoint_root(run_dir)
-    partial = [p for p in root.glob(".step_*.tmp")] if root.is_dir() else []
+    partial = [*root.glob(".step_*.tmp"), *root.glob(f".step_*{TRASH}-*")] if root.is_dir() else []
     for path in partial:
-        shutil.rmtree(path)
+        remove_tree(path)
     return partial
 
 
