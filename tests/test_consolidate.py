@@ -1,9 +1,11 @@
 """``dptrain consolidate``: one safetensors file of a checkpoint's full weights, written by one process.
 
-A zero2 checkpoint saved on 2 ranks, and a ddp one, are consolidated through the click
-command (``CliRunner``) and compared with the model's full weights gathered by the ranks
-that saved them; the model is the tiny GPT, whose tied output projection must come out
-under both its names. Paths that hold no checkpoint exit 2 with what to give instead.
+A zero2 checkpoint saved on 2 ranks, and a ddp one, each with the ``meta.json`` a run
+writes, are consolidated through the click command (``CliRunner``) and compared with the
+model's full weights gathered by the ranks that saved them; the model is the tiny GPT,
+whose tied output projection must come out under both its names. Paths that hold no
+checkpoint exit 2 with what to give instead. Damaged checkpoints and crafted metadata:
+tests/test_checkpoint_safety.py.
 """
 
 from __future__ import annotations
@@ -20,14 +22,26 @@ from safetensors.torch import load_file
 
 from dptrain.cli_checkpoint import consolidate
 from dptrain.testing import run_on_ranks
+from dptrain.train.checkpoint import save_checkpoint, staging_dir
 from dptrain.train.optim import build_optimizer, decays
 from dptrain.train.strategy_state import replicated_state
 from dptrain.zero import ZeRO
 from dptrain.zero.checkpoint import save_sharded
 
 
+META = {"identity": {}, "identity_hash": "", "global_batch_size": 4}
+
+
+def zero2_checkpoint(run_dir: Path, step: int = 2) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A run directory's checkpoint ``step`` of ZeRO-2 on 2 ranks, as dptrain run writes it; (its path, full weights)."""
+    staged = staging_dir(run_dir, step)
+    gathered = run_on_ranks(_zero2_checkpoint, 2, str(staged), timeout=60)[0]
+    return save_checkpoint(run_dir, step, {"trainer.pt": {"step": step}}, dict(META, format="sharded"),
+                           staged=True), gathered
+
+
 def _zero2_checkpoint(rank: int, world_size: int, path: str) -> dict[str, torch.Tensor]:
-    """Two AdamW steps of ZeRO-2, saved as dptrain run saves (``<step dir>/sharded``); the full weights."""
+    """Two AdamW steps of ZeRO-2, saved as dptrain run saves (``<staging dir>/sharded``); the full weights."""
     torch.manual_seed(0)
     model = ZeRO(build("gpt"), stage=2, bucket_cap_mb=0.001, split_by=decays)
     optimizer = build_optimizer(model, "adamw", 0.01, 0.1, (0.9, 0.95), 0.0)
@@ -47,8 +61,7 @@ def _consolidate(*args: str) -> tuple[int, str]:
 
 @pytest.mark.timeout(60)
 def test_a_zero2_checkpoint_of_2_ranks_becomes_the_models_full_weights(tmp_path: Path) -> None:
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000002"
-    gathered = run_on_ranks(_zero2_checkpoint, 2, str(checkpoint), timeout=60)[0]
+    checkpoint, gathered = zero2_checkpoint(tmp_path / "run")
     out = tmp_path / "out" / "model.safetensors"
     code, output = _consolidate(str(checkpoint), "-o", str(out))
     assert code == 0, output
@@ -83,10 +96,8 @@ def test_a_ddp_checkpoint_is_consolidated_too(tmp_path: Path) -> None:
     loss_fn("gpt", model(x), y).backward()
     optimizer.step()
     model_state, optim_state = replicated_state(model, optimizer)
-    checkpoint = tmp_path / "step_00000001"
-    checkpoint.mkdir()
-    torch.save(model_state, checkpoint / "model.pt")
-    torch.save(optim_state, checkpoint / "optimizer.pt")
+    checkpoint = save_checkpoint(tmp_path, 1, {"model.pt": model_state, "optimizer.pt": optim_state,
+                                               "trainer.pt": {"step": 1}}, META)
     code, output = _consolidate(str(checkpoint), "-o", str(tmp_path / "w.safetensors"), "--optimizer")
     assert code == 0, output
     weights = load_file(tmp_path / "w.safetensors")
@@ -98,7 +109,7 @@ def test_a_ddp_checkpoint_is_consolidated_too(tmp_path: Path) -> None:
 @pytest.mark.parametrize("make, message", [
     (lambda p: p / "absent", "does not exist"),
     (lambda p: p, "is not a dptrain checkpoint: it has no model.pt (ddp), no sharded/ (zero1-3)"),
-    (lambda p: (p / "sharded").mkdir() or p / "sharded", "not a dptrain sharded checkpoint: it has no .metadata"),
+    (lambda p: (p / "sharded").mkdir() or p / "sharded", "has no meta.json, so it is incomplete"),
 ])
 def test_a_path_that_is_no_checkpoint_exits_2_and_says_what_to_give(tmp_path: Path, make, message) -> None:
     code, output = _consolidate(str(make(tmp_path)), "-o", str(tmp_path / "w.safetensors"))

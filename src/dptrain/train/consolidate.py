@@ -9,6 +9,13 @@ optimizer, its per-parameter state follows under ``optim.state.<fqn>.<key>`` and
 hyperparameters of each parameter's group go into the file's metadata (JSON under
 ``optim.param_groups``), safetensors holding tensors only.
 
+The checkpoint is checked as a resume checks it before anything is read: ``meta.json``
+present and intact, every file matching its sha256
+(:func:`~dptrain.train.checkpoint.verify_files`); a truncated, partial or foreign one is
+a :class:`ConsolidateError`. It is held against the rotation of a run still writing it
+(:func:`~dptrain.train.checkpoint.reading`) while it is read, and ``sharded/.metadata``
+is read without running code (:mod:`dptrain.zero.safe_metadata`).
+
 The file is written beside its destination under a temporary name and renamed over it
 (:func:`dptrain.train.atomic.replacing`): a reader sees the old file or the new one.
 """
@@ -16,6 +23,8 @@ The file is written beside its destination under a temporary name and renamed ov
 from __future__ import annotations
 
 import json
+import pickle
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +32,7 @@ from typing import Any
 import torch
 
 from dptrain.train.atomic import replacing
-from dptrain.train.checkpoint import SHARDED, find_latest
+from dptrain.train.checkpoint import SHARDED, CheckpointError, find_latest, reading, verify_files
 from dptrain.train.strategy_state import full_state
 
 __all__ = ["ConsolidateError", "Consolidated", "find_checkpoint", "consolidate_checkpoint"]
@@ -53,8 +62,8 @@ def find_checkpoint(path: Path) -> Path:
                                "(checkpoints/step_*) or its sharded/ directory")
     if path.name == SHARDED and path.is_dir():  # the reader names what it lacks
         return path.parent
-    if (path / SHARDED).is_dir() or (path / "model.pt").is_file():
-        return path
+    if (path / SHARDED).is_dir() or (path / "model.pt").is_file() or (path / "meta.json").is_file():
+        return path  # verify_files names what a partial one lacks
     latest = find_latest(path)
     if latest is not None:
         return latest
@@ -67,11 +76,7 @@ def consolidate_checkpoint(path: Path, output: Path, optimizer: bool = False) ->
     """Write the full weights of the checkpoint ``path`` names (:func:`find_checkpoint`) to ``output``, atomically."""
     from safetensors.torch import save_file
 
-    checkpoint = find_checkpoint(path)
-    try:
-        model_state, optim_state = full_state(checkpoint, optimizer=optimizer)
-    except ValueError as e:  # ShardedCheckpointError: unreadable, or an optimizer without names
-        raise ConsolidateError(str(e)) from None
+    checkpoint, model_state, optim_state = _read_checked(path, optimizer)
     tensors = {k: v for k, v in model_state.items() if torch.is_tensor(v)}
     tensors.update({f"optim.{k}": v for k, v in optim_state.items() if k.startswith("state.") and torch.is_tensor(v)})
     metadata = {"format": "pt", "checkpoint": str(checkpoint)}
@@ -85,6 +90,33 @@ def consolidate_checkpoint(path: Path, output: Path, optimizer: bool = False) ->
     output.chmod(0o644)  # safetensors creates it owner-only
     return Consolidated(checkpoint, output, len(tensors), sum(t.numel() for t in tensors.values()),
                         output.stat().st_size)
+
+
+# What reading a damaged checkpoint raises past the checksums (a meta.json rewritten to match, say).
+_UNREADABLE = (ValueError, OSError, EOFError, RuntimeError, pickle.UnpicklingError, zipfile.BadZipFile)
+
+
+def _read_checked(path: Path, optimizer: bool) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]]:
+    """(checkpoint, model state, optimizer state) of the checkpoint ``path`` names, verified and held while read.
+
+    A run directory's newest checkpoint may be rotated away between finding and holding
+    it: then the newest is looked up again (once).
+    """
+    for attempt in range(2):
+        checkpoint = find_checkpoint(path)
+        try:
+            with reading(checkpoint):
+                verify_files(checkpoint, fix=_FIX)
+                return (checkpoint, *full_state(checkpoint, optimizer=optimizer))
+        except CheckpointError as e:
+            if attempt or checkpoint.exists() or checkpoint == Path(path):
+                raise ConsolidateError(str(e)) from None
+        except _UNREADABLE as e:  # ShardedCheckpointError (a ValueError) included
+            raise ConsolidateError(f"checkpoint {checkpoint} could not be read: {e}") from None
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+_FIX = "export an earlier checkpoint (checkpoints/step_*), or the run directory once it has saved a complete one"
 
 
 def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
