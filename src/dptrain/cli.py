@@ -69,9 +69,9 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     """
     from dptrain.config import ConfigError, load_config, to_toml
     from dptrain.data.prepare import prepare, prepare_command
-    from dptrain.launch.local import launch_local
+    from dptrain.launch.run_lock import RunDirBusy, acquire
     from dptrain.tasks.user import DataNotPrepared
-    from dptrain.train.prepare import prepare_run
+    from dptrain.train.prepare import default_run_dir, prepare_run
 
     if config_reference:
         from dptrain.config.schema import reference_markdown
@@ -79,6 +79,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
         click.echo(reference_markdown())
         return
     extra = [f"run_dir={json.dumps(str(run_dir))}"] if run_dir else []
+    lock = None  # the run directory's (launch.run_lock), held until the workers exit
     try:
         if nproc < 1:
             raise ConfigError(f"--nproc must be at least 1, got {nproc}")
@@ -91,27 +92,56 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
         if show_config:
             click.echo(to_toml(cfg), nl=False)
             return
+        target = default_run_dir(cfg).resolve()  # an existing one is locked before its checkpoints are read
+        lock = acquire(target, "dptrain run", log=_note) if target.is_dir() else None
         try:
             rp = prepare_run(cfg, nproc)
         except DataNotPrepared as e:  # text or hf data: tokenized once, here, before any worker starts
             click.echo(f"{e.recipe.out} is not prepared yet: preparing it ({prepare_command(e.recipe)})", err=True)
-            prepare(e.recipe, progress=sys.stderr.isatty(), log=lambda line: click.echo(line, err=True))
+            prepare(e.recipe, progress=sys.stderr.isatty(), log=_note)
             rp = prepare_run(cfg, nproc)
-    except _bad_input() as e:
+        lock = lock or acquire(rp.run_dir, "dptrain run", log=_note)  # a new one: once the input is known good
+    except (*_bad_input(), RunDirBusy) as e:
+        _release(lock)
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
+    except BaseException:
+        _release(lock)
+        raise
+    try:
+        code = _launch(rp, cfg, nproc, config_path, overrides, max_restarts, start_method, lock.token)
+    finally:
+        lock.release()  # the workers have exited (a test suite runs many runs in one process)
+    sys.exit(code)
+
+
+def _note(line: str) -> None:
+    click.echo(line, err=True)
+
+
+def _release(lock) -> None:
+    if lock is not None:
+        lock.release()
+
+
+def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str, ...], max_restarts: int,
+            start_method: str, lock_token: str) -> int:
+    """Start the workers, under this launcher or torchrun's agent (``--max-restarts``); their exit code."""
+    from dptrain.launch.local import launch_local
+    from dptrain.launch.run_lock import TOKEN_ENV
+
     for line in rp.warnings:  # e.g. settings this run never reads
         click.echo(line, err=True)
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
-    if max_restarts:
+    if max_restarts:  # torchrun's workers are not "local": they find this launcher's token and take no lock
         from dptrain.launch.elastic import launch_elastic
 
-        sys.exit(launch_elastic(nproc, worker_args, rp.run_dir, max_restarts))
-    sys.exit(launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
-                          start_method=start_method, roll_call_s=cfg.ddp.roll_call_s,
-                          preload=("transformers.modeling_utils",) if cfg.hf.path else ()))
+        return launch_elastic(nproc, worker_args, rp.run_dir, max_restarts, env={TOKEN_ENV: lock_token})
+    return launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
+                        start_method=start_method, roll_call_s=cfg.ddp.roll_call_s,
+                        preload=("transformers.modeling_utils",) if cfg.hf.path else ())
 
 
 def _check_fault(spec: str, nproc: int) -> None:

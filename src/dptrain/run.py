@@ -6,8 +6,10 @@
 rank, world size and rendezvous come from their environment (``launch.rendezvous``).
 
 Exit codes: 0 done; 2 bad input (config, batch sizes, model factory, checkpoint), raised
-before anything is written; 130 interrupted; 1 anything else, with the traceback in
-``logs/rank<r>.error.json`` for the launcher to show (and torchrun's error file).
+before anything is written, or a run directory another run holds (rank 0 takes its lock,
+``launch.run_lock``, unless ``dptrain run``'s launcher holds it); 130 interrupted; 1
+anything else, with the traceback in ``logs/rank<r>.error.json`` for the launcher to
+show (and torchrun's error file).
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ import sys
 import traceback
 
 import torch
+import torch.distributed as dist
 
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
 from dptrain.config import ConfigError, load_config
 from dptrain.launch.local import error_summary, threads_per_worker, write_error_record
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
+from dptrain.launch.run_lock import RunDirBusy, RunLock, acquire
 from dptrain.train.checkpoint import CheckpointError
 from dptrain.train.prepare import default_run_dir, prepare_run
 
@@ -63,14 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads_per_worker(env.local_world_size))
     if not torch.cuda.is_available():
         tune_cpu_allocator()
+    lock = None
     try:
         device = init_distributed(env, rp.cfg.ddp.backend, rp.cfg.ddp.timeout_s)
+        lock = None if local else _lock_run_dir(env, rp.run_dir)  # `dptrain run` holds it for its workers
         from dptrain.train.loop import train  # after init: keeps `--help` and bad-input paths fast
 
         train(rp, env, device)
         return 0
     except KeyboardInterrupt:
         return 130
+    except RunDirBusy as e:
+        if env.rank == 0:  # the others exit 2 too, silently: one message
+            print(f"error: {e}", file=sys.stderr)
+        return 2
     except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -81,7 +91,32 @@ def main(argv: list[str] | None = None) -> int:
             print(text, file=sys.stderr)
         return 1
     finally:
+        if lock is not None:
+            lock.release()
         leave_process_groups()
+
+
+def _lock_run_dir(env, run_dir) -> RunLock | None:
+    """Under torchrun or Slurm: rank 0 takes the run directory's lock for the job (``launch.run_lock``).
+
+    Every rank learns the outcome (one broadcast), so a second job on a run directory
+    in use exits 2 on every rank at once instead of hanging in its first collective.
+    Under ``dptrain run --max-restarts`` the launcher holds the lock and exports its
+    token, which :func:`acquire` recognises as its own.
+    """
+    lock, message = None, ""
+    if env.rank == 0:
+        try:
+            lock = acquire(run_dir, "python -m dptrain.run (rank 0)")
+        except RunDirBusy as e:
+            message = str(e)
+    if env.world_size > 1:
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        message = box[0]
+    if message:
+        raise RunDirBusy(message)
+    return lock
 
 
 if __name__ == "__main__":

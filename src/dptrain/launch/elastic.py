@@ -16,6 +16,12 @@ gives each round's process group a store of its own: 6 of 6 trials restarted wit
 of 6 without (``docs/repro/restart_store_trials.sh``). It is set unless the environment
 already sets it.
 
+The run directory's lock (:mod:`dptrain.launch.run_lock`) is held by ``dptrain run``'s
+process for the whole job, every restart included: torchrun's agent and its workers run
+under it. The workers are not "local" (they report their own errors), so rank 0 would
+take the lock itself; the launcher passes its token in ``env`` (``DPTRAIN_RUN_LOCK``),
+by which rank 0 knows the lock for its own launcher's.
+
 ``dptrain launch --nnodes N`` (or inside a Slurm job of several nodes) hands its job to
 torchrun the same way, with a c10d rendezvous (:class:`Nodes`): torchrun's agent is the
 multi-node launcher; dptrain brings none of its own.
