@@ -6,6 +6,7 @@ Each imports the planner inside its body, so ``dptrain --help`` stays free of to
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import click
 
 from dptrain.cli_input import bad_input, int_list
 
-__all__ = ["plan", "simulate", "explore"]
+__all__ = ["plan", "simulate", "explore", "check_params"]
 
 
 @click.command()
@@ -60,13 +61,12 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
         unknown = [v for v in value if v not in allowed]
         if unknown or not value:
             raise click.BadParameter(f"{what}: unknown {unknown or value}; choose from {', '.join(allowed)}")
-    if device_memory is not None and device_memory <= 0:
+    if device_memory is not None and not (math.isfinite(device_memory) and device_memory > 0):
         raise click.BadParameter(f"--device-memory must be positive GiB, got {device_memory}")
     notes: list[str] = []
     try:
         if params is not None:
-            if params < 1:
-                raise click.BadParameter(f"--params must be a positive count, got {params:g}")
+            check_params(params)
             model = flat_model(int(params))
             rows = [plan_row(model, Setup(s, n, p), None, layered=False) for n in sizes for p in precs for s in chosen]
             notes.append("a bare parameter count: activations and communication buffers are not estimated (they "
@@ -92,6 +92,16 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
         click.echo(f"JSON: {to_json(rows, json_path, {'notes': notes})}")
     if plot_path is not None:
         click.echo(f"plot: {plot_rows(rows, plot_path)}")
+
+
+MAX_PARAMS = 1e15  # a thousand times the largest dense models trained; beyond, a typo (1e30) or a unit slip
+
+
+def check_params(params: float) -> None:
+    """``--params``: a whole, finite count in [1, MAX_PARAMS], or a usage error (exit 2) saying what to give."""
+    if not (math.isfinite(params) and 1 <= params <= MAX_PARAMS and params == int(params)):
+        raise click.BadParameter(f"--params must be a whole parameter count from 1 to {MAX_PARAMS:.0e}, got "
+                                 f"{params:g}; e.g. --params 7e9 for a 7B model")
 
 
 @click.command()

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import sys
 import typing
 from pathlib import Path
@@ -37,20 +38,37 @@ class ConfigError(ValueError):
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
     """The config in ``path`` (defaults if None) with ``overrides`` ("a.b=value") applied."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))  # TOML is UTF-8
-        except FileNotFoundError:
-            raise ConfigError(f"config file {path} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    data = _read_toml(Path(path)) if path is not None else {}
     config = build(RunConfig, data, "", str(path) if path is not None else "the defaults")
     for text in overrides:  # one at a time, so an error names the override that caused it
         key, value = parse_override(text)
         _set_dotted(data, key, value, f"--set {text}")
         config = build(RunConfig, data, "", f"--set {text}")
     return config
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The TOML file at ``path``; a ConfigError naming the file and the fix for a missing, unreadable or bad one."""
+    if path.is_dir():
+        tomls = sorted(p.name for p in path.glob("*.toml"))[:3]
+        raise ConfigError(f"config file {path} is a directory; --config takes a TOML file"
+                          + (f", e.g. {path / tomls[0]} (it holds {', '.join(tomls)})" if tomls else ""))
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except OSError as e:
+        raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    try:
+        text = raw.decode("utf-8")  # TOML is UTF-8
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"config file {path} is not UTF-8 text (line {line}, byte {e.start:,}: "
+                          f"{raw[e.start:e.start + 1]!r}); TOML files are UTF-8: save it as UTF-8") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{path} is not valid TOML: {e}") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -112,6 +130,8 @@ def _check_value(dotted: str, value: Any, kind: Any, choices: tuple | None, sour
     if not ok:
         expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
         raise ConfigError(f"{dotted!r} in {source} must be {expected}, got {value!r} ({type(value).__name__})")
+    if base is float and not math.isfinite(value):
+        raise ConfigError(f"{dotted!r} in {source} must be a finite number, got {value!r}")
     if choices is not None and value not in choices:
         raise ConfigError(f"{dotted!r} in {source} must be one of {', '.join(map(str, choices))}; got {value!r}"
                           f"{_closest(str(value), [str(c) for c in choices])}")
