@@ -10,7 +10,8 @@ trained on stale tokens.
 Sources:
 
 - ``text``: files, directories (their files, recursively, in sorted order) or globs; each
-  file is one document;
+  file is one document. Hidden files and directories (``.git/``, ``.venv/``, ``.DS_Store``)
+  are skipped, and the output lists what was skipped;
 - ``hf``: local data files read by Hugging Face ``datasets`` (json/jsonl, parquet, csv,
   arrow; the ``hf`` extra); each row's ``text_column`` is one document.
 
@@ -38,7 +39,7 @@ import numpy as np
 
 from dptrain.config import ConfigError
 from dptrain.data.tokenize import Tokenizer, describe_tokenizer, load_tokenizer
-from dptrain.data.tokens import DTYPES, META, SPLITS, TokenFiles, open_token_dir, read_meta
+from dptrain.data.tokens import DTYPES, META, SPLITS, TokenFiles, open_token_dir, read_meta, scan_max_id
 from dptrain.extras import require
 from dptrain.train.atomic import replacing_dir
 
@@ -66,10 +67,11 @@ class Recipe:
         return cls(data.source, inputs, Path(out), data.tokenizer, tuple(data.val_files), data.val_fraction,
                    data.text_column)
 
-    def files(self) -> tuple[list[Path], list[Path]]:
-        """(training files, validation files) the patterns name, checked (``expand_inputs``)."""
-        return (expand_inputs(self.source, self.inputs, _key(self.source)),
-                expand_inputs(self.source, self.val_inputs, "data.val_files"))
+    def files(self, skipped: dict[str, int] | None = None) -> tuple[list[Path], list[Path]]:
+        """(training files, validation files) the patterns name, checked (``expand_inputs``); ``skipped``
+        collects the hidden entries left out of directories."""
+        return (expand_inputs(self.source, self.inputs, _key(self.source), skipped),
+                expand_inputs(self.source, self.val_inputs, "data.val_files", skipped))
 
     def fingerprint(self, files: tuple[list[Path], list[Path]] | None = None) -> dict:
         """What must match for an existing directory to count as this recipe's (stored in meta.json).
@@ -113,12 +115,14 @@ def default_dir(inputs: tuple[str, ...]) -> str:
     return str(Path("data") / (first.stem or first.resolve().name or "text"))
 
 
-def expand_inputs(source: str, patterns: tuple[str, ...] | list[str], key: str) -> list[Path]:
+def expand_inputs(source: str, patterns: tuple[str, ...] | list[str], key: str,
+                  skipped: dict[str, int] | None = None) -> list[Path]:
     """The files ``patterns`` name: files as given, directories' files recursively (sorted), globs' matches (sorted).
 
     Empty files a directory or glob matches are skipped (an empty ``__init__.py`` is
-    normal); a ConfigError for a file named on its own that is empty, and for a pattern
-    that names no file or only empty ones.
+    normal), and so are a directory's hidden files and directories (``skipped`` counts
+    them: ``{".git/": 25}``; a glob skips hidden names itself); a ConfigError for a file
+    named on its own that is empty, and for a pattern that names no file or only empty ones.
     """
     out: list[Path] = []
     for pattern in patterns:
@@ -127,7 +131,7 @@ def expand_inputs(source: str, patterns: tuple[str, ...] | list[str], key: str) 
             found = sorted(Path(m) for m in glob.glob(str(pattern), recursive=True) if Path(m).is_file())
             what = f"{pattern!r} matches"
         elif path.is_dir():
-            found = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith("."))
+            found = visible_files(path, {} if skipped is None else skipped)
             what = f"the directory {path} holds"
         elif path.is_file():
             if path.stat().st_size == 0:
@@ -144,6 +148,34 @@ def expand_inputs(source: str, patterns: tuple[str, ...] | list[str], key: str) 
             raise ConfigError(f"{key}: {path} is not a format Hugging Face datasets reads here; use "
                               f"{', '.join(HF_FORMATS)} files")
     return out
+
+
+def visible_files(root: Path, skipped: dict[str, int]) -> list[Path]:
+    """The files under ``root``, sorted, without hidden files or directories; ``skipped`` counts what was left out,
+    by hidden directory (``"repo/.git/": files under it``) or hidden file (``"repo/.gitignore": 1``)."""
+    found = []
+    for top, dirs, names in os.walk(root):
+        for d in [d for d in dirs if d.startswith(".")]:
+            dirs.remove(d)  # not descended into: its files are counted, never read as text
+            skipped[str(Path(top) / d) + os.sep] = sum(len(f) for _, _, f in os.walk(Path(top) / d))
+        for name in names:
+            if name.startswith("."):
+                skipped[str(Path(top) / name)] = 1
+            elif (Path(top) / name).is_file():
+                found.append(Path(top) / name)
+    return sorted(found)
+
+
+def skipped_line(skipped: dict[str, int], shown: int = 8) -> str | None:
+    """One line listing the hidden entries left out (the ``shown`` largest, then a count); None if none."""
+    if not skipped:
+        return None
+    items = sorted(skipped.items(), key=lambda kv: (-kv[1], kv[0]))
+    parts = [f"{name} ({n:,} file{'s' if n != 1 else ''})" if name.endswith(os.sep) else name
+             for name, n in items[:shown]]
+    more = f" and {len(items) - shown:,} more" if len(items) > shown else ""
+    return (f"skipped {sum(skipped.values()):,} hidden file(s): {', '.join(parts)}{more} (hidden files and "
+            "directories are never read as text; name a hidden file on its own to include it)")
 
 
 def prepared(recipe: Recipe) -> TokenFiles | None:
@@ -194,7 +226,8 @@ def prepare(recipe: Recipe, progress: bool = True, log: Callable[[str], None] = 
         raise ConfigError(f"{_key(recipe.source)} is empty: give the text files (or data files) to prepare")
     if not recipe.val_inputs and not 0.0 < recipe.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction must be in (0, 1), got {recipe.val_fraction}")
-    train_files, val_files = recipe.files()  # checks that every input exists and is not empty
+    skipped: dict[str, int] = {}
+    train_files, val_files = recipe.files(skipped)  # checks that every input exists and is not empty
     fingerprint = recipe.fingerprint((train_files, val_files))
     tokenizer = load_tokenizer(recipe.tokenizer)
     dtype = "uint16" if tokenizer.vocab_size <= 1 << 16 else "uint32"
@@ -209,11 +242,16 @@ def prepare(recipe: Recipe, progress: bool = True, log: Callable[[str], None] = 
             raise ConfigError(f"the inputs give {train:,} train and {val:,} validation tokens; both need some "
                               "(more text, or another val_fraction or val_files)")
         meta = {"dtype": dtype, "vocab_size": tokenizer.vocab_size, "separator": tokenizer.separator,
-                "train_tokens": train, "val_tokens": val, "recipe": fingerprint, "prepared_by": "dptrain prepare-data"}
+                "train_tokens": train, "val_tokens": val,
+                "max_token_id": {split: scan_max_id(staging / split, dtype) for split in SPLITS},
+                "recipe": fingerprint, "prepared_by": "dptrain prepare-data"}
         (staging / META).write_text(json.dumps(meta, indent=2))
     written = sum(f.stat().st_size for f in recipe.out.iterdir())
     report = PrepareReport(open_token_dir(recipe.out), train, val, tokenizer.vocab_size, written,
                            time.perf_counter() - t0)
+    line = skipped_line(skipped)
+    if line:
+        log(line)
     log(f"prepared: {report.summary()}")
     return report
 
