@@ -130,7 +130,7 @@ class TokenFiles:
 
 def scan_max_id(path: Path, dtype: str, chunk: int = 1 << 24) -> int:
     """The largest token id in a token file: numpy's max over the memory-mapped file, ``chunk`` tokens at a time
-    (about 1 s per GB from the page cache; no copy of the file in memory)."""
+    (no copy of the file in memory; its cost is measured in docs/your-data.md)."""
     data = np.memmap(path, dtype=DTYPES[dtype], mode="r")
     return max((int(data[i:i + chunk].max()) for i in range(0, len(data), chunk)), default=0)
 
