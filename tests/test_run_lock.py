@@ -148,3 +148,13 @@ def test_rank_0_under_torchrun_takes_the_lock_unless_its_launcher_holds_it(tmp_p
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_a_refused_run_leaves_the_lock_file_as_it_found_it(tmp_path: Path) -> None:
+    lock_file = tmp_path / LOCK_NAME
+    acquire(tmp_path, "bad input").release(undo=True)
+    assert not lock_file.exists()  # created, then removed: nothing written
+    lock_file.write_text("")
+    os.utime(lock_file, ns=(1_000_000_000, 2_000_000_000))
+    acquire(tmp_path, "bad input").release(undo=True)
+    assert lock_file.read_text() == "" and lock_file.stat().st_mtime_ns == 2_000_000_000

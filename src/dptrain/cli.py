@@ -102,11 +102,11 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             rp = prepare_run(cfg, nproc)
         lock = lock or acquire(rp.run_dir, "dptrain run", log=_note)  # a new one: once the input is known good
     except (*_bad_input(), RunDirBusy) as e:
-        _release(lock)
+        _release(lock, undo=True)  # nothing written: the lock file as it was
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
     except BaseException:
-        _release(lock)
+        _release(lock, undo=True)
         raise
     try:
         code = _launch(rp, cfg, nproc, config_path, overrides, max_restarts, start_method, lock.token)
@@ -119,9 +119,9 @@ def _note(line: str) -> None:
     click.echo(line, err=True)
 
 
-def _release(lock) -> None:
+def _release(lock, undo: bool) -> None:
     if lock is not None:
-        lock.release()
+        lock.release(undo)
 
 
 def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str, ...], max_restarts: int,

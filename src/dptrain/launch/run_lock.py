@@ -71,17 +71,30 @@ class RunLock:
     path: Path
     holder: Holder
     fd: int | None
+    before: tuple[bytes, os.stat_result] | None = None  # the file as it was, None if this created it
 
     @property
     def token(self) -> str:
         return self.holder.token
 
-    def release(self) -> None:
-        """Empty the file (a clean release, not a crash), then drop the lock."""
+    def release(self, undo: bool = False) -> None:
+        """Empty the file (a clean release, not a crash), then drop the lock.
+
+        ``undo``: the run never started (bad input), so leave the file as it was found:
+        its bytes and times put back, or removed if this created it. (A process that
+        opened it in the instant before the removal could then lock a file no longer
+        there; the window is a few microseconds, and only on a refusal.)
+        """
         if self.fd is None:
             return
         with contextlib.suppress(OSError):
-            os.ftruncate(self.fd, 0)
+            if undo and self.before is None:
+                self.path.unlink()
+            elif undo:
+                _write_bytes(self.fd, self.before[0])
+                os.utime(self.fd, ns=(self.before[1].st_atime_ns, self.before[1].st_mtime_ns))
+            else:
+                os.ftruncate(self.fd, 0)
         os.close(self.fd)  # closing drops the flock
         self.fd = None
 
@@ -97,6 +110,7 @@ def acquire(run_dir: Path, what: str, log: Callable[[str], None] = lambda line: 
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_NAME
+    existed = path.exists()
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         state = _try_flock(fd)
@@ -107,9 +121,10 @@ def acquire(run_dir: Path, what: str, log: Callable[[str], None] = lambda line: 
                 return RunLock(path, previous, None)  # our own launcher's
             raise RunDirBusy(_busy_message(run_dir, previous))
         _check_stale(run_dir, previous, log, flock_works=state == "taken")
+        before = (_read_bytes(fd), os.fstat(fd)) if existed else None
         holder = Holder(os.getpid(), socket.gethostname(), time.strftime("%Y-%m-%dT%H:%M:%S%z"), what)
-        _write_holder(fd, holder)
-        return RunLock(path, holder, fd)
+        _write_bytes(fd, (json.dumps(asdict(holder)) + "\n").encode())
+        return RunLock(path, holder, fd, before)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -142,19 +157,22 @@ def _try_flock(fd: int) -> str:
 
 def _read_holder(fd: int) -> Holder | None:
     """The holder the file names, or None when it is empty (released cleanly) or unreadable."""
-    os.lseek(fd, 0, os.SEEK_SET)
-    data = os.read(fd, 1 << 16)
     try:
-        fields = json.loads(data)
+        fields = json.loads(_read_bytes(fd))
         return Holder(int(fields["pid"]), str(fields["host"]), str(fields["started"]), str(fields["command"]))
     except (ValueError, KeyError, TypeError):
         return None
 
 
-def _write_holder(fd: int, holder: Holder) -> None:
+def _read_bytes(fd: int) -> bytes:
+    os.lseek(fd, 0, os.SEEK_SET)
+    return os.read(fd, 1 << 16)
+
+
+def _write_bytes(fd: int, data: bytes) -> None:
     os.ftruncate(fd, 0)
     os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, (json.dumps(asdict(holder)) + "\n").encode())
+    os.write(fd, data)
     os.fsync(fd)
 
 
