@@ -12,7 +12,10 @@ from _browser import open_page
 from _cli import dptrain, tiny_gpt_config
 
 from dptrain.config import load_config
-from dptrain.pages.run_report import main, try_write_run_report
+from plotly.offline import get_plotlyjs_version
+
+from dptrain.pages.html import plotly_js
+from dptrain.pages.run_report import figures, main, render, try_write_run_report, write_run_report
 from dptrain.pages.run_report_data import report_data
 from dptrain.planner.from_config import plan_config
 from dptrain.train.plots import read_metrics
@@ -160,10 +163,81 @@ def test_the_entry_point_names_its_usage_and_refuses_a_directory_that_is_no_run(
 
 def test_a_report_that_cannot_be_written_is_one_warning(tmp_path):
     lines = []
-    assert try_write_run_report(tmp_path / "gone", None, None, lines.append) is None
+    assert try_write_run_report(tmp_path / "gone", None, load_config(), lines.append) is None
     assert len(lines) == 1 and lines[0].startswith("warning: report.html not written: FileNotFoundError")
 
 
 def _section(page: str, key: str) -> str:
     start = page.index(f'<section class="panel" id="{key}">')
     return page[start:page.index("</section>", start)]
+
+
+def _long_run_data(steps: int) -> dict[str, dict]:
+    """report_data's sections for a run logged every 10 steps up to ``steps``, with only the series drawn."""
+    step = list(range(10, steps + 1, 10))
+    ones = [1.0] * len(step)
+    series = {"step": step, "loss": ones, "lr": ones, "eval_step": [], "val_loss": [], "rate_key": "samples_per_s",
+              "rate": ones, "compute_ms": ones, "exposed_comm_ms": ones, "other_ms": ones}
+    return {"summary": {"why": "no summary"}, "series": {"data": series}, "memory": {"why": "no plan"},
+            "timeline": {"why": "no trace"}}
+
+
+def test_step_axes_leave_the_ticks_to_plotly_over_many_steps(tmp_path):
+    """A 60-step run logged every 10 steps: not a tick per step (18, 19, ... 62), but plotly's few."""
+    data = _long_run_data(60)
+    for key, fig in figures(data, log_loss=False).items():
+        assert all("dtick" not in axis and "tickvals" not in axis
+                   for name, axis in fig["layout"].items() if name.startswith("xaxis")), key
+    few = figures(_long_run_data(10) | {"series": {"data": {**_long_run_data(60)["series"]["data"],
+                                                             "step": [1, 4, 8]}}}, log_loss=False)
+    assert few["fig-loss"]["layout"]["xaxis"]["dtick"] == 1  # over a few steps: whole steps only
+    page = tmp_path / "report.html"
+    page.write_text(render(data, ("long run", "60 steps")))
+    with open_page(page) as (browser_page, console):
+        browser_page.wait_for_selector("#fig-loss .main-svg")
+        ticks = browser_page.locator("#fig-loss .x2tick text").all_inner_texts()  # the shared bottom axis
+        assert 2 <= len(ticks) <= 12, ticks
+        assert console.problems() == []
+
+
+def _report_with(run_dir: Path, folder: Path, mode: str) -> Path:
+    """A copy of the run in ``folder`` with its report written again under ``log.report_js = mode``."""
+    copy = folder / "run"
+    shutil.copytree(run_dir, copy)
+    cfg = load_config(copy / "config.toml")
+    cfg.log.report_js = mode
+    return write_run_report(copy, _summary(copy), cfg)
+
+
+def test_report_js_inline_cdn_and_shared(run_dir, tmp_path):
+    inline = (run_dir / "report.html").stat().st_size
+    assert inline > 3 * 2**20  # plotly.js inline: opens offline (test_report_renders_offline_and_responds)
+
+    cdn = _report_with(run_dir, tmp_path / "cdn", "cdn")
+    text = cdn.read_text()
+    version = get_plotlyjs_version()
+    assert f'<script src="https://cdn.plot.ly/plotly-{version}.min.js"' in text
+    assert cdn.stat().st_size < 2**20 and not list((tmp_path / "cdn").glob("*.js"))
+
+    shared = _report_with(run_dir, tmp_path / "shared", "shared")
+    js = tmp_path / "shared" / f"plotly-{version}.min.js"
+    assert js.read_text() == plotly_js() and shared.stat().st_size < 2**20
+    assert f'<script src="../plotly-{version}.min.js"' in shared.read_text()
+    js.write_text(js.read_text() + "\n// the copy written first")  # a second report keeps the folder's copy
+    second = tmp_path / "shared" / "second"
+    shutil.copytree(run_dir, second)
+    cfg = load_config(second / "config.toml")
+    cfg.log.report_js = "shared"
+    write_run_report(second, _summary(second), cfg)
+    assert js.read_text().endswith("// the copy written first")
+    with open_page(shared) as (page, console):  # the relative copy loads from disk: the plots are drawn
+        page.wait_for_selector("#fig-timeline .main-svg")
+        assert page.locator("#fig-loss .main-svg").count() > 0
+        assert console.problems() == []
+
+
+def test_report_js_is_checked_with_a_did_you_mean(tmp_path):
+    from dptrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"'log.report_js'.*must be one of inline, cdn, shared; got 'shard'.*shared"):
+        load_config(None, ["log.report_js=shard"])

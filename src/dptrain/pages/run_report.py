@@ -20,7 +20,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
-from dptrain.pages.html import asset, document, json_script, write_page
+from dptrain.pages.html import asset, document, json_script, plotly_script, write_page
 from dptrain.pages.run_report_data import MiB, loss_spans_decades, report_data
 
 __all__ = ["write_run_report", "try_write_run_report", "render", "figures", "main"]
@@ -28,6 +28,8 @@ __all__ = ["write_run_report", "try_write_run_report", "render", "figures", "mai
 # the colours of timeline.png (matplotlib's tab10), so the PNG and the page read alike
 SPAN_COLORS = {"forward": "#1f77b4", "backward": "#2ca02c", "backward (no sync)": "#bcbd22",
                "wait for gradients": "#d62728", "optimizer": "#ff7f0e", "all-reduce (bucket)": "#9467bd",
+               "all-gather (unit)": "#17becf", "reduce-scatter (unit)": "#9467bd",
+               "all-reduce over replicas (unit)": "#e377c2", "wait for a collective": "#d62728",
                "push gradient, wait for parameters": "#d62728"}
 PLAN_PARTS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimizer", "optimizer state"),
               ("buffers", "module buffers"), ("activations", "activations (one micro-batch)"),
@@ -38,10 +40,13 @@ def write_run_report(run_dir: Path, summary: dict | None, cfg) -> Path:
     """Write ``run_dir/report.html`` whole or not at all; return its path.
 
     ``summary``: what :func:`dptrain.train.report.summarize` returned (None: the run has not
-    finished); ``cfg``: the run's resolved config, which the planner plans.
+    finished); ``cfg``: the run's resolved config, which the planner plans, and whose
+    ``log.report_js`` says where the page gets plotly.js (:func:`dptrain.pages.html.plotly_script`).
     """
     run_dir = Path(run_dir)
-    return write_page(run_dir / "report.html", render(report_data(run_dir, summary, cfg), _title(run_dir, summary)))
+    data = report_data(run_dir, summary, cfg)
+    tag = plotly_script(cfg.log.report_js, run_dir)
+    return write_page(run_dir / "report.html", render(data, _title(run_dir, summary), plotly_tag=tag))
 
 
 def try_write_run_report(run_dir: Path, summary: dict | None, cfg, log: Callable[[str], None]) -> Path | None:
@@ -64,8 +69,11 @@ def _title(run_dir: Path, summary: dict | None) -> tuple[str, str]:
             f"{summary['task']} on {summary['world_size']} x {summary['device']}, {summary['steps']} steps")
 
 
-def render(data: dict[str, dict], title: tuple[str, str]) -> str:
-    """The page for :func:`~dptrain.pages.run_report_data.report_data`'s sections; ``title``: heading, subheading."""
+def render(data: dict[str, dict], title: tuple[str, str], plotly_tag: str | None = None) -> str:
+    """The page for :func:`~dptrain.pages.run_report_data.report_data`'s sections; ``title``: heading, subheading.
+
+    ``plotly_tag``: how the page loads plotly.js (:func:`dptrain.pages.html.plotly_script`; default inline).
+    """
     series = data["series"].get("data")
     log_default = series is not None and loss_spans_decades(series["loss"] + series["val_loss"])
     body = "\n".join([
@@ -81,7 +89,7 @@ def render(data: dict[str, dict], title: tuple[str, str]) -> str:
         "</main>",
         json_script("report-figures", figures(data, log_default)),
     ])
-    return document(title[0], body, styles=asset("report.css"), scripts=(asset("report.js"),))
+    return document(title[0], body, styles=asset("report.css"), scripts=(asset("report.js"),), plotly_tag=plotly_tag)
 
 
 def _panel(key: str, heading: str, section: dict, content: Callable[[Any], str]) -> str:
@@ -154,8 +162,8 @@ def _two_rows(heights: tuple[float, float], steps: list[int]):
     fig.update_layout(template="plotly_white", height=480, margin=dict(l=70, r=20, t=30, b=50),
                       hovermode="x unified", legend=dict(orientation="h", y=1.08, x=0, traceorder="normal"))
     fig.update_xaxes(title_text="optimizer step", row=2, col=1)
-    if len(steps) <= 12:  # a tick per step: plotly would label half steps too
-        fig.update_xaxes(dtick=1)
+    if steps and max(steps) - min(steps) <= 12:  # a tick per step: plotly would label half steps too
+        fig.update_xaxes(dtick=1)                    # (over more steps it chooses a few whole ones itself)
     return fig
 
 

@@ -132,7 +132,14 @@ def timeline_spans(trace_path: Path) -> dict[str, list]:
 
 
 def _kind(event: dict) -> str:
-    return "all-reduce (bucket)" if event["name"].startswith("all-reduce bucket") else event["name"]
+    """The legend entry of a span: a bucket's or a ZeRO unit's collective by its kind, a wait for one as one kind."""
+    name = event["name"]
+    if name.startswith("all-reduce bucket"):
+        return "all-reduce (bucket)"
+    if name.startswith("wait for ") and name != "wait for gradients":
+        return "wait for a collective"
+    collective, _, unit = name.rpartition(" unit ")
+    return f"{collective} (unit)" if collective and unit.isdigit() else name
 
 
 def _detail(args: dict) -> str:
