@@ -249,6 +249,10 @@ class LogConfig:
     progress: str = opt("auto", "progress bar (bar), log lines (lines), or bar when a terminal (auto)",
                         choices=("auto", "bar", "lines"))
     plots: bool = opt(True, "write loss and throughput plots (PNG) and report.html (interactive) at the end")
+    report_js: str = opt("inline", "where report.html gets plotly.js: inline (in the page, about 4.6 MB, opens "
+                         "offline), cdn (a script tag to cdn.plot.ly at the version dptrain's plotly ships; needs a "
+                         "network), shared (one copy in the run directory's parent folder, written once, referred "
+                         "to relatively: move the folder whole)", choices=("inline", "cdn", "shared"))
     backends: list = opt(["jsonl"], "where rank 0's metrics records go, a list of: jsonl (metrics.jsonl, always "
                          "listed: the summary, plots and resumption read it), tensorboard (the run directory's "
                          "tensorboard/), csv (its metrics.csv), wandb (an offline W&B run in its wandb/, uploaded "
