@@ -1,0 +1,43 @@
+"""The strategy registry: each entry's facts hold for the wrapper it builds, and unknown names get a did-you-mean."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain.strategies import REGISTRY, get_strategy, strategy_names
+from dptrain.testing import run_on_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_unknown_name_suggests_the_closest():
+    with pytest.raises(ValueError, match=r"'zer3' \(did you mean 'zero3'\?\)"):
+        get_strategy("zer3")
+    with pytest.raises(ValueError, match="choose one of ddp, zero1"):
+        get_strategy("gossip", among=strategy_names(lambda s: s.zero_stage is not None))
+
+
+def test_the_planner_strategies_are_the_replicated_and_zero_ones():
+    assert strategy_names(lambda s: s.zero_stage is not None) == ("ddp", "zero1", "zero2", "zero3")
+    assert [REGISTRY[n].zero_stage for n in ("ddp", "zero1", "zero2", "zero3")] == [0, 1, 2, 3]
+
+
+def _wrap_each(rank, world_size, names):
+    facts = {}
+    for name in names:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+        before = {id(p) for p in model.parameters()}
+        wrapped = REGISTRY[name].wrap(model)
+        wrapped(torch.randn(4, 8)).sum().backward()
+        after = {id(p) for p in wrapped.parameters()}
+        facts[name] = after != before  # the wrapper replaced the parameters by shards
+    return facts
+
+
+def test_shards_parameters_is_what_each_wrapper_does():
+    names = strategy_names(lambda s: s.wrap is not None)
+    replaced = run_on_ranks(_wrap_each, 2, names)[0]
+    assert replaced == {n: REGISTRY[n].shards_parameters for n in names}
