@@ -223,6 +223,27 @@ def test_page_loads_offline_answers_its_controls_and_draws(page, tmp_path) -> No
     assert (target / "explore.png").stat().st_size > 10_000
 
 
+@pytest.mark.timeout(120)
+def test_memory_bars_say_where_hsdp_does_not_apply(page) -> None:
+    """HSDP (ZeRO-3 over hosts of 8) has no bar at DP 8: the chart says why in its place; at DP 16 it is drawn."""
+    pg, console = page
+    hsdp = "document.getElementById('mem-bars').data.map((t) => t.y[t.x.indexOf('HSDP')])"
+    notes = "document.getElementById('mem-bars').layout.annotations.map((a) => a.text)"
+    for index, dp, drawn in ((3, "8", False), (4, "16", True)):
+        pg.fill("#mem-dp", str(index))
+        pg.dispatch_event("#mem-dp", "input")
+        assert pg.text_content("#mem-dp-out") == dp
+        heights = _js(pg, hsdp)
+        why = [t for t in _js(pg, notes) if "HSDP needs" in t]
+        if drawn:
+            assert why == [] and all(h is not None for h in heights) and sum(heights) > 0
+        else:
+            assert why == ["HSDP needs DP ≥ 16<br>(2 hosts of 8)"] and all(h is None for h in heights)
+            drawn_text = " ".join(pg.locator("#mem-bars .annotation").all_text_contents())
+            assert "HSDP needs DP ≥ 16" in drawn_text  # drawn, not only in the layout
+    assert console.problems() == []
+
+
 def test_explore_command_writes_the_page_and_refuses_unknown_models(tmp_path) -> None:
     out = tmp_path / "page.html"
     r = dptrain("explore", "--models", "config", "--micro-batches", "1", "-o", str(out), cwd=tmp_path)

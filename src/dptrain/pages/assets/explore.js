@@ -149,12 +149,17 @@
     const tallest = Math.max(0, ...rows.map((r) => r == null ? 0 : (r.total != null ? r.total : r.model_states) / GB));
     const offScale = q.device > 3 * tallest;  // a small model: draw the bars, say where the device's line is
     const line = offScale ? [] : [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }];
+    // a strategy without a bar (HSDP on one host) says why in its place
+    const absent = D.strategies.filter((s, i) => rows[i] == null).map((s) => ({
+      x: STRATEGY_LABEL[s], xref: "x", y: 0.03, yref: "paper", yanchor: "bottom", showarrow: false,
+      text: STRATEGY_LABEL[s] + " needs DP ≥ " + 2 * D.hsdp_shard + "<br>(2 hosts of " + D.hsdp_shard + ")",
+      font: { size: 11, color: "#555" } }));
     Plotly.react("mem-bars", traces, {
       barmode: "stack", margin: { t: 30, r: 10, b: 40, l: 60 }, height: 360, legend: { orientation: "h", y: -0.15 },
       yaxis: Object.assign({ title: "GB per rank (rank 0)" }, offScale ? { range: [0, 1.15 * tallest] } : {}),
       title: { text: "memory per rank at DP " + q.dp, font: { size: 14 } }, shapes: line,
       annotations: [{ xref: "paper", x: 1, y: offScale ? 1.15 * tallest : q.device, text: "device: " + q.device + " GB" + (offScale ? " (above the scale)" : ""),
-                      showarrow: false, xanchor: "right", yanchor: offScale ? "top" : "bottom", font: { color: "#b00" } }] }, plotConfig);
+                      showarrow: false, xanchor: "right", yanchor: offScale ? "top" : "bottom", font: { color: "#b00" } }].concat(absent) }, plotConfig);
     const lines = D.strategies.map((s) => ({ type: "scatter", mode: "lines+markers", name: STRATEGY_LABEL[s], x: D.dp,
       y: D.dp.map((n) => { const r = memory(q.model, s, q.precision, q.optimizer, n, q.microBatch, q.checkpointed);
                            return r == null || r.total == null ? null : r.total / GB; }),
