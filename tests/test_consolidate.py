@@ -28,7 +28,6 @@ from dptrain.train.strategy_state import replicated_state
 from dptrain.zero import ZeRO
 from dptrain.zero.checkpoint import save_sharded
 
-
 META = {"identity": {}, "identity_hash": "", "global_batch_size": 4}
 
 
