@@ -44,11 +44,16 @@ class LaunchError(ValueError):
                    "or forks of a process that imported torch once (forkserver: starts faster, but torch is "
                    "imported before your script runs, so environment variables it sets for torch's import "
                    "come too late)")
+@click.option("--timeout", "timeout_s", type=float, metavar="S",
+              help="end a hang within S seconds and a few more: the script's collectives time out after S (torch's "
+                   "default for groups made without a timeout), a rank whose heartbeat stops for S is ended, "
+                   "and so is one whose Engine/prepare() steps stop for S + 5 (default: torch's 30 minutes, no "
+                   "watchdog)")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int, nnodes: int | None,
-           rdzv_endpoint: str | None, node_rank: int | None, start_method: str, script: str,
-           args: tuple[str, ...]) -> None:
+           rdzv_endpoint: str | None, node_rank: int | None, start_method: str, timeout_s: float | None,
+           script: str, args: tuple[str, ...]) -> None:
     """Run your training script on NPROC workers, as torchrun would, with dptrain's failure report.
 
     \b
@@ -70,6 +75,8 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
             raise LaunchError(f"--nproc must be at least 1, got {nproc}")
         if max_restarts < 0:
             raise LaunchError(f"--max-restarts must be >= 0, got {max_restarts}")
+        if timeout_s is not None and not 0 < timeout_s < float("inf"):
+            raise LaunchError(f"--timeout must be a positive number of seconds, got {timeout_s}")
         nodes = _nodes(nnodes, rdzv_endpoint, node_rank)
     except LaunchError as e:
         click.echo(f"error: {e}", err=True)
@@ -77,6 +84,8 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     run_dir = (run_dir or Path("runs") / target).resolve()
     worker_args = (["-m"] if as_module else []) + [script, *args]
     env = {"DPTRAIN_RUN_DIR": str(run_dir)}
+    if timeout_s is not None:
+        env["DPTRAIN_TIMEOUT_S"] = repr(timeout_s)
     if "OMP_NUM_THREADS" not in os.environ:
         from dptrain.launch.local import threads_per_worker
 
@@ -90,7 +99,7 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
         sys.exit(launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env))
     from dptrain.launch.local import launch_local
 
-    sys.exit(launch_local(nproc, worker_args, run_dir, timeout_s=float("inf"), start_method=start_method,
+    sys.exit(launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
                           roll_call_s=0.0, module="dptrain.launch.script", env=env))
 
 

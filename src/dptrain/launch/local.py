@@ -11,6 +11,8 @@ job's lifetime:
   failures that only report a lost peer ("Connection reset by peer") come after the
   rest, and within each kind the earliest failure (its error record's time, or when its
   process died) comes first;
+- a running rank whose heartbeat (``launch.heartbeat``) is older than the timeout is stopped
+  as a whole process (SIGSTOP, a frozen machine): the job ends, naming it;
 - Ctrl-C reaches every worker (same process group); they stop, and the launcher exits
   130 after giving stragglers a few seconds. SIGTERM to the launcher stops its workers
   the same way (exit 143).
@@ -30,9 +32,11 @@ import threading
 import time
 from pathlib import Path
 
+from dptrain.launch.heartbeat import STALE_MIN_S, heartbeat_file, read_heartbeats, stale_ranks
 from dptrain.launch.workers import start_worker
 
-__all__ = ["launch_local", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT"]
+__all__ = ["launch_local", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT",
+           "read_error_record"]
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
 FAIL_GRACE_S = 2.0  # after the first failure, the others' time to fail too, beyond their roll call
@@ -112,8 +116,10 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     procs = []
     for rank in range(nproc):
         error_file(run_dir, rank).unlink(missing_ok=True)  # from an earlier attempt in this directory
+        heartbeat_file(run_dir, rank).unlink(missing_ok=True)
+    loopback = {} if "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": "lo"}  # every rank is here
     for rank in range(nproc):
-        worker_env = dict(os.environ, **(env or {}), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
+        worker_env = dict(os.environ, **loopback, **(env or {}), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local")
         console = None if rank == 0 else logs / f"rank{rank}.console"
@@ -127,7 +133,8 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
     try:
         with _sigterm_raises():
-            return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable)
+            return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable,
+                              timeout_s)
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
@@ -167,11 +174,16 @@ def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> No
 
 
 def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, grace_s: float,
-               expendable: set[int]) -> int:
-    first_failure, survived, pending = None, set(), {}
+               expendable: set[int], timeout_s: float = float("inf")) -> int:
+    first_failure, survived, pending, stopped_dead = None, set(), {}, {}
     while True:
         codes = [p.poll() for p in procs]
         now = time.monotonic()
+        for r in _stopped_ranks(procs, codes, run_dir, timeout_s, stopped_dead):
+            stopped_dead[r] = procs[r].pid
+            procs[r].kill()  # a stopped process handles no SIGTERM: it is ended as a crash would end it
+            codes[r] = procs[r].wait()
+            exit_times[r] = time.time()
         for r in expendable - survived:  # [Note: settle before going on]
             if codes[r] not in (None, 0):
                 since = pending.setdefault(r, now)
@@ -191,18 +203,39 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
             stopped = _stop(procs, grace=GRACE_S)
             if all(p.returncode in (0, 2) for p in procs):
                 return 2  # bad input: the workers printed the error themselves
-            _report_failure(procs, exit_times, stopped, run_dir)
+            _report_failure(procs, exit_times, stopped, run_dir, stopped_dead, timeout_s)
             return 1
         time.sleep(0.2)
+
+
+def _stopped_ranks(procs, codes: list[int | None], run_dir: Path, timeout_s: float, known: dict) -> list[int]:
+    """Running ranks whose heartbeat is older than the timeout: stopped as a whole (their heartbeat thread too)."""
+    if timeout_s == float("inf"):
+        return []
+    beats = read_heartbeats(run_dir, len(procs))
+    return [r for r in stale_ranks(beats, timeout_s) if codes[r] is None and r not in known
+            and beats[r].get("pid") == procs[r].pid]
+
+
+def read_error_record(run_dir: Path, rank: int) -> dict | None:
+    """A rank's error record, or None when it has none or it cannot be read: a full disk leaves an empty or
+    truncated file, and the launcher then falls back to the rank's console and log (never a crash)."""
+    try:
+        record = json.loads(error_file(run_dir, rank).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("traceback"), str):
+        return None
+    return record
 
 
 def _silent(run_dir: Path, failed: list[int]) -> set[int]:
     """The ranks that the failed ranks' roll calls found silent: they had their time already, and get no grace."""
     silent = set()
     for rank in failed:
-        path = error_file(run_dir, rank)
-        if path.exists():
-            silent.update(json.loads(path.read_text()).get("silent_ranks", []))
+        record = read_error_record(run_dir, rank)
+        if record is not None:
+            silent.update(r for r in record.get("silent_ranks", []) if isinstance(r, int))
     return silent
 
 
@@ -223,6 +256,7 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> set[int]:
     for rank, p in enumerate(procs):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
+            p.send_signal(signal.SIGCONT)  # a stopped process (SIGSTOP) acts on the SIGTERM only once continued
             signalled.add(rank)
     deadline = time.monotonic() + grace
     for p in procs:
@@ -235,18 +269,25 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> set[int]:
 
 
 def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stopped: set[int],
-                    run_dir: Path) -> None:
+                    run_dir: Path, stopped_dead: dict | None = None, timeout_s: float = float("inf")) -> None:
     records = []
     for rank, p in enumerate(procs):
-        path = error_file(run_dir, rank)
-        if path.exists():
-            record = json.loads(path.read_text())
+        record = read_error_record(run_dir, rank)
+        if rank in (stopped_dead or {}):  # its heartbeat went stale: the root cause, whatever the others saw
+            died = (f"sent no heartbeat for over {max(timeout_s, STALE_MIN_S):g} s while running: the process "
+                    f"was stopped (SIGSTOP, a frozen machine) or stuck outside Python, and was killed; see "
+                    f"{run_dir / 'logs' / f'rank{rank}.log'}")
+            records.append((False, 0.0, rank, died, died))
+        elif record is not None:
             text = record["traceback"]
             last = text.strip().splitlines()[-1] if text.strip() else "?"
-            records.append((bool(PEER_LOST.search(text)), record["time"], rank, text, record.get("summary", last)))
+            when = record.get("time") if isinstance(record.get("time"), (int, float)) else exit_times[rank]
+            records.append((bool(PEER_LOST.search(text)), when, rank, text, str(record.get("summary", last))))
         elif p.returncode not in (0, None) and not (p.returncode < 0 and rank in stopped):
             # died on its own (a signal we did not send, or no traceback recorded)
-            died = (f"exited with {_describe(p.returncode)} and no Python traceback; see "
+            unreadable = " (its error record is empty or unreadable: a full disk?)" \
+                if error_file(run_dir, rank).exists() else ""
+            died = (f"exited with {_describe(p.returncode)} and no Python traceback{unreadable}; see "
                     f"{run_dir / 'logs' / f'rank{rank}.console'} and {run_dir / 'logs' / f'rank{rank}.log'}")
             records.append((False, exit_times[rank] or float("inf"), rank, died, died))
     records.sort()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import socket
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
@@ -30,7 +31,10 @@ from dptrain.launch.local import free_port  # the launcher's, which imports no t
 from dptrain.launch.slurm import first_slurm_host, job_port
 
 __all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
-           "first_slurm_host"]
+           "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torch's: "True" makes every rank a client of the store at MASTER_*
 
 
 @dataclass(frozen=True)
@@ -97,10 +101,49 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
     device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_method = "env://" if env.launcher == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.world_size,
-                            timeout=timedelta(seconds=timeout_s), device_id=device if device.type == "cuda" else None)
+    timeout = timedelta(seconds=timeout_s)
+    store = loopback_store(env, timeout) if use_loopback(env) else None
+    init_method = None if store is not None else \
+        "env://" if env.launcher == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
+    dist.init_process_group(backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, device_id=device if device.type == "cuda" else None)
     return device
+
+
+def is_loopback_job(env: WorkerEnv) -> bool:
+    """Every rank on this machine, meeting at a loopback address: nothing needs to listen beyond 127.0.0.1."""
+    return env.world_size == env.local_world_size and env.master_addr in LOOPBACK
+
+
+def use_loopback(env: WorkerEnv, environ: dict[str, str] | None = None) -> bool:
+    """Whether this worker hosts (rank 0) or joins the job's store on 127.0.0.1, and sends gloo over ``lo``.
+
+    A loopback job, unless torchrun's agent hosts the store already (``TORCHELASTIC_USE_AGENT_STORE``:
+    its own choice of address, kept). Sets ``GLOO_SOCKET_IFNAME=lo`` unless the user set it: without it
+    gloo listens on the interface the host name resolves to, reachable from the network.
+    """
+    environ = os.environ if environ is None else environ
+    if not is_loopback_job(env) or environ.get(AGENT_STORE) == "True":
+        return False
+    environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    return True
+
+
+def loopback_store(env: WorkerEnv, timeout: timedelta) -> dist.TCPStore:
+    """The job's store, listening on 127.0.0.1 only: rank 0 hosts it, the others connect.
+
+    ``TCPStore(is_master=True)`` listens on every interface whatever host it is given; handed a
+    socket already bound to 127.0.0.1 (``master_listen_fd``), it listens there instead.
+    """
+    if env.rank != 0:
+        return dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
+    listener = socket.socket(socket.AF_INET6 if env.master_addr == "::1" else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind(("::1" if env.master_addr == "::1" else "127.0.0.1", env.master_port))
+    listener.listen(max(128, env.world_size))
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=listener.detach())  # the store's socket from now on
+    return store
 
 
 def leave_process_groups() -> None:

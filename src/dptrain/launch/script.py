@@ -14,6 +14,13 @@ script does not do for itself:
   from Slurm's (:func:`dptrain.launch.rendezvous.detect_worker_env`), so a plain torch
   script's ``init_process_group(init_method="env://")`` works unchanged.
 
+- **a timeout** (``dptrain launch --timeout S``, passed as ``DPTRAIN_TIMEOUT_S``): torch's default
+  process-group timeout becomes S for every group the script makes without a timeout of its own
+  (:func:`set_default_collective_timeout`), and a heartbeat thread (``launch.heartbeat``) lets
+  the launcher see a stopped rank; a script on dptrain's ``Engine`` or ``prepare()`` marks
+  progress at each optimizer step, which arms the watchdog (a main thread stuck for S + a few
+  seconds ends the rank). torch is then imported before the script runs.
+
 Exit codes are the script's: ``sys.exit(n)`` is ``n``, an uncaught exception 1,
 Ctrl-C 130.
 """
@@ -37,6 +44,8 @@ from dptrain.launch.local import error_summary, write_error_record
 __all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
 
 RUN_DIR_ENV = "DPTRAIN_RUN_DIR"  # the launch's run directory: logs/ and the error records live there
+TIMEOUT_ENV = "DPTRAIN_TIMEOUT_S"  # dptrain launch --timeout
+WATCHDOG_MARGIN_S = 5.0  # the watchdog's wait beyond the timeout: the collective's own error speaks first
 
 # [Note: how a worker ends] A torch DDP model holds its process group through its C++ reducer.
 # Whenever that group is freed, its destructor joins gloo's worker threads; a worker thread
@@ -76,9 +85,42 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m dptrain.launch.script SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
         return 2
     os.environ.update(torchrun_env_from_slurm(os.environ))
-    code = _run(argv, int(os.environ.get("RANK", "0")))
-    _finish()
+    rank = int(os.environ.get("RANK", "0"))
+    with _watched(rank):
+        code = _run(argv, rank)
+        _finish()
     return code
+
+
+@contextlib.contextmanager
+def _watched(rank: int):
+    """With ``DPTRAIN_TIMEOUT_S``: the collectives' default timeout and this rank's heartbeat around the script."""
+    timeout, run_dir = os.environ.get(TIMEOUT_ENV), os.environ.get(RUN_DIR_ENV)
+    if not timeout or not run_dir:
+        yield
+        return
+    from dptrain.launch.heartbeat import Heartbeat
+
+    set_default_collective_timeout(float(timeout))
+    with Heartbeat(Path(run_dir), rank, int(os.environ.get("WORLD_SIZE", "1")), float(timeout), WATCHDOG_MARGIN_S):
+        yield
+
+
+def set_default_collective_timeout(seconds: float) -> None:
+    """Make ``seconds`` the timeout of every process group created without one (``init_process_group``,
+    ``new_group``).
+
+    torch reads its default from the module attributes ``default_pg_timeout`` (gloo and the others)
+    and ``default_pg_nccl_timeout`` of ``torch.distributed.distributed_c10d`` each time a group is
+    made. They are not a documented setting, so this one helper is the only place that writes them.
+    """
+    from datetime import timedelta
+
+    import torch.distributed.distributed_c10d as c10d
+
+    c10d.default_pg_timeout = timedelta(seconds=seconds)
+    if getattr(c10d, "default_pg_nccl_timeout", None) is not None:
+        c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
 
 
 def _run(argv: list[str], rank: int) -> int:

@@ -14,6 +14,7 @@ Ranks are global ranks of the default process group: the job is the whole world.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -35,11 +36,13 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
                            lr_at: Callable[[int], float] | None = None,
                            grad_clip: float = 0.0, lookahead: bool = False,
                            before_server_step: Callable[[int], None] | None = None,
-                           cuts: CutPolicy | None = None) -> ShardServer | PSWorker:
+                           cuts: CutPolicy | None = None, timeout: timedelta | None = None) -> ShardServer | PSWorker:
     """Collective over the default group: this rank's :class:`ShardServer` or :class:`PSWorker`.
 
     ``cuts``: this rank's part in checkpoints (:mod:`dptrain.ps.snapshot`); None takes none. A resumed
     server is restored (:meth:`ShardServer.restore`) before it serves; a resumed worker gets its clock here.
+    ``timeout``: how long any wait on a link or the servers' group may last (None: torch's default for a new
+    group, 30 minutes with gloo; ``dptrain run`` passes ``ddp.timeout_s``).
     """
     rank = dist.get_rank()
     roles = Roles(dist.get_world_size(), num_servers)
@@ -47,8 +50,8 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
     consistency.check_lookahead(lookahead)  # on every rank, before any group is made: no rank is left waiting
     params = list(model.parameters())
     runs = partition([p.numel() for p in params], num_servers)
-    groups = pair_groups(roles.workers, roles.servers)
-    server_group = dist.new_group(roles.servers) if num_servers > 1 else None
+    groups = pair_groups(roles.workers, roles.servers, timeout)
+    server_group = dist.new_group(roles.servers, timeout=timeout) if num_servers > 1 else None
     if roles.is_server(rank):
         links = {w: Link(groups[(w, rank)], w, send_tag=DOWN, recv_tag=UP) for w in roles.workers}
         mine = runs[roles.servers.index(rank)]

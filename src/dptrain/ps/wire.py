@@ -24,6 +24,7 @@ import queue
 import struct
 import threading
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Callable
 
 import torch
@@ -172,9 +173,13 @@ def _bits_float(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-def pair_groups(workers: list[int], servers: list[int]) -> dict[tuple[int, int], dist.ProcessGroup]:
-    """A two-rank group for every (worker, server) pair; every rank must call this (it is collective)."""
-    return {(w, s): dist.new_group([w, s]) for w in workers for s in servers}
+def pair_groups(workers: list[int], servers: list[int],
+                timeout: timedelta | None = None) -> dict[tuple[int, int], dist.ProcessGroup]:
+    """A two-rank group for every (worker, server) pair; every rank must call this (it is collective).
+
+    ``timeout`` bounds every wait on a link: a group's own, which ``new_group`` otherwise sets to torch's
+    default (30 minutes with gloo), not the job's."""
+    return {(w, s): dist.new_group([w, s], timeout=timeout) for w in workers for s in servers}
 
 
 def describe_failure(e: Exception) -> str:

@@ -50,6 +50,7 @@ from dptrain.batching import BatchPlan
 from dptrain.ddp import DistributedDataParallel
 from dptrain.ddp.autograd import map_tensors
 from dptrain.gossip import GossipDataParallel
+from dptrain.launch.heartbeat import mark_progress
 from dptrain.train.loader import ShardedLoader
 from dptrain.zero import MixedPrecision, ZeRO
 
@@ -158,6 +159,7 @@ class Engine:
 
     def step(self) -> StepInfo:
         """Clip, set the learning rate, step the optimizer, zero the gradients."""
+        mark_progress(self.step_count + 1)  # this process's heartbeat, if any (dptrain launch --timeout)
         lr = self.lr_at(self.step_count) if self.lr_at else self.optimizer.param_groups[0]["lr"]
         for group in self.optimizer.param_groups:
             group["lr"] = lr

@@ -41,6 +41,7 @@ from dptrain.compress.hook import CompressionHook
 from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
 from dptrain.divergence import DivergenceMonitor, replica_tensors
+from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.pages.run_report import try_write_run_report
 from dptrain.tasks import Task, collate
@@ -67,6 +68,7 @@ from dptrain.train.ps_loop import train_ps
 from dptrain.train.report import RunLog, print_summary, summarize, truncate_metrics
 from dptrain.train.roll_call import is_collective_failure, roll_call
 from dptrain.train.schedule import scaled_lr, warmup_cosine
+from dptrain.train.skips import MAX_SKIPPED_STEPS, SkipBound
 from dptrain.train.straggler import Straggler
 from dptrain.train.strategy_state import load_model_and_optimizer, replicated_state
 from dptrain.train.tensor_peak import TensorPeak, data_tensors
@@ -75,14 +77,26 @@ from dptrain.zero.checkpoint import export_safetensors, save_sharded
 
 __all__ = ["train", "timed_step", "evaluate", "zero_kwargs_from_config"]
 
+WATCHDOG_MARGIN_S = 3.0  # the watchdog's wait beyond ddp.timeout_s and the roll call
 COMPRESSION = "compression"  # a checkpoint's per-rank error-feedback residuals
 GOSSIP = "gossip"  # a gossip checkpoint's per-rank replicas and optimizer states
 
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
-    """Run the training described by ``rp`` on this rank; rank 0 returns the summary."""
-    if rp.cfg.ddp.strategy == "ps":
-        return train_ps(rp, env, device, _seed_everything)
+    """Run the training described by ``rp`` on this rank; rank 0 returns the summary.
+
+    A heartbeat thread (``launch.heartbeat``) beats throughout; the loop's progress marks arm its
+    watchdog, which ends this rank when it makes no progress for ``ddp.timeout_s`` + the roll call's
+    wait + ``WATCHDOG_MARGIN_S`` (the collective's timeout and the roll call speak first).
+    """
+    margin = rp.cfg.ddp.roll_call_s + WATCHDOG_MARGIN_S
+    with Heartbeat(rp.run_dir, env.rank, env.world_size, rp.cfg.ddp.timeout_s, margin) as beat:
+        if rp.cfg.ddp.strategy == "ps":
+            return train_ps(rp, env, device, _seed_everything, beat)
+        return _train(rp, env, device, beat)
+
+
+def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> dict | None:
     cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
     wall0 = time.perf_counter()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -165,8 +179,10 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
     straggler = Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None
     monitor = _divergence_monitor(cfg, engine)
+    skips = SkipBound(MAX_SKIPPED_STEPS, engine.skipped_steps)
     try:
         for step in range(start_step + 1, t.steps + 1):
+            beat.mark(step)
             if fault and fault[:2] == (rank, step):
                 inject_fault(fault[2], rank, step, engine.model)
             peak = TensorPeak(extra=_state_tensors(engine), exclude=data_tensors(task.train_set, task.val_set)) \
@@ -178,6 +194,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
             if peak is not None:
                 recorder.tensor_peak_bytes = peak.peak_bytes
             recorder.add(times)
+            skips.check(step, engine.skipped_steps)
             if batcher is not None:  # compute before the collective, without the optimizer
                 batcher.observe(step, times.compute_s - (times.optimizer[1] - times.optimizer[0]))
             if tracer.wants(step):
@@ -210,6 +227,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 saved = True
                 engine.model.average_()
             if (cfg.log.eval_every and step % cfg.log.eval_every == 0) or step == t.steps:
+                beat.mark(step, "eval")
                 ev = evaluate(engine, task, cfg.log.eval_batches)
                 ev = {"kind": "eval", "step": step, **ev, "time": time.time()}
                 if rank == 0:
@@ -217,7 +235,9 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
                 log.info(f"eval at step {step}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()
                                                               if k.startswith("val_")))
             if not saved and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or step == t.steps):
+                beat.mark(step, "checkpoint")
                 _save(engine, rp, step, env, device, log, compression)
+        skips.check_end(t.steps - start_step)
     except Exception as e:
         if env.world_size > 1 and is_collective_failure(e):  # name the ranks that stopped or died
             call = roll_call(step, cfg.ddp.roll_call_s)
@@ -227,6 +247,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     finally:
         if sink is not None:
             sink.close()
+    beat.disarm()  # the end's barrier, collectives and gloo's timeout still bound it
 
     if cfg.log.trace_steps and tracer.events and tracer.write_merged(run_dir / "trace.json"):
         log.info(f"trace of steps {tracer.steps.start}-{tracer.steps.stop - 1}: {run_dir / 'trace.json'} "

@@ -25,12 +25,14 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 
 from dptrain.config import to_toml
+from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.pages.run_report import try_write_run_report
 from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
@@ -56,7 +58,9 @@ from dptrain.train.trace import TraceRecorder
 __all__ = ["train_ps"]
 
 
-def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything) -> dict | None:
+def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything, beat: Heartbeat) -> dict | None:
+    """This rank's part: a server serves, a worker trains; ``beat``'s watchdog sees each step, and a server's
+    every update."""
     cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
     t, p = cfg.train, cfg.ps
     wall0 = time.perf_counter()
@@ -78,7 +82,8 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
                                               t.momentum),
         num_servers=p.servers, consistency=consistency, steps=t.steps,
         lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip,
-        lookahead=p.lookahead, before_server_step=_server_fault(fault, rank), cuts=cuts)
+        lookahead=p.lookahead, before_server_step=_server_step(fault, rank, beat), cuts=cuts,
+        timeout=timedelta(seconds=cfg.ddp.timeout_s))
     log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, start_step)
     workers = plan.world_size
     log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "
@@ -90,6 +95,7 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
     if isinstance(role, ShardServer):
         if rp.resume_from is not None:
             role.restore(*load_server_cut(rp.resume_from, rank - workers))
+        beat.mark(start_step, "serve")
         report = role.serve()
         log.info(f"server rank {rank}: {report['updates']} updates from {report['gradients']} gradients, "
                  f"{report['dropped']} dropped, lost workers: {report['lost_workers'] or 'none'}")
@@ -106,6 +112,7 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
     sink = backends_from_config(cfg, run_dir, start_step) if rank == 0 else None  # metrics.jsonl and log.backends
     for line in sink.where() if sink is not None else []:
         log.info(f"metrics also go to {line}")
+    beat.mark(start_step)
     loop = _WorkerLoop(
         role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed, collate_fn=collate(task))
         .micro_batches(role.clock), plan.grad_accum_steps, log, device, rank, every=cfg.log.every,
@@ -117,10 +124,11 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything)
         step_of=lambda version: version if consistency.rounds else version // workers,
         lr_scale=1.0 if consistency.rounds else 1.0 / workers,
         lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), fault=fault,
-        publisher=Publisher(rp, cuts.schedule, env.world_size, log, start_step) if rank == 0 else None)
+        beat=beat, publisher=Publisher(rp, cuts.schedule, env.world_size, log, start_step) if rank == 0 else None)
     try:
         records = loop.run(sink)
         reports = role.leave()
+        beat.disarm()
         summary = None
         if rank == 0:
             loop.publisher.advance(min(role.saved))  # the last cut, complete once every worker has left
@@ -167,16 +175,16 @@ def _load_worker_state(state: dict, model, device: torch.device) -> None:
                 buffer.copy_(state["buffers"][name])
 
 
-def _server_fault(fault: tuple[int, int, str] | None, rank: int):
-    """DPTRAIN_FAULT for a server rank: it fires once, before the server applies its first update of that step.
+def _server_step(fault: tuple[int, int, str] | None, rank: int, beat: Heartbeat):
+    """Before a server's update: mark progress; DPTRAIN_FAULT for a server rank fires once, before the server
+    applies its first update of that step.
 
     A server's step is the logged one: rounds in sync and backup, gradients applied / workers in async and ssp."""
-    if not fault or fault[0] != rank:
-        return None
     fired = []
 
     def before_step(step: int) -> None:
-        if step == fault[1] and not fired:
+        beat.mark(step, "serve")
+        if fault and fault[0] == rank and step == fault[1] and not fired:
             fired.append(step)
             inject_fault(fault[2], rank, step)
     return before_step
@@ -205,6 +213,7 @@ class _WorkerLoop:
     lr_scale: float
     lr_at: Callable[[int], float]
     fault: tuple[int, int, str] | None  # DPTRAIN_FAULT, parsed
+    beat: Heartbeat  # marked at each step: the watchdog's view of this worker
     publisher: Publisher | None  # rank 0's: publishes the checkpoints the servers complete
     tensor_peak_bytes: int | None = None  # its second step's live tensors (CPU), once measured
 
@@ -216,6 +225,7 @@ class _WorkerLoop:
         last = (time.perf_counter(), min(self.role.version))
         while not self.role.stopped:  # stopped at once: resumed from the last step's checkpoint
             step += 1
+            self.beat.mark(step)
             if fault and fault[:2] == (self.rank, step):
                 inject_fault(fault[2], self.rank, step, self.role.model)
             peak = TensorPeak(extra=self.role.model.parameters(),  # its second step's live tensors

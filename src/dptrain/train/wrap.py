@@ -44,6 +44,7 @@ from torch.utils.data.distributed import DistributedSampler as TorchDistributedS
 from dptrain.data.sampler import DistributedSampler
 from dptrain.ddp import DistributedDataParallel
 from dptrain.ddp.autograd import map_tensors
+from dptrain.launch.heartbeat import mark_progress
 from dptrain.train.engine import clip_by_global_norm
 from dptrain.train.loader import set_epoch
 from dptrain.zero import MixedPrecision, ZeRO
@@ -267,6 +268,7 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if not acc.sync_gradients or self._stepped_window == acc.window:
             return None
         self._stepped_window = acc.window
+        mark_progress(self.steps + self.skipped_steps + 1)  # the watchdog of `dptrain launch --timeout`, if any
         params = self._params()
         if acc.micro_step > 1:
             with torch.no_grad():

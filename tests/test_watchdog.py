@@ -1,0 +1,182 @@
+"""Every hang ends: a stopped rank (SIGSTOP) of every strategy, a stuck main thread, a hung launched script.
+
+The slow tests start a real `dptrain run` or `dptrain launch` (fresh processes: the test signals
+their workers), stop one rank once it beats, and check that the job ends on its own with exit 1,
+naming that rank. None asserts a time: each is bounded by its pytest-timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from dptrain.launch.heartbeat import Heartbeat, heartbeat_file, read_heartbeats, stale_ranks
+from dptrain.launch.local import error_file, read_error_record
+from dptrain.train.skips import NonFiniteRun, SkipBound
+
+TINY = """
+[task]
+name = "chargpt"
+[gpt]
+n_layer = 1
+n_head = 2
+n_embd = 16
+block_size = 16
+corpus_bytes = 50000
+[train]
+steps = 1000000
+global_batch_size = 8
+[ddp]
+timeout_s = 3
+roll_call_s = 1.0
+[log]
+every = 1000
+eval_every = 0
+plots = false
+[checkpoint]
+every = 0
+"""
+
+
+def test_stale_ranks_are_those_whose_heartbeat_is_older_than_the_timeout():
+    beats = {0: {"time": 100.0}, 1: {"time": 80.0}, 2: {"time": 96.0}}
+    assert stale_ranks(beats, timeout_s=10, now=100.0) == [1]
+    assert stale_ranks(beats, timeout_s=1, now=100.0) == [1]  # never below STALE_MIN_S (5 s): rank 2 is fine
+    assert stale_ranks(beats, timeout_s=10, now=100.0, exclude={1}) == []
+
+
+@pytest.mark.parametrize("content", ["", '{"rank": 0, "traceb', "[1, 2]", '{"rank": 0}'])
+def test_an_empty_or_truncated_error_record_is_none_not_a_crash(tmp_path, content):
+    error_file(tmp_path, 0).parent.mkdir(parents=True)
+    error_file(tmp_path, 0).write_text(content)
+    assert read_error_record(tmp_path, 0) is None
+
+
+def test_the_heartbeat_file_is_written_and_read_back(tmp_path):
+    with Heartbeat(tmp_path, 1, 2, timeout_s=60) as beat:
+        beat.mark(7, "eval")
+        time.sleep(1.5)
+        beats = read_heartbeats(tmp_path, 2)
+    assert list(beats) == [1] and beats[1]["step"] == 7 and beats[1]["phase"] == "eval"
+    assert beats[1]["pid"] == os.getpid()
+
+
+@pytest.mark.timeout(60)
+def test_a_stuck_main_thread_ends_its_rank_with_a_record_naming_the_stale_rank(tmp_path):
+    heartbeat_file(tmp_path, 1).parent.mkdir(parents=True)
+    heartbeat_file(tmp_path, 1).write_text(json.dumps({"rank": 1, "time": time.time() - 100, "step": 3}))
+    code = textwrap.dedent(f"""
+        import time
+        from dptrain.launch.heartbeat import Heartbeat
+        with Heartbeat({str(tmp_path)!r}, 0, 2, timeout_s=0.5, margin_s=0.5) as beat:
+            beat.mark(4)
+            time.sleep(120)  # stuck: the watchdog ends the process
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 1, done.stderr
+    record = read_error_record(tmp_path, 0)
+    assert record["silent_ranks"] == [1]
+    assert "made no progress" in record["summary"] and "rank(s) [1] sent no heartbeat" in record["summary"]
+
+
+def test_a_streak_of_skipped_steps_ends_the_run():
+    bound = SkipBound(limit=3, skipped=0)
+    for step, skipped in enumerate([0, 1, 1, 1], start=1):  # a good step, a skip, good steps: it goes on
+        bound.check(step, skipped)
+    bound.check(5, 2)
+    bound.check(6, 3)
+    with pytest.raises(NonFiniteRun, match="steps 5-7: 3 steps in a row"):
+        bound.check(7, 4)
+
+
+def test_a_short_run_that_ends_on_skipped_steps_fails_too():
+    bound = SkipBound(limit=20, skipped=0)
+    bound.check(1, 0)
+    for step in range(2, 11):
+        bound.check(step, step - 1)
+    with pytest.raises(NonFiniteRun):
+        bound.check_end(10)
+    fine = SkipBound(limit=20, skipped=0)
+    fine.check(1, 1)
+    fine.check(2, 1)
+    fine.check_end(2)  # one skip in the middle of a run: it goes on
+
+
+# --------------------------------------------------------------------------- whole jobs
+
+
+def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
+    (tmp_path / "tiny.toml").write_text(TINY)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    return subprocess.Popen([sys.executable, "-m", "dptrain.cli", *args], cwd=tmp_path, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _pid_once_beating(run_dir: Path, rank: int, job: subprocess.Popen) -> int:
+    """The pid in rank's heartbeat, once its training loop has marked a step (or the job ended: a failure)."""
+    while job.poll() is None:
+        beat = read_heartbeats(run_dir, rank + 1).get(rank)
+        if beat and beat.get("step", 0) >= 2:
+            return beat["pid"]
+        time.sleep(0.3)
+    pytest.fail(f"the job ended before rank {rank} trained: {job.stdout.read()}")
+
+
+def _stop_rank_and_wait(tmp_path: Path, rank: int, *overrides: str) -> str:
+    job = _start(tmp_path, "run", "--config", "tiny.toml", "--run-dir", "run", *overrides)
+    try:
+        os.kill(_pid_once_beating(tmp_path / "run", rank, job), signal.SIGSTOP)
+        out, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, out
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_stopped_rank_0_store_host_ends_the_job_naming_it(tmp_path):
+    out = _stop_rank_and_wait(tmp_path, 0, "--nproc", "2")
+    assert "rank 0 failed first" in out and "sent no heartbeat" in out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("rank", [2, 1], ids=["server", "worker"])
+def test_a_stopped_parameter_server_rank_ends_the_job_naming_it(tmp_path, rank):
+    out = _stop_rank_and_wait(tmp_path, rank, "--nproc", "3", "--set", "ddp.strategy=ps")
+    assert f"rank {rank} failed first" in out and "sent no heartbeat" in out
+
+
+HUNG_SCRIPT = """
+import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+if dist.get_rank() == 1:
+    time.sleep(600)  # hangs: the others wait in the all-reduce
+dist.all_reduce(torch.ones(1))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_hung_launched_script_ends_under_timeout_naming_the_silent_rank(tmp_path):
+    (tmp_path / "hung.py").write_text(HUNG_SCRIPT)
+    job = _start(tmp_path, "launch", "--nproc", "2", "--timeout", "3", "--run-dir", "run", "hung.py")
+    try:
+        out, _ = job.communicate(timeout=150)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, out
+    assert "rank 0 failed first" in out and "rank(s) [1] were still running" in out
