@@ -132,8 +132,6 @@ def test_dptrain_run_on_replaced_data_exits_2_and_touches_nothing(resumable):
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.mark.skip(reason="H3: enable once train/loop.py _save (and train/ps_checkpoint.py) write "
-                         "\"data\": rp.data_identity into the checkpoint's meta.json")
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy", ["ddp", "ps"])
 def test_a_real_checkpoint_records_its_data_and_refuses_a_resume_on_other_data(tmp_path, strategy):

@@ -158,3 +158,20 @@ def test_a_refused_run_leaves_the_lock_file_as_it_found_it(tmp_path: Path) -> No
     os.utime(lock_file, ns=(1_000_000_000, 2_000_000_000))
     acquire(tmp_path, "bad input").release(undo=True)
     assert lock_file.read_text() == "" and lock_file.stat().st_mtime_ns == 2_000_000_000
+
+
+@pytest.mark.timeout(60)
+def test_dptrain_launch_refuses_a_run_directory_in_use(tmp_path: Path) -> None:
+    script = tmp_path / "noop.py"
+    script.write_text("print('ran')\n")
+    run_dir = tmp_path / "run"
+    holder = _holder(run_dir)
+    try:
+        done = dptrain("launch", "--nproc", "1", "--run-dir", str(run_dir), str(script), cwd=tmp_path)
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    assert done.returncode == 2 and f"in use by pid {holder.pid}" in done.stderr
+    assert "ran" not in done.stdout and "Traceback" not in done.stderr
+    again = dptrain("launch", "--nproc", "1", "--run-dir", str(run_dir), str(script), cwd=tmp_path)
+    assert again.returncode == 0 and "ran" in again.stdout  # the dead holder's lock is taken over

@@ -12,6 +12,7 @@ several nodes) torchrun's agent runs the same workers (``launch.elastic``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from pathlib import Path
@@ -93,14 +94,29 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     if nodes is not None:
         click.echo(f"dptrain launch: {nproc} worker(s) here, one of {nodes.nnodes} nodes meeting at "
                    f"{nodes.endpoint} (torchrun's c10d rendezvous)", err=True)
+    from dptrain.launch.run_lock import RunDirBusy, hold_run_dir
+
+    # One machine's launcher holds the run directory; over several nodes on a shared file system each node's
+    # launcher would refuse the others, so the lock is this machine's only.
+    try:
+        with hold_run_dir(run_dir, "dptrain launch") if nodes is None else contextlib.nullcontext():
+            sys.exit(_start(nproc, worker_args, run_dir, max_restarts, nodes, env, timeout_s, start_method))
+    except RunDirBusy as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+
+
+def _start(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int, nodes, env: dict[str, str],
+           timeout_s: float | None, start_method: str) -> int:
+    """The workers, under this launcher or torchrun's agent (restarts, several nodes); the job's exit code."""
     if max_restarts or nodes is not None:
         from dptrain.launch.elastic import launch_elastic
 
-        sys.exit(launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env))
+        return launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env)
     from dptrain.launch.local import launch_local
 
-    sys.exit(launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
-                          roll_call_s=0.0, module="dptrain.launch.script", env=env))
+    return launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
+                        roll_call_s=0.0, module="dptrain.launch.script", env=env)
 
 
 def _check_target(script: str, as_module: bool) -> str:

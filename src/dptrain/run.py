@@ -31,6 +31,7 @@ from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave
 from dptrain.launch.run_lock import RunDirBusy, RunLock, acquire
 from dptrain.train.checkpoint import CheckpointError
 from dptrain.train.prepare import default_run_dir, prepare_run
+from dptrain.train.skips import NonFiniteRun
 
 __all__ = ["main", "BAD_INPUT"]
 
@@ -84,6 +85,11 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except NonFiniteRun as e:  # every rank stops at the same step: one message, no traceback
+        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
+        if env.rank == 0 and not local:
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     except Exception as e:
         text = traceback.format_exc()
         write_error_record(run_dir, env.rank, text, error_summary(e), getattr(e, "silent_ranks", []))

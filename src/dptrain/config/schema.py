@@ -116,6 +116,8 @@ class TrainConfig:
     betas: list = opt([0.9, 0.99], "Adam betas")
     momentum: float = opt(0.9, "SGD momentum")
     grad_clip: float = opt(1.0, "clip gradients to this global L2 norm; 0 disables (the norm is still logged)")
+    max_skipped_steps: int = opt(20, "consecutive steps skipped for non-finite gradients that end the run with "
+                                 "exit 1 (0: never)")
     precision: str = opt("fp32", "fp32, bf16 (autocast on CPU and GPU) or fp16 (autocast with a loss "
                          "scaler, GPU only)", choices=("fp32", "bf16", "fp16"))
     seed: int = opt(0, "seed for initialisation and data order")
@@ -288,6 +290,7 @@ class RunConfig:
 # Fields that do not change what a step computes: changing them between a run and its
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "data.allow_changed",
+                "train.max_skipped_steps",
                 "ddp", "zero", "ps", "gossip", "straggler", "balance", "divergence", "checkpoint", "log"}
 
 

@@ -68,7 +68,7 @@ from dptrain.train.ps_loop import train_ps
 from dptrain.train.report import RunLog, print_summary, summarize, truncate_metrics
 from dptrain.train.roll_call import is_collective_failure, roll_call
 from dptrain.train.schedule import scaled_lr, warmup_cosine
-from dptrain.train.skips import MAX_SKIPPED_STEPS, SkipBound
+from dptrain.train.skips import SkipBound
 from dptrain.train.straggler import Straggler
 from dptrain.train.strategy_state import load_model_and_optimizer, replicated_state
 from dptrain.train.tensor_peak import TensorPeak, data_tensors
@@ -179,7 +179,7 @@ def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -
     fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
     straggler = Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None
     monitor = _divergence_monitor(cfg, engine)
-    skips = SkipBound(MAX_SKIPPED_STEPS, engine.skipped_steps)
+    skips = SkipBound(t.max_skipped_steps, engine.skipped_steps)
     try:
         for step in range(start_step + 1, t.steps + 1):
             beat.mark(step)
@@ -377,7 +377,7 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
         meta = {"identity": rp.identity, "identity_hash": rp.identity_hash,
                 "global_batch_size": rp.plan.global_batch_size, "world_size": env.world_size,
                 "torch_version": torch.__version__, "format": "sharded" if engine.sharded else "replicated",
-                "strategy": rp.cfg.ddp.strategy}
+                "strategy": rp.cfg.ddp.strategy, "data": rp.data_identity}
         files = {"trainer.pt": trainer}
         if not engine.sharded:  # the names every strategy reads (train/strategy_state.py)
             model_state, optim_state = replicated_state(engine.model.module, engine.optimizer)

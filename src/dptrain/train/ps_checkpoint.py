@@ -86,7 +86,7 @@ class Publisher:
             meta = {"identity": rp.identity, "identity_hash": rp.identity_hash,
                     "global_batch_size": rp.plan.global_batch_size, "world_size": self.world_size,
                     "torch_version": torch.__version__, "format": "ps",
-                    "ps": {"servers": rp.cfg.ps.servers, "mode": rp.cfg.ps.mode}}
+                    "ps": {"servers": rp.cfg.ps.servers, "mode": rp.cfg.ps.mode}, "data": rp.data_identity}
             trainer = {"step": label, "world_size": self.world_size}
             path = save_checkpoint(rp.run_dir, label, {"trainer.pt": trainer}, meta, staged=True)
             deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last)

@@ -3,15 +3,13 @@
 The engine skips a step whose gradient norm is not finite (a NaN from one bad batch, an fp16
 overflow), and the run goes on. That is right for one step; it is wrong for every step: a
 learning rate of ``inf`` left every weight NaN, and the run finished with exit 0 and NaN in its
-summary. So ``MAX_SKIPPED_STEPS`` skipped steps in a row end the run, as does a run that ends
+summary. So ``train.max_skipped_steps`` skipped steps in a row end the run, as does a run that ends
 on a streak of skips covering half its steps or more.
 """
 
 from __future__ import annotations
 
-__all__ = ["NonFiniteRun", "SkipBound", "MAX_SKIPPED_STEPS"]
-
-MAX_SKIPPED_STEPS = 20  # consecutive skipped steps that end a run (to become the config key train.max_skipped_steps)
+__all__ = ["NonFiniteRun", "SkipBound"]
 
 
 class NonFiniteRun(RuntimeError):
