@@ -32,7 +32,8 @@ class Strategy:
     and optimizer state after a step (what the divergence monitor compares).
     ``checkpoint_layout``: ``replicated`` (rank 0 writes model.pt/optimizer.pt),
     ``sharded`` (every rank writes its shards through DCP), ``ps`` (the servers' shards).
-    ``codecs``: the values of ``ddp.compression`` it accepts besides ``none``.
+    ``codecs``: the values of ``ddp.compression`` it accepts besides ``none``; where there are none,
+    ``uncompressed``: why, completing "strategy NAME ...".
     ``own_loop``: the job runner trains it with a loop of its own (the parameter server:
     its workers and servers run different programs, see ``dptrain.train.ps_loop``).
     ``buckets``: ``ddp.bucket_cap_mb`` applies (DDP's buckets, ZeRO-1/2's units).
@@ -47,6 +48,7 @@ class Strategy:
     replicated_state: bool
     checkpoint_layout: str
     codecs: tuple[str, ...] = ()
+    uncompressed: str = ""
     own_loop: bool = False
     buckets: bool = True
     dynamic_batching: bool = False
@@ -92,10 +94,12 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     _zero(3, "ZeRO-3: optimizer state, gradients and parameters sharded (FSDP)"),
     Strategy("gossip", "decentralized SGD: parameters mixed with neighbours, no global all-reduce (D-PSGD)",
              zero_stage=None, shards_parameters=False, replicated_state=False, checkpoint_layout="replicated",
-             buckets=False, wrap=_wrap_gossip),
+             uncompressed="has none (it exchanges parameters with neighbours, not gradients)", buckets=False,
+             wrap=_wrap_gossip),
     Strategy("ps", "parameter server: workers push gradients to server ranks and pull parameters (sync, async, "
              "SSP, backup workers)", zero_stage=None, shards_parameters=False, replicated_state=False,
-             checkpoint_layout="ps", own_loop=True, buckets=False, expendable_workers=True),
+             checkpoint_layout="ps", uncompressed="sends fp32 gradients to its servers", own_loop=True, buckets=False,
+             expendable_workers=True),
 ]}
 
 

@@ -22,12 +22,12 @@ import torch
 
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.compress.remedies import Remedies
-from dptrain.compress.zero import ZERO_CODECS
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.config.loader import unused_settings
 from dptrain.data.identity import data_changes, data_identity
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
+from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import Task, architecture, build_task, run_name
 from dptrain.train.checkpoint import CheckpointError, find_latest, verify_checkpoint
 from dptrain.train.loader import steps_per_epoch
@@ -71,13 +71,14 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
     _check_balance(cfg)
     _check_divergence(cfg)
     _check_log_backends(cfg)
-    data_ranks = _check_ps(cfg, world_size) if cfg.ddp.strategy == "ps" else world_size
+    check_own = _STRATEGY_CHECKS.get(cfg.ddp.strategy)  # a strategy's own settings ([ps]); returns its data ranks
+    data_ranks = check_own(cfg, world_size) if check_own else world_size
     try:
         plan = BatchPlan.resolve(data_ranks, *sizes)
     except BatchSizeError as e:
         if data_ranks == world_size:
             raise
-        raise BatchSizeError(f"{e} (strategy ps: the world here is the {data_ranks} workers; the "
+        raise BatchSizeError(f"{e} (strategy {cfg.ddp.strategy}: the world here is the {data_ranks} workers; the "
                              f"{world_size - data_ranks} server rank(s) take no data)") from None
     _check_nodes(cfg, world_size)
     try:
@@ -103,8 +104,7 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
     latest = find_latest(run_dir)
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
-        layout = "ps" if cfg.ddp.strategy == "ps" else "sharded" if cfg.ddp.strategy.startswith("zero") else \
-            "replicated"
+        layout = get_strategy(cfg.ddp.strategy).checkpoint_layout
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, layout)
         if layout == "ps":
             check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
@@ -169,14 +169,7 @@ def _check_ranges(cfg: RunConfig) -> None:
     if cfg.ddp.backend == "nccl" and not torch.cuda.is_available():
         raise ConfigError('ddp.backend nccl needs CUDA devices; use "gloo" (or "auto") on CPU')
     d = cfg.ddp
-    if d.compression not in ("none", *ZERO_CODECS) and d.strategy != "ddp":
-        raise ConfigError(f"ddp.compression {d.compression!r} works with strategy ddp only, not {d.strategy!r}; "
-                          f"supported: strategy ddp with fp16, bf16, int8, topk or powersgd, and strategies zero1, "
-                          f"zero2 and zero3 with {', '.join(ZERO_CODECS)} (their reduce-scatter, compressed shard by "
-                          "shard)")
-    if d.strategy == "gossip" and d.compression != "none":
-        raise ConfigError(f"ddp.compression {d.compression!r} compresses gradient all-reduces; strategy gossip has "
-                          "none (it exchanges parameters with neighbours): set compression = \"none\"")
+    _check_codec(get_strategy(d.strategy), d.compression)
     if d.compression != "none" and d.algorithm != "native":
         raise ConfigError(f"ddp.algorithm {d.algorithm!r} chooses how uncompressed buckets are all-reduced; with "
                           f"ddp.compression {d.compression!r} the codec decides the collectives: leave algorithm "
@@ -201,6 +194,32 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
 
 
+def _check_codec(strategy, codec: str) -> None:
+    """``ddp.compression`` against what the strategy's collectives can compress (its registry entry's codecs)."""
+    if strategy.accepts_codec(codec):
+        return
+    takers = _listed(strategy_names(lambda s: codec in s.codecs), "or")
+    if not strategy.codecs:
+        raise ConfigError(f"ddp.compression {codec!r} compresses the gradient collectives of strategy {takers}; "
+                          f"strategy {strategy.name} {strategy.uncompressed}: set compression = \"none\"")
+    by_codecs: dict[tuple[str, ...], list[str]] = {}
+    for name in strategy_names(lambda s: bool(s.codecs)):
+        by_codecs.setdefault(get_strategy(name).codecs, []).append(name)
+    supported = ", and ".join(
+        f"strategy {names[0]} with {_listed(codecs, 'or')}" if len(names) == 1 else
+        f"strategies {_listed(names, 'and')} with {', '.join(codecs)}"
+        + (" (their reduce-scatter, compressed shard by shard)" if get_strategy(names[0]).shards_parameters else "")
+        for codecs, names in by_codecs.items())
+    raise ConfigError(f"ddp.compression {codec!r} works with strategy {takers} only, not {strategy.name!r}; "
+                      f"supported: {supported}")
+
+
+def _listed(items, conjunction: str) -> str:
+    """``a, b or c``."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
+
+
 def compression_remedies(cfg: RunConfig) -> Remedies:
     """``[ddp]``'s corrections and schedules for top-k and PowerSGD (:mod:`dptrain.compress.remedies`)."""
     d = cfg.ddp
@@ -221,9 +240,7 @@ def _check_ps(cfg: RunConfig, world_size: int) -> int:
         Consistency(p.mode, staleness=p.staleness, backups=p.backups).check_workers(roles.num_workers)
     except ValueError as e:
         raise ConfigError(f"[ps] servers={p.servers}, mode={p.mode!r}: {e}") from None
-    if d.compression != "none":
-        raise ConfigError(f"ddp.compression {d.compression!r} is for strategies ddp and zero1-3; strategy ps sends "
-                          "fp32 gradients: set compression = \"none\"")
+    _check_codec(get_strategy("ps"), d.compression)
     if cfg.train.precision == "fp16":
         raise ConfigError("train.precision fp16 is not supported with strategy ps (it needs a loss scaler); use bf16")
     if p.lookahead and p.mode not in ("async", "ssp"):
@@ -239,8 +256,9 @@ def _check_balance(cfg: RunConfig) -> None:
     b = cfg.balance
     if not b.dynamic_batching:
         return
-    if cfg.ddp.strategy != "ddp":
-        raise ConfigError(f"balance.dynamic_batching works with strategy ddp, not {cfg.ddp.strategy!r} (ps workers "
+    if not get_strategy(cfg.ddp.strategy).dynamic_batching:
+        able = " or ".join(strategy_names(lambda s: s.dynamic_batching))
+        raise ConfigError(f"balance.dynamic_batching works with strategy {able}, not {cfg.ddp.strategy!r} (ps workers "
                           "already go at their own pace in modes async, ssp and backup)")
     if b.every < 1:
         raise ConfigError(f"balance.every must be at least 1, got {b.every}")
@@ -252,10 +270,11 @@ def _check_divergence(cfg: RunConfig) -> None:
     d = cfg.divergence
     if d.every < 0:
         raise ConfigError(f"divergence.every must be >= 0 (0: off), got {d.every}")
-    if d.every and cfg.ddp.strategy not in ("ddp", "zero1", "zero2"):
+    if d.every and not get_strategy(cfg.ddp.strategy).replicated_state:
+        able = strategy_names(lambda s: s.replicated_state)
         raise ConfigError(f"divergence.every compares replicated state, which strategy {cfg.ddp.strategy!r} does not "
                           "keep (zero3 shards the parameters, gossip replicas differ by design, ps workers hold "
-                          "copies); use strategy ddp, zero1 or zero2, or divergence.every = 0")
+                          f"copies); use strategy {_listed(able, 'or')}, or divergence.every = 0")
 
 
 def _check_log_backends(cfg: RunConfig) -> None:
@@ -274,7 +293,7 @@ def _check_straggler(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"straggler.rank must be -1 (none) or a rank in [0, {world_size - 1}], got {s.rank}")
     if s.factor < 1.0:
         raise ConfigError(f"straggler.factor must be at least 1 (how many times slower), got {s.factor}")
-    if cfg.ddp.strategy == "ps" and s.rank >= world_size - cfg.ps.servers:
+    if get_strategy(cfg.ddp.strategy).expendable_workers and s.rank >= world_size - cfg.ps.servers:
         raise ConfigError(f"straggler.rank {s.rank} is a parameter server (ranks {world_size - cfg.ps.servers}-"
                           f"{world_size - 1}); a straggler must be a worker, a rank below "
                           f"{world_size - cfg.ps.servers}")
@@ -287,8 +306,9 @@ def _check_nodes(cfg: RunConfig, world_size: int) -> None:
         raise ConfigError(f"ddp.ranks_per_node={per_node} does not divide the world size {world_size}; "
                           f"choose one of {divisors} (or 0 for the local world size)")
     shard_size = cfg.zero.shard_size
-    if shard_size and cfg.ddp.strategy not in ("zero1", "zero2", "zero3"):
-        raise ConfigError(f"zero.shard_size={shard_size} (hybrid sharding) needs strategy zero1, zero2 or zero3, "
+    if shard_size and not get_strategy(cfg.ddp.strategy).shards_parameters:
+        zero = strategy_names(lambda s: s.shards_parameters)
+        raise ConfigError(f"zero.shard_size={shard_size} (hybrid sharding) needs strategy {_listed(zero, 'or')}, "
                           f"not {cfg.ddp.strategy!r}")
     if shard_size:
         try:
@@ -342,7 +362,7 @@ def _check_model_builds(task: Task, cfg: RunConfig) -> int:
         raise ConfigError(f"{where} cannot build the model: {e}") from None
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters")
-    if cfg.ddp.strategy == "ps":
+    if get_strategy(cfg.ddp.strategy).checkpoint_layout == "ps":  # the servers' shards of the parameters
         try:
             partition([p.numel() for p in model.parameters()], cfg.ps.servers)
         except PSLayoutError as e:
@@ -368,3 +388,7 @@ def _check_forward(task: Task, cfg: RunConfig, micro_batch: int) -> None:
                       f"of {micro_batch} traced on fake tensors): {problem}. Make the model return a scalar loss, an "
                       "object with .loss, or logits whose last dimension is the classes and whose other dimensions "
                       "match the targets (docs/your-data.md: what a model may return)")
+
+
+# Each strategy's own settings, checked before launch (the [ps] section); returns the ranks that take data.
+_STRATEGY_CHECKS = {"ps": _check_ps}
