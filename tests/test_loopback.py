@@ -52,3 +52,45 @@ def test_a_single_machine_job_listens_on_loopback_only(tmp_path):
         job.wait()
     assert addresses, "the job's store listens somewhere: rank 0 hosts it"
     assert addresses <= LOOPBACK, f"listening beyond loopback: {addresses - LOOPBACK}"
+
+
+SCRIPT = """
+import os, time
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # env://, as a plain torch script does
+out = os.getcwd()
+with open(os.path.join(out, f"pid{dist.get_rank()}.tmp"), "w") as f:
+    f.write(str(os.getpid()))
+os.rename(os.path.join(out, f"pid{dist.get_rank()}.tmp"), os.path.join(out, f"pid{dist.get_rank()}"))
+while not os.path.exists(os.path.join(out, "stop")):
+    time.sleep(0.1)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_a_launched_script_that_makes_its_own_process_group_listens_on_loopback_only(tmp_path):
+    (tmp_path / "own_group.py").write_text(SCRIPT)
+    job = _start(tmp_path, "launch", "--nproc", "2", "--run-dir", "run", "own_group.py")
+    job_env_out = tmp_path  # the script writes its pid files here
+    try:
+        deadline = time.monotonic() + 120
+        while not all((job_env_out / f"pid{r}").exists() for r in (0, 1)):
+            assert job.poll() is None, job.stdout.read()
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        pids = [int((job_env_out / f"pid{r}").read_text()) for r in (0, 1)]
+        addresses = listening_addresses(pids)
+        (job_env_out / "stop").write_text("")
+        out, _ = job.communicate(timeout=60)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 0, out
+    assert addresses, "the job's store listens somewhere: rank 0 hosts it"
+    assert addresses <= LOOPBACK, f"listening beyond loopback: {addresses - LOOPBACK}"

@@ -42,6 +42,9 @@ GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
 FAIL_GRACE_S = 2.0  # after the first failure, the others' time to fail too, beyond their roll call
 SETTLE_S = 1.0  # [Note: settle before going on]
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a MASTER_ADDR that keeps a job on this machine
+AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torch's: "True" makes every rank a client of the store at MASTER_*
+
 # What a rank reports when a *peer* died: a consequence, not a cause.
 PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
                         r"ProcessGroup.*(aborted|terminated)", re.IGNORECASE)

@@ -27,14 +27,12 @@ from typing import Mapping
 import torch
 import torch.distributed as dist
 
-from dptrain.launch.local import free_port  # the launcher's, which imports no torch
+from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
 
 __all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
            "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
 
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
-AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torch's: "True" makes every rank a client of the store at MASTER_*
 
 
 @dataclass(frozen=True)

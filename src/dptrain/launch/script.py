@@ -39,7 +39,7 @@ import traceback
 from pathlib import Path
 from typing import Mapping
 
-from dptrain.launch.local import error_summary, write_error_record
+from dptrain.launch.local import AGENT_STORE, LOOPBACK, error_summary, write_error_record
 
 __all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
 
@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.update(torchrun_env_from_slurm(os.environ))
     rank = int(os.environ.get("RANK", "0"))
+    _host_loopback_store(os.environ, rank)
     with _watched(rank):
         code = _run(argv, rank)
         _finish()
@@ -104,6 +105,29 @@ def _watched(rank: int):
     set_default_collective_timeout(float(timeout))
     with Heartbeat(Path(run_dir), rank, int(os.environ.get("WORLD_SIZE", "1")), float(timeout), WATCHDOG_MARGIN_S):
         yield
+
+
+def _host_loopback_store(environ: dict[str, str], rank: int) -> None:
+    """Under the local launcher, the job's store on 127.0.0.1 only, whatever the script does.
+
+    A script's ``init_process_group`` (env://) would make rank 0 host torch's store, which
+    listens on every interface. Instead rank 0 hosts it here, bound to loopback
+    (:func:`dptrain.launch.rendezvous.loopback_store`), and every rank, rank 0 included, is a
+    client of it, as torchrun's workers are of their agent's store (``TORCHELASTIC_USE_AGENT_STORE``).
+    Rank 0 then imports torch before the script runs; the others do not. A script that
+    brings its own store or meets elsewhere (another ``MASTER_ADDR``) is left alone.
+    """
+    if (environ.get("DPTRAIN_LAUNCHER") != "local" or environ.get(AGENT_STORE) == "True"
+            or environ.get("MASTER_ADDR") not in LOOPBACK or "MASTER_PORT" not in environ):
+        return
+    if rank == 0:
+        from datetime import timedelta
+
+        from dptrain.launch.rendezvous import detect_worker_env, loopback_store
+
+        timeout = float(environ.get(TIMEOUT_ENV) or 1800)  # torch's default for a store's waits
+        _KEPT.append(loopback_store(detect_worker_env(environ), timedelta(seconds=timeout)))
+    environ[AGENT_STORE] = "True"
 
 
 def set_default_collective_timeout(seconds: float) -> None:
