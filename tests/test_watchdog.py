@@ -180,3 +180,17 @@ def test_a_hung_launched_script_ends_under_timeout_naming_the_silent_rank(tmp_pa
             os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 1, out
     assert "rank 0 failed first" in out and "rank(s) [1] were still running" in out
+
+
+@pytest.mark.timeout(180)
+def test_a_run_whose_steps_are_all_non_finite_ends_with_exit_1_and_one_message(tmp_path):
+    from _cli import dptrain
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    done = dptrain("run", "--config", "tiny.toml", "--run-dir", "run", "--nproc", "2", "--set", "train.steps=12",
+                   "--set", "train.lr=1e30", "--set", "train.max_skipped_steps=4", "--set", "log.plots=false",
+                   cwd=tmp_path)
+    assert done.returncode == 1, done.stderr
+    assert "4 steps in a row had non-finite gradients and were skipped" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "run" / "summary.json").exists()  # no summary of NaN weights
