@@ -150,6 +150,8 @@ def test_a_module_runs_as_python_m_would_with_forked_workers(tmp_path):
     (["--nnodes", "2", "--rdzv-endpoint", "nohostport", "train.py"], "is not HOST:PORT"),
     (["--node-rank", "1", "train.py"], "--rdzv-endpoint and --node-rank go with --nnodes N"),
     (["--slurm-step", "train.py"], "this Slurm step runs 8 tasks on 2 node(s)"),
+    (["--nproc", "2", "--ranks", "2", "train.py"], "--ranks '2': ranks run from 0 to 1 with --nproc 2; [2] is outside"),
+    (["--ranks", "zero", "train.py"], "--ranks takes 'all' or a comma-separated list of ranks"),
 ])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
@@ -186,3 +188,43 @@ def test_a_worker_started_by_srun_gets_torchrun_variables():
                                             "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "gpu03",
                                             "MASTER_PORT": "24242"}
     assert torchrun_env_from_slurm({**env, "RANK": "5"}) == {}  # torchrun's own variables win
+
+
+TALKER = textwrap.dedent("""
+    import os, sys
+    rank = os.environ["RANK"]
+    print(f"out of {rank}", flush=True)
+    print(f"err of {rank}", file=sys.stderr, flush=True)
+    sys.stdout.write(f"no newline at the end of {rank}")
+""")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("start_method", ["exec", "forkserver"])
+def test_ranks_shows_each_chosen_ranks_lines_prefixed_and_keeps_every_console(tmp_path, start_method):
+    (tmp_path / "talk.py").write_text(TALKER)
+    done = _launch(["--nproc", "3", "--ranks", "0,2", "--start-method", start_method, "--run-dir", "run", "talk.py"],
+                   tmp_path)
+    assert done.returncode == 0, done.stderr
+    for rank in (0, 2):
+        assert f"[rank {rank}] out of {rank}\n" in done.stdout
+        assert f"[rank {rank}] err of {rank}\n" in done.stderr
+        assert f"[rank {rank}] no newline at the end of {rank}\n" in done.stdout
+    assert "of 1" not in done.stdout + done.stderr  # not chosen: its file only
+    for rank in range(3):
+        console = (tmp_path / "run" / "logs" / f"rank{rank}.console").read_text()
+        assert f"out of {rank}" in console and f"err of {rank}" in console
+
+
+@pytest.mark.timeout(120)
+def test_by_default_rank_0_is_shown_as_it_is(tmp_path):
+    (tmp_path / "talk.py").write_text(TALKER)
+    done = _launch(["--nproc", "2", "--run-dir", "run", "talk.py"], tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "out of 0\n" in done.stdout and "[rank" not in done.stdout + done.stderr and "of 1" not in done.stdout
+
+
+def test_ranks_under_torchrun_uses_its_tee_and_filter():
+    command = torchrun_command(4, 1, ["talk.py"], "dptrain.launch.script", shown=frozenset({0, 3}))
+    assert "--tee=3" in command and "--local-ranks-filter=0,3" in command
+    assert command.index("--tee=3") < command.index("dptrain.launch.script")  # torchrun's option, not the script's

@@ -50,11 +50,15 @@ class LaunchError(ValueError):
                    "default for groups made without a timeout), a rank whose heartbeat stops for S is ended, "
                    "and so is one whose Engine/prepare() steps stop for S + 5 (default: torch's 30 minutes, no "
                    "watchdog)")
+@click.option("--ranks", "ranks_text", metavar="all|R[,R...]",
+              help="show these ranks' output on this terminal, each line prefixed [rank r] (as torchrun's --tee "
+                   "does), and still write every rank's to RUN_DIR/logs/rank<r>.console (default: rank 0's, "
+                   "unprefixed)")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int, nnodes: int | None,
            rdzv_endpoint: str | None, node_rank: int | None, start_method: str, timeout_s: float | None,
-           script: str, args: tuple[str, ...]) -> None:
+           ranks_text: str | None, script: str, args: tuple[str, ...]) -> None:
     """Run your training script on NPROC workers, as torchrun would, with dptrain's failure report.
 
     \b
@@ -79,6 +83,7 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
         if timeout_s is not None and not 0 < timeout_s < float("inf"):
             raise LaunchError(f"--timeout must be a positive number of seconds, got {timeout_s}")
         nodes = _nodes(nnodes, rdzv_endpoint, node_rank)
+        shown = _shown(ranks_text, nproc)
     except LaunchError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -100,23 +105,36 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     # launcher would refuse the others, so the lock is this machine's only.
     try:
         with hold_run_dir(run_dir, "dptrain launch") if nodes is None else contextlib.nullcontext():
-            sys.exit(_start(nproc, worker_args, run_dir, max_restarts, nodes, env, timeout_s, start_method))
+            sys.exit(_start(nproc, worker_args, run_dir, max_restarts, nodes, env, timeout_s, start_method, shown))
     except RunDirBusy as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
 
 def _start(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int, nodes, env: dict[str, str],
-           timeout_s: float | None, start_method: str) -> int:
+           timeout_s: float | None, start_method: str, shown: frozenset[int] | None) -> int:
     """The workers, under this launcher or torchrun's agent (restarts, several nodes); the job's exit code."""
     if max_restarts or nodes is not None:
         from dptrain.launch.elastic import launch_elastic
 
-        return launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env)
+        return launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env,
+                              shown=shown)
     from dptrain.launch.local import launch_local
 
     return launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
-                        roll_call_s=0.0, module="dptrain.launch.script", env=env)
+                        roll_call_s=0.0, module="dptrain.launch.script", env=env, shown=shown)
+
+
+def _shown(text: str | None, nproc: int) -> frozenset[int] | None:
+    """``--ranks``: the local ranks whose output the terminal shows, prefixed; None: rank 0's as it is."""
+    if text is None:
+        return None
+    from dptrain.launch.output import parse_ranks
+
+    try:
+        return parse_ranks(text, nproc)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
 
 
 def _check_target(script: str, as_module: bool) -> str:

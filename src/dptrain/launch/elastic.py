@@ -74,16 +74,19 @@ def slurm_nodes(environ: Mapping[str, str]) -> Nodes | None:
 
 
 def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], module: str = "dptrain.run",
-                     nodes: Nodes | None = None) -> list[str]:
+                     nodes: Nodes | None = None, shown: frozenset[int] | None = None) -> list[str]:
     """torchrun running ``python -m MODULE WORKER_ARGS`` on ``nproc`` workers per node: on this machine alone (a
-    standalone rendezvous on a free port) or on ``nodes``."""
+    standalone rendezvous on a free port) or on ``nodes``. ``shown``: the local ranks whose output the terminal
+    shows, prefixed (torchrun's ``--tee 3 --local-ranks-filter``); None: torchrun's default."""
     where = nodes.torchrun_args() if nodes else ["--standalone"]
+    output = [] if shown is None else ["--tee=3", f"--local-ranks-filter={','.join(map(str, sorted(shown)))}"]
     return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", "-m", module, *worker_args]
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *output, "-m", module, *worker_args]
 
 
 def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
-                   module: str = "dptrain.run", nodes: Nodes | None = None, env: Mapping[str, str] = ()) -> int:
+                   module: str = "dptrain.run", nodes: Nodes | None = None, env: Mapping[str, str] = (),
+                   shown: frozenset[int] | None = None) -> int:
     """Run the job under torchrun with ``max_restarts``; return its exit code. ``env``: added to the workers'."""
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
@@ -93,7 +96,7 @@ def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restar
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))  # torchrun would say 1
     env.pop("DPTRAIN_LAUNCHER", None)  # the workers print their own errors, as under torchrun
     try:
-        return subprocess.run(torchrun_command(nproc, max_restarts, worker_args, module, nodes), env=env).returncode
+        return subprocess.run(torchrun_command(nproc, max_restarts, worker_args, module, nodes, shown), env=env).returncode
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from dptrain.launch.heartbeat import STALE_MIN_S, heartbeat_file, read_heartbeats, stale_ranks
+from dptrain.launch.output import PrefixedOutput
 from dptrain.launch.workers import start_worker
 
 __all__ = ["launch_local", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT",
@@ -100,7 +101,8 @@ def error_summary(error: BaseException) -> str:
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
                  expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0,
-                 preload: tuple[str, ...] = (), module: str = "dptrain.run", env: dict[str, str] | None = None) -> int:
+                 preload: tuple[str, ...] = (), module: str = "dptrain.run", env: dict[str, str] | None = None,
+                 shown: frozenset[int] | None = None) -> int:
     """Start ``nproc`` workers, wait for them, return the job's exit code.
 
     The failure of an ``expendable`` rank (a worker of an async parameter-server job)
@@ -111,12 +113,13 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     launcher: whatever ends it (an exception, an interrupt, SIGTERM), they are stopped.
     ``preload``: modules forked workers find imported (``start_worker``). ``module``: what each
     worker runs, ``python -m MODULE WORKER_ARGS`` (``dptrain.launch.script`` for ``dptrain
-    launch``); ``env``: added to the workers' environment.
+    launch``); ``env``: added to the workers' environment. ``shown``: the ranks whose output the
+    terminal shows, each line prefixed ``[rank r]`` (``launch.output``); None: rank 0's, as it is.
     """
     port = free_port()
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    procs = []
+    procs, relays = [], []
     for rank in range(nproc):
         error_file(run_dir, rank).unlink(missing_ok=True)  # from an earlier attempt in this directory
         heartbeat_file(run_dir, rank).unlink(missing_ok=True)
@@ -125,12 +128,17 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         worker_env = dict(os.environ, **loopback, **(env or {}), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local")
-        console = None if rank == 0 else logs / f"rank{rank}.console"
+        console = logs / f"rank{rank}.console"
+        relay = PrefixedOutput(rank, console) if shown is not None and rank in shown else None
+        output = (relay.out_w, relay.err_w) if relay else None if shown is None and rank == 0 else console
         try:
-            procs.append(start_worker(start_method, worker_args, worker_env, console, preload, module))
+            procs.append(start_worker(start_method, worker_args, worker_env, output, preload, module))
         except BaseException:
             _stop(procs, grace=GRACE_S)
             raise
+        if relay is not None:
+            relay.start()
+            relays.append(relay)
     exit_times = [0.0] * nproc
     for rank, proc in enumerate(procs):  # exact exit times, to order failures
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
@@ -148,6 +156,8 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         return 128 + signal.SIGTERM
     finally:
         _stop(procs, grace=GRACE_S)  # a no-op when they have ended
+        for relay in relays:
+            relay.close()
 
 
 class _Terminated(Exception):

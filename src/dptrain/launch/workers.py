@@ -48,9 +48,10 @@ START_METHODS = ("forkserver", "exec")
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.train.loop"]
 
 
-def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | None,
+def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | tuple[int, int] | None,
                  preload: tuple[str, ...] = (), module: str = "dptrain.run"):
-    """Start one worker (``python -m MODULE ARGV``); ``console``: where its output goes (None: ours).
+    """Start one worker (``python -m MODULE ARGV``); ``console``: where its output goes (None: ours; a path;
+    or the descriptors of its stdout and stderr, pipes of ``launch.output``).
 
     ``module``: ``dptrain.run`` (a ``dptrain run`` worker) or ``dptrain.launch.script`` (your
     script, for ``dptrain launch``); forked, its ``main(argv)`` is called.
@@ -62,6 +63,9 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     ``kill`` and ``returncode``.
     """
     if method == "exec":
+        if isinstance(console, tuple):
+            return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=console[0],
+                                    stderr=console[1])
         out = None if console is None else open(console, "w")
         try:
             return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=out,
@@ -73,7 +77,8 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
         raise ValueError(f"start method must be one of {', '.join(START_METHODS)}, got {method!r}")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([*PRELOAD, *preload])  # no effect once the server runs (it was started with this list)
-    output = ("path", str(console)) if console is not None else ("fds", _Fd(1), _Fd(2))
+    fds = console if isinstance(console, tuple) else (1, 2)
+    output = ("path", str(console)) if isinstance(console, Path) else ("fds", _Fd(fds[0]), _Fd(fds[1]))
     proc = ctx.Process(target=_forked_worker, args=(module, argv, env, os.getcwd(), output), name="dptrain-worker")
     proc.start()
     return _Forked(proc)
