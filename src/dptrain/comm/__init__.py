@@ -15,7 +15,7 @@ from dptrain.comm.collectives import (
     reduce_scatter,
     sent_bytes,
 )
-from dptrain.comm.progress import Work
+from dptrain.comm.work import Work
 from dptrain.comm.topology import node_groups, shard_bounds, shard_range
 from dptrain.comm.wire import Traffic
 

@@ -18,8 +18,11 @@ flat tensor into the shards of :func:`~dptrain.comm.topology.shard_bounds` (the 
 ``numel % world_size`` shards one element longer). A non-contiguous tensor is
 communicated through a contiguous copy and written back.
 
-``async_op=True`` returns a :class:`~dptrain.comm.progress.Work` whose ``wait()``
-returns the result; otherwise the call blocks and returns None. ``traffic=`` counts
+``async_op=True`` returns a :class:`~dptrain.comm.work.Work` whose ``wait()``
+returns the result; otherwise the call blocks and returns None. Its ``completed_at``
+is exact for dptrain's algorithms, and for ``native`` with ``timed=True`` (the default:
+a callback on the backend's future; the DDP engine turns it off unless it records
+spans). ``traffic=`` counts
 the bytes this rank sends (not for ``native``, whose traffic is the backend's own).
 
 Before communicating, ranks agree (``validate=True``, one tiny all-gather): every rank
@@ -43,9 +46,10 @@ import torch.distributed as dist
 from dptrain.comm import hierarchical, naive, ring, tree
 from dptrain.comm.compat import all_gather_single, reduce_scatter_single
 from dptrain.comm.cost import collective_cost
-from dptrain.comm.progress import Work, progress_thread
+from dptrain.comm.progress import progress_thread
 from dptrain.comm.topology import Range, Team, node_groups, shard_bounds
 from dptrain.comm.wire import Traffic, Wire
+from dptrain.comm.work import Work
 
 __all__ = ["ALGORITHMS", "check_algorithm", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "native_scatter_is_all_reduce",
@@ -66,9 +70,9 @@ class CollectiveMismatchError(RuntimeError):
 def all_reduce(tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "native",
                group: dist.ProcessGroup | None = None, async_op: bool = False,
                nodes: int | Sequence[Sequence[int]] | None = None, traffic: Traffic | None = None,
-               validate: bool = True) -> Work | None:
+               validate: bool = True, timed: bool = True) -> Work | None:
     """Sum (``op="sum"``) or average (``"avg"``) ``tensor`` over the group, in place."""
-    call = _Call.start("all_reduce", algorithm, group, nodes, traffic)
+    call = _Call.start("all_reduce", algorithm, group, nodes, traffic, timed)
     op = _op_name(op)
     call.agree(validate, tensor, op, problem=_op_problem(op, tensor) or _tensor_problem(call, "tensor", tensor))
     x = _flat(tensor)
@@ -134,11 +138,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *
             out.div_(call.world_size)
         return _write_back(output, out)
 
-    def native() -> dist.Work:
+    def native() -> dist.Work | Work:
         if not _scatter_as_all_reduce(flat_in.numel(), call.group, flat_in.device, consume_input):
             return reduce_scatter_single(out, flat_in.contiguous(), group=call.group, async_op=True)
         x = flat_in if consume_input else flat_in.clone()
-        return _then(dist.all_reduce(x, group=call.group, async_op=True), lambda: copy_out(x))
+        work = Work(backend_work=dist.all_reduce(x, group=call.group, async_op=True), timed=call.timed)
+        return work.then(lambda: copy_out(x))
 
     return call.launch(async_op, flat_in.numel(), run, finish, native=native, alone=lambda: copy_out(flat_in))
 
@@ -215,10 +220,11 @@ class _Call:
     nodes: list[tuple[int, ...]] | None
     setup_problem: str | None  # an unknown algorithm, or nodes= that do not fit
     wire: Wire
+    timed: bool  # native: stamp completed_at with a callback on the backend's future
 
     @classmethod
     def start(cls, kind: str, algorithm: str, group: dist.ProcessGroup | None,
-              nodes: int | Sequence[Sequence[int]] | None, traffic: Traffic | None) -> "_Call":
+              nodes: int | Sequence[Sequence[int]] | None, traffic: Traffic | None, timed: bool = True) -> _Call:
         group = group if group is not None else dist.group.WORLD
         world_size, rank = dist.get_world_size(group), dist.get_rank(group)
         groups, problem = None, None
@@ -226,7 +232,7 @@ class _Call:
             groups = check_algorithm(algorithm, nodes, world_size)
         except ValueError as error:
             problem = str(error)
-        return cls(kind, algorithm, group, world_size, rank, groups, problem, Wire(group, traffic))
+        return cls(kind, algorithm, group, world_size, rank, groups, problem, Wire(group, traffic), timed)
 
     @property
     def team(self) -> Team:
@@ -242,14 +248,20 @@ class _Call:
             raise ValueError(f"{self.kind} on rank {self.rank}: {problem}")
 
     def launch(self, async_op: bool, numel: int, run: Callable[[], None], finish: Callable[[], torch.Tensor],
-               native: Callable[[], dist.Work], alone: Callable[[], object] | None = None) -> Work | None:
-        """Start the collective: ``alone`` runs instead when there is nothing to communicate."""
+               native: Callable[[], dist.Work | Work], alone: Callable[[], object] | None = None) -> Work | None:
+        """Start the collective: ``alone`` runs instead when there is nothing to communicate.
+
+        ``native`` returns the backend's work, or a :class:`Work` with steps of its own
+        that run before ``finish``.
+        """
         if self.world_size == 1 or numel == 0:
             if alone is not None:
                 alone()
             work = Work.completed(finish)
         elif self.algorithm == "native":
-            work = Work(finish, backend_work=native())
+            started = native()
+            work = started if isinstance(started, Work) else Work(backend_work=started, timed=self.timed)
+            work.then(finish)
         else:
             thread = progress_thread(self.group)
             self.wire.workspace = thread.workspace
@@ -411,21 +423,6 @@ def _decode(field: str, value: int) -> str:
 
 
 # ------------------------------------------------------------------ buffers
-
-
-class _then:
-    """A backend work followed by a local step, run on ``wait()`` (before the handle's finish)."""
-
-    def __init__(self, work: dist.Work, after: Callable[[], object]):
-        self.work, self.after = work, after
-
-    def wait(self) -> bool:
-        self.work.wait()
-        self.after()
-        return True
-
-    def get_future(self):
-        return self.work.get_future()
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Handles for asynchronous collectives, and the thread that drives dptrain's own.
+"""The thread that drives dptrain's own collectives (their handles are :class:`~dptrain.comm.work.Work`).
 
 A backend collective progresses inside the backend; dptrain's algorithms are Python
 loops of point-to-point rounds, so something must run them while the caller computes
@@ -25,65 +25,15 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from dptrain.comm.wire import Workspace
+from dptrain.comm.work import Work  # re-exported: the handle submit() returns
 
 __all__ = ["Work", "ProgressThread", "progress_thread"]
-
-
-class Work:
-    """Handle of a collective: ``wait()`` blocks until it is done and returns its result tensor.
-
-    ``finish`` runs once, on the first ``wait()`` in the waiting thread (averaging,
-    copying a result back into a non-contiguous tensor). ``completed_at`` is the
-    ``time.perf_counter()`` at which the communication ended (None while running).
-    """
-
-    def __init__(self, finish: Callable[[], torch.Tensor], backend_work: dist.Work | None = None):
-        self._finish = finish
-        self._backend_work = backend_work
-        self._done = threading.Event()
-        self._error: BaseException | None = None
-        self._result: torch.Tensor | None = None
-        self.completed_at: float | None = None
-        if backend_work is not None:  # else the progress thread marks it done
-            try:
-                backend_work.get_future().add_done_callback(lambda _: self._mark_done())
-            except RuntimeError:  # some gloo works have no future: marked done by wait()
-                pass
-
-    def _mark_done(self, error: BaseException | None = None) -> None:
-        self._error = error
-        self.completed_at = time.perf_counter()
-        self._done.set()
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def wait(self) -> torch.Tensor:
-        if self._result is not None:
-            return self._result
-        if self._backend_work is not None:
-            self._backend_work.wait()
-            if not self._done.is_set():
-                self._mark_done()
-        self._done.wait()
-        if self._error is not None:
-            raise self._error
-        self._result = self._finish()
-        return self._result
-
-    @classmethod
-    def completed(cls, finish: Callable[[], torch.Tensor]) -> "Work":
-        """A handle for a collective with nothing to communicate (world size 1, empty tensor)."""
-        work = cls(finish)
-        work._mark_done()
-        return work
 
 
 class ProgressThread:
@@ -106,9 +56,9 @@ class ProgressThread:
             try:
                 run()
             except BaseException as error:  # delivered to the waiter, who re-raises it
-                work._mark_done(error)
+                work.mark_done(error)
             else:
-                work._mark_done()
+                work.mark_done()
 
 
 _THREADS: dict[int, tuple[object, ProgressThread]] = {}

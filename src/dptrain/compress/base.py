@@ -13,14 +13,15 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
-from dptrain.comm.progress import Work, progress_thread
+from dptrain.comm.progress import progress_thread
 from dptrain.comm.wire import Workspace
+from dptrain.comm.work import Work
 from dptrain.compress.codecs import Codec
 from dptrain.compress.feedback import ErrorFeedback
 

@@ -43,15 +43,23 @@ import torch.distributed as dist
 
 from dptrain.comm.compat import all_gather_single
 from dptrain.comm.cost import collective_cost
-from dptrain.comm.progress import Work
 from dptrain.comm.topology import shard_bounds
+from dptrain.comm.work import Work
 from dptrain.compress.base import LAUNCH, RUN, CompressionStats, Compressor
 from dptrain.compress.codecs import Codec, Encoded, Half, Int8, TopK
 from dptrain.compress.dgc import MomentumCorrection, Velocity, clip_local
 from dptrain.compress.feedback import finite_or_zero
 from dptrain.compress.powersgd import PowerSGD, orthonormalise, project
 from dptrain.compress.remedies import Remedies
-from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, pack, sent_bytes, sum_decoded, unpack
+from dptrain.compress.sharded import (
+    decode_shards,
+    encode_shards,
+    exchange_sum,
+    pack,
+    sent_bytes,
+    sum_decoded,
+    unpack,
+)
 from dptrain.ddp.comm_hooks import GradBucket
 
 __all__ = ["CompressionHook", "CompressionStats"]
