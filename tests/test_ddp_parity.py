@@ -240,6 +240,52 @@ def test_bucketed_equals_naive(world_size: int) -> None:
         assert max(diffs) <= TOLERANCE, f"rank {rank}: bucketed vs naive per step {diffs}"
 
 
+def _fill_per_parameter(bucket, divisor, as_view: bool, filled=frozenset()) -> None:
+    """The oracle for ``Bucket.fill``: each gradient into its slice on its own, divided by ``divisor``.
+
+    A missing gradient is zeros; one that already is its slice is divided in place; another is multiplied
+    by 1 / divisor into the slice (one pass, as torch's reducer does) and, with bucket views, re-pointed at it.
+    """
+    for position, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+        grad = param.grad
+        if position in filled:
+            continue
+        if grad is None:
+            view.zero_()
+        elif grad.data_ptr() == view.data_ptr():
+            if divisor is not None:
+                view.div_(divisor)
+        else:
+            if divisor is not None:
+                torch.mul(grad, 1.0 / divisor, out=view)
+            else:
+                view.copy_(grad)
+            if as_view:
+                param.grad = view
+
+
+def _write_back_per_parameter(bucket, used, as_view: bool) -> None:
+    """The oracle for ``Bucket.write_back``: each used parameter's gradient from its slice on its own."""
+    for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
+        if used is not True and not used[i]:
+            continue
+        if as_view:
+            param.grad = view
+        elif param.grad is None:
+            param.grad = view.clone()
+        else:
+            param.grad.copy_(view)
+
+
+def _per_parameter(ddp: DistributedDataParallel) -> None:
+    """Make every bucket of ``ddp`` copy gradients in and out one parameter at a time (the test's oracle)."""
+    import types
+
+    for bucket in ddp.reducer.buckets:
+        bucket.fill = types.MethodType(_fill_per_parameter, bucket)
+        bucket.write_back = types.MethodType(_write_back_per_parameter, bucket)
+
+
 def _batched_against_per_parameter(rank: int, world_size: int, name: str, as_view: bool, set_to_none: bool,
                                    eager_numel: int) -> int:
     """Two replicas, one filling buckets with one batched copy, one parameter by parameter: gradients compared
@@ -253,7 +299,8 @@ def _batched_against_per_parameter(rank: int, world_size: int, name: str, as_vie
     for batched in (True, False):
         ddp = DistributedDataParallel(copy.deepcopy(model), bucket_cap_mb=TINY_BUCKETS, gradient_as_bucket_view=as_view,
                                       find_unused_parameters=name == "branchy")
-        ddp.reducer.batched = batched
+        if not batched:
+            _per_parameter(ddp)
         engines.append((ddp, torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)))
     compared = 0
     for step in range(STEPS):

@@ -23,13 +23,16 @@ such as ``torch.autograd.grad(out.sum(), x, create_graph=True)`` for a gradient 
 
 from __future__ import annotations
 
-import copy
-import dataclasses
-from collections.abc import MutableMapping
-from typing import Any, Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch.autograd import Variable
+
+from dptrain.utils.tensors import (  # map_tensors re-exported for old imports
+    iter_tensors,
+    map_tensors,
+)
 
 __all__ = ["on_backward_reaching", "queue_on_current_backward", "will_accumulate", "grad_accumulator",
            "reachable_params", "iter_tensors", "map_tensors"]
@@ -71,42 +74,6 @@ def on_backward_reaching(output: Any, callback: Callable[[], None]) -> bool:
     for node in nodes.values():
         node.register_prehook(lambda grad_outputs: callback())
     return bool(nodes)
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in nested tuples, lists, dicts and dataclasses, without rebuilding them."""
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from iter_tensors(item)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            yield from iter_tensors(item)
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        for f in dataclasses.fields(obj):
-            yield from iter_tensors(getattr(obj, f.name))
-
-
-def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """A copy of nested tuples, namedtuples, lists and mutable mappings with ``fn`` applied to every tensor.
-
-    A mapping is copied and assigned item by item, so its type survives (a Hugging Face
-    ``BatchEncoding`` or ``ModelOutput`` keeps its attribute access). Other objects pass
-    through unchanged.
-    """
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-        return type(obj)(*(map_tensors(x, fn) for x in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(map_tensors(x, fn) for x in obj)
-    if isinstance(obj, MutableMapping):
-        out = copy.copy(obj)
-        for key, value in obj.items():
-            out[key] = map_tensors(value, fn)
-        return out
-    return obj
 
 
 def reachable_params(outputs: Iterable[torch.Tensor]) -> set[int]:

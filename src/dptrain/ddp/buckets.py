@@ -16,8 +16,9 @@ never mix dtypes or devices: a flat buffer has one of each.
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Hashable, Sequence
 
 import torch
 
@@ -37,7 +38,7 @@ class ParamInfo:
     group: Hashable = None  # parameters of different groups never share a bucket (ZeRO's split_by)
 
     @classmethod
-    def of(cls, param: torch.Tensor) -> "ParamInfo":
+    def of(cls, param: torch.Tensor) -> ParamInfo:
         return cls(param.numel(), param.element_size(), param.dtype, param.device)
 
     @property
@@ -133,43 +134,55 @@ class Bucket:
         if result is not self.buffer and result.data_ptr() != self.buffer.data_ptr():
             self.buffer.copy_(result.view(-1))
 
-    def fill(self, divisor: int | None, as_view: bool, batched: bool = True, filled: set[int] = frozenset()) -> None:
+    def fill(self, divisor: int | None, as_view: bool, filled: set[int] = frozenset()) -> None:
         """Put the gradients into their slices, divided by ``divisor``; missing gradients as zeros.
 
-        ``filled``: positions already copied in (large gradients, as they arrived). Batched
-        (the default): one ``_foreach_copy_`` for the rest of the gradients that are not
-        their slice already, then one multiplication (of the whole buffer when nothing was
-        filled before) by ``1 / divisor``, instead of an operation per parameter (on a
-        GPU, a kernel launch each). Gradients that already are their slice (``as_view``
-        after the first step) are divided in place, as ``copy_into_slice`` does, so the
-        result is bitwise that of the per-parameter path (``batched=False``, the oracle).
+        The one way into a bucket, batched: the gradients are sorted into those to copy,
+        those that already are their slice (``as_view`` after the first step) and missing
+        ones; then one ``_foreach_copy_``, one ``_foreach_zero_`` and one scaling, instead
+        of an operation per parameter (on a GPU, a kernel launch each). ``filled``:
+        positions copied in as they arrived (:meth:`fill_one`), left alone. The scaling
+        multiplies copies by ``1 / divisor`` (the whole buffer when nothing else is in it)
+        and divides slices in place, so the result is bitwise that of one
+        :func:`copy_into_slice` per parameter (tests/test_ddp_parity.py checks it).
         """
-        if not batched:
-            for position, (param, view) in enumerate(zip(self.params, self.views)):
-                if position not in filled:
-                    _check_dense(param, position)
-                    copy_into_slice(param, view, divisor, as_view)
+        sources, targets, copied, in_place, zeros = self._sort(as_view, filled)
+        if targets:
+            torch._foreach_copy_(targets, sources)
+            if as_view:  # from now on autograd accumulates into the slice
+                for position in copied:
+                    self.params[position].grad = self.views[position]
+        if zeros:
+            torch._foreach_zero_(zeros)
+        if divisor is None:
             return
-        if not filled:
-            grads = [p.grad for p in self.params]
-            if as_view and all(g is v for g, v in zip(grads, self.views)):  # views kept from the last step
-                if divisor is not None:
-                    self.buffer.div_(divisor)
-                return
-            if all(g is not None and not g.is_sparse for g in grads) and \
-                    (not as_view or not any(g is v for g, v in zip(grads, self.views))):  # the usual case
-                torch._foreach_copy_(self.views, grads)
-                if divisor is not None:
-                    self.buffer.mul_(1.0 / divisor)
-                if as_view:
-                    for param, view in zip(self.params, self.views):
-                        param.grad = view
-                return
-        sources, targets, in_place, zeros = [], [], [], []
-        for position, (param, view) in enumerate(zip(self.params, self.views)):
+        if in_place is self.views:  # every gradient is its slice
+            self.buffer.div_(divisor)
+        elif not in_place and not filled:
+            self.buffer.mul_(1.0 / divisor)  # zeros stay zeros
+        else:
+            if targets:
+                torch._foreach_mul_(targets, 1.0 / divisor)
+            if in_place:
+                torch._foreach_div_(in_place, divisor)
+
+    def _sort(self, as_view: bool, filled: set[int]) -> tuple[list, list, Sequence[int], list, list]:
+        """(gradients to copy, their slices, their positions, slices that already hold theirs, slices of missing
+        gradients).
+
+        The usual step, every gradient present and separate from its slice, is sorted by
+        a check at C speed; a loop over the parameters only otherwise.
+        """
+        grads = [p.grad for p in self.params]
+        if not filled and as_view and all(map(operator.is_, grads, self.views)):  # views kept from the last step
+            return [], [], (), self.views, []
+        if not filled and all(g is not None and not g.is_sparse for g in grads) and \
+                not (as_view and any(map(operator.is_, grads, self.views))):
+            return grads, self.views, range(len(grads)), [], []
+        sources, targets, copied, in_place, zeros = [], [], [], [], []
+        for position, (grad, view) in enumerate(zip(grads, self.views)):
             if position in filled:
                 continue
-            grad = param.grad
             if grad is None:
                 zeros.append(view)
             elif grad.is_sparse:
@@ -179,21 +192,8 @@ class Bucket:
             else:
                 sources.append(grad)
                 targets.append(view)
-                if as_view:
-                    param.grad = view
-        if targets:
-            torch._foreach_copy_(targets, sources)
-        if zeros:
-            torch._foreach_zero_(zeros)
-        if divisor is None:
-            return
-        if not in_place and not filled:
-            self.buffer.mul_(1.0 / divisor)  # zeros stay zeros
-            return
-        if targets:
-            torch._foreach_mul_(targets, 1.0 / divisor)
-        if in_place:
-            torch._foreach_div_(in_place, divisor)
+                copied.append(position)
+        return sources, targets, copied, in_place, zeros
 
     def fill_one(self, position: int, divisor: int | None, as_view: bool) -> None:
         """Copy one gradient into its slice now (a large one, while it is in cache)."""
@@ -201,32 +201,30 @@ class Bucket:
         _check_dense(param, position)
         copy_into_slice(param, self.views[position], divisor, as_view)
 
-    def write_back(self, used: list[bool] | bool, as_view: bool, batched: bool = True) -> None:
+    def write_back(self, used: list[bool] | bool, as_view: bool) -> None:
         """Hand the reduced gradients to the parameters whose index ``used`` marks (``True``: all of them).
 
-        The others (no rank used them since the last sync) keep ``.grad`` untouched, as
-        in a single process, so optimizers skip them. Batched: one ``_foreach_copy_``
-        into the existing gradients; ``batched=False`` copies parameter by parameter.
+        The one way out of a bucket. The others (no rank used them since the last sync)
+        keep ``.grad`` untouched, as in a single process, so optimizers skip them. With
+        ``as_view`` a gradient is its slice (re-pointed if not); otherwise one
+        ``_foreach_copy_`` into the existing gradients, and a missing one gets a copy.
         """
-        if used is True and batched and not as_view:
-            grads = [p.grad for p in self.params]
-            if all(g is not None for g in grads):  # the usual case: one copy, no loop
-                torch._foreach_copy_(grads, self.views)
-                return
         targets, sources = [], []
-        for i, param, view in zip(self.param_indices, self.params, self.views):
-            if used is not True and not used[i]:
-                continue
-            if as_view:
-                if param.grad is not view:  # after the first step it is (autograd accumulates into it)
-                    param.grad = view
-            elif param.grad is None:
-                param.grad = view.clone()
-            elif batched:
-                targets.append(param.grad)
-                sources.append(view)
-            else:
-                param.grad.copy_(view)
+        grads = [p.grad for p in self.params]
+        if used is True and not as_view and all(g is not None for g in grads):  # the usual step: no loop
+            targets, sources = grads, self.views
+        else:
+            for i, param, grad, view in zip(self.param_indices, self.params, grads, self.views):
+                if used is not True and not used[i]:
+                    continue
+                if as_view:
+                    if grad is not view:  # after the first step it is (autograd accumulates into it)
+                        param.grad = view
+                elif grad is None:
+                    param.grad = view.clone()
+                else:
+                    targets.append(grad)
+                    sources.append(view)
         if targets:
             torch._foreach_copy_(targets, sources)
 
@@ -241,7 +239,7 @@ def _check_dense(param: torch.nn.Parameter, position: int) -> None:
 
 
 def copy_into_slice(param: torch.nn.Parameter, view: torch.Tensor, divisor: int | None, as_view: bool) -> None:
-    """Put ``param``'s gradient into its bucket slice ``view``, divided by ``divisor``.
+    """Put ``param``'s gradient into its bucket slice ``view``, divided by ``divisor`` (a copy on arrival).
 
     One pass over memory (``mul`` with an ``out``, as torch's reducer does), not a copy
     and a division. A gradient that already is the slice (``as_view`` with

@@ -10,24 +10,29 @@ ready. A hook is any callable ``hook(state, bucket) -> handle`` where
 - ``handle.wait()`` blocks until the reduction is done and returns a flat tensor of
   ``bucket.buffer()``'s size, dtype and device holding the *averaged* gradients.
 
-``torch.futures.Future`` satisfies the handle contract, and ``GradBucket`` offers the
+``torch.futures.Future`` satisfies the handle contract (dptrain's own hooks return a
+:class:`~dptrain.comm.work.Work`), and ``GradBucket`` offers the
 methods torch's own ``GradBucket`` does, so hooks written for
 ``torch.nn.parallel.DistributedDataParallel.register_comm_hook`` (``allreduce_hook``,
 ``fp16_compress_hook``, PowerSGD, ...) run here unchanged. The hook owns the
-averaging: the engine never divides.
+averaging: the engine divides only for its default hook, :class:`SumAllReduce`, which
+says so (``averages = False``).
 
 Compression codecs plug in here: encode in the hook, reduce, decode in ``wait()``.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradBucket", "CommHook", "ReduceHandle", "allreduce_hook", "hook_name", "stamp", "TimedHandle"]
+from dptrain import comm
+from dptrain.comm.work import Work
+
+__all__ = ["GradBucket", "CommHook", "ReduceHandle", "SumAllReduce", "allreduce_hook", "hook_name"]
 
 
 class ReduceHandle(Protocol):
@@ -35,7 +40,7 @@ class ReduceHandle(Protocol):
 
 
 class CommHook(Protocol):
-    def __call__(self, state: Any, bucket: "GradBucket") -> ReduceHandle: ...
+    def __call__(self, state: Any, bucket: GradBucket) -> ReduceHandle: ...
 
 
 class GradBucket:
@@ -73,62 +78,46 @@ class GradBucket:
         return self._is_last
 
 
-class _WorkHandle:
-    """Adapts a ``torch.distributed.Work`` to the handle contract: ``wait()`` returns the tensor."""
-
-    __slots__ = ("_work", "_tensor")
-
-    def __init__(self, work: dist.Work, tensor: torch.Tensor):
-        self._work = work
-        self._tensor = tensor
-
-    def wait(self) -> torch.Tensor:
-        self._work.wait()
-        return self._tensor
-
-    def is_completed(self) -> bool:
-        return self._work.is_completed()
-
-
-def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> ReduceHandle:
+def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) -> Work:
     """Average the bucket in place with one asynchronous all-reduce.
 
-    What the engine does when no hook is registered (there, the division is fused into
-    the copy of gradients into the bucket); a starting point for hooks that wrap it.
-    Dividing before the sum (not after) keeps fp16/bf16 buckets from overflowing.
+    A starting point for hooks that wrap it; the engine's default, :class:`SumAllReduce`,
+    is the same all-reduce with the division fused into the copy of gradients into the
+    bucket. Dividing before the sum (not after) keeps fp16/bf16 buckets from overflowing.
     """
     tensor = bucket.buffer()
     world_size = dist.get_world_size(process_group)
     if world_size != 1:
         tensor.div_(world_size)
     work = dist.all_reduce(tensor, group=process_group, async_op=True)
-    return _WorkHandle(work, tensor)
+    return Work(lambda: tensor, backend_work=work)
+
+
+class SumAllReduce:
+    """The engine's default hook: one asynchronous ``dptrain.comm.all_reduce`` of the bucket, a sum.
+
+    As torch's reducer treats its all-reduce as the default comm hook, dptrain's engine
+    always calls ``hook(state, bucket)``, and this is the hook it starts with. It does
+    not average: the engine divides each gradient by the world size as it copies it into
+    the bucket (``averages = False``), one pass over memory fewer than dividing here.
+    ``algorithm`` is any of :data:`dptrain.comm.ALGORITHMS`; buckets have the same size
+    and dtype on every rank by construction (the replicas were verified), so the
+    collective's agreement round trip is skipped. ``timed``: exact completion times
+    (``Work.completed_at``) at the cost of a callback per bucket on the backend's thread.
+    """
+
+    averages = False
+
+    def __init__(self, group: dist.ProcessGroup, algorithm: str = "native",
+                 nodes: int | Sequence[Sequence[int]] | None = None, traffic: comm.Traffic | None = None):
+        self.group, self.algorithm, self.nodes, self.traffic = group, algorithm, nodes, traffic
+        self.timed = False
+
+    def __call__(self, state: Any, bucket: GradBucket) -> Work:
+        return comm.all_reduce(bucket.buffer(), algorithm=self.algorithm, group=self.group, nodes=self.nodes,
+                               async_op=True, validate=False, traffic=self.traffic, timed=self.timed)
 
 
 def hook_name(hook: CommHook) -> str:
     hook = getattr(hook, "func", hook)  # functools.partial
     return getattr(hook, "__qualname__", type(hook).__qualname__)
-
-
-def stamp(span: list) -> None:
-    """Record a reduction's completion time, unless an earlier stamp exists."""
-    if span[2] is None:
-        span[2] = time.perf_counter()
-
-
-class TimedHandle:
-    """A reduction's handle that stamps its ``[bucket, launched, done]`` span when waited for (an upper bound on
-    completion; ``StepCommStats.bucket_spans``)."""
-
-    __slots__ = ("handle", "span")
-
-    def __init__(self, handle: ReduceHandle, span: list):
-        self.handle, self.span = handle, span
-
-    def wait(self) -> torch.Tensor:
-        result = self.handle.wait()
-        done = getattr(self.handle, "completed_at", None)  # dptrain.comm's handles know it exactly
-        if done is not None and self.span[2] is None:
-            self.span[2] = done
-        stamp(self.span)
-        return result

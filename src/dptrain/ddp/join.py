@@ -19,18 +19,31 @@ was last to join, so the replicas leave the context identical.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from torch.distributed.algorithms.join import JoinHook
 
-if TYPE_CHECKING:
-    from dptrain.ddp.module import DistributedDataParallel
+__all__ = ["DDPJoinHook", "JoinableDDP"]
 
-__all__ = ["DDPJoinHook"]
+
+class JoinableDDP(Protocol):
+    """What the hook needs of the DDP module (``module.py``, which imports this file: no way back up)."""
+
+    require_forward_param_sync: bool
+    _divide_by_initial_world_size: bool
+    reducer: Any  # the module's Reducer: reduce_zeros() shadows a synced backward
+
+    def _will_sync_buffers(self) -> bool: ...
+
+    def _sync_buffers(self, is_active: bool) -> tuple[int, int]: ...
+
+    def _agree_on_grad_sync(self, is_joined: bool) -> bool: ...
+
+    def _sync_final_model(self, is_last_joiner: bool) -> None: ...
 
 
 class DDPJoinHook(JoinHook):
-    def __init__(self, ddp: "DistributedDataParallel", divide_by_initial_world_size: bool):
+    def __init__(self, ddp: JoinableDDP, divide_by_initial_world_size: bool):
         self.ddp = ddp
         ddp._divide_by_initial_world_size = divide_by_initial_world_size
 

@@ -24,7 +24,8 @@ A torch DDP script works unchanged with ``from dptrain import DistributedDataPar
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,12 +34,14 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
 from dptrain.comm import check_algorithm
 from dptrain.comm.fingerprint import collective_check
-from dptrain.ddp.autograd import iter_tensors, map_tensors, on_backward_reaching
+from dptrain.ddp.autograd import on_backward_reaching
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
+from dptrain.ddp.join import DDPJoinHook
 from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.ddp.sync_switch import GradSyncSwitch
+from dptrain.utils.tensors import iter_tensors, map_tensors
 
 __all__ = ["DistributedDataParallel"]
 
@@ -240,7 +243,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
     # ------------------------------------------------------------ runtime switches
 
     def register_comm_hook(self, state: object, hook: CommHook) -> None:
-        """Replace the default all-reduce with ``hook(state, bucket) -> handle``.
+        """Replace the default hook (``SumAllReduce``: an all-reduce of ``algorithm``) with ``hook(state, bucket) -> handle``.
 
         See :mod:`dptrain.ddp.comm_hooks` for the protocol; torch's DDP hooks work as is.
         Must be called once, before the first forward.
@@ -251,8 +254,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
             raise RuntimeError("register_comm_hook must be called before the first forward")
         if not callable(hook):
             raise TypeError(f"hook must be callable, got {type(hook).__name__}")
-        self.reducer.comm_hook = hook
-        self.reducer.comm_state = state
+        self.reducer.register_comm_hook(state, hook)
         self._comm_hook_registered = True
 
     @property
@@ -280,7 +282,6 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
                     divide_by_initial_world_size=divide_by_initial_world_size)
 
     def join_hook(self, **kwargs: Any) -> JoinHook:
-        from dptrain.ddp.join import DDPJoinHook
         return DDPJoinHook(self, kwargs.get("divide_by_initial_world_size", True))
 
     @property

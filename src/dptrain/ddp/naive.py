@@ -21,7 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.ddp.autograd import grad_accumulator, on_backward_reaching, queue_on_current_backward, will_accumulate
+from dptrain.ddp.autograd import (
+    grad_accumulator,
+    on_backward_reaching,
+    queue_on_current_backward,
+    will_accumulate,
+)
 from dptrain.ddp.replicas import broadcast_coalesced
 from dptrain.ddp.sync_switch import GradSyncSwitch
 
@@ -72,7 +77,7 @@ class NaiveDataParallel(GradSyncSwitch, nn.Module):
         self._used = [False] * len(self.params)
 
 
-def _mark_used(naive_ref: "weakref.ref[NaiveDataParallel]", index: int):
+def _mark_used(naive_ref: weakref.ref[NaiveDataParallel], index: int):
     def hook(_param: torch.Tensor) -> None:
         naive = naive_ref()
         if naive is not None:

@@ -9,13 +9,15 @@ Algorithm (Li et al., VLDB 2020, section 3.2; torch's ``reducer.cpp`` does the s
 2. Each parameter's post-accumulate-grad hook records its arrival in its bucket's
    *arrival log*; for most parameters the hook is the log's own ``list.append``, a C
    function, so autograd runs no Python frame for them ([Note: arrival logs] in
-   ``arrival_log.py``). One parameter per bucket, its *trigger* (the one whose gradient
+   ``arrivals.py``). One parameter per bucket, its *trigger* (the one whose gradient
    came last in the previous step), has a Python hook: it checks whether the bucket is
    complete (every expected gradient logged) and, if so and every earlier bucket has
    been launched, copies the gradients into the bucket's flat buffer
-   in one batched operation, divided by the world size on the way (dividing before the
-   sum also keeps fp16 buckets from overflowing), and all-reduces it asynchronously (or
-   hands it to the communication hook) while backward continues on earlier layers.
+   in one batched operation (``Bucket.fill``, the one way in), divided by the world size
+   on the way (dividing before the sum also keeps fp16 buckets from overflowing), and
+   hands it to the communication hook, the one way out: by default ``SumAllReduce``, an
+   asynchronous ``dptrain.comm.all_reduce`` (as torch's reducer treats its all-reduce as
+   the default hook), while backward continues on earlier layers.
 3. At the end of the outermost backward (see [Note: finalize on the outermost backward]
    in ``autograd.py``) buckets not yet launched are launched, in order, all handles are
    waited for, in order, and the averaged gradients are written to ``.grad``.
@@ -38,7 +40,8 @@ import enum
 import time
 import warnings
 import weakref
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,11 +49,20 @@ import torch.distributed as dist
 from dptrain import comm
 from dptrain.comm.fingerprint import CollectiveCheck
 from dptrain.comm.step_stats import StepCommStats
-from dptrain.ddp.arrival_log import ArrivalLog, Want
-from dptrain.ddp.arrivals import GradientArrivals
-from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
+from dptrain.ddp.arrivals import ArrivalLog, GradientArrivals, Want
+from dptrain.ddp.autograd import (
+    grad_accumulator,
+    queue_on_current_backward,
+    will_accumulate,
+)
 from dptrain.ddp.buckets import Bucket, SparseGradient
-from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, TimedHandle, _WorkHandle, hook_name, stamp
+from dptrain.ddp.comm_hooks import (
+    CommHook,
+    GradBucket,
+    ReduceHandle,
+    SumAllReduce,
+    hook_name,
+)
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
 
@@ -81,8 +93,6 @@ class Reducer:
         names: list[str],
         bucket_indices: list[list[int]],
         process_group: dist.ProcessGroup,
-        comm_hook: CommHook | None = None,
-        comm_state: Any = None,
         gradient_as_bucket_view: bool = False,
         find_unused_parameters: bool = False,
         static_graph: bool = False,
@@ -93,24 +103,18 @@ class Reducer:
     ):
         self.params = params
         self.check = check            # fingerprints each bucket's first reduction (or every one) across ranks
-        self.algorithm = algorithm    # how buckets are all-reduced without a hook (dptrain.comm)
-        self.nodes = nodes
-        self.traffic = traffic        # counts dptrain.comm's bytes sent, for tests and benchmarks
         self.names = names
         self.process_group = process_group
-        self.comm_hook = comm_hook    # None: the built-in averaging all-reduce
-        self.record_spans = False     # exact per-bucket completion times (StepCommStats.bucket_spans)
-        self.batched = True           # one copy per bucket, not per parameter (False: the per-parameter oracle)
-        self.comm_state = comm_state
+        # The one way out of a bucket: hook(state, bucket). The default sums with dptrain.comm (algorithm, nodes;
+        # traffic counts its bytes sent); register_comm_hook replaces it.
+        self.default_hook = SumAllReduce(process_group, algorithm, nodes, traffic)
         self.divisor = dist.get_world_size(process_group)  # see join.py for when it changes
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
         self.arrivals = GradientArrivals(params, find_unused_parameters, static_graph)
         self.buckets = [Bucket(b, [params[i] for i in idx], idx) for b, idx in enumerate(bucket_indices)]
-        self._sent_bytes = [comm.sent_bytes("all_reduce", b.numel, b.buffer.element_size(), algorithm=algorithm,
-                                            group=process_group, nodes=nodes, device=b.buffer.device)
-                            for b in self.buckets]
+        self.register_comm_hook(None, self.default_hook)
         self._bucket_of = [0] * len(params)
         self._position = [0] * len(params)
         for bucket in self.buckets:
@@ -134,6 +138,26 @@ class Reducer:
         self._log = ArrivalLog(params, bucket_indices, self._make_grad_hook, self._eager)
         self._reset_step()
         self.last_stats = StepCommStats()
+
+    def register_comm_hook(self, state: Any, hook: CommHook) -> None:
+        """Reduce buckets with ``hook(state, bucket)``: what is divided on the way in, checked and counted follows."""
+        self.comm_hook, self.comm_state = hook, state
+        default = hook is self.default_hook
+        self._divides = default and not hook.averages  # the division is fused into the copy into the bucket
+        self._check_op = "all_reduce" if default else f"comm hook {hook_name(hook)}"
+        # bytes sent, by the cost model, for the default hook (a custom hook's traffic is its own)
+        self._sent_bytes = [comm.sent_bytes("all_reduce", b.numel, b.buffer.element_size(), algorithm=hook.algorithm,
+                                            group=self.process_group, nodes=hook.nodes, device=b.buffer.device)
+                            if default else 0 for b in self.buckets]
+
+    @property
+    def record_spans(self) -> bool:
+        """Exact per-bucket completion times (``StepCommStats.bucket_spans``); otherwise stamped when waited for."""
+        return self.default_hook.timed
+
+    @record_spans.setter
+    def record_spans(self, on: bool) -> None:
+        self.default_hook.timed = on
 
     # ----------------------------------------------------------------- forward side
 
@@ -212,7 +236,7 @@ class Reducer:
         self.arrivals.forget_used()
         self._log.clear()
         self._reset_step()
-        for handle in handles:
+        for handle, _ in handles:
             handle.wait()
 
     def backward_callback(self, generation: int) -> Callable[[], None]:
@@ -295,9 +319,9 @@ class Reducer:
         self._filled[bucket].add(position)
 
     def _fill_divisor(self) -> float | None:
-        """What gradients are divided by as they are copied into a bucket: the world size, unless a comm hook
+        """What gradients are divided by as they are copied into a bucket: the world size, unless the comm hook
         averages (then nothing)."""
-        return self.divisor if self.comm_hook is None and self.divisor != 1 else None
+        return self.divisor if self._divides and self.divisor != 1 else None
 
     def _sparse_error(self, index: int) -> RuntimeError:
         return RuntimeError(f"parameter {self.names[index]!r} has a sparse gradient; dptrain's DDP reduces dense "
@@ -338,54 +362,36 @@ class Reducer:
         self._next_bucket = b + 1
         self._stats.launch_order.append(b)
 
-    def _reduce(self, bucket: Bucket) -> ReduceHandle:
-        """Start reducing a bucket: copy its gradients in (averaged, unless a comm hook does it), then communicate."""
-        divisor = self._fill_divisor()
+    def _reduce(self, bucket: Bucket) -> tuple[ReduceHandle, list]:
+        """Start reducing a bucket: copy its gradients in (averaged, unless the comm hook does it), then communicate.
+
+        Returns the handle and the bucket's ``[index, launched, done]`` span, completed by :func:`_waited`.
+        """
         try:
-            bucket.fill(divisor, self.gradient_as_bucket_view, self.batched, self._filled[bucket.index])
+            bucket.fill(self._fill_divisor(), self.gradient_as_bucket_view, self._filled[bucket.index])
         except SparseGradient as e:
             raise self._sparse_error(bucket.param_indices[e.position]) from None
-        self._stats.calls += 1
-        self._stats.bytes += bucket.nbytes
-        self._stats.bucket_bytes.append(bucket.nbytes)
+        stats = self._stats
+        stats.calls += 1
+        stats.bytes += bucket.nbytes
+        stats.bucket_bytes.append(bucket.nbytes)
         span = [bucket.index, time.perf_counter(), None]
-        self._stats.bucket_spans.append(span)
-        return TimedHandle(self._communicate(bucket, bucket.buffer, span), span)
+        stats.bucket_spans.append(span)
+        return self._communicate(bucket, bucket.buffer), span
 
-    def _communicate(self, bucket: Bucket, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
-        """Reduce ``buffer`` (the bucket's, or zeros of its layout): the comm hook or the averaging all-reduce.
+    def _communicate(self, bucket: Bucket, buffer: torch.Tensor) -> ReduceHandle:
+        """Reduce ``buffer`` (the bucket's, or zeros of its layout) with the comm hook: the one way out.
 
         With a ``check``, the call's fingerprint is compared across ranks first (comm/fingerprint.py):
         on each bucket's first reduction, or on every one.
         """
         if self.check is not None:
-            op = "all_reduce" if self.comm_hook is None else f"comm hook {hook_name(self.comm_hook)}"
-            self.check.verify_site(bucket.index, op, [buffer], f"bucket {bucket.index}")
-        if self.comm_hook is not None:
-            return self.comm_hook(self.comm_state, self._grad_bucket(bucket, buffer))
+            self.check.verify_site(bucket.index, self._check_op, [buffer], f"bucket {bucket.index}")
         self._stats.sent_bytes += self._sent_bytes[bucket.index]
-        return self._all_reduce(buffer, span)
-
-    def _all_reduce(self, buffer: torch.Tensor, span: list | None = None) -> ReduceHandle:
-        """Sum ``buffer`` across ranks asynchronously with the configured algorithm.
-
-        With ``record_spans``, the backend's work stamps ``span`` when it completes;
-        dptrain.comm's handles carry ``completed_at``, which ``_Timed`` reads.
-        """
-        if self.algorithm != "native":
-            # Buckets have the same size and dtype on every rank by construction (the
-            # replicas were verified), so the agreement round trip is skipped.
-            return comm.all_reduce(buffer, algorithm=self.algorithm, group=self.process_group,
-                                   nodes=self.nodes, async_op=True, validate=False, traffic=self.traffic)
-        work = dist.all_reduce(buffer, group=self.process_group, async_op=True)
-        if span is not None and self.record_spans:
-            work.get_future().add_done_callback(lambda _: stamp(span))
-        return _WorkHandle(work, buffer)
-
-    def _grad_bucket(self, bucket: Bucket, buffer: torch.Tensor) -> GradBucket:
         views = bucket.views if buffer is bucket.buffer else bucket.views_into(buffer)
-        return GradBucket(bucket.index, buffer, views, bucket.params,
-                          is_last=(bucket.index == len(self.buckets) - 1))
+        grad_bucket = GradBucket(bucket.index, buffer, views, bucket.params,
+                                 is_last=(bucket.index == len(self.buckets) - 1))
+        return self.comm_hook(self.comm_state, grad_bucket)
 
     # ------------------------------------------------------------------- finalize
 
@@ -407,11 +413,11 @@ class Reducer:
             everything_used = False not in globally_used  # True: write_back skips the per-parameter check
             # Wait and copy out bucket by bucket: bucket k's copy overlaps bucket k+1's
             # reduction. Every rank re-reduces the same (agreed) late buckets in order.
-            for bucket, handle in zip(self.buckets, self._handles):
-                bucket.store(handle.wait())
+            for bucket, (handle, span) in zip(self.buckets, self._handles):
+                bucket.store(_waited(handle, span))
                 if late[bucket.index]:
                     self._reduce_again(bucket)
-                bucket.write_back(everything_used or globally_used, self.gradient_as_bucket_view, self.batched)
+                bucket.write_back(everything_used or globally_used, self.gradient_as_bucket_view)
             stats.comm_end = time.perf_counter()
             missing = [] if 0 not in fired else \
                 [self.names[i] for i, n in enumerate(fired) if n == 0 and self._expected[i] > 0]
@@ -441,7 +447,7 @@ class Reducer:
 
     def _reduce_again(self, bucket: Bucket) -> None:
         self._filled[bucket.index] = set()  # copy every gradient in again, late pieces included
-        bucket.store(self._reduce(bucket).wait())
+        bucket.store(_waited(*self._reduce(bucket)))
 
     def _reset_step(self) -> None:
         n = len(self.params)
@@ -450,7 +456,7 @@ class Reducer:
         self._log.new_backward()
         self._next_bucket = 0
         self._filled: list[set[int]] = [set() for _ in self.buckets]  # positions copied in as they arrived
-        self._handles: list[ReduceHandle] = []
+        self._handles: list[tuple[ReduceHandle, list]] = []  # per launched bucket: (handle, span)
         self._stale: set[int] = set()
         self._stats = StepCommStats()
 
@@ -474,6 +480,15 @@ class Reducer:
         for bucket in self.buckets:
             if late[bucket.index]:  # the active ranks reduce it again: join them with zeros
                 self._communicate(bucket, torch.zeros_like(bucket.buffer)).wait()
+
+
+def _waited(handle: ReduceHandle, span: list) -> torch.Tensor:
+    """Wait for a bucket's reduction and complete its span: exactly when the handle knows
+    (``Work.completed_at``, the default hook with ``record_spans``), else now (an upper bound)."""
+    result = handle.wait()
+    if span[2] is None:
+        span[2] = getattr(handle, "completed_at", None) or time.perf_counter()
+    return result
 
 
 def _unused_message(missing: list[str], rank: int) -> str:

@@ -11,7 +11,7 @@ broadcast per (dtype, device) group instead of one per tensor.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 import torch.distributed as dist

@@ -11,7 +11,7 @@ forward run inside ``no_sync()`` makes its backward skip communication.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+from collections.abc import Iterator
 
 __all__ = ["GradSyncSwitch"]
 
