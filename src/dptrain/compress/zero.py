@@ -23,7 +23,7 @@ from typing import Hashable
 import torch
 import torch.distributed as dist
 
-from dptrain.comm.progress import Work
+from dptrain.comm.work import Work
 from dptrain.compress.base import LAUNCH, RUN, Compressor
 from dptrain.compress.codecs import Codec, Half, Int8
 from dptrain.compress.sharded import decode_shards, encode_shards, exchange_sum, sent_bytes

@@ -48,7 +48,7 @@ from torch.utils.data import Dataset
 
 from dptrain.batching import BatchPlan
 from dptrain.ddp import DistributedDataParallel
-from dptrain.ddp.autograd import map_tensors
+from dptrain.utils.tensors import map_tensors
 from dptrain.gossip import GossipDataParallel
 from dptrain.launch.heartbeat import mark_progress
 from dptrain.train.loader import ShardedLoader

@@ -43,7 +43,7 @@ from torch.utils.data.distributed import DistributedSampler as TorchDistributedS
 
 from dptrain.data.sampler import DistributedSampler
 from dptrain.ddp import DistributedDataParallel
-from dptrain.ddp.autograd import map_tensors
+from dptrain.utils.tensors import map_tensors
 from dptrain.launch.heartbeat import mark_progress
 from dptrain.train.engine import clip_by_global_norm
 from dptrain.train.loader import set_epoch
