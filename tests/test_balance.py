@@ -10,11 +10,11 @@ import torch
 from _cli import dptrain
 from torch import nn
 
-from dptrain.balance import DynamicBatcher, DynamicLoader, split_shares
+from dptrain.data.balance import DynamicBatcher, DynamicLoader, split_shares
 from dptrain.batching import BatchPlan
 from dptrain.testing import run_on_ranks
-from dptrain.train.engine import Engine
-from dptrain.train.loader import ShardedLoader
+from dptrain.api.engine import Engine
+from dptrain.data.loader import ShardedLoader
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -133,7 +133,7 @@ def test_dynamic_batching_run_matches_the_fixed_split_and_helps_the_straggler(tm
 
 def test_a_straggler_sleeps_factor_minus_one_times_its_last_compute(monkeypatch):
     """The injected straggler's own rule, exactly (the end-to-end runs only see that it is slowest)."""
-    from dptrain.train import straggler
+    from dptrain.runner import straggler
 
     slept = []
     monkeypatch.setattr(straggler.time, "sleep", slept.append)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain.train.checkpoint import (
+from dptrain.runner.checkpoint import (
     CheckpointError,
     find_latest,
     load_checkpoint,

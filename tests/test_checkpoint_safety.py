@@ -26,8 +26,8 @@ from _cli import dptrain, tiny_gpt_config
 from click.testing import CliRunner
 from test_consolidate import META, zero2_checkpoint
 
-from dptrain.cli_checkpoint import consolidate
-from dptrain.train.checkpoint import (
+from dptrain.cli.checkpoint import consolidate
+from dptrain.runner.checkpoint import (
     CheckpointError,
     find_latest,
     prune_checkpoints,

@@ -99,7 +99,7 @@ def _bench_command(line: str):
     import importlib
     import shlex
 
-    from dptrain.bench.command import BENCHMARKS
+    from dptrain.cli.bench_group import BENCHMARKS
 
     words = shlex.split(line)
     if words[:2] == ["dptrain", "bench"]:
@@ -124,7 +124,7 @@ def test_every_documented_bench_command_line_still_parses(line):
 def test_bench_help_lists_every_benchmark_on_one_line():
     from click.testing import CliRunner
 
-    from dptrain.bench.command import BENCHMARKS
+    from dptrain.cli.bench_group import BENCHMARKS
     from dptrain.cli import main
 
     result = CliRunner().invoke(main, ["bench", "--help"])
@@ -160,7 +160,7 @@ def test_python_m_runs_the_same_benchmark_command():
 def test_variadic_options_take_values_up_to_the_next_option():
     import click
 
-    from dptrain.bench.command import spread_variadic
+    from dptrain.cli.bench_group import spread_variadic
 
     flags = {"--caps"}
     assert spread_variadic(["--caps", "1", "25", "--rounds", "2"], flags) == \
@@ -269,7 +269,7 @@ def _train_record(samples_per_s: float, tokens_per_sample: int) -> dict:
 
 
 def test_console_line_shows_tokens_only_for_a_task_with_tokens():
-    from dptrain.train.metrics import format_line
+    from dptrain.runner.metrics import format_line
 
     classifier = format_line(_train_record(3200.0, 1), 10)
     assert "3200 samples/s" in classifier and "tok/s" not in classifier
@@ -281,7 +281,7 @@ def test_console_line_shows_tokens_only_for_a_task_with_tokens():
 def test_run_summary_shows_tokens_only_for_a_task_with_tokens(tmp_path, tokens_per_sample):
     import io
 
-    from dptrain.train.report import RunLog, print_summary
+    from dptrain.runner.report import RunLog, print_summary
 
     summary = dict(run_dir="runs/x", task="classifier", parameters=1000, world_size=2, device="cpu", backend="gloo",
                    global_batch_size=32, micro_batch_size=16, grad_accum_steps=1, lr_rule="2e-3", start_step=0,
@@ -319,7 +319,7 @@ def test_loss_plot_is_logarithmic_over_a_decade_and_shows_validation_accuracy(tm
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from dptrain.train.plots import _draw_loss, plot_run, spans_a_decade
+    from dptrain.pages.plots import _draw_loss, plot_run, spans_a_decade
 
     assert spans_a_decade([5.0, 0.4]) and not spans_a_decade([2.3, 0.5]) and not spans_a_decade([])
     train, evals = _metrics(tmp_path, [5.0, 1.0, 0.2], accuracy=True)
@@ -342,15 +342,15 @@ def test_loss_plot_is_logarithmic_over_a_decade_and_shows_validation_accuracy(tm
 
 def test_plots_command_without_a_run_dir_prints_usage_and_exits_2(tmp_path):
     for args in ([], [str(tmp_path / "missing")]):
-        proc = subprocess.run([sys.executable, "-m", "dptrain.train.plots", *args], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-m", "dptrain.pages.plots", *args], capture_output=True, text=True,
                               timeout=120)
         assert proc.returncode == 2, proc.stderr
-        assert proc.stderr.startswith("usage: python -m dptrain.train.plots RUN_DIR")
+        assert proc.stderr.startswith("usage: python -m dptrain.pages.plots RUN_DIR")
         assert "Traceback" not in proc.stderr
 
 
 def test_the_summary_lists_a_directory_a_backend_wrote_as_one_entry(tmp_path):
-    from dptrain.train.report import _listing
+    from dptrain.runner.report import _listing
 
     for rel in ("wandb/offline-run-1/files/config.yaml", "wandb/offline-run-1/run-1.wandb", "tensorboard/events.1",
                 "checkpoints/step_00000010/model.pt", "checkpoints/step_00000010/meta.json", "logs/rank0.log",

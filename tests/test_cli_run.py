@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from dptrain.config import load_config
 from dptrain.planner.from_config import plan_config
-from dptrain.train.checkpoint import load_checkpoint
+from dptrain.runner.checkpoint import load_checkpoint
 
 
 def train_records(run_dir):

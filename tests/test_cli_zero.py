@@ -17,7 +17,7 @@ import torch
 from _cli import dptrain, tiny_gpt_config
 from safetensors.torch import load_file
 
-from dptrain.train.plots import read_metrics
+from dptrain.pages.plots import read_metrics
 
 ZERO = """
 [zero]

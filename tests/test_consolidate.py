@@ -20,11 +20,11 @@ from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from dptrain.cli_checkpoint import consolidate
+from dptrain.cli.checkpoint import consolidate
 from dptrain.testing import run_on_ranks
-from dptrain.train.checkpoint import save_checkpoint, staging_dir
-from dptrain.train.optim import build_optimizer, decays
-from dptrain.train.strategy_state import replicated_state
+from dptrain.runner.checkpoint import save_checkpoint, staging_dir
+from dptrain.optim.build import build_optimizer, decays
+from dptrain.strategies.state import replicated_state
 from dptrain.zero import ZeRO
 from dptrain.zero.checkpoint import save_sharded
 

@@ -10,8 +10,8 @@ from _cli import dptrain, tiny_gpt_config
 
 from dptrain.config import load_config
 from dptrain.data.identity import BLOCK, data_changes, data_identity, file_identity
-from dptrain.train.checkpoint import CheckpointError, save_checkpoint
-from dptrain.train.prepare import prepare_run
+from dptrain.runner.checkpoint import CheckpointError, save_checkpoint
+from dptrain.runner.validate import validate_run
 
 
 def write_tokens(directory, train_tokens: int = 100_000, val_tokens: int = 5_000, seed: int = 0):
@@ -28,7 +28,7 @@ def settings(data_dir, run_dir, *extra):
 
 
 def checkpoint_as_the_trainer_writes_it(run_dir, rp, record_data: bool = True) -> None:
-    """The checkpoint's files as train/loop.py's _save writes them, its meta.json with ``"data"`` when asked."""
+    """The checkpoint's files as runner/loop.py's _save writes them, its meta.json with ``"data"`` when asked."""
     meta = {"identity": json.loads(json.dumps(rp.identity)), "identity_hash": rp.identity_hash,
             "global_batch_size": rp.plan.global_batch_size, "world_size": 1}
     if record_data:
@@ -75,7 +75,7 @@ def test_a_new_mtime_or_path_is_not_a_change_but_size_and_contents_are(tmp_path)
 def resumable(tmp_path):
     """A token directory and a run directory whose checkpoint recorded that data."""
     data, run = write_tokens(tmp_path / "data"), tmp_path / "run"
-    rp = prepare_run(load_config(None, settings(data, run)), 1, check_forward=False)
+    rp = validate_run(load_config(None, settings(data, run)), 1, check_forward=False)
     assert set(rp.data_identity) == {"train.bin", "val.bin"} and rp.data_identity["train.bin"]["tokens"] == 100_000
     checkpoint_as_the_trainer_writes_it(run, rp)
     return data, run
@@ -83,7 +83,7 @@ def resumable(tmp_path):
 
 def test_a_resume_on_the_same_data_says_nothing(resumable):
     data, run = resumable
-    rp = prepare_run(load_config(None, settings(data, run)), 1, check_forward=False)
+    rp = validate_run(load_config(None, settings(data, run)), 1, check_forward=False)
     assert rp.resume_from is not None and rp.warnings == []
 
 
@@ -92,23 +92,23 @@ def test_a_resume_on_replaced_data_is_refused_naming_the_file_and_sizes(resumabl
     write_tokens(data, train_tokens=50_000, seed=1)
     with pytest.raises(CheckpointError, match=r"the data changed since checkpoint .*step_00000010 was written: "
                        r".*train\.bin: 100,000 tokens before, 50,000 tokens now.*--set data\.allow_changed=true"):
-        prepare_run(load_config(None, settings(data, run)), 1, check_forward=False)
+        validate_run(load_config(None, settings(data, run)), 1, check_forward=False)
 
 
 def test_data_allow_changed_resumes_with_a_warning_and_keeps_the_config_identity(resumable):
     data, run = resumable
     write_tokens(data, train_tokens=50_000, seed=1)
-    rp = prepare_run(load_config(None, settings(data, run, "data.allow_changed=true")), 1, check_forward=False)
+    rp = validate_run(load_config(None, settings(data, run, "data.allow_changed=true")), 1, check_forward=False)
     assert rp.resume_from is not None
     assert [w for w in rp.warnings if w.startswith("warning: the data changed") and "data.allow_changed" in w]
 
 
 def test_a_checkpoint_from_before_data_identity_resumes_with_a_note(tmp_path):
     data, run = write_tokens(tmp_path / "data"), tmp_path / "run"
-    rp = prepare_run(load_config(None, settings(data, run)), 1, check_forward=False)
+    rp = validate_run(load_config(None, settings(data, run)), 1, check_forward=False)
     checkpoint_as_the_trainer_writes_it(run, rp, record_data=False)
     write_tokens(data, train_tokens=50_000, seed=1)  # unknowable: the checkpoint did not record its data
-    rp = prepare_run(load_config(None, settings(data, run)), 1, check_forward=False)
+    rp = validate_run(load_config(None, settings(data, run)), 1, check_forward=False)
     assert rp.resume_from is not None
     assert any(w.startswith("note: checkpoint step_00000010 does not record its data") for w in rp.warnings)
 

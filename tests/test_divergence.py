@@ -12,7 +12,7 @@ import torch
 from _cli import dptrain
 from torch import nn
 
-from dptrain.divergence import DivergenceError, DivergenceMonitor, checksum, replica_tensors
+from dptrain.runner.divergence import DivergenceError, DivergenceMonitor, checksum, replica_tensors
 from dptrain.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)

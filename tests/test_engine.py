@@ -10,7 +10,7 @@ from torch.utils.data import TensorDataset
 
 from dptrain import BatchPlan, Engine, warmup_cosine
 from dptrain.testing import run_on_ranks
-from dptrain.train.loader import ShardedLoader
+from dptrain.data.loader import ShardedLoader
 
 MICRO, ACCUM, STEPS = 3, 2, 4
 

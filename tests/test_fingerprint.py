@@ -17,7 +17,7 @@ from dptrain.compress.codecs import Half
 from dptrain.compress.hook import CompressionHook
 from dptrain.ddp import DistributedDataParallel
 from dptrain.testing import RankFailedError, run_on_ranks
-from dptrain.train.roll_call import is_collective_failure, roll_call
+from dptrain.runner.roll_call import is_collective_failure, roll_call
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -12,9 +12,9 @@ from _cli import dptrain
 from torch import nn
 
 from dptrain.batching import BatchPlan
-from dptrain.gossip import GossipDataParallel, mixing_peers
+from dptrain.gossip.module import GossipDataParallel, mixing_peers
 from dptrain.testing import run_on_ranks
-from dptrain.train.engine import Engine
+from dptrain.api.engine import Engine
 
 pytestmark = pytest.mark.timeout(180)
 

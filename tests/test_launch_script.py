@@ -19,7 +19,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from dptrain.cli_launch import launch
+from dptrain.cli.launch import launch
 from dptrain.launch.elastic import Nodes, slurm_nodes, torchrun_command
 from dptrain.launch.script import torchrun_env_from_slurm
 

@@ -17,7 +17,7 @@ import pytest
 from _cli import dptrain, tiny_gpt_config
 
 from dptrain.config import RunConfig, identity
-from dptrain.train.log_backends import (
+from dptrain.runner.log_backends import (
     CSVBackend,
     MLflowBackend,
     TensorBoardBackend,

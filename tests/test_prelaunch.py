@@ -15,8 +15,8 @@ from dptrain.config.loader import _flat_identity
 from dptrain.config.schema import ADDED_LATER, RunConfig
 from dptrain.planner.from_config import loss_problem
 from dptrain.tasks import build_task
-from dptrain.train.checkpoint import CheckpointError, save_checkpoint, staging_dir
-from dptrain.train.prepare import prepare_run
+from dptrain.runner.checkpoint import CheckpointError, save_checkpoint, staging_dir
+from dptrain.runner.validate import validate_run
 
 
 class _Tuple(nn.Module):
@@ -135,7 +135,7 @@ def test_working_models_have_no_problem(overrides):
     (["gpt.corpus_bytes=20000", "gpt.n_layer=2"], None),  # the built-in GPT reads it
 ])
 def test_unused_settings_warn_once(tmp_path, overrides, warning):
-    rp = prepare_run(load_config(None, [*overrides, f'run_dir="{tmp_path / "run"}"']), 1)
+    rp = validate_run(load_config(None, [*overrides, f'run_dir="{tmp_path / "run"}"']), 1)
     if warning is None:
         assert rp.warnings == []
     else:
@@ -178,7 +178,7 @@ def old_checkpoint(run_dir, overrides: list[str]) -> None:
 ])
 def test_checkpoints_written_before_resume(tmp_path, written, now):
     old_checkpoint(tmp_path, written)
-    rp = prepare_run(load_config(None, [*now, f'run_dir="{tmp_path}"']), 1)
+    rp = validate_run(load_config(None, [*now, f'run_dir="{tmp_path}"']), 1)
     assert rp.resume_from == tmp_path / "checkpoints" / "step_00000010"
     if written == now:
         assert rp.identity_hash != rp.resume_meta["identity_hash"]  # new hash, old checkpoint: resumes anyway
@@ -192,7 +192,7 @@ def test_checkpoints_written_before_resume(tmp_path, written, now):
 def test_old_checkpoints_still_refuse_a_changed_run(tmp_path, written, now, named):
     old_checkpoint(tmp_path, written)
     with pytest.raises(CheckpointError, match=named.replace(".", r"\.")):
-        prepare_run(load_config(None, [*now, f'run_dir="{tmp_path}"']), 1)
+        validate_run(load_config(None, [*now, f'run_dir="{tmp_path}"']), 1)
 
 
 @pytest.fixture(scope="module")
@@ -238,7 +238,7 @@ def test_a_checkpoint_in_the_older_sharded_format_is_refused_before_launch(tmp_p
     _checkpoint(tmp_path, "sharded", {"trainer.pt": {}}, lambda p: write_old_format(p, {"w": torch.ones(2, 3)}))
     with pytest.raises(CheckpointError, match="in the sharded format dptrain wrote before DTensor checkpoints.*"
                                               "dptrain consolidate"):
-        prepare_run(load_config(None, ["task.name=classifier", f'run_dir="{tmp_path}"', f"ddp.strategy={strategy}"]), 2)
+        validate_run(load_config(None, ["task.name=classifier", f'run_dir="{tmp_path}"', f"ddp.strategy={strategy}"]), 2)
 
 
 def test_an_index_keyed_optimizer_resumes_ddp_and_is_refused_by_zero_before_launch(tmp_path):
@@ -246,7 +246,7 @@ def test_an_index_keyed_optimizer_resumes_ddp_and_is_refused_by_zero_before_laun
     index_keyed = {"state": {0: {"step": torch.tensor(1.0)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
     _checkpoint(tmp_path, "replicated", {"model.pt": {}, "optimizer.pt": index_keyed, "trainer.pt": {}})
     settings = ["task.name=classifier", f'run_dir="{tmp_path}"']
-    assert prepare_run(load_config(None, settings), 2).resume_from is not None
+    assert validate_run(load_config(None, settings), 2).resume_from is not None
     with pytest.raises(CheckpointError, match=r"keyed by parameter index.*Resume it once with "
                                               r"ddp.strategy=\"ddp\" until it saves a checkpoint"):
-        prepare_run(load_config(None, [*settings, "ddp.strategy=zero3"]), 2)
+        validate_run(load_config(None, [*settings, "ddp.strategy=zero3"]), 2)

@@ -14,7 +14,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from dptrain import prepare
 from dptrain.testing import run_on_ranks
-from dptrain.train.wrap import AccumulationState, PreparedLoader, shard_loader
+from dptrain.api.prepare import AccumulationState, PreparedLoader, shard_loader
 
 SAMPLES, MICRO, ACCUM, EPOCHS, CLIP = 30, 3, 3, 2, 0.5  # a rank's pass: 30/N samples, 10/N micro-batches
 

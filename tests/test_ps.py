@@ -23,7 +23,7 @@ from dptrain.ps import (
     partition,
 )
 from dptrain.testing import RankFailedError, run_on_ranks
-from dptrain.train.optim import build_optimizer
+from dptrain.optim.build import build_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -20,7 +20,7 @@ from torch import nn
 from dptrain.ps import Consistency, CutSchedule, ShardServer
 from dptrain.ps.snapshot import Cuts
 from dptrain.ps.wire import Kind, Message
-from dptrain.train.optim import build_optimizer
+from dptrain.optim.build import build_optimizer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -198,7 +198,7 @@ def test_cuts_record_in_flight_gradients_until_each_mark_and_close_oldest_first(
                                                      "writes replicated checkpoints"),
 ])
 def test_a_resume_on_another_layout_is_refused_before_start(straight, args, message):
-    """Refused by prepare_run, which every rank runs before the process group exists: an error, never a hang."""
+    """Refused by validate_run, which every rank runs before the process group exists: an error, never a hang."""
     before = sorted(p.name for p in straight.rglob("*"))
     done = _run(straight.parent, straight, *SETTINGS, *args)
     assert done.returncode == 2, done.stderr

@@ -18,7 +18,7 @@ from dptrain.pages.html import plotly_js
 from dptrain.pages.run_report import figures, main, render, try_write_run_report, write_run_report
 from dptrain.pages.run_report_data import report_data
 from dptrain.planner.from_config import plan_config
-from dptrain.train.plots import read_metrics
+from dptrain.pages.plots import read_metrics
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from dptrain.train.schedule import scaled_lr, warmup_cosine
+from dptrain.optim.schedule import scaled_lr, warmup_cosine
 
 
 def test_scaling_rules():

@@ -1,6 +1,6 @@
 """A run moves between ddp and ZeRO when it resumes, and continues exactly.
 
-Both strategies write the same names (``dptrain.train.strategy_state``): ddp's
+Both strategies write the same names (``dptrain.strategies.state``): ddp's
 ``model.pt`` / ``optimizer.pt`` and ZeRO's DCP ``sharded/``. Each test trains 3 AdamW
 steps (two param groups: weight decay on matrices only) with one strategy, saves as
 ``dptrain run`` does, loads into a fresh model of the other strategy (other initial
@@ -26,9 +26,9 @@ from _models import build, global_batch, loss_fn
 from dptrain.batching import BatchPlan
 from dptrain.models.gpt import Block
 from dptrain.testing import run_on_ranks
-from dptrain.train.engine import Engine
-from dptrain.train.optim import build_optimizer, decays
-from dptrain.train.strategy_state import load_model_and_optimizer, replicated_state
+from dptrain.api.engine import Engine
+from dptrain.optim.build import build_optimizer, decays
+from dptrain.strategies.state import load_model_and_optimizer, replicated_state
 from dptrain.zero.checkpoint import save_sharded
 
 GLOBAL, FIRST, TOTAL = 12, 3, 6
@@ -65,7 +65,7 @@ def _train(rank: int, world_size: int, strategy: str, steps: range, save: str | 
 
 
 def _save(engine: Engine, path: Path, rank: int) -> None:
-    """What dptrain run's checkpoint holds of the model and optimizer (train/loop.py, _save)."""
+    """What dptrain run's checkpoint holds of the model and optimizer (runner/loop.py, _save)."""
     if engine.sharded:
         save_sharded(path / "sharded", engine.model, engine.optimizer)
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dptrain.train.tensor_peak import TensorPeak, data_tensors
+from dptrain.runner.tensor_peak import TensorPeak, data_tensors
 
 MiB = 2**20
 

@@ -321,7 +321,7 @@ def test_a_hugging_face_gpt2_trains_with_ddp_and_zero3_and_fine_tunes_from_save_
     from safetensors.torch import load_file
 
     from dptrain.models.hf import causal_lm
-    from dptrain.train.loop import zero_kwargs_from_config
+    from dptrain.strategies.options import zero_options
 
     ddp = hf_run(hf_setup, tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr
@@ -333,7 +333,7 @@ def test_a_hugging_face_gpt2_trains_with_ddp_and_zero3_and_fine_tunes_from_save_
     assert [r["loss"] for r in b] == pytest.approx([r["loss"] for r in a], rel=1e-5)  # the same training, sharded
     # ZeRO-3's units: the decoder layers (transformer.h), found by itself
     cfg = load_config(tmp_path / "zero3" / "config.toml")
-    blocks = zero_kwargs_from_config(cfg, causal_lm(cfg.hf.path, weights=False), nodes=1)["unit_classes"]
+    blocks = zero_options(cfg, causal_lm(cfg.hf.path, weights=False), nodes=1, stage=3)["unit_classes"]
     assert [c.__name__ for c in blocks] == ["GPT2Block"]
 
     # The run's model as a Hugging Face directory, the tied embedding and head one tensor

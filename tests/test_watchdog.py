@@ -20,7 +20,7 @@ import pytest
 
 from dptrain.launch.heartbeat import Heartbeat, heartbeat_file, read_heartbeats, stale_ranks
 from dptrain.launch.local import error_file, read_error_record
-from dptrain.train.skips import NonFiniteRun, SkipBound
+from dptrain.runner.skips import NonFiniteRun, SkipBound
 
 TINY = """
 [task]

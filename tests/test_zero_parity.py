@@ -127,7 +127,7 @@ def test_zero_variants_match_ddp(case: str) -> None:
 
 
 def _decayed_numel(rank: int, world_size: int, stage: int) -> tuple[int, int]:
-    from dptrain.train.optim import build_optimizer, decays
+    from dptrain.optim.build import build_optimizer, decays
 
     torch.manual_seed(0)
     model = build("gpt")

@@ -21,8 +21,8 @@ import torch
 
 from dptrain.config import load_config
 from dptrain.tasks import build_task
-from dptrain.train.optim import build_optimizer
-from dptrain.train.schedule import warmup_cosine
+from dptrain.optim.build import build_optimizer
+from dptrain.optim.schedule import warmup_cosine
 
 
 def train(delay: int, beta1: float, lr: float = 2e-3, steps: int = 100, workers: int = 2) -> float:

@@ -28,8 +28,8 @@ from torch import nn
 from dptrain.config import load_config
 from dptrain.ps.lookahead import Lookahead
 from dptrain.tasks import build_task
-from dptrain.train.optim import build_optimizer
-from dptrain.train.schedule import warmup_cosine
+from dptrain.optim.build import build_optimizer
+from dptrain.optim.schedule import warmup_cosine
 
 
 def _as_flat_views(model: nn.Module) -> tuple[torch.Tensor, nn.ParameterList]:

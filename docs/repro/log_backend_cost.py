@@ -19,7 +19,7 @@ from pathlib import Path
 
 from dptrain.config import RunConfig
 from dptrain.config.loader import to_dict
-from dptrain.train.log_backends import open_backends
+from dptrain.runner.log_backends import open_backends
 
 
 def main() -> None:

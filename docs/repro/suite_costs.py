@@ -97,12 +97,12 @@ def _runs(directory: Path, steps: int, r: int) -> dict[str, float]:
                        directory, dict(env, DPTRAIN_FAULT="1:2:raise"))
         out[f"a run whose rank 1 fails, roll call {wait} s (in process)"] = time.perf_counter() - t0
         assert done.returncode == 1, done.stderr[-2000:]
-    from dptrain.train.plots import plot_run
+    from dptrain.pages.plots import plot_run
     t0 = time.perf_counter()
     plot_run(directory / f"inproc{r}")
     out["plots of a run (in a process that drew before)"] = time.perf_counter() - t0
-    out["plots of a run (fresh python -m dptrain.train.plots)"] = _seconds(
-        [py, "-m", "dptrain.train.plots", str(directory / f"inproc{r}")])
+    out["plots of a run (fresh python -m dptrain.pages.plots)"] = _seconds(
+        [py, "-m", "dptrain.pages.plots", str(directory / f"inproc{r}")])
     return out
 
 
@@ -116,7 +116,7 @@ def _checkpoint_s(run_dir: Path) -> float:
     """The run's last checkpoint written again by ``save_checkpoint`` (torch.save, sha256, fsync, rename)."""
     import torch
 
-    from dptrain.train.checkpoint import find_latest, save_checkpoint
+    from dptrain.runner.checkpoint import find_latest, save_checkpoint
 
     latest = find_latest(run_dir)
     files = {f.name: torch.load(f, weights_only=True) for f in latest.glob("*.pt")}

@@ -37,16 +37,16 @@ _EXPORTS = {
     "ReplicaMismatchError": "dptrain.ddp",
     "UnusedParametersError": "dptrain.ddp",
     "tune_cpu_allocator": "dptrain.allocator",
-    "Engine": "dptrain.train.engine",
-    "StepInfo": "dptrain.train.engine",
-    "prepare": "dptrain.train.wrap",
-    "ShardedLoader": "dptrain.train.loader",
+    "Engine": "dptrain.api.engine",
+    "StepInfo": "dptrain.api.engine",
+    "prepare": "dptrain.api.prepare",
+    "ShardedLoader": "dptrain.data.loader",
     "init_distributed": "dptrain.launch.rendezvous",
     "leave_process_groups": "dptrain.launch.rendezvous",
     "detect_worker_env": "dptrain.launch.rendezvous",
     "WorkerEnv": "dptrain.launch.rendezvous",
-    "scaled_lr": "dptrain.train.schedule",
-    "warmup_cosine": "dptrain.train.schedule",
+    "scaled_lr": "dptrain.optim.schedule",
+    "warmup_cosine": "dptrain.optim.schedule",
 }
 
 __all__ = list(_EXPORTS)
@@ -79,10 +79,10 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         allreduce_hook,
     )
     from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed, leave_process_groups
-    from dptrain.train.engine import Engine, StepInfo
-    from dptrain.train.loader import ShardedLoader
-    from dptrain.train.wrap import prepare
-    from dptrain.train.schedule import scaled_lr, warmup_cosine
+    from dptrain.api.engine import Engine, StepInfo
+    from dptrain.data.loader import ShardedLoader
+    from dptrain.api.prepare import prepare
+    from dptrain.optim.schedule import scaled_lr, warmup_cosine
     from dptrain.zero import ZeRO
 
     DDP = DistributedDataParallel

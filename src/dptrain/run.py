@@ -29,9 +29,9 @@ from dptrain.config import ConfigError, load_config
 from dptrain.launch.local import error_summary, threads_per_worker, write_error_record
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
 from dptrain.launch.run_lock import RunDirBusy, RunLock, acquire
-from dptrain.train.checkpoint import CheckpointError
-from dptrain.train.prepare import default_run_dir, prepare_run
-from dptrain.train.skips import NonFiniteRun
+from dptrain.runner.checkpoint import CheckpointError
+from dptrain.runner.validate import default_run_dir, validate_run
+from dptrain.runner.skips import NonFiniteRun
 
 __all__ = ["main", "BAD_INPUT"]
 
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
         cfg = load_config(args.config, overrides)
         run_dir = default_run_dir(cfg).resolve()
-        rp = prepare_run(cfg, env.world_size, check_forward=not local)  # `dptrain run` traced the forward already
+        rp = validate_run(cfg, env.world_size, check_forward=not local)  # `dptrain run` traced the forward already
     except BAD_INPUT as e:
         if env.rank == 0 or not local:  # the local launcher already reported it once
             print(f"error: {e}", file=sys.stderr)
@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device = init_distributed(env, rp.cfg.ddp.backend, rp.cfg.ddp.timeout_s)
         lock = None if local else _lock_run_dir(env, rp.run_dir)  # `dptrain run` holds it for its workers
-        from dptrain.train.loop import train  # after init: keeps `--help` and bad-input paths fast
+        from dptrain.runner.loop import train  # after init: keeps `--help` and bad-input paths fast
 
         train(rp, env, device)
         return 0

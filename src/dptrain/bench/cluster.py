@@ -40,7 +40,7 @@ import click
 import torch
 from torch.utils.data import default_collate
 
-from dptrain.bench.command import Variadic, bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.comm.cost import Link, collective_cost

@@ -43,7 +43,7 @@ import click
 import torch
 
 from dptrain.bench.cluster import fit_cluster_link, measure_on_cluster, profile_together, rescaled_profile
-from dptrain.bench.command import bench_command
+from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
 from dptrain.cluster import check_root

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import comm
-from dptrain.bench.command import Variadic, bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.stats import bootstrap_ci
 from dptrain.comm.cost import Link, busbw_factor, collective_cost
 from dptrain.comm.fit import fit_gamma, fit_link

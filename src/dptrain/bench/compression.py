@@ -23,7 +23,7 @@ from pathlib import Path
 
 import click
 
-from dptrain.bench.command import Variadic, bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_run, with_overrides
 

@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from dptrain.allocator import tune_cpu_allocator
-from dptrain.bench.command import bench_command
+from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
 from dptrain.cluster import Network, check_root, run_on_cluster

@@ -49,7 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.bench.command import Variadic, bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.stats import bootstrap_ci
 from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks

@@ -1,7 +1,7 @@
 """Study: every injected fault, what the user saw, how fast it was caught, and whether the result survived.
 
 Each scenario is one ``dptrain run`` of a small job (the classifier task, 2 ranks, 20
-steps, a checkpoint every 5) with one fault from ``DPTRAIN_FAULT`` (``train/faults.py``),
+steps, a checkpoint every 5) with one fault from ``DPTRAIN_FAULT`` (``runner/faults.py``),
 beside a fault-free run of the same job:
 
 - ``kill`` + ``--max-restarts 1``: torchrun restarts the job, it resumes from step 10;
@@ -40,7 +40,7 @@ import click
 import torch
 from safetensors.torch import load_file
 
-from dptrain.bench.command import bench_command
+from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_command
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from dptrain import DistributedDataParallel
-from dptrain.bench.command import bench_command
+from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
 from dptrain.launch.rendezvous import free_port, leave_process_groups

@@ -1,7 +1,7 @@
 """Benchmark: how fast the token-file loader feeds one rank, against what a training step takes from it.
 
 A token file (``--tokens`` random ids, uint16, memory-mapped) is read through the
-loader ``dptrain run`` uses (:class:`~dptrain.train.loader.ShardedLoader`: the
+loader ``dptrain run`` uses (:class:`~dptrain.data.loader.ShardedLoader`: the
 distributed sampler, torch's DataLoader in the training process, and
 :class:`~dptrain.data.tokens.TokenWindows`), with sequential and with random windows;
 the built-in task's in-memory byte windows are measured beside them as the reference.
@@ -38,14 +38,14 @@ import numpy as np
 import torch
 
 from dptrain.batching import BatchPlan
-from dptrain.bench.command import bench_command
+from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.config import RunConfig
 from dptrain.data.tokens import TokenWindows
 from dptrain.tasks import build_task
 from dptrain.tasks.chargpt import ByteBlocks
-from dptrain.train.loader import ShardedLoader
-from dptrain.train.optim import build_optimizer
+from dptrain.data.loader import ShardedLoader
+from dptrain.optim.build import build_optimizer
 
 __all__ = ["main"]
 

@@ -2,7 +2,7 @@
 
 For each strategy and precision, fresh worker processes train the default task (the
 character GPT of ``dptrain run``, its default config: 32 sequences of 64 bytes per
-step over the world size) through :class:`dptrain.train.engine.Engine` for a few steps,
+step over the world size) through :class:`dptrain.api.engine.Engine` for a few steps,
 and each rank measures:
 
 - *model states*: parameters, gradients and optimizer state between the last backward
@@ -32,16 +32,16 @@ import click
 import torch
 
 from dptrain.batching import BatchPlan
-from dptrain.bench.command import Variadic, bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.zero import _allocator_follows_tensors
 from dptrain.config import load_config
 from dptrain.planner.from_config import plan_config
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
-from dptrain.train.engine import Engine
-from dptrain.train.loop import zero_kwargs_from_config
-from dptrain.train.optim import build_optimizer
+from dptrain.api.engine import Engine
+from dptrain.strategies import get_strategy
+from dptrain.optim.build import build_optimizer
 from dptrain.zero.memory import state_bytes, storage_bytes
 
 __all__ = ["run", "main"]
@@ -65,7 +65,7 @@ def _reset_peak() -> None:
 
 
 def _overrides(strategy: str, precision: str, shard_size: int) -> list[str]:
-    hybrid = [f"zero.shard_size={shard_size}"] if shard_size and strategy != "ddp" else []
+    hybrid = [f"zero.shard_size={shard_size}"] if shard_size and get_strategy(strategy).shards_parameters else []
     return [f"ddp.strategy={strategy}", f"train.precision={precision}", *hybrid]
 
 
@@ -83,7 +83,8 @@ def _rank(rank: int, world_size: int, strategy: str, precision: str, shard_size:
                     plan, precision=precision, grad_clip=t.grad_clip, strategy=strategy,
                     ddp_kwargs=dict(bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                                     gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view),
-                    zero_kwargs=zero_kwargs_from_config(cfg, model, 1) if strategy != "ddp" else None)
+                    zero_kwargs=get_strategy(strategy).options(cfg, model, 1)
+                    if get_strategy(strategy).shards_parameters else None)
     del model
     batches = engine.loader(task.train_set).micro_batches()
     peaks = []
@@ -123,7 +124,7 @@ def run(world_size: int, strategies: list[str], precisions: list[str], steps: in
             per_rank = run_on_ranks(_rank, world_size, strategy, precision, shard_size, steps, timeout=900,
                                     tune_allocator=False)
             measured_states = per_rank[0]["states"]
-            hybrid = shard_size and strategy != "ddp"
+            hybrid = shard_size and get_strategy(strategy).shards_parameters
             rows.append({
                 "strategy": strategy + (f", shard_size {shard_size}" if hybrid else ""),
                 "precision": precision, "world_size": world_size,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dptrain.train.atomic import write_text_atomic
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["save_result"]
 

@@ -34,15 +34,15 @@ import torch
 import torch.distributed as dist
 
 from dptrain.batching import BatchPlan
-from dptrain.bench.command import bench_command
+from dptrain.cli.bench_group import bench_command
 from dptrain.bench.stats import paired_ratios
 from dptrain.config import load_config
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
-from dptrain.train.engine import Engine
-from dptrain.train.loop import timed_step
-from dptrain.train.metrics import StepRecorder
-from dptrain.train.trace import TraceRecorder
+from dptrain.api.engine import Engine
+from dptrain.runner.loop import timed_step
+from dptrain.runner.metrics import StepRecorder
+from dptrain.runner.trace import TraceRecorder
 
 VARIANTS = ("bare", "instrumented", "bare_control")
 

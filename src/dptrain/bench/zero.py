@@ -65,7 +65,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 
-from dptrain.bench.command import Variadic, bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.stats import paired_ratios
 from dptrain.models.gpt import GPT, Block
 from dptrain.testing import run_on_ranks

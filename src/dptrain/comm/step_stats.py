@@ -1,7 +1,7 @@
 """What one step's gradient reduction communicated, on this rank, and when.
 
 Filled by the engines (the DDP reducer bucket by bucket, ZeRO unit by unit) and read by
-the trainer's metrics (:mod:`dptrain.train.metrics`): bytes reduced, bytes sent, and for
+the trainer's metrics (:mod:`dptrain.runner.metrics`): bytes reduced, bytes sent, and for
 the DDP engine the spans that give exposed communication and overlap.
 """
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from torch.utils.data import Dataset, IterableDataset
 
 from dptrain.config import ConfigError
-from dptrain.tasks.base import load_factory
+from dptrain.config.factory import load_factory
 
 __all__ = ["user_datasets"]
 

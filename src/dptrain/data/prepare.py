@@ -40,8 +40,8 @@ import numpy as np
 from dptrain.config import ConfigError
 from dptrain.data.tokenize import Tokenizer, describe_tokenizer, load_tokenizer
 from dptrain.data.tokens import DTYPES, META, SPLITS, TokenFiles, open_token_dir, read_meta, scan_max_id
-from dptrain.extras import require
-from dptrain.train.atomic import replacing_dir
+from dptrain.config.extras import require
+from dptrain.utils.atomic import replacing_dir
 
 __all__ = ["Recipe", "PrepareReport", "prepare", "prepared", "prepare_command", "expand_inputs"]
 

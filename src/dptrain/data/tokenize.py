@@ -21,7 +21,7 @@ from typing import Protocol
 import numpy as np
 
 from dptrain.config import ConfigError
-from dptrain.extras import require
+from dptrain.config.extras import require
 
 __all__ = ["Tokenizer", "ByteTokenizer", "FileTokenizer", "load_tokenizer", "describe_tokenizer"]
 

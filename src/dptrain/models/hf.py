@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dptrain.config import ConfigError
-from dptrain.extras import require
+from dptrain.config.extras import require
 
 __all__ = ["load_config", "causal_lm", "has_weights", "context_length", "save_pretrained_from"]
 
@@ -104,7 +104,7 @@ def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path,
 
     from safetensors.torch import load_model
 
-    from dptrain.train.atomic import replacing_dir
+    from dptrain.utils.atomic import replacing_dir
 
     model = causal_lm(path, weights=False)
     missing, unexpected = load_model(model, str(weights), strict=False)  # tied weights: stored under one name

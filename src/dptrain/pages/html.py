@@ -22,7 +22,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from dptrain.train.atomic import write_text_atomic
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["PLOTLY_JS_MODES", "plotly_js", "plotly_script", "asset", "json_script", "document", "write_page"]
 

@@ -39,7 +39,7 @@ PLAN_PARTS = [("parameters", "parameters"), ("gradients", "gradients"), ("optimi
 def write_run_report(run_dir: Path, summary: dict | None, cfg) -> Path:
     """Write ``run_dir/report.html`` whole or not at all; return its path.
 
-    ``summary``: what :func:`dptrain.train.report.summarize` returned (None: the run has not
+    ``summary``: what :func:`dptrain.runner.report.summarize` returned (None: the run has not
     finished); ``cfg``: the run's resolved config, which the planner plans, and whose
     ``log.report_js`` says where the page gets plotly.js (:func:`dptrain.pages.html.plotly_script`).
     """

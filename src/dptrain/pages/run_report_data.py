@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dptrain.planner import PRECISIONS, STRATEGIES
-from dptrain.train.plots import read_metrics
-from dptrain.train.report import summary_rows
+from dptrain.pages.plots import read_metrics
+from dptrain.runner.report import summary_rows
 
 __all__ = ["Unavailable", "report_data", "metric_series", "loss_spans_decades", "timeline_spans", "summary_rows",
            "plan_vs_measured"]
@@ -31,7 +31,7 @@ class Unavailable(Exception):
 def report_data(run_dir: Path, summary: dict | None, cfg) -> dict[str, dict]:
     """Every section of the report of ``run_dir``: ``{"data": ...}``, or ``{"why": one line}`` where it failed.
 
-    ``summary``: what :func:`dptrain.train.report.summarize` returned (None while the run has
+    ``summary``: what :func:`dptrain.runner.report.summarize` returned (None while the run has
     not finished); ``cfg``: the run's resolved config, planned at the run's world size.
     """
     run_dir = Path(run_dir)

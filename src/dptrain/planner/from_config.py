@@ -20,12 +20,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.config import ConfigError, RunConfig
+from dptrain.strategies import get_strategy
+from dptrain.strategies.options import zero_options
 from dptrain.planner.activations import ActivationTraceError, trace_activations
-from dptrain.planner.layout import Setup
+from dptrain.planner.layout import STRATEGIES, Setup
 from dptrain.planner.plan import Row, plan_row
 from dptrain.tasks import architecture, build_task, collate
-from dptrain.train.loop import zero_kwargs_from_config
-from dptrain.train.optim import build_optimizer
+from dptrain.optim.build import build_optimizer
 
 __all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
            "checkpoint_classes", "trace_model", "loss_problem"]
@@ -82,11 +83,11 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
 
 
 def setup_for(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, precision: str) -> Setup:
-    if strategy == "ddp":
-        return Setup("ddp", world_size, precision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+    spec = get_strategy(strategy, among=STRATEGIES)
+    if not spec.shards_parameters:
+        return Setup(strategy, world_size, precision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
                      gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view)
-    as_run = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy=strategy))
-    kw = zero_kwargs_from_config(as_run, model, nodes=1)
+    kw = spec.options(cfg, model, 1)
     return Setup(strategy, world_size, precision, reduce_dtype=kw["reduce_dtype"],
                  bucket_cap_mb=kw.get("bucket_cap_mb"), unit_classes=kw.get("unit_classes", ()),
                  min_unit_numel=kw.get("min_unit_numel"), reshard_after_forward=kw.get("reshard_after_forward", True),
@@ -110,7 +111,7 @@ def compute_mode(strategy: str, precision: str) -> str:
     fp32 norms and softmax); or a bf16 model (ZeRO's mixed precision casts the module)."""
     if precision == "fp32":
         return "fp32"
-    return "autocast" if strategy == "ddp" else "bf16"
+    return "bf16" if get_strategy(strategy).shards_parameters else "autocast"
 
 
 def _trace(task, micro_batch: int, compute: str, checkpoint: tuple[type, ...], mode: FakeTensorMode,
@@ -221,8 +222,7 @@ def _fake(mode: FakeTensorMode, x: Any, bf16: bool) -> Any:
 
 def checkpoint_classes(cfg: RunConfig, model: nn.Module) -> tuple[type, ...]:
     """The module classes checkpointed in the estimate: ZeRO stage 3's unit classes, as ``dptrain run`` picks them."""
-    as_zero3 = dataclasses.replace(cfg, ddp=dataclasses.replace(cfg.ddp, strategy="zero3"))
-    return tuple(zero_kwargs_from_config(as_zero3, model, nodes=1).get("unit_classes", ()))
+    return tuple(zero_options(cfg, model, nodes=1, stage=3).get("unit_classes", ()))
 
 
 def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, networks: list, algorithm: str,

@@ -25,9 +25,11 @@ from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
 from dptrain.zero.hybrid import check_shard_size
 
+from dptrain.strategies import get_strategy, strategy_names
+
 __all__ = ["STRATEGIES", "PRECISIONS", "Setup", "Unit", "units"]
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+STRATEGIES = strategy_names(lambda s: s.zero_stage is not None)  # those the memory and traffic model covers
 PRECISIONS = ("fp32", "bf16")
 DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_CAP_MB = 25.0, 1.0  # the DDP engine's defaults (ddp/module.py)
 ZERO_BUCKET_CAP_MB = 4.0  # ZeRO stages 1-2's default
@@ -58,8 +60,7 @@ class Setup:
     shard_size: int | None = None  # hybrid sharding: ZeRO's units sharded over groups of this many ranks
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}")
+        get_strategy(self.strategy, among=STRATEGIES)  # a ValueError naming the choices
         if self.precision not in PRECISIONS:
             raise ValueError(f"unknown precision {self.precision!r}; choose one of {', '.join(PRECISIONS)}")
         if not isinstance(self.world_size, int) or self.world_size < 1:
@@ -83,7 +84,7 @@ class Setup:
 
     @property
     def stage(self) -> int:
-        return 0 if self.strategy == "ddp" else int(self.strategy[-1])
+        return get_strategy(self.strategy).zero_stage
 
     @property
     def compute_dtype(self) -> torch.dtype | None:

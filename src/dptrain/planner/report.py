@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from dptrain.planner.plan import Row
-from dptrain.train.atomic import replacing
+from dptrain.utils.atomic import replacing
 
 __all__ = ["table", "to_json", "plot"]
 

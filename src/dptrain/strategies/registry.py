@@ -1,6 +1,6 @@
 """One :class:`Strategy` per name: the facts every layer above needs, and how to wrap a model.
 
-The strategies' own packages (``dptrain.ddp``, ``dptrain.zero``, ``dptrain.gossip``,
+The strategies' own packages (``dptrain.ddp``, ``dptrain.zero``, ``dptrain.gossip.module``,
 ``dptrain.ps``) implement them; this module describes each once, for the validation of a
 run, the user API (``Engine``, ``prepare()``), the job runner, the planner and the pages.
 torchtitan's registry is the model: a component is looked up by name in one place and every
@@ -17,8 +17,11 @@ from torch import nn
 
 from dptrain.compress.codecs import CODECS  # the DDP engine's compression hook runs each on its buckets
 from dptrain.compress.zero import ZERO_CODECS  # ZeRO's reduce-scatter runs these shard by shard
+from dptrain.strategies.options import ddp_options, gossip_options, zero_options
 
-__all__ = ["Strategy", "REGISTRY", "get_strategy", "strategy_names"]
+__all__ = ["Strategy", "REGISTRY", "get_strategy", "strategy_names", "SHARDED"]
+
+SHARDED = "sharded"  # the subdirectory of a sharded checkpoint that every rank writes into
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,12 @@ class Strategy:
     ``codecs``: the values of ``ddp.compression`` it accepts besides ``none``; where there are none,
     ``uncompressed``: why, completing "strategy NAME ...".
     ``own_loop``: the job runner trains it with a loop of its own (the parameter server:
-    its workers and servers run different programs, see ``dptrain.train.ps_loop``).
+    its workers and servers run different programs, see ``dptrain.runner.ps_loop``).
     ``buckets``: ``ddp.bucket_cap_mb`` applies (DDP's buckets, ZeRO-1/2's units).
     ``dynamic_batching``: ranks may take unequal shares of the global batch.
-    ``wrap``: ``wrap(model, process_group, options) -> module`` (None for ``own_loop``).
+    ``wrap``: ``wrap(model, process_group, **options) -> module`` (None for ``own_loop``);
+    ``options``: ``options(cfg, model, nodes) -> dict``, those keyword arguments from a run's config
+    (:mod:`dptrain.strategies.options`).
     """
 
     name: str
@@ -54,6 +59,7 @@ class Strategy:
     dynamic_batching: bool = False
     expendable_workers: bool = False
     wrap: Callable[..., nn.Module] | None = None
+    options: Callable[..., dict] | None = None
 
     def accepts_codec(self, codec: str) -> bool:
         return codec == "none" or codec in self.codecs
@@ -74,7 +80,7 @@ def _zero_wrapper(stage: int) -> Callable[..., nn.Module]:
 
 
 def _wrap_gossip(model: nn.Module, process_group=None, **options) -> nn.Module:
-    from dptrain.gossip import GossipDataParallel
+    from dptrain.gossip.module import GossipDataParallel
 
     return GossipDataParallel(model, process_group=process_group, **options)
 
@@ -82,20 +88,20 @@ def _wrap_gossip(model: nn.Module, process_group=None, **options) -> nn.Module:
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
                     checkpoint_layout="sharded", codecs=ZERO_CODECS, buckets=stage < 3,
-                    wrap=_zero_wrapper(stage))
+                    wrap=_zero_wrapper(stage), options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage))
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("ddp", "replicated model, gradients all-reduced in buckets (the DDP engine)", zero_stage=0,
              shards_parameters=False, replicated_state=True, checkpoint_layout="replicated", codecs=CODECS,
-             dynamic_batching=True, wrap=_wrap_ddp),
+             dynamic_batching=True, wrap=_wrap_ddp, options=ddp_options),
     _zero(1, "ZeRO-1: optimizer state sharded"),
     _zero(2, "ZeRO-2: optimizer state and gradients sharded"),
     _zero(3, "ZeRO-3: optimizer state, gradients and parameters sharded (FSDP)"),
     Strategy("gossip", "decentralized SGD: parameters mixed with neighbours, no global all-reduce (D-PSGD)",
              zero_stage=None, shards_parameters=False, replicated_state=False, checkpoint_layout="replicated",
              uncompressed="has none (it exchanges parameters with neighbours, not gradients)", buckets=False,
-             wrap=_wrap_gossip),
+             wrap=_wrap_gossip, options=gossip_options),
     Strategy("ps", "parameter server: workers push gradients to server ranks and pull parameters (sync, async, "
              "SSP, backup workers)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="ps", uncompressed="sends fp32 gradients to its servers", own_loop=True, buckets=False,

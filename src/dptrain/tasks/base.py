@@ -7,14 +7,13 @@ factory's model accepts the task's batches and returns what its loss expects.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset, default_collate
 
-from dptrain.config import ConfigError
+from dptrain.config.factory import load_factory
 
 __all__ = ["Task", "load_factory", "collate", "architecture"]
 
@@ -33,23 +32,6 @@ class Task(Protocol):
 
     def eval_sums(self, model: nn.Module, batch: Any) -> dict[str, float]:
         """Sums over the batch (loss_sum, count, ...) that all-reduce into epoch metrics."""
-
-
-def load_factory(spec: str, key: str = "task.model") -> Callable[..., Any]:
-    """``"package.module:factory"`` -> the callable, or a ConfigError (naming the config ``key``) saying what failed."""
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(f"{key} {spec!r} must look like 'package.module:factory'")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as e:  # an import can fail in any way; report it as bad input
-        raise ConfigError(f"{key} {spec!r}: cannot import {module_name!r}: {type(e).__name__}: {e}. "
-                          "Is the package installed, or the module on PYTHONPATH (the working "
-                          "directory is not searched by default)?") from None
-    factory = getattr(module, attr, None)
-    if not callable(factory):
-        raise ConfigError(f"{key} {spec!r}: {module_name!r} has no callable {attr!r}")
-    return factory
 
 
 def collate(task: Task) -> Callable:

@@ -33,7 +33,7 @@ from dptrain.data.pickle_meta import META_PKL, pkl_vocab_size
 from dptrain.data.tokens import DTYPES, SPLITS, TokenFiles, TokenWindows, open_token_dir
 from dptrain.models.gpt import GPT
 from dptrain.models.mlp import MLPClassifier
-from dptrain.tasks.base import load_factory
+from dptrain.config.factory import load_factory
 from dptrain.tasks.protocol import protocol_eval_sums, protocol_loss
 
 __all__ = ["ProtocolTask", "token_task", "factory_task", "token_files", "run_name", "DataNotPrepared"]

@@ -5,7 +5,7 @@ resharding is done by ``torch.distributed.checkpoint`` (DCP), which reads, for e
 chunk a rank asks for, the overlapping parts of the chunks that were saved. Keys are
 those of ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, and
 ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``), so the DDP
-engine's checkpoints (:mod:`dptrain.train.strategy_state`) use the same names::
+engine's checkpoints (:mod:`dptrain.strategies.state`) use the same names::
 
     model.<fqn>                        every parameter (each name of a tied one), buffer and frozen
                                        parameter, in its own shape

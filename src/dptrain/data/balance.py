@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
 from dptrain.data.sampler import DistributedSampler
-from dptrain.train.loader import set_epoch
+from dptrain.data.loader import set_epoch
 
 __all__ = ["split_shares", "DynamicBatcher", "DynamicLoader"]
 

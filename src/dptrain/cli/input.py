@@ -11,7 +11,7 @@ def bad_input() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (one line, exit 2): imported on demand, since they pull in torch."""
     from dptrain.batching import BatchSizeError
     from dptrain.config import ConfigError
-    from dptrain.train.checkpoint import CheckpointError
+    from dptrain.runner.checkpoint import CheckpointError
 
     return ConfigError, BatchSizeError, CheckpointError
 

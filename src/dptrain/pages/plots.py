@@ -2,7 +2,7 @@
 and a timeline of the traced steps from ``trace.json`` (the picture of overlap).
 
 Drawn with matplotlib's file-only Agg backend, so they work on machines without a display.
-``python -m dptrain.train.plots RUN_DIR`` redraws them from a finished or running run.
+``python -m dptrain.pages.plots RUN_DIR`` redraws them from a finished or running run.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from dptrain.train.atomic import replacing
-from dptrain.train.metrics import has_tokens
+from dptrain.utils.atomic import replacing
+from dptrain.runner.metrics import has_tokens
 
 __all__ = ["read_metrics", "plot_run", "plot_timeline", "spans_a_decade"]
 
@@ -151,7 +151,7 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-_USAGE = "usage: python -m dptrain.train.plots RUN_DIR   (redraws loss.png, throughput.png, timeline.png)"
+_USAGE = "usage: python -m dptrain.pages.plots RUN_DIR   (redraws loss.png, throughput.png, timeline.png)"
 
 
 def main(argv: list[str]) -> int:

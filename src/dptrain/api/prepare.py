@@ -45,8 +45,8 @@ from dptrain.data.sampler import DistributedSampler
 from dptrain.ddp import DistributedDataParallel
 from dptrain.utils.tensors import map_tensors
 from dptrain.launch.heartbeat import mark_progress
-from dptrain.train.engine import clip_by_global_norm
-from dptrain.train.loader import set_epoch
+from dptrain.api.engine import clip_by_global_norm
+from dptrain.data.loader import set_epoch
 from dptrain.zero import MixedPrecision, ZeRO
 
 __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
@@ -82,7 +82,7 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
             zero_kwargs: dict | None = None) -> Any:
     """Wrap a model, optimizers, DataLoaders and LR schedulers for data parallelism; return them in order.
 
-    Against :class:`~dptrain.train.engine.Engine`: the loop stays an ordinary one, at the cost
+    Against :class:`~dptrain.api.engine.Engine`: the loop stays an ordinary one, at the cost
     of inferring the accumulation window from forwards and loader passes (module docstring).
 
     - ``strategy``: ``"ddp"`` (dptrain's DistributedDataParallel, ``ddp_kwargs``) or

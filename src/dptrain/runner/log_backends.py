@@ -12,7 +12,7 @@ CSV drops its rows after that step; TensorBoard's ``purge_step`` hides the event
 it; W&B and MLflow continue the same run (see their classes for what they keep of the replayed steps).
 
 A backend whose library is not installed is refused before launch (:func:`check_backends`, from
-``prepare_run``); the libraries are imported only by the backends that use them.
+``validate_run``); the libraries are imported only by the backends that use them.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dptrain.config.loader import to_dict
-from dptrain.train.atomic import write_text_atomic
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["BACKENDS", "check_backends", "scalars", "LogBackends", "open_backends", "backends_from_config",
            "JsonlBackend", "TensorBoardBackend", "CSVBackend", "WandbBackend", "MLflowBackend"]

@@ -16,7 +16,7 @@ Every file goes into the staging directory ``.step_00000100.tmp/`` first. A serv
 ``workers.pt``) when every worker has marked it; then it reports the cut complete in its
 answers. Rank 0 (worker 0), once every server has reported a cut, writes ``trainer.pt`` and
 ``meta.json`` and renames the directory into place
-(:func:`~dptrain.train.checkpoint.save_checkpoint`). So a checkpoint is complete or absent,
+(:func:`~dptrain.runner.checkpoint.save_checkpoint`). So a checkpoint is complete or absent,
 as in every strategy, and is published about one step after it is taken.
 
 A ps checkpoint resumes only on the world size, ``ps.servers`` and ``ps.mode`` it was saved
@@ -33,11 +33,11 @@ import torch
 
 from dptrain.ps.snapshot import Cut, CutSchedule, transit_messages
 from dptrain.ps.wire import Message, unpack
-from dptrain.train.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, staging_dir
+from dptrain.runner.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, staging_dir
 
 if TYPE_CHECKING:
-    from dptrain.train.prepare import RunPlan
-    from dptrain.train.report import RunLog
+    from dptrain.runner.validate import RunPlan
+    from dptrain.runner.report import RunLog
 
 __all__ = ["CutFiles", "Publisher", "check_ps_resume", "load_server_cut", "load_worker_cut", "PS"]
 

@@ -11,13 +11,13 @@ hyperparameters of each parameter's group go into the file's metadata (JSON unde
 
 The checkpoint is checked as a resume checks it before anything is read: ``meta.json``
 present and intact, every file matching its sha256
-(:func:`~dptrain.train.checkpoint.verify_files`); a truncated, partial or foreign one is
+(:func:`~dptrain.runner.checkpoint.verify_files`); a truncated, partial or foreign one is
 a :class:`ConsolidateError`. It is held against the rotation of a run still writing it
-(:func:`~dptrain.train.checkpoint.reading`) while it is read, and ``sharded/.metadata``
+(:func:`~dptrain.runner.checkpoint.reading`) while it is read, and ``sharded/.metadata``
 is read without running code (:mod:`dptrain.zero.safe_metadata`).
 
 The file is written beside its destination under a temporary name and renamed over it
-(:func:`dptrain.train.atomic.replacing`): a reader sees the old file or the new one.
+(:func:`dptrain.utils.atomic.replacing`): a reader sees the old file or the new one.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from dptrain.train.atomic import replacing
-from dptrain.train.checkpoint import SHARDED, CheckpointError, find_latest, reading, verify_files
-from dptrain.train.strategy_state import full_state
+from dptrain.utils.atomic import replacing
+from dptrain.runner.checkpoint import SHARDED, CheckpointError, find_latest, reading, verify_files
+from dptrain.strategies.state import full_state
 
 __all__ = ["ConsolidateError", "Consolidated", "find_checkpoint", "consolidate_checkpoint"]
 

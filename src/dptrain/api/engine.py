@@ -16,7 +16,7 @@ is the same on every rank, every rank skips it together.
 
 ``strategy`` picks the data-parallel wrapper: ``"ddp"`` (replicated, the DDP engine),
 ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`) or ``"gossip"``
-(:class:`dptrain.gossip.GossipDataParallel`: gradients stay local, the parameters are
+(:class:`dptrain.gossip.module.GossipDataParallel`: gradients stay local, the parameters are
 mixed with the neighbours' before each optimizer step; the gradient norm is then each
 rank's own). Under ZeRO the
 optimizer must be built from the wrapped model's shards, so pass a factory
@@ -49,9 +49,9 @@ from torch.utils.data import Dataset
 from dptrain.batching import BatchPlan
 from dptrain.ddp import DistributedDataParallel
 from dptrain.utils.tensors import map_tensors
-from dptrain.gossip import GossipDataParallel
+from dptrain.gossip.module import GossipDataParallel
 from dptrain.launch.heartbeat import mark_progress
-from dptrain.train.loader import ShardedLoader
+from dptrain.data.loader import ShardedLoader
 from dptrain.zero import MixedPrecision, ZeRO
 
 __all__ = ["Engine", "StepInfo", "clip_by_global_norm"]
@@ -148,7 +148,7 @@ class Engine:
         """Backward of one micro-batch's mean loss, scaled to a mean over the global batch.
 
         ``weight`` replaces the default scale ``1 / grad_accum_steps`` when ranks take
-        unequal shares of the batch (:class:`dptrain.balance.DynamicBatcher.weight`).
+        unequal shares of the batch (:class:`dptrain.data.balance.DynamicBatcher.weight`).
         """
         scaled = loss / self.plan.grad_accum_steps if weight is None else loss * weight
         self._loss_sum += scaled.detach().float()
@@ -185,11 +185,11 @@ class Engine:
     # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.train.strategy_state`).
+        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.strategies.state`).
 
         A sharded model saves with :func:`dptrain.zero.checkpoint.save_sharded` (every rank).
         """
-        from dptrain.train.strategy_state import replicated_state  # torch.distributed.checkpoint: when saving
+        from dptrain.strategies.state import replicated_state  # torch.distributed.checkpoint: when saving
 
         if self.sharded:
             raise RuntimeError("a ZeRO model's state is sharded: save it with dptrain.zero.checkpoint.save_sharded "
@@ -203,7 +203,7 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (or an older one, whose optimizer state is keyed by parameter index)."""
-        from dptrain.train.strategy_state import set_replicated_state
+        from dptrain.strategies.state import set_replicated_state
 
         if self.sharded:
             raise RuntimeError("a ZeRO model's state is sharded: load it with dptrain.zero.checkpoint.load_sharded "

@@ -1,6 +1,6 @@
 """The ``dptrain`` command line: ``run``, ``prepare-data``, ``cluster``, ``env``, ``bench``; ``launch``
-from :mod:`dptrain.cli_launch`; ``consolidate`` from :mod:`dptrain.cli_checkpoint`; ``plan``,
-``simulate`` and ``explore`` from :mod:`dptrain.cli_planning`.
+from :mod:`dptrain.cli.launch`; ``consolidate`` from :mod:`dptrain.cli.checkpoint`; ``plan``,
+``simulate`` and ``explore`` from :mod:`dptrain.cli.planning`.
 
 ``dptrain run`` checks everything a run needs (config, batch sizes, model factory,
 checkpoint) before it starts a worker or creates the run directory: bad input is one
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import click
 
-from dptrain.bench.command import BenchGroup  # no torch: the benchmarks load when run
-from dptrain.cli_checkpoint import consolidate
-from dptrain.cli_input import bad_input as _bad_input
-from dptrain.cli_launch import launch
-from dptrain.cli_planning import explore, plan, simulate
+from dptrain.cli.bench_group import BenchGroup  # no torch: the benchmarks load when run
+from dptrain.cli.checkpoint import consolidate
+from dptrain.cli.input import bad_input as _bad_input
+from dptrain.cli.launch import launch
+from dptrain.cli.planning import explore, plan, simulate
 
 __all__ = ["main"]
 
@@ -71,7 +71,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     from dptrain.data.prepare import prepare, prepare_command
     from dptrain.launch.run_lock import RunDirBusy, acquire
     from dptrain.tasks.user import DataNotPrepared
-    from dptrain.train.prepare import default_run_dir, prepare_run
+    from dptrain.runner.validate import default_run_dir, validate_run
 
     if config_reference:
         from dptrain.config.schema import reference_markdown
@@ -95,11 +95,11 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
         target = default_run_dir(cfg).resolve()  # an existing one is locked before its checkpoints are read
         lock = acquire(target, "dptrain run", log=_note) if target.is_dir() else None
         try:
-            rp = prepare_run(cfg, nproc)
+            rp = validate_run(cfg, nproc)
         except DataNotPrepared as e:  # text or hf data: tokenized once, here, before any worker starts
             click.echo(f"{e.recipe.out} is not prepared yet: preparing it ({prepare_command(e.recipe)})", err=True)
             prepare(e.recipe, progress=sys.stderr.isatty(), log=_note)
-            rp = prepare_run(cfg, nproc)
+            rp = validate_run(cfg, nproc)
         lock = lock or acquire(rp.run_dir, "dptrain run", log=_note)  # a new one: once the input is known good
     except (*_bad_input(), RunDirBusy) as e:
         _release(lock, undo=True)  # nothing written: the lock file as it was
@@ -146,7 +146,7 @@ def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str,
 
 def _check_fault(spec: str, nproc: int) -> None:
     from dptrain.config import ConfigError
-    from dptrain.train.faults import fault_spec
+    from dptrain.runner.faults import fault_spec
 
     try:
         rank, _, _ = fault_spec(spec)
@@ -158,7 +158,9 @@ def _check_fault(spec: str, nproc: int) -> None:
 
 def _expendable(cfg, nproc: int) -> set[int]:
     """Ranks whose death the run survives: the workers other than rank 0 of an async, ssp or backup ps job."""
-    if cfg.ddp.strategy != "ps" or cfg.ps.mode == "sync":
+    from dptrain.strategies import get_strategy
+
+    if not get_strategy(cfg.ddp.strategy).expendable_workers or cfg.ps.mode == "sync":
         return set()
     return set(range(1, nproc - cfg.ps.servers))
 

@@ -17,9 +17,9 @@ rank's row chunks of the parameters and optimizer state as DTensors, in
 :mod:`dptrain.zero.checkpoint`) instead of ``model.pt`` and ``optimizer.pt``;
 ``meta.json`` then says ``"format": "sharded"`` and holds a checksum of every file
 under ``sharded/`` too. Both use the same names for the same state, so a run may
-change between ddp and any ZeRO stage when it resumes (:mod:`dptrain.train.strategy_state`).
+change between ddp and any ZeRO stage when it resumes (:mod:`dptrain.strategies.state`).
 A parameter-server run (``ddp.strategy = "ps"``) writes ``ps/`` instead: each server's
-shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.train.ps_checkpoint`).
+shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.runner.ps_checkpoint`).
 
 **Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
 ``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
@@ -59,18 +59,18 @@ from typing import Any, Iterator
 import numpy as np
 import torch
 
+from dptrain.strategies.registry import SHARDED
 from dptrain.config.loader import identity_hash as hash_identity
 from dptrain.config.loader import normalize_identity
-from dptrain.train.atomic import TRASH, remove_tree
+from dptrain.utils.atomic import TRASH, remove_tree
 
 __all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
            "verify_files", "prune_checkpoints", "reading", "remove_partial", "rng_state", "set_rng_state"]
 
 _NAME = re.compile(r"^step_(\d{8})$")
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
-SHARDED = "sharded"  # the subdirectory of a ZeRO checkpoint written by every rank
 _WRITTEN_BY = {"replicated": "ddp or gossip", "sharded": "zero1, zero2 or zero3", "ps": "ps"}  # format -> strategies
-_INTERCHANGEABLE = ("replicated", "sharded")  # the same names in two containers (train/strategy_state.py)
+_INTERCHANGEABLE = ("replicated", "sharded")  # the same names in two containers (strategies/state.py)
 
 
 class CheckpointError(ValueError):
@@ -192,7 +192,7 @@ def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
     """The checkpoint's ``.pt`` files, loaded with ``weights_only`` (no code runs from a checkpoint).
 
     A sharded checkpoint's ``sharded/`` is read by :mod:`dptrain.zero.checkpoint`; a run
-    resumes through :func:`dptrain.train.strategy_state.load_model_and_optimizer`.
+    resumes through :func:`dptrain.strategies.state.load_model_and_optimizer`.
     """
     return {name.removesuffix(".pt"): torch.load(path / name, map_location=device, weights_only=True)
             for name in _FILES if (path / name).exists()}
@@ -205,7 +205,7 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
     shared ``flock`` on the checkpoint directory it reads (:func:`reading`); rotation
     takes an exclusive one without waiting and skips a directory it cannot lock, leaving
     it to a later rotation. What it deletes it first renames to a hidden trash name
-    (:func:`~dptrain.train.atomic.remove_tree`), so :func:`find_latest` (a resume) never
+    (:func:`~dptrain.utils.atomic.remove_tree`), so :func:`find_latest` (a resume) never
     picks a checkpoint being deleted, and a reader finds it whole or gone, never half.
     """
     root = checkpoint_root(run_dir)

@@ -34,19 +34,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from dptrain.balance import DynamicBatcher, DynamicLoader
+from dptrain.data.balance import DynamicBatcher, DynamicLoader
 from dptrain.compress import make_codec
 from dptrain.compress.base import Compressor
 from dptrain.compress.hook import CompressionHook
 from dptrain.compress.zero import ShardedCompression
 from dptrain.config import to_toml
-from dptrain.divergence import DivergenceMonitor, replica_tensors
+from dptrain.runner.divergence import DivergenceMonitor, replica_tensors
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.pages.run_report import try_write_run_report
 from dptrain.tasks import Task, collate
-from dptrain.train.atomic import write_text_atomic
-from dptrain.train.checkpoint import (
+from dptrain.utils.atomic import write_text_atomic
+from dptrain.runner.checkpoint import (
     SHARDED,
     prune_checkpoints,
     remove_partial,
@@ -55,24 +55,24 @@ from dptrain.train.checkpoint import (
     set_rng_state,
     staging_dir,
 )
-from dptrain.train.engine import Engine, StepInfo
-from dptrain.train.faults import inject_fault, parse_fault
-from dptrain.train.loader import steps_per_epoch
-from dptrain.train.log_backends import backends_from_config
-from dptrain.train.metrics import StepRecorder, StepTimes
-from dptrain.train.optim import build_optimizer, decays
-from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
-from dptrain.train.plots import plot_run, read_metrics
-from dptrain.train.prepare import RunPlan, compression_remedies
-from dptrain.train.ps_loop import train_ps
-from dptrain.train.report import RunLog, print_summary, summarize, truncate_metrics
-from dptrain.train.roll_call import is_collective_failure, roll_call
-from dptrain.train.schedule import scaled_lr, warmup_cosine
-from dptrain.train.skips import SkipBound
-from dptrain.train.straggler import Straggler
-from dptrain.train.strategy_state import load_model_and_optimizer, replicated_state
-from dptrain.train.tensor_peak import TensorPeak, data_tensors
-from dptrain.train.trace import TraceRecorder, trace_zero
+from dptrain.api.engine import Engine, StepInfo
+from dptrain.runner.faults import inject_fault, parse_fault
+from dptrain.data.loader import steps_per_epoch
+from dptrain.runner.log_backends import backends_from_config
+from dptrain.runner.metrics import StepRecorder, StepTimes
+from dptrain.optim.build import build_optimizer, decays
+from dptrain.runner.outputs import save_hf_model, save_weights, val_metrics, val_sums
+from dptrain.pages.plots import plot_run, read_metrics
+from dptrain.runner.validate import RunPlan, compression_remedies
+from dptrain.runner.ps_loop import train_ps
+from dptrain.runner.report import RunLog, print_summary, summarize, truncate_metrics
+from dptrain.runner.roll_call import is_collective_failure, roll_call
+from dptrain.optim.schedule import scaled_lr, warmup_cosine
+from dptrain.runner.skips import SkipBound
+from dptrain.runner.straggler import Straggler
+from dptrain.strategies.state import load_model_and_optimizer, replicated_state
+from dptrain.runner.tensor_peak import TensorPeak, data_tensors
+from dptrain.runner.trace import TraceRecorder, trace_zero
 from dptrain.zero.checkpoint import export_safetensors, save_sharded
 
 __all__ = ["train", "timed_step", "evaluate", "zero_kwargs_from_config"]
@@ -304,7 +304,7 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], compression: 
 
     An injected straggler's sleep is part of its forward span: it is compute, as a slow device's would be.
     With dynamic batching ``batches`` yields a step's [(micro-batch, loss weight)] at a time
-    (:class:`dptrain.balance.DynamicLoader`), and the batcher sees the step's compute time.
+    (:class:`dptrain.data.balance.DynamicLoader`), and the batcher sees the step's compute time.
     """
     times = StepTimes(start=time.perf_counter())
     for item in engine.micro_steps(iter(next(batches)) if batcher else batches):
@@ -379,7 +379,7 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
                 "torch_version": torch.__version__, "format": "sharded" if engine.sharded else "replicated",
                 "strategy": rp.cfg.ddp.strategy, "data": rp.data_identity}
         files = {"trainer.pt": trainer}
-        if not engine.sharded:  # the names every strategy reads (train/strategy_state.py)
+        if not engine.sharded:  # the names every strategy reads (strategies/state.py)
             model_state, optim_state = replicated_state(engine.model.module, engine.optimizer)
             files = {"model.pt": model_state, "optimizer.pt": optim_state, **files}
         path = save_checkpoint(rp.run_dir, step, files, meta, staged=every_rank)
@@ -390,7 +390,7 @@ def _save(engine: Engine, rp: RunPlan, step: int, env: WorkerEnv, device: torch.
 
 
 def _resume(engine: Engine, path: Path, rank: int, device: torch.device) -> int:
-    """Model, optimizer, step and RNG states from ``path``, whichever strategy wrote it (strategy_state.py)."""
+    """Model, optimizer, step and RNG states from ``path``, whichever strategy wrote it (strategies/state.py)."""
     trainer = torch.load(path / "trainer.pt", map_location=device, weights_only=True)
     load_model_and_optimizer(path, engine, device)  # collective when both are sharded (DCP reshards)
     engine.step_count, engine.skipped_steps = trainer["step"], trainer.get("skipped_steps", 0)

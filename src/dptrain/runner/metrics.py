@@ -20,7 +20,7 @@ report the loss averaged over all ranks, the slowest rank's timings, and each ra
 memory, two ways: the process's peak resident set (``peak_rss_mb``: libraries and the
 allocator's cache included) and the peak of live tensor bytes (``peak_tensor_mb``, what
 ``dptrain plan`` predicts: ``max_memory_allocated`` on CUDA; on CPU one step measured by
-:class:`~dptrain.train.tensor_peak.TensorPeak`, null until then). Between logging steps
+:class:`~dptrain.runner.tensor_peak.TensorPeak`, null until then). Between logging steps
 nothing extra is communicated.
 """
 

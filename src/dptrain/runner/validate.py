@@ -1,11 +1,11 @@
 """Everything about a run that can be wrong, checked before anything is written.
 
-``prepare_run`` resolves the run directory and the batch plan, imports the model
+``validate_run`` resolves the run directory and the batch plan, imports the model
 factory, builds the task's datasets far enough to know they fit one global batch, and
 verifies the checkpoint a resumption would start from (its config, and its data: the
 fingerprints of the data files it was trained on, ``data/identity.py``). It raises
 :class:`~dptrain.config.ConfigError`, :class:`~dptrain.batching.BatchSizeError` or
-:class:`~dptrain.train.checkpoint.CheckpointError` (exit code 2 from the CLI) and has no
+:class:`~dptrain.runner.checkpoint.CheckpointError` (exit code 2 from the CLI) and has no
 side effects, so ``dptrain run`` calls it before spawning workers or creating the run
 directory, and each worker calls it again (under torchrun there is no ``dptrain run``).
 """
@@ -29,12 +29,12 @@ from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import Task, architecture, build_task, run_name
-from dptrain.train.checkpoint import CheckpointError, find_latest, verify_checkpoint
-from dptrain.train.loader import steps_per_epoch
-from dptrain.train.ps_checkpoint import check_ps_resume
+from dptrain.runner.checkpoint import CheckpointError, find_latest, verify_checkpoint
+from dptrain.data.loader import steps_per_epoch
+from dptrain.runner.ps_checkpoint import check_ps_resume
 from dptrain.zero.hybrid import check_shard_size
 
-__all__ = ["RunPlan", "prepare_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
+__all__ = ["RunPlan", "validate_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
 
 DEFAULT_GLOBAL_BATCH = 32
 
@@ -57,7 +57,7 @@ def default_run_dir(cfg: RunConfig) -> Path:
     return Path(cfg.run_dir) if cfg.run_dir else Path("runs") / run_name(cfg)
 
 
-def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> RunPlan:
+def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> RunPlan:
     """The checked plan of a run; ``check_forward``: trace the model's forward and loss on fake tensors
     (:func:`_check_forward`; a launcher that already did may skip it in the workers)."""
     if world_size < 1:
@@ -109,7 +109,7 @@ def prepare_run(cfg: RunConfig, world_size: int, check_forward: bool = True) -> 
         if layout == "ps":
             check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
         else:  # older formats, named before launch (ddp <-> zero otherwise resume either way)
-            from dptrain.train.strategy_state import check_strategy_resume  # DCP: only when resuming
+            from dptrain.strategies.state import check_strategy_resume  # DCP: only when resuming
 
             try:
                 check_strategy_resume(resume_from, meta.get("format", "replicated"), layout)
@@ -279,7 +279,7 @@ def _check_divergence(cfg: RunConfig) -> None:
 
 def _check_log_backends(cfg: RunConfig) -> None:
     """``log.backends``: known names, with metrics.jsonl, and each one's library installed (nothing imported)."""
-    from dptrain.train.log_backends import check_backends  # here: the edit stays within this check
+    from dptrain.runner.log_backends import check_backends  # here: the edit stays within this check
 
     try:
         check_backends(cfg.log.backends)

@@ -14,7 +14,7 @@ weights and the summary with every server's report.
 Checkpoints (every ``checkpoint.every`` steps, and at the end) are cuts of
 :mod:`dptrain.ps.snapshot`, taken while training goes on; the servers write their files and
 rank 0 publishes each cut once every server reports it complete
-(:mod:`dptrain.train.ps_checkpoint`). A run started again in the same directory, by hand or
+(:mod:`dptrain.runner.ps_checkpoint`). A run started again in the same directory, by hand or
 by ``--max-restarts``, resumes from the newest: servers from their shards and the gradients
 they recorded in flight, workers from their clocks (so their data positions) and random streams.
 """
@@ -38,22 +38,22 @@ from dptrain.pages.run_report import try_write_run_report
 from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
 from dptrain.ps.wire import pack
 from dptrain.tasks import collate
-from dptrain.train.atomic import write_text_atomic
-from dptrain.train.checkpoint import remove_partial, rng_state, set_rng_state
-from dptrain.train.faults import inject_fault, parse_fault
-from dptrain.train.loader import ShardedLoader
-from dptrain.train.log_backends import LogBackends, backends_from_config
-from dptrain.train.metrics import peak_rss_mb, peak_tensor_mb
-from dptrain.train.optim import build_optimizer
-from dptrain.train.outputs import save_hf_model, save_weights, val_metrics, val_sums
-from dptrain.train.plots import plot_run, read_metrics
-from dptrain.train.prepare import RunPlan
-from dptrain.train.ps_checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
-from dptrain.train.report import RunLog, print_summary, summarize, truncate_metrics
-from dptrain.train.schedule import scaled_lr, warmup_cosine
-from dptrain.train.straggler import Straggler
-from dptrain.train.tensor_peak import TensorPeak, data_tensors
-from dptrain.train.trace import TraceRecorder
+from dptrain.utils.atomic import write_text_atomic
+from dptrain.runner.checkpoint import remove_partial, rng_state, set_rng_state
+from dptrain.runner.faults import inject_fault, parse_fault
+from dptrain.data.loader import ShardedLoader
+from dptrain.runner.log_backends import LogBackends, backends_from_config
+from dptrain.runner.metrics import peak_rss_mb, peak_tensor_mb
+from dptrain.optim.build import build_optimizer
+from dptrain.runner.outputs import save_hf_model, save_weights, val_metrics, val_sums
+from dptrain.pages.plots import plot_run, read_metrics
+from dptrain.runner.validate import RunPlan
+from dptrain.runner.ps_checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
+from dptrain.runner.report import RunLog, print_summary, summarize, truncate_metrics
+from dptrain.optim.schedule import scaled_lr, warmup_cosine
+from dptrain.runner.straggler import Straggler
+from dptrain.runner.tensor_peak import TensorPeak, data_tensors
+from dptrain.runner.trace import TraceRecorder
 
 __all__ = ["train_ps"]
 

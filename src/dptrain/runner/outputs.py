@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import DistributedSampler
 from dptrain.tasks.base import collate
-from dptrain.train.atomic import replacing
+from dptrain.utils.atomic import replacing
 
 __all__ = ["val_sums", "val_metrics", "save_weights", "save_hf_model"]
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from dptrain.cli_input import bad_input, int_list
+from dptrain.cli.input import bad_input, int_list
 
 __all__ = ["plan", "simulate", "explore", "check_params"]
 
@@ -100,7 +100,7 @@ MAX_PARAMS = 1e15  # a thousand times the largest dense models trained; beyond, 
 def check_params(params: float) -> None:
     """``--params``: a whole, finite count in [1, MAX_PARAMS], or a usage error (exit 2) saying what to give."""
     if not (math.isfinite(params) and 1 <= params <= MAX_PARAMS and params == int(params)):
-        raise click.BadParameter(f"--params must be a whole parameter count from 1 to {MAX_PARAMS:.0e}, got "
+        raise click.BadParameter(f"--params must be a positive count: a whole parameter count from 1 to {MAX_PARAMS:.0e}, got "
                                  f"{params:g}; e.g. --params 7e9 for a 7B model")
 
 

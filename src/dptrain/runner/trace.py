@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dptrain.train.atomic import write_text_atomic
-from dptrain.train.metrics import StepTimes
+from dptrain.utils.atomic import write_text_atomic
+from dptrain.runner.metrics import StepTimes
 
 __all__ = ["TraceRecorder", "trace_zero"]
 
