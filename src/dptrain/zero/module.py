@@ -482,6 +482,19 @@ class ZeRO(nn.Module):
             self._live.pop(id(unit.full), None)
             unit.release(force=True)
 
+    # ------------------------------------------------------------------ the wrapper protocol
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Whether backward reduce-scatters (read when backward ends); False accumulates locally, as ``no_sync``."""
+        for unit in self.units:
+            unit.require_sync = requires_gradient_sync
+
+    def record_comm_spans(self, on: bool) -> None:
+        """Nothing to switch: every collective's span is recorded already (zero/timing.py)."""
+
+    def before_optimizer_step(self) -> None:
+        """Nothing: the reduce-scatter in backward left each shard its averaged gradient."""
+
 
 # --------------------------------------------------------------------- helpers
 
