@@ -116,7 +116,7 @@ class Heartbeat:
             print(f"error: rank {self.rank} did not end within {stalled_s:.0f} s of its failure (a blocked "
                   "teardown, a stopped peer): exiting", file=sys.stderr, flush=True)
             os._exit(1)
-        from dptrain.launch.local import write_error_record  # the launcher's module imports this one
+        from dptrain.launch.errors import write_error_record
 
         others = read_heartbeats(self.run_dir, self.world_size)
         stale = stale_ranks(others, self.timeout_s, exclude={self.rank})

@@ -21,7 +21,6 @@ job's lifetime:
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -32,6 +31,7 @@ import threading
 import time
 from pathlib import Path
 
+from dptrain.launch.errors import error_file, error_summary, read_error_record, write_error_record
 from dptrain.launch.heartbeat import STALE_MIN_S, heartbeat_file, read_heartbeats, stale_ranks
 from dptrain.launch.output import PrefixedOutput
 from dptrain.launch.workers import start_worker
@@ -66,37 +66,6 @@ def threads_per_worker(workers: int) -> int:
     """This machine's cores shared by ``workers`` processes (at least 1 each): N workers with every core's
     threads each would fight over the cores."""
     return max(1, (os.cpu_count() or 1) // max(1, workers))
-
-
-def error_file(run_dir: Path, rank: int) -> Path:
-    """Where a worker records the traceback that ended it (read by the launcher)."""
-    return run_dir / "logs" / f"rank{rank}.error.json"
-
-
-def write_error_record(run_dir: Path | None, rank: int, text: str, summary: str, silent: list[int] = ()) -> None:
-    """A worker's record of its end, read by the launcher: the traceback, a one-line summary, and the ranks
-    its roll call found silent; also written to torchrun's ``TORCHELASTIC_ERROR_FILE``, from which torchrun
-    reports the first failure."""
-    record = {"rank": rank, "time": time.time(), "traceback": text, "summary": summary,
-              "silent_ranks": list(silent)}
-    if run_dir is not None:
-        path = error_file(run_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
-    torchrun_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if torchrun_file:
-        Path(torchrun_file).write_text(json.dumps({"message": {"message": text.strip().splitlines()[-1],
-                                                               "extraInfo": {"py_callstack": text,
-                                                                             "timestamp": str(int(time.time()))}}}))
-
-
-def error_summary(error: BaseException) -> str:
-    """``module.Type: first line of the message``, then any notes (the roll call's): what the launcher lists."""
-    message = str(error).strip().splitlines()
-    head = type(error).__qualname__ + (f": {message[0]}" if message else "")
-    if type(error).__module__ not in ("builtins", "__main__"):
-        head = f"{type(error).__module__}.{head}"
-    return "; ".join([head, *getattr(error, "__notes__", [])])
 
 
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
@@ -228,18 +197,6 @@ def _stopped_ranks(procs, codes: list[int | None], run_dir: Path, timeout_s: flo
     beats = read_heartbeats(run_dir, len(procs))
     return [r for r in stale_ranks(beats, timeout_s) if codes[r] is None and r not in known
             and beats[r].get("pid") == procs[r].pid]
-
-
-def read_error_record(run_dir: Path, rank: int) -> dict | None:
-    """A rank's error record, or None when it has none or it cannot be read: a full disk leaves an empty or
-    truncated file, and the launcher then falls back to the rank's console and log (never a crash)."""
-    try:
-        record = json.loads(error_file(run_dir, rank).read_text())
-    except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or not isinstance(record.get("traceback"), str):
-        return None
-    return record
 
 
 def _silent(run_dir: Path, failed: list[int]) -> set[int]:

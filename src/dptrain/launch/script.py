@@ -39,7 +39,8 @@ import traceback
 from pathlib import Path
 from typing import Mapping
 
-from dptrain.launch.local import AGENT_STORE, LOOPBACK, error_summary, write_error_record
+from dptrain.launch.errors import error_summary, write_error_record
+from dptrain.launch.local import AGENT_STORE, LOOPBACK
 
 __all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
 

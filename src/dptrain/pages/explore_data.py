@@ -46,6 +46,7 @@ __all__ = ["Target", "PRESET_MODELS", "preset_target", "config_target", "DP_DEGR
 DP_DEGREES = tuple(2 ** k for k in range(11))  # 1 .. 1024
 STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
 HSDP_SHARD = 8  # one shard group per host of 8 devices
+HYBRID = {"hsdp": ("zero3", HSDP_SHARD)}  # the page's hybrid strategies: a registry strategy and its shard group
 PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -131,12 +132,13 @@ def optimizer_config(cfg: RunConfig, optimizer: str) -> RunConfig:
 def setup_of(target: Target, model: nn.Module, strategy: str, world_size: int, precision: str) -> Setup | None:
     """The planner's :class:`Setup` for a page strategy (``hsdp``: ZeRO-3 sharded over hosts of
     :data:`HSDP_SHARD`), or None where it does not exist (HSDP on one host)."""
-    if strategy == "hsdp":
-        if world_size <= HSDP_SHARD:
-            return None
-        zero = dataclasses.replace(target.cfg.zero, shard_size=HSDP_SHARD)
-        return setup_for(dataclasses.replace(target.cfg, zero=zero), model, "zero3", world_size, precision)
-    return setup_for(target.cfg, model, strategy, world_size, precision)
+    base, shard_size = HYBRID.get(strategy, (strategy, None))
+    if shard_size is None:
+        return setup_for(target.cfg, model, strategy, world_size, precision)
+    if world_size <= shard_size:
+        return None
+    zero = dataclasses.replace(target.cfg.zero, shard_size=shard_size)
+    return setup_for(dataclasses.replace(target.cfg, zero=zero), model, base, world_size, precision)
 
 
 # ------------------------------------------------------------------------------- memory
@@ -172,7 +174,7 @@ def _memory(target: Target, model: nn.Module, mode: FakeTensorMode, dp: tuple[in
                     if setup is None:
                         cells.append(None)
                         continue
-                    if strategy not in shapes:
+                    if shapes.get(strategy) is None:  # a strategy's units are the same at every DP degree
                         shapes[strategy] = units(model, setup)
                     row = plan_row(model, setup, None, optimizer=lambda params: optimizer_for(cfg, params),
                                    shapes=shapes[strategy])

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from dptrain.planner import PRECISIONS, STRATEGIES
+from dptrain.strategies import get_strategy
 from dptrain.pages.plots import read_metrics
 from dptrain.runner.report import summary_rows
 
@@ -164,11 +165,10 @@ def plan_vs_measured(cfg, summary: dict) -> dict[str, Any]:
 
 def planned_bytes(cfg, world_size: int) -> dict[str, Any]:
     """The planner's :class:`~dptrain.planner.Row` for this run, flattened: rank 0's bytes by part."""
-    # imported here: the planner builds engines' options with the training loop's code, which imports this page
-    from dptrain.planner.from_config import plan_config
+    from dptrain.planner.from_config import plan_config  # here: a report without a plan does not pay for it
 
     strategy, precision = cfg.ddp.strategy, cfg.train.precision
-    if strategy not in STRATEGIES:
+    if get_strategy(strategy).zero_stage is None:  # the planner's memory and traffic model does not cover it
         raise Unavailable(f"no plan: dptrain plan covers the strategies {', '.join(STRATEGIES)}; "
                           f"this run's is {strategy}")
     if precision not in PRECISIONS:

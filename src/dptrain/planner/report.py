@@ -79,9 +79,10 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
         sizes = sorted({r.world_size for r in mine})
         strategies = list(dict.fromkeys(r.strategy for r in mine))
         width = 0.8 / len(strategies)
+        by_cell = {(r.strategy, r.world_size): r for r in mine}
         for si, strategy in enumerate(strategies):
             for wi, n in enumerate(sizes):
-                row = next((r for r in mine if r.strategy == strategy and r.world_size == n), None)
+                row = by_cell.get((strategy, n))
                 if row is None:
                     continue
                 bottom = 0.0

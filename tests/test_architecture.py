@@ -1,0 +1,88 @@
+"""The structure, checked by machine (docs/architecture.md): no import cycles between modules, no
+strategy-name branches outside the registry and the strategies' own packages, no module past 500 lines.
+
+The layers themselves are import-linter's contract in pyproject.toml (``lint-imports``, run by CI).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import grimp
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "dptrain"
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return grimp.build_graph("dptrain", exclude_type_checking_imports=True)
+
+
+def _cycles(graph) -> list[list[str]]:
+    """The import cycles among dptrain's modules: Tarjan's strongly connected components of two or more."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(module: str) -> None:  # iterative enough for a package of ~200 modules
+        index[module] = low[module] = len(index)
+        stack.append(module)
+        on_stack.add(module)
+        for other in graph.find_modules_directly_imported_by(module):
+            if other not in index:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in on_stack:
+                low[module] = min(low[module], index[other])
+        if low[module] == index[module]:
+            component = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == module:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for module in sorted(graph.modules):
+        if module not in index:
+            visit(module)
+    return found
+
+
+def test_no_module_imports_itself_back(graph):
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    class Two:
+        modules = {"a", "b", "c"}
+
+        @staticmethod
+        def find_modules_directly_imported_by(module):
+            return {"a": {"b"}, "b": {"a"}, "c": {"a"}}[module]
+
+    assert _cycles(Two) == [["a", "b"]]
+
+
+# What "branching on a strategy's name" looks like; the strategies' own packages and the registry may.
+NAME_BRANCH = re.compile(r"strategy *(==|!=|in \(|in \[|not in)")
+ALLOWED = ("strategies/", "ddp/", "zero/", "ps/", "gossip/")
+
+
+def test_no_code_outside_the_registry_branches_on_a_strategy_name():
+    branches = [f"{path.relative_to(SRC)}:{n}: {line.strip()}"
+                for path in sorted(SRC.rglob("*.py")) if not str(path.relative_to(SRC)).startswith(ALLOWED)
+                for n, line in enumerate(path.read_text().splitlines(), 1) if NAME_BRANCH.search(line)]
+    assert len(branches) <= 3, "ask the registry entry (dptrain.strategies.get_strategy) instead:\n" + \
+        "\n".join(branches)
+
+
+def test_no_module_is_past_500_lines():
+    long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}, f"split these along a concept: {long}"
