@@ -7,14 +7,14 @@ import json
 
 import pytest
 import torch
-from _cli import dptrain
 from torch import nn
 
-from dptrain.data.balance import DynamicBatcher, DynamicLoader, split_shares
-from dptrain.batching import BatchPlan
-from dptrain.testing import run_on_ranks
+from _cli import dptrain
 from dptrain.api.engine import Engine
+from dptrain.batching import BatchPlan
+from dptrain.data.balance import DynamicBatcher, DynamicLoader, split_shares
 from dptrain.data.loader import ShardedLoader
+from dptrain.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -93,7 +93,7 @@ def test_unequal_shares_train_exactly_like_equal_ones(shares, accum):
     reference = _reference(2)
     results = run_on_ranks(_train, 2, shares, accum)
     for got in results:
-        for a, b in zip(got, reference):
+        for a, b in zip(got, reference, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 

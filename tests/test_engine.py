@@ -9,8 +9,8 @@ from torch.nn import functional as F
 from torch.utils.data import TensorDataset
 
 from dptrain import BatchPlan, Engine, warmup_cosine
-from dptrain.testing import run_on_ranks
 from dptrain.data.loader import ShardedLoader
+from dptrain.testing import run_on_ranks
 
 MICRO, ACCUM, STEPS = 3, 2, 4
 
@@ -75,7 +75,7 @@ def test_engine_matches_one_process_on_the_global_batch(world_size):
     results = run_on_ranks(_engine_run, world_size)
     expected, norms = _reference(world_size)
     for params, infos in results:
-        for got, want in zip(params, expected):
+        for got, want in zip(params, expected, strict=True):
             torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
         assert [i.grad_norm for i in infos] == pytest.approx(norms, rel=1e-5)
         assert [i.lr for i in infos] == pytest.approx([_lr(s) for s in range(STEPS)])
@@ -116,3 +116,28 @@ def test_loader_resumes_at_any_step_and_covers_each_global_batch():
         for rank, loader in enumerate(loaders):
             resumed = loader.micro_batches(start)
             assert torch.equal(torch.cat([next(resumed)[0] for _ in range(2)]), steps[start][rank])
+
+
+def test_the_step_core_averages_the_window_clips_and_skips_without_a_process_group():
+    from dptrain.api.step import OptimizerStep
+
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    core = OptimizerStep(optimizer, grad_clip=1e9)
+    x = torch.randn(6, 5)
+    for half in (x[:3], x[3:]):  # two micro-steps of one window: gradients summed by backward
+        F.mse_loss(model(half), torch.zeros(3, 3)).backward()
+    reference = _model()
+    for half in (x[:3], x[3:]):
+        (F.mse_loss(reference(half), torch.zeros(3, 3)) / 2).backward()
+    want_norm = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")))
+    want = [p.detach() - p.grad for p in reference.parameters()]
+    outcome = core(2)
+    assert outcome.grad_norm == pytest.approx(want_norm, rel=1e-6) and not outcome.skipped
+    for got, expected in zip(model.parameters(), want, strict=True):
+        torch.testing.assert_close(got.detach(), expected)
+    assert all(p.grad is None for p in model.parameters())  # zero_grad(set_to_none) after the step
+    before = [p.detach().clone() for p in model.parameters()]
+    model(torch.full((1, 5), float("nan"))).sum().backward()
+    assert core(1).skipped and (core.steps, core.skipped_steps) == (2, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-from _cli import dptrain
 from torch import nn
 
+from _cli import dptrain
+from dptrain.api.engine import Engine
 from dptrain.batching import BatchPlan
 from dptrain.gossip.module import GossipDataParallel, mixing_peers
 from dptrain.testing import run_on_ranks
-from dptrain.api.engine import Engine
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -61,17 +61,17 @@ def test_mixing_keeps_the_average_and_reaches_consensus(topology):
     mean, now, distances = results[0]
     torch.testing.assert_close(now, mean, rtol=1e-5, atol=1e-5)
     assert distances[0] > 1.0 and distances[-1] < 1e-3 * distances[0]
-    assert all(b <= a + 1e-9 for a, b in zip(distances, distances[1:]))  # mixing never spreads the replicas
+    assert all(b <= a + 1e-9 for a, b in zip(distances, distances[1:], strict=False))  # mixing never spreads the replicas
 
 
 def _one_step(rank, world_size):
     """One D-PSGD step with SGD: x_i <- sum_j W_ij x_j - lr * g_i(x_i); returns what it needs to check it."""
-    model = GossipDataParallel(_model(), "ring")
-    with torch.no_grad():
+    engine = Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=0.5), BatchPlan(world_size, 1, 1,
+                                                                                           world_size),
+                    strategy="gossip", gossip_kwargs={"topology": "ring"})
+    model = engine.model
+    with torch.no_grad():  # the replicas made different (the parameters are views of flat)
         model.flat.add_(0.1 * torch.randn(model.flat.shape, generator=torch.Generator().manual_seed(rank)))
-    engine = Engine(model.module, torch.optim.SGD(model.parameters(), lr=0.5), BatchPlan(world_size, 1, 1,
-                                                                                        world_size))
-    engine.model = model  # the wrapper built above, with the perturbed replicas
     x = torch.randn(1, 4, generator=torch.Generator().manual_seed(100 + rank))
     before = model.flat.clone()
     engine.backward(model(x).square().sum())
@@ -110,6 +110,36 @@ def test_identical_data_on_every_rank_is_single_process_training():
     want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     for flat in got:
         torch.testing.assert_close(flat, want, rtol=1e-5, atol=1e-6)
+
+
+def _prepared_same_data(rank, world_size, steps):
+    from dptrain import prepare
+
+    model = _model()
+    model, optimizer = prepare(model, torch.optim.AdamW(model.parameters(), lr=0.01), strategy="gossip",
+                               grad_accum_steps=2)
+    for step in range(steps):
+        for micro in range(2):
+            x = torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + micro))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return model.module.flat.clone(), model.module.steps
+
+
+def test_prepare_with_gossip_mixes_once_per_window_and_trains_as_one_process():
+    got = run_on_ranks(_prepared_same_data, 2, 3)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    for step in range(3):
+        x = torch.cat([torch.randn(4, 4, generator=torch.Generator().manual_seed(10 * step + m)) for m in range(2)])
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    want = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    for flat, mixes in got:
+        torch.testing.assert_close(flat, want, rtol=1e-5, atol=1e-6)
+        assert mixes == 3
 
 
 def test_gossip_run_reports_consensus_distance_and_bytes(tmp_path):

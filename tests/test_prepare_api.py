@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, RandomSampler, TensorDataset
 
 from dptrain import prepare
-from dptrain.testing import run_on_ranks
 from dptrain.api.prepare import AccumulationState, PreparedLoader, shard_loader
+from dptrain.testing import run_on_ranks
 
 SAMPLES, MICRO, ACCUM, EPOCHS, CLIP = 30, 3, 3, 2, 0.5  # a rank's pass: 30/N samples, 10/N micro-batches
 
@@ -107,9 +107,9 @@ def test_prepared_loop_matches_one_process_on_the_global_batch(world_size, strat
     step_windows = [[w for rank_steps, _, _, _, _, _ in results for w in rank_steps[s][0]]
                     for s in range(EPOCHS * windows_per_pass)]
     expected = _reference(step_windows)
-    for steps, passes, synced, evals, scheduler_steps, optimizer_steps in results:
+    for steps, _passes, synced, evals, scheduler_steps, optimizer_steps in results:
         assert len(steps) == len(expected) == scheduler_steps == optimizer_steps == EPOCHS * windows_per_pass
-        for (_, params, norm, lr), (want, want_norm, want_lr) in zip(steps, expected):
+        for (_, params, norm, lr), (want, want_norm, want_lr) in zip(steps, expected, strict=True):
             assert params.keys() == want.keys()
             for name in want:
                 torch.testing.assert_close(params[name], want[name], rtol=1e-5, atol=1e-6)

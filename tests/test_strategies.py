@@ -41,3 +41,36 @@ def test_shards_parameters_is_what_each_wrapper_does():
     names = strategy_names(lambda s: s.wrap is not None)
     replaced = run_on_ranks(_wrap_each, 2, names)[0]
     assert replaced == {n: REGISTRY[n].shards_parameters for n in names}
+
+
+def _protocol_each(rank, world_size, names):
+    """Each wrapper through the protocol only: skip a reduction, reduce again, and the pre-step hook."""
+    from dptrain.strategies.protocol import DataParallelWrapper
+
+    facts = {}
+    for name in names:
+        torch.manual_seed(0)
+        wrapped = REGISTRY[name].wrap(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+        wrapped.record_comm_spans(True)
+        wrapped(torch.randn(4, 8)).sum().backward()
+        synced = wrapped.last_step_comm
+        wrapped.set_requires_gradient_sync(False)
+        wrapped(torch.randn(4, 8)).sum().backward()
+        skipped = wrapped.last_step_comm is synced  # no reduction in that backward
+        wrapped.set_requires_gradient_sync(True)
+        wrapped(torch.randn(4, 8)).sum().backward()
+        reduced = synced is None or wrapped.last_step_comm is not synced
+        mixes_before = getattr(wrapped, "steps", 0)
+        wrapped.before_optimizer_step()
+        facts[name] = (isinstance(wrapped, DataParallelWrapper), synced is not None, skipped, reduced,
+                       getattr(wrapped, "steps", 0) - mixes_before)
+    return facts
+
+
+def test_every_wrapper_satisfies_the_protocol_through_its_switch_stats_and_pre_step_hook():
+    names = strategy_names(lambda s: s.wrap is not None)
+    facts = run_on_ranks(_protocol_each, 2, names)[0]
+    for name in names:
+        decentralized = REGISTRY[name].decentralized
+        # gossip reduces no gradients (no stats) and mixes once before the step; the others the reverse
+        assert facts[name] == (True, not decentralized, True, True, int(decentralized)), name

@@ -3,9 +3,10 @@
 One optimizer step on the global batch is, on every rank, in this order (nanoGPT's):
 
 1. ``grad_accum_steps`` micro-steps of forward and backward on ``micro_batch_size``
-   samples, with gradient synchronisation on the last only (``no_sync`` before it), each
-   loss divided by ``grad_accum_steps`` so the accumulated gradient is the mean over
-   the global batch;
+   samples, with gradient synchronisation on the last only (``no_sync`` before it); the
+   gradients add up, and the step divides their sum by the micro-step count, so the
+   gradient is the mean over the global batch (the accumulation rule of
+   :mod:`dptrain.api.step`, which ``prepare()`` follows too);
 2. gradient clipping by the global L2 norm (the gradients are identical on every rank
    after the all-reduce, so the norm is too);
 3. the learning rate for this step, the optimizer step, zero_grad.
@@ -14,12 +15,13 @@ Mixed precision follows ``torch.autocast``: bf16 on CPU or GPU; fp16 on GPU with
 ``GradScaler``. A step whose gradient norm is not finite is skipped; because the norm
 is the same on every rank, every rank skips it together.
 
-``strategy`` picks the data-parallel wrapper: ``"ddp"`` (replicated, the DDP engine),
-``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`) or ``"gossip"``
-(:class:`dptrain.gossip.module.GossipDataParallel`: gradients stay local, the parameters are
-mixed with the neighbours' before each optimizer step; the gradient norm is then each
-rank's own). Under ZeRO the
-optimizer must be built from the wrapped model's shards, so pass a factory
+``strategy`` names an entry of the registry (:mod:`dptrain.strategies`), which wraps the
+model: ``"ddp"`` (replicated, the DDP engine; options ``ddp_kwargs``),
+``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``) or ``"gossip"``
+(:class:`dptrain.gossip.module.GossipDataParallel`, ``gossip_kwargs``: gradients stay local, the
+parameters are mixed with the neighbours' before each optimizer step; the gradient norm is then
+each rank's own). Where the strategy shards the parameters (ZeRO) the optimizer must be built
+from the wrapped model's shards, so pass a factory
 ``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``; bf16 becomes
 ZeRO's own mixed precision (the module computes in bf16 from fp32 master shards,
 no autocast); gradient clipping takes the norm over every rank's shard.
@@ -37,22 +39,21 @@ no autocast); gradient clipping takes the norm over every rank's shard.
 from __future__ import annotations
 
 import contextlib
-import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.data import Dataset
 
+from dptrain.api.step import OptimizerStep, clip_by_global_norm
+from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
 from dptrain.batching import BatchPlan
-from dptrain.ddp import DistributedDataParallel
-from dptrain.utils.tensors import map_tensors
-from dptrain.gossip.module import GossipDataParallel
-from dptrain.launch.heartbeat import mark_progress
 from dptrain.data.loader import ShardedLoader
-from dptrain.zero import MixedPrecision, ZeRO
+from dptrain.strategies.registry import get_strategy, strategy_names
+from dptrain.utils.tensors import map_tensors
 
 __all__ = ["Engine", "StepInfo", "clip_by_global_norm"]
 
@@ -66,55 +67,57 @@ class StepInfo:
     skipped: bool      # non-finite gradients: the optimizer did not step
 
 
+def _core_attribute(name: str, doc: str) -> property:
+    """An attribute of the engine's step core (:class:`OptimizerStep`), readable and settable on the engine."""
+    return property(lambda self: getattr(self._core, name), lambda self, value: setattr(self._core, name, value),
+                    doc=doc)
+
+
 class Engine:
     def __init__(self, model: nn.Module,
                  optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer], plan: BatchPlan,
                  *, precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
                  ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None,
                  strategy: str = "ddp", zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None):
-        if strategy == "ddp":
-            self.model: nn.Module = DistributedDataParallel(model, process_group=process_group, **(ddp_kwargs or {}))
-        elif strategy in ("zero1", "zero2", "zero3"):
-            kwargs = dict(zero_kwargs or {})
-            reduce_dtype = kwargs.pop("reduce_dtype", torch.float32)
-            if precision == "bf16":
-                kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype)
-            elif precision == "fp16":
-                raise ValueError("precision fp16 is not supported with ZeRO (it needs a loss scaler over sharded "
-                                 "gradients); use bf16, which needs none")
-            self.model = ZeRO(model, stage=int(strategy[-1]), process_group=process_group, **kwargs)
-        elif strategy == "gossip":
-            self.model = GossipDataParallel(model, process_group=process_group, **(gossip_kwargs or {}))
-        else:
-            raise ValueError(f"unknown strategy {strategy!r}; use ddp, zero1, zero2, zero3 or gossip")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            optimizer = optimizer(self.model)
-        elif self.sharded:
-            raise TypeError(f"strategy {strategy} shards the parameters when it wraps the model, so the optimizer "
-                            "must be built afterwards: pass a factory, optimizer=lambda model: "
-                            "torch.optim.AdamW(model.parameters(), ...)")
-        self.optimizer = optimizer
+        self.strategy = get_strategy(strategy, among=strategy_names(lambda s: s.wrap is not None))
+        options = options_for(self.strategy, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs,
+                              gossip_kwargs=gossip_kwargs)
+        self.model: nn.Module = wrap_model(self.strategy, model, precision=precision, process_group=process_group,
+                                           options=options)
+        self.optimizer = self._build_optimizer(optimizer)
         self.plan = plan
         self.device = self.model.device
-        self.grad_clip = grad_clip
         self.lr_at = lr_at
-        self.step_count = 0
-        self.skipped_steps = 0
-        self._autocast_dtype, self.scaler = _precision(precision, self.device)
-        if self.sharded:
-            self._autocast_dtype = None  # ZeRO's MixedPrecision casts the module itself
+        self._autocast_dtype = autocast_dtype(self.strategy, precision)
+        self.scaler = _scaler(precision, self.device)
+        self._core = OptimizerStep(self.optimizer, self.model, grad_clip=grad_clip,
+                                   sharded=self.strategy.shards_parameters, scaler=self.scaler)
+        self._micro_steps = 0  # backward passes since the last step: the window the step averages
         self._loss_sum = torch.zeros((), device=self.device)
         self._rank = dist.get_rank(process_group)
 
+    def _build_optimizer(self, optimizer) -> torch.optim.Optimizer:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            return optimizer(self.model)
+        if self.sharded:
+            raise TypeError(f"strategy {self.strategy.name} shards the parameters when it wraps the model, so the "
+                            "optimizer must be built afterwards: pass a factory, optimizer=lambda model: "
+                            "torch.optim.AdamW(model.parameters(), ...)")
+        return optimizer
+
     @property
     def sharded(self) -> bool:
-        """Whether the model is ZeRO-sharded (checkpoints are then sharded too)."""
-        return isinstance(self.model, ZeRO)
+        """Whether the strategy shards the parameters (ZeRO; checkpoints are then sharded too)."""
+        return self.strategy.shards_parameters
 
     @property
     def gossip(self) -> bool:
-        """Whether replicas are mixed with neighbours instead of gradients all-reduced (gradients stay local)."""
-        return isinstance(self.model, GossipDataParallel)
+        """Whether replicas are mixed with neighbours instead of gradients all-reduced (the entry's ``decentralized``)."""
+        return self.strategy.decentralized
+
+    grad_clip = _core_attribute("grad_clip", "Max global L2 norm of the gradient (0: no clipping).")
+    step_count = _core_attribute("steps", "Optimizer steps taken, skipped ones included.")
+    skipped_steps = _core_attribute("skipped_steps", "Steps skipped for a non-finite gradient norm.")
 
     # ------------------------------------------------------------------ data
 
@@ -145,12 +148,16 @@ class Engine:
         return torch.autocast(self.device.type, dtype=self._autocast_dtype)
 
     def backward(self, loss: torch.Tensor, weight: float | None = None) -> None:
-        """Backward of one micro-batch's mean loss, scaled to a mean over the global batch.
+        """Backward of one micro-batch's mean loss; the step averages the window (:mod:`dptrain.api.step`).
 
-        ``weight`` replaces the default scale ``1 / grad_accum_steps`` when ranks take
-        unequal shares of the batch (:class:`dptrain.data.balance.DynamicBatcher.weight`).
+        ``weight``: this micro-batch's factor on the step's gradient in place of ``1 /
+        grad_accum_steps``, when ranks take unequal shares of the batch
+        (:class:`dptrain.data.balance.DynamicBatcher.weight`). The step divides by the window's
+        micro-step count, ``grad_accum_steps`` with dynamic batching, so the loss is scaled by
+        the relative weight ``weight * grad_accum_steps``.
         """
-        scaled = loss / self.plan.grad_accum_steps if weight is None else loss * weight
+        self._micro_steps += 1
+        scaled = loss if weight is None else loss * (weight * self.plan.grad_accum_steps)
         self._loss_sum += scaled.detach().float()
         if self.scaler is not None:
             self.scaler.scale(scaled).backward()
@@ -158,29 +165,16 @@ class Engine:
             scaled.backward()
 
     def step(self) -> StepInfo:
-        """Clip, set the learning rate, step the optimizer, zero the gradients."""
-        mark_progress(self.step_count + 1)  # this process's heartbeat, if any (dptrain launch --timeout)
+        """Set the learning rate, then average, clip, step and zero (:class:`~dptrain.api.step.OptimizerStep`)."""
         lr = self.lr_at(self.step_count) if self.lr_at else self.optimizer.param_groups[0]["lr"]
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        if self.scaler is not None:
-            self.scaler.unscale_(self.optimizer)
-        params = [] if self.sharded else [p for p in self.model.parameters() if p.grad is not None]
-        norm = clip_by_global_norm(params, self.grad_clip, self.model if self.sharded else None)
-        skipped = not math.isfinite(norm)
-        self.skipped_steps += skipped
-        if self.gossip:  # D-PSGD: mix the parameters, then apply the gradient taken before mixing
-            self.model.mix()
-        if self.scaler is not None:
-            self.scaler.step(self.optimizer)  # skips by itself on inf/nan
-            self.scaler.update()
-        elif not skipped:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step_count += 1
-        loss = self._loss_sum.item()
+        window = max(self._micro_steps, 1)
+        outcome = self._core(window)
+        self._micro_steps = 0
+        loss = self._loss_sum.item() / window
         self._loss_sum.zero_()
-        return StepInfo(self.step_count, loss, norm, lr, skipped)
+        return StepInfo(self.step_count, loss, outcome.grad_norm, lr, outcome.skipped)
 
     # ----------------------------------------------------------- checkpoints
 
@@ -215,30 +209,13 @@ class Engine:
             self.scaler.load_state_dict(state["scaler"])
 
 
-def clip_by_global_norm(params: list[torch.Tensor], grad_clip: float, zero: ZeRO | None = None) -> float:
-    """The gradients' global L2 norm before clipping them to ``grad_clip`` (0: the norm only).
-
-    Under ZeRO (``zero``) the norm is over every rank's shard, the same on every rank;
-    otherwise over ``params``' gradients, which the all-reduce made the same on every rank.
-    A norm that is not finite is for the caller to skip the step on.
-    """
-    max_norm = grad_clip if grad_clip > 0 else math.inf
-    if zero is not None:
-        return float(zero.clip_grad_norm_(max_norm))
-    return float(torch.nn.utils.clip_grad_norm_(params, max_norm)) if params else 0.0
-
-
-def _precision(name: str, device: torch.device) -> tuple[torch.dtype | None, Any]:
-    if name == "fp32":
-        return None, None
-    if name == "bf16":
-        return torch.bfloat16, None
-    if name == "fp16":
-        if device.type != "cuda":
-            raise ValueError("precision fp16 needs a CUDA device (it relies on a loss scaler); "
-                             "use bf16 on CPU")
-        return torch.float16, torch.amp.GradScaler("cuda")
-    raise ValueError(f"unknown precision {name!r}; use fp32, bf16 or fp16")
+def _scaler(precision: str, device: torch.device) -> Any:
+    """fp16's loss scaler (CUDA only); None for the other precisions."""
+    if precision != "fp16":
+        return None
+    if device.type != "cuda":
+        raise ValueError("precision fp16 needs a CUDA device (it relies on a loss scaler); use bf16 on CPU")
+    return torch.amp.GradScaler("cuda")
 
 
 def _to_device(batch: Any, device: torch.device) -> Any:

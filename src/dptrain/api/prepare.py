@@ -11,48 +11,47 @@ wrappers share one :class:`AccumulationState`; gradient accumulation is a window
    ``grad_accum_steps`` ends on a shorter window, as in Accelerate). The others run under the
    strategy's ``no_sync()``, held open until the closing forward: gradients add up locally
    and the closing backward reduces their sum once;
-2. ``optimizer.step()`` does nothing inside a window. At its close it divides the gradients
-   by the window's micro-step count ``k`` (each loss is a micro-batch mean and DDP averages
-   over ranks, so the gradient becomes the mean over the window's global batch; nanoGPT scales
-   the loss instead, but here ``loss.backward()`` is the user's), clips by the global norm, and
-   steps unless the norm is not finite (the same on every rank, so all ranks skip together);
+2. ``optimizer.step()`` does nothing inside a window. At its close it takes the step both user
+   APIs share (:mod:`dptrain.api.step`): it divides the gradients by the window's micro-step
+   count ``k`` (each loss is a micro-batch mean and DDP averages over ranks, so the gradient
+   becomes the mean over the window's global batch), clips by the global norm, and steps
+   unless the norm is not finite (the same on every rank, so all ranks skip together);
 3. ``optimizer.zero_grad()`` does nothing inside a window; ``scheduler.step()`` steps when it
    closes, unless the optimizer skipped its step, so the schedule counts optimizer steps as
    one process on the global batch would (Accelerate steps it ``num_processes`` times).
 
 The loader is rebuilt over the same dataset with :class:`~dptrain.data.sampler.DistributedSampler`
-(``batch_size`` per rank); ``strategy`` zero1-3 wraps the model in :class:`~dptrain.zero.ZeRO` and
-moves the optimizer onto its flat shards in place (as Accelerate does for FSDP2).
+(``batch_size`` per rank). The model is wrapped by the strategy's registry entry
+(:mod:`dptrain.api.wrap`); a strategy that shards the parameters (zero1-3) gets the optimizer
+moved onto its flat shards in place (as Accelerate does for FSDP2).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
-import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler,
-                              SequentialSampler)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
-from dptrain.data.sampler import DistributedSampler
-from dptrain.ddp import DistributedDataParallel
-from dptrain.utils.tensors import map_tensors
-from dptrain.launch.heartbeat import mark_progress
-from dptrain.api.engine import clip_by_global_norm
+from dptrain.api.step import OptimizerStep
+from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
 from dptrain.data.loader import set_epoch
-from dptrain.zero import MixedPrecision, ZeRO
+from dptrain.data.sampler import DistributedSampler
+from dptrain.strategies.protocol import DataParallelWrapper
+from dptrain.strategies.registry import Strategy, get_strategy, strategy_names
+from dptrain.utils.tensors import map_tensors
 
 __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
            "PreparedLoader", "shard_loader", "STRATEGIES", "PRECISIONS"]
 
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3")
+STRATEGIES = strategy_names(lambda s: s.wrap is not None)  # those whose wrapper the registry builds (not ps)
 PRECISIONS = ("fp32", "bf16")
 
 
@@ -79,15 +78,17 @@ class AccumulationState:
 def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_accum_steps: int = 1,
             grad_clip: float = 0.0, device: torch.device | str | None = None,
             process_group: dist.ProcessGroup | None = None, seed: int = 0, ddp_kwargs: dict | None = None,
-            zero_kwargs: dict | None = None) -> Any:
+            zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None) -> Any:
     """Wrap a model, optimizers, DataLoaders and LR schedulers for data parallelism; return them in order.
 
     Against :class:`~dptrain.api.engine.Engine`: the loop stays an ordinary one, at the cost
     of inferring the accumulation window from forwards and loader passes (module docstring).
 
-    - ``strategy``: ``"ddp"`` (dptrain's DistributedDataParallel, ``ddp_kwargs``) or
+    - ``strategy``: ``"ddp"`` (dptrain's DistributedDataParallel, ``ddp_kwargs``),
       ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``; at most one
-      optimizer, created over the unwrapped model and not yet stepped).
+      optimizer, created over the unwrapped model and not yet stepped) or ``"gossip"``
+      (:class:`dptrain.gossip.GossipDataParallel`, ``gossip_kwargs``: the parameters are mixed with
+      the neighbours' before each optimizer step, and each rank clips by its own gradient's norm).
     - ``precision``: ``"fp32"`` or ``"bf16"``: autocast around the forward with fp32 weights and
       outputs cast back to fp32 (under ZeRO its own ``MixedPrecision``, fp32 master shards).
     - ``grad_accum_steps``: micro-steps per optimizer step; ``grad_clip``: max global L2 norm (0: none).
@@ -97,13 +98,14 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
     One object returns it alone, several a tuple. Anything but a module, an optimizer, a
     DataLoader or an LR scheduler is a TypeError.
     """
-    _check_settings(strategy, precision, grad_accum_steps, grad_clip)
+    entry = _check_settings(strategy, precision, grad_accum_steps, grad_clip)
     if not dist.is_initialized():
         raise RuntimeError("prepare() needs torch.distributed initialised: call device = dptrain.init_distributed() "
                            "first (torchrun, Slurm or a single process)")
     kinds = [_kind(obj) for obj in objects]
-    picked = {kind: list({id(o): o for o, k in zip(objects, kinds) if k == kind}.values())
+    picked = {kind: list({id(o): o for o, k in zip(objects, kinds, strict=True) if k == kind}.values())
               for kind in ("model", "optimizer", "scheduler", "loader")}
+    _check_optimizer_count(entry, len(picked["optimizer"]))
     if len(picked["model"]) > 1:
         raise ValueError(f"prepare() got {len(picked['model'])} models; it counts one model's forwards as the "
                          "accumulation's micro-steps. Put the models in one nn.Module, or prepare each with its own "
@@ -111,13 +113,15 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
     device = torch.device(device) if device is not None else _default_device(process_group)
     state = AccumulationState(grad_accum_steps)
     done: dict[int, Any] = {}
-    zero = None
+    wrapper = None
+    options = options_for(entry, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs, gossip_kwargs=gossip_kwargs)
     for model in picked["model"]:
-        done[id(model)] = prepared = _prepare_model(model, picked["optimizer"], strategy, precision, device,
-                                                    process_group, state, ddp_kwargs, zero_kwargs)
-        zero = prepared.module if isinstance(prepared.module, ZeRO) else None
+        done[id(model)] = prepared = _prepare_model(model, picked["optimizer"], entry, precision, device,
+                                                    process_group, state, options)
+        wrapper = prepared.module
     for optimizer in picked["optimizer"]:
-        done[id(optimizer)] = PreparedOptimizer(optimizer, state, grad_clip, zero)
+        done[id(optimizer)] = PreparedOptimizer(optimizer, state, grad_clip, wrapper,
+                                                sharded=entry.shards_parameters)
     for scheduler in picked["scheduler"]:
         done[id(scheduler)] = PreparedScheduler(scheduler, _optimizer_of(scheduler, done), state)
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
@@ -134,9 +138,9 @@ class PreparedModel(nn.Module):
     """The strategy's wrapper (``.module``), with the accumulation's sync switch and autocast around its forward.
 
     A forward with autograd on is one micro-step (:meth:`AccumulationState.begin_micro_step`);
-    one that does not close its window enters the strategy's ``no_sync()`` and leaves it open
-    through its backward (ZeRO reads the switch during backward, DDP at forward) until the
-    window's closing forward leaves it. Forwards under ``torch.no_grad()`` (evaluation) are
+    it sets the wrapper's ``set_requires_gradient_sync`` to whether it closes its window, and
+    the switch stays so through its backward (ZeRO reads it during backward, DDP at forward)
+    until the next forward. Forwards under ``torch.no_grad()`` (evaluation) are
     not counted. ``unwrap()`` is the original module (under ZeRO its parameters live in the
     shards: save with ``dptrain.zero.checkpoint.save_sharded(path, model.module, optimizer.optimizer)``).
     """
@@ -146,12 +150,10 @@ class PreparedModel(nn.Module):
         super().__init__()
         self.module, self.accumulation, self.device = wrapped, state, device
         self._autocast_dtype = autocast_dtype
-        self._no_sync = contextlib.ExitStack()  # holds the strategy's no_sync() open between forwards
-        self._accumulating = False
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self._set_gradient_sync(self.accumulation.begin_micro_step())
+            self.module.set_requires_gradient_sync(self.accumulation.begin_micro_step())
         if self._autocast_dtype is None:
             return self.module(*args, **kwargs)
         with torch.autocast(self.device.type, dtype=self._autocast_dtype):
@@ -159,57 +161,42 @@ class PreparedModel(nn.Module):
         # the loss is computed outside, after the forward: in fp32, as Accelerate's convert_outputs_to_fp32
         return map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
 
-    def _set_gradient_sync(self, sync: bool) -> None:
-        if not sync and not self._accumulating:
-            self._no_sync.enter_context(self.module.no_sync())
-            self._accumulating = True
-        elif sync and self._accumulating:
-            self._no_sync.close()
-            self._accumulating = False
-
     def unwrap(self) -> nn.Module:
         """The model as it was passed to ``prepare()`` (on the device)."""
         return self.module.module
 
 
-def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], strategy: str, precision: str,
+def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], entry: Strategy, precision: str,
                    device: torch.device, group: dist.ProcessGroup | None, state: AccumulationState,
-                   ddp_kwargs: dict | None, zero_kwargs: dict | None) -> PreparedModel:
+                   options: dict | None) -> PreparedModel:
     model = model.to(device)  # the same Parameter objects: an optimizer built over them stays valid
-    bf16 = precision == "bf16"
-    if strategy == "ddp":
-        wrapped = DistributedDataParallel(model, process_group=group, **(ddp_kwargs or {}))
-        return PreparedModel(wrapped, state, torch.bfloat16 if bf16 else None, device)
-    return PreparedModel(_wrap_zero(model, optimizers, int(strategy[-1]), bf16, group, zero_kwargs),
-                         state, None, device)
+    if entry.shards_parameters:
+        wrapped = _wrap_sharded(entry, model, optimizers, precision, group, options)
+    else:
+        wrapped = wrap_model(entry, model, precision=precision, process_group=group, options=options)
+    return PreparedModel(wrapped, state, autocast_dtype(entry, precision), device)
 
 
-def _wrap_zero(model: nn.Module, optimizers: list[torch.optim.Optimizer], stage: int, bf16: bool,
-               group: dist.ProcessGroup | None, zero_kwargs: dict | None) -> ZeRO:
-    """ZeRO over ``model``, the optimizer's groups switched in place onto the shards of their parameters.
+def _wrap_sharded(entry: Strategy, model: nn.Module, optimizers: list[torch.optim.Optimizer], precision: str,
+                  group: dist.ProcessGroup | None, options: dict | None) -> nn.Module:
+    """The sharding wrapper (ZeRO) over ``model``, the optimizer's groups switched in place onto its shards.
 
     ZeRO flattens parameters into units and shards each unit. ``split_by`` keeps parameters
     of different param groups in different units, so every shard belongs to one group and
     the group's hyperparameters apply to exactly the parameters they applied to before.
     """
-    if len(optimizers) > 1:
-        raise ValueError(f"strategy zero{stage} with {len(optimizers)} optimizers: the gradient clipping and "
-                         "scaling are over the whole sharded model, once per step. Use one optimizer with a "
-                         "param group per part, or strategy='ddp'")
-    kwargs = dict(zero_kwargs or {})
-    if "split_by" in kwargs or "mixed_precision" in kwargs:
-        raise ValueError("zero_kwargs may not set split_by or mixed_precision: prepare() derives them from the "
-                         "optimizer's param groups and precision=")
+    options = dict(options or {})
+    if "split_by" in options or "mixed_precision" in options:
+        raise ValueError(f"{entry.options_argument} may not set split_by or mixed_precision: prepare() derives them "
+                         "from the optimizer's param groups and precision=")
     group_of = {id(p): j for optimizer in optimizers for j, g in enumerate(optimizer.param_groups)
                 for p in g["params"]}
     for optimizer in optimizers:
-        _check_movable(optimizer, stage)
-    reduce_dtype = kwargs.pop("reduce_dtype", torch.float32)
-    if bf16:
-        kwargs["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
-                                                   output_dtype=torch.float32)
+        _check_movable(optimizer, entry.name)
     replaced = {id(p) for p in model.parameters() if p.requires_grad}  # what ZeRO turns into shards
-    zero = ZeRO(model, stage=stage, process_group=group, split_by=lambda name, p: group_of.get(id(p)), **kwargs)
+    options["split_by"] = lambda name, p: group_of.get(id(p))
+    zero = wrap_model(entry, model, precision=precision, process_group=group, options=options,
+                      output_dtype=torch.float32)  # the loss is computed outside, in fp32
     for optimizer in optimizers:
         for j, g in enumerate(optimizer.param_groups):
             others = [p for p in g["params"] if id(p) not in replaced]  # not the model's: kept as they are
@@ -217,15 +204,25 @@ def _wrap_zero(model: nn.Module, optimizers: list[torch.optim.Optimizer], stage:
     return zero
 
 
-def _check_movable(optimizer: torch.optim.Optimizer, stage: int) -> None:
+def _check_optimizer_count(entry: Strategy, count: int) -> None:
+    """Sharding clips and scales the whole model once per step, and gossip mixes it once: one optimizer then."""
+    if count <= 1 or not (entry.shards_parameters or entry.decentralized):
+        return
+    once = ("the gradient clipping and scaling are over the whole sharded model" if entry.shards_parameters
+            else "the replicas are mixed with the neighbours'")
+    raise ValueError(f"strategy {entry.name} with {count} optimizers: {once}, once per step. Use one optimizer "
+                     "with a param group per part, or strategy='ddp'")
+
+
+def _check_movable(optimizer: torch.optim.Optimizer, strategy: str) -> None:
     if optimizer.state:
         raise ValueError(f"the {type(optimizer).__name__} already has state for {len(optimizer.state)} parameters "
-                         f"(it stepped, or loaded a checkpoint); zero{stage} replaces the parameters by flat shards, "
+                         f"(it stepped, or loaded a checkpoint); {strategy} replaces the parameters by flat shards, "
                          "so that state cannot follow them. prepare() it before its first step, and resume from a "
                          "sharded checkpoint afterwards: dptrain.zero.checkpoint.load_sharded(path, model.module, "
                          "optimizer.optimizer)")
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError(f"LBFGS keeps its own list of parameters, which cannot be moved onto zero{stage}'s "
+        raise ValueError(f"LBFGS keeps its own list of parameters, which cannot be moved onto {strategy}'s "
                          "shards; use strategy='ddp'")
 
 
@@ -235,31 +232,34 @@ def _check_movable(optimizer: torch.optim.Optimizer, stage: int) -> None:
 class PreparedOptimizer(torch.optim.Optimizer):
     """The optimizer, stepping and zeroing only when an accumulation window closes.
 
-    At the close, ``step()`` divides the gradients by the window's micro-step count, clips by
-    the global norm (``grad_clip``; under ZeRO over every rank's shard) and steps unless the norm
-    is not finite. ``grad_norm`` (before clipping), ``steps``, ``skipped_steps`` and
-    ``step_was_skipped`` describe the last step; ``accumulation`` is the shared state. Like
-    Accelerate's AcceleratedOptimizer it subclasses ``torch.optim.Optimizer`` (LR schedulers
-    accept it) without calling its ``__init__``: param groups and state are the wrapped
-    optimizer's, and any other attribute is looked up there.
+    At the close, ``step()`` takes the step both user APIs share (:class:`~dptrain.api.step.OptimizerStep`):
+    it divides the gradients by the window's micro-step count, clips by the global norm
+    (``grad_clip``; under ZeRO over every rank's shard) and steps unless the norm is not finite;
+    ``zero_grad()`` is left to the loop. ``grad_norm`` (before clipping), ``steps``,
+    ``skipped_steps`` and ``step_was_skipped`` describe the last step; ``accumulation`` is the
+    shared state. Like Accelerate's AcceleratedOptimizer it subclasses ``torch.optim.Optimizer``
+    (LR schedulers accept it) without calling its ``__init__``: param groups and state are the
+    wrapped optimizer's, and any other attribute is looked up there.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, state: AccumulationState, grad_clip: float,
-                 zero: ZeRO | None = None):
+                 wrapper: nn.Module | None = None, sharded: bool = False):
         self.optimizer = optimizer
         self.accumulation = state
-        self.grad_clip = grad_clip
-        self._zero = zero
+        self.core = OptimizerStep(optimizer, wrapper, grad_clip=grad_clip, sharded=sharded)
         self.grad_norm: float | None = None
-        self.steps, self.skipped_steps, self.step_was_skipped = 0, 0, False
+        self.step_was_skipped = False
         self._stepped_window = -1  # the window this optimizer last stepped in
 
     param_groups = property(lambda self: self.optimizer.param_groups)
     state = property(lambda self: self.optimizer.state)
     defaults = property(lambda self: self.optimizer.defaults)
+    grad_clip = property(lambda self: self.core.grad_clip)
+    steps = property(lambda self: self.core.steps - self.core.skipped_steps, doc="Optimizer steps taken.")
+    skipped_steps = property(lambda self: self.core.skipped_steps, doc="Windows whose step was skipped.")
 
     def __getattr__(self, name: str) -> Any:
-        if name == "optimizer":  # not set yet (copy, unpickling): no wrapped optimizer to ask
+        if name in ("optimizer", "core"):  # not set yet (copy, unpickling): no wrapped optimizer to ask
             raise AttributeError(name)
         return getattr(self.optimizer, name)
 
@@ -268,26 +268,9 @@ class PreparedOptimizer(torch.optim.Optimizer):
         if not acc.sync_gradients or self._stepped_window == acc.window:
             return None
         self._stepped_window = acc.window
-        mark_progress(self.steps + self.skipped_steps + 1)  # the watchdog of `dptrain launch --timeout`, if any
-        params = self._params()
-        if acc.micro_step > 1:
-            with torch.no_grad():
-                for p in params:
-                    p.grad.div_(acc.micro_step)
-        self.grad_norm = clip_by_global_norm(params, self.grad_clip, self._zero)
-        self.step_was_skipped = not math.isfinite(self.grad_norm)
-        if self.step_was_skipped:
-            self.skipped_steps += 1
-            return None
-        self.steps += 1
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-
-    def _params(self) -> list[nn.Parameter]:
-        """The parameters whose gradients this step scales: the optimizer's, and under ZeRO every shard."""
-        params = {id(p): p for g in self.param_groups for p in g["params"]}
-        if self._zero is not None:
-            params.update((id(p), p) for p in self._zero.parameters())
-        return [p for p in params.values() if p.grad is not None]
+        outcome = self.core(acc.micro_step, closure, zero_grad=False)
+        self.grad_norm, self.step_was_skipped = outcome.grad_norm, outcome.skipped
+        return outcome.result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         if self.accumulation.sync_gradients:
@@ -432,7 +415,7 @@ def _shard_sampler(loader: DataLoader, world_size: int, rank: int, seed: int) ->
 def _kind(obj: Any) -> str:
     if isinstance(obj, (PreparedModel, PreparedOptimizer, PreparedScheduler, PreparedLoader)):
         raise TypeError(f"this {type(obj).__name__} was already prepared; pass the original object")
-    if isinstance(obj, (DistributedDataParallel, ZeRO, nn.parallel.DistributedDataParallel)):
+    if isinstance(obj, (DataParallelWrapper, nn.parallel.DistributedDataParallel)):
         raise TypeError(f"the model is already wrapped in {type(obj).__name__}; pass the bare module, prepare() "
                         "wraps it for strategy=")
     for kind, types in (("model", nn.Module), ("optimizer", torch.optim.Optimizer), ("scheduler", LRScheduler),
@@ -444,10 +427,9 @@ def _kind(obj: Any) -> str:
                     "nn.Module, torch.optim.Optimizers, torch.utils.data.DataLoaders and LR schedulers")
 
 
-def _check_settings(strategy: str, precision: str, grad_accum_steps: int, grad_clip: float) -> None:
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}{_did_you_mean(strategy, STRATEGIES)}; prepare() takes "
-                         f"{', '.join(STRATEGIES)} (gossip mixes parameters in its own step: use dptrain.Engine)")
+def _check_settings(strategy: str, precision: str, grad_accum_steps: int, grad_clip: float) -> Strategy:
+    """The registry entry for ``strategy``, once every setting is known to be valid."""
+    entry = get_strategy(strategy, among=STRATEGIES)  # a ValueError with a did-you-mean
     if precision == "fp16":
         raise ValueError("precision fp16 needs a loss scaler, which a plain loss.backward() cannot apply; use bf16 "
                          "(no scaler needed), or dptrain.Engine(precision='fp16') on CUDA")
@@ -457,6 +439,7 @@ def _check_settings(strategy: str, precision: str, grad_accum_steps: int, grad_c
         raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}")
     if not grad_clip >= 0:
         raise ValueError(f"grad_clip must be >= 0 (0: no clipping), got {grad_clip!r}")
+    return entry
 
 
 def _did_you_mean(value: str, choices: tuple[str, ...]) -> str:

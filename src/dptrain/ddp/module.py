@@ -262,6 +262,13 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         """Calls, bytes and timing of the most recent synced step (this rank)."""
         return self.reducer.last_stats
 
+    def record_comm_spans(self, on: bool) -> None:
+        """Stamp each bucket's reduction with its exact completion time (a callback on its work), for traces."""
+        self.reducer.record_spans = on
+
+    def before_optimizer_step(self) -> None:
+        """Nothing: backward left every rank the averaged gradients (the wrapper protocol's hook for gossip)."""
+
     @property
     def bucket_assignment(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""

@@ -21,9 +21,10 @@ Topologies (both doubly stochastic, so mixing preserves the average):
   "Stochastic gradient push", use this graph); information reaches every rank in
   ``log2 N`` steps instead of ``N / 2``.
 
-The wrapper mirrors the DDP engine's surface (``module``, ``device``, ``no_sync``):
-backward leaves each rank's own gradients, and :meth:`GossipDataParallel.mix` runs
-before the optimizer step.
+The wrapper satisfies the strategies' wrapper protocol
+(:class:`~dptrain.strategies.protocol.DataParallelWrapper`): backward leaves each rank's
+own gradients (the sync switch does nothing), and ``before_optimizer_step`` runs
+:meth:`GossipDataParallel.mix`.
 """
 
 from __future__ import annotations
@@ -79,8 +80,22 @@ class GossipDataParallel(nn.Module):
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
 
+    # ------------------------------------------------------------------ the wrapper protocol
+
+    last_step_comm = None  # a mix is not a gradient reduction: its bytes and seconds are bytes_per_mix, last_mix_s
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Nothing to switch: gradients are never synchronised."""
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()  # gradients are never synchronised
+
+    def record_comm_spans(self, on: bool) -> None:
+        """Nothing to record: a mix is timed whole (``last_mix_s``)."""
+
+    def before_optimizer_step(self) -> None:
+        """D-PSGD: mix the parameters, then the optimizer applies the gradient taken before mixing."""
+        self.mix()
 
     @torch.no_grad()
     def mix(self) -> None:
@@ -96,11 +111,12 @@ class GossipDataParallel(nn.Module):
         group = self.process_group
         to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
         ops = [dist.P2POp(dist.isend, self.flat, to_global(r), group) for r in send]
-        ops += [dist.P2POp(dist.irecv, buf, to_global(r), group) for r, buf in zip(recv, self._received)]
+        buffers = self._received[:len(recv)]  # kept across steps: the exponential graph's peer count varies
+        ops += [dist.P2POp(dist.irecv, buf, to_global(r), group) for r, buf in zip(recv, buffers, strict=True)]
         for work in dist.batch_isend_irecv(ops):
             work.wait()
         self.flat.mul_(weight)
-        for buf in self._received[:len(recv)]:
+        for buf in buffers:
             self.flat.add_(buf, alpha=weight)
         self.last_mix_s = time.perf_counter() - t0
 

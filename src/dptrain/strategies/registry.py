@@ -10,8 +10,8 @@ caller goes through it.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from torch import nn
 
@@ -41,7 +41,13 @@ class Strategy:
     its workers and servers run different programs, see ``dptrain.runner.ps_loop``).
     ``buckets``: ``ddp.bucket_cap_mb`` applies (DDP's buckets, ZeRO-1/2's units).
     ``dynamic_batching``: ranks may take unequal shares of the global batch.
-    ``wrap``: ``wrap(model, process_group, **options) -> module`` (None for ``own_loop``);
+    ``decentralized``: each rank keeps its own replica, mixed with its neighbours' and never
+    made equal by a reduction (gradients stay local): the runner reports the replicas'
+    consensus distance, checkpoints every rank's own and averages them at the end.
+    ``options_argument``: the keyword of ``Engine`` and ``prepare()`` whose dict carries
+    ``wrap``'s options (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``).
+    ``wrap``: ``wrap(model, process_group, **options) -> module`` (None for ``own_loop``), a module
+    satisfying :class:`~dptrain.strategies.protocol.DataParallelWrapper`;
     ``options``: ``options(cfg, model, nodes) -> dict``, those keyword arguments from a run's config
     (:mod:`dptrain.strategies.options`).
     """
@@ -58,6 +64,8 @@ class Strategy:
     buckets: bool = True
     dynamic_batching: bool = False
     expendable_workers: bool = False
+    decentralized: bool = False
+    options_argument: str = "ddp_kwargs"
     wrap: Callable[..., nn.Module] | None = None
     options: Callable[..., dict] | None = None
 
@@ -88,6 +96,7 @@ def _wrap_gossip(model: nn.Module, process_group=None, **options) -> nn.Module:
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
                     checkpoint_layout="sharded", codecs=ZERO_CODECS, buckets=stage < 3,
+                    options_argument="zero_kwargs",
                     wrap=_zero_wrapper(stage), options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage))
 
 
@@ -101,11 +110,11 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("gossip", "decentralized SGD: parameters mixed with neighbours, no global all-reduce (D-PSGD)",
              zero_stage=None, shards_parameters=False, replicated_state=False, checkpoint_layout="replicated",
              uncompressed="has none (it exchanges parameters with neighbours, not gradients)", buckets=False,
-             wrap=_wrap_gossip, options=gossip_options),
+             decentralized=True, options_argument="gossip_kwargs", wrap=_wrap_gossip, options=gossip_options),
     Strategy("ps", "parameter server: workers push gradients to server ranks and pull parameters (sync, async, "
              "SSP, backup workers)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="ps", uncompressed="sends fp32 gradients to its servers", own_loop=True, buckets=False,
-             expendable_workers=True),
+             expendable_workers=True, options_argument=""),
 ]}
 
 
