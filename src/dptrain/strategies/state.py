@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from dptrain.strategies.registry import SHARDED
 from dptrain.zero.checkpoint import (
     MODEL,
     OPTIM,
@@ -54,9 +55,7 @@ from dptrain.zero.checkpoint import (
     load_sharded,
     local_read,
 )
-from dptrain.strategies.registry import SHARDED
 from dptrain.zero.safe_metadata import dcp_load
-
 
 __all__ = ["replicated_state", "set_replicated_state", "load_model_and_optimizer", "full_state",
            "check_strategy_resume", "index_keyed"]
