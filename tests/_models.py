@@ -192,7 +192,7 @@ def make_optimizer(kind: str, params) -> torch.optim.Optimizer:
 def max_relative_diff(model: nn.Module, reference: nn.Module) -> float:
     """max over parameters of max|p - p_ref| / max|p_ref|."""
     worst = 0.0
-    for p, q in zip(model.parameters(), reference.parameters()):
+    for p, q in zip(model.parameters(), reference.parameters(), strict=True):
         scale = q.detach().abs().max().clamp_min(1e-12)
         worst = max(worst, ((p.detach() - q.detach()).abs().max() / scale).item())
     return worst

@@ -4,8 +4,8 @@ import json
 
 import numpy as np
 import pytest
-from _cli import dptrain
 
+from _cli import dptrain
 from dptrain.data.tokens import open_token_dir
 
 RUN = ["--set", "task.name=classifier", "--set", "train.steps=2", "--set", "log.plots=false"]

@@ -22,10 +22,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _cli import dptrain, tiny_gpt_config
 from click.testing import CliRunner
-from test_consolidate import META, zero2_checkpoint
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.cli.checkpoint import consolidate
 from dptrain.runner.checkpoint import (
     CheckpointError,
@@ -36,6 +35,7 @@ from dptrain.runner.checkpoint import (
     save_checkpoint,
 )
 from dptrain.zero.safe_metadata import SafeLoadPlanner, UnsafeCheckpointError
+from test_consolidate import META, zero2_checkpoint
 
 
 class Payload:

@@ -3,6 +3,7 @@
 import hashlib
 
 import pytest
+
 from _cli import dptrain
 
 SMOKE = ["--set", "task.name=classifier", "--set", "train.steps=4", "--set", "log.progress=lines",

@@ -3,9 +3,9 @@
 import json
 
 import pytest
-from _cli import dptrain
 from click.testing import CliRunner
 
+from _cli import dptrain
 from dptrain.cli import main
 from dptrain.comm.cost import busbw_factor
 from dptrain.config import load_config

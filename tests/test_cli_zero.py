@@ -14,9 +14,9 @@ import shutil
 
 import pytest
 import torch
-from _cli import dptrain, tiny_gpt_config
 from safetensors.torch import load_file
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.pages.plots import read_metrics
 
 ZERO = """

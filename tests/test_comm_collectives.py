@@ -80,7 +80,7 @@ def _shards_match_torch(rank: int, world_size: int) -> int:
             mine = torch.zeros(width, dtype=dtype)
             mine[:b - a] = x[a:b]
             dist.all_gather(pieces, mine)
-            gathered = torch.cat([p[:bb - aa] for p, (aa, bb) in zip(pieces, comm.shard_bounds(n, world_size))])
+            gathered = torch.cat([p[:bb - aa] for p, (aa, bb) in zip(pieces, comm.shard_bounds(n, world_size), strict=True)])
             for src in {0, world_size - 1}:
                 want_b = x.clone()
                 dist.broadcast(want_b, src)
@@ -146,9 +146,9 @@ def _async_and_non_contiguous(rank: int, world_size: int) -> list[bool]:
         works = [comm.all_reduce(t, algorithm=algorithm, async_op=True, nodes=1) for t in tensors]
         results = [w.wait() for w in works]
         expected = [sum(r + i for r in range(world_size)) for i in range(4)]
-        ok.append(all(torch.equal(r, torch.full((5, 3), float(e))) for r, e in zip(results, expected)))
+        ok.append(all(torch.equal(r, torch.full((5, 3), float(e))) for r, e in zip(results, expected, strict=True)))
         ok.append(all(w.is_completed() and w.completed_at is not None for w in works))
-        ok.append(all(r is t for r, t in zip(results, tensors)))
+        ok.append(all(r is t for r, t in zip(results, tensors, strict=True)))
         base = torch.arange(12.0).view(3, 4) + rank
         view = base.t()  # non-contiguous: communicated via a copy and written back
         assert not view.is_contiguous()

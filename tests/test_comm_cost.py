@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from itertools import pairwise
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 def test_shards_tile_the_tensor_with_sizes_differing_by_at_most_one(numel: int, world_size: int) -> None:
     bounds = comm.shard_bounds(numel, world_size)
     assert bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    assert all(a[1] == b[0] for a, b in pairwise(bounds))
     sizes = [b - a for a, b in bounds]
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
     assert [comm.shard_range(numel, world_size, r) for r in range(world_size)] == bounds

@@ -120,7 +120,7 @@ def test_encoding_keeping_the_error_leaves_x_minus_the_decoded_payload(codec, nu
     want_error = x - codec.decode(want_payload)
     y = x.clone()
     payload = codec.encode_keeping_error_(y)
-    for a, b in zip(payload.tensors, want_payload.tensors):
+    for a, b in zip(payload.tensors, want_payload.tensors, strict=True):
         assert torch.equal(a, b)
     torch.testing.assert_close(y, want_error, rtol=0, atol=1e-6)
 

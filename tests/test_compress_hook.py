@@ -74,15 +74,15 @@ def test_lossy_codecs_reduce_as_the_oracle(codec: str, world_size: int) -> None:
     got = run_on_ranks(_hooked_grads, world_size, codec, False, timeout=120)
     want = _oracle(codec, world_size, got[0]["buckets"])
     for rank in range(world_size):
-        for g, w in zip(got[rank]["grads"], want):
+        for g, w in zip(got[rank]["grads"], want, strict=True):
             torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("codec,rtol", [("fp16", 2e-3), ("bf16", 2e-2)])
 def test_half_codecs_match_the_uncompressed_engine_within_their_precision(codec: str, rtol: float) -> None:
     got = run_on_ranks(_hooked_grads, 2, codec, False, timeout=120)
-    exact = [(a + b) / 2 for a, b in zip(_local_grads(0), _local_grads(1))]
-    for g, w in zip(got[0]["grads"], exact):
+    exact = [(a + b) / 2 for a, b in zip(_local_grads(0), _local_grads(1), strict=True)]
+    for g, w in zip(got[0]["grads"], exact, strict=True):
         torch.testing.assert_close(g, w, rtol=rtol, atol=rtol * w.abs().max().item())
 
 
@@ -178,7 +178,7 @@ def test_powersgd_is_one_power_iteration_of_the_summed_gradient() -> None:
 def test_powersgd_sends_too_small_matrices_uncompressed_and_says_so_once() -> None:
     # rank 3 is not below the last layer's 3 rows: that matrix is sent as it is, averaged exactly
     got = run_on_ranks(_powersgd_grads, 2, 3, timeout=120)
-    exact = [(a + b) / 2 for a, b in zip(_local_grads(0), _local_grads(1))]
+    exact = [(a + b) / 2 for a, b in zip(_local_grads(0), _local_grads(1), strict=True)]
     torch.testing.assert_close(got[0]["grads"][-2], exact[-2])
 
 
@@ -189,7 +189,6 @@ def test_powersgd_rank_must_be_positive() -> None:
 
 def test_compression_study_runs_and_reports_the_ratio() -> None:
     from _cli import TINY_GPT_SETTINGS
-
     from dptrain.bench.compression import run, table
 
     result = run(steps=2, nproc=2, variants=["none", "int8+EF"], overrides=TINY_GPT_SETTINGS)

@@ -98,7 +98,7 @@ def test_topk_with_clipping_momentum_correction_masking_and_warmup_follows_dgc()
                 u[r, b][top] = 0.0
             _split(total, bucket, local[0], want)
         for r in range(WORLD):
-            for g, w in zip(got[r]["steps"][step], want):
+            for g, w in zip(got[r]["steps"][step], want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
     assert clipped > 0  # the clip was small enough to act
 
@@ -119,7 +119,7 @@ def test_powersgd_uncompressed_start_warmup_rank_and_velocity_follow_their_formu
         order = [i for i in reversed(range(n_params))]
         for r in range(WORLD):  # the velocity of each rank's share, over the whole bucket
             u[r] = m * u[r] + torch.cat([local[r][i].reshape(-1) for i in order]) / WORLD
-        vel = [dict(zip(order, torch.split(u[r], [local[r][i].numel() for i in order]))) for r in range(WORLD)]
+        vel = [dict(zip(order, torch.split(u[r], [local[r][i].numel() for i in order]), strict=True)) for r in range(WORLD)]
         rank = ranks[step]
         if step > 0 and rank != ranks[step - 1]:
             qs.clear()  # a new rank: Q starts again from the seeded random one
@@ -139,7 +139,7 @@ def test_powersgd_uncompressed_start_warmup_rank_and_velocity_follow_their_formu
             qs[i] = q_sum
             want.append((p_hat @ q_sum.t()).view(shape))
         for r in range(WORLD):
-            for g, w in zip(got[r]["steps"][step], want):
+            for g, w in zip(got[r]["steps"][step], want, strict=True):
                 torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
 
 
@@ -180,7 +180,7 @@ def _resumed_steps(rank: int, world_size: int, split: int) -> list[list[torch.Te
 def test_a_hook_resumed_from_its_state_dict_mid_warmup_continues_exactly() -> None:
     # resumed before step 2, where the warm-up rank 2 ends and rank 1 begins
     straight, resumed = (run_on_ranks(_resumed_steps, WORLD, split, timeout=120) for split in (STEPS, 2))
-    for a, b in zip(straight, resumed):
-        for step_a, step_b in zip(a, b):
-            for x, y in zip(step_a, step_b):
+    for a, b in zip(straight, resumed, strict=True):
+        for step_a, step_b in zip(a, b, strict=True):
+            for x, y in zip(step_a, step_b, strict=True):
                 assert torch.equal(x, y)

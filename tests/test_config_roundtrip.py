@@ -5,9 +5,9 @@ import typing
 from pathlib import Path
 
 import pytest
-from _cli import dptrain
 from torch import nn
 
+from _cli import dptrain
 from dptrain.config import RunConfig, load_config, to_toml
 from dptrain.config.loader import _SECTIONS
 from dptrain.config.schema import section_fields

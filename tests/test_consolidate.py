@@ -15,16 +15,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from _models import build, global_batch, loss_fn
 from click.testing import CliRunner
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from _models import build, global_batch, loss_fn
 from dptrain.cli.checkpoint import consolidate
-from dptrain.testing import run_on_ranks
-from dptrain.runner.checkpoint import save_checkpoint, staging_dir
 from dptrain.optim.build import build_optimizer, decays
+from dptrain.runner.checkpoint import save_checkpoint, staging_dir
 from dptrain.strategies.state import replicated_state
+from dptrain.testing import run_on_ranks
 from dptrain.zero import ZeRO
 from dptrain.zero.checkpoint import save_sharded
 

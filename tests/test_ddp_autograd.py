@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 import torch
-from _models import IN, build, global_batch, loss_fn, max_relative_diff
 from torch import nn
 
+from _models import IN, build, global_batch, loss_fn, max_relative_diff
 from dptrain import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 
@@ -95,7 +95,7 @@ def _unusual_outputs(rank: int, world_size: int) -> dict:
             results.setdefault(kind, []).append(type(out).__name__)
             loss_fn("mlp", logits, y * (rank + 1)).backward()
         grads = [p.grad.clone() for p in model.parameters()]
-        results[kind].append(max((g - r.grad).abs().max().item() for g, r in zip(grads, reference.parameters())))
+        results[kind].append(max((g - r.grad).abs().max().item() for g, r in zip(grads, reference.parameters(), strict=True)))
     return results
 
 
@@ -153,7 +153,7 @@ def _recover_after_failed_backward(rank: int, world_size: int) -> dict:
             warned += [str(x.message) for x in w]
     _FailingOnce.armed = False
     return {"caught": caught, "warned": warned, "launched": launched_before_failure,
-            "gap": max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))}
+            "gap": max((a.grad - b.grad).abs().max().item() for a, b in zip(model.parameters(), reference.parameters(), strict=True))}
 
 
 def test_a_backward_that_raises_leaves_the_next_step_correct() -> None:
@@ -225,7 +225,7 @@ class _Swapped(nn.Module):
         self.seconds = nn.ModuleList(nn.Linear(IN, IN) for _ in range(blocks))
 
     def forward(self, x):
-        for first, second in zip(self.firsts, self.seconds):
+        for first, second in zip(self.firsts, self.seconds, strict=True):
             x = torch.tanh(first(torch.tanh(second(x))))
         return x
 

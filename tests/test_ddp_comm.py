@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from _models import IN, OUT, build, global_batch, loss_fn
 from torch import nn
 
+from _models import IN, OUT, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel, allreduce_hook
 from dptrain.testing import run_on_ranks
 

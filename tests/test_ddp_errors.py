@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from _models import Branchy, build, global_batch, loss_fn
 from torch import nn
 
+from _models import Branchy, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel, ReplicaMismatchError, UnusedParametersError
 from dptrain.testing import RankFailedError, run_on_ranks
 
@@ -132,7 +132,7 @@ def _dynamic_graph_with_bucket_views(rank: int, world_size: int) -> list:
     x, y = global_batch("ckpt_reentrant", 0, 4)
     outcomes = []
     for segments in (2, 2, 3):  # the third step uses a new block and gives `shared` an extra piece
-        outcomes.append(_error_of(lambda: loss_fn("mlp", ddp(x, segments=segments), y).backward()))
+        outcomes.append(_error_of(lambda s=segments: loss_fn("mlp", ddp(x, segments=s), y).backward()))
     return outcomes
 
 

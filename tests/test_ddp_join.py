@@ -13,9 +13,9 @@ import copy
 
 import pytest
 import torch
-from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
 from torch.distributed.algorithms.join import Join
 
+from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
 from dptrain import DistributedDataParallel
 from dptrain.testing import run_on_ranks
 

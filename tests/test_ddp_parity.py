@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from _models import build, flat_state, global_batch, loss_fn, make_optimizer, max_relative_diff
 
+from _models import build, flat_state, global_batch, loss_fn, make_optimizer, max_relative_diff
 from dptrain import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 
@@ -161,7 +161,7 @@ def _reference_step(case, reference, opt, x, y, world_size, step) -> None:
 
 def _load_buffers(module, values) -> None:
     with torch.no_grad():
-        for b, v in zip(module.buffers(), values):
+        for b, v in zip(module.buffers(), values, strict=True):
             b.copy_(v)
 
 
@@ -191,7 +191,7 @@ def _run_case(rank: int, world_size: int, case: Case) -> dict:
 
 def _buffer_diff(model, reference) -> float:
     worst = 0.0
-    for b, r in zip(model.buffers(), reference.buffers()):
+    for b, r in zip(model.buffers(), reference.buffers(), strict=True):
         if b.is_floating_point():
             worst = max(worst, ((b - r).abs().max() / r.abs().max().clamp_min(1e-12)).item())
         elif not torch.equal(b, r):
@@ -246,7 +246,7 @@ def _fill_per_parameter(bucket, divisor, as_view: bool, filled=frozenset()) -> N
     A missing gradient is zeros; one that already is its slice is divided in place; another is multiplied
     by 1 / divisor into the slice (one pass, as torch's reducer does) and, with bucket views, re-pointed at it.
     """
-    for position, (param, view) in enumerate(zip(bucket.params, bucket.views)):
+    for position, (param, view) in enumerate(zip(bucket.params, bucket.views, strict=True)):
         grad = param.grad
         if position in filled:
             continue
@@ -266,7 +266,7 @@ def _fill_per_parameter(bucket, divisor, as_view: bool, filled=frozenset()) -> N
 
 def _write_back_per_parameter(bucket, used, as_view: bool) -> None:
     """The oracle for ``Bucket.write_back``: each used parameter's gradient from its slice on its own."""
-    for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views):
+    for i, param, view in zip(bucket.param_indices, bucket.params, bucket.views, strict=True):
         if used is not True and not used[i]:
             continue
         if as_view:
@@ -310,7 +310,7 @@ def _batched_against_per_parameter(rank: int, world_size: int, name: str, as_vie
             opt.zero_grad(set_to_none=set_to_none)
             kwargs = {"use_branch": (step + rank) % 2 == 0} if name == "branchy" else {}
             loss_fn(name, ddp(x, **kwargs), y).backward()
-        for (n, a), (_, b) in zip(engines[0][0].module.named_parameters(), engines[1][0].module.named_parameters()):
+        for (n, a), (_, b) in zip(engines[0][0].module.named_parameters(), engines[1][0].module.named_parameters(), strict=True):
             assert (a.grad is None) == (b.grad is None), (n, step)
             if a.grad is not None:
                 assert torch.equal(a.grad, b.grad), (n, step)

@@ -18,8 +18,8 @@ def _reference(grads, momentum, k, masking):
     n = len(grads[0])
     u, v, sent_all = [0.0] * n, [0.0] * n, []
     for g in grads:
-        u = [momentum * ui + gi for ui, gi in zip(u, g.tolist())]
-        v = [vi + ui for vi, ui in zip(v, u)]
+        u = [momentum * ui + gi for ui, gi in zip(u, g.tolist(), strict=True)]
+        v = [vi + ui for vi, ui in zip(v, u, strict=True)]
         top = sorted(range(n), key=lambda i: -abs(v[i]))[:k]
         sent = [v[i] if i in top else 0.0 for i in range(n)]
         sent_all.append(sent)
@@ -27,7 +27,7 @@ def _reference(grads, momentum, k, masking):
             u = [0.0 if i in top else u[i] for i in range(n)]
             v = [0.0 if i in top else v[i] for i in range(n)]
         else:
-            v = [vi - si for vi, si in zip(v, sent)]
+            v = [vi - si for vi, si in zip(v, sent, strict=True)]
     return sent_all, u, v
 
 
@@ -36,7 +36,7 @@ def test_momentum_correction_sends_top_k_of_the_accumulated_velocity(masking):
     codec, dgc = TopK(0.25), MomentumCorrection(0.9, masking=masking)
     sent = [codec.decode(dgc.encode("b", g, codec)) for g in GRADS]
     want, u, v = _reference(GRADS, 0.9, 2, masking)
-    for got, expected in zip(sent, want):
+    for got, expected in zip(sent, want, strict=True):
         torch.testing.assert_close(got, torch.tensor(expected), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(dgc.velocity["b"], torch.tensor(u), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(dgc.accumulated["b"], torch.tensor(v), rtol=1e-6, atol=1e-7)

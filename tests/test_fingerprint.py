@@ -16,8 +16,8 @@ from dptrain.comm.fingerprint import CollectiveCheck, CollectiveMismatchError, C
 from dptrain.compress.codecs import Half
 from dptrain.compress.hook import CompressionHook
 from dptrain.ddp import DistributedDataParallel
-from dptrain.testing import RankFailedError, run_on_ranks
 from dptrain.runner.roll_call import is_collective_failure, roll_call
+from dptrain.testing import RankFailedError, run_on_ranks
 
 pytestmark = pytest.mark.timeout(120)
 

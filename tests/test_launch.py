@@ -6,8 +6,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dptrain.launch.rendezvous import (choose_backend, detect_worker_env, first_slurm_host, init_distributed,
-                                       leave_process_groups)
+from dptrain.launch.rendezvous import (
+    choose_backend,
+    detect_worker_env,
+    first_slurm_host,
+    init_distributed,
+    leave_process_groups,
+)
 
 
 def test_torchrun_environment():

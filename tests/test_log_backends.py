@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _cli import dptrain, tiny_gpt_config
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.config import RunConfig, identity
 from dptrain.runner.log_backends import (
     CSVBackend,
@@ -277,7 +277,7 @@ def test_run_with_every_backend_matches_metrics_jsonl(run_all_backends):
     with open(run_dir / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [(row["kind"], int(row["step"])) for row in rows] == [(r["kind"], r["step"]) for r in records]
-    for row, r in zip(rows, records):
+    for row, r in zip(rows, records, strict=True):
         for key in ("loss", "tokens_per_s", "val_loss"):
             assert (float(row[key]) if row[key] else None) == r.get(key)
 

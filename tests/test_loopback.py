@@ -12,7 +12,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tests.test_watchdog import _pid_once_beating, _start
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}

@@ -5,8 +5,8 @@ import pickle
 
 import numpy as np
 import pytest
-from _cli import dptrain, tiny_gpt_config
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.config import ConfigError
 from dptrain.data.pickle_meta import pkl_vocab_size, read_meta_pkl
 

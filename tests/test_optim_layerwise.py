@@ -149,9 +149,9 @@ def test_three_steps_match_the_hand_written_formula(name: str, exclude_1d: bool,
                     _hand_lars(p, state[p][0], **kw)
                 else:
                     _hand_lamb(p, *state[p], step + 1, **kw)
-        for p, q in zip(model.parameters(), hand.parameters()):
+        for p, q in zip(model.parameters(), hand.parameters(), strict=True):
             assert _relative(p.detach(), q.detach()) <= 1e-6, (step, p.shape)
-    assert any(_relative(p.detach(), q.detach()) > 1e-3 for p, q in zip(model.parameters(), _tiny_model().parameters()))
+    assert any(_relative(p.detach(), q.detach()) > 1e-3 for p, q in zip(model.parameters(), _tiny_model().parameters(), strict=True))
 
 
 @pytest.mark.parametrize("name", ["lars", "lamb"])
@@ -172,7 +172,7 @@ def test_state_dict_round_trip_resumes_exactly(name: str) -> None:
             o.zero_grad()
             _loss(model, x, y).backward()
             o.step()
-    for p, q in zip(straight.parameters(), resumed.parameters()):
+    for p, q in zip(straight.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(p, q)
 
 
@@ -210,7 +210,7 @@ def _layers_by_ranks(zero: ZeRO, world_size: int) -> dict[str, int]:
     out = {}
     for unit in zero.units:
         bounds = shard_bounds(unit.numel, world_size)
-        for ref, (a, b) in zip(unit.refs, unit.offsets()):
+        for ref, (a, b) in zip(unit.refs, unit.offsets(), strict=True):
             out[ref.name] = sum(min(b, hi) > max(a, lo) for lo, hi in bounds)
     return out
 
@@ -288,13 +288,13 @@ def _norms_against_oracle(rank: int, world_size: int, stage: int) -> dict:
     items = [(p, (p.detach(), torch.randn(p.shape, generator=g))) for p in params]
     with _counting_all_reduces() as calls:
         fast = layerwise.layer_norms([(layerwise.layer_layout(p), ts) for p, ts in items])
-    worst = max(_relative(f, layerwise.naive_layer_norms(p, ts)) for f, (p, ts) in zip(fast, items))
+    worst = max(_relative(f, layerwise.naive_layer_norms(p, ts)) for f, (p, ts) in zip(fast, items, strict=True))
     empty = sum(p.numel() == 0 for p in params)
     # A step without gradients (here on every rank) still runs its collective and updates nothing.
     before = [p.detach().clone() for p in params]
     with _counting_all_reduces() as idle_calls:
         LAMB(params).step()
-    unchanged = all(torch.equal(a, p) for a, p in zip(before, params))
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, params, strict=True))
     return {"worst": worst, "calls": len(calls), "empty_shards": empty, "idle": (len(idle_calls), unchanged)}
 
 

@@ -17,8 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
-from _cli import TESTS, dptrain, tiny_gpt_config
 
+from _cli import TESTS, dptrain, tiny_gpt_config
 from dptrain.launch.run_lock import LOCK_NAME, TOKEN_ENV, Holder, RunDirBusy, acquire, hold_run_dir
 
 HOLD = "import sys, time; from dptrain.launch.run_lock import acquire; acquire(sys.argv[1], 'holder test'); " \

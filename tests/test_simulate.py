@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from itertools import pairwise
 
 import pytest
 import torch
@@ -77,7 +78,7 @@ def test_link_runs_one_collective_at_a_time_in_launch_order() -> None:
     model = _model()
     slow = Network("slow", Link(1e-4, 1e7), Link(1e-4, 1e7), 1, "hand-made")  # comm outlasts compute
     p = simulate_step(model, Setup("ddp", 2, bucket_cap_mb=0.3), _profile(model), slow)
-    for a, b in zip(p.collectives, p.collectives[1:]):
+    for a, b in pairwise(p.collectives):
         assert b.start_s == pytest.approx(max(b.launched_s, a.end_s))
     assert p.step_s == pytest.approx(p.collectives[-1].end_s + 0.01)
     buckets = units(model, Setup("ddp", 2, bucket_cap_mb=0.3))
@@ -116,7 +117,7 @@ def test_zero_waits_for_the_previous_reduction_before_launching_the_next() -> No
     p = simulate_step(model, Setup("zero3", 2, unit_classes=(nn.Linear,)), _profile(model), slow)
     scatters = [c for c in p.collectives if c.name.startswith("reduce_scatter")]
     assert len(scatters) == 8
-    for a, b in zip(scatters, scatters[1:]):
+    for a, b in pairwise(scatters):
         assert b.launched_s >= a.end_s - 1e-12
     assert p.step_s == pytest.approx(scatters[-1].end_s + 0.01 / 2)
 

@@ -20,15 +20,15 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+
 from _cli import dptrain
 from _models import build, global_batch, loss_fn
-
+from dptrain.api.engine import Engine
 from dptrain.batching import BatchPlan
 from dptrain.models.gpt import Block
-from dptrain.testing import run_on_ranks
-from dptrain.api.engine import Engine
 from dptrain.optim.build import build_optimizer, decays
 from dptrain.strategies.state import load_model_and_optimizer, replicated_state
+from dptrain.testing import run_on_ranks
 from dptrain.zero.checkpoint import save_sharded
 
 GLOBAL, FIRST, TOTAL = 12, 3, 6
@@ -118,7 +118,7 @@ def test_dptrain_run_resumes_a_ddp_run_as_zero2(tmp_path: Path) -> None:
     a, b = _train_records(tmp_path / "a"), _train_records(tmp_path / "b")
     assert [r[0] for r in b] == list(range(1, 7))
     assert a[:3] == b[:3]  # the same ddp run up to the checkpoint
-    for (step, loss_a, norm_a), (_, loss_b, norm_b) in zip(a[3:], b[3:]):
+    for (step, loss_a, norm_a), (_, loss_b, norm_b) in zip(a[3:], b[3:], strict=True):
         assert loss_b == pytest.approx(loss_a, rel=1e-6) and norm_b == pytest.approx(norm_a, rel=1e-5), step
 
 

@@ -14,10 +14,10 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
-from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from _models import build, flat_state, global_batch, loss_fn, max_relative_diff
 from dptrain import DistributedDataParallel
 from dptrain.testing import run_on_ranks
 
@@ -35,7 +35,7 @@ def _side_by_side(rank: int, world_size: int, model_name: str, kwargs: dict, acc
     diffs = []
     for step in range(STEPS):
         x, y = global_batch(model_name, step, MICRO * world_size * accum)
-        for model, opt in zip((ours, theirs), opts):
+        for model, opt in zip((ours, theirs), opts, strict=True):
             opt.zero_grad()
             for k in range(accum):
                 rows = slice((k * world_size + rank) * MICRO, (k * world_size + rank + 1) * MICRO)
@@ -49,7 +49,7 @@ def _side_by_side(rank: int, world_size: int, model_name: str, kwargs: dict, acc
 
 
 def _buffer_gap(a, b) -> float:
-    return max([(x.float() - y.float()).abs().max().item() for x, y in zip(a.buffers(), b.buffers())] or [0.0])
+    return max([(x.float() - y.float()).abs().max().item() for x, y in zip(a.buffers(), b.buffers(), strict=True)] or [0.0])
 
 
 @pytest.mark.parametrize("model_name,kwargs,accum", [
@@ -88,9 +88,9 @@ def _with_torch_hook(rank: int, world_size: int, hook_name: str) -> dict:
             model.zero_grad()
             loss_fn("mlp", model(x[rows]), y[rows]).backward()
         diffs.append(max((a.grad - b.grad).abs().max().item() / b.grad.abs().max().item()
-                         for a, b in zip(module.parameters(), plain_module.parameters())))
+                         for a, b in zip(module.parameters(), plain_module.parameters(), strict=True)))
         with torch.no_grad():
-            for a, b in zip(module.parameters(), plain_module.parameters()):
+            for a, b in zip(module.parameters(), plain_module.parameters(), strict=True):
                 a -= 0.1 * a.grad
                 b -= 0.1 * b.grad
     return {"grad_diffs": diffs, "state": flat_state(module)}
@@ -104,7 +104,7 @@ def _with_torch_hook(rank: int, world_size: int, hook_name: str) -> dict:
 ])
 def test_torch_comm_hooks_run_unchanged(hook_name: str, tolerance: float | None) -> None:
     results = run_on_ranks(_with_torch_hook, 2, hook_name)
-    for rank, result in enumerate(results):
+    for result in results:
         assert torch.equal(result["state"], results[0]["state"]), f"{hook_name}: replicas diverged"
         if tolerance is not None:
             assert max(result["grad_diffs"]) <= tolerance, (hook_name, result["grad_diffs"])

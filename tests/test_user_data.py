@@ -12,13 +12,13 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from _cli import dptrain, tiny_gpt_config
-from test_cli_run import train_records
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.config import ConfigError, load_config
 from dptrain.data.tokens import TokenWindows
 from dptrain.tasks.corpus import stdlib_corpus
 from dptrain.tasks.protocol import ProtocolError, protocol_eval_sums, protocol_loss
+from test_cli_run import train_records
 
 QUICK = ["--set", "log.progress=lines", "--set", "log.plots=false", "--set", "log.eval_batches=2"]
 

@@ -68,7 +68,10 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from dptrain.allocator import tune_cpu_allocator
+    from dptrain.api.engine import Engine, StepInfo
+    from dptrain.api.prepare import prepare
     from dptrain.batching import BatchPlan, BatchSizeError
+    from dptrain.data.loader import ShardedLoader
     from dptrain.data.sampler import DistributedSampler
     from dptrain.ddp import (
         DistributedDataParallel,
@@ -79,9 +82,6 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
         allreduce_hook,
     )
     from dptrain.launch.rendezvous import WorkerEnv, detect_worker_env, init_distributed, leave_process_groups
-    from dptrain.api.engine import Engine, StepInfo
-    from dptrain.data.loader import ShardedLoader
-    from dptrain.api.prepare import prepare
     from dptrain.optim.schedule import scaled_lr, warmup_cosine
     from dptrain.zero import ZeRO
 

@@ -39,7 +39,7 @@ class BatchPlan:
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         grad_accum_steps: int | None = None,
-    ) -> "BatchPlan":
+    ) -> BatchPlan:
         """Complete and check a batch plan from any two of the three sizes.
 
         With only ``global_batch_size`` or only ``micro_batch_size``, accumulation is 1.

@@ -17,8 +17,8 @@ import time
 import click
 import torch
 
-from dptrain.cli.bench_group import bench_command
 from dptrain.bench.ddp import build_model
+from dptrain.cli.bench_group import bench_command
 from dptrain.testing import run_on_ranks
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 import click
 
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_run, with_overrides
+from dptrain.cli.bench_group import Variadic, bench_command
 
 __all__ = ["VARIANTS", "run", "table", "main"]
 
@@ -120,7 +120,7 @@ def per_round(result: dict, sync: dict, goal: float = ASYNC_GOAL) -> str:
     for r in result["rows"]:
         if r is sync:
             continue
-        ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(r["runs"], sync["runs"])]
+        ratios = [a["samples_per_s"] / b["samples_per_s"] for a, b in zip(r["runs"], sync["runs"], strict=True)]
         lines.append(f"| {r['variant']} | " + " | ".join(f"{x:.2f}" for x in ratios)
                      + f" | {sum(x >= goal for x in ratios)} of {len(ratios)} |")
     return "\n".join(lines)

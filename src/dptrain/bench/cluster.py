@@ -40,8 +40,8 @@ import click
 import torch
 from torch.utils.data import default_collate
 
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.comm.cost import Link, collective_cost
 from dptrain.comm.fit import fit_link

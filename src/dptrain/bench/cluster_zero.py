@@ -43,9 +43,9 @@ import click
 import torch
 
 from dptrain.bench.cluster import fit_cluster_link, measure_on_cluster, profile_together, rescaled_profile
-from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
+from dptrain.cli.bench_group import bench_command
 from dptrain.cluster import check_root
 from dptrain.config import load_config
 from dptrain.planner.from_config import setup_for

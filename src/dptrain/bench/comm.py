@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from dptrain import comm
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.stats import bootstrap_ci
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.comm.cost import Link, busbw_factor, collective_cost
 from dptrain.comm.fit import fit_gamma, fit_link
 from dptrain.comm.wire import Wire
@@ -95,7 +95,7 @@ def _exchange_times(rank: int, world_size: int, sizes: list[int], reps: int) -> 
     for _ in range(reps):
         for size in sizes:
             a, b = torch.ones(size // ITEMSIZE), torch.zeros(size // ITEMSIZE)  # touched: no page faults timed
-            times[size].append(_timed(lambda: wire.exchange([(right, a)], [(left, b)]), iterations(size)))
+            times[size].append(_timed(lambda a=a, b=b: wire.exchange([(right, a)], [(left, b)]), iterations(size)))
     return times
 
 
@@ -134,7 +134,7 @@ def _sweep(rank: int, world_size: int, cfg: dict) -> dict:
         for size, (collective, algorithm) in order:
             x, shard = buffers[size]
             x.fill_(1.0)
-            dt = _timed(lambda: _call(collective, algorithm, x, shard, nodes, False), iterations(size))
+            dt = _timed(lambda c=collective, a=algorithm, x=x, s=shard: _call(c, a, x, s, nodes, False), iterations(size))
             out["times"].setdefault(f"{collective}|{algorithm}|{size}", []).append(dt)
     # The slowest rank's time, measurement by measurement.
     keys = sorted(out["times"])
@@ -233,7 +233,7 @@ def _paired(times: dict, ours: str, theirs: str, sizes: list[int]) -> dict:
         collective, algorithm, size = key.split("|")
         other = f"{collective}|{theirs}|{size}"
         if algorithm == ours and int(size) in sizes and other in times:
-            paired = [a / b for a, b in zip(times[key], times[other])]
+            paired = [a / b for a, b in zip(times[key], times[other], strict=True)]
             out[f"{collective}|{size}"] = dict(median=statistics.median(paired), ci90=bootstrap_ci(paired),
                                                per_rep=paired)
     return out

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import click
 
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_run, with_overrides
+from dptrain.cli.bench_group import Variadic, bench_command
 
 __all__ = ["VARIANTS", "REMEDIES", "GOALS", "run", "main"]
 

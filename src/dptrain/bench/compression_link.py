@@ -55,16 +55,16 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from dptrain.allocator import tune_cpu_allocator
-from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
+from dptrain.cli.bench_group import bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.compress import make_codec
 from dptrain.compress.base import SPANS
 from dptrain.compress.hook import CompressionHook
-from dptrain.launch.rendezvous import leave_process_groups
 from dptrain.config import load_config
 from dptrain.ddp import DistributedDataParallel
+from dptrain.launch.rendezvous import leave_process_groups
 from dptrain.tasks import build_task
 
 __all__ = ["VARIANTS", "run", "main"]

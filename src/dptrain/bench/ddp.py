@@ -49,11 +49,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.stats import bootstrap_ci
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
-
 
 MODELS = ("mlp", "small-params")
 
@@ -155,7 +154,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
     for cap in caps:
         for ours_kind, theirs_kind in pairs:
             ours, theirs = step_times[f"{ours_kind}/{cap:g}"], step_times[f"{theirs_kind}/{cap:g}"]
-            paired = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs)]
+            paired = [statistics.median(a) / statistics.median(b) for a, b in zip(ours, theirs, strict=True)]
             ratios[f"{ours_kind}/{cap:g}"] = {"median": statistics.median(paired), "ci90": bootstrap_ci(paired),
                                               "against": f"{theirs_kind}/{cap:g}"}
     built = build_model(width, depth, model)

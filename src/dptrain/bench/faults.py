@@ -40,9 +40,9 @@ import click
 import torch
 from safetensors.torch import load_file
 
-from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.runs import dptrain_command
+from dptrain.cli.bench_group import bench_command
 
 __all__ = ["SCENARIOS", "run", "table", "main"]
 

@@ -33,9 +33,9 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from dptrain import DistributedDataParallel
-from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
+from dptrain.cli.bench_group import bench_command
 from dptrain.launch.rendezvous import free_port, leave_process_groups
 from dptrain.models.gpt import GPT
 
@@ -67,9 +67,9 @@ def parity(device: torch.device, steps: int, autocast: bool) -> dict:
     losses: list[tuple[float, float]] = []
     for step in range(steps):
         x, y = _batch(step, 16, 128, device)
-        losses.append(tuple(_step(m, o, x, y, autocast) for m, o in zip((theirs, ours), opts)))
+        losses.append(tuple(_step(m, o, x, y, autocast) for m, o in zip((theirs, ours), opts, strict=True)))
     worst = max(((a - b).norm() / a.norm().clamp_min(1e-12)).item()
-                for a, b in zip(theirs.module.parameters(), ours.module.parameters()))
+                for a, b in zip(theirs.module.parameters(), ours.module.parameters(), strict=True))
     return {"steps": steps, "autocast_bf16": autocast, "max_relative_param_diff": worst,
             "final_loss_torch": losses[-1][0], "final_loss_dptrain": losses[-1][1],
             "bitwise_equal": worst == 0.0}

@@ -36,8 +36,9 @@ def main(out: str, within_hosts: bool = False, reps: int = 5) -> None:
     for numel in SIZES:
         x, shard = torch.ones(numel), torch.ones(numel // n)
         gathered = torch.empty(numel // n * n)
-        for kind, collective in (("all_reduce", lambda: dist.all_reduce(x, group=group)),
-                                 ("all_gather", lambda: dist.all_gather_into_tensor(gathered, shard, group=group))):
+        for kind, collective in (("all_reduce", lambda x=x: dist.all_reduce(x, group=group)),
+                                 ("all_gather", lambda g=gathered, s=shard: dist.all_gather_into_tensor(g, s,
+                                                                                                         group=group))):
             collective()  # warm-up: connections, buffers
             times = []
             for _ in range(reps):

@@ -38,14 +38,14 @@ import numpy as np
 import torch
 
 from dptrain.batching import BatchPlan
-from dptrain.cli.bench_group import bench_command
 from dptrain.bench.results import save_result
+from dptrain.cli.bench_group import bench_command
 from dptrain.config import RunConfig
+from dptrain.data.loader import ShardedLoader
 from dptrain.data.tokens import TokenWindows
+from dptrain.optim.build import build_optimizer
 from dptrain.tasks import build_task
 from dptrain.tasks.chargpt import ByteBlocks
-from dptrain.data.loader import ShardedLoader
-from dptrain.optim.build import build_optimizer
 
 __all__ = ["main"]
 

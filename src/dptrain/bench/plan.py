@@ -31,17 +31,17 @@ from pathlib import Path
 import click
 import torch
 
+from dptrain.api.engine import Engine
 from dptrain.batching import BatchPlan
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.results import save_result
 from dptrain.bench.zero import _allocator_follows_tensors
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.config import load_config
+from dptrain.optim.build import build_optimizer
 from dptrain.planner.from_config import plan_config
+from dptrain.strategies import get_strategy
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
-from dptrain.api.engine import Engine
-from dptrain.strategies import get_strategy
-from dptrain.optim.build import build_optimizer
 from dptrain.zero.memory import state_bytes, storage_bytes
 
 __all__ = ["run", "main"]

@@ -33,16 +33,16 @@ import click
 import torch
 import torch.distributed as dist
 
-from dptrain.batching import BatchPlan
-from dptrain.cli.bench_group import bench_command
-from dptrain.bench.stats import paired_ratios
-from dptrain.config import load_config
-from dptrain.tasks import build_task
-from dptrain.testing import run_on_ranks
 from dptrain.api.engine import Engine
+from dptrain.batching import BatchPlan
+from dptrain.bench.stats import paired_ratios
+from dptrain.cli.bench_group import bench_command
+from dptrain.config import load_config
 from dptrain.runner.loop import timed_step
 from dptrain.runner.metrics import StepRecorder
 from dptrain.runner.trace import TraceRecorder
+from dptrain.tasks import build_task
+from dptrain.testing import run_on_ranks
 
 VARIANTS = ("bare", "instrumented", "bare_control")
 

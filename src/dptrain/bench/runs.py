@@ -121,7 +121,7 @@ def _output_to(out, err):
     finally:
         for stream in streams:
             stream.close()
-        for fd, old in zip((1, 2), saved):
+        for fd, old in zip((1, 2), saved, strict=True):
             os.dup2(old, fd)
             os.close(old)
 

@@ -17,5 +17,5 @@ def bootstrap_ci(values: list[float], resamples: int = 2000, seed: int = 0) -> t
 
 def paired_ratios(a: list[list[float]], b: list[list[float]]) -> dict:
     """Per round, median(a) / median(b); their median and its 90% interval over rounds."""
-    paired = [statistics.median(x) / statistics.median(y) for x, y in zip(a, b)]
+    paired = [statistics.median(x) / statistics.median(y) for x, y in zip(a, b, strict=True)]
     return {"median": statistics.median(paired), "ci90": bootstrap_ci(paired), "per_round": paired}

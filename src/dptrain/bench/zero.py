@@ -65,8 +65,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn import functional as F
 
-from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.bench.stats import paired_ratios
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.models.gpt import GPT, Block
 from dptrain.testing import run_on_ranks
 from dptrain.zero import ZeRO
@@ -303,7 +303,7 @@ def _summarise_times(per_rank: list[dict], variants: list[str], rounds: int, ste
     # A step (and each of its phases) takes as long as its slowest rank.
     phases = {v: [[[max(r["times"][v][k][i][j] for r in per_rank) for i in range(steps)] for k in range(rounds)]
                   for j in (0, 1)] for v in variants}
-    step = {v: [[a + b for a, b in zip(*rnd)] for rnd in zip(*phases[v])] for v in variants}
+    step = {v: [[a + b for a, b in zip(*rnd, strict=True)] for rnd in zip(*phases[v], strict=True)] for v in variants}
 
     def median(per_round: list[list[float]]) -> float:
         return statistics.median(t for rnd in per_round for t in rnd)

@@ -1,6 +1,5 @@
 """``python -m dptrain.cli ...``: the same as the ``dptrain`` command."""
 
-import sys
 
 from dptrain.cli.main import main
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import textwrap
-from typing import Callable
+from collections.abc import Callable
 
 import click
 

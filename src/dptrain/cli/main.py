@@ -70,8 +70,8 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     from dptrain.config import ConfigError, load_config, to_toml
     from dptrain.data.prepare import prepare, prepare_command
     from dptrain.launch.run_lock import RunDirBusy, acquire
-    from dptrain.tasks.user import DataNotPrepared
     from dptrain.runner.validate import default_run_dir, validate_run
+    from dptrain.tasks.user import DataNotPrepared
 
     if config_reference:
         from dptrain.config.schema import reference_markdown

@@ -51,8 +51,8 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     from dptrain.config import load_config
     from dptrain.planner import PRECISIONS, STRATEGIES, Setup, plan_row
     from dptrain.planner.from_config import flat_model, plan_config
-    from dptrain.planner.report import plot as plot_rows
     from dptrain.planner.report import batch_rule, table, to_json
+    from dptrain.planner.report import plot as plot_rows
 
     sizes = int_list(world_sizes, "--world-sizes")
     chosen = [s.strip() for s in strategies.split(",") if s.strip()]

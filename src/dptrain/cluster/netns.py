@@ -116,7 +116,7 @@ class Network:
     def address(self, i: int) -> str:
         return f"{SUBNET}.{i + 1}"
 
-    def up(self) -> "Network":
+    def up(self) -> Network:
         """Create the switch, the hosts and their limited links (torn down again if any step fails)."""
         check_root()
         self._up = True
@@ -157,7 +157,7 @@ class Network:
         """The command prefix that runs a program on host ``i``."""
         return ["ip", "netns", "exec", self.host(i)]
 
-    def __enter__(self) -> "Network":
+    def __enter__(self) -> Network:
         return self.up()
 
     def __exit__(self, *exc) -> None:

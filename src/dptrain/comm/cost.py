@@ -159,7 +159,7 @@ class _Plan:
     def send(self, rank: int, nbytes: int) -> None:
         self.sent[rank] = self.sent.get(rank, 0) + nbytes
 
-    def extend(self, other: "_Plan") -> "_Plan":
+    def extend(self, other: _Plan) -> _Plan:
         self.rounds += other.rounds
         for rank, nbytes in other.sent.items():
             self.send(rank, nbytes)
@@ -272,9 +272,9 @@ class _Tree(_Team):
 class _Naive(_Team):
     def _one_round(self, sends: list[int], recvs: list[int], reduced: int = 0) -> _Plan:
         plan = _Plan()
-        for rank, nbytes in zip(self.ranks, sends):
+        for rank, nbytes in zip(self.ranks, sends, strict=True):
             plan.send(rank, nbytes)
-        moved = max(s + r for s, r in zip(sends, recvs))
+        moved = max(s + r for s, r in zip(sends, recvs, strict=True))
         plan.rounds = [Round(self.tier, max(max(sends), max(recvs)), reduced, moved)]
         return plan
 
@@ -322,9 +322,9 @@ def _hierarchical(collective: str, nodes: list[tuple[int, ...]], shards: list[in
                   [t.down(lambda c: size) for t in local]]
     elif collective == "reduce_scatter":
         phases = [[t.up(lambda v: size, reduce=True) for t in local], [leaders.reduce_scatter(node_bytes)],
-                  [t.down(lambda c, t=t, b=b: t._subtree_bytes(c, b, 0)) for t, b in zip(local, member)]]
+                  [t.down(lambda c, t=t, b=b: t._subtree_bytes(c, b, 0)) for t, b in zip(local, member, strict=True)]]
     elif collective == "all_gather":
-        phases = [[t.up(lambda v, t=t, b=b: t._subtree_bytes(v, b, 0)) for t, b in zip(local, member)],
+        phases = [[t.up(lambda v, t=t, b=b: t._subtree_bytes(v, b, 0)) for t, b in zip(local, member, strict=True)],
                   [leaders.all_gather(node_bytes)], [t.down(lambda c: size) for t in local]]
     else:
         home = next(i for i, g in enumerate(nodes) if src in g)

@@ -28,8 +28,8 @@ engine's "first" rule is per bucket index, which is the same on every rank.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Sequence
 
 import torch
 import torch.distributed as dist

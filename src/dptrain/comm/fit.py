@@ -34,11 +34,11 @@ def fit_link(rounds: Sequence[float], nbytes: Sequence[float], seconds: Sequence
     keep = list(range(len(columns)))
     while True:
         solution = torch.linalg.lstsq(features[:, keep], torch.ones_like(t)[:, None]).solution.flatten()
-        negative = [k for k, v in zip(keep, solution.tolist()) if v < 0 and k != 1]
+        negative = [k for k, v in zip(keep, solution.tolist(), strict=True) if v < 0 and k != 1]
         if not negative:
             break
         keep.remove(negative[0])
-    values = dict(zip(keep, solution.tolist()))
+    values = dict(zip(keep, solution.tolist(), strict=True))
     inv_beta = values.get(1, 0.0)
     return Link(alpha=values.get(0, 0.0), beta=1.0 / inv_beta if inv_beta > 0 else float("inf"),
                 gamma=values.get(2, 0.0))

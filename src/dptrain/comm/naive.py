@@ -53,7 +53,7 @@ def reduce_scatter(wire: Wire, team: Team, x: torch.Tensor, blocks: list[list[Ra
     wire.exchange(sends, recvs)
     _sum_in_order(wire, own, team.me, incoming, team.size)
     if len(mine) != 1:
-        for v, part in zip(views(x, mine), split(own, mine)):
+        for v, part in zip(views(x, mine), split(own, mine), strict=True):
             v.copy_(part)
 
 

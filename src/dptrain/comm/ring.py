@@ -49,7 +49,7 @@ def reduce_scatter(wire: Wire, team: Team, x: torch.Tensor, blocks: list[list[Ra
         incoming = split(scratch, recv_block)
         wire.exchange(sends=[(right, v) for v in views(x, send_block)],
                       recvs=[(left, v) for v in incoming])
-        for mine, theirs in zip(views(x, recv_block), incoming):
+        for mine, theirs in zip(views(x, recv_block), incoming, strict=True):
             mine.add_(theirs)  # two operands: one rounding, as an fp32 sum would round
 
 

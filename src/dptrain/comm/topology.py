@@ -59,7 +59,7 @@ class Team:
         return self.ranks[index % len(self.ranks)]
 
     @classmethod
-    def of(cls, ranks: Sequence[int], my_rank: int) -> "Team":
+    def of(cls, ranks: Sequence[int], my_rank: int) -> Team:
         ranks = tuple(ranks)
         return cls(ranks, ranks.index(my_rank))
 

@@ -29,7 +29,7 @@ so the matrix it approximates is ``v_{t-1} + u_t`` (no masking: a low-rank updat
 from __future__ import annotations
 
 import math
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 

@@ -16,7 +16,7 @@ poison every later one.
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 

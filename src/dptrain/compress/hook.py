@@ -69,10 +69,11 @@ class CompressionHook(Compressor):
     """``hook(state, bucket)`` for the DDP engine: compress, reduce with the codec's collective, decode."""
 
     def __init__(self, codec: Codec | PowerSGD, error_feedback: bool = True,
-                 process_group: dist.ProcessGroup | None = None, remedies: Remedies = Remedies()):
+                 process_group: dist.ProcessGroup | None = None, remedies: Remedies | None = None):
         if not isinstance(codec, (Half, Int8, TopK, PowerSGD)):
             raise TypeError("CompressionHook supports the fp16, bf16, int8 and topk codecs and PowerSGD, "
                             f"got {codec!r}")
+        remedies = remedies if remedies is not None else Remedies()  # none of DGC's remedies
         remedies.check(codec.name)
         if remedies.momentum is not None and not error_feedback:
             raise ValueError("momentum correction accumulates what was not sent, which is error feedback: "
@@ -308,7 +309,7 @@ class CompressionHook(Compressor):
         psgd, r, n = self.codec, self.codec.rank, self.world_size
         pieces = list(grad.split([s.numel() for s in shapes]))
         matrices, rest = [], []
-        for i, (piece, shape) in enumerate(zip(pieces, shapes)):
+        for i, (piece, shape) in enumerate(zip(pieces, shapes, strict=True)):
             if psgd.compresses(shape):
                 m = piece.view(shape[0], -1)
                 residual = psgd.residuals.get((key, i)) if psgd.error_feedback else None
@@ -330,7 +331,7 @@ class CompressionHook(Compressor):
         n_p = sum(m.shape[0] * r for _, m in matrices)
         n_q = sum(m.shape[1] * r for _, m in matrices)
         device = grad.device
-        p_flat = torch.cat([project(m, q).reshape(-1) for (_, m), q in zip(matrices, qs)] + [pieces[i] for i in rest],
+        p_flat = torch.cat([project(m, q).reshape(-1) for (_, m), q in zip(matrices, qs, strict=True)] + [pieces[i] for i in rest],
                            out=self._scratch(key, 2, n_p + sum(pieces[i].numel() for i in rest), torch.float32, device))
         p_flat[n_p:].div_(n)  # the uncompressed rest: the rank's share of the average
         q_flat = self._scratch(key, 3, n_q, torch.float32, device)
@@ -352,7 +353,7 @@ class CompressionHook(Compressor):
                 hats.append(orthonormalise(p_flat[at:at + m.shape[0] * r].view(m.shape[0], r)))
                 at += m.shape[0] * r
             local_qs, at = [], 0
-            for (_, m), p_hat in zip(matrices, hats):
+            for (_, m), p_hat in zip(matrices, hats, strict=True):
                 local_qs.append(project(m.t(), p_hat))
                 q_flat[at:at + m.shape[1] * r] = local_qs[-1].reshape(-1)
                 at += m.shape[1] * r
@@ -361,7 +362,7 @@ class CompressionHook(Compressor):
                     dist.all_reduce(q_flat, group=self.channel)
             q_flat.div_(n)  # the sum of the ranks' Q, as the average's
             at = 0
-            for (i, m), p_hat, q_local in zip(matrices, hats, local_qs):
+            for (i, m), p_hat, q_local in zip(matrices, hats, local_qs, strict=True):
                 q = q_flat[at:at + m.shape[1] * r].view(m.shape[1], r)
                 at += m.shape[1] * r
                 psgd.qs[(key, i)] = q.clone()  # warm start for the next step

@@ -17,8 +17,8 @@ know how much it receives before it does.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -18,7 +18,7 @@ by default here for that reason (``error_feedback=True`` turns it on).
 
 from __future__ import annotations
 
-from typing import Hashable
+from collections.abc import Hashable
 
 import torch
 import torch.distributed as dist

@@ -16,8 +16,9 @@ import json
 import math
 import sys
 import typing
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import tomli_w
 

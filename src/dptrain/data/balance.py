@@ -23,14 +23,15 @@ the same shares from the same gathered numbers, so no rank can disagree.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, default_collate
 
-from dptrain.data.sampler import DistributedSampler
 from dptrain.data.loader import set_epoch
+from dptrain.data.sampler import DistributedSampler
 
 __all__ = ["split_shares", "DynamicBatcher", "DynamicLoader"]
 

@@ -11,7 +11,8 @@ resumes at a step: its position in the data is a sample index, which an
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import Dataset, IterableDataset
 

@@ -13,7 +13,8 @@ sampler is (token files sampled at random offsets draw them per epoch).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset

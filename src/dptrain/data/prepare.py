@@ -31,16 +31,16 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 
 from dptrain.config import ConfigError
+from dptrain.config.extras import require
 from dptrain.data.tokenize import Tokenizer, describe_tokenizer, load_tokenizer
 from dptrain.data.tokens import DTYPES, META, SPLITS, TokenFiles, open_token_dir, read_meta, scan_max_id
-from dptrain.config.extras import require
 from dptrain.utils.atomic import replacing_dir
 
 __all__ = ["Recipe", "PrepareReport", "prepare", "prepared", "prepare_command", "expand_inputs"]
@@ -61,7 +61,7 @@ class Recipe:
     text_column: str = "text"
 
     @classmethod
-    def from_config(cls, data) -> "Recipe":
+    def from_config(cls, data) -> Recipe:
         inputs = tuple(data.text if data.source == "text" else data.files)
         out = data.dir or default_dir(inputs)
         return cls(data.source, inputs, Path(out), data.tokenizer, tuple(data.val_files), data.val_fraction,
@@ -256,7 +256,7 @@ def prepare(recipe: Recipe, progress: bool = True, log: Callable[[str], None] = 
     return report
 
 
-def _documents(recipe: Recipe, files: list[Path], tokenizer: Tokenizer, bar: "_Progress") -> Iterator[np.ndarray]:
+def _documents(recipe: Recipe, files: list[Path], tokenizer: Tokenizer, bar: _Progress) -> Iterator[np.ndarray]:
     """Each document's token ids, the separator after it when the tokenizer has one."""
     sep = None if tokenizer.separator is None else np.asarray([tokenizer.separator], dtype=np.int64)
     if recipe.source == "text":
@@ -274,7 +274,7 @@ def _documents(recipe: Recipe, files: list[Path], tokenizer: Tokenizer, bar: "_P
                 yield sep
 
 
-def _hf_texts(files: list[Path], column: str, bar: "_Progress", batch: int = 1000) -> Iterator[list[str]]:
+def _hf_texts(files: list[Path], column: str, bar: _Progress, batch: int = 1000) -> Iterator[list[str]]:
     """Batches of the ``column`` values of local data files, read by Hugging Face datasets (nothing downloaded)."""
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -343,7 +343,7 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(n)
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         return self
 
     def __exit__(self, *exc) -> None:

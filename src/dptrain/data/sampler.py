@@ -24,7 +24,7 @@ Arguments mirror ``torch.utils.data.distributed.DistributedSampler``.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Sized
+from collections.abc import Iterator, Sized
 
 import torch
 import torch.distributed as dist

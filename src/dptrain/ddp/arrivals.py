@@ -173,7 +173,7 @@ class Want:
 
     @classmethod
     def of(cls, bucket: Bucket, expected: list[int]) -> Want:
-        return cls({id(p): expected[i] for i, p in zip(bucket.param_indices, bucket.params) if expected[i]})
+        return cls({id(p): expected[i] for i, p in zip(bucket.param_indices, bucket.params, strict=True) if expected[i]})
 
     def met_by(self, log: list[torch.Tensor]) -> bool | None:
         """None: ``log`` lacks an expected piece; True: it is exactly the expected pieces; False: more."""
@@ -247,7 +247,7 @@ class ArrivalLog:
         it and nothing came after its launch (the usual step: no loop over parameters);
         otherwise counted from the logs.
         """
-        if all(self._exact) and all(len(log) == n for log, n in zip(self.logs, self._launched_at)):
+        if all(self._exact) and all(len(log) == n for log, n in zip(self.logs, self._launched_at, strict=True)):
             return expected, []
         fired, late = [0] * len(self.params), []
         for b, log in enumerate(self.logs):

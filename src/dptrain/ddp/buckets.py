@@ -180,7 +180,7 @@ class Bucket:
                 not (as_view and any(map(operator.is_, grads, self.views))):
             return grads, self.views, range(len(grads)), [], []
         sources, targets, copied, in_place, zeros = [], [], [], [], []
-        for position, (grad, view) in enumerate(zip(grads, self.views)):
+        for position, (grad, view) in enumerate(zip(grads, self.views, strict=True)):
             if position in filled:
                 continue
             if grad is None:
@@ -214,7 +214,7 @@ class Bucket:
         if used is True and not as_view and all(g is not None for g in grads):  # the usual step: no loop
             targets, sources = grads, self.views
         else:
-            for i, param, grad, view in zip(self.param_indices, self.params, grads, self.views):
+            for i, param, grad, view in zip(self.param_indices, self.params, grads, self.views, strict=True):
                 if used is not True and not used[i]:
                     continue
                 if as_view:

@@ -68,7 +68,7 @@ class NaiveDataParallel(GradSyncSwitch, nn.Module):
         world = dist.get_world_size(self.process_group)
         used = torch.tensor(self._used, dtype=torch.int32, device=self.params[0].device)
         dist.all_reduce(used, group=self.process_group)
-        for p, globally_used in zip(self.params, used.tolist()):
+        for p, globally_used in zip(self.params, used.tolist(), strict=True):
             if not globally_used:
                 continue
             grad = p.grad if p.grad is not None else torch.zeros_like(p)

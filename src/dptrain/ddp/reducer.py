@@ -171,7 +171,7 @@ class Reducer:
         expected = self.arrivals.expected(outputs)
         calls, nbytes = forward_comm
         if self._phase is _Phase.EXPECT_SYNC:  # several forwards before one backward
-            expected = [max(a, b) for a, b in zip(expected, self._expected)]
+            expected = [max(a, b) for a, b in zip(expected, self._expected, strict=True)]
             calls, nbytes = calls + self._stats.calls, nbytes + self._stats.bytes
         else:
             self._generation += 1
@@ -413,7 +413,7 @@ class Reducer:
             everything_used = False not in globally_used  # True: write_back skips the per-parameter check
             # Wait and copy out bucket by bucket: bucket k's copy overlaps bucket k+1's
             # reduction. Every rank re-reduces the same (agreed) late buckets in order.
-            for bucket, (handle, span) in zip(self.buckets, self._handles):
+            for bucket, (handle, span) in zip(self.buckets, self._handles, strict=True):
                 bucket.store(_waited(handle, span))
                 if late[bucket.index]:
                     self._reduce_again(bucket)

@@ -37,9 +37,9 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from dptrain.launch.local import threads_per_worker
 from dptrain.launch.slurm import first_slurm_host, job_port

@@ -20,9 +20,9 @@ import gc
 import os
 import socket
 import warnings
+from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Mapping
 
 import torch
 import torch.distributed as dist

@@ -35,9 +35,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Iterator
 
 __all__ = ["LOCK_NAME", "TOKEN_ENV", "RunDirBusy", "Holder", "RunLock", "acquire", "hold_run_dir"]
 

@@ -36,8 +36,8 @@ import runpy
 import sys
 import threading
 import traceback
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Mapping
 
 from dptrain.launch.errors import error_summary, write_error_record
 from dptrain.launch.local import AGENT_STORE, LOOPBACK

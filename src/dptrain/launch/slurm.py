@@ -8,7 +8,7 @@ import: the launchers read it too.
 from __future__ import annotations
 
 import re
-from typing import Mapping
+from collections.abc import Mapping
 
 __all__ = ["first_slurm_host", "job_port"]
 

@@ -131,7 +131,7 @@ class _Fd:
         return _Fd._rebuild, (mp.reduction.DupFd(self.fd),)
 
     @staticmethod
-    def _rebuild(dup) -> "_Fd":
+    def _rebuild(dup) -> _Fd:
         return _Fd(dup.detach())
 
 

@@ -28,8 +28,8 @@ layer's norm directly.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,7 +116,7 @@ def _sum_over_ranks(squares: list[torch.Tensor], layouts: Sequence[LayerLayout])
         launched.append((dist.all_reduce(flat, group=group, async_op=True), flat, idx))
     for work, flat, idx in launched:
         work.wait()
-        for i, part in zip(idx, flat.split([squares[i].numel() for i in idx])):
+        for i, part in zip(idx, flat.split([squares[i].numel() for i in idx]), strict=True):
             squares[i] = part.view_as(squares[i])
 
 
@@ -220,7 +220,7 @@ class LARS(_LayerwiseOptimizer):
         loss = _run_closure(closure)
         todo = list(self._steppable())
         norms = layer_norms([(layout, (p, p.grad)) for _, p, layout in todo])
-        for (group, p, layout), (w_norm, g_norm) in zip(todo, norms):
+        for (group, p, layout), (w_norm, g_norm) in zip(todo, norms, strict=True):
             if p.grad is not None:
                 self._update(group, p, layout, w_norm, g_norm)
         return loss
@@ -280,8 +280,8 @@ class LAMB(_LayerwiseOptimizer):
         todo = list(self._steppable())
         updates = [self._adam_direction(group, p, layout) if p.grad is not None else None
                    for group, p, layout in todo]
-        norms = layer_norms([(layout, (p, u)) for (_, p, layout), u in zip(todo, updates)])
-        for (group, p, layout), u, (w_norm, u_norm) in zip(todo, updates, norms):
+        norms = layer_norms([(layout, (p, u)) for (_, p, layout), u in zip(todo, updates, strict=True)])
+        for (group, p, layout), u, (w_norm, u_norm) in zip(todo, updates, norms, strict=True):
             if u is None:
                 continue
             trusted = self._trusted(layout, group["exclude_1d"])

@@ -13,13 +13,19 @@ questions into things to try. The numbers are computed in Python over a grid
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import dptrain
 from dptrain.config import RunConfig
-from dptrain.pages.explore_data import DP_DEGREES, MICRO_BATCHES, PRESET_MODELS, config_target, explore_data, \
-    preset_target
+from dptrain.pages.explore_data import (
+    DP_DEGREES,
+    MICRO_BATCHES,
+    PRESET_MODELS,
+    config_target,
+    explore_data,
+    preset_target,
+)
 from dptrain.pages.html import asset, document, json_script, write_page
 
 __all__ = ["build_explore", "write_explore", "TRY_THIS"]

@@ -25,8 +25,9 @@ grid points (tests/test_explore.py).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -158,7 +159,7 @@ def _memory(target: Target, model: nn.Module, mode: FakeTensorMode, dp: tuple[in
 
     for mb in micro_batches:
         for compute in ("fp32", "autocast", "bf16"):
-            acts = trace_model(build, lambda: target.batch(mb), target.loss, compute, checkpoint, mode, notes,
+            acts = trace_model(build, lambda mb=mb: target.batch(mb), target.loss, compute, checkpoint, mode, notes,
                                f"{target.name}, micro-batch {mb}")
             activations.setdefault(str(mb), {})[compute] = \
                 [acts.saved, acts.checkpointed] if acts is not None else [None, None]
@@ -176,7 +177,7 @@ def _memory(target: Target, model: nn.Module, mode: FakeTensorMode, dp: tuple[in
                         continue
                     if shapes.get(strategy) is None:  # a strategy's units are the same at every DP degree
                         shapes[strategy] = units(model, setup)
-                    row = plan_row(model, setup, None, optimizer=lambda params: optimizer_for(cfg, params),
+                    row = plan_row(model, setup, None, optimizer=lambda params, cfg=cfg: optimizer_for(cfg, params),
                                    shapes=shapes[strategy])
                     s = row.states
                     cells.append([s.parameters, s.gradients, s.optimizer, s.buffers, row.comm_buffers,

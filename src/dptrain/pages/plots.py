@@ -11,8 +11,8 @@ import json
 import sys
 from pathlib import Path
 
-from dptrain.utils.atomic import replacing
 from dptrain.runner.metrics import has_tokens
+from dptrain.utils.atomic import replacing
 
 __all__ = ["read_metrics", "plot_run", "plot_timeline", "spans_a_decade"]
 
@@ -60,7 +60,7 @@ def plot_run(run_dir: Path, title: str = "") -> list[Path]:
     ax.grid(alpha=0.3)
     compute = [r["compute_ms"] for r in train]
     exposed = [r["exposed_comm_ms"] for r in train]
-    other = [max(0.0, r["step_ms"] - c - e) for r, c, e in zip(train, compute, exposed)]
+    other = [max(0.0, r["step_ms"] - c - e) for r, c, e in zip(train, compute, exposed, strict=True)]
     ax_ms.stackplot(steps, compute, exposed, other, labels=["compute", "exposed communication", "other (data, logging)"],
                     colors=["tab:blue", "tab:red", "tab:gray"], alpha=0.8)
     ax_ms.set_ylabel("ms per step (slowest rank)")

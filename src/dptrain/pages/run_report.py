@@ -17,8 +17,9 @@ from __future__ import annotations
 import html
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from dptrain.pages.html import asset, document, json_script, plotly_script, write_page
 from dptrain.pages.run_report_data import MiB, loss_spans_decades, report_data

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from dptrain.planner import PRECISIONS, STRATEGIES
-from dptrain.strategies import get_strategy
 from dptrain.pages.plots import read_metrics
+from dptrain.planner import PRECISIONS, STRATEGIES
 from dptrain.runner.report import summary_rows
+from dptrain.strategies import get_strategy
 
 __all__ = ["Unavailable", "report_data", "metric_series", "loss_spans_decades", "timeline_spans", "summary_rows",
            "plan_vs_measured"]
@@ -159,7 +160,7 @@ def plan_vs_measured(cfg, summary: dict) -> dict[str, Any]:
     plan = planned_bytes(cfg, summary["world_size"])
     total_mb = plan["bytes"]["total"] / MiB
     ranks = [{"rank": r, "peak_tensor_mb": t, "peak_rss_mb": rss, "ratio": None if t is None else t / total_mb}
-             for r, (t, rss) in enumerate(zip(summary["peak_tensor_mb_per_rank"], summary["peak_rss_mb_per_rank"]))]
+             for r, (t, rss) in enumerate(zip(summary["peak_tensor_mb_per_rank"], summary["peak_rss_mb_per_rank"], strict=True))]
     return {**plan, "total_mb": total_mb, "ranks": ranks}
 
 

@@ -11,8 +11,8 @@ the engine that will run, not a textbook one.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,13 +20,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dptrain.batching import BatchPlan, BatchSizeError
 from dptrain.config import ConfigError, RunConfig
-from dptrain.strategies import get_strategy
-from dptrain.strategies.options import zero_options
+from dptrain.optim.build import build_optimizer
 from dptrain.planner.activations import ActivationTraceError, trace_activations
 from dptrain.planner.layout import STRATEGIES, Setup
 from dptrain.planner.plan import Row, plan_row
+from dptrain.strategies import get_strategy
+from dptrain.strategies.options import zero_options
 from dptrain.tasks import architecture, build_task, collate
-from dptrain.optim.build import build_optimizer
 
 __all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
            "checkpoint_classes", "trace_model", "loss_problem"]

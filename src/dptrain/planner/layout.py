@@ -14,18 +14,17 @@ ZeRO's flat units (stages 1-2: buckets; stage 3: one per unit module plus the ro
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Callable, Hashable
 
 import torch
 from torch import nn
 
 from dptrain.comm.topology import shard_range
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.strategies import get_strategy, strategy_names
 from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
 from dptrain.zero.hybrid import check_shard_size
-
-from dptrain.strategies import get_strategy, strategy_names
 
 __all__ = ["STRATEGIES", "PRECISIONS", "Setup", "Unit", "units"]
 

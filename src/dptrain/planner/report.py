@@ -74,7 +74,7 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
              ("activations", lambda r: r.activations.saved if r.activations else 0),
              ("comm buffers", lambda r: r.comm_buffers or 0)]
     colors = ["#4C72B0", "#DD8452", "#55A868", "#C44E52", "#8172B3"]
-    for ax, precision in zip(axes[0], precisions):
+    for ax, precision in zip(axes[0], precisions, strict=True):
         mine = [r for r in rows if r.precision == precision]
         sizes = sorted({r.world_size for r in mine})
         strategies = list(dict.fromkeys(r.strategy for r in mine))
@@ -87,7 +87,7 @@ def plot(rows: list[Row], path: Path, title: str = "") -> Path:
                     continue
                 bottom = 0.0
                 x = wi + (si - (len(strategies) - 1) / 2) * width
-                for (name, value), color in zip(parts, colors):
+                for (name, value), color in zip(parts, colors, strict=True):
                     v = value(row) / _MiB
                     ax.bar(x, v, width * 0.95, bottom=bottom, color=color,
                            label=name if (si, wi) == (0, 0) else None)
@@ -185,7 +185,7 @@ def plot_scaling(result: dict, path: Path) -> Path:
     for i, r in enumerate(last):
         bottom = 0.0
         for (name, value), color in zip(parts + [("exposed communication", r["exposed_s"])],
-                                        ["#4C72B0", "#55A868", "#8172B3", "#C44E52"]):
+                                        ["#4C72B0", "#55A868", "#8172B3", "#C44E52"], strict=True):
             c.bar(i, value * 1e3, bottom=bottom, color=color, label=name if i == 0 else None)
             bottom += value * 1e3
     c.set_xticks(range(len(last)), [r["network"] for r in last], rotation=20, fontsize=7)

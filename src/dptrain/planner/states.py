@@ -26,8 +26,8 @@ included. Frozen parameters count as parameters, in the module's dtype.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
@@ -80,7 +80,7 @@ def optimizer_state_bytes(shapes: list[tuple[tuple[int, ...], torch.dtype]], opt
     opt = optimizer(params)
     opt.step()
     total = 0
-    for p, count in zip(params, counts.values()):
+    for p, count in zip(params, counts.values(), strict=True):
         for value in opt.state.get(p, {}).values():
             if torch.is_tensor(value):
                 total += count * value.untyped_storage().nbytes()

@@ -14,8 +14,8 @@ Ranks are global ranks of the default process group: the job is the whole world.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -40,8 +40,8 @@ import queue
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -235,7 +235,7 @@ class ShardServer:
             skip = not math.isfinite(norm)
             if self.grad_clip > 0 and norm > self.grad_clip and not skip:
                 self.flat_grad.mul_(self.grad_clip / (norm + 1e-6))
-        for group, lr in zip(self.optimizer.param_groups, self._next_lrs(lr_scale)):
+        for group, lr in zip(self.optimizer.param_groups, self._next_lrs(lr_scale), strict=True):
             group["lr"] = lr
         if skip:
             self.skipped += 1

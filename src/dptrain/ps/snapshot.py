@@ -41,8 +41,9 @@ round modes record nothing in flight (and a server keeps no half-collected round
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

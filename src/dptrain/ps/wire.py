@@ -23,9 +23,9 @@ import json
 import queue
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -68,9 +68,9 @@ class PSWorker:
         skip = not math.isfinite(self.grad_norm)
         if self.clip_locally and not skip and self.grad_norm > self.clip_locally:
             self.flat_grad.mul_(self.clip_locally / (self.grad_norm + 1e-6))
-        for link, part in zip(self.links, self.slices):
-            self._guard(link, lambda: link.send(Kind.GRAD, self.clock, int(skip), payload=self.flat_grad[part],
-                                                x=loss))
+        for link, part in zip(self.links, self.slices, strict=True):
+            self._guard(link, lambda link=link, part=part: link.send(Kind.GRAD, self.clock, int(skip),
+                                                                     payload=self.flat_grad[part], x=loss))
         self._receive_all(Kind.PARAMS, Kind.STOP)
         self._mark()
         self.flat_grad.zero_()
@@ -79,14 +79,14 @@ class PSWorker:
     def leave(self) -> dict | None:
         """Tell every server this worker is done; rank 0 then receives the final parameters and the reports."""
         for link in self.links:
-            self._guard(link, lambda: link.send(Kind.DONE, self.clock))
+            self._guard(link, lambda link=link: link.send(Kind.DONE, self.clock))
         if not self.reporter:
             return None
         self._receive_all(Kind.FINAL)
         return {f"server_rank{link.peer}": self._recv(link).json() for link in self.links}
 
     def _receive_all(self, *kinds: Kind) -> None:
-        for i, (link, part) in enumerate(zip(self.links, self.slices)):
+        for i, (link, part) in enumerate(zip(self.links, self.slices, strict=True)):
             message = self._recv(link, into=self.flat[part])
             if message.kind not in kinds:
                 raise PSError(f"parameter server rank {link.peer} sent {message.kind.name}, expected "
@@ -106,8 +106,8 @@ class PSWorker:
             return
         state = self.worker_state() if self.worker_state else None
         for i, link in enumerate(self.links):
-            self._guard(link, lambda: link.send(Kind.MARK, self.clock, payload=state if i == 0 else None,
-                                                cut=self.cut))
+            self._guard(link, lambda link=link, i=i: link.send(Kind.MARK, self.clock,
+                                                                payload=state if i == 0 else None, cut=self.cut))
         self.marked = self.cut
 
     def _recv(self, link: Link, into: torch.Tensor | None = None):

@@ -53,18 +53,19 @@ import random
 import re
 import shutil
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
 
-from dptrain.strategies.registry import SHARDED
 from dptrain.config.loader import identity_hash as hash_identity
 from dptrain.config.loader import normalize_identity
+from dptrain.strategies.registry import SHARDED  # the sharded checkpoint's subdirectory, named by the registry
 from dptrain.utils.atomic import TRASH, remove_tree
 
-__all__ = ["CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
+__all__ = ["SHARDED", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
            "verify_files", "prune_checkpoints", "reading", "remove_partial", "rng_state", "set_rng_state"]
 
 _NAME = re.compile(r"^step_(\d{8})$")

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from dptrain.utils.atomic import replacing
 from dptrain.runner.checkpoint import SHARDED, CheckpointError, find_latest, reading, verify_files
 from dptrain.strategies.state import full_state
+from dptrain.utils.atomic import replacing
 
 __all__ = ["ConsolidateError", "Consolidated", "find_checkpoint", "consolidate_checkpoint"]
 

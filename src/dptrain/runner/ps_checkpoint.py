@@ -36,8 +36,8 @@ from dptrain.ps.wire import Message, unpack
 from dptrain.runner.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, staging_dir
 
 if TYPE_CHECKING:
-    from dptrain.runner.validate import RunPlan
     from dptrain.runner.report import RunLog
+    from dptrain.runner.validate import RunPlan
 
 __all__ = ["CutFiles", "Publisher", "check_ps_resume", "load_server_cut", "load_worker_cut", "PS"]
 

@@ -16,7 +16,6 @@ the failing rank waits for it at most ``wait_s`` + ``STORE_GRACE_S``.
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time

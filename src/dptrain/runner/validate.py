@@ -25,13 +25,13 @@ from dptrain.compress.remedies import Remedies
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.config.loader import unused_settings
 from dptrain.data.identity import data_changes, data_identity
+from dptrain.data.loader import steps_per_epoch
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
+from dptrain.runner.checkpoint import CheckpointError, find_latest, verify_checkpoint
+from dptrain.runner.ps_checkpoint import check_ps_resume
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import Task, architecture, build_task, run_name
-from dptrain.runner.checkpoint import CheckpointError, find_latest, verify_checkpoint
-from dptrain.data.loader import steps_per_epoch
-from dptrain.runner.ps_checkpoint import check_ps_resume
 from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["RunPlan", "validate_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]

@@ -7,7 +7,8 @@ factory's model accepts the task's batches and returns what its loss expects.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn

@@ -7,7 +7,8 @@ byte: ln(256) = 5.55 for a model that knows nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

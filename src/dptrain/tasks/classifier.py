@@ -6,7 +6,8 @@ accuracy tells at a glance whether training works: chance is 1/classes.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

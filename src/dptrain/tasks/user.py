@@ -17,9 +17,10 @@ plain data, ``data/pickle_meta.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -27,13 +28,13 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dptrain.config import ConfigError, RunConfig
+from dptrain.config.factory import load_factory
 from dptrain.data.factory import user_datasets
-from dptrain.data.prepare import Recipe, prepare_command, prepared
 from dptrain.data.pickle_meta import META_PKL, pkl_vocab_size
+from dptrain.data.prepare import Recipe, prepare_command, prepared
 from dptrain.data.tokens import DTYPES, SPLITS, TokenFiles, TokenWindows, open_token_dir
 from dptrain.models.gpt import GPT
 from dptrain.models.mlp import MLPClassifier
-from dptrain.config.factory import load_factory
 from dptrain.tasks.protocol import protocol_eval_sums, protocol_loss
 
 __all__ = ["ProtocolTask", "token_task", "factory_task", "token_files", "run_name", "DataNotPrepared"]

@@ -15,8 +15,8 @@ import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 __all__ = ["replacing", "replacing_dir", "write_text_atomic", "remove_tree", "TRASH"]
 
