@@ -68,7 +68,7 @@ import torch.distributed as dist
 from dptrain.ddp.autograd import reachable_params
 from dptrain.ddp.buckets import Bucket
 
-__all__ = ["GradientArrivals", "ArrivalLog", "Want"]
+__all__ = ["GradientArrivals", "ArrivalLog", "Want", "UnusedParametersError", "unused_message"]
 
 
 class GradientArrivals:
@@ -271,3 +271,19 @@ class ArrivalLog:
     def clear(self) -> None:
         for log in self.logs:
             log.clear()  # in place: the hooks hold the lists' append
+
+
+class UnusedParametersError(RuntimeError):
+    """Some parameters received no gradient while ``find_unused_parameters=False``."""
+
+
+def unused_message(missing: list[str], rank: int) -> str:
+    """What a rank says about ``missing`` (parameters without a gradient): the fix included."""
+    shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
+    return (
+        f"rank {rank}: {len(missing)} parameter(s) received no gradient in this backward "
+        f"pass: {shown}. Their buckets were still reduced (with zeros), so no rank hangs, "
+        "but gradients of unused parameters are ambiguous. If the model uses different "
+        "parameters on different steps or ranks, pass find_unused_parameters=True (or "
+        "static_graph=True if the set never changes); otherwise make sure every output "
+        "that depends on these parameters contributes to the loss.")

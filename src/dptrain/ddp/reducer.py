@@ -49,7 +49,7 @@ import torch.distributed as dist
 from dptrain import comm
 from dptrain.comm.fingerprint import CollectiveCheck
 from dptrain.comm.step_stats import StepCommStats
-from dptrain.ddp.arrivals import ArrivalLog, GradientArrivals, Want
+from dptrain.ddp.arrivals import ArrivalLog, GradientArrivals, UnusedParametersError, Want, unused_message
 from dptrain.ddp.autograd import (
     grad_accumulator,
     queue_on_current_backward,
@@ -65,10 +65,6 @@ from dptrain.ddp.comm_hooks import (
 )
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
-
-
-class UnusedParametersError(RuntimeError):
-    """Some parameters received no gradient while ``find_unused_parameters=False``."""
 
 
 class _Phase(enum.Enum):
@@ -430,7 +426,7 @@ class Reducer:
             self._log.clear()
             self._handles = []
         if missing and not (self.find_unused_parameters or self.static_graph):
-            raise UnusedParametersError(_unused_message(missing, dist.get_rank(self.process_group)))
+            raise UnusedParametersError(unused_message(missing, dist.get_rank(self.process_group)))
 
     def _read_logs(self) -> list[int]:
         """End of backward, every bucket launched: pieces per parameter; late pieces handled; next triggers set.
@@ -489,14 +485,3 @@ def _waited(handle: ReduceHandle, span: list) -> torch.Tensor:
     if span[2] is None:
         span[2] = getattr(handle, "completed_at", None) or time.perf_counter()
     return result
-
-
-def _unused_message(missing: list[str], rank: int) -> str:
-    shown = ", ".join(missing[:10]) + (f", ... ({len(missing)} in all)" if len(missing) > 10 else "")
-    return (
-        f"rank {rank}: {len(missing)} parameter(s) received no gradient in this backward "
-        f"pass: {shown}. Their buckets were still reduced (with zeros), so no rank hangs, "
-        "but gradients of unused parameters are ambiguous. If the model uses different "
-        "parameters on different steps or ranks, pass find_unused_parameters=True (or "
-        "static_graph=True if the set never changes); otherwise make sure every output "
-        "that depends on these parameters contributes to the loss.")
