@@ -30,8 +30,8 @@ from dptrain.launch.local import error_summary, threads_per_worker, write_error_
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
 from dptrain.launch.run_lock import RunDirBusy, RunLock, acquire
 from dptrain.runner.checkpoint import CheckpointError
-from dptrain.runner.validate import default_run_dir, validate_run
 from dptrain.runner.skips import NonFiniteRun
+from dptrain.runner.validate import default_run_dir, validate_run
 
 __all__ = ["main", "BAD_INPUT"]
 
@@ -74,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
         lock = None if local else _lock_run_dir(env, rp.run_dir)  # `dptrain run` holds it for its workers
         from dptrain.runner.loop import train  # after init: keeps `--help` and bad-input paths fast
 
-        train(rp, env, device)
+        facts = train(rp, env, device)
+        if facts is not None:  # rank 0
+            _write_pages(rp, facts)
         return 0
     except KeyboardInterrupt:
         return 130
@@ -100,6 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:
             lock.release()
         leave_process_groups()
+
+
+def _write_pages(rp, facts: dict) -> None:
+    """Rank 0, after the loop: plots, summary.json and report.html from the run directory's files; then the
+    summary, on the console and in rank 0's log (``dptrain.pages.finish``)."""
+    from dptrain.pages.finish import write_run_pages  # the pages are above the loop: it never imports them
+    from dptrain.runner.report import RunLog, print_summary
+
+    log = RunLog(rp.run_dir / "logs" / "rank0.log", 0, "lines", facts["steps"], facts["start_step"])
+    try:
+        print_summary(write_run_pages(rp.run_dir, facts, rp.cfg, log.info), log)
+    finally:
+        log.close()
 
 
 def _lock_run_dir(env, run_dir) -> RunLock | None:

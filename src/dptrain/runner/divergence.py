@@ -25,8 +25,8 @@ Silent data corruption is a real cause of failed steps at scale: the Llama 3 rep
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.distributed as dist

@@ -1,12 +1,13 @@
-"""What every strategy's run ends with: validation sums over the held-out split, and the weights file."""
+"""What every strategy's run ends with: validation over the held-out split, and the weights file."""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
@@ -14,7 +15,23 @@ from dptrain.data.sampler import DistributedSampler
 from dptrain.tasks.base import collate
 from dptrain.utils.atomic import replacing
 
-__all__ = ["val_sums", "val_metrics", "save_weights", "save_hf_model"]
+__all__ = ["evaluate", "val_sums", "val_metrics", "save_weights", "save_hf_model"]
+
+
+def evaluate(engine, task, num_batches: int) -> dict[str, float]:
+    """Collective: validation metrics over ``num_batches`` micro-batches per rank, summed over all ranks.
+
+    ``engine``: an :class:`~dptrain.api.engine.Engine`. Sharded (ZeRO), its wrapper evaluates, gathering the
+    parameters (and under no_grad freeing them again); replicated, the bare module does (no gradient sync or
+    buffer broadcast needed).
+    """
+    model = engine.model if engine.sharded else engine.model.module
+    sums = val_sums(model, task, engine.plan.micro_batch_size, num_batches, dist.get_world_size(), dist.get_rank(),
+                    engine.to_device, engine.autocast)
+    keys = sorted(sums)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=engine.device)
+    dist.all_reduce(totals)
+    return val_metrics(dict(zip(keys, totals.tolist(), strict=True)))
 
 
 @torch.no_grad()
@@ -31,7 +48,7 @@ def val_sums(model: torch.nn.Module, task, micro_batch: int, num_batches: int, r
     loader = DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler, collate_fn=collate(task),
                         generator=torch.Generator())  # leaves the global RNG (dropout) untouched
     sums: dict[str, float] = {}
-    for _, batch in zip(range(num_batches), loader):
+    for _, batch in zip(range(num_batches), loader, strict=False):  # the first num_batches
         with autocast():
             for key, value in task.eval_sums(model, to_device(batch)).items():
                 sums[key] = sums.get(key, 0.0) + float(value)

@@ -9,7 +9,19 @@ same number of samples as ``train.steps`` synchronous steps.
 
 Rank 0 (worker 0) logs its own steps (there is no collective between workers: in async
 mode they are at different steps), evaluates the final parameters alone, writes the
-weights and the summary with every server's report.
+weights, and returns the run's facts with every server's report; the caller (``dptrain.run``)
+writes the summary and the pages from them and the run directory's files, as for every strategy.
+
+Why this is not :mod:`dptrain.runner.loop` with another strategy: that loop is one SPMD
+program, every rank stepping in lockstep through ``train.steps`` steps of an
+:class:`~dptrain.api.engine.Engine`, and half its step hooks are collectives that every rank
+must enter at the same step (the metrics record's all-gather, evaluation, checkpoints, the
+divergence check). Here the ranks run two programs (servers serve, workers push and pull),
+a worker's number of steps is not known in advance (the servers' budget decides, and in the
+async modes a fast worker takes more), no two workers share a collective, and a worker may
+die without stopping the run (``expendable_workers``). What carries over is what the hooks
+wrap, per rank: the heartbeat, fault and straggler injection, the tensor-peak count, the
+trace recorder, the log and metrics backends, and the outputs (:mod:`dptrain.runner.outputs`).
 
 Checkpoints (every ``checkpoint.every`` steps, and at the end) are cuts of
 :mod:`dptrain.ps.snapshot`, taken while training goes on; the servers write their files and
@@ -24,43 +36,43 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dptrain.config import to_toml
+from dptrain.data.loader import ShardedLoader
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
-from dptrain.pages.run_report import try_write_run_report
+from dptrain.optim.build import build_optimizer
+from dptrain.optim.schedule import scaled_lr, warmup_cosine
 from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
 from dptrain.ps.wire import pack
-from dptrain.tasks import collate
-from dptrain.utils.atomic import write_text_atomic
 from dptrain.runner.checkpoint import remove_partial, rng_state, set_rng_state
 from dptrain.runner.faults import inject_fault, parse_fault
-from dptrain.data.loader import ShardedLoader
 from dptrain.runner.log_backends import LogBackends, backends_from_config
 from dptrain.runner.metrics import peak_rss_mb, peak_tensor_mb
-from dptrain.optim.build import build_optimizer
 from dptrain.runner.outputs import save_hf_model, save_weights, val_metrics, val_sums
-from dptrain.pages.plots import plot_run, read_metrics
-from dptrain.runner.validate import RunPlan
 from dptrain.runner.ps_checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
-from dptrain.runner.report import RunLog, print_summary, summarize, truncate_metrics
-from dptrain.optim.schedule import scaled_lr, warmup_cosine
+from dptrain.runner.report import RunLog, truncate_metrics
+from dptrain.runner.resume import seed_everything
 from dptrain.runner.straggler import Straggler
 from dptrain.runner.tensor_peak import TensorPeak, data_tensors
 from dptrain.runner.trace import TraceRecorder
+from dptrain.runner.validate import RunPlan
+from dptrain.tasks import collate
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["train_ps"]
 
 
-def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything, beat: Heartbeat) -> dict | None:
+def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> dict | None:
     """This rank's part: a server serves, a worker trains; ``beat``'s watchdog sees each step, and a server's
-    every update."""
+    every update. Rank 0 returns the run's facts (the summary's input)."""
     cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
     t, p = cfg.train, cfg.ps
     wall0 = time.perf_counter()
@@ -129,20 +141,20 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, seed_everything,
         records = loop.run(sink)
         reports = role.leave()
         beat.disarm()
-        summary = None
+        facts = None
         if rank == 0:
             loop.publisher.advance(min(role.saved))  # the last cut, complete once every worker has left
             if loop.tracer is not None and loop.tracer.events:
                 loop.tracer.write_local(run_dir / "trace.json")
                 log.info(f"trace of rank 0's steps {loop.tracer.steps.start}-{loop.tracer.steps.stop - 1}: "
                          f"{run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
-            summary = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, start_step,
-                              loop.publisher.labels, sink)
+            facts = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, start_step,
+                            loop.publisher.labels, sink)
     finally:
         if sink is not None:
             sink.close()
     log.close()
-    return summary
+    return facts
 
 
 def _cut_policy(rp: RunPlan, env: WorkerEnv, model, device: torch.device,
@@ -293,6 +305,7 @@ class _WorkerLoop:
 
 def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
             wall0: float, peak_lr: float, start_step: int, checkpoints: list[int], sink: LogBackends) -> dict:
+    """Rank 0: the final parameters evaluated and saved; returns the run's facts, the servers' reports among them."""
     cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
     # rank 0 alone (no collective: a worker may be gone), on the samples all workers together would take
     sums = val_sums(model, rp.task, plan.micro_batch_size, cfg.log.eval_batches * plan.world_size)
@@ -301,10 +314,7 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
     log.info(f"eval of the final parameters: val_loss {ev['val_loss']:.4f}")
     save_weights(model, run_dir / "model.safetensors")
     save_hf_model(cfg, run_dir, log)
-    train_recs, evals = read_metrics(run_dir / "metrics.jsonl")
-    if cfg.log.plots:
-        plot_run(run_dir, title=f"{rp.task.name}, parameter server ({cfg.ps.mode}), {plan.world_size} workers")
-    info = {"run_dir": str(run_dir), "task": rp.task.name, "parameters": sum(x.numel() for x in model.parameters()),
+    return {"run_dir": str(run_dir), "task": rp.task.name, "parameters": sum(x.numel() for x in model.parameters()),
             "world_size": env.world_size, "device": device.type, "backend": dist.get_backend(),
             "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
             "grad_accum_steps": plan.grad_accum_steps, "lr_rule": f"peak {peak_lr:.3g}", "peak_lr": peak_lr,
@@ -317,8 +327,3 @@ def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dic
                    "checkpoints": checkpoints,
                    "straggler": None if cfg.straggler.rank < 0 else {"rank": cfg.straggler.rank,
                                                                     "factor": cfg.straggler.factor}}}
-    summary = summarize(run_dir, info, train_recs, evals)
-    if cfg.log.plots:  # after the summary, which it shows; a failure is a warning, never a failed run
-        try_write_run_report(run_dir, summary, cfg, log.info)
-    print_summary(summary, log)
-    return summary

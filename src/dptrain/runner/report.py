@@ -18,8 +18,8 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
-from dptrain.utils.atomic import write_text_atomic
 from dptrain.runner.metrics import format_line, has_tokens
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["RunLog", "summarize", "print_summary", "summary_rows", "truncate_metrics"]
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 import gc
 import warnings
 import weakref
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.utils import _pytree as pytree
@@ -52,7 +52,7 @@ class TensorPeak(TorchDispatchMode):
         self._extra = extra
         self._excluded = {t.untyped_storage()._cdata for t in exclude}
 
-    def __enter__(self) -> "TensorPeak":
+    def __enter__(self) -> TensorPeak:
         for t in [*self._extra, *reachable_tensors()]:
             if t is not None:
                 self._track(t)

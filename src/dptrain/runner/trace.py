@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dptrain.utils.atomic import write_text_atomic
 from dptrain.runner.metrics import StepTimes
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["TraceRecorder", "trace_zero"]
 
@@ -60,7 +60,7 @@ class TraceRecorder:
     def add_step(self, step: int, times: StepTimes) -> None:
         """Record optimizer step ``step`` (1-based) from its measured spans."""
         self._span(f"step {step}", "step", times.start, times.end, _COMPUTE_TID)
-        for k, (fwd, bwd) in enumerate(zip(times.forward, times.backward)):
+        for k, (fwd, bwd) in enumerate(zip(times.forward, times.backward, strict=True)):
             self._span("forward", "compute", *fwd, _COMPUTE_TID, micro_step=k)
             comm = times.comm if k == len(times.backward) - 1 else None
             if comm is not None and comm.calls and comm.backward_end > 0:
@@ -77,7 +77,7 @@ class TraceRecorder:
         """Each collective of the step on its track; ZeRO's waits for them on the compute track."""
         sharded = hasattr(comm, "span_name")  # zero.timing.ShardedStepComm: every unit's collectives
         names = {}
-        for i, ((index, launch, done), nbytes) in enumerate(zip(comm.bucket_spans, comm.bucket_bytes)):
+        for i, ((index, launch, done), nbytes) in enumerate(zip(comm.bucket_spans, comm.bucket_bytes, strict=True)):
             name = comm.span_name(i) if sharded else f"all-reduce bucket {index}"
             names[id(comm.bucket_spans[i])] = name
             tid = _BUCKET_TID0 + index
