@@ -20,7 +20,8 @@ model: ``"ddp"`` (replicated, the DDP engine; options ``ddp_kwargs``),
 ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``) or ``"gossip"``
 (:class:`dptrain.gossip.module.GossipDataParallel`, ``gossip_kwargs``: gradients stay local, the
 parameters are mixed with the neighbours' before each optimizer step; the gradient norm is then
-each rank's own). Where the strategy shards the parameters (ZeRO) the optimizer must be built
+each rank's own). ``options`` is the wrapper's options whichever the strategy (what its registry
+entry's ``options(cfg, model, nodes)`` returns); the per-wrapper keywords are kept. Where the strategy shards the parameters (ZeRO) the optimizer must be built
 from the wrapped model's shards, so pass a factory
 ``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``; bf16 becomes
 ZeRO's own mixed precision (the module computes in bf16 from fp32 master shards,
@@ -78,10 +79,12 @@ class Engine:
                  optimizer: torch.optim.Optimizer | Callable[[nn.Module], torch.optim.Optimizer], plan: BatchPlan,
                  *, precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
                  ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None,
-                 strategy: str = "ddp", zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None):
+                 strategy: str = "ddp", zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None,
+                 options: dict | None = None):
         self.strategy = get_strategy(strategy, among=strategy_names(lambda s: s.wrap is not None))
-        options = options_for(self.strategy, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs,
-                              gossip_kwargs=gossip_kwargs)
+        if options is None:
+            options = options_for(self.strategy, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs,
+                                  gossip_kwargs=gossip_kwargs)
         self.model: nn.Module = wrap_model(self.strategy, model, precision=precision, process_group=process_group,
                                            options=options)
         self.optimizer = self._build_optimizer(optimizer)

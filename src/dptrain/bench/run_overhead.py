@@ -65,7 +65,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
         model = task.build_model()
         engines[variant] = Engine(model, torch.optim.AdamW(model.parameters(), lr=1e-3), plan, grad_clip=1.0)
         streams[variant] = engines[variant].loader(task.train_set, seed=0).micro_batches()
-    engines["instrumented"].model.reducer.record_spans = True
+    engines["instrumented"].model.record_comm_spans(True)
     recorder = StepRecorder(engines["instrumented"].device, plan.global_batch_size, task.tokens_per_sample)
     tracer = TraceRecorder(rank, time.perf_counter(), 1, 10**9)
     for variant in VARIANTS:

@@ -45,7 +45,7 @@ START_METHODS = ("forkserver", "exec")
 
 # What the fork server imports once: torch, its distributed and compiler front ends (the first
 # optimizer imports torch._dynamo: seconds), and the worker's code. The test harness uses it too.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.runner.loop"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.runner.loop", "dptrain.pages.finish"]
 
 
 def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | tuple[int, int] | None,

@@ -60,15 +60,9 @@ def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Eng
                                                            tuple(t.betas), momentum),
                     rp.plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak, t.warmup_steps, t.steps, t.min_lr_ratio),
-                    strategy=strategy.name, **_engine_options(options))
-    _record_comm_spans(engine.model)
+                    strategy=strategy.name, options=options)
+    engine.model.record_comm_spans(True)  # each collective's launch and completion: the trace, the overlap figures
     return engine, _compression(cfg, engine), n_params
-
-
-def _engine_options(options: dict[str, Any]) -> dict[str, Any]:
-    """The Engine takes its wrapper's options under one keyword per wrapper and reads the one its strategy wraps
-    with: the entry's options go under each, so no code here needs to know which."""
-    return dict(ddp_kwargs=options, zero_kwargs=options, gossip_kwargs=options)
 
 
 def _sharded_compression(cfg, strategy: Strategy) -> dict[str, Any]:
@@ -90,19 +84,6 @@ def _compression(cfg, engine: Engine) -> Compressor | None:
     hook = CompressionHook(codec, error_feedback=d.error_feedback, remedies=compression_remedies(cfg))
     engine.model.register_comm_hook(None, hook)
     return hook
-
-
-def _record_comm_spans(model: torch.nn.Module) -> None:
-    """Each collective's launch and completion, for the trace and the overlap figures (a clock reading per bucket).
-
-    The wrapper protocol's ``record_comm_spans`` (helper B, issue 37) where there is one; until it lands, the DDP
-    engine's reducer flag (ZeRO records its spans anyway; gossip has no buckets).
-    """
-    record = getattr(model, "record_comm_spans", None)
-    if record is not None:
-        record(True)
-    elif hasattr(model, "reducer"):
-        model.reducer.record_spans = True
 
 
 def build_batches(rp: RunPlan, rank: int, engine: Engine, start_step: int) -> tuple[Iterator, DynamicBatcher | None]:

@@ -141,7 +141,7 @@ class BatchingHook(StepHook):
 def replica_record(engine: Engine) -> Extra | None:
     """Where the replicas differ by design (gossip): how far apart they are (collective) and what a mix sends,
     which is the step's communication; None for the strategies whose replicas are equal."""
-    if not engine.gossip:  # a fact of the engine's strategy (helper B: a protocol method may replace it)
+    if not engine.gossip:  # replicas that differ by design (the registry entry's decentralized)
         return None
     model = engine.model
     return lambda: {"consensus_distance": model.consensus_distance(), "comm_bytes_per_step": model.bytes_per_mix,
