@@ -7,10 +7,16 @@ The layers themselves are import-linter's contract in pyproject.toml (``lint-imp
 from __future__ import annotations
 
 import re
+import sys
 from pathlib import Path
 
 import grimp
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the tomli backport, a dependency of dptrain before 3.11
+    import tomli as tomllib
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "dptrain"
 
@@ -86,3 +92,13 @@ def test_no_code_outside_the_registry_branches_on_a_strategy_name():
 def test_no_module_is_past_500_lines():
     long = {str(p.relative_to(SRC)): n for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500}
     assert long == {}, f"split these along a concept: {long}"
+
+
+def test_every_package_has_its_place_in_the_layers():
+    """A package the contract does not name is unconstrained: each top-level module must be in a layer."""
+    pyproject = tomllib.loads((SRC.parents[1] / "pyproject.toml").read_text())
+    layers = pyproject["tool"]["importlinter"]["contracts"][0]["layers"]
+    named = {name.strip() for layer in layers for name in layer.split("|")}
+    top = {f"dptrain.{p.stem if p.is_file() else p.name}" for p in SRC.iterdir()
+           if (p.suffix == ".py" and p.name != "__init__.py") or (p / "__init__.py").is_file()}
+    assert top - named == set(), "add these to a layer in pyproject.toml (docs/architecture.md)"
