@@ -58,7 +58,7 @@ def _zero_grads(rank: int, world_size: int, stage: int, codec: str, feedback: bo
 def test_each_shard_is_the_sum_of_every_ranks_decoded_shard(stage: int, codec: str) -> None:
     for result in run_on_ranks(_zero_grads, 3, stage, codec, False, timeout=150):
         assert len(result["got"]) > 1
-        for g, w in zip(result["got"], result["want"]):
+        for g, w in zip(result["got"], result["want"], strict=True):
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-8)
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _models import HIDDEN, OUT, Layer, build, global_batch, loss_fn
 from safetensors.torch import load_file
 from torch import nn
 
+from _models import HIDDEN, OUT, Layer, build, global_batch, loss_fn
 from dptrain.testing import run_on_ranks
 from dptrain.zero import ZeRO
 from dptrain.zero.checkpoint import (

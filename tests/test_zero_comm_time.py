@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from _cli import dptrain, tiny_gpt_config
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.zero.timing import ShardedStepComm
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import Layer, build, global_batch, loss_fn
-from test_zero_parity import TOLERANCE, _parity
 
+from _models import Layer, build, global_batch, loss_fn
 from dptrain import comm
 from dptrain.testing import RankFailedError, run_on_ranks
 from dptrain.zero import MixedPrecision, ZeRO
 from dptrain.zero.hybrid import hybrid_layout
+from test_zero_parity import TOLERANCE, _parity
 
 
 def test_the_layout_groups_ranks_host_by_host() -> None:

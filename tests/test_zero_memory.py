@@ -66,8 +66,7 @@ def test_bytes_per_rank_equal_the_zero_formulas(stage: int, world_size: int) -> 
 
 def _inputs_alive(rank: int, world_size: int, stage: int) -> list[int]:
     from _models import Layer, build, global_batch, loss_fn
-
-    from dptrain.zero.unit import ReductionQueue
+    from dptrain.zero.reduction import ReductionQueue
 
     torch.manual_seed(0)
     wrapped = ZeRO(build("stack"), stage=stage,
@@ -77,7 +76,7 @@ def _inputs_alive(rank: int, world_size: int, stage: int) -> list[int]:
 
     def counting_add(queue, unit):
         add(queue, unit)
-        alive.append(sum(1 for u in wrapped.units for _, _, grad in u._pending if grad is not None))
+        alive.append(sum(1 for u in wrapped.units for _, _, grad in u.reduction.pending if grad is not None))
 
     ReductionQueue.add = counting_add
     try:

@@ -16,8 +16,8 @@ import copy
 
 import pytest
 import torch
-from _models import Layer, build, global_batch, loss_fn
 
+from _models import Layer, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel
 from dptrain.models.gpt import Block
 from dptrain.testing import run_on_ranks

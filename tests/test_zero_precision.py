@@ -15,9 +15,9 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from _models import Layer, build, global_batch, loss_fn
 from torch import nn
 
+from _models import Layer, build, global_batch, loss_fn
 from dptrain import comm
 from dptrain.testing import run_on_ranks
 from dptrain.zero import MixedPrecision, ZeRO
@@ -35,13 +35,13 @@ def _oracle_step(compute: nn.Module, master: list[torch.Tensor], opt, x, y) -> N
     for p in compute.parameters():
         p.grad = None
     loss_fn("stack", compute(x.bfloat16()).float(), y).backward()
-    for p, m in zip(compute.parameters(), master):
+    for p, m in zip(compute.parameters(), master, strict=True):
         g = p.grad.float()
         dist.all_reduce(g)
         m.grad = g / dist.get_world_size()
     opt.step()
     with torch.no_grad():
-        for p, m in zip(compute.parameters(), master):
+        for p, m in zip(compute.parameters(), master, strict=True):
             p.copy_(m)
 
 
@@ -67,7 +67,7 @@ def _parity(rank: int, world_size: int, stage: int) -> dict:
         loss_fn("stack", out, y).backward()
         opt.step()
         got = zero.gathered_state()
-        for name, ref in zip(names, master):
+        for name, ref in zip(names, master, strict=True):
             worst = max(worst, ((got[name] - ref.detach()).abs().max() / ref.detach().abs().max()).item())
     for unit in zero.units:
         seen["shard"].add(unit.shard.dtype)

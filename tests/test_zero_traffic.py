@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _models import Layer, build, global_batch, loss_fn
 
+from _models import Layer, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel, comm
 from dptrain.testing import run_on_ranks
 from dptrain.zero import ZeRO

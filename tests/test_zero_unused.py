@@ -14,8 +14,8 @@ import copy
 
 import pytest
 import torch
-from _models import build, global_batch, loss_fn
 
+from _models import build, global_batch, loss_fn
 from dptrain import DistributedDataParallel
 from dptrain.testing import RankFailedError, run_on_ranks
 from dptrain.zero import ZeRO
@@ -47,7 +47,7 @@ def _skipping(rank: int, world_size: int, stage: int, accum: int, shard_size: in
     worst = 0.0
     for step in range(STEPS):
         x, y = global_batch("branchy", step, MICRO * world_size * accum)
-        for wrapper, opt in zip((ddp, zero), opts):
+        for wrapper, opt in zip((ddp, zero), opts, strict=True):
             opt.zero_grad(set_to_none=True)
             for micro in range(accum):
                 lo = (micro * world_size + rank) * MICRO

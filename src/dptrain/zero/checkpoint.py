@@ -50,8 +50,9 @@ import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -118,7 +119,7 @@ def _local_shapes(unit: FlatUnit) -> list[torch.Size]:
 def _dtensors(unit: FlatUnit, chunks: torch.Tensor, mesh: DeviceMesh, hybrid: bool) -> list[DTensor]:
     """The unit's parameters as DTensors whose local parts are views of ``chunks`` (this rank's row chunks)."""
     out, at = [], 0
-    for ref, local_shape in zip(unit.refs, _local_shapes(unit)):
+    for ref, local_shape in zip(unit.refs, _local_shapes(unit), strict=True):
         local = chunks[at:at + local_shape.numel()].view(local_shape)
         at += local_shape.numel()
         shard = Shard(0) if len(ref.shape) else Replicate()
@@ -211,7 +212,8 @@ def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, A
     sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()} if lead else {}
     kinds = _state_kinds(model, optimizer) if optimizer is not None else {}
     for unit in model.units:
-        for ref, tensor in zip(unit.refs, _dtensors(unit, _to_chunks(unit, unit.shard.detach()), mesh, hybrid)):
+        tensors = _dtensors(unit, _to_chunks(unit, unit.shard.detach()), mesh, hybrid)
+        for ref, tensor in zip(unit.refs, tensors, strict=True):
             sd.update({MODEL + name: tensor for name in names[ref.name]})
         state = optimizer.state.get(unit.shard, {}) if optimizer is not None else {}
         for key, kind in kinds.get(unit.index, {}).items():
@@ -222,7 +224,7 @@ def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, A
                 values = [state[key]] * len(unit.refs)
             else:
                 continue
-            sd.update({f"{OPTIM}state.{ref.name}.{key}": v for ref, v in zip(unit.refs, values)})
+            sd.update({f"{OPTIM}state.{ref.name}.{key}": v for ref, v in zip(unit.refs, values, strict=True)})
     for group in optimizer.param_groups if optimizer is not None and lead else []:
         for shard in group["params"]:
             for ref in shard._zero_unit.refs:
@@ -335,7 +337,7 @@ def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
         chunks[unit.index, key] = torch.empty(sum(s.numel() for s in _local_shapes(unit)), dtype=dtype,
                                               device=unit.device)
         names = [MODEL + r.name if not key else f"{OPTIM}state.{r.name}.{key}" for r in unit.refs]
-        sd.update(zip(names, _dtensors(unit, chunks[unit.index, key], mesh, hybrid)))
+        sd.update(zip(names, _dtensors(unit, chunks[unit.index, key], mesh, hybrid), strict=True))
 
     for unit in model.units:
         placeholders(unit, "", unit.master_dtype)
@@ -436,7 +438,7 @@ def load_full_state(model, optimizer: torch.optim.Optimizer | None, model_state:
 def _slice_shard(unit: FlatUnit, full_of, dtype: torch.dtype) -> torch.Tensor:
     """This rank's ZeRO shard of the unit, cut from each parameter's full tensor ``full_of(ref)``."""
     pieces = []
-    for ref, (start, end) in zip(unit.refs, unit.offsets()):
+    for ref, (start, end) in zip(unit.refs, unit.offsets(), strict=True):
         a, b = max(start, unit.lo), min(end, unit.hi)
         if b > a:
             pieces.append(full_of(ref).reshape(-1)[a - start:b - start])

@@ -19,7 +19,7 @@ built on the meta device, so the full model never exists on one rank.
 
 from __future__ import annotations
 
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import nn

@@ -23,9 +23,19 @@ shard groups ``{0..k-1}, {k..2k-1}, ...``, replicate groups ``{i, i+k, i+2k, ...
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch.distributed as dist
 
-__all__ = ["check_shard_size", "hybrid_groups", "hybrid_layout"]
+__all__ = ["ShardGroups", "check_shard_size", "hybrid_groups", "hybrid_layout"]
+
+
+@dataclass(frozen=True)
+class ShardGroups:
+    """The ranks a unit is sharded over (``shard``) and those holding the same shard (``replicate``; None: no HSDP)."""
+
+    shard: dist.ProcessGroup | None
+    replicate: dist.ProcessGroup | None = None
 
 
 def check_shard_size(shard_size: int, world_size: int) -> None:
@@ -44,9 +54,8 @@ def hybrid_layout(world_size: int, shard_size: int) -> tuple[list[list[int]], li
     return shards, replicas
 
 
-def hybrid_groups(shard_size: int, group: dist.ProcessGroup | None = None
-                  ) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
-    """This rank's (shard group, replicate group) within ``group``; collective (every rank of ``group`` calls it).
+def hybrid_groups(shard_size: int, group: dist.ProcessGroup | None = None) -> ShardGroups:
+    """This rank's shard and replicate groups within ``group``; collective (every rank of ``group`` calls it).
 
     The replicate group is None when there is one shard group (plain ZeRO over ``group``).
     """
@@ -59,9 +68,9 @@ def hybrid_groups(shard_size: int, group: dist.ProcessGroup | None = None
         if me in members:
             mine_shard = made
     if len(shards) == 1:
-        return mine_shard, None
+        return ShardGroups(mine_shard)
     for members in replicas:
         made = dist.new_group([ranks[r] for r in members])
         if me in members:
             mine_replica = made
-    return mine_shard, mine_replica
+    return ShardGroups(mine_shard, mine_replica)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import gc
 import time
 import warnings
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch.distributed.tensor import DTensor

@@ -18,25 +18,23 @@ One strategy with a ``stage`` argument (Rajbhandari et al., SC 2020), built from
   computes (``prefetch``), in forward and in backward. Parameters outside every unit
   module form the *root unit*, gathered for the whole step.
 
-Stages 1-2 group parameters into buckets exactly as the DDP engine does
-(:func:`~dptrain.ddp.buckets.assign_buckets`, gradient-ready order, ``bucket_cap_mb``),
-one flat unit per bucket.
-
 The optimizer sees only shards: create it *after* wrapping, from ``model.parameters()``
 (one flat 1-D Parameter per unit). Any ``torch.optim`` optimizer works, and its state
 is then 1/N of the replicated state by construction.
 
-How stage 3 frees the weights autograd saved for backward: ``saved.py``. Units some
-ranks skip (``find_unused_parameters``): ``skipped.py``. Parameters read outside their
+Building the units (stages 1-2: the DDP engine's buckets): ``build.py``; their
+reductions: ``reduction.py``. How stage 3 frees the weights autograd saved for backward:
+``saved.py``. Units some ranks skip: ``skipped.py``. Parameters read outside their
 unit's forward: ``reads.py``. The optimizer check: ``replaced.py``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import time
-from typing import Any, Callable, Hashable, Iterator, Sequence
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,18 +43,28 @@ from torch import nn
 from dptrain import comm
 from dptrain.comm.fingerprint import collective_check
 from dptrain.comm.step_stats import StepCommStats
-from dptrain.compress.zero import ShardedCompression
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
-from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
-from dptrain.zero.grouping import bucket_groups, collect_params, materialize_meta, module_groups
-from dptrain.zero.hybrid import check_shard_size, hybrid_groups
+from dptrain.ddp.replicas import broadcast_coalesced
+from dptrain.zero.build import build_units, check_policies, default_device, verify_same_model
+from dptrain.zero.grouping import collect_params
+from dptrain.zero.hybrid import ShardGroups, hybrid_groups
+from dptrain.zero.norm import clip_sharded_grad_norm_
+from dptrain.zero.policy import (
+    CheckPolicy,
+    CommPolicy,
+    InitPolicy,
+    ShardingPolicy,
+    UnitPolicy,
+    ZeROPolicies,
+    resolve_policies,
+)
 from dptrain.zero.precision import MixedPrecision, cast_floats
 from dptrain.zero.reads import gather_on_read
-from dptrain.zero.replaced import mark_replaced
+from dptrain.zero.reduction import CommContext, ReductionQueue
 from dptrain.zero.saved import pack_weight, unpack_weight
 from dptrain.zero.skipped import check_every_unit_reduced, reduce_in_order
 from dptrain.zero.timing import ShardedStepComm
-from dptrain.zero.unit import FlatUnit, ParamRef, ReductionQueue
+from dptrain.zero.unit import FlatUnit
 
 __all__ = ["ZeRO"]
 
@@ -64,141 +72,103 @@ __all__ = ["ZeRO"]
 class ZeRO(nn.Module):
     """Wrap ``module`` for ZeRO stage 1, 2 or 3 over ``process_group``.
 
-    ``algorithm`` / ``nodes``: the collectives' algorithm (:mod:`dptrain.comm`).
-    ``unit_classes`` / ``min_unit_numel``: stage 3's unit modules. ``init_fn``: for a
-    model built on the meta device, called on each module of a unit after its
-    parameters are allocated (default: the module's ``reset_parameters``), one unit
-    at a time, so the full model never exists on one rank. ``traffic``: a
-    :class:`dptrain.comm.Traffic` counting the bytes this rank sends (dptrain's
-    algorithms only, not ``native``). ``mixed_precision``: a
-    :class:`~dptrain.zero.precision.MixedPrecision` (bf16 compute, fp32 master shards).
-    ``split_by``: a function ``(name, parameter) -> key``; parameters with different
-    keys never share a unit, and each shard's key is ``shard._zero_unit.key``, so an
-    optimizer can give them different hyperparameters (the trainer splits matrices from
-    vectors to decay only the former). ``compression``: a
-    :class:`~dptrain.compress.zero.ShardedCompression` (fp16, bf16 or int8) that sends
-    every gradient reduce-scatter compressed, on the same ranks as ``process_group``.
-    ``check_collectives``: compare each unit's all-gather and reduce-scatter fingerprints
-    across ranks through the job's store before calling them, on their first use
-    (``"first"``, default), on every use (``"every"``), or not (``"off"``); see
-    :mod:`dptrain.comm.fingerprint`. ``check_timeout_s``: how long a check waits for the
-    other ranks before naming the missing ones.
+    The options come as small frozen policies, one per concern, as FSDP2 takes its
+    ``MixedPrecisionPolicy`` (``zero/policy.py``): ``units`` (:class:`UnitPolicy`: stage
+    3's unit modules, stages 1-2's bucket size, ``split_by``), ``sharding``
+    (:class:`ShardingPolicy`: hybrid ``shard_size``, ``reshard_after_forward``,
+    ``prefetch``, ``find_unused_parameters``), ``communication`` (:class:`CommPolicy`:
+    algorithm, nodes, traffic, compression, ``broadcast_buffers``), ``checks``
+    (:class:`CheckPolicy`: collectives compared across ranks), ``init``
+    (:class:`InitPolicy`: meta-device construction) and ``mixed_precision``
+    (:class:`~dptrain.zero.precision.MixedPrecision`: bf16 compute, fp32 master shards).
+
+    Every field is also a keyword argument of its own, as ZeRO took them before the
+    policies (``prefetch=False``, ``check_collectives="every"``: ``policy.KEYWORDS``);
+    one given beside its policy replaces that field. A shard's ``split_by`` key is
+    ``shard._zero_unit.key``, for optimizer groups (the trainer decays matrices only).
     """
 
     def __init__(self, module: nn.Module, *, stage: int = 3, process_group: dist.ProcessGroup | None = None,
-                 algorithm: str = "native", nodes=None, unit_classes: Sequence[type] = (),
-                 min_unit_numel: int | None = None, reshard_after_forward: bool = True, prefetch: bool = True,
-                 bucket_cap_mb: float = 4.0, init_fn: Callable[[nn.Module], None] | None = None,
-                 device: torch.device | str | None = None, broadcast_buffers: bool = True,
-                 traffic: comm.Traffic | None = None, mixed_precision: MixedPrecision | None = None,
-                 split_by: Callable[[str, torch.Tensor], Hashable] | None = None,
-                 compression: ShardedCompression | None = None, check_collectives: str = "first",
-                 check_timeout_s: float = 300.0, find_unused_parameters: bool = False,
-                 shard_size: int | None = None):
+                 units: UnitPolicy | None = None, sharding: ShardingPolicy | None = None,
+                 communication: CommPolicy | None = None, checks: CheckPolicy | None = None,
+                 init: InitPolicy | None = None, mixed_precision: MixedPrecision | None = None, **keywords: Any):
         super().__init__()
+        policies = resolve_policies(dict(units=units, sharding=sharding, communication=communication, checks=checks,
+                                         init=init, mixed_precision=mixed_precision), keywords)
         if stage not in (1, 2, 3):
             raise ValueError(f"stage must be 1, 2 or 3, got {stage!r}")
         if not dist.is_initialized():
             raise RuntimeError("ZeRO needs torch.distributed initialised first: call "
                                "dist.init_process_group() (dptrain run and torchrun set up the environment)")
-        if stage < 3 and (unit_classes or min_unit_numel):
-            raise ValueError(f"unit_classes / min_unit_numel choose stage 3's unit modules; stage {stage} "
-                             "shards buckets (bucket_cap_mb) instead")
-        comm.check_algorithm(algorithm, nodes, dist.get_world_size(process_group))
-        self.module = module
-        self.stage, self.group, self.algorithm = stage, process_group, algorithm
-        # hybrid sharding (zero/hybrid.py): units are sharded over shard_group and replicated across
-        # replicate_group; without it both are plain ZeRO's (the whole group, no replicas)
-        self.shard_group, self.replicate_group = process_group, None
-        self.shard_size = shard_size or dist.get_world_size(process_group)
-        hybrid = self.shard_size != dist.get_world_size(process_group)
-        if hybrid:
-            check_shard_size(self.shard_size, dist.get_world_size(process_group))
-            if algorithm == "hierarchical" or compression is not None:
-                raise ValueError("shard_size (hybrid sharding) is hierarchical by itself: use algorithm native, ring "
-                                 "or tree, and no compression")
-            nodes = None  # the subgroups' collectives stay within or across hosts: no node split inside them
-        self.nodes = nodes
-        self.find_unused_parameters = find_unused_parameters
-        if find_unused_parameters:  # [Note: units some ranks skip] in skipped.py
-            prefetch, reshard_after_forward = False, False
-        self.prefetch, self.broadcast_buffers = prefetch, broadcast_buffers
-        if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
-            raise TypeError(f"mixed_precision must be a dptrain.zero.MixedPrecision, got {mixed_precision!r}")
-        self.mixed_precision = mixed_precision
-        self._split_by = split_by
         self.world_size = dist.get_world_size(process_group)
-        if compression is not None and not isinstance(compression, ShardedCompression):
-            raise TypeError("compression must be a dptrain.compress.zero.ShardedCompression (fp16, bf16 or int8), "
-                            f"got {compression!r}")
-        if compression is not None and compression.world_size != self.world_size:
-            raise ValueError(f"the compression's process group has {compression.world_size} ranks, ZeRO's has "
-                             f"{self.world_size}: build ShardedCompression on the same group")
-        if compression is not None and algorithm != "native":
-            raise ValueError(f"algorithm {algorithm!r} chooses how uncompressed gradients are reduced; with "
-                             "compression the codec's exchange does it: leave algorithm native")
-        self.compression = compression
-        check = collective_check(check_collectives, check_timeout_s, process_group)
-        self.collective_check = check  # None when off or alone; shared by every unit
-        self.device = torch.device(device) if device is not None else _default_device(module)
-        refs, frozen = collect_params(module)
+        check_policies(stage, policies, self.world_size)
+        self.shard_size = policies.sharding.shard_size or self.world_size
+        if self.shard_size != self.world_size:  # the subgroups' collectives stay within or across hosts: no node split
+            policies = replace(policies, communication=replace(policies.communication, nodes=None))
+        self.module, self.stage, self.group, self.policies = module, stage, process_group, policies
+        self._expose(policies)
+        self.device = torch.device(policies.init.device) if policies.init.device is not None \
+            else default_device(module)
+        refs, self._frozen = collect_params(module)
         # Verify first: ranks with different models could otherwise fail (or not) one by one below.
-        self._verify(refs, tuple(unit_classes), min_unit_numel, bucket_cap_mb)
-        if hybrid:
-            self.shard_group, self.replicate_group = hybrid_groups(self.shard_size, process_group)
-        if stage < 3:
-            groups = bucket_groups(refs, bucket_cap_mb, self.device, self._key)
-        else:
-            groups = module_groups(module, refs, tuple(unit_classes), min_unit_numel, self._key)
-        mp = mixed_precision or MixedPrecision(param_dtype=None)
-        self.units: list[FlatUnit] = []
-        for index, (owner, members) in enumerate(groups):
-            key = self._key(members[0])  # before flattening: the key may read the parameter's shape
-            full = self._flatten(members, init_fn)
-            unit = FlatUnit(index, members, full, stage=stage, group=self.shard_group, algorithm=algorithm,
-                            nodes=nodes, reshard_after_forward=reshard_after_forward and owner is not None,
-                            traffic=traffic, param_dtype=mp.param_dtype, reduce_dtype=mp.reduce_dtype,
-                            compression=compression, replicate_group=self.replicate_group)
-            unit.owner = owner
-            unit.key = key
-            unit.check = check
-            if find_unused_parameters:
-                unit.defer, unit.single_piece = True, False
-            self.units.append(unit)
-        self._reductions = ReductionQueue(1)
+        verify_same_model(refs, stage, policies, self.shard_size, process_group, self.device)
+        # hybrid sharding (zero/hybrid.py): units are sharded over the shard group and replicated across the
+        # replicate group; without it the shard group is the whole group and there are no replicas
+        groups = hybrid_groups(self.shard_size, process_group) if self.shard_size != self.world_size else \
+            ShardGroups(process_group)
+        self.shard_group, self.replicate_group = groups.shard, groups.replicate
         # the last synchronising backward's reductions (calls, bytes), and every collective's span and wait since
         # the step before (zero/timing.py)
         self.last_step_comm: StepCommStats = ShardedStepComm()
-        self._step_comm = ShardedStepComm()
-        for unit in self.units:
-            unit.inflight = self._reductions
-            unit.step_comm = self._step_comm
+        self._context = CommContext(ReductionQueue(1), self.collective_check, ShardedStepComm())
+        self.units: list[FlatUnit] = build_units(module, refs, stage=stage, policies=policies, groups=groups,
+                                                 context=self._context, device=self.device, group=process_group)
         self._shards = nn.ParameterList([u.shard for u in self.units])
-        self._frozen = frozen
-        self._buffers_to_sync = [b for b in module.buffers()]
-        if self.world_size > 1 and (frozen or self._buffers_to_sync):
-            broadcast_coalesced([p.detach() for p in frozen] + self._buffers_to_sync, 0, process_group)
+        self._sync_buffers_once(module)
+        self._install_hooks()
+        self._init_forward_state()
+
+    def _expose(self, policies: ZeROPolicies) -> None:
+        """The policies' fields the wrapper and its readers (planner, trainer, checkpoints) consult directly."""
+        c, s = policies.communication, policies.sharding
+        self.algorithm, self.nodes, self.compression = c.algorithm, c.nodes, c.compression
+        self.broadcast_buffers, self.mixed_precision = c.broadcast_buffers, policies.mixed_precision
+        self.find_unused_parameters = s.find_unused_parameters
+        self.prefetch = s.prefetches  # [Note: units some ranks skip] in skipped.py: off with find_unused_parameters
+        # None when off or alone; shared by every unit
+        self.collective_check = collective_check(policies.checks.collectives, policies.checks.timeout_s, self.group)
+
+    def _sync_buffers_once(self, module: nn.Module) -> None:
+        """Rank 0's frozen parameters and buffers to every rank (buffers again before each forward if asked)."""
+        self._buffers_to_sync = list(module.buffers())
+        if self.world_size > 1 and (self._frozen or self._buffers_to_sync):
+            broadcast_coalesced([p.detach() for p in self._frozen] + self._buffers_to_sync, 0, self.group)
+
+    def _install_hooks(self) -> None:
+        """Stage 3: gather/release around each unit module, gather on a read outside it; stages 1-2: first use."""
         for unit in self.units:
             if unit.owner is not None:
                 unit.owner.register_forward_pre_hook(self._make_pre_hook(unit))
                 unit.owner.register_forward_hook(self._make_post_hook(unit))
-        self._in_forward = False
-        self._read_outside: list[FlatUnit] = []  # stage 3: units gathered for a read outside their forward
-        if stage == 3:
+        if self.stage == 3:
             for unit in self.units:
                 for ref in unit.refs:
                     for holder, attr in ref.holders:
                         gather_on_read(holder, attr, self, unit, ref.name)
+            return
+        units_of: dict[nn.Module, list[FlatUnit]] = {}
+        for unit in self.units:
+            for ref in unit.refs:
+                for holder, _ in ref.holders:
+                    if unit not in units_of.setdefault(holder, []):
+                        units_of[holder].append(unit)
+        for holder, units in units_of.items():
+            holder.register_forward_pre_hook(self._make_first_use_hook(units))
+
+    def _init_forward_state(self) -> None:
+        self._in_forward = False
+        self._read_outside: list[FlatUnit] = []  # stage 3: units gathered for a read outside their forward
         self._lazy: set[FlatUnit] = set()  # stages 1-2: units whose autograd views are not set yet
-        if stage < 3:
-            units_of: dict[nn.Module, list[FlatUnit]] = {}
-            for unit in self.units:
-                for ref in unit.refs:
-                    for holder, _ in ref.holders:
-                        if unit not in units_of.setdefault(holder, []):
-                            units_of[holder].append(unit)
-            for holder, units in units_of.items():
-                holder.register_forward_pre_hook(self._make_first_use_hook(units))
         self._order: list[FlatUnit] = [u for u in self.units if u.owner is not None]
         self._owned = list(self._order)  # stage 3's unit modules in index order
         self._owned_at = {id(u): i for i, u in enumerate(self._owned)}
@@ -206,38 +176,6 @@ class ZeRO(nn.Module):
         self._ran: list[FlatUnit] = []
         self._live: dict[int, FlatUnit] = {}
         self._finish_queued = False
-
-    # ------------------------------------------------------------------ construction
-
-    def _key(self, ref: ParamRef) -> Hashable:
-        return self._split_by(ref.name, ref.tensor) if self._split_by is not None else None
-
-    def _verify(self, refs: list[ParamRef], classes: tuple, min_numel: int | None, cap_mb: float) -> None:
-        signature = tensor_signature([(r.name, r.tensor) for r in refs], "parameter")
-        signature.append(("option", "zero", (self.stage, self.algorithm, [c.__name__ for c in classes], min_numel,
-                                             cap_mb, repr(self.mixed_precision), self._compression_name(),
-                                             self.shard_size),
-                          repr(self.nodes), False))
-        verify_replicas(signature, self.group, self.device)
-
-    def _compression_name(self) -> str | None:
-        c = self.compression
-        return None if c is None else f"{type(c.codec).__name__}({c.codec.name}), feedback={c.feedback is not None}"
-
-    def _flatten(self, members: list[ParamRef], init_fn) -> torch.Tensor:
-        """The unit's full flat buffer on this device, identical on every rank (rank 0's values)."""
-        if any(r.tensor.is_meta for r in members):
-            materialize_meta(members, self.device, init_fn)
-        with torch.no_grad():
-            full = torch.cat([r.tensor.detach().reshape(-1).to(self.device) for r in members])
-            if self.world_size > 1:
-                dist.broadcast(full, src=dist.get_global_rank(self.group, 0) if self.group else 0, group=self.group)
-        for ref in members:
-            for module, attr in ref.holders:
-                del module._parameters[attr]
-            mark_replaced(ref.tensor)  # an optimizer holding it raises (zero/replaced.py)
-            ref.tensor.data = torch.empty(0, dtype=ref.tensor.dtype, device=ref.tensor.device)
-        return full
 
     # ------------------------------------------------------------------ parameters
 
@@ -257,18 +195,16 @@ class ZeRO(nn.Module):
             full = torch.empty(unit.numel, dtype=unit.master_dtype, device=unit.device)
             comm.all_gather(full, unit.shard.detach(), algorithm=self.algorithm, group=self.shard_group,
                             nodes=self.nodes, validate=False)
-            for ref, (a, b) in zip(unit.refs, unit.offsets()):
+            for ref, (a, b) in zip(unit.refs, unit.offsets(), strict=True):
                 out[ref.name] = full[a:b].view(ref.shape).clone()
         return out
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so that the norm of the *whole* gradient is at most ``max_norm``.
 
-        The norm is over every rank's shard: each rank sums its shards' squares (in fp32)
-        and one all-reduce adds them up (for ``norm_type=inf``, the maximum), so every
-        rank gets the same norm and takes the same decision. A non-finite norm is returned
-        as it is and nothing is scaled; skip the optimizer step then (all ranks will):
+        The norm is over every rank's shard (``zero/norm.py``), so every rank gets the
+        same norm and takes the same decision. A non-finite norm is returned as it is and
+        nothing is scaled; skip the optimizer step then (all ranks will):
 
             norm = model.clip_grad_norm_(1.0)
             if torch.isfinite(norm):
@@ -276,33 +212,17 @@ class ZeRO(nn.Module):
 
         Returns the norm before clipping, as torch's ``clip_grad_norm_`` does.
         """
-        if norm_type not in (2.0, math.inf):
-            raise ValueError(f"norm_type must be 2.0 or inf for a sharded gradient norm, got {norm_type!r}")
-        grads = [u.shard.grad for u in self.units if u.shard.grad is not None and u.shard.grad.numel()]
-        local = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in grads:
-            g = g.detach().float()
-            local = torch.maximum(local, g.abs().max()) if norm_type == math.inf else local + g.pow(2).sum()
-        if self.shard_size > 1:  # the shard group's shards make the whole gradient (replicas hold the same)
-            dist.all_reduce(local, op=dist.ReduceOp.MAX if norm_type == math.inf else dist.ReduceOp.SUM,
-                            group=self.shard_group)
-        norm = local if norm_type == math.inf else local.sqrt()
-        if math.isfinite(max_norm) and torch.isfinite(norm):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
-        return norm
+        return clip_sharded_grad_norm_([u.shard for u in self.units], max_norm, norm_type, self.shard_group,
+                                       self.device)
 
     @contextlib.contextmanager
     def no_sync(self):
         """Accumulate gradients locally, without communication, until the context exits."""
-        for unit in self.units:
-            unit.require_sync = False
+        self.set_requires_gradient_sync(False)
         try:
             yield
         finally:
-            for unit in self.units:
-                unit.require_sync = True
+            self.set_requires_gradient_sync(True)
 
     # ------------------------------------------------------------------ forward
 
@@ -455,10 +375,11 @@ class ZeRO(nn.Module):
     def _finish(self) -> None:
         self._finish_queued = False
         syncing = self.units[0].require_sync
+        step_comm = self._context.step_comm
         if syncing:
-            self._step_comm.backward_end = time.perf_counter()  # every gradient computed: what follows is waiting
+            step_comm.backward_end = time.perf_counter()  # every gradient computed: what follows is waiting
         if syncing and self.find_unused_parameters:
-            reduce_in_order(self.units, self.group, self._step_comm)
+            reduce_in_order(self.units, self.group, step_comm)
         elif syncing:
             check_every_unit_reduced(self.units, self.group)
             for unit in self.units:
@@ -466,12 +387,10 @@ class ZeRO(nn.Module):
                     unit.reduce_accumulated()
         for unit in self.units:
             unit.finish()
-        self._reductions.clear()
-        if self._step_comm.calls:  # a synchronising backward (a no_sync one reduces nothing)
-            self._step_comm.comm_end = time.perf_counter()
-            self.last_step_comm, self._step_comm = self._step_comm, ShardedStepComm()
-            for unit in self.units:
-                unit.step_comm = self._step_comm
+        self._context.reductions.clear()
+        if step_comm.calls:  # a synchronising backward (a no_sync one reduces nothing)
+            step_comm.comm_end = time.perf_counter()
+            self.last_step_comm, self._context.step_comm = step_comm, ShardedStepComm()
         if self.stage == 3:
             self._release_all()
 
@@ -494,13 +413,3 @@ class ZeRO(nn.Module):
 
     def before_optimizer_step(self) -> None:
         """Nothing: the reduce-scatter in backward left each shard its averaged gradient."""
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def _default_device(module: nn.Module) -> torch.device:
-    for p in module.parameters():
-        if not p.is_meta:
-            return p.device
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

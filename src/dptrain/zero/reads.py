@@ -14,19 +14,24 @@ that names ``gathered_state()``.
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import torch
 from torch import nn
 
 from dptrain.zero.unit import FlatUnit
 
-if TYPE_CHECKING:
-    from dptrain.zero.module import ZeRO
-
-__all__ = ["gather_on_read"]
+__all__ = ["ReadsOutsideUnit", "gather_on_read"]
 
 
-def gather_on_read(module: nn.Module, attr: str, zero: ZeRO, unit: FlatUnit, name: str) -> None:
+class ReadsOutsideUnit(Protocol):
+    """What answers a read of a released unit's parameter: ``ZeRO``, named here by its method alone so
+    that this module needs no import of ``module.py`` (which imports this one)."""
+
+    def read_outside_unit(self, unit: FlatUnit, module: nn.Module, attr: str, name: str) -> torch.Tensor: ...
+
+
+def gather_on_read(module: nn.Module, attr: str, zero: ReadsOutsideUnit, unit: FlatUnit, name: str) -> None:
     """Stage 3: make reading ``module.attr`` while its unit is released gather the unit (``ZeRO.read_outside_unit``).
 
     A released unit's parameters are not attributes of their modules, so Python falls

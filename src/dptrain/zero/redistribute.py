@@ -114,7 +114,8 @@ class _Local:
     def position(self, flat: int) -> int:
         i = bisect.bisect_right(self.starts, flat) - 1
         if i < 0 or flat >= self.ends[i]:
-            raise AssertionError(f"flat position {flat} is not held here ({list(zip(self.starts, self.ends))})")
+            held = list(zip(self.starts, self.ends, strict=True))
+            raise AssertionError(f"flat position {flat} is not held here ({held})")
         return self.at[i] + flat - self.starts[i]
 
 

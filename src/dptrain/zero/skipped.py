@@ -53,7 +53,7 @@ def reduce_in_order(units: list[FlatUnit], group: dist.ProcessGroup | None, step
         dist.all_reduce(used, op=dist.ReduceOp.MAX, group=group)
         step_comm.calls += 1
         step_comm.bytes += used.numel() * used.element_size()
-    for unit, grad, anyone in zip(units, grads, used.tolist()):
+    for unit, grad, anyone in zip(units, grads, used.tolist(), strict=True):
         if anyone:
             unit.launch(grad if grad is not None else
                         torch.zeros(unit.numel, dtype=unit.reduce_dtype, device=unit.device))

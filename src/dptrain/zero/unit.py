@@ -15,8 +15,9 @@ views and sets them on the modules as plain attributes. Autograd sums the views'
 gradients into one full-size gradient of the buffer (``split_with_sizes``'s backward is
 one concatenation) and calls ``_Unshard.backward`` exactly once, when the last of the
 unit's parameters has its gradient: the unit's "bucket is ready" moment. There the
-unit starts its reduce-scatter asynchronously, so it overlaps with the rest of
-backward, and :meth:`FlatUnit.finish` collects it when backward is done.
+unit starts its reduce-scatter asynchronously (its :class:`~dptrain.zero.reduction.UnitReduction`),
+so it overlaps with the rest of backward, and :meth:`FlatUnit.finish` collects it when
+backward is done.
 
 What each stage keeps between steps (Ψ parameters of 4 bytes, fp32):
 
@@ -37,7 +38,7 @@ shards.
 
 from __future__ import annotations
 
-import collections
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,13 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain import comm
-from dptrain.comm.step_stats import StepCommStats
+from dptrain.zero.hybrid import ShardGroups
+from dptrain.zero.policy import CommPolicy, ShardingPolicy
+from dptrain.zero.precision import MixedPrecision
+from dptrain.zero.reduction import CommContext, UnitReduction
 from dptrain.zero.timing import start_timing
 
-__all__ = ["ParamRef", "FlatUnit", "ReductionQueue"]
+__all__ = ["ParamRef", "FlatUnit"]
 
 
 @dataclass(eq=False)
@@ -69,7 +73,7 @@ class _Unshard(torch.autograd.Function):
     """Shard -> full buffer in forward; the full buffer's gradient -> the unit's reduction in backward."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, full: torch.Tensor, unit: "FlatUnit") -> torch.Tensor:
+    def forward(ctx, shard: torch.Tensor, full: torch.Tensor, unit: FlatUnit) -> torch.Tensor:
         ctx.unit = unit
         return full.view(full.shape)
 
@@ -79,69 +83,64 @@ class _Unshard(torch.autograd.Function):
         return None, None, None
 
 
-class ReductionQueue:
-    """The reduce-scatters in flight across a model's units, at most ``limit`` at a time.
+class FlatUnit:
+    """Parameters flattened into one buffer, of which this rank owns the slice ``[lo, hi)``.
 
-    A reduction keeps its input, the unit's full-size gradient, alive until it is done.
-    Without a bound every unit's full gradient would live until the end of backward:
-    the whole unsharded gradient at once, which stage 3 exists to avoid. Before a unit
-    launches, the oldest reductions are waited for and their inputs dropped, as torch's
-    FSDP2 does (one in flight): a reduction still overlaps the backward of the next
-    unit, the one whose gradient is being computed while it runs.
+    Built complete from explicit arguments: ``refs`` and ``full`` (the flat buffer,
+    identical on every rank), ``owner`` (stage 3's unit module, None for the root unit
+    and stages 1-2), ``key`` (``split_by``'s), the groups, the policies and the
+    ``context`` shared with the model's other units. Nothing is set from outside later;
+    ``require_sync`` is switched by ``ZeRO.no_sync``.
     """
 
-    def __init__(self, limit: int = 1):
-        if limit < 1:
-            raise ValueError(f"at least one reduction must be allowed in flight, got {limit}")
-        self.limit = limit
-        self._units: collections.deque[FlatUnit] = collections.deque()
-
-    def make_room(self) -> None:
-        while len(self._units) >= self.limit:
-            self._units.popleft().settle_oldest()
-
-    def add(self, unit: "FlatUnit") -> None:
-        self._units.append(unit)
-
-    def clear(self) -> None:
-        self._units.clear()
-
-
-class FlatUnit:
-    """Parameters flattened into one buffer, of which this rank owns the slice ``[lo, hi)``."""
-
     def __init__(self, index: int, refs: list[ParamRef], full: torch.Tensor, *, stage: int,
-                 group: dist.ProcessGroup | None, algorithm: str, nodes, reshard_after_forward: bool,
-                 traffic: comm.Traffic | None = None, param_dtype: torch.dtype | None = None,
-                 reduce_dtype: torch.dtype | None = None, compression=None,
-                 replicate_group: dist.ProcessGroup | None = None):
-        self.index, self.refs, self.stage = index, refs, stage
-        # hybrid sharding (zero/hybrid.py): ``group`` is the shard group; each reduced shard is then
-        # averaged over the replicate group, the ranks holding the same shard
-        self.replicate_group = replicate_group
-        self._replicate_comm = dict(algorithm=algorithm, group=replicate_group, validate=False, traffic=traffic)
-        self.compression = compression  # a dptrain.compress.zero.ShardedCompression, or None
-        self.check = None  # a dptrain.comm.fingerprint.CollectiveCheck, set by ZeRO
-        self.group, self.algorithm, self.nodes = group, algorithm, nodes
-        self._comm = dict(algorithm=algorithm, group=group, nodes=nodes, validate=False, traffic=traffic)
+                 owner: nn.Module | None, key: Hashable, groups: ShardGroups, communication: CommPolicy,
+                 sharding: ShardingPolicy, precision: MixedPrecision | None, context: CommContext):
+        self.index, self.refs, self.stage, self.owner, self.key = index, refs, stage, owner, key
+        self.context = context
+        # hybrid sharding (zero/hybrid.py): ``groups.shard`` is the group this unit is sharded over; each reduced
+        # shard is then averaged over ``groups.replicate``, the ranks holding the same shard
+        self.group, self.replicate_group = groups.shard, groups.replicate
+        self.algorithm, self.nodes = communication.algorithm, communication.nodes
+        self._comm = dict(algorithm=self.algorithm, group=self.group, nodes=self.nodes, validate=False,
+                          traffic=communication.traffic)
         self.numel = full.numel()
-        # master: the shard the optimizer steps; compute: the full buffer and its
-        # gradient; reduce: the reduce-scatter (see zero/precision.py)
-        self.master_dtype = full.dtype
-        self.compute_dtype = param_dtype or full.dtype
-        self.reduce_dtype = reduce_dtype or self.compute_dtype
+        self._set_dtypes(full.dtype, precision)
         self.device = full.device
-        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
         self.lo, self.hi = comm.shard_range(self.numel, self.world_size, self.rank)
-        self.reshard_after_forward = reshard_after_forward and stage == 3
-        self.full: torch.Tensor | None
-        if stage < 3 and self.compute_dtype == self.master_dtype:
-            self.full = full
-            self.shard = nn.Parameter(full[self.lo:self.hi])  # shares the full buffer's storage
-        else:
-            self.shard = nn.Parameter(full[self.lo:self.hi].clone())
-            self.full = full.to(self.compute_dtype) if stage < 3 else None
+        self.reshard_after_forward = sharding.reshards and owner is not None and stage == 3
+        self.full, self.shard = self._split_full(full)
         self.shard._zero_unit = self  # lets LARS/LAMB and checkpoints find the layout
+        self.reduction = UnitReduction(index, self.numel, (self.lo, self.hi), self.reduce_dtype, self.device,
+                                       groups, communication, context)
+        self._init_gradient_state(sharding.find_unused_parameters)
+        self.stale = False  # the shard changed since the full buffer was gathered
+        self._gathering: comm.Work | None = None
+        self.require_sync = True
+
+    @property
+    def check(self):
+        """The collective check shared by the model's units (None: off); ``context.check``."""
+        return self.context.check
+
+    def _set_dtypes(self, master: torch.dtype, precision: MixedPrecision | None) -> None:
+        """master: the shard the optimizer steps; compute: the full buffer and its gradient; reduce: the
+        reduce-scatter (see zero/precision.py)."""
+        self.master_dtype = master
+        self.compute_dtype = (precision.param_dtype if precision is not None else None) or master
+        self.reduce_dtype = (precision.reduce_dtype if precision is not None else None) or self.compute_dtype
+
+    def _split_full(self, full: torch.Tensor) -> tuple[torch.Tensor | None, nn.Parameter]:
+        """(the full buffer kept between steps, the shard Parameter); stage 3 keeps no full buffer."""
+        if self.stage < 3 and self.compute_dtype == self.master_dtype:
+            return full, nn.Parameter(full[self.lo:self.hi])  # the shard shares the full buffer's storage
+        shard = nn.Parameter(full[self.lo:self.hi].clone())
+        return (full.to(self.compute_dtype) if self.stage < 3 else None), shard
+
+    def _init_gradient_state(self, defer: bool) -> None:
+        """The gradient side's state; ``defer``: ``find_unused_parameters`` ([Note: units some ranks skip])."""
+        stage = self.stage
         # stage 1 accumulates full local gradients; its shard's gradient is a view of them
         # when no cast separates the two
         self.full_grad = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device) if stage == 1 else None
@@ -154,33 +153,16 @@ class FlatUnit:
         # forward), the unit is reduced as soon as its last parameter's gradient is in,
         # overlapping the rest of backward; until then (and for good if a gradient came in
         # pieces, as under reentrant checkpointing) it is reduced when backward is done.
+        # Deferred reductions wait for the end of backward anyway: never single-piece.
         self._waiting = self._pieces = self._forwards = 0
-        self.single_piece: bool | None = None
-        self.stale = False  # the shard changed since the full buffer was gathered
-        self._gathering: comm.Work | None = None
-        self._pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None]] = []
-        # hybrid sharding: this backward's reductions still to come (one per differentiable use in a synced
-        # forward), and the reduced pieces held to be averaged over the replicas once, summed, in finish
-        self._pieces_due = 0
-        self._held: list[torch.Tensor] = []
-        self.inflight: ReductionQueue | None = None  # shared by a model's units (set by ZeRO)
+        self.single_piece: bool | None = False if defer else None
         self._unsynced: torch.Tensor | None = None  # stages 2-3: local gradients under no_sync
         self._fresh_cycle, self._has_local = True, False  # stage 1: the local accumulation's state
         self._carry: torch.Tensor | None = None
-        self.require_sync = True
         # find_unused_parameters: reductions wait for the end of backward, where every rank issues one per
         # unit in index order (skipped.reduce_in_order); this holds the gradient until then
-        self.defer = False
+        self.defer = defer
         self._deferred: torch.Tensor | None = None
-        # this step's counts and collective spans (set by ZeRO, which publishes them as last_step_comm), and what one
-        # reduction of this unit sends as the collective is issued (comm.sent_bytes)
-        self.step_comm: StepCommStats | None = None
-        self._sent_bytes = comm.sent_bytes("reduce_scatter", self.numel, self.reduce_dtype.itemsize,
-                                           algorithm=algorithm, group=group, nodes=nodes, device=self.device,
-                                           consume_input=True)
-        if replicate_group is not None:
-            self._sent_bytes += comm.sent_bytes("all_reduce", self.hi - self.lo, self.reduce_dtype.itemsize,
-                                                algorithm=algorithm, group=replicate_group, device=self.device)
 
     # ------------------------------------------------------------------ parameters
 
@@ -201,10 +183,11 @@ class FlatUnit:
         self.stale = False
         with torch.no_grad():
             source = self.shard.detach().to(self.compute_dtype)  # the shard itself when no cast is needed
-            if self.check is not None:  # the full buffer only: shards differ by one element where numel is uneven
-                self.check.verify_site(("gather", self.index), "all_gather", [self.full], f"unit {self.index}")
+            check = self.context.check
+            if check is not None:  # the full buffer only: shards differ by one element where numel is uneven
+                check.verify_site(("gather", self.index), "all_gather", [self.full], f"unit {self.index}")
             work = comm.all_gather(self.full, source, async_op=True, **self._comm)
-        work = start_timing(work, self.step_comm, "all-gather", self.index, self.full)
+        work = start_timing(work, self.context.step_comm, "all-gather", self.index, self.full)
         if async_op:
             self._gathering = work
         else:
@@ -229,26 +212,26 @@ class FlatUnit:
             return self._materialize_leaves(full)
         if differentiable:
             out = _Unshard.apply(self.shard, full, self)
-            if self.replicate_group is not None and self.require_sync:
-                self._pieces_due += 1
+            if self.require_sync:
+                self.reduction.expect_piece()
         else:
             out = full.view(full.shape)
         parts = out.split([r.numel for r in self.refs])
-        if differentiable and self.inflight is not None:
+        if differentiable:
             # Just before autograd concatenates the unit's gradients into a new full-size
             # tensor, let the previous reduction finish and drop its input (FSDP2 waits
             # for the previous reduce-scatter at the same point): one full-size gradient
             # fewer at the peak, and the previous reduction still overlapped this unit's
             # backward.
             parts[0].grad_fn.register_prehook(self._before_concat)
-        for ref, view in zip(self.refs, parts):
+        for ref, view in zip(self.refs, parts, strict=True):
             view = view.view(ref.shape)
             for module, attr in ref.holders:
                 setattr(module, attr, view)
         return out
 
     def _before_concat(self, grad_outputs):
-        self.inflight.make_room()
+        self.context.reductions.make_room()
 
     def _materialize_leaves(self, full: torch.Tensor) -> torch.Tensor:
         """Stage 1: every parameter a leaf whose ``.grad`` is preset to its slice of ``full_grad``.
@@ -264,7 +247,7 @@ class FlatUnit:
             self.full_grad.zero_()
             self._fresh_cycle = False
         sizes = [r.numel for r in self.refs]
-        for ref, view, grad in zip(self.refs, full.split(sizes), self.full_grad.split(sizes)):
+        for ref, view, grad in zip(self.refs, full.split(sizes), self.full_grad.split(sizes), strict=True):
             leaf = view.view(ref.shape).detach().requires_grad_(True)
             leaf.grad = grad.view(ref.shape)
             leaf.register_post_accumulate_grad_hook(self._arrived)
@@ -375,93 +358,21 @@ class FlatUnit:
         return grad
 
     def launch(self, grad_full: torch.Tensor) -> None:
-        """Start reducing ``grad_full``, a full-size gradient nothing else reads afterwards.
-
-        It is consumed: the collective works in it rather than in a copy (on gloo, whose
-        reduce-scatter is an all-reduce of a copy, it is all-reduced in place), so a
-        reduction in flight holds one full-size buffer, not two.
-        """
-        if self.inflight is not None:  # bound the full-size gradients alive at once (see ReductionQueue)
-            self.inflight.make_room()
-        self._pieces_due = max(0, self._pieces_due - 1)
-        if self._grad_is_view and not self._pending:
-            out = self.full_grad[self.lo:self.hi]  # stage 1: reduce straight into the gradient's home
-        else:
-            out = torch.empty(self.hi - self.lo, dtype=self.reduce_dtype, device=self.device)
-        if self.check is not None:
-            op = "reduce_scatter" if self.compression is None else f"{self.compression.codec.name} reduce_scatter"
-            op += f" into {str(out.dtype).removeprefix('torch.')}"  # of the full gradient; shards may differ by one
-            self.check.verify_site(("reduce", self.index), op, [grad_full], f"unit {self.index}")
-        if self.step_comm is not None:
-            self.step_comm.calls += 1
-            self.step_comm.bytes += grad_full.numel() * grad_full.element_size()
-        if self.compression is not None:  # encoded now; the exchange runs on the compression's own thread
-            work = self.compression.reduce_scatter(self.index, out, grad_full)  # counts the bytes it sends
-        else:
-            if self.step_comm is not None:
-                self.step_comm.sent_bytes += self._sent_bytes
-            work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
-        work = start_timing(work, self.step_comm, "reduce-scatter", self.index, grad_full)
-        self._pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
-        if self.inflight is not None:
-            self.inflight.add(self)
-
-    def settle_oldest(self) -> None:
-        """Wait for this unit's oldest unfinished reduce-scatter and drop its full-size input.
-
-        With hybrid sharding the shard's all-reduce over the replicate group starts here.
-        """
-        for i, (_, _, grad_full) in enumerate(self._pending):
-            if grad_full is not None:
-                self._settle(i)
-                return
-
-    def _settle(self, i: int) -> None:
-        work, out, _ = self._pending[i]
-        work.wait()
-        if self.replicate_group is not None and (self._pieces_due or len(self._pending) > 1):
-            self._held.append(out)  # a unit used twice (a tied weight): its pieces cross hosts once, summed
-            self._pending[i] = (None, out, None)
-        else:
-            self._pending[i] = (self._replicate(out), out, None)
-
-    def _replicate(self, out: torch.Tensor) -> comm.Work | None:
-        """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
-        if self.replicate_group is None:
-            return None
-        work = comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
-        return start_timing(work, self.step_comm, "all-reduce over replicas", self.index, out)
+        """Start reducing ``grad_full``, a full-size gradient nothing else reads afterwards (it is consumed)."""
+        # stage 1, fp32 throughout: a lone reduction lands straight in the gradient's home
+        home = self.full_grad[self.lo:self.hi] if self._grad_is_view else None
+        self.reduction.launch(grad_full, home)
 
     @property
     def reduced(self) -> bool:
         """Whether this synchronising backward gave the unit a reduction (launched or deferred)."""
-        return bool(self._pending) or self._deferred is not None or self._accumulated
+        return bool(self.reduction.pending) or self._deferred is not None or self._accumulated
 
     def finish(self) -> None:
         """After backward: wait for the reductions and accumulate them into ``shard.grad``."""
-        self._pieces_due = 0
-        if not self._pending:
+        total = self.reduction.collect()
+        if total is None:
             return
-        for i, (_, _, grad_full) in enumerate(self._pending):  # every reduce-scatter done, replicas' started
-            if grad_full is not None:
-                self._settle(i)
-        outs = []
-        for work, out, _ in self._pending:
-            if work is not None:
-                work.wait()
-            if not any(out is held for held in self._held):
-                outs.append(out)
-        if self._held:  # one all-reduce over the replicas for the held pieces
-            held = self._held[0]
-            for piece in self._held[1:]:
-                held.add_(piece)
-            self._replicate(held).wait()
-            outs.append(held)
-            self._held = []
-        self._pending.clear()
-        total = outs[0]
-        for out in outs[1:]:
-            total.add_(out)
         if self._grad_is_view:  # stage 1, fp32 throughout: the gradient lives in full_grad
             view = self.full_grad[self.lo:self.hi]
             total = view if total.data_ptr() == view.data_ptr() else view.copy_(total)
