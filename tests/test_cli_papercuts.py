@@ -124,8 +124,8 @@ def test_every_documented_bench_command_line_still_parses(line):
 def test_bench_help_lists_every_benchmark_on_one_line():
     from click.testing import CliRunner
 
-    from dptrain.cli.bench_group import BENCHMARKS
     from dptrain.cli import main
+    from dptrain.cli.bench_group import BENCHMARKS
 
     result = CliRunner().invoke(main, ["bench", "--help"])
     assert result.exit_code == 0, result.output

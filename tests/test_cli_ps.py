@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from _cli import TINY_GPT_SETTINGS, dptrain
 
 pytestmark = pytest.mark.timeout(240)
@@ -34,7 +35,7 @@ def test_sync_ps_logs_the_mean_loss_over_workers_as_ddp_does(tmp_path):
         losses[strategy] = [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / strategy / "metrics.jsonl")
                                                                  .read_text().splitlines()) if r["kind"] == "train"]
     assert [s for s, _ in losses["ps"]] == [1, 2, 3, 4, 5]
-    for (_, ddp), (_, ps) in zip(losses["ddp"], losses["ps"]):
+    for (_, ddp), (_, ps) in zip(losses["ddp"], losses["ps"], strict=True):
         assert ps == pytest.approx(ddp, rel=1e-6)  # measured before the fix at step 1: 1.62040 (rank 0's) vs 1.63427
     assert _summary(tmp_path / "ps")["final_train_loss"] == pytest.approx(losses["ddp"][-1][1], rel=1e-6)
 

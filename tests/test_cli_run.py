@@ -5,9 +5,9 @@ import math
 
 import pytest
 import torch
-from _cli import dptrain, tiny_gpt_config
 from safetensors.torch import load_file
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.config import load_config
 from dptrain.planner.from_config import plan_config
 from dptrain.runner.checkpoint import load_checkpoint
@@ -81,7 +81,7 @@ def test_two_workers_end_to_end(tmp_path):
     assert train[0]["peak_tensor_mb"] == [None, None]
     for r in train[1:]:
         assert all(0.8 * planned < m < 1.1 * planned and m + 100 < rss
-                   for m, rss in zip(r["peak_tensor_mb"], r["peak_rss_mb"])), (r, planned)
+                   for m, rss in zip(r["peak_tensor_mb"], r["peak_rss_mb"], strict=True)), (r, planned)
     assert summary["peak_tensor_mb_per_rank"] == train[-1]["peak_tensor_mb"]
 
 

@@ -9,9 +9,9 @@ import re
 
 import pytest
 import torch
-from _cli import dptrain
 from torch import nn
 
+from _cli import dptrain
 from dptrain.runner.divergence import DivergenceError, DivergenceMonitor, checksum, replica_tensors
 from dptrain.testing import run_on_ranks
 
@@ -64,7 +64,7 @@ def test_repair_copies_a_healthy_rank_and_equal_replicas_pass():
     results = run_on_ranks(_replicas, 3, 0, "buffer", True)  # rank 0 is the odd one: rank 1 is the source
     for found, tensors in results:
         assert found.bad_ranks == [0] and found.source == 1 and found.tensor == "buffer 1.running_mean"
-        for a, b in zip(tensors, results[1][1]):
+        for a, b in zip(tensors, results[1][1], strict=True):
             assert torch.equal(a, b)
     clean = run_on_ranks(_replicas, 2, -1, "buffer", False)
     assert all(found is None for found, _ in clean)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.ddp import DistributedDataParallel
+from dptrain.optim.build import build_optimizer
 from dptrain.ps import (
     Consistency,
     PSError,
@@ -23,7 +24,6 @@ from dptrain.ps import (
     partition,
 )
 from dptrain.testing import RankFailedError, run_on_ranks
-from dptrain.optim.build import build_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -97,8 +97,8 @@ def test_sync_equals_ddp_step_by_step(num_servers, workers):
     ddp = run_on_ranks(_ddp, workers, 5)
     for w in range(workers):
         assert len(ps[w][0]) == 5
-        for step, (a, b) in enumerate(zip(ps[w][0], ddp[w]), 1):
-            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m: f"worker {w} step {step}: {m}")
+        for step, (a, b) in enumerate(zip(ps[w][0], ddp[w], strict=True), 1):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=lambda m, w=w, step=step: f"worker {w} step {step}: {m}")
     report = ps[0][1][f"server_rank{workers}"]
     assert report["updates"] == 5 and report["gradients"] == 5 * workers and report["staleness"] == {"0": 5 * workers}
 

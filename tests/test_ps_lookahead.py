@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_ps import _model, _ps
 from torch import nn
 
 from dptrain.ps import Consistency, Lookahead
 from dptrain.testing import RankFailedError, run_on_ranks
+from test_ps import _model, _ps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -41,7 +41,7 @@ def test_lookahead_is_the_next_step_when_the_momentum_direction_does_not_change(
     look = Lookahead(opt, views, flat, workers=[0, 1])
     assert look.expected == {0: 1.0, 1: 1.0}  # round-robin arrivals: one other update in between
     grads = _grads(views, 0)
-    for p, g in zip(views, grads):
+    for p, g in zip(views, grads, strict=True):
         p.grad = g.clone()
     opt.step()
     if kind == "adamw":
@@ -49,7 +49,7 @@ def test_lookahead_is_the_next_step_when_the_momentum_direction_does_not_change(
     else:  # momentum x buf + (1 - momentum) x buf + decay x theta = buf: the grad is cleared of the decay term
         next_grads = [0.1 * opt.state[p]["momentum_buffer"] - 0.1 * p.detach() for p in views]
     predicted = look.predict(0, lr=0.01, version=1).clone()
-    for p, g in zip(views, next_grads):
+    for p, g in zip(views, next_grads, strict=True):
         p.grad = g.clone()
     opt.step()
     torch.testing.assert_close(predicted, flat, rtol=1e-5, atol=1e-7)
@@ -60,7 +60,7 @@ def test_no_state_or_no_delay_sends_the_parameters_themselves():
     opt = torch.optim.Adam(views, lr=0.01)
     look = Lookahead(opt, views, flat, workers=[0, 1, 2])
     assert torch.equal(look.predict(0, lr=0.01, version=0), flat)  # no optimizer state yet
-    for p, g in zip(views, _grads(views, 1)):
+    for p, g in zip(views, _grads(views, 1), strict=True):
         p.grad = g
     opt.step()
     for _ in range(60):

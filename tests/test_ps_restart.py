@@ -13,14 +13,14 @@ import json
 
 import pytest
 import torch
-from _cli import dptrain, tiny_gpt_config
 from safetensors.torch import load_file
 from torch import nn
 
+from _cli import dptrain, tiny_gpt_config
+from dptrain.optim.build import build_optimizer
 from dptrain.ps import Consistency, CutSchedule, ShardServer
 from dptrain.ps.snapshot import Cuts
 from dptrain.ps.wire import Kind, Message
-from dptrain.optim.build import build_optimizer
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,7 +152,7 @@ def test_a_server_restored_from_its_state_continues_exactly():
     resumed = _server(True)
     resumed.restore(middle, grads[3:], clocks)
     assert torch.equal(straight.flat, resumed.flat) and straight.version == resumed.version == 6
-    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values()):
+    for a, b in zip(straight.optimizer.state.values(), resumed.optimizer.state.values(), strict=True):
         assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
     assert straight.records == resumed.records and straight.lookahead.expected == resumed.lookahead.expected
     forgetful = _server(True)  # the oracle's premise: without the optimizer state the continuation differs

@@ -6,6 +6,7 @@ That a restarted run ends with the uninterrupted run's parameters, bit for bit, 
 from __future__ import annotations
 
 import pytest
+
 from _cli import dptrain, tiny_gpt_config
 
 pytestmark = pytest.mark.timeout(300)

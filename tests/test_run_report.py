@@ -8,17 +8,16 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _browser import open_page
-from _cli import dptrain, tiny_gpt_config
-
-from dptrain.config import load_config
 from plotly.offline import get_plotlyjs_version
 
+from _browser import open_page
+from _cli import dptrain, tiny_gpt_config
+from dptrain.config import load_config
 from dptrain.pages.html import plotly_js
+from dptrain.pages.plots import read_metrics
 from dptrain.pages.run_report import figures, main, render, try_write_run_report, write_run_report
 from dptrain.pages.run_report_data import report_data
 from dptrain.planner.from_config import plan_config
-from dptrain.pages.plots import read_metrics
 
 pytestmark = pytest.mark.timeout(90)
 

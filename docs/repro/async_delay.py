@@ -20,9 +20,9 @@ import copy
 import torch
 
 from dptrain.config import load_config
-from dptrain.tasks import build_task
 from dptrain.optim.build import build_optimizer
 from dptrain.optim.schedule import warmup_cosine
+from dptrain.tasks import build_task
 
 
 def train(delay: int, beta1: float, lr: float = 2e-3, steps: int = 100, workers: int = 2) -> float:
@@ -37,11 +37,11 @@ def train(delay: int, beta1: float, lr: float = 2e-3, steps: int = 100, workers:
         idx = torch.randint(0, len(task.train_set), (16,), generator=g).tolist()
         batch = torch.utils.data.default_collate([task.train_set[i] for i in idx])
         with torch.no_grad():
-            for p, old in zip(stale.parameters(), history[max(0, len(history) - 1 - delay)]):
+            for p, old in zip(stale.parameters(), history[max(0, len(history) - 1 - delay)], strict=True):
                 p.copy_(old)
         stale.zero_grad()
         task.loss(stale, batch).backward()
-        for p, s in zip(model.parameters(), stale.parameters()):
+        for p, s in zip(model.parameters(), stale.parameters(), strict=True):
             p.grad = s.grad.clone()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         for group in optimizer.param_groups:

@@ -26,10 +26,10 @@ from async_delay import study_val_loss  # beside this file
 from torch import nn
 
 from dptrain.config import load_config
-from dptrain.ps.lookahead import Lookahead
-from dptrain.tasks import build_task
 from dptrain.optim.build import build_optimizer
 from dptrain.optim.schedule import warmup_cosine
+from dptrain.ps.lookahead import Lookahead
+from dptrain.tasks import build_task
 
 
 def _as_flat_views(model: nn.Module) -> tuple[torch.Tensor, nn.ParameterList]:
@@ -61,7 +61,7 @@ def replay(rule: str, lr: float = 2e-3, steps: int = 100, workers: int = 2, slow
         idx = torch.randint(0, len(task.train_set), (16,), generator=g).tolist()
         replicas[w].zero_grad()
         task.loss(replicas[w], torch.utils.data.default_collate([task.train_set[i] for i in idx])).backward()
-        for p, r in zip(model.parameters(), replicas[w].parameters()):
+        for p, r in zip(model.parameters(), replicas[w].parameters(), strict=True):
             p.grad = r.grad.clone()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         delay = version - read_version[w]

@@ -17,7 +17,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 from _browser import open_page  # noqa: E402  (the tests' browser harness: offline, console collected)
-
 from dptrain.pages.explore import write_explore  # noqa: E402
 
 

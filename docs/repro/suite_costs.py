@@ -35,7 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests"))
 
 from _cli import tiny_gpt_config  # noqa: E402
-
 from dptrain.bench.runs import run_cli  # noqa: E402
 from dptrain.launch.workers import PRELOAD  # noqa: E402
 

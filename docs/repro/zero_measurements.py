@@ -18,16 +18,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import torch  # noqa: E402
-from _models import build, global_batch, loss_fn  # noqa: E402
-from test_zero_memory import _measure  # noqa: E402
-from test_zero_hybrid import _bf16_reduce_gap, _cross_host_bytes  # noqa: E402
-from test_zero_traffic import _bytes_per_step  # noqa: E402
 
+from _models import build, global_batch, loss_fn  # noqa: E402
 from dptrain import DistributedDataParallel  # noqa: E402
 from dptrain.models.gpt import Block  # noqa: E402
 from dptrain.testing import run_on_ranks  # noqa: E402
 from dptrain.zero import ZeRO  # noqa: E402
 from dptrain.zero.memory import zero_formula  # noqa: E402
+from test_zero_hybrid import _bf16_reduce_gap, _cross_host_bytes  # noqa: E402
+from test_zero_memory import _measure  # noqa: E402
+from test_zero_traffic import _bytes_per_step  # noqa: E402
 
 
 def _drift(rank: int, world_size: int, optimizer: str) -> list[float]:
@@ -41,7 +41,7 @@ def _drift(rank: int, world_size: int, optimizer: str) -> list[float]:
     out = []
     for step in range(10):
         x, y = global_batch("gpt", step, 3 * world_size)
-        for wrapper, opt in zip((ddp, zero), opts):
+        for wrapper, opt in zip((ddp, zero), opts, strict=True):
             opt.zero_grad()
             loss_fn("gpt", wrapper(x[3 * rank:3 * rank + 3]), y[3 * rank:3 * rank + 3]).backward()
             opt.step()

@@ -44,7 +44,7 @@ def _rank(rank: int, world_size: int, variant: str, sync: bool) -> dict:
                 events.append((time.perf_counter(), f"reduce unit {self.index}"))
                 original(self, *args)
                 if sync:
-                    self.settle_oldest()
+                    self.reduction.settle_oldest()
             return wrapper
 
         for name in ("_launch", "reduce_accumulated"):  # the latter is absent from older commits
