@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -48,7 +49,7 @@ def val_sums(model: torch.nn.Module, task, micro_batch: int, num_batches: int, r
     loader = DataLoader(task.val_set, batch_size=micro_batch, sampler=sampler, collate_fn=collate(task),
                         generator=torch.Generator())  # leaves the global RNG (dropout) untouched
     sums: dict[str, float] = {}
-    for _, batch in zip(range(num_batches), loader, strict=True):  # the first num_batches
+    for batch in itertools.islice(loader, num_batches):  # the first num_batches
         with autocast():
             for key, value in task.eval_sums(model, to_device(batch)).items():
                 sums[key] = sums.get(key, 0.0) + float(value)
