@@ -38,6 +38,7 @@ from dptrain.ddp.autograd import on_backward_reaching
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
 from dptrain.ddp.join import DDPJoinHook
+from dptrain.ddp.pickling import pickled_state, restore
 from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.ddp.sync_switch import GradSyncSwitch
@@ -131,6 +132,9 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self.process_group = process_group if process_group is not None else dist.group.WORLD
         check_algorithm(algorithm, nodes, dist.get_world_size(self.process_group))
         self.algorithm, self.nodes = algorithm, nodes
+        # kept to rebuild the reducer when a pickled or deep-copied model is loaded (pickling.py)
+        self.bucket_cap_mb, self.traffic = bucket_cap_mb, traffic
+        self.check_collectives, self.check_timeout_s = check_collectives, check_timeout_s
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
         self.dim = dim
@@ -151,21 +155,34 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self.device = _module_device(module)
         self._check_replicas(named, [("option", "algorithm", algorithm, repr(nodes), False)])
         self._param_names = [name for name, _ in named]
-        params = [p for _, p in named]
         if init_sync:  # every parameter, frozen ones too, and every buffer
             broadcast_coalesced(list(module.parameters()) + list(module.buffers()), 0, self.process_group)
-        self.reducer = Reducer(
-            params, self._param_names,
-            _bucket_assignment(params, bucket_cap_mb),
+        self.reducer = self._build_reducer(named, check)
+
+    def _build_reducer(self, named: list[tuple[str, nn.Parameter]], check: Any) -> Reducer:
+        params = [p for _, p in named]
+        return Reducer(
+            params, [name for name, _ in named],
+            _bucket_assignment(params, self.bucket_cap_mb),
             self.process_group,
-            gradient_as_bucket_view=gradient_as_bucket_view,
-            find_unused_parameters=find_unused_parameters,
-            static_graph=static_graph,
-            algorithm=algorithm,
-            nodes=nodes,
-            traffic=traffic,
+            gradient_as_bucket_view=self.gradient_as_bucket_view,
+            find_unused_parameters=self.find_unused_parameters,
+            static_graph=self.static_graph,
+            algorithm=self.algorithm,
+            nodes=self.nodes,
+            traffic=self.traffic,
             check=check,
         )
+
+    # ---------------------------------------------------------- pickling, deepcopy
+
+    def __getstate__(self) -> dict[str, Any]:
+        """The state without the process group, reducer and collective check (torch's rule; see pickling.py)."""
+        return pickled_state(self)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Rebuild on the default process group with the same options: a fresh reducer, no comm hook."""
+        restore(self, state)
 
     def _check_replicas(self, named: list[tuple[str, nn.Parameter]], options: list[tuple]) -> None:
         # Collective first: a rank whose model differs must fail together with the rest.

@@ -401,6 +401,14 @@ class ZeRO(nn.Module):
             self._live.pop(id(unit.full), None)
             unit.release(force=True)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Refused, as FSDP2 refuses: a shard means nothing without its process group, and a whole copy is 1/N of one."""
+        raise TypeError(
+            "cannot pickle or deepcopy dptrain's ZeRO: each rank holds only its shard of every flat unit, tied to the "
+            "process group that sharded it. Save the model with dptrain.zero.checkpoint (sharded, resharding on load) "
+            "or its full state_dict (gathered_state() on every rank), or copy model.module before wrapping, then wrap "
+            "the copy in ZeRO again")
+
     # ------------------------------------------------------------------ the wrapper protocol
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
