@@ -27,7 +27,7 @@ def _wrap_frozen(rank: int, world_size: int) -> str | None:
 
 def test_a_model_with_nothing_to_train_is_refused_on_every_rank() -> None:
     for error in run_on_ranks(_wrap_frozen, 2):
-        assert error and error.startswith("ValueError") and "no parameters that require a gradient" in error
+        assert error and error.startswith("NothingToTrainError") and "no parameters that require a gradient" in error
 
 
 def _wrap_mismatched(rank: int, world_size: int) -> str | None:

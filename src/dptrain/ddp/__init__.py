@@ -1,6 +1,7 @@
 """The data-parallel engine: bucketed, overlapped DDP and its naive baseline."""
 
 from dptrain.ddp.comm_hooks import GradBucket, allreduce_hook
+from dptrain.ddp.errors import NothingToTrainError, NotInitialisedError
 from dptrain.ddp.module import DistributedDataParallel
 from dptrain.ddp.naive import NaiveDataParallel
 from dptrain.ddp.reducer import StepCommStats, UnusedParametersError
@@ -14,4 +15,6 @@ __all__ = [
     "StepCommStats",
     "UnusedParametersError",
     "ReplicaMismatchError",
+    "NothingToTrainError",
+    "NotInitialisedError",
 ]

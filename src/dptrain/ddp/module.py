@@ -31,12 +31,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from dptrain.comm import check_algorithm
 from dptrain.comm.fingerprint import collective_check
 from dptrain.ddp.autograd import on_backward_reaching
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
 from dptrain.ddp.comm_hooks import CommHook
+from dptrain.ddp.errors import NothingToTrainError, NotInitialisedError
 from dptrain.ddp.join import DDPJoinHook
 from dptrain.ddp.pickling import pickled_state, restore
 from dptrain.ddp.reducer import Reducer, StepCommStats
@@ -57,6 +59,10 @@ _UNSUPPORTED = {
     "param_to_hook_all_reduce": "not supported",
     "skip_all_reduce_unused_params": "not supported; unused parameters are reduced as zeros",
     "bucket_cap_mb_list": "pass a single bucket_cap_mb",
+}
+# Accepted only with the value dptrain implements (docs/ddp.md: torch's arguments and methods).
+_ONLY_VALUE = {
+    "batched_grad_copy": (True, "dptrain always copies a bucket's gradients in one batched op (torch._foreach_copy_)"),
 }
 
 
@@ -121,6 +127,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         traffic: Any = None,
         check_collectives: str = "first",
         check_timeout_s: float = 300.0,
+        forward_sync_buffers: bool | None = None,
         **unsupported: Any,
     ):
         super().__init__()
@@ -138,7 +145,8 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        # torch 2.13's new name for broadcast_buffers; given, it wins, as in torch
+        self.broadcast_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -190,7 +198,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         signature += tensor_signature(self.module.named_buffers(), "buffer")
         verify_replicas(signature, self.process_group, self.device)
         if not named:
-            raise ValueError(
+            raise NothingToTrainError(
                 f"{type(self.module).__name__} has no parameters that require a gradient, so "
                 "there is nothing for data parallelism to synchronise. Check that the model "
                 "is not frozen (requires_grad=False everywhere) and that its layers are "
@@ -233,6 +241,29 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         generation = self.reducer.prepare_for_backward(list(iter_tensors(output)), forward_comm)
         on_backward_reaching(output, self.reducer.backward_callback(generation))
         return output
+
+    @property
+    def forward_sync_buffers(self) -> bool:
+        """torch 2.13's name for ``broadcast_buffers``."""
+        return self.broadcast_buffers
+
+    def will_sync_module_buffers(self) -> bool:
+        """Whether the next forward broadcasts buffers (torch's public name)."""
+        return self._will_sync_buffers()
+
+    def scatter(self, inputs: tuple, kwargs: dict, device_ids: Sequence[int]) -> tuple[tuple, tuple]:
+        """torch's helper kept for backward compatibility: split inputs along ``dim`` over ``device_ids``."""
+        return scatter_kwargs(inputs, kwargs, device_ids, dim=self.dim)
+
+    def gather(self, outputs: Any, output_device: int | torch.device) -> Any:
+        """torch's helper kept for backward compatibility: concatenate outputs along ``dim`` on ``output_device``."""
+        return gather(outputs, output_device, dim=self.dim)
+
+    def to_kwargs(self, inputs: tuple, kwargs: dict, device_id: int) -> tuple[tuple, tuple]:
+        """torch's helper kept for backward compatibility: inputs moved to ``device_id``, as one-element tuples."""
+        device = torch.device(self.device.type, device_id) if self.device.type != "cpu" else self.device
+        moved_inputs, moved_kwargs = map_tensors((inputs, kwargs or {}), lambda t: t.to(device))
+        return (tuple(moved_inputs),), (moved_kwargs,)
 
     def _will_sync_buffers(self) -> bool:
         return self.broadcast_buffers and self.require_forward_param_sync and bool(self._synced_buffers)
@@ -325,13 +356,16 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
 
 
 def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids) -> None:
+    for name, (value, why) in _ONLY_VALUE.items():
+        if name in unsupported and unsupported.pop(name) != value:
+            raise TypeError(f"dptrain's DistributedDataParallel supports torch's {name!r} only as {value}: {why}")
     for name in unsupported:
         hint = _UNSUPPORTED.get(name)
         if hint is None:
             raise TypeError(f"DistributedDataParallel() got an unexpected keyword argument {name!r}")
         raise TypeError(f"dptrain's DistributedDataParallel does not support torch's {name!r}: {hint}")
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
+        raise NotInitialisedError(
             "torch.distributed is not initialised: call torch.distributed.init_process_group("
             "backend='gloo' or 'nccl') on every rank before wrapping the model (torchrun and "
             "dptrain's launcher set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it).")
@@ -344,6 +378,10 @@ def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids)
 
 
 def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise RuntimeError(f"parameters {lazy} are uninitialised (lazy modules such as nn.LazyLinear): run one forward "
+                           "on a sample batch before wrapping the model, so that their shapes are known")
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.comm.fingerprint import collective_check
+from dptrain.ddp.errors import NotInitialisedError
 
 __all__ = ["pickled_state", "restore"]
 
@@ -53,7 +54,7 @@ def pickled_state(ddp: Any) -> dict[str, Any]:
 def restore(ddp: Any, state: dict[str, Any]) -> None:
     """Rebuild a loaded or copied wrapper on the default process group, with its saved options."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("loading a pickled DistributedDataParallel rebuilds it on the default process group, and "
+        raise NotInitialisedError("loading a pickled DistributedDataParallel rebuilds it on the default process group, and "
                            "torch.distributed is not initialised: call init_process_group before torch.load, or "
                            f"{_INSTEAD}")
     nn.Module.__setstate__(ddp, state)

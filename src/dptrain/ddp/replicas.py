@@ -19,8 +19,8 @@ import torch.distributed as dist
 __all__ = ["ReplicaMismatchError", "verify_replicas", "broadcast_coalesced", "tensor_signature"]
 
 
-class ReplicaMismatchError(ValueError):
-    """Ranks wrapped models that differ in structure."""
+class ReplicaMismatchError(ValueError, RuntimeError):
+    """Ranks wrapped models that differ in structure (torch's DDP raises ``RuntimeError``)."""
 
 
 def tensor_signature(named_tensors: Iterable[tuple[str, torch.Tensor]], kind: str) -> list[tuple]:
