@@ -1,0 +1,82 @@
+"""Run torch's own DDP tests (from the installed wheel) with dptrain's DistributedDataParallel patched in.
+
+Driven as torch's test/distributed/test_distributed_spawn.py drives them: BACKEND=gloo,
+WORLD_SIZE=2, a TEMP_DIR for the file store, one spawned process per rank. The class is
+patched in every spawned rank (``torch.nn.parallel.DistributedDataParallel``,
+``torch.nn.parallel.distributed.DistributedDataParallel`` and the test module's own name).
+
+    python tests/conformance/torch_ddp_suite.py dptrain|torch [test names...]
+
+prints one line per test, ``name outcome``, and a summary. tests/test_torch_conformance.py
+runs the list of tests expected to pass.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+import unittest
+
+
+def _patch(which: str) -> None:
+    if which != "dptrain":
+        return
+    import torch.nn.parallel
+    import torch.nn.parallel.distributed
+    import torch.testing._internal.distributed.distributed_test as dt
+
+    from dptrain import DistributedDataParallel
+
+    torch.nn.parallel.DistributedDataParallel = DistributedDataParallel
+    torch.nn.parallel.distributed.DistributedDataParallel = DistributedDataParallel
+    dt.DistributedDataParallel = DistributedDataParallel
+    if hasattr(dt, "DDP"):
+        dt.DDP = DistributedDataParallel
+
+
+os.environ.setdefault("BACKEND", "gloo")
+os.environ.setdefault("WORLD_SIZE", "2")
+os.environ.setdefault("TEMP_DIR", tempfile.mkdtemp(prefix="dptrain-conformance-"))
+from torch.testing._internal.distributed.distributed_test import DistributedTest, TestDistBackend  # noqa: E402
+
+
+class Conformance(TestDistBackend, DistributedTest._DistTestBase):
+    """torch's TestDistBackendWithSpawn, whose spawned ranks patch the class named by DPTRAIN_CONFORMANCE in first."""
+
+    @classmethod
+    def _run(cls, rank, test_name, file_name, pipe, **kwargs):
+        _patch(os.environ.get("DPTRAIN_CONFORMANCE", "dptrain"))
+        super()._run(rank, test_name, file_name, pipe, **kwargs)
+
+    def setUp(self):
+        super().setUp()
+        self._spawn_processes()
+
+
+def ddp_test_names(cls) -> list[str]:
+    return sorted(n for n in dir(cls) if n.startswith(("test_ddp", "test_DistributedDataParallel")))
+
+
+def run(which: str, names: list[str]) -> dict[str, str]:
+    os.environ["DPTRAIN_CONFORMANCE"] = which
+    cls = Conformance
+    outcomes: dict[str, str] = {}
+
+    class Result(unittest.TestResult):
+        def addSuccess(self, test): outcomes[test._testMethodName] = "passed"
+        def addFailure(self, test, err): outcomes[test._testMethodName] = "failed: " + str(err[1]).splitlines()[-1][:200]
+        def addError(self, test, err): outcomes[test._testMethodName] = "error: " + str(err[1]).splitlines()[-1][:200]
+        def addSkip(self, test, reason): outcomes[test._testMethodName] = "skipped: " + reason[:100]
+
+    suite = unittest.TestSuite(cls(n) for n in (names or ddp_test_names(cls)))
+    suite.run(Result())
+    return outcomes
+
+
+if __name__ == "__main__":
+    results = run(sys.argv[1], sys.argv[2:])
+    for name, outcome in sorted(results.items()):
+        print(name, outcome)
+    kinds = [o.split(":")[0] for o in results.values()]
+    print({k: kinds.count(k) for k in sorted(set(kinds))})
