@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("expecttest")  # torch's test harness imports it; not a dptrain dependency
+pytest.importorskip("expecttest")  # torch's test harness imports it (the test extra installs it)
 
 EXPECTED_TO_PASS = [
     "test_DistributedDataParallelCPU",            # pickling round trip, then training
