@@ -14,7 +14,9 @@ stream waits). Two checks:
   shuffled order per round; medians and the paired ratios over rounds.
 
 End-to-end runs on the GPU (precisions, ZeRO) are ``dptrain run --nproc 1`` on a CUDA
-machine; ``docs/gpu.md`` lists the ones checked.
+machine; ``docs/gpu.md`` lists the ones checked, and ``docs/repro/gpu_check.sh`` runs them all.
+``--device cpu`` runs the same steps on the CPU with gloo (autocast on the CPU, no CUDA
+synchronisation): only a rehearsal of the command on a machine without a GPU, never a figure.
 
     python -m dptrain.bench.gpu --rounds 20
 """
@@ -48,8 +50,13 @@ def _batch(step: int, batch: int, block: int, device: torch.device) -> tuple[tor
     return x[:, :-1], x[:, 1:]
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _step(model, optimizer, x, y, autocast: bool) -> float:
-    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
         logits = model(x)
         loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
     loss.backward()
@@ -83,7 +90,8 @@ def overhead(device: torch.device, rounds: int, steps: int, n_layer: int, n_embd
     variants = {"plain": copy.deepcopy(base), "torch_ddp": TorchDDP(copy.deepcopy(base)),
                 "dptrain_ddp": DistributedDataParallel(copy.deepcopy(base)),
                 "dptrain_ddp_views": DistributedDataParallel(copy.deepcopy(base), gradient_as_bucket_view=True)}
-    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True) for k, m in variants.items()}
+    fused = device.type == "cuda"  # the fused kernel is the GPU's fast path; the CPU rehearsal keeps the default
+    opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4, fused=fused) for k, m in variants.items()}
     x, y = _batch(0, batch, block, device)
     for name, model in variants.items():  # warm-up: kernels, allocator, NCCL
         for _ in range(3):
@@ -96,10 +104,10 @@ def overhead(device: torch.device, rounds: int, steps: int, n_layer: int, n_embd
         for name in order:
             samples = []
             for _ in range(steps):
-                torch.cuda.synchronize()
+                _sync(device)
                 t0 = time.perf_counter()
                 _step(variants[name], opts[name], x, y, True)
-                torch.cuda.synchronize()
+                _sync(device)
                 samples.append((time.perf_counter() - t0) * 1e3)
             times[name].append(samples)
     medians = {k: statistics.median(s for r in v for s in r) for k, v in times.items()}
@@ -122,18 +130,14 @@ def overhead(device: torch.device, rounds: int, steps: int, n_layer: int, n_embd
 @click.option("--block", type=int, default=512, help="tokens per sequence")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/gpu.json"),
               help="the JSON result to write")
+@click.option("--device", "device_type", type=click.Choice(["cuda", "cpu"]), default="cuda",
+              help="cuda (NCCL), or cpu (gloo): a rehearsal of the command where there is no GPU, not a measurement")
 def main(rounds: int, steps: int, parity_steps: int, n_layer: int, n_embd: int, batch: int, block: int,
-         out: Path) -> None:
-    if not torch.cuda.is_available():
-        raise SystemExit("dptrain bench gpu needs a CUDA device; this machine has none (torch.cuda.is_available() "
-                         "is False)")
-    device = torch.device("cuda", 0)
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
-                            device_id=device)
+         out: Path, device_type: str) -> None:
+    device = _join(device_type)
     try:
-        result = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__,
-                  "cuda": torch.version.cuda, "nccl": ".".join(map(str, torch.cuda.nccl.version())),
+        result = {"device": _device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+                  "nccl": ".".join(map(str, torch.cuda.nccl.version())) if device.type == "cuda" else None,
                   "backend": dist.get_backend()}
         result["parity"] = [parity(device, parity_steps, autocast) for autocast in (False, True)]
         for p in result["parity"]:
@@ -150,6 +154,25 @@ def main(rounds: int, steps: int, parity_steps: int, n_layer: int, n_embd: int, 
         save_result(out, result)
     finally:
         leave_process_groups()
+
+
+def _join(device_type: str) -> torch.device:
+    """One rank's process group on ``device_type``: NCCL bound to GPU 0, or gloo on the CPU."""
+    if device_type == "cpu":
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise SystemExit("dptrain bench gpu needs a CUDA device; this machine has none (torch.cuda.is_available() "
+                         "is False). --device cpu rehearses the command on the CPU")
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            device_id=device)
+    return device
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu (rehearsal, not a measurement)"
 
 
 if __name__ == "__main__":
