@@ -30,7 +30,11 @@ all: the step is work per parameter, as in a transformer's many norms and biases
 a GPU in every model). The table gives each variant's time above ``no_comm`` per
 parameter tensor.
 
+``--held-out`` (or ``--pairs`` with any model) runs another protocol, one dptrain/torch pair per bucket size
+built one after another, each deleted before the next (issue 38's held-out setting; ``dptrain.bench.ddp_pairs``).
+
     python -m dptrain.bench.ddp --world-size 2 --rounds 10
+    dptrain bench ddp --held-out
     dptrain bench ddp --model small-params --width 64 --depth 200 --micro-batch 8 --caps 25 --views
 """
 
@@ -54,18 +58,23 @@ from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 
-MODELS = ("mlp", "small-params")
+MODELS = ("mlp", "small-params", "mlp-ffn")
 
 
 def build_model(width: int, depth: int, kind: str = "mlp") -> nn.Module:
     """``mlp``: ``depth`` x (Linear(width), ReLU), a few large parameters. ``small-params``: ``depth`` x
     (Linear(width), LayerNorm(width)), four small parameters a block: a transformer's shape, where the
-    work per parameter, not the bytes, sets the engine's overhead."""
+    work per parameter, not the bytes, sets the engine's overhead. ``mlp-ffn``: ``depth`` x
+    (Linear(width, 4 width), GELU, Linear(4 width, width)), a transformer's feed-forward blocks (issue 38's
+    held-out model at width 512, depth 8: 16.8M parameters)."""
     if kind not in MODELS:
         raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
     layers: list[nn.Module] = []
     for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU() if kind == "mlp" else nn.LayerNorm(width)]
+        if kind == "mlp-ffn":
+            layers += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
+        else:
+            layers += [nn.Linear(width, width), nn.ReLU() if kind == "mlp" else nn.LayerNorm(width)]
     return nn.Sequential(*layers)
 
 
@@ -103,7 +112,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
     for variant in variants:  # warm-up: torch DDP rebuilds its buckets after step 1
         for _ in range(args["warmup"]):
             _step(models[variant], opts[variant], x)
-    buckets = {v: _bucket_mib(models[v]) for v in variants if "ddp" in v}
+    buckets = {v: bucket_mib(models[v]) for v in variants if "ddp" in v}
     times: dict[str, list[list[float]]] = {v: [] for v in variants}  # [round][step]
     for round_index in range(args["rounds"]):
         order = list(variants)
@@ -118,7 +127,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
     return {"times": times, "buckets": buckets}
 
 
-def _bucket_mib(model: nn.Module) -> list[float]:
+def bucket_mib(model: nn.Module) -> list[float]:
     """Bucket sizes in MiB, in launch order, after warm-up (torch rebuilds after step 1)."""
     if isinstance(model, DistributedDataParallel):
         sizes = [b.nbytes for b in model.reducer.buckets]
@@ -176,8 +185,10 @@ def to_markdown(result: dict) -> str:
     cfg, med = result["config"], result["median_step_s"]
     floor = med["no_comm"]
     tensors = cfg.get("tensors", 2 * cfg["depth"])
-    shape = (f"{cfg['depth']} x Linear({cfg['width']})" if cfg.get("model", "mlp") == "mlp" else
-             f"{cfg['depth']} x (Linear({cfg['width']}) + LayerNorm({cfg['width']}))")
+    shape = {"mlp": f"{cfg['depth']} x Linear({cfg['width']})",
+             "small-params": f"{cfg['depth']} x (Linear({cfg['width']}) + LayerNorm({cfg['width']}))",
+             "mlp-ffn": f"{cfg['depth']} x (Linear({cfg['width']}, {4 * cfg['width']}), GELU, "
+                        f"Linear({4 * cfg['width']}, {cfg['width']}))"}[cfg.get("model", "mlp")]
     lines = [f"{cfg['params'] / 1e6:.2f}M parameters in {tensors} tensors ({shape}), "
              f"world size {cfg['world_size']}, gloo, {cfg['threads_per_rank']} thread per rank, micro-batch "
              f"{cfg['micro_batch']}; median of {cfg['rounds']} rounds x {cfg['steps_per_round']} steps, "
@@ -201,9 +212,16 @@ def to_markdown(result: dict) -> str:
 
 @bench_command(__doc__)
 @click.option("--world-size", type=int, default=2, help="ranks (processes on this machine)")
+@click.option("--held-out", is_flag=True,
+              help="issue 38's held-out setting (--pairs --model mlp-ffn --width 512 --depth 8 --micro-batch 64 "
+              "--caps 1 4 25 --rounds 12 --steps 4; options given explicitly win): see dptrain.bench.ddp_pairs")
+@click.option("--pairs", is_flag=True,
+              help="one dptrain/torch pair per cap, built in --caps order, each deleted before the next, ABBA")
+@click.option("--between", type=click.Choice(("none", "gc", "trim")), default="none",
+              help="--pairs: what runs between pairs (gc.collect; trim: that and malloc_trim(0))")
 @click.option("--model", type=click.Choice(MODELS), default="mlp",
               help="mlp: a few large parameters; small-params: Linear + LayerNorm blocks (try --width 64 "
-              "--depth 200 --micro-batch 8)")
+              "--depth 200 --micro-batch 8); mlp-ffn: transformer feed-forward blocks")
 @click.option("--width", type=int, default=1408, help="features per layer")
 @click.option("--depth", type=int, default=8, help="layers (blocks for small-params)")
 @click.option("--micro-batch", type=int, default=32, help="samples per rank per step")
@@ -217,14 +235,30 @@ def to_markdown(result: dict) -> str:
 @click.option("--default-malloc", is_flag=True, help="keep glibc's default malloc settings (see dptrain.allocator)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/ddp.json"),
               help="the JSON result (raw step times) to write")
-def main(world_size: int, model: str, width: int, depth: int, micro_batch: int, caps: tuple[float, ...], rounds: int,
-         steps: int, warmup: int, threads: int, views: bool, check_every: bool, default_malloc: bool,
-         out: Path) -> None:
-    result = run(world_size, width, depth, micro_batch, list(caps), rounds, steps, warmup, threads,
-                 views, not default_malloc, check_every, model)
+def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str, width: int, depth: int,
+         micro_batch: int, caps: tuple[float, ...], rounds: int, steps: int, warmup: int, threads: int, views: bool,
+         check_every: bool, default_malloc: bool, out: Path) -> None:
+    if held_out or pairs:
+        from dptrain.bench import ddp_pairs  # it imports this module's build_model
+
+        given = dict(model=model, width=width, depth=depth, micro_batch=micro_batch, caps=caps, rounds=rounds,
+                     steps=steps)
+        if held_out:  # the held-out setting, except for the options given on the command line
+            ctx = click.get_current_context()
+            given = {k: v if ctx.get_parameter_source(k) is click.core.ParameterSource.COMMANDLINE
+                     else ddp_pairs.HELD_OUT[k] for k, v in given.items()}
+        result = ddp_pairs.run(world_size, given["model"], given["width"], given["depth"], given["micro_batch"],
+                               list(given["caps"]), given["rounds"], given["steps"], warmup, threads,
+                               not default_malloc, between)
+        text = ddp_pairs.to_markdown(result)
+        out = out.with_name("ddp_pairs.json") if out == Path("bench_results/ddp.json") else out
+    else:
+        result = run(world_size, width, depth, micro_batch, list(caps), rounds, steps, warmup, threads,
+                     views, not default_malloc, check_every, model)
+        text = to_markdown(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
-    print(to_markdown(result))
+    print(text)
     print(f"\nraw step times: {out}")
 
 

@@ -131,7 +131,8 @@ class Reducer:
         self._want: list[Want] = []                   # what completes each bucket this backward
         # The gradients accumulated this backward, per bucket ([Note: arrival logs]); a Python hook for
         # each bucket's trigger and for the large CPU gradients copied as they arrive.
-        self._log = ArrivalLog(params, bucket_indices, self._make_grad_hook, self._eager)
+        # [Note: nothing holds the reducer but its module]: the hooks' maker refers to it weakly.
+        self._log = ArrivalLog(params, bucket_indices, _grad_hook_maker(weakref.ref(self)), self._eager)
         self._reset_step()
         self.last_stats = StepCommStats()
 
@@ -263,16 +264,6 @@ class Reducer:
         self._stats.backward_start = time.perf_counter()
         queue_on_current_backward(self._finalize)
         self._launch_ready_buckets()
-
-    def _make_grad_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        reducer_ref = weakref.ref(self)
-
-        def hook(param: torch.Tensor) -> None:
-            reducer = reducer_ref()
-            if reducer is not None:
-                reducer._on_grad_accumulated(index, param)
-
-        return hook
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
         """A trigger's or a large CPU gradient's piece landed in ``param.grad``: log it; launch what is complete.
@@ -476,6 +467,30 @@ class Reducer:
         for bucket in self.buckets:
             if late[bucket.index]:  # the active ranks reduce it again: join them with zeros
                 self._communicate(bucket, torch.zeros_like(bucket.buffer)).wait()
+
+
+def _grad_hook_maker(reducer_ref: weakref.ref) -> Callable[[int], Callable[[torch.Tensor], None]]:
+    """What makes parameter ``index``'s Python gradient hook, for the arrival log to keep and call again.
+
+    [Note: nothing holds the reducer but its module]
+    A deleted ``DistributedDataParallel`` must free its reducer, parameters, gradients and
+    bucket buffers at once, as torch's does, not at the garbage collector's next full
+    collection: a process that wraps a model again (an evaluation copy, a sweep over bucket
+    sizes) would otherwise carry the old instance's memory into the new one's steps. So no
+    object the reducer holds refers back to it strongly: the hooks, the arrival log's hook
+    maker and the backward callback reach it through a weak reference
+    (tests/test_ddp_lifetime.py checks it).
+    """
+
+    def make(index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._on_grad_accumulated(index, param)
+
+        return hook
+
+    return make
 
 
 def _waited(handle: ReduceHandle, span: list) -> torch.Tensor:
