@@ -473,13 +473,10 @@ def _grad_hook_maker(reducer_ref: weakref.ref) -> Callable[[int], Callable[[torc
     """What makes parameter ``index``'s Python gradient hook, for the arrival log to keep and call again.
 
     [Note: nothing holds the reducer but its module]
-    A deleted ``DistributedDataParallel`` must free its reducer, parameters, gradients and
-    bucket buffers at once, as torch's does, not at the garbage collector's next full
-    collection: a process that wraps a model again (an evaluation copy, a sweep over bucket
-    sizes) would otherwise carry the old instance's memory into the new one's steps. So no
-    object the reducer holds refers back to it strongly: the hooks, the arrival log's hook
-    maker and the backward callback reach it through a weak reference
-    (tests/test_ddp_lifetime.py checks it).
+    A deleted ``DistributedDataParallel`` frees its reducer, parameters, gradients and buckets at once, as
+    torch's does, not at the garbage collector's next full collection (which may never come: a process that
+    wraps a model again would carry the old one's memory). So the hooks, this maker and the backward callback
+    reach the reducer through a weak reference (tests/test_ddp_lifetime.py).
     """
 
     def make(index: int) -> Callable[[torch.Tensor], None]:
