@@ -1,6 +1,6 @@
 """The held-out mode of ``dptrain bench ddp``: its model, its ABBA order, its slowest-rank arithmetic (no timings)."""
 
-from dptrain.bench.ddp import build_model
+from dptrain.bench.ddp_models import build_model
 from dptrain.bench.ddp_pairs import ENGINES, HELD_OUT, abba, slowest_rank
 from dptrain.bench.stats import paired_ratios
 

@@ -17,7 +17,7 @@ import time
 import click
 import torch
 
-from dptrain.bench.ddp import build_model
+from dptrain.bench.ddp_models import build_model
 from dptrain.cli.bench_group import bench_command
 from dptrain.testing import run_on_ranks
 

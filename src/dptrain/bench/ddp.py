@@ -53,29 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.bench.ddp_models import MODELS, bucket_mib, build_model
 from dptrain.bench.stats import bootstrap_ci
 from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
-
-MODELS = ("mlp", "small-params", "mlp-ffn")
-
-
-def build_model(width: int, depth: int, kind: str = "mlp") -> nn.Module:
-    """``mlp``: ``depth`` x (Linear(width), ReLU), a few large parameters. ``small-params``: ``depth`` x
-    (Linear(width), LayerNorm(width)), four small parameters a block: a transformer's shape, where the
-    work per parameter, not the bytes, sets the engine's overhead. ``mlp-ffn``: ``depth`` x
-    (Linear(width, 4 width), GELU, Linear(4 width, width)), a transformer's feed-forward blocks (issue 38's
-    held-out model at width 512, depth 8: 16.8M parameters)."""
-    if kind not in MODELS:
-        raise ValueError(f"model must be one of {MODELS}, got {kind!r}")
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        if kind == "mlp-ffn":
-            layers += [nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)]
-        else:
-            layers += [nn.Linear(width, width), nn.ReLU() if kind == "mlp" else nn.LayerNorm(width)]
-    return nn.Sequential(*layers)
 
 
 def _wrap(variant: str, module: nn.Module) -> nn.Module:
@@ -125,21 +107,6 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
                 _step(models[variant], opts[variant], x)
                 times[variant][-1].append(time.perf_counter() - start)
     return {"times": times, "buckets": buckets}
-
-
-def bucket_mib(model: nn.Module) -> list[float]:
-    """Bucket sizes in MiB, in launch order, after warm-up (torch rebuilds after step 1)."""
-    if isinstance(model, DistributedDataParallel):
-        sizes = [b.nbytes for b in model.reducer.buckets]
-    else:
-        # torch exposes its rebuilt buckets only through a private method; the layout is
-        # reported for information, so a torch without it just reports nothing.
-        try:
-            sizes = [b.buffer().numel() * b.buffer().element_size()
-                     for b in model.reducer._get_zeros_like_grad_buckets()]
-        except AttributeError:
-            return []
-    return [round(n / 2**20, 2) for n in sizes]
 
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
@@ -239,7 +206,7 @@ def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str,
          micro_batch: int, caps: tuple[float, ...], rounds: int, steps: int, warmup: int, threads: int, views: bool,
          check_every: bool, default_malloc: bool, out: Path) -> None:
     if held_out or pairs:
-        from dptrain.bench import ddp_pairs  # it imports this module's build_model
+        from dptrain.bench import ddp_pairs
 
         given = dict(model=model, width=width, depth=depth, micro_batch=micro_batch, caps=caps, rounds=rounds,
                      steps=steps)

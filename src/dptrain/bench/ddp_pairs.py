@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.bench.ddp import bucket_mib, build_model
+from dptrain.bench.ddp_models import bucket_mib, build_model
 from dptrain.bench.stats import paired_ratios
 from dptrain.ddp import DistributedDataParallel
 from dptrain.testing import run_on_ranks
