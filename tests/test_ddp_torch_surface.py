@@ -115,3 +115,26 @@ def test_torch_213_arguments_and_methods_are_implemented_or_refused_by_name() ->
     assert out["will_sync_module_buffers"] is True
     assert out["to_kwargs"]
     assert out["gather"][0] is not None and out["gather"][0] is out["gather"][1]
+
+
+def _buffers_after_construction(rank: int, world_size: int) -> dict[tuple[str, str], list[float]]:
+    # a rank-local buffer (rank 0: 0.0, rank 1: 1.0), after each wrapper's construction with each option
+    out = {}
+    for label, cls in (("torch", TorchDDP), ("dptrain", DistributedDataParallel)):
+        for kwargs in ({}, {"broadcast_buffers": False}, {"broadcast_buffers": False, "forward_sync_buffers": False}):
+            module = nn.BatchNorm1d(2)
+            module.running_mean.fill_(float(rank))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # torch 2.13 calls broadcast_buffers deprecated
+                cls(module, **kwargs)
+            out[(label, str(sorted(kwargs.items())))] = module.running_mean.tolist()
+    return out
+
+
+def test_broadcast_buffers_false_keeps_rank_local_buffers_at_construction_as_torch() -> None:
+    rank1 = run_on_ranks(_buffers_after_construction, 2)[1]
+    expected = {"[]": [0.0, 0.0], "[('broadcast_buffers', False)]": [1.0, 1.0],
+                "[('broadcast_buffers', False), ('forward_sync_buffers', False)]": [0.0, 0.0]}
+    for options, buffer in expected.items():
+        assert rank1[("torch", options)] == buffer, options  # what torch 2.13 does
+        assert rank1[("dptrain", options)] == buffer, options

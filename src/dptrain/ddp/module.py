@@ -76,8 +76,9 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
       inputs are moved there before the forward. ``output_device`` and ``dim`` are
       accepted for compatibility (they matter only for multi-device modules, which
       torch itself has deprecated).
-    - ``broadcast_buffers``: re-broadcast rank 0's buffers before forwards (default True).
-    - ``init_sync``: broadcast rank 0's parameters and buffers at construction.
+    - ``broadcast_buffers``: re-broadcast rank 0's buffers before forwards (default True);
+      ``False`` also leaves each rank's buffers as they are at construction, as in torch.
+    - ``init_sync``: broadcast rank 0's parameters (and buffers, see above) at construction.
     - ``process_group``: the data-parallel group; default the world group.
     - ``bucket_cap_mb``: bucket size in MiB. ``None`` means 25 MiB with a 1 MiB first
       bucket (torch's default); an explicit value applies to every bucket.
@@ -163,8 +164,12 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self.device = _module_device(module)
         self._check_replicas(named, [("option", "algorithm", algorithm, repr(nodes), False)])
         self._param_names = [name for name, _ in named]
-        if init_sync:  # every parameter, frozen ones too, and every buffer
-            broadcast_coalesced(list(module.parameters()) + list(module.buffers()), 0, self.process_group)
+        if init_sync:  # every parameter, frozen ones too, and the buffers unless broadcast_buffers=False
+            # torch 2.13's rule: broadcast_buffers=False keeps rank-local buffers at construction too; the new
+            # name forward_sync_buffers, given, syncs them at construction whatever its value
+            init_buffers = forward_sync_buffers is not None or broadcast_buffers
+            states = list(module.parameters()) + (list(module.buffers()) if init_buffers else [])
+            broadcast_coalesced(states, 0, self.process_group)
         self.reducer = self._build_reducer(named, check)
 
     def _build_reducer(self, named: list[tuple[str, nn.Parameter]], check: Any) -> Reducer:
