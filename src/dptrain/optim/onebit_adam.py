@@ -1,0 +1,238 @@
+"""1-bit Adam (Tang et al. 2021, arXiv 2102.02888): after a warm-up, Adam's momentum travels at 1 bit per element.
+
+Adam's gradient all-reduce does not survive aggressive compression: its per-coordinate
+normalisation turns a compressed or delayed gradient into a full-size step
+(docs/compression.md measures it). 1-bit Adam's remedy: the second moment v changes
+slowly once training is under way, so after a warm-up it is frozen, and Adam becomes
+momentum SGD with a fixed per-coordinate preconditioner; what is then averaged over
+ranks is the momentum, a linear quantity, which 1-bit compression with error feedback
+on both sides averages without losing Adam's convergence (the paper's Theorem 1). Per
+step t (1-based), g_i rank i's gradient:
+
+- **warm-up**, t <= ``freeze_step``: AdamW, exactly torch's arithmetic (bias corrections;
+  weight decay decoupled, ``p *= 1 - lr * weight_decay``, when > 0), on the gradient the
+  DDP engine all-reduces as usual (uncompressed fp32);
+- **compression stage**, t > ``freeze_step``: the engine no longer all-reduces gradients
+  (this optimizer's comm hook keeps each rank's own); each rank updates the shared
+  momentum with its own gradient, m_i = beta1 m + (1 - beta1) g_i, and m becomes the 1-bit
+  average of the m_i (:class:`~dptrain.compress.onebit.OneBitAllReduce`); v and its bias
+  correction stay as they were at ``freeze_step``; p -= lr (m / (1 - beta1^t)) /
+  (sqrt(v / (1 - beta2^freeze_step)) + eps). The parameters stay equal on every rank:
+  every rank decodes the same average.
+
+Against DeepSpeed's ``OnebitAdam`` (the reference implementation): bias corrections are
+kept (DeepSpeed has none), so the warm-up is AdamW; the momentum of a coordinate whose v
+is exactly 0 at the freeze (its gradient was 0 through the whole warm-up) is held at 0,
+since 1 bit cannot say 0 and m / eps would be a huge step: DeepSpeed asks the user for
+that mask (``exp_avg_mask``). A parameter without a gradient in the compression stage
+counts as a zero gradient (its momentum decays); in the warm-up it is skipped, as Adam does.
+
+Around the optimizer, after the freeze: a clipping step before ``step()`` sees each rank's
+own gradient (the average is never formed), so the trainer's ``grad_clip`` clips each
+rank's gradient by its own norm, as DeepSpeed does; and a non-finite gradient on any rank
+makes every rank's gradient NaN (one all-reduce of a flag per step), so every rank skips
+the step together, as they do in the warm-up. Checkpoints: the optimizer's state (m, v,
+step; the same on every rank) is ordinary optimizer state; the error buffers are per rank,
+in :attr:`compressor`'s ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.comm.cost import collective_cost
+from dptrain.comm.work import Work
+from dptrain.compress.onebit import OneBitAllReduce
+from dptrain.ddp.comm_hooks import GradBucket, allreduce_hook
+
+__all__ = ["OneBitAdam", "PhaseHook"]
+
+
+class OneBitAdam(torch.optim.Optimizer):
+    """1-bit Adam for dptrain's DDP engine; see the module docstring for the algorithm.
+
+    ``model``: the :class:`dptrain.DistributedDataParallel` wrapping the parameters, before
+    its first forward; the optimizer registers its comm hook there (:class:`PhaseHook`), so
+    it must have none (ZeRO, gossip and a compression hook are refused). ``freeze_step``:
+    warm-up steps, at least 1. ``process_group``: the model's (default: the world).
+    ``lr``, ``betas``, ``eps``, ``weight_decay``: AdamW's, per param group.
+    """
+
+    def __init__(self, params: Iterable, model: nn.Module, *, lr: float = 1e-3,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
+                 freeze_step: int = 100, process_group: dist.ProcessGroup | None = None):
+        if freeze_step < 1:
+            raise ValueError(f"1-bit Adam needs at least one uncompressed warm-up step to estimate the second "
+                             f"moment it freezes; got freeze_step={freeze_step}, use e.g. the LR warm-up's length")
+        if not (lr >= 0 and eps > 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
+            raise ValueError(f"1-bit Adam: lr {lr}, betas {betas}, eps {eps}, weight_decay {weight_decay}: need lr "
+                             ">= 0, betas in [0, 1), eps > 0, weight_decay >= 0")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.freeze_step = freeze_step
+        self.steps_done = 0
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self.compressor = OneBitAllReduce(sum(p.numel() for p in self._params), process_group)
+        self.hook = PhaseHook(self, process_group)
+        self._zero_v: list[torch.Tensor | None] | None = None  # derived from frozen v, rebuilt after a load
+        _register(model, self.hook)
+
+    @property
+    def compressing(self) -> bool:
+        """Whether the next step is in the compression stage (the hook asks, at backward)."""
+        return self.steps_done >= self.freeze_step
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        t = self.steps_done + 1
+        if t <= self.freeze_step:
+            self._adam_step(t)
+        else:
+            self._onebit_step(t)
+        self.steps_done = t
+        return loss
+
+    def _state(self, p: torch.Tensor, t: int) -> dict:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.tensor(0.0)
+            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["step"].fill_(t)
+        return state
+
+    def _adam_step(self, t: int) -> None:
+        """AdamW's update (torch's single-tensor arithmetic) on the averaged gradient."""
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self._state(p, t)
+                m, v, g = state["exp_avg"], state["exp_avg_sq"], p.grad
+                p.mul_(1 - lr * wd)
+                m.lerp_(g, 1 - beta1)
+                v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+                p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+
+    def _onebit_step(self, t: int) -> None:
+        """Local momentum, its 1-bit average over ranks, the update with the frozen v."""
+        ms = []
+        for group in self.param_groups:
+            beta1 = group["betas"][0]
+            for p in group["params"]:
+                m = self._state(p, t)["exp_avg"]
+                if p.grad is None:
+                    m.mul_(beta1)
+                else:
+                    m.lerp_(p.grad, 1 - beta1)
+                ms.append(m)
+        flat = self.compressor.flat_buffer(ms[0].device)
+        torch.cat([m.reshape(-1) for m in ms], out=flat)
+        self.compressor.all_reduce_(flat)
+        torch._foreach_copy_(ms, [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in ms]), ms, strict=True)])
+        for m, zero in zip(ms, self._zero_variance(), strict=True):
+            if zero is not None:
+                m.masked_fill_(zero, 0.0)
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** self.freeze_step)
+            for p in group["params"]:
+                state = self.state[p]
+                p.mul_(1 - lr * wd)
+                p.addcdiv_(state["exp_avg"], (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+
+    def _zero_variance(self) -> list[torch.Tensor | None]:
+        """Per parameter, where its frozen v is exactly 0 (None where nowhere): computed once, v is frozen."""
+        if self._zero_v is None:
+            zeros = [self.state[p]["exp_avg_sq"] == 0 for p in self._params]
+            self._zero_v = [z if bool(z.any()) else None for z in zeros]
+        return self._zero_v
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Optimizer state as saved (m, v, step per parameter); the phase follows the step."""
+        super().load_state_dict(state_dict)
+        steps = [float(self.state[p]["step"]) for p in self._params if "step" in self.state[p]]
+        self.steps_done = int(max(steps)) if steps else 0
+        self._zero_v = None
+
+
+def _register(model: nn.Module, hook: PhaseHook) -> None:
+    register = getattr(model, "register_comm_hook", None)
+    if register is None:
+        raise TypeError(f"1-bit Adam runs on dptrain's DistributedDataParallel (strategy ddp), which takes its comm "
+                        f"hook; got {type(model).__name__}. ZeRO, gossip and a plain module are not supported: wrap "
+                        "the model with dptrain.DistributedDataParallel")
+    try:
+        register(None, hook)
+    except RuntimeError as e:
+        raise ValueError(f"1-bit Adam could not register its comm hook on the model ({e}). It replaces the "
+                         "gradient all-reduce itself: register no other hook and no gradient compression (ddp."
+                         "compression = \"none\"), and build the optimizer before the model's first forward") from None
+
+
+class PhaseHook:
+    """The DDP comm hook of :class:`OneBitAdam`: buckets averaged in the warm-up, each rank's own after.
+
+    In the warm-up, the all-reduce of ``dptrain.ddp.comm_hooks.allreduce_hook`` (divide by N,
+    sum), counted in the optimizer's ``compressor.stats`` as uncompressed. After the freeze,
+    nothing travels but one flag per step: whether every rank's gradient is finite. The
+    flags of the buckets launched so far are all-reduced (MIN) at the first wait, which
+    comes after the step's launches on every rank (the engine launches every bucket, then
+    waits in order; a bucket reduced again is launched and waited for alone, the same on
+    every rank); a False makes every rank's buckets NaN, so every rank skips the step.
+    """
+
+    def __init__(self, optimizer: OneBitAdam, process_group: dist.ProcessGroup | None):
+        self.optimizer = optimizer
+        self.group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        self._verdict = _Verdict()
+
+    def __call__(self, state, bucket: GradBucket) -> Work:
+        buffer = bucket.buffer()
+        stats = self.optimizer.compressor.stats
+        if not self.optimizer.compressing:
+            nbytes = buffer.numel() * buffer.element_size()
+            stats.raw_bytes += nbytes
+            stats.payload_bytes += nbytes
+            stats.sent_bytes += self._ring_bytes(buffer.numel(), buffer.element_size())
+            stats.buckets += 1
+            return allreduce_hook(self.group, bucket)
+        verdict = self._verdict
+        verdict.flags.append(torch.isfinite(buffer.sum()))  # NaN and inf propagate through a sum
+        return Work.completed(lambda: self._checked(verdict, buffer))
+
+    def _checked(self, verdict: _Verdict, buffer: torch.Tensor) -> torch.Tensor:
+        if verdict.all_finite is None:
+            flag = torch.stack(verdict.flags).all().to(torch.float32).reshape(1)
+            if self.world_size > 1:
+                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
+                self.optimizer.compressor.stats.sent_bytes += self._ring_bytes(1, 4)
+            verdict.all_finite = bool(flag)
+            self._verdict = _Verdict()  # the buckets launched from now on are the next reduction's
+        if not verdict.all_finite:
+            buffer.fill_(float("nan"))
+        return buffer
+
+    def _ring_bytes(self, numel: int, element_size: int) -> int:
+        if self.world_size == 1:
+            return 0
+        return collective_cost("all_reduce", "ring", numel, element_size, self.world_size).bytes_sent[self.rank]
+
+
+class _Verdict:
+    """The finiteness flags of one step's buckets, and, once all-reduced, whether every rank's are all finite."""
+
+    def __init__(self):
+        self.flags: list[torch.Tensor] = []
+        self.all_finite: bool | None = None

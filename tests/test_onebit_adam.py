@@ -1,0 +1,188 @@
+"""1-bit Adam with the DDP engine: each phase against its formula in one process, the skip, exact resume, refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dptrain import DistributedDataParallel
+from dptrain.comm.topology import shard_bounds
+from dptrain.optim.onebit_adam import OneBitAdam
+from dptrain.testing import run_on_ranks
+
+LR, BETAS, EPS, WD, FREEZE, STEPS = 0.01, (0.9, 0.99), 1e-8, 0.1, 2, 5
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 16), nn.Tanh(), nn.Linear(16, 3))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 12, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _optimizer(model: DistributedDataParallel, freeze: int = FREEZE) -> OneBitAdam:
+    params = list(model.module.parameters())
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": WD},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return OneBitAdam(groups, model, lr=LR, betas=BETAS, eps=EPS, freeze_step=freeze)
+
+
+def _train(model, opt, rank: int, steps: range, scale=None) -> list[list[torch.Tensor]]:
+    history = []
+    for step in steps:
+        x, y = _batch(rank, step)
+        loss = nn.functional.mse_loss(model(x), y)
+        (loss * (scale(step) if scale else 1.0)).backward()
+        grads = [p.grad for p in model.module.parameters()]
+        if all(torch.isfinite(g).all() for g in grads):
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        history.append([p.detach().clone() for p in model.module.parameters()])
+    return history
+
+
+def _ddp_run(rank: int, world_size: int) -> dict:
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.001)  # several buckets
+    opt = _optimizer(model)
+    params = _train(model, opt, rank, range(STEPS))
+    return {"params": params, "stats": opt.compressor.stats.close_step(), "numel": opt.compressor.numel}
+
+
+def _onebit_average(ms: list[torch.Tensor], worker: list[torch.Tensor], server: list[torch.Tensor]) -> torch.Tensor:
+    """The two-stage 1-bit average of the ranks' flat momenta, written out (errors updated in place)."""
+    bounds = shard_bounds(ms[0].numel(), len(ms))
+
+    def compress(z):
+        s = z.norm() / math.sqrt(z.numel())
+        return torch.where(z >= 0, s, -s)
+
+    sent = []
+    for r, m in enumerate(ms):
+        z = m + worker[r]
+        sent.append(torch.cat([compress(z[a:b]) for a, b in bounds]))
+        worker[r].copy_(z - sent[-1])
+    out = []
+    for j, (a, b) in enumerate(bounds):
+        y = sum(s[a:b] for s in sent) / len(ms) + server[j]
+        out.append(compress(y))
+        server[j].copy_(y - out[-1])
+    return torch.cat(out)
+
+
+def _reference(world_size: int) -> list[list[torch.Tensor]]:
+    """AdamW (torch's) on the averaged gradient for FREEZE steps, then 1-bit Adam's formulas, in one process."""
+    model = _model()
+    params = list(model.parameters())
+    adamw = [torch.optim.AdamW([p], lr=LR, betas=BETAS, eps=EPS, weight_decay=WD if p.dim() >= 2 else 0.0,
+                               foreach=False) for p in params]
+    sizes, history = [p.numel() for p in params], []
+    worker = [torch.zeros(sum(sizes)) for _ in range(world_size)]
+    server = [torch.zeros(b - a) for a, b in shard_bounds(sum(sizes), world_size)]
+    for step in range(STEPS):
+        local = []
+        for r in range(world_size):
+            model.zero_grad()
+            nn.functional.mse_loss(model(_batch(r, step)[0]), _batch(r, step)[1]).backward()
+            local.append([p.grad.clone() for p in params])
+        t = step + 1
+        with torch.no_grad():
+            if t <= FREEZE:
+                for i, p in enumerate(params):
+                    p.grad = sum(g[i] for g in local) / world_size
+                    adamw[i].step()
+            else:
+                ms = [torch.cat([(BETAS[0] * adamw[i].state[p]["exp_avg"] + (1 - BETAS[0]) * g[i]).reshape(-1)
+                                 for i, p in enumerate(params)]) for g in local]
+                m = _onebit_average(ms, worker, server)
+                for i, (p, part) in enumerate(zip(params, m.split(sizes), strict=True)):
+                    state = adamw[i].state[p]
+                    state["exp_avg"] = part.view_as(p).clone()
+                    v_hat = state["exp_avg_sq"] / (1 - BETAS[1] ** FREEZE)  # v frozen at the freeze step
+                    p.mul_(1 - LR * (WD if p.dim() >= 2 else 0.0))
+                    p.sub_(LR * state["exp_avg"] / (1 - BETAS[0] ** t) / (v_hat.sqrt() + EPS))
+        history.append([p.detach().clone() for p in params])
+    return history
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_warmup_is_adamw_and_then_the_momentum_is_averaged_in_one_bit(world_size: int) -> None:
+    results = run_on_ranks(_ddp_run, world_size)
+    reference = _reference(world_size)
+    for step in range(STEPS):
+        for r in results:
+            for got, want in zip(r["params"][step], reference[step], strict=True):
+                assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (step, (got - want).abs().max())
+        for i in range(len(reference[step])):  # the replicas stay equal: every rank decodes the same average
+            assert all(torch.equal(r["params"][step][i], results[0]["params"][step][i]) for r in results)
+    numel = results[0]["numel"]
+    stats = results[0]["stats"]  # all steps since the start: FREEZE uncompressed, the rest in 1 bit
+    payload = sum(math.ceil((b - a) / 8) + 4 for a, b in shard_bounds(numel, world_size))
+    assert stats["raw_bytes"] == STEPS * 4 * numel
+    assert stats["payload_bytes"] == FREEZE * 4 * numel + (STEPS - FREEZE) * payload
+
+
+def _skip(rank: int, world_size: int) -> list[bool]:
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.001)
+    opt = _optimizer(model)
+    # rank 1's gradient is infinite at step 3 (compression stage: the engine no longer averages gradients)
+    history = _train(model, opt, rank, range(4), scale=lambda s: math.inf if (s == 3 and rank == 1) else 1.0)
+    return [torch.equal(a, b) for a, b in zip(history[2], history[3], strict=True)]
+
+
+def test_a_non_finite_gradient_on_one_rank_after_the_freeze_skips_the_step_on_every_rank() -> None:
+    for unchanged in run_on_ranks(_skip, 2):
+        assert all(unchanged)  # every rank saw NaN and skipped: no rank stepped alone
+
+
+def _resume(rank: int, world_size: int) -> dict:
+    model = DistributedDataParallel(_model(), bucket_cap_mb=0.001)
+    straight = _train(model, _optimizer(model, freeze=3), rank, range(6))[-1]
+    out = {}
+    for stop in (2, 4):  # mid warm-up, and after the freeze
+        model = DistributedDataParallel(_model(), bucket_cap_mb=0.001)
+        opt = _optimizer(model, freeze=3)
+        _train(model, opt, rank, range(stop))
+        saved = ({k: v.clone() for k, v in model.module.state_dict().items()}, opt.state_dict(),
+                 opt.compressor.state_dict())
+        model = DistributedDataParallel(_model(), bucket_cap_mb=0.001)
+        opt = _optimizer(model, freeze=3)
+        model.module.load_state_dict(saved[0])
+        opt.load_state_dict(saved[1])
+        opt.compressor.load_state_dict(saved[2])
+        resumed = _train(model, opt, rank, range(stop, 6))[-1]
+        out[stop] = all(torch.equal(a, b) for a, b in zip(straight, resumed, strict=True))
+    return out
+
+
+def test_resumed_mid_warmup_and_after_the_freeze_it_continues_bit_for_bit() -> None:
+    for r in run_on_ranks(_resume, 2):
+        assert r == {2: True, 4: True}
+
+
+def _refusals(rank: int, world_size: int) -> list[str]:
+    messages = []
+    plain = _model()
+    hooked = DistributedDataParallel(_model())
+    hooked.register_comm_hook(None, lambda state, bucket: None)
+    for make in (lambda: OneBitAdam(plain.parameters(), plain),
+                 lambda: OneBitAdam(hooked.module.parameters(), hooked),
+                 lambda: _optimizer(DistributedDataParallel(_model()), freeze=0)):
+        try:
+            make()
+            messages.append("")
+        except (TypeError, ValueError) as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_refused_without_the_ddp_engine_with_a_hook_already_set_or_without_warmup() -> None:
+    plain, hooked, no_warmup = run_on_ranks(_refusals, 2)[0]
+    assert "Sequential" in plain and "dptrain.DistributedDataParallel" in plain
+    assert "can only be called once" in hooked and 'ddp.compression = "none"' in hooked
+    assert "freeze_step=0" in no_warmup
