@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from _cli import dptrain
 from dptrain import DistributedDataParallel
 from dptrain.comm.topology import shard_bounds
 from dptrain.optim.onebit_adam import OneBitAdam
@@ -186,3 +189,50 @@ def test_refused_without_the_ddp_engine_with_a_hook_already_set_or_without_warmu
     assert "Sequential" in plain and "dptrain.DistributedDataParallel" in plain
     assert "can only be called once" in hooked and 'ddp.compression = "none"' in hooked
     assert "freeze_step=0" in no_warmup
+
+
+# ---------------------------------------------------------------- dptrain run
+
+
+def _records(run_dir) -> list[tuple]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"], r["grad_norm"], r["comm_compressed_bytes_per_step"])
+            for r in lines if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("freeze", [5, 2])  # the checkpoint at step 3: mid warm-up, and after the freeze
+def test_dptrain_run_checkpoints_every_piece_and_resumes_bit_for_bit(tmp_path, freeze: int) -> None:
+    common = ["--nproc", "2", "--set", "task.name=classifier", "--set", "train.optimizer=onebit_adam",
+              "--set", f"train.onebit_freeze_step={freeze}", "--set", "checkpoint.every=3", "--set", "log.every=1",
+              "--set", "log.progress=lines", "--set", "log.plots=false"]
+    straight = dptrain("run", *common, "--set", "train.steps=6", "--run-dir", "a", cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    first = dptrain("run", *common, "--set", "train.steps=3", "--run-dir", "b", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    errors = [torch.load(tmp_path / "b/checkpoints/step_00000003/compression" / f"rank{r}.pt", weights_only=True)
+              for r in range(2)]
+    resumed = dptrain("run", *common, "--set", "train.steps=6", "--run-dir", "b", cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "start from zero" not in resumed.stdout
+    a, b = _records(tmp_path / "a"), _records(tmp_path / "b")
+    assert a == b  # the same losses and norms, step by step, across the resume
+    if freeze == 2:  # both ranks' errors were saved, and they differ (each rank's own worker error)
+        assert not torch.equal(errors[0]["worker_error"], errors[1]["worker_error"])
+        assert a[-1][3] * 16 < a[0][3]  # after the freeze, at least 16x fewer bytes than the warm-up's fp32
+    else:
+        assert errors[0]["worker_error"] is None  # still in the warm-up: nothing compressed yet
+    final = [load_file(tmp_path / run / "model.safetensors") for run in ("a", "b")]
+    assert all(torch.equal(final[0][k], final[1][k]) for k in final[0])
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("ddp.strategy=zero2", "strategy 'zero2' has none: set ddp.strategy = \"ddp\""),
+    ("ddp.compression=int8", "ddp.compression 'int8'"),
+    ("train.warmup_steps=0", "at least one uncompressed step"),
+])
+def test_dptrain_run_refuses_onebit_adam_where_it_cannot_apply(tmp_path, setting: str, message: str) -> None:
+    proc = dptrain("run", "--nproc", "2", "--set", "train.optimizer=onebit_adam", "--set", setting,
+                   "--run-dir", "out", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "out").exists()

@@ -127,6 +127,9 @@ class OneBitAllReduce(Compressor):
         return x
 
     def _errors_like(self, x: torch.Tensor) -> None:
+        """Zeros at first; errors loaded from a checkpoint (read onto the CPU) moved to ``x``'s device."""
+        if self.worker_error is not None and self.worker_error.device != x.device:
+            self.worker_error, self.server_error = self.worker_error.to(x.device), self.server_error.to(x.device)
         if self.worker_error is None:
             a, b = self.bounds[self.rank]
             self.worker_error = torch.zeros_like(x)
@@ -194,12 +197,6 @@ class OneBitAllReduce(Compressor):
         for name in ("worker_error", "server_error"):
             saved = state[name]
             setattr(self, name, None if saved is None else saved.clone())
-
-    def to_(self, device: torch.device) -> None:
-        """The errors onto ``device`` (a checkpoint is read onto the CPU)."""
-        if self.worker_error is not None:
-            self.worker_error = self.worker_error.to(device)
-            self.server_error = self.server_error.to(device)
 
 
 def naive_onebit_all_reduce(x: torch.Tensor, worker_error: torch.Tensor, server_error: torch.Tensor,

@@ -104,8 +104,12 @@ class TrainConfig:
                                         "accumulation give any two (32 global if none is given)")
     micro_batch_size: int | None = opt(None, "samples per rank per forward/backward")
     grad_accum_steps: int | None = opt(None, "micro-steps per optimizer step (gradients synced on the last)")
-    optimizer: str = opt("adamw", "optimizer: adamw, adam, sgd, or the layer-wise lars and lamb (dptrain.optim)",
-                         choices=("adamw", "adam", "sgd", "lars", "lamb"))
+    optimizer: str = opt("adamw", "optimizer: adamw, adam, sgd, the layer-wise lars and lamb, or onebit_adam (1-bit "
+                         "Adam: AdamW, then its momentum averaged in 1 bit per element, strategy ddp; "
+                         "docs/compression.md) (dptrain.optim)",
+                         choices=("adamw", "adam", "sgd", "lars", "lamb", "onebit_adam"))
+    onebit_freeze_step: int = opt(0, "optimizer onebit_adam: steps of uncompressed AdamW before the second moment is "
+                                  "frozen and the momentum is averaged in 1 bit per element (0: train.warmup_steps)")
     lr: float = opt(2e-3, "peak learning rate at base_batch_size, before the scaling rule")
     lr_scaling: str = opt("none", "how the peak LR follows the global batch: none, linear (lr x global/base) "
                           "or sqrt (lr x sqrt(global/base))", choices=("none", "linear", "sqrt"))

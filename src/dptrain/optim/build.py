@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dptrain.optim import LAMB, LARS
+from dptrain.optim import LAMB, LARS, OneBitAdam
 
 __all__ = ["build_optimizer", "decays"]
 
@@ -25,7 +25,9 @@ def _decays(p: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                    momentum: float) -> torch.optim.Optimizer:
+                    momentum: float, freeze_step: int = 0) -> torch.optim.Optimizer:
+    """``name``'s optimizer over ``model``'s parameters; ``freeze_step``: onebit_adam's warm-up (``model`` is then
+    the DDP engine it registers its comm hook on)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if _decays(p)], "weight_decay": weight_decay},
               {"params": [p for p in params if not _decays(p)], "weight_decay": 0.0}]
@@ -39,4 +41,6 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
         return LARS(groups, lr=lr, momentum=momentum, exclude_1d=True)
     if name == "lamb":
         return LAMB(groups, lr=lr, betas=betas, exclude_1d=True)
-    raise ValueError(f"unknown optimizer {name!r}; use adamw, adam, sgd, lars or lamb")
+    if name == "onebit_adam":
+        return OneBitAdam(groups, model, lr=lr, betas=betas, freeze_step=freeze_step)
+    raise ValueError(f"unknown optimizer {name!r}; use adamw, adam, sgd, lars, lamb or onebit_adam")

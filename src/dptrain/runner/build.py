@@ -21,9 +21,10 @@ from dptrain.compress.zero import ShardedCompression
 from dptrain.data.balance import DynamicBatcher, DynamicLoader
 from dptrain.data.loader import steps_per_epoch
 from dptrain.launch.rendezvous import WorkerEnv
+from dptrain.optim import OneBitAdam
 from dptrain.optim.build import build_optimizer
 from dptrain.optim.schedule import scaled_lr, warmup_cosine
-from dptrain.runner.validate import RunPlan, compression_remedies
+from dptrain.runner.validate import RunPlan, compression_remedies, onebit_freeze_step
 from dptrain.strategies import Strategy, get_strategy
 from dptrain.tasks import collate
 
@@ -57,11 +58,13 @@ def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Eng
     # under momentum correction the ranks keep the momentum (dptrain.compress.dgc): the optimizer has none
     momentum = 0.0 if cfg.ddp.momentum_correction else t.momentum
     engine = Engine(model, lambda wrapped: build_optimizer(wrapped, t.optimizer, peak, t.weight_decay,
-                                                           tuple(t.betas), momentum),
+                                                           tuple(t.betas), momentum, onebit_freeze_step(cfg)),
                     rp.plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak, t.warmup_steps, t.steps, t.min_lr_ratio),
                     strategy=strategy.name, options=options)
     engine.model.record_comm_spans(True)  # each collective's launch and completion: the trace, the overlap figures
+    if cfg.ddp.optimizer_in_backward:  # each bucket stepped as its all-reduce completes (validate.py checked it)
+        engine.optimizer_in_backward()
     return engine, _compression(cfg, engine), n_params
 
 
@@ -76,6 +79,8 @@ def _compression(cfg, engine: Engine) -> Compressor | None:
     """The compression ``[ddp] compression`` asks for: the sharded wrapper's own, or a comm hook on the DDP
     engine's buckets (None: uncompressed)."""
     d = cfg.ddp
+    if isinstance(engine.optimizer, OneBitAdam):  # its momentum's 1-bit all-reduce: bytes, per-rank errors
+        return engine.optimizer.compressor
     if d.compression == "none":
         return None
     if engine.sharded:

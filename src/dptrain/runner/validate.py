@@ -81,6 +81,7 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
         raise BatchSizeError(f"{e} (strategy {cfg.ddp.strategy}: the world here is the {data_ranks} workers; the "
                              f"{world_size - data_ranks} server rank(s) take no data)") from None
     _check_nodes(cfg, world_size)
+    _check_optimizer_in_backward(cfg, plan.grad_accum_steps)
     try:
         task = build_task(cfg)
     except ValueError as e:
@@ -182,6 +183,7 @@ def _check_ranges(cfg: RunConfig) -> None:
         compression_remedies(cfg).check(d.compression)
     except ValueError as e:
         raise ConfigError(f"ddp: {e}") from None
+    _check_onebit(cfg)
     if d.momentum_correction and cfg.train.optimizer != "sgd":
         raise ConfigError(f"ddp.momentum_correction moves SGD's momentum (train.momentum) onto each rank, before "
                           f"compression: it needs train.optimizer = \"sgd\", got {cfg.train.optimizer!r}")
@@ -192,6 +194,51 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
+
+
+def onebit_freeze_step(cfg: RunConfig) -> int:
+    """``train.onebit_freeze_step``, or the LR warm-up's length where it is 0."""
+    return cfg.train.onebit_freeze_step or cfg.train.warmup_steps
+
+
+def _check_onebit(cfg: RunConfig) -> None:
+    """1-bit Adam replaces the DDP engine's gradient all-reduce with its own comm hook: nothing else may claim it."""
+    t, d = cfg.train, cfg.ddp
+    if t.optimizer != "onebit_adam":
+        return
+    if not get_strategy(d.strategy).comm_hooks:
+        raise ConfigError(f"train.optimizer onebit_adam averages the momentum through the DDP engine's comm hook; "
+                          f"strategy {d.strategy!r} has none: set ddp.strategy = \"ddp\" "
+                          f"({_listed(strategy_names(lambda s: s.comm_hooks), 'or')}) or train.optimizer = \"adamw\"")
+    if d.compression != "none" or d.algorithm != "native":
+        raise ConfigError(f"train.optimizer onebit_adam compresses the momentum itself (1 bit per element after the "
+                          f"warm-up) and all-reduces the warm-up's gradients natively; ddp.compression "
+                          f"{d.compression!r} and ddp.algorithm {d.algorithm!r} would claim the same gradients: set "
+                          "compression = \"none\" and algorithm = \"native\"")
+    if t.onebit_freeze_step < 0 or onebit_freeze_step(cfg) < 1:
+        raise ConfigError(f"train.onebit_freeze_step {t.onebit_freeze_step} (train.warmup_steps {t.warmup_steps}): "
+                          "1-bit Adam needs at least one uncompressed step to estimate the second moment it "
+                          "freezes; set onebit_freeze_step to e.g. 30")
+
+
+def _check_optimizer_in_backward(cfg: RunConfig, grad_accum_steps: int) -> None:
+    """``ddp.optimizer_in_backward`` steps each bucket inside backward: nothing may need every gradient first."""
+    t, d = cfg.train, cfg.ddp
+    if not d.optimizer_in_backward:
+        return
+    needs = {"train.grad_clip = 0 (a clip by the global norm needs every gradient first)": t.grad_clip == 0,
+             f"one micro-step per step (the window is averaged at the step; this run has {grad_accum_steps}: "
+             "set train.grad_accum_steps = 1 or a micro_batch_size of global_batch_size / ranks)":
+                 grad_accum_steps == 1,
+             "train.precision other than fp16 (its loss scaler unscales and checks every gradient first)":
+                 t.precision != "fp16",
+             "an optimizer other than onebit_adam (it communicates in its own step)": t.optimizer != "onebit_adam",
+             "the DDP engine, ddp.strategy = \"ddp\"": get_strategy(d.strategy).comm_hooks and not
+                 get_strategy(d.strategy).shards_parameters}
+    missing = [what for what, ok in needs.items() if not ok]
+    if missing:
+        raise ConfigError(f"ddp.optimizer_in_backward steps each bucket's parameters inside backward, which needs "
+                          f"{'; '.join(missing)}; or set ddp.optimizer_in_backward = false")
 
 
 def _check_codec(strategy, codec: str) -> None:

@@ -41,6 +41,8 @@ class Strategy:
     its workers and servers run different programs, see ``dptrain.runner.ps_loop``).
     ``buckets``: ``ddp.bucket_cap_mb`` applies (DDP's buckets, ZeRO-1/2's units).
     ``dynamic_batching``: ranks may take unequal shares of the global batch.
+    ``comm_hooks``: the wrapper takes a communication hook (``register_comm_hook``), which
+    1-bit Adam (``dptrain.optim.OneBitAdam``) replaces the gradient all-reduce with.
     ``decentralized``: each rank keeps its own replica, mixed with its neighbours' and never
     made equal by a reduction (gradients stay local): the runner reports the replicas'
     consensus distance, checkpoints every rank's own and averages them at the end.
@@ -63,6 +65,7 @@ class Strategy:
     own_loop: bool = False
     buckets: bool = True
     dynamic_batching: bool = False
+    comm_hooks: bool = False
     expendable_workers: bool = False
     decentralized: bool = False
     options_argument: str = "ddp_kwargs"
@@ -103,7 +106,7 @@ def _zero(stage: int, summary: str) -> Strategy:
 REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("ddp", "replicated model, gradients all-reduced in buckets (the DDP engine)", zero_stage=0,
              shards_parameters=False, replicated_state=True, checkpoint_layout="replicated", codecs=CODECS,
-             dynamic_batching=True, wrap=_wrap_ddp, options=ddp_options),
+             dynamic_batching=True, comm_hooks=True, wrap=_wrap_ddp, options=ddp_options),
     _zero(1, "ZeRO-1: optimizer state sharded"),
     _zero(2, "ZeRO-2: optimizer state and gradients sharded"),
     _zero(3, "ZeRO-3: optimizer state, gradients and parameters sharded (FSDP)"),
