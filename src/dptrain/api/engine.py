@@ -96,6 +96,7 @@ class Engine:
         self._core = OptimizerStep(self.optimizer, self.model, grad_clip=grad_clip,
                                    sharded=self.strategy.shards_parameters, scaler=self.scaler)
         self._micro_steps = 0  # backward passes since the last step: the window the step averages
+        self._in_backward = False  # optimizer_in_backward: the optimizer steps inside backward
         self._loss_sum = torch.zeros((), device=self.device)
         self._rank = dist.get_rank(process_group)
 
@@ -160,6 +161,8 @@ class Engine:
         the relative weight ``weight * grad_accum_steps``.
         """
         self._micro_steps += 1
+        if self._in_backward:  # this backward steps the optimizer: the step's learning rate first
+            self._set_lr()
         scaled = loss if weight is None else loss * (weight * self.plan.grad_accum_steps)
         self._loss_sum += scaled.detach().float()
         if self.scaler is not None:
@@ -169,15 +172,33 @@ class Engine:
 
     def step(self) -> StepInfo:
         """Set the learning rate, then average, clip, step and zero (:class:`~dptrain.api.step.OptimizerStep`)."""
-        lr = self.lr_at(self.step_count) if self.lr_at else self.optimizer.param_groups[0]["lr"]
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
+        lr = self.optimizer.param_groups[0]["lr"] if self._in_backward else self._set_lr()
         window = max(self._micro_steps, 1)
         outcome = self._core(window)
         self._micro_steps = 0
         loss = self._loss_sum.item() / window
         self._loss_sum.zero_()
         return StepInfo(self.step_count, loss, outcome.grad_norm, lr, outcome.skipped)
+
+    def _set_lr(self) -> float:
+        lr = self.lr_at(self.step_count) if self.lr_at else self.optimizer.param_groups[0]["lr"]
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+    def optimizer_in_backward(self) -> None:
+        """Step each bucket's parameters inside backward, as its all-reduce completes (the DDP engine's
+        :meth:`~dptrain.ddp.DistributedDataParallel.optimizer_in_backward`); the learning rate is then set
+        before each backward. Needs one micro-step per step, no clip and no fp16 scaler."""
+        if self.plan.grad_accum_steps != 1 or self.grad_clip or self.scaler is not None:
+            raise ValueError(f"optimizer_in_backward steps inside backward, before the step could average "
+                             f"{self.plan.grad_accum_steps} micro-steps, clip (grad_clip {self.grad_clip}) or "
+                             f"unscale (fp16 scaler: {self.scaler is not None}): it needs one micro-step, "
+                             "grad_clip 0 and no fp16")
+        if not hasattr(self.model, "optimizer_in_backward"):
+            raise ValueError(f"optimizer_in_backward is the DDP engine's; strategy {self.strategy.name!r} has none")
+        self.model.optimizer_in_backward(self.optimizer)
+        self._in_backward = True
 
     # ----------------------------------------------------------- checkpoints
 

@@ -13,6 +13,8 @@ with a bootstrap 90% interval over rounds. Variants:
 - ``dptrain_ddp/<cap>``: ``dptrain.DistributedDataParallel(bucket_cap_mb=cap)``;
 - with ``--views``, also ``torch_ddp_view/<cap>`` and ``dptrain_ddp_view/<cap>``: the same
   with ``gradient_as_bucket_view=True`` (no copy of the reduced bucket back to ``.grad``);
+- with ``--last-bucket MB``, also ``dptrain_ddp_last/<cap>``: dptrain with ``last_bucket_cap_mb=MB`` (the
+  gradients ready last in a small bucket of their own), against ``torch_ddp/<cap>``;
 - with ``--check-every``, also ``dptrain_ddp_every/<cap>``: every bucket's all-reduce
   fingerprinted across ranks through the store (``check_collectives="every"``), compared
   with ``dptrain_ddp/<cap>``, which checks each bucket's first reduction only (the default).
@@ -60,7 +62,7 @@ from dptrain.ddp import DistributedDataParallel, NaiveDataParallel
 from dptrain.testing import run_on_ranks
 
 
-def _wrap(variant: str, module: nn.Module) -> nn.Module:
+def _wrap(variant: str, module: nn.Module, last_bucket_mb: float | None = None) -> nn.Module:
     kind, _, cap = variant.partition("/")
     if kind == "no_comm":
         return module
@@ -71,7 +73,8 @@ def _wrap(variant: str, module: nn.Module) -> nn.Module:
         return nn.parallel.DistributedDataParallel(module, bucket_cap_mb=float(cap),
                                                    gradient_as_bucket_view=suffix == "_view")
     return DistributedDataParallel(module, bucket_cap_mb=float(cap), gradient_as_bucket_view=suffix == "_view",
-                                   check_collectives="every" if suffix == "_every" else "first")
+                                   check_collectives="every" if suffix == "_every" else "first",
+                                   last_bucket_cap_mb=last_bucket_mb if suffix == "_last" else None)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
@@ -88,7 +91,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
     for variant in variants:
         module = build_model(args["width"], args["depth"], args["model"])
         module.load_state_dict(reference.state_dict())
-        models[variant] = _wrap(variant, module)
+        models[variant] = _wrap(variant, module, args.get("last_bucket_mb"))
         opts[variant] = torch.optim.SGD(models[variant].parameters(), lr=1e-4)
     x = torch.randn(args["micro_batch"], args["width"], generator=torch.Generator().manual_seed(rank))
     for variant in variants:  # warm-up: torch DDP rebuilds its buckets after step 1
@@ -111,15 +114,16 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
         steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True,
-        check_every: bool = False, model: str = "mlp") -> dict:
+        check_every: bool = False, model: str = "mlp", last_bucket_mb: float | None = None) -> dict:
     variants = ["no_comm", "naive"]
     pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
     pairs += [("dptrain_ddp_every", "dptrain_ddp")] if check_every else []
+    pairs += [("dptrain_ddp_last", "torch_ddp")] if last_bucket_mb is not None else []
     for cap in caps:
         for ours, theirs in pairs:
             variants += [v for v in (f"{theirs}/{cap:g}", f"{ours}/{cap:g}") if v not in variants]
     args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
-                rounds=rounds, steps=steps, warmup=warmup, model=model)
+                rounds=rounds, steps=steps, warmup=warmup, model=model, last_bucket_mb=last_bucket_mb)
     per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
                             tune_allocator=tune_allocator)
     # A step takes as long as its slowest rank.
@@ -139,7 +143,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
         "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
                        model=model, tensors=len(list(built.parameters())),
                        rounds=rounds, steps_per_round=steps, threads_per_rank=threads, backend="gloo",
-                       tuned_allocator=tune_allocator,
+                       tuned_allocator=tune_allocator, last_bucket_mb=last_bucket_mb,
                        torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
         "median_step_s": medians,
         "ratios": ratios,
@@ -198,13 +202,15 @@ def to_markdown(result: dict) -> str:
 @click.option("--warmup", type=int, default=3, help="untimed steps per variant before the rounds")
 @click.option("--threads", type=int, default=1, help="torch threads per rank")
 @click.option("--views", is_flag=True, help="also compare gradient_as_bucket_view=True")
+@click.option("--last-bucket", type=float, default=None, metavar="MB",
+              help="also time dptrain with last_bucket_cap_mb=MB against torch")
 @click.option("--check-every", is_flag=True, help="also time check_collectives='every' against the default (first)")
 @click.option("--default-malloc", is_flag=True, help="keep glibc's default malloc settings (see dptrain.allocator)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/ddp.json"),
               help="the JSON result (raw step times) to write")
 def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str, width: int, depth: int,
          micro_batch: int, caps: tuple[float, ...], rounds: int, steps: int, warmup: int, threads: int, views: bool,
-         check_every: bool, default_malloc: bool, out: Path) -> None:
+         check_every: bool, last_bucket: float | None, default_malloc: bool, out: Path) -> None:
     if held_out or pairs:
         from dptrain.bench import ddp_pairs
 
@@ -221,7 +227,7 @@ def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str,
         out = out.with_name("ddp_pairs.json") if out == Path("bench_results/ddp.json") else out
     else:
         result = run(world_size, width, depth, micro_batch, list(caps), rounds, steps, warmup, threads,
-                     views, not default_malloc, check_every, model)
+                     views, not default_malloc, check_every, model, last_bucket)
         text = to_markdown(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -31,6 +31,7 @@ class StepCommStats:
     backward_start: float = 0.0   # time.perf_counter() when the backward reached the outputs
     backward_end: float = 0.0     # when the last gradient was computed (finalize began)
     comm_end: float = 0.0         # when every reduction had been waited for
+    optimizer_s: float = 0.0      # of which optimizer_in_backward's steps of reduced buckets (computation)
     # [bucket, launched, completed] per reduction (re-reductions included), in perf_counter
     # seconds. Completion is exact with Reducer.record_spans (a callback on the work's
     # future), else the time the reduction was waited for (an upper bound).
@@ -38,8 +39,22 @@ class StepCommStats:
 
     @property
     def exposed_comm_s(self) -> float:
-        """Communication time not hidden behind backward: the wait after backward ended."""
-        return self.comm_end - self.backward_end
+        """Communication time not hidden behind backward: the wait after backward ended (less the optimizer
+        steps taken meanwhile by ``optimizer_in_backward``, which are computation)."""
+        return self.comm_end - self.backward_end - self.optimizer_s
+
+    @property
+    def tail_comm_s(self) -> float:
+        """The cost model's floor on exposed communication: the bytes of the last reduction launched (by the
+        last gradient: nothing computes after it to hide it) and of any launched once backward had ended, at this
+        step's measured rate (all bytes over the busy time). What was exposed beyond it could have been hidden."""
+        busy, total = self.comm_busy_s, sum(self.bucket_bytes)
+        if busy <= 0 or total <= 0 or not self.bucket_spans:
+            return 0.0
+        last = max(start for _, start, _ in self.bucket_spans)
+        tail = sum(n for n, (_, start, _) in zip(self.bucket_bytes, self.bucket_spans, strict=True)
+                   if start >= min(last, self.backward_end))
+        return busy * tail / total
 
     @property
     def comm_busy_s(self) -> float:

@@ -137,6 +137,12 @@ class DDPConfig:
     backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
                        choices=("auto", "gloo", "nccl"))
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
+    last_bucket_cap_mb: float | None = opt(None, "ddp: give the gradients ready last a bucket of about this many MiB "
+                                                 "of their own, so the all-reduce nothing overlaps is small "
+                                                 "(default: none, torch's layout)")
+    optimizer_in_backward: bool = opt(False, "ddp: step each bucket's parameters as soon as its all-reduce completes, "
+                                             "overlapping the later buckets' (needs train.grad_clip = 0, one "
+                                             "micro-step per step and no fp16 scaler; docs/ddp.md)")
     gradient_as_bucket_view: bool = opt(False, "make .grad views into the communication buckets")
     find_unused_parameters: bool = opt(False, "allow parameters (DDP) or units (ZeRO) that get no gradient on "
                                               "some steps or ranks")

@@ -22,9 +22,13 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["ParamInfo", "assign_buckets", "Bucket", "SparseGradient", "copy_into_slice"]
+__all__ = ["ParamInfo", "assign_buckets", "ddp_bucket_layout", "Bucket", "SparseGradient", "copy_into_slice",
+           "DEFAULT_BUCKET_CAP_MB", "DEFAULT_FIRST_BUCKET_CAP_MB"]
 
 MiB = 1024 * 1024
+# torch DDP's defaults: 25 MiB buckets, the first one 1 MiB (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+DEFAULT_BUCKET_CAP_MB = 25.0
+DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
 
 
 @dataclass(frozen=True)
@@ -51,19 +55,30 @@ def assign_buckets(
     cap_bytes: int,
     first_cap_bytes: int | None = None,
     order: Sequence[int] | None = None,
+    last_cap_bytes: int | None = None,
 ) -> list[list[int]]:
     """Group parameter indices into buckets, in gradient-ready order.
 
     ``order`` is the order gradients are expected to become ready; by default the
     reverse of ``params`` (registration order). ``first_cap_bytes`` caps the first
     bucket of each (dtype, device, group) group separately: a small first bucket gets the
-    first collective started early. Returns buckets in launch order, each a list of
+    first collective started early. ``last_cap_bytes`` is its mirror: the gradients ready
+    last get a bucket of their own of about that size (closed, like every bucket, once it
+    reaches the cap), so the one all-reduce that nothing can overlap, started when backward
+    ends, carries as little as possible. Returns buckets in launch order, each a list of
     parameter indices in ready order.
     """
     if cap_bytes <= 0:
         raise ValueError(f"bucket cap must be positive, got {cap_bytes} bytes")
-    first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
     order = list(reversed(range(len(params)))) if order is None else list(order)
+    if last_cap_bytes is not None:
+        if last_cap_bytes <= 0:
+            raise ValueError(f"last bucket cap must be positive, got {last_cap_bytes} bytes")
+        last = _last_buckets(params, order, last_cap_bytes)
+        taken = {index for bucket in last for index in bucket}
+        rest = assign_buckets(params, cap_bytes, first_cap_bytes, [i for i in order if i not in taken])
+        return _in_launch_order(_absorb_leftovers(params, rest, last, last_cap_bytes), order)
+    first_cap = cap_bytes if first_cap_bytes is None else first_cap_bytes
     open_buckets: dict[tuple, tuple[list[int], int]] = {}  # key -> (indices, bytes)
     started: set[tuple] = set()  # keys whose first bucket was already closed
     closed: list[list[int]] = []
@@ -82,6 +97,54 @@ def assign_buckets(
             open_buckets[key] = (indices, size)
     closed.extend(indices for indices, _ in open_buckets.values())
     return _in_launch_order(closed, order)
+
+
+def ddp_bucket_layout(params: Sequence[ParamInfo], bucket_cap_mb: float | None = None,
+                      last_bucket_cap_mb: float | None = None) -> list[list[int]]:
+    """The DDP engine's buckets: ``bucket_cap_mb=None`` is torch's default (25 MiB, the first bucket 1 MiB);
+    an explicit cap applies to the first bucket too, as in torch. ``last_bucket_cap_mb`` (dptrain's, off by
+    default) gives the gradients ready last a small bucket of their own. The planner uses the same rule."""
+    last = None if last_bucket_cap_mb is None else max(1, int(last_bucket_cap_mb * MiB))
+    if bucket_cap_mb is None:
+        return assign_buckets(params, int(DEFAULT_BUCKET_CAP_MB * MiB), int(DEFAULT_FIRST_BUCKET_CAP_MB * MiB),
+                              last_cap_bytes=last)
+    return assign_buckets(params, max(1, int(bucket_cap_mb * MiB)), last_cap_bytes=last)
+
+
+def _last_buckets(params: Sequence[ParamInfo], order: list[int], cap_bytes: int) -> list[list[int]]:
+    """Per (dtype, device, group): the parameters ready last, walking back until ``cap_bytes`` is reached."""
+    tails: dict[tuple, tuple[list[int], int]] = {}
+    closed: set[tuple] = set()
+    for index in reversed(order):
+        info = params[index]
+        key = (info.dtype, info.device, info.group)
+        if key in closed:
+            continue
+        indices, size = tails.get(key, ([], 0))
+        tails[key] = ([index, *indices], size + info.nbytes)
+        if size + info.nbytes >= cap_bytes:
+            closed.add(key)
+    return [indices for indices, _ in tails.values()]
+
+
+def _absorb_leftovers(params: Sequence[ParamInfo], rest: list[list[int]], last: list[list[int]],
+                      cap_bytes: int) -> list[list[int]]:
+    """The rest's final bucket of a group, if smaller than the last bucket's cap (a bias left between two
+    large weights), joins that group's last bucket rather than paying a collective's latency of its own."""
+    def key(index: int) -> tuple:
+        info = params[index]
+        return info.dtype, info.device, info.group
+
+    final = {key(bucket[0]): n for n, bucket in enumerate(rest)}  # rest is in launch order: the group's final
+    merged, dropped = [], set()
+    for tail in last:
+        n = final.get(key(tail[0]))
+        if n is not None and sum(params[i].nbytes for i in rest[n]) < cap_bytes:
+            merged.append(rest[n] + tail)
+            dropped.add(n)
+        else:
+            merged.append(tail)
+    return [b for n, b in enumerate(rest) if n not in dropped] + merged
 
 
 def _in_launch_order(buckets: list[list[int]], order: list[int]) -> list[list[int]]:

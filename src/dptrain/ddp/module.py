@@ -36,10 +36,11 @@ from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 from dptrain.comm import check_algorithm
 from dptrain.comm.fingerprint import collective_check
 from dptrain.ddp.autograd import on_backward_reaching
-from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB, ParamInfo, ddp_bucket_layout
 from dptrain.ddp.comm_hooks import CommHook
 from dptrain.ddp.errors import NothingToTrainError, NotInitialisedError
 from dptrain.ddp.join import DDPJoinHook
+from dptrain.ddp.optimizer_in_backward import BucketOptimizer
 from dptrain.ddp.pickling import pickled_state, restore
 from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
@@ -48,8 +49,6 @@ from dptrain.utils.tensors import iter_tensors, map_tensors
 
 __all__ = ["DistributedDataParallel"]
 
-DEFAULT_BUCKET_CAP_MB = 25.0
-DEFAULT_FIRST_BUCKET_CAP_MB = 1.0
 
 # Arguments of torch's DDP that dptrain does not implement, with what to do instead.
 _UNSUPPORTED = {
@@ -82,6 +81,9 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
     - ``process_group``: the data-parallel group; default the world group.
     - ``bucket_cap_mb``: bucket size in MiB. ``None`` means 25 MiB with a 1 MiB first
       bucket (torch's default); an explicit value applies to every bucket.
+    - ``last_bucket_cap_mb`` (dptrain's): the gradients ready last (the first layers') get a bucket of
+      about this size of their own, the mirror of the small first bucket: the all-reduce started when
+      backward ends, which nothing overlaps, carries little. ``None`` (default): torch's layout.
     - ``find_unused_parameters``: allow parameters to get no gradient in a step (walks
       the autograd graph after each forward to find them early).
     - ``gradient_as_bucket_view``: make ``.grad`` views into the flat buckets, saving the
@@ -129,11 +131,15 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         check_collectives: str = "first",
         check_timeout_s: float = 300.0,
         forward_sync_buffers: bool | None = None,
+        last_bucket_cap_mb: float | None = None,
         **unsupported: Any,
     ):
         super().__init__()
         Joinable.__init__(self)
         _check_arguments(unsupported, bucket_cap_mb, device_ids)
+        if last_bucket_cap_mb is not None and not last_bucket_cap_mb > 0:
+            raise ValueError(f"last_bucket_cap_mb must be > 0, got {last_bucket_cap_mb}; use None for no "
+                             "separate last bucket")
         check = collective_check(check_collectives, check_timeout_s, process_group)  # validates the mode first
         self.collective_check = check  # None when off or alone
         self.module = module
@@ -141,7 +147,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         check_algorithm(algorithm, nodes, dist.get_world_size(self.process_group))
         self.algorithm, self.nodes = algorithm, nodes
         # kept to rebuild the reducer when a pickled or deep-copied model is loaded (pickling.py)
-        self.bucket_cap_mb, self.traffic = bucket_cap_mb, traffic
+        self.bucket_cap_mb, self.last_bucket_cap_mb, self.traffic = bucket_cap_mb, last_bucket_cap_mb, traffic
         self.check_collectives, self.check_timeout_s = check_collectives, check_timeout_s
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
@@ -176,7 +182,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         params = [p for _, p in named]
         return Reducer(
             params, [name for name, _ in named],
-            _bucket_assignment(params, self.bucket_cap_mb),
+            ddp_bucket_layout([ParamInfo.of(p) for p in params], self.bucket_cap_mb, self.last_bucket_cap_mb),
             self.process_group,
             gradient_as_bucket_view=self.gradient_as_bucket_view,
             find_unused_parameters=self.find_unused_parameters,
@@ -310,6 +316,17 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self.reducer.register_comm_hook(state, hook)
         self._comm_hook_registered = True
 
+    def optimizer_in_backward(self, optimizer: torch.optim.Optimizer) -> None:
+        """Step ``optimizer`` inside backward, each bucket's parameters as soon as its all-reduce completes.
+
+        The update overlaps the remaining buckets' communication; ``optimizer.step()`` afterwards
+        steps nothing twice (see :mod:`dptrain.ddp.optimizer_in_backward` for when this is exact:
+        not with a global-norm clip or ``GradScaler``, which need every gradient first).
+        """
+        if self.reducer.bucket_optimizer is not None:
+            raise RuntimeError("optimizer_in_backward can be called once per model")
+        self.reducer.bucket_optimizer = BucketOptimizer(optimizer, self.reducer.params)
+
     @property
     def last_step_comm(self) -> StepCommStats:
         """Calls, bytes and timing of the most recent synced step (this rank)."""
@@ -397,11 +414,3 @@ def _module_device(module: nn.Module) -> torch.device:
         raise ValueError(f"parameters are on several devices (e.g. {where}); move the module to one "
                          "device (one process per device) before wrapping it")
     return next(module.parameters()).device if where else torch.device("cpu")
-
-
-def _bucket_assignment(params: list[nn.Parameter], bucket_cap_mb: float | None) -> list[list[int]]:
-    infos = [ParamInfo.of(p) for p in params]
-    if bucket_cap_mb is None:
-        return assign_buckets(infos, int(DEFAULT_BUCKET_CAP_MB * MiB), int(DEFAULT_FIRST_BUCKET_CAP_MB * MiB))
-    return assign_buckets(infos, max(1, int(bucket_cap_mb * MiB)))
-

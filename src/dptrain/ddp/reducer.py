@@ -50,19 +50,10 @@ from dptrain import comm
 from dptrain.comm.fingerprint import CollectiveCheck
 from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp.arrivals import ArrivalLog, GradientArrivals, UnusedParametersError, Want, unused_message
-from dptrain.ddp.autograd import (
-    grad_accumulator,
-    queue_on_current_backward,
-    will_accumulate,
-)
+from dptrain.ddp.autograd import grad_accumulator, queue_on_current_backward, will_accumulate
 from dptrain.ddp.buckets import Bucket, SparseGradient
-from dptrain.ddp.comm_hooks import (
-    CommHook,
-    GradBucket,
-    ReduceHandle,
-    SumAllReduce,
-    hook_name,
-)
+from dptrain.ddp.comm_hooks import CommHook, GradBucket, ReduceHandle, SumAllReduce, hook_name
+from dptrain.ddp.optimizer_in_backward import BucketOptimizer
 
 __all__ = ["Reducer", "StepCommStats", "UnusedParametersError"]
 
@@ -135,6 +126,7 @@ class Reducer:
         self._log = ArrivalLog(params, bucket_indices, _grad_hook_maker(weakref.ref(self)), self._eager)
         self._reset_step()
         self.last_stats = StepCommStats()
+        self.bucket_optimizer: BucketOptimizer | None = None  # optimizer_in_backward: steps each written bucket
 
     def register_comm_hook(self, state: Any, hook: CommHook) -> None:
         """Reduce buckets with ``hook(state, bucket)``: what is divided on the way in, checked and counted follows."""
@@ -405,6 +397,10 @@ class Reducer:
                 if late[bucket.index]:
                     self._reduce_again(bucket)
                 bucket.write_back(everything_used or globally_used, self.gradient_as_bucket_view)
+                if self.bucket_optimizer is not None:  # overlaps the later buckets' reductions
+                    started = time.perf_counter()
+                    self.bucket_optimizer.step_bucket(bucket.params)
+                    stats.optimizer_s += time.perf_counter() - started
             stats.comm_end = time.perf_counter()
             missing = [] if 0 not in fired else \
                 [self.names[i] for i, n in enumerate(fired) if n == 0 and self._expected[i] > 0]

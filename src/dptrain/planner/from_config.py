@@ -86,6 +86,7 @@ def setup_for(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, 
     spec = get_strategy(strategy, among=STRATEGIES)
     if not spec.shards_parameters:
         return Setup(strategy, world_size, precision, bucket_cap_mb=cfg.ddp.bucket_cap_mb,
+                     last_bucket_cap_mb=cfg.ddp.last_bucket_cap_mb,
                      gradient_as_bucket_view=cfg.ddp.gradient_as_bucket_view)
     kw = spec.options(cfg, model, 1)
     return Setup(strategy, world_size, precision, reduce_dtype=kw["reduce_dtype"],

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dptrain.comm.topology import shard_range
-from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.ddp.buckets import ParamInfo, ddp_bucket_layout
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
 from dptrain.zero.hybrid import check_shard_size
@@ -30,7 +30,6 @@ __all__ = ["STRATEGIES", "PRECISIONS", "Setup", "Unit", "units"]
 
 STRATEGIES = strategy_names(lambda s: s.zero_stage is not None)  # those the memory and traffic model covers
 PRECISIONS = ("fp32", "bf16")
-DDP_BUCKET_CAP_MB, DDP_FIRST_BUCKET_CAP_MB = 25.0, 1.0  # the DDP engine's defaults (ddp/module.py)
 ZERO_BUCKET_CAP_MB = 4.0  # ZeRO stages 1-2's default
 
 
@@ -51,6 +50,7 @@ class Setup:
     precision: str = "fp32"
     reduce_dtype: torch.dtype = torch.float32
     bucket_cap_mb: float | None = None
+    last_bucket_cap_mb: float | None = None  # DDP: the gradients ready last in a bucket of their own
     gradient_as_bucket_view: bool = False
     unit_classes: tuple[type, ...] = ()
     min_unit_numel: int | None = None
@@ -115,10 +115,7 @@ def units(model: nn.Module, setup: Setup) -> list[Unit]:
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         params = [p for _, p in named]
         infos = [ParamInfo(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
-        if setup.bucket_cap_mb is None:
-            buckets = assign_buckets(infos, int(DDP_BUCKET_CAP_MB * MiB), int(DDP_FIRST_BUCKET_CAP_MB * MiB))
-        else:
-            buckets = assign_buckets(infos, max(1, int(setup.bucket_cap_mb * MiB)))
+        buckets = ddp_bucket_layout(infos, setup.bucket_cap_mb, setup.last_bucket_cap_mb)
         return [Unit(sum(params[i].numel() for i in b), params[b[0]].dtype, names=tuple(named[i][0] for i in b))
                 for b in buckets]
     refs, _ = collect_params(model)

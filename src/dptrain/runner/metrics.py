@@ -9,6 +9,9 @@ DDP engine's buckets; ZeRO's all-gathers and reduce-scatters, :mod:`dptrain.zero
 - **exposed comm ms**: the part of communication that overlap did not hide: DDP's wait for
   gradients after the last one was computed; ZeRO's waits for its collectives, in forward
   and backward alike;
+- **tail comm ms** (DDP): the cost model's floor on the exposed time: the bytes of the reductions
+  launched after backward ended, at the step's measured rate (bytes over busy time); exposed
+  time beyond it could have been hidden behind backward;
 - **comm busy ms**: the time at least one collective was in flight;
 - **overlap %**: the fraction of that busy time that computation hid (DDP: that ran while
   backward was still computing);
@@ -40,8 +43,8 @@ from dptrain.comm.step_stats import StepCommStats
 __all__ = ["StepTimes", "StepRecorder", "peak_rss_mb", "peak_tensor_mb", "format_line"]
 
 # Per-rank values exchanged at a logging step, in this order.
-_GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "comm_busy_ms", "overlap", "comm_bytes",
-             "comm_payload_bytes", "comm_wire_bytes", "peak_rss_mb", "peak_tensor_mb")
+_GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "tail_comm_ms", "comm_busy_ms", "overlap",
+             "comm_bytes", "comm_payload_bytes", "comm_wire_bytes", "peak_rss_mb", "peak_tensor_mb")
 
 
 @dataclass
@@ -108,6 +111,7 @@ class StepRecorder:
             "step_ms": 1e3 * mean([t.end - t.start for t in times]),
             "compute_ms": 1e3 * mean([t.compute_s for t in times]),
             "exposed_comm_ms": 1e3 * mean([t.exposed_comm_s for t in times]),
+            "tail_comm_ms": 1e3 * mean([c.tail_comm_s for c in comms]),
             "comm_busy_ms": 1e3 * mean([c.comm_busy_s for c in comms]),
             "overlap": mean([c.overlap for c in comms]),
             "comm_bytes": mean([c.bytes for c in comms]),
@@ -132,6 +136,8 @@ class StepRecorder:
             "step_ms": max(column["step_ms"]),
             "compute_ms": max(column["compute_ms"]),
             "exposed_comm_ms": max(column["exposed_comm_ms"]),
+            # the cost model's floor on exposed_comm_ms: the reductions started after backward, at the step's rate
+            "tail_comm_ms": max(column["tail_comm_ms"]),
             "comm_busy_ms": max(column["comm_busy_ms"]),
             "overlap_pct": 100 * statistics.fmean(column["overlap"]),
             "comm_bytes_per_step": column["comm_bytes"][0],

@@ -95,6 +95,8 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
             "median_compute_ms": med("compute_ms"),
             "median_exposed_comm_ms": med("exposed_comm_ms"),
             "median_comm_busy_ms": med("comm_busy_ms"),
+            # the DDP engine's (metrics.py): the cost model's floor on the exposed time
+            "median_tail_comm_ms": statistics.median(r.get("tail_comm_ms", 0.0) for r in steady) if steady else None,
             "median_overlap_pct": med("overlap_pct"),
             "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
             "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
@@ -187,7 +189,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                   if has_tokens(summary.get("median_tokens_per_s"), summary["median_samples_per_s"]) else "")
         rows += [("throughput", f"{tokens}{summary['median_samples_per_s']:,.1f} samples/s (median)"),
                  ("step time", f"{summary['median_step_ms']:.1f} ms: compute {summary['median_compute_ms']:.1f} ms, "
-                               f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms"),
+                               f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms{_hideable(summary)}"),
                  ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
                                    f"{_busy(summary)}{summary['median_overlap_pct']:.0f}% overlapped with computation"),
                  ("peak memory", _memory(summary))]
@@ -236,3 +238,12 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
     return f"{n} B"
+
+
+def _hideable(summary: dict) -> str:
+    """What of the exposed communication the cost model says could have been hidden (DDP's buckets)."""
+    exposed, tail = summary["median_exposed_comm_ms"], summary.get("median_tail_comm_ms") or 0.0
+    if not tail or exposed <= 0:
+        return ""
+    return (f" (by the cost model {min(tail, exposed):.1f} ms of it unavoidable, the reductions started after "
+            f"backward; {max(0.0, exposed - tail):.1f} ms could be hidden)")

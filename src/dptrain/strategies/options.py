@@ -20,7 +20,8 @@ __all__ = ["ddp_options", "zero_options", "gossip_options"]
 def ddp_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
     """:class:`~dptrain.ddp.DistributedDataParallel`'s arguments from ``[ddp]``."""
     d = cfg.ddp
-    return dict(bucket_cap_mb=d.bucket_cap_mb, gradient_as_bucket_view=d.gradient_as_bucket_view,
+    return dict(bucket_cap_mb=d.bucket_cap_mb, last_bucket_cap_mb=d.last_bucket_cap_mb,
+                gradient_as_bucket_view=d.gradient_as_bucket_view,
                 find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
                 algorithm=d.algorithm, nodes=nodes, check_collectives=d.check_collectives,
                 check_timeout_s=d.timeout_s)
