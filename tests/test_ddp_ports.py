@@ -516,11 +516,7 @@ NOT_TRAINING = {"undefined_grad_unused": undefined_grad_unused, "join_exception"
                 "unused_without_find_unused": unused_without_find_unused}
 CASES.update(NOT_TRAINING)
 NOT_TRAINING.update({n: CASES[n] for n in CASES if n.endswith("-throw-0-3")})  # rank 0 has no input: none trains
-XFAIL: dict[str, str] = {
-    "undefined_grad_unused": "dptrain bug: find_unused_parameters=True and a backward whose output gradient is "
-                             "undefined (UndefinedGrad): dptrain sets every .grad to zeros, torch's DDP and a single "
-                             "process leave them None",
-}
+XFAIL: dict[str, str] = {}  # none left: undefined_grad_unused was fixed in the reducer
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))

@@ -138,7 +138,7 @@ NOT_TRAINING = {"syncbn_refused_on_cpu"}
 _SET_BUFFER = ("dptrain bug: GradBucket.set_buffer copies into the float32 bucket instead of replacing it, so after "
                "fp16_compress_wrapper's set_buffer(buffer().to(float16)) the wrapped hook still sees and all-reduces "
                "a float32 buffer (values rounded to fp16, no compression); torch's hook all-reduces in float16")
-XFAIL: dict[str, str] = {"hook_parity_fp16_wrapped_allreduce": _SET_BUFFER, "hook_parity_fp16_wrapped_powerSGD": _SET_BUFFER}
+XFAIL: dict[str, str] = {}  # none left: GradBucket.set_buffer now replaces the buffer, as torch's
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))

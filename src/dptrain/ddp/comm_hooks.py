@@ -63,11 +63,19 @@ class GradBucket:
         return self._buffer
 
     def set_buffer(self, tensor: torch.Tensor) -> None:
-        """Replace the buffer's contents (torch API compatibility)."""
-        self._buffer.copy_(tensor)
+        """Replace the buffer with ``tensor`` (any dtype: ``fp16_compress_wrapper`` hands the hook it wraps an fp16
+        copy), as torch's does; the engine copies the hook's result back into the bucket."""
+        self._buffer = tensor
 
     def gradients(self) -> list[torch.Tensor]:
-        """Per-parameter views into :meth:`buffer`, shaped like the parameters."""
+        """Per-parameter views into :meth:`buffer` (the one :meth:`set_buffer` put, if it did), shaped like the
+        parameters."""
+        if self._gradients and self._gradients[0].data_ptr() != self._buffer.data_ptr():  # replaced
+            views, offset = [], 0
+            for g in self._gradients:
+                views.append(self._buffer[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+            self._gradients = views
         return self._gradients
 
     def parameters(self) -> list[torch.Tensor]:

@@ -423,8 +423,8 @@ class Reducer:
         fired, late = self._log.pieces(self._expected)
         for index, bucket, piece in late:
             self._on_late_gradient(index, bucket, piece)
-        if self.arrivals.needs_used_map():
-            self.arrivals.mark_used(i for i, n in enumerate(fired) if n)
+        if self.arrivals.needs_used_map():  # a hook that fired with .grad None (an undefined gradient) used nothing
+            self.arrivals.mark_used(i for i, n in enumerate(fired) if n and self.params[i].grad is not None)
         self._log.follow()
         return fired
 
