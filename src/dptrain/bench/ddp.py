@@ -13,8 +13,10 @@ with a bootstrap 90% interval over rounds. Variants:
 - ``dptrain_ddp/<cap>``: ``dptrain.DistributedDataParallel(bucket_cap_mb=cap)``;
 - with ``--views``, also ``torch_ddp_view/<cap>`` and ``dptrain_ddp_view/<cap>``: the same
   with ``gradient_as_bucket_view=True`` (no copy of the reduced bucket back to ``.grad``);
-- with ``--last-bucket MB``, also ``dptrain_ddp_last/<cap>``: dptrain with ``last_bucket_cap_mb=MB`` (the
-  gradients ready last in a small bucket of their own), against ``torch_ddp/<cap>``;
+- with ``--last-bucket MB`` and/or ``--in-backward``, also ``dptrain_ddp_sched/<cap>``: dptrain with
+  ``last_bucket_cap_mb=MB`` (the gradients ready last in a small bucket of their own) and/or
+  ``optimizer_in_backward`` (each bucket stepped as its all-reduce completes; the step's ``opt.step()``
+  then has nothing left to do), against ``torch_ddp/<cap>``;
 - with ``--check-every``, also ``dptrain_ddp_every/<cap>``: every bucket's all-reduce
   fingerprinted across ranks through the store (``check_collectives="every"``), compared
   with ``dptrain_ddp/<cap>``, which checks each bucket's first reduction only (the default).
@@ -63,6 +65,7 @@ from dptrain.testing import run_on_ranks
 
 
 def _wrap(variant: str, module: nn.Module, last_bucket_mb: float | None = None) -> nn.Module:
+    """The variant's model (``dptrain_ddp_sched``'s optimizer_in_backward is registered with its optimizer)."""
     kind, _, cap = variant.partition("/")
     if kind == "no_comm":
         return module
@@ -74,7 +77,7 @@ def _wrap(variant: str, module: nn.Module, last_bucket_mb: float | None = None) 
                                                    gradient_as_bucket_view=suffix == "_view")
     return DistributedDataParallel(module, bucket_cap_mb=float(cap), gradient_as_bucket_view=suffix == "_view",
                                    check_collectives="every" if suffix == "_every" else "first",
-                                   last_bucket_cap_mb=last_bucket_mb if suffix == "_last" else None)
+                                   last_bucket_cap_mb=last_bucket_mb if suffix == "_sched" else None)
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor) -> None:
@@ -93,6 +96,8 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
         module.load_state_dict(reference.state_dict())
         models[variant] = _wrap(variant, module, args.get("last_bucket_mb"))
         opts[variant] = torch.optim.SGD(models[variant].parameters(), lr=1e-4)
+        if variant.startswith("dptrain_ddp_sched") and args.get("in_backward"):
+            models[variant].optimizer_in_backward(opts[variant])
     x = torch.randn(args["micro_batch"], args["width"], generator=torch.Generator().manual_seed(rank))
     for variant in variants:  # warm-up: torch DDP rebuilds its buckets after step 1
         for _ in range(args["warmup"]):
@@ -114,16 +119,18 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
 
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
         steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True,
-        check_every: bool = False, model: str = "mlp", last_bucket_mb: float | None = None) -> dict:
+        check_every: bool = False, model: str = "mlp", last_bucket_mb: float | None = None,
+        in_backward: bool = False) -> dict:
     variants = ["no_comm", "naive"]
     pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
     pairs += [("dptrain_ddp_every", "dptrain_ddp")] if check_every else []
-    pairs += [("dptrain_ddp_last", "torch_ddp")] if last_bucket_mb is not None else []
+    pairs += [("dptrain_ddp_sched", "torch_ddp")] if last_bucket_mb is not None or in_backward else []
     for cap in caps:
         for ours, theirs in pairs:
             variants += [v for v in (f"{theirs}/{cap:g}", f"{ours}/{cap:g}") if v not in variants]
     args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
-                rounds=rounds, steps=steps, warmup=warmup, model=model, last_bucket_mb=last_bucket_mb)
+                rounds=rounds, steps=steps, warmup=warmup, model=model, last_bucket_mb=last_bucket_mb,
+                in_backward=in_backward)
     per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
                             tune_allocator=tune_allocator)
     # A step takes as long as its slowest rank.
@@ -143,7 +150,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
         "config": dict(world_size=world_size, width=width, depth=depth, params=params, micro_batch=micro_batch,
                        model=model, tensors=len(list(built.parameters())),
                        rounds=rounds, steps_per_round=steps, threads_per_rank=threads, backend="gloo",
-                       tuned_allocator=tune_allocator, last_bucket_mb=last_bucket_mb,
+                       tuned_allocator=tune_allocator, last_bucket_mb=last_bucket_mb, in_backward=in_backward,
                        torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
         "median_step_s": medians,
         "ratios": ratios,
@@ -203,14 +210,15 @@ def to_markdown(result: dict) -> str:
 @click.option("--threads", type=int, default=1, help="torch threads per rank")
 @click.option("--views", is_flag=True, help="also compare gradient_as_bucket_view=True")
 @click.option("--last-bucket", type=float, default=None, metavar="MB",
-              help="also time dptrain with last_bucket_cap_mb=MB against torch")
+              help="dptrain_ddp_sched: last_bucket_cap_mb=MB, timed against torch")
+@click.option("--in-backward", is_flag=True, help="dptrain_ddp_sched: optimizer_in_backward, timed against torch")
 @click.option("--check-every", is_flag=True, help="also time check_collectives='every' against the default (first)")
 @click.option("--default-malloc", is_flag=True, help="keep glibc's default malloc settings (see dptrain.allocator)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/ddp.json"),
               help="the JSON result (raw step times) to write")
 def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str, width: int, depth: int,
          micro_batch: int, caps: tuple[float, ...], rounds: int, steps: int, warmup: int, threads: int, views: bool,
-         check_every: bool, last_bucket: float | None, default_malloc: bool, out: Path) -> None:
+         check_every: bool, last_bucket: float | None, in_backward: bool, default_malloc: bool, out: Path) -> None:
     if held_out or pairs:
         from dptrain.bench import ddp_pairs
 
@@ -227,7 +235,7 @@ def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str,
         out = out.with_name("ddp_pairs.json") if out == Path("bench_results/ddp.json") else out
     else:
         result = run(world_size, width, depth, micro_batch, list(caps), rounds, steps, warmup, threads,
-                     views, not default_malloc, check_every, model, last_bucket)
+                     views, not default_malloc, check_every, model, last_bucket, in_backward)
         text = to_markdown(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))

@@ -26,7 +26,8 @@ BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator"
               "cluster-zero": "dptrain.bench.cluster_zero",
               "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
-              "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader"}
+              "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader",
+              "ddp-timeline": "dptrain.bench.ddp_timeline"}
 
 
 def summary(doc: str | None) -> str:
