@@ -11,13 +11,16 @@ on both ranks), so the drift of a shared machine hits all variants alike. Varian
 - ``dptrain/<codec>``: dptrain's DDP engine with :class:`~dptrain.compress.hook.CompressionHook`
   (``none`` = the engine's uncompressed fp32 all-reduce; fp16 and bf16 without error
   feedback, like torch's hook; int8, top-k 1% and PowerSGD rank 4 with it);
+- ``dptrain/adamw``, ``dptrain/onebit_adam``: the engine uncompressed with AdamW, and with
+  :class:`~dptrain.optim.OneBitAdam` (its warm-up is the untimed steps, so every timed step
+  sends the momentum in 1 bit): the pair that shows what 1-bit Adam saves an Adam user;
 - ``torch/none``, ``torch/fp16_compress_hook``, ``torch/powerSGD_hook``: torch's
   ``DistributedDataParallel``, bare and with its own hooks (PowerSGD rank 4, error
   feedback and warm start on, compressing from step 2). torch's PowerSGD hook runs on
   gloo only with a single bucket (see ``_wrap``), so that variant has one; the others
   use 25 MB buckets.
 
-A step is zero_grad, forward, loss, backward (with the sync), SGD-with-momentum step,
+A step is zero_grad, forward, loss, backward (with the sync), SGD-with-momentum step (AdamW, 1-bit Adam),
 timed after a barrier; its time is the slower rank's. Reported: each variant's median
 step, its speed-up over ``dptrain/none`` and the dptrain/torch ratios for fp16 and
 PowerSGD, as medians of per-round paired ratios with a bootstrap 90% interval; for
@@ -57,7 +60,7 @@ from torch.utils.data import default_collate
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.bench.results import save_result
 from dptrain.bench.stats import paired_ratios
-from dptrain.cli.bench_group import bench_command
+from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.compress import make_codec
 from dptrain.compress.base import SPANS
@@ -70,11 +73,13 @@ from dptrain.tasks import build_task
 __all__ = ["VARIANTS", "run", "main"]
 
 VARIANTS = ["no_comm", "dptrain/none", "dptrain/fp16", "dptrain/bf16", "dptrain/int8", "dptrain/topk",
-            "dptrain/powersgd", "torch/none", "torch/fp16_compress_hook", "torch/powerSGD_hook"]
+            "dptrain/powersgd", "dptrain/adamw", "dptrain/onebit_adam", "torch/none", "torch/fp16_compress_hook",
+            "torch/powerSGD_hook"]
+ADAM = {"dptrain/adamw", "dptrain/onebit_adam"}  # the engine uncompressed, with their own optimizers
 PAIRS = [("dptrain/fp16", "torch/fp16_compress_hook"), ("dptrain/powersgd", "torch/powerSGD_hook"),
          ("dptrain/none", "torch/none")]
 RANK, TOPK = 4, 0.01
-GOAL, GOAL_VARIANTS = 2.0, ("dptrain/int8", "dptrain/powersgd")  # speed-up over fp32 (issue 24)
+GOAL, GOAL_VARIANTS = 2.0, ("dptrain/int8", "dptrain/powersgd", "dptrain/onebit_adam")  # over fp32 (issues 24, 40)
 
 
 def _wrap(variant: str, module: nn.Module) -> tuple[nn.Module, CompressionHook | None]:
@@ -83,7 +88,7 @@ def _wrap(variant: str, module: nn.Module) -> tuple[nn.Module, CompressionHook |
         return module, None
     if engine == "dptrain":
         model = DistributedDataParallel(module, bucket_cap_mb=25)
-        if codec == "none":
+        if codec == "none" or variant in ADAM:
             return model, None
         # error feedback where the study needs it (int8, top-k, PowerSGD); fp16/bf16 without, as torch's hook
         hook = CompressionHook(make_codec(codec, topk_fraction=TOPK, powersgd_rank=RANK),
@@ -122,11 +127,14 @@ def _worker(out: Path, args: dict) -> None:
     reference = task.build_model()
     batch = default_collate([task.train_set[rank * args["micro_batch"] + i] for i in range(args["micro_batch"])])
     models, opts, hooks = {}, {}, {}
-    for variant in VARIANTS:
+    variants = args["variants"]
+    for variant in variants:
         module = task.build_model()
         module.load_state_dict(reference.state_dict())
         models[variant], hooks[variant] = _wrap(variant, module)
-        opts[variant] = torch.optim.SGD(models[variant].parameters(), lr=1e-3, momentum=0.9)
+        opts[variant] = _optimizer(variant, models[variant], args["warmup"])
+        if variant == "dptrain/onebit_adam":
+            hooks[variant] = opts[variant].compressor  # its stats: the momentum's 1-bit all-reduce
 
     def step(variant: str) -> float:
         dist.barrier()
@@ -136,7 +144,7 @@ def _worker(out: Path, args: dict) -> None:
         opts[variant].step()
         return time.perf_counter() - start
 
-    for variant in VARIANTS:  # warm-up: torch rebuilds its buckets, PowerSGD starts at step 2
+    for variant in variants:  # warm-up: torch rebuilds its buckets, PowerSGD starts at step 2
         for _ in range(args["warmup"]):
             step(variant)
     sent = {}
@@ -145,7 +153,7 @@ def _worker(out: Path, args: dict) -> None:
             hook.stats.close_step()
             step(variant)
             sent[variant] = hook.stats.close_step()
-    times: dict[str, list[list[float]]] = {v: [] for v in VARIANTS}
+    times: dict[str, list[list[float]]] = {v: [] for v in variants}
     split: dict[str, list[dict]] = {v: [] for v, hook in hooks.items() if hook is not None}
     for hook in hooks.values():
         if hook is not None:
@@ -158,7 +166,7 @@ def _worker(out: Path, args: dict) -> None:
         return seconds
 
     for round_index in range(args["rounds"]):
-        order = list(VARIANTS)
+        order = list(variants)
         random.Random(round_index).shuffle(order)
         for variant in order:
             times[variant].append([timed_step(variant) for _ in range(args["steps"])])
@@ -166,7 +174,7 @@ def _worker(out: Path, args: dict) -> None:
     dist.all_gather_object(every, (times, split))
     if rank == 0:
         slowest = {v: [[max(r[v][k][i] for r, _ in every) for i in range(args["steps"])] for k in range(args["rounds"])]
-                   for v in VARIANTS}
+                   for v in variants}
         # each kind's median seconds per step, averaged over the ranks
         spans = {v: {kind: statistics.mean(statistics.median(rec[f"{kind}_s"] for rec in s[v]) for _, s in every)
                      for kind in SPANS} for v in split}
@@ -176,11 +184,22 @@ def _worker(out: Path, args: dict) -> None:
     leave_process_groups()
 
 
+def _optimizer(variant: str, model: nn.Module, warmup: int) -> torch.optim.Optimizer:
+    if variant == "dptrain/adamw":
+        return torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if variant == "dptrain/onebit_adam":
+        from dptrain.optim import OneBitAdam
+
+        return OneBitAdam(model.module.parameters(), model, lr=1e-3, weight_decay=0.01, freeze_step=warmup)
+    return torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+
+
 def run(rate_gbit: float, rounds: int, steps: int, warmup: int, n_embd: int, n_layer: int, block_size: int,
-        micro_batch: int, timeout: float = 3600) -> dict:
+        micro_batch: int, timeout: float = 3600, variants: list[str] | None = None) -> dict:
     check_root()
+    variants = [v for v in VARIANTS if v in (variants or VARIANTS) or v == "dptrain/none"]  # the baseline always
     args = dict(rounds=rounds, steps=steps, warmup=warmup, n_embd=n_embd, n_layer=n_layer, block_size=block_size,
-                micro_batch=micro_batch)
+                micro_batch=micro_batch, variants=variants)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         with Network(2, rate_mbit=rate_gbit * 1000) as net:
@@ -192,10 +211,12 @@ def run(rate_gbit: float, rounds: int, steps: int, warmup: int, n_embd: int, n_l
         raw = json.loads(out.read_text())
     times = raw["step_times_s"]
     medians = {v: statistics.median(t for rnd in per_round for t in rnd) for v, per_round in times.items()}
-    speedups = {v: paired_ratios(times["dptrain/none"], times[v]) for v in VARIANTS}
-    versus = {f"{a} / {b}": paired_ratios(times[a], times[b]) for a, b in PAIRS}
+    speedups = {v: paired_ratios(times["dptrain/none"], times[v]) for v in variants}
+    versus = {f"{a} / {b}": paired_ratios(times[a], times[b]) for a, b in PAIRS if a in times and b in times}
+    if ADAM <= set(times):  # what 1-bit Adam saves an AdamW user
+        speedups["onebit_adam vs adamw"] = paired_ratios(times["dptrain/adamw"], times["dptrain/onebit_adam"])
     return {"config": {**args, "rate_gbit": rate_gbit, "params": raw["params"], "hosts": 2, "workers_per_host": 1,
-                       "optimizer": "SGD momentum 0.9", "torch": torch.__version__, "cpus": os.cpu_count()},
+                       "optimizer": "SGD momentum 0.9 (dptrain/adamw: AdamW; dptrain/onebit_adam: 1-bit Adam)", "torch": torch.__version__, "cpus": os.cpu_count()},
             "median_step_s": medians, "speedup_vs_fp32": speedups, "dptrain_vs_torch": versus,
             "bytes_per_step": raw["bytes"], "spans_s": raw["spans_s"], "step_times_s": times}
 
@@ -210,8 +231,8 @@ def table(result: dict) -> str:
              f"speed-up vs dptrain fp32 [90% interval] | goal {GOAL:g}x |",
              "|---|---:|---:|---:|---:|---|"]
     fp32 = 4 * cfg["params"]  # a ring all-reduce at 2 ranks sends each rank's whole buffer once
-    plain = {"dptrain/none": fp32, "torch/none": fp32, "torch/fp16_compress_hook": fp32 // 2}
-    for variant in VARIANTS:
+    plain = {"dptrain/none": fp32, "dptrain/adamw": fp32, "torch/none": fp32, "torch/fp16_compress_hook": fp32 // 2}
+    for variant in [v for v in VARIANTS if v in med]:
         b = result["bytes_per_step"].get(variant)
         sent_bytes = b["sent_bytes"] if b else plain.get(variant)
         sent = f"{sent_bytes / 2**20:.2f}" if sent_bytes is not None else "-"
@@ -221,8 +242,13 @@ def table(result: dict) -> str:
         goal = ("met" if s["median"] >= GOAL else "missed") if variant in GOAL_VARIANTS else ""
         lines.append(f"| {variant} | {sent} | {med[variant] * 1e3:.0f} | {split} | {s['median']:.2f}x "
                      f"[{s['ci90'][0]:.2f}, {s['ci90'][1]:.2f}] | {goal} |")
-    lines += ["", "| dptrain / torch, same codec (step time) | median of per-round ratios | 90% interval |",
-              "|---|---:|---:|"]
+    if "onebit_adam vs adamw" in result["speedup_vs_fp32"]:
+        s = result["speedup_vs_fp32"]["onebit_adam vs adamw"]
+        lines += ["", f"dptrain/onebit_adam against dptrain/adamw (fp32, the same optimizer's uncompressed step): "
+                      f"{s['median']:.2f}x [{s['ci90'][0]:.2f}, {s['ci90'][1]:.2f}]"]
+    if result["dptrain_vs_torch"]:
+        lines += ["", "| dptrain / torch, same codec (step time) | median of per-round ratios | 90% interval |",
+                  "|---|---:|---:|"]
     for name, r in result["dptrain_vs_torch"].items():
         lines.append(f"| {name} | {r['median']:.3f} | {r['ci90'][0]:.3f} - {r['ci90'][1]:.3f} |")
     return "\n".join(lines)
@@ -237,11 +263,13 @@ def table(result: dict) -> str:
 @click.option("--n-layer", type=int, default=4, help="the GPT's blocks")
 @click.option("--block-size", type=int, default=64, help="tokens per sequence")
 @click.option("--micro-batch", type=int, default=1, help="sequences per rank per step")
+@click.option("--variants", cls=Variadic, type=click.Choice(VARIANTS),
+              help="the variants to run (dptrain/none, the baseline, always runs); default: all")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/compression_link.json"),
               help="the JSON result to write")
 def main(rate: float, rounds: int, steps: int, warmup: int, n_embd: int, n_layer: int, block_size: int,
-         micro_batch: int, out: Path) -> None:
-    result = run(rate, rounds, steps, warmup, n_embd, n_layer, block_size, micro_batch)
+         micro_batch: int, variants: tuple[str, ...], out: Path) -> None:
+    result = run(rate, rounds, steps, warmup, n_embd, n_layer, block_size, micro_batch, variants=list(variants))
     print(table(result))
     save_result(out, result)
 
