@@ -162,3 +162,40 @@ def test_tail_comm_is_the_last_launched_reduction_at_the_steps_rate() -> None:
     assert stats.tail_comm_s == pytest.approx(stats.comm_busy_s * 3 / 4)
     stats.optimizer_s = 0.001  # optimizer_in_backward's steps inside the wait are computation
     assert stats.exposed_comm_s == pytest.approx(0.012 - 0.0095 - 0.001)
+
+
+def _engine_in_backward(rank: int, world_size: int) -> dict:
+    from dptrain import BatchPlan, Engine
+    from dptrain.api.step import NonFiniteRun
+
+    plan = BatchPlan.resolve(world_size, micro_batch_size=4)
+    rates = []
+    engine = Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), plan,
+                    lr_at=lambda s: rates.append(s) or 0.1 * (s + 1))
+    engine.optimizer_in_backward()
+    out = {}
+    for step in range(2):
+        before = [p.detach().clone() for p in engine.model.parameters()]
+        engine.backward(nn.functional.mse_loss(engine.model(torch.ones(4, 16) * (rank + step)), torch.zeros(4, 4)))
+        out[f"moved in backward {step}"] = any(not torch.equal(a, p) for a, p in zip(before, engine.model.parameters(),
+                                                                                     strict=True))
+        out[f"lr {step}"] = engine.step().lr
+    try:
+        engine.backward(engine.model(torch.full((4, 16), float("nan"))).sum())
+        engine.step()
+        out["nan"] = "no error"
+    except NonFiniteRun as e:
+        out["nan"] = str(e)
+    try:
+        Engine(_model(), lambda m: torch.optim.SGD(m.parameters(), lr=1.0), plan, grad_clip=1.0).optimizer_in_backward()
+    except ValueError as e:
+        out["clip"] = str(e)
+    return out
+
+
+def test_the_engine_sets_each_steps_rate_before_backward_steps_and_never_calls_a_non_finite_step_skipped() -> None:
+    out = run_on_ranks(_engine_in_backward, 2)[0]
+    assert out["moved in backward 0"] and out["moved in backward 1"]
+    assert (out["lr 0"], out["lr 1"]) == (0.1, 0.2)  # lr_at(step) set before that step's backward stepped
+    assert "already applied them inside backward" in out["nan"]
+    assert "grad_clip 1.0" in out["clip"]

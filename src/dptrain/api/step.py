@@ -36,7 +36,12 @@ from torch import nn
 
 from dptrain.launch.heartbeat import mark_progress
 
-__all__ = ["OptimizerStep", "StepOutcome", "clip_by_global_norm", "average_window"]
+__all__ = ["OptimizerStep", "StepOutcome", "NonFiniteRun", "clip_by_global_norm", "average_window"]
+
+
+class NonFiniteRun(RuntimeError):
+    """Training cannot go on for non-finite gradients: every step of a window was skipped
+    (``dptrain.runner.skips``), or the optimizer had already applied them inside backward."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,11 @@ class OptimizerStep:
         average_window(params, micro_steps)
         norm = clip_by_global_norm(params, self.grad_clip, self.wrapper if self.sharded else None)
         skipped = not math.isfinite(norm)
+        if skipped and getattr(self.optimizer, "_dptrain_in_backward", None) is not None:
+            raise NonFiniteRun(f"step {self.steps + 1}: the gradients were not finite (norm {norm}) and the optimizer "
+                               "had already applied them inside backward (optimizer_in_backward), so the step could "
+                               "not be skipped: lower the learning rate, or turn optimizer_in_backward off so that "
+                               "such steps are skipped")
         if self.wrapper is not None:
             self.wrapper.before_optimizer_step()
         result = self._step(skipped, closure)

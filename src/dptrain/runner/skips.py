@@ -9,11 +9,9 @@ on a streak of skips covering half its steps or more.
 
 from __future__ import annotations
 
+from dptrain.api.step import NonFiniteRun
+
 __all__ = ["NonFiniteRun", "SkipBound"]
-
-
-class NonFiniteRun(RuntimeError):
-    """Every step of a window was skipped for non-finite gradients: training has stopped learning."""
 
 
 class SkipBound:
