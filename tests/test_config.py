@@ -72,3 +72,12 @@ def test_identity_ignores_what_does_not_change_a_step():
     assert identity_hash(identity(base)) == identity_hash(identity(tuned))
     assert identity_hash(identity(base)) != identity_hash(identity(changed))
     assert "train.lr" in identity(base) and "train.steps" not in identity(base)
+
+
+def test_docs_run_md_holds_the_config_reference_as_the_schema_prints_it():
+    from pathlib import Path
+
+    from dptrain.config.schema import reference_markdown
+
+    doc = (Path(__file__).parents[1] / "docs" / "run.md").read_text()
+    assert reference_markdown().strip() in doc, "regenerate docs/run.md's table: dptrain run --config-reference"
