@@ -81,3 +81,10 @@ def test_docs_run_md_holds_the_config_reference_as_the_schema_prints_it():
 
     doc = (Path(__file__).parents[1] / "docs" / "run.md").read_text()
     assert reference_markdown().strip() in doc, "regenerate docs/run.md's table: dptrain run --config-reference"
+
+
+def test_a_field_added_after_checkpoints_were_written_is_out_of_the_identity_at_its_default():
+    from dptrain.config import identity, load_config
+
+    assert "train.onebit_freeze_step" not in identity(load_config())  # older checkpoints keep resuming
+    assert identity(load_config(None, ["train.onebit_freeze_step=5"]))["train.onebit_freeze_step"] == 5

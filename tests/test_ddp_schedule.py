@@ -87,6 +87,13 @@ def test_parameters_equal_torch_ddp_after_every_step(name: str, world_size: int)
         assert max(gaps) <= tolerance, f"rank {rank}: largest gap per step {gaps}"
 
 
+class _Communicating(torch.optim.SGD):
+    communicates_in_step = True  # as dptrain.optim.OneBitAdam says of itself
+
+    def __init__(self, params):
+        super().__init__(params, lr=0.1)
+
+
 def _refusals(rank: int, world_size: int) -> list[str]:
     model = DistributedDataParallel(_model())
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,6 +102,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
     for call in (lambda: model.optimizer_in_backward(opt),
                  lambda: DistributedDataParallel(_model()).optimizer_in_backward(opt),
                  lambda: DistributedDataParallel(_model()).optimizer_in_backward("adam"),
+                 lambda: DistributedDataParallel(_model()).optimizer_in_backward(_Communicating(_model().parameters())),
                  lambda: opt.step(lambda: 0.0)):
         try:
             call()
@@ -105,7 +113,8 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 
 
 def test_misuse_is_refused_with_the_reason() -> None:
-    twice, shared, not_an_optimizer, closure = run_on_ranks(_refusals, 1)[0]
+    twice, shared, not_an_optimizer, communicating, closure = run_on_ranks(_refusals, 1)[0]
+    assert "_Communicating communicates across ranks in its own step" in communicating
     assert "once per model" in twice
     assert "called twice" in shared
     assert "needs a torch.optim.Optimizer, got str" in not_an_optimizer

@@ -307,7 +307,7 @@ NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_
 # Fields added after checkpoints were written: left out of the identity while they hold their
 # default, so a checkpoint written before they existed still resumes (and one that sets them
 # differently does not).
-ADDED_LATER = ("data.", "hf.", "gpt.vocab_size")
+ADDED_LATER = ("data.", "hf.", "gpt.vocab_size", "train.onebit_freeze_step")
 
 
 def section_fields(cls: type) -> dict[str, Any]:

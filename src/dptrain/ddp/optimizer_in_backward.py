@@ -42,6 +42,10 @@ class BucketOptimizer:
     def __init__(self, optimizer: torch.optim.Optimizer, reduced: Iterable[torch.nn.Parameter]):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer_in_backward needs a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if getattr(optimizer, "communicates_in_step", False):
+            raise TypeError(f"optimizer_in_backward steps one bucket's parameters at a time; "
+                            f"{type(optimizer).__name__} communicates across ranks in its own step (all parameters at "
+                            "once), so it cannot: leave optimizer_in_backward off")
         if hasattr(optimizer, "_dptrain_in_backward"):
             raise RuntimeError("this optimizer already steps in backward (optimizer_in_backward was called twice)")
         self.optimizer = optimizer

@@ -63,6 +63,10 @@ class OneBitAdam(torch.optim.Optimizer):
     ``lr``, ``betas``, ``eps``, ``weight_decay``: AdamW's, per param group.
     """
 
+    # its step() all-reduces the momentum of every parameter at once: the DDP engine's optimizer_in_backward,
+    # which steps one bucket's parameters at a time, refuses it
+    communicates_in_step = True
+
     def __init__(self, params: Iterable, model: nn.Module, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
                  freeze_step: int = 100, process_group: dist.ProcessGroup | None = None):
