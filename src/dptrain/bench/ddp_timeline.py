@@ -39,6 +39,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from dptrain.bench.ddp_models import MODELS, build_model
 from dptrain.cli.bench_group import bench_command
+from dptrain.comm.step_stats import union_length
 from dptrain.ddp import DistributedDataParallel
 from dptrain.testing import run_on_ranks
 
@@ -145,19 +146,10 @@ def summarise(per_rank: list[dict]) -> dict[str, dict[str, float]]:
                "optimizer": med(lambda s: s["end"] - s["backward_end"]),
                "step": med(lambda s: s["end"] - s["start"])}
         if variant != "no_comm":
-            row["comm busy"] = med(lambda s: _union([(a, b) for a, b in s["comm"] if b is not None]))
+            row["comm busy"] = med(lambda s: union_length([(a, b) for a, b in s["comm"] if b is not None]))
             row["isolated all-reduces"] = 1e3 * max(sum(r["isolated"][variant]) for r in per_rank)
         rows[variant] = row
     return rows
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
 
 
 def chrome_trace(per_rank: list[dict]) -> dict:

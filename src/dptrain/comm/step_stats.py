@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepCommStats"]
+__all__ = ["StepCommStats", "union_length"]
 
 
 @dataclass
@@ -59,18 +59,19 @@ class StepCommStats:
     @property
     def comm_busy_s(self) -> float:
         """Time during which at least one reduction was in flight."""
-        return _union_length([(s, e) for _, s, e in self.bucket_spans if e is not None])
+        return union_length([(s, e) for _, s, e in self.bucket_spans if e is not None])
 
     @property
     def overlap(self) -> float:
         """Fraction of the communication time that ran while backward was still computing."""
         busy = self.comm_busy_s
-        hidden = _union_length([(s, min(e, self.backward_end)) for _, s, e in self.bucket_spans
+        hidden = union_length([(s, min(e, self.backward_end)) for _, s, e in self.bucket_spans
                                 if e is not None and s < self.backward_end])
         return hidden / busy if busy > 0 else 0.0
 
 
-def _union_length(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """The total length covered by ``intervals`` (overlaps counted once)."""
     total, end = 0.0, float("-inf")
     for start, stop in sorted(intervals):
         if stop > end:

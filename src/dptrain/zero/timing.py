@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dptrain.comm.step_stats import StepCommStats, _union_length
+from dptrain.comm.step_stats import StepCommStats, union_length
 
 __all__ = ["ShardedStepComm", "Timed", "start_timing"]
 
@@ -43,7 +43,7 @@ class ShardedStepComm(StepCommStats):
     @property
     def exposed_comm_s(self) -> float:
         """Time the training thread waited for a collective still running (union of the waits)."""
-        return _union_length([(max(s, span[1]), min(e, span[2])) for span, s, e in self.waits
+        return union_length([(max(s, span[1]), min(e, span[2])) for span, s, e in self.waits
                               if span[2] is not None and min(e, span[2]) > max(s, span[1])])
 
     @property
