@@ -35,6 +35,7 @@ def snapshot(directory):
      "the training set has 20 samples"),
     (["--set", "train.steps=0"], "train.steps must be at least 1, got 0"),
     (["--set", "ddp.roll_call_s=-1"], "ddp.roll_call_s must be at least 0.0, got -1"),
+    (["--set", "ddp.last_bucket_cap_mb=-1"], "ddp.last_bucket_cap_mb must be a positive size in MiB, got -1"),
     (["--set", 'ddp.algorithm="rings"'], "'ddp.algorithm' in --set ddp.algorithm=\"rings\" must be one of native, ring"),
     (["--nproc", "2", "--set", "ddp.ranks_per_node=3"],
      "ddp.ranks_per_node=3 does not divide the world size 2; choose one of [1, 2]"),

@@ -163,6 +163,9 @@ def _check_ranges(cfg: RunConfig) -> None:
     for name, value, low in checks:
         if value < low:
             raise ConfigError(f"{name} must be at least {low}, got {value}")
+    for name, value in (("ddp.bucket_cap_mb", cfg.ddp.bucket_cap_mb), ("ddp.last_bucket_cap_mb", cfg.ddp.last_bucket_cap_mb)):
+        if value is not None and not value > 0:
+            raise ConfigError(f"{name} must be a positive size in MiB, got {value}; leave it unset for the default")
     if not cfg.train.lr > 0:  # the loader refuses nan and inf already
         raise ConfigError(f"train.lr must be a positive learning rate, got {cfg.train.lr}; e.g. --set train.lr=3e-4")
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
