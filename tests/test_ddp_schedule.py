@@ -208,3 +208,27 @@ def test_the_engine_sets_each_steps_rate_before_backward_steps_and_never_calls_a
     assert (out["lr 0"], out["lr 1"]) == (0.1, 0.2)  # lr_at(step) set before that step's backward stepped
     assert "already applied them inside backward" in out["nan"]
     assert "grad_clip 1.0" in out["clip"]
+
+
+@pytest.mark.slow  # dptrain run --nproc 2 starts its workers
+@pytest.mark.timeout(240)
+def test_dptrain_run_with_optimizer_in_backward_resumes_exactly(tmp_path) -> None:
+    """4 steps straight, against 2 steps and a resumption to 4: the same weights bit for bit (the learning
+    rate of each step is set before its backward steps, from the restored step count)."""
+    from safetensors.torch import load_file
+
+    from _cli import dptrain, tiny_gpt_config
+
+    config = str(tiny_gpt_config(tmp_path))
+    common = ["run", "--nproc", "2", "--config", config, "--set", "ddp.optimizer_in_backward=true",
+              "--set", "train.grad_clip=0", "--set", "checkpoint.every=2", "--set", "train.warmup_steps=2"]
+    straight = dptrain(*common, "--set", "train.steps=4", "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr
+    first = dptrain(*common, "--set", "train.steps=2", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    after_two = load_file(tmp_path / "b" / "model.safetensors")
+    resumed = dptrain(*common, "--set", "train.steps=4", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr
+    a, b = load_file(tmp_path / "a" / "model.safetensors"), load_file(tmp_path / "b" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], after_two[k]) for k in a)  # the resumed steps trained
