@@ -24,6 +24,6 @@ def test_the_gpu_check_runs_end_to_end_on_the_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr + log[-4000:]
     assert "ALL STEPS OK" in proc.stdout and "0 failed, 1 skipped" in proc.stdout, proc.stdout
     names = sorted(p.name for p in tmp_path.iterdir())
-    assert names == ["bench_1.json", "bench_2.json", "bench_3.json", "bench_small.json", "check.log", "profile.json",
-                     "summary.txt"], names
+    # the rehearsal runs the benchmark once (three times on a device)
+    assert names == ["bench_1.json", "bench_small.json", "check.log", "profile.json", "summary.txt"], names
     assert (tmp_path / "summary.txt").read_text() == proc.stdout
