@@ -1,6 +1,6 @@
 """CPU ports of torch's GPU-only DDP tests, continued: comm hooks and SyncBatchNorm (issue 41).
 
-The harness and what "equal" means: tests/test_ddp_ports.py. One spawn for this group.
+The harness: tests/_ddp_ports.py; what "equal" means: tests/test_ddp_ports.py. One spawn for this group.
 
 Comm hooks (test_ddp_hook_parity_*): torch's own hooks from
 ``torch.distributed.algorithms.ddp_comm_hooks``, registered on torch's DDP and on dptrain's,
@@ -30,7 +30,7 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook, powerSGD_hook
 from torch.distributed.nn.functional import all_reduce as differentiable_all_reduce
 
-from test_ddp_ports import BatchNormNet, Record, check_case, group_results, rank_input, sgd_step, snapshot
+from _ddp_ports import BatchNormNet, Record, check_case, group_results, rank_input, sgd_step, snapshot
 
 STEPS = 12
 
@@ -135,14 +135,9 @@ CASES.update({
     "syncbn_standin_find_unused": functools.partial(syncbn_collectives_in_forward_and_backward, find_unused=True),
 })
 NOT_TRAINING = {"syncbn_refused_on_cpu"}
-_SET_BUFFER = ("dptrain bug: GradBucket.set_buffer copies into the float32 bucket instead of replacing it, so after "
-               "fp16_compress_wrapper's set_buffer(buffer().to(float16)) the wrapped hook still sees and all-reduces "
-               "a float32 buffer (values rounded to fp16, no compression); torch's hook all-reduces in float16")
-XFAIL: dict[str, str] = {}  # none left: GradBucket.set_buffer now replaces the buffer, as torch's
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(strict=True, reason=XFAIL[n]))
-                                  if n in XFAIL else n for n in CASES])
+@pytest.mark.parametrize("name", list(CASES))
 def test_port_matches_torchs_ddp(request, name: str) -> None:
     check_case(group_results(request, "test_ddp_ports_hooks", list(CASES)), name,
                expect_moved=name not in NOT_TRAINING)
