@@ -48,18 +48,26 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return config
 
 
+CONFIG_LIMIT = 1 << 20  # bytes: a run config is a few KB; a larger file is not one (and would be echoed and copied)
+
+
 def _read_toml(path: Path) -> dict[str, Any]:
-    """The TOML file at ``path``; a ConfigError naming the file and the fix for a missing, unreadable or bad one."""
+    """The TOML file at ``path``; a ConfigError naming the file and the fix for a missing, unreadable, oversized
+    or bad one."""
     if path.is_dir():
         tomls = sorted(p.name for p in path.glob("*.toml"))[:3]
         raise ConfigError(f"config file {path} is a directory; --config takes a TOML file"
                           + (f", e.g. {path / tomls[0]} (it holds {', '.join(tomls)})" if tomls else ""))
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as f:
+            raw = f.read(CONFIG_LIMIT + 1)
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except OSError as e:
         raise ConfigError(f"config file {path} cannot be read: {e.strerror}") from None
+    if len(raw) > CONFIG_LIMIT:
+        raise ConfigError(f"config file {path} is over {CONFIG_LIMIT >> 20} MiB; a run config is a few KB of TOML "
+                          "(docs/run.md): is it the right file?")
     try:
         text = raw.decode("utf-8")  # TOML is UTF-8
     except UnicodeDecodeError as e:
@@ -70,6 +78,9 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"{path} is not valid TOML: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path} nests arrays or tables too deeply to read (thousands of levels); a run config "
+                          "has two") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -79,7 +90,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"--set {text!r}: expected key=value, e.g. --set train.lr=3e-4")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
+    except (tomllib.TOMLDecodeError, RecursionError):
         value = raw.strip()
     return key.strip(), value
 
@@ -130,12 +141,12 @@ def _check_value(dotted: str, value: Any, kind: Any, choices: tuple | None, sour
     }.get(typing.get_origin(base) or base, True)
     if not ok:
         expected = getattr(base, "__name__", str(base)) + (" or none" if optional else "")
-        raise ConfigError(f"{dotted!r} in {source} must be {expected}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{dotted!r} in {source} must be {expected}, got {shown(value)} ({type(value).__name__})")
     if base is float and not math.isfinite(value):
         raise ConfigError(f"{dotted!r} in {source} must be a finite number, got {value!r}")
     if choices is not None and value not in choices:
-        raise ConfigError(f"{dotted!r} in {source} must be one of {', '.join(map(str, choices))}; got {value!r}"
-                          f"{_closest(str(value), [str(c) for c in choices])}")
+        raise ConfigError(f"{dotted!r} in {source} must be one of {', '.join(map(str, choices))}; got {shown(value)}"
+                          f"{_closest(str(value)[:100], [str(c) for c in choices])}")
     return float(value) if base is float else value
 
 
@@ -265,11 +276,17 @@ def unused_fields(flat: dict[str, Any]) -> set[str]:
     return unused
 
 
+def shown(value: Any, text=repr, limit: int = 80) -> str:
+    """``value`` for a message: its repr (or ``text(value)``), cut to about ``limit`` characters."""
+    out = text(value)
+    return out if len(out) <= limit else f"{out[:limit]}... ({len(out):,} characters)"
+
+
 def unused_settings(cfg: RunConfig) -> str | None:
     """One line naming the fields set away from their defaults that this run never reads; None if there are none."""
     flat, defaults = _flat_identity(cfg), _flat_identity(RunConfig())
     unused = unused_fields(flat)
-    settings = [f"{k}={json.dumps(v)}" for k, v in flat.items() if k in unused and v != defaults[k]]
+    settings = [f"{k}={shown(v, json.dumps)}" for k, v in flat.items() if k in unused and v != defaults[k]]
     if not settings:
         return None
     why = ("hf.path builds the model" if cfg.hf.path else f"task.model {cfg.task.model!r} builds the model from "

@@ -25,7 +25,7 @@ from torch import nn
 from dptrain.config import ConfigError
 from dptrain.config.extras import require
 
-__all__ = ["load_config", "causal_lm", "has_weights", "context_length", "save_pretrained_from"]
+__all__ = ["load_config", "causal_lm", "has_weights", "check_weights", "context_length", "save_pretrained_from"]
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -40,6 +40,21 @@ def _transformers():
 
 def has_weights(path: str | Path) -> bool:
     return any((Path(path) / name).is_file() for name in WEIGHTS)
+
+
+def check_weights(path: str | Path) -> None:
+    """A ConfigError naming the file unless each safetensors weights file in ``path`` has a header safetensors
+    accepts (its size within the file, every tensor's bytes inside it): checked before launch, memory-mapped,
+    where loading would otherwise fail in every worker after the run directory is written."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except (SafetensorError, OSError) as e:
+            raise ConfigError(f"hf.path {path}: {file.name} is not a readable safetensors file ({e}); it is "
+                              "truncated or damaged: copy it again from where it was saved") from None
 
 
 def load_config(path: str | Path):

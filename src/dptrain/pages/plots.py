@@ -18,11 +18,15 @@ __all__ = ["read_metrics", "plot_run", "plot_timeline", "spans_a_decade"]
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) of a ``metrics.jsonl``."""
+    """(train records, eval records) of a ``metrics.jsonl``; a line that is no whole record (a crash cut it) is
+    left out."""
     train, evals = [], []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
+    for line in Path(path).read_text(errors="replace").splitlines():
+        try:
             rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
             (evals if rec.get("kind") == "eval" else train).append(rec)
     return train, evals
 

@@ -28,6 +28,12 @@ checkpoint that looks complete. Older checkpoints beyond ``keep_last`` are delet
 after the new one is in place, each renamed to a hidden trash name first, and never
 while a reader (``dptrain consolidate``) holds it ([Note: rotation and readers]).
 
+**Trusted by content, not by name**: only a real directory (not a link) whose name is
+``step_`` and eight ASCII digits, holding a ``meta.json`` that records that same step,
+counts as a checkpoint (:func:`scan_checkpoints`); anything else under ``checkpoints/`` (a
+copy, a link, a file, a name in other digits) is neither resumed from nor rotated away,
+and is named in a note. Rotation never deletes the checkpoint it has just written.
+
 **Checked**: before resuming, the checkpoint's files are hashed against ``meta.json``
 (a truncated or edited file is caught) and its config identity (the fields that decide
 what a step computes, ``config.identity``) is compared with the current config's; a
@@ -51,9 +57,8 @@ import json
 import os
 import random
 import re
-import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -64,11 +69,14 @@ from dptrain.config.loader import identity_hash as hash_identity
 from dptrain.config.loader import normalize_identity
 from dptrain.strategies.registry import SHARDED  # the sharded checkpoint's subdirectory, named by the registry
 from dptrain.utils.atomic import TRASH, remove_tree
+from dptrain.utils.files import UnsafePath, describe, inside, open_file, read_bytes
 
-__all__ = ["SHARDED", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "verify_checkpoint",
-           "verify_files", "prune_checkpoints", "reading", "remove_partial", "rng_state", "set_rng_state"]
+__all__ = ["SHARDED", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "scan_checkpoints",
+           "verify_checkpoint", "verify_files", "prune_checkpoints", "reading", "remove_partial", "rng_state",
+           "set_rng_state", "fresh_dir", "check_readable"]
 
-_NAME = re.compile(r"^step_(\d{8})$")
+_NAME = re.compile(r"^step_([0-9]{8})$", re.ASCII)  # ASCII digits: \d would take other scripts' digits too
+META_LIMIT = 64 << 20  # bytes a meta.json may hold: a few KB in practice
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
 _WRITTEN_BY = {"replicated": "ddp or gossip", "sharded": "zero1, zero2 or zero3", "ps": "ps"}  # format -> strategies
 _INTERCHANGEABLE = ("replicated", "sharded")  # the same names in two containers (strategies/state.py)
@@ -83,12 +91,53 @@ def checkpoint_root(run_dir: Path) -> Path:
 
 
 def find_latest(run_dir: Path) -> Path | None:
-    """The complete checkpoint with the highest step, or None."""
-    root = checkpoint_root(run_dir)
-    if not root.is_dir():
-        return None
-    found = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and p.is_dir())
+    """The complete checkpoint with the highest step (:func:`scan_checkpoints`), or None."""
+    found, _ = scan_checkpoints(run_dir)
     return found[-1][1] if found else None
+
+
+def scan_checkpoints(run_dir: Path) -> tuple[list[tuple[int, Path]], list[str]]:
+    """The run's checkpoints, sorted by step, and a note on each entry of ``checkpoints/`` that is not one.
+
+    A checkpoint is a real directory named ``step_<8 ASCII digits>`` whose ``meta.json`` (a regular
+    file) records that step: what :func:`save_checkpoint` publishes, whole, with one rename. Hidden
+    entries (staging and trash) are not listed.
+    """
+    root = checkpoint_root(run_dir)
+    found, strays = [], []
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return found, strays
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        why = _not_a_checkpoint(Path(entry.path), entry)
+        if why:
+            strays.append(f"{entry.path} {why}")
+        else:
+            found.append((int(_NAME.match(entry.name).group(1)), Path(entry.path)))
+    return found, strays
+
+
+def _not_a_checkpoint(path: Path, entry: os.DirEntry) -> str | None:
+    """Why ``path`` is not one of the run's checkpoints, or None when it is."""
+    m = _NAME.match(path.name)
+    if m is None:
+        return "is not named step_<8 digits>"
+    if entry.is_symlink():
+        return f"is a symbolic link (to {os.readlink(path)})"
+    if not entry.is_dir(follow_symlinks=False):
+        return "is not a directory"
+    try:
+        step = json.loads(read_bytes(path / "meta.json", META_LIMIT)).get("step")
+    except FileNotFoundError:
+        return "has no meta.json (incomplete)"
+    except (OSError, ValueError, AttributeError):
+        return "has an unreadable meta.json"
+    if step != int(m.group(1)):
+        return f"records step {step!r} in its meta.json, not {int(m.group(1))} (a copy or a renamed checkpoint)"
+    return None
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
@@ -96,36 +145,57 @@ def staging_dir(run_dir: Path, step: int) -> Path:
     return checkpoint_root(run_dir) / f".step_{step:08d}.tmp"
 
 
+def fresh_dir(path: Path) -> Path:
+    """An empty new directory at ``path``: whatever was there (a directory, a file, a link) removed first."""
+    remove_tree(path)
+    path.mkdir(parents=True)
+    return path
+
+
 def save_checkpoint(run_dir: Path, step: int, files: dict[str, Any], meta: dict[str, Any],
-                    staged: bool = False) -> Path:
+                    staged: bool = False, progress: Callable[[], None] = lambda: None) -> Path:
     """Write ``files`` (name -> object for torch.save) and ``meta`` atomically; return the directory.
 
     ``staged``: the staging directory already holds files written by every rank (a
     sharded checkpoint); they are kept and their checksums go into ``meta.json`` too.
+    ``progress`` is called after each file (the heartbeat's mark: a long save is not a hang).
     """
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:08d}"
     tmp = staging_dir(run_dir, step)
     if not staged:
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
-    digests = {str(f.relative_to(tmp)): hashlib.sha256(f.read_bytes()).hexdigest()
-               for f in sorted(tmp.rglob("*")) if f.is_file()}
+        fresh_dir(tmp)
+    digests = {}
+    for name in _staged_files(tmp):
+        digests[name] = hashlib.sha256(read_bytes(tmp / name)).hexdigest()
+        progress()
     for name, obj in files.items():
         buffer = io.BytesIO()
         torch.save(obj, buffer)
         data = buffer.getvalue()
         digests[name] = hashlib.sha256(data).hexdigest()
         _write_synced(tmp / name, data)
+        progress()
     meta = dict(meta, step=step, files=digests, saved_at=time.strftime("%Y-%m-%dT%H:%M:%S%z"))
     _write_synced(tmp / "meta.json", json.dumps(meta, indent=2).encode())
-    if final.exists():  # the same step saved again (e.g. a re-run that ended here): replace it
-        remove_tree(final)
+    remove_tree(final)  # the same step saved again (e.g. a re-run that ended here): replace it
     tmp.rename(final)
     _fsync_dir(root)
     return final
+
+
+def _staged_files(tmp: Path) -> list[str]:
+    """The files the ranks wrote into the staging directory, relative names, sorted; a link or a special file
+    there is refused (nothing in a checkpoint is one)."""
+    names = []
+    for top, dirs, files in os.walk(tmp, followlinks=False):
+        for name in [*files, *(d for d in dirs if os.path.islink(os.path.join(top, d)))]:
+            path = Path(top) / name
+            if path.is_symlink() or not path.is_file():
+                raise UnsafePath(f"{path} is {describe(path)}: a checkpoint holds regular files only")
+            names.append(str(path.relative_to(tmp)))
+    return sorted(names)
 
 
 def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
@@ -147,11 +217,16 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
         raise CheckpointError(
             f"checkpoint {path} was written by a different config (hash {meta.get('identity_hash')} vs "
             f"{identity_hash}); resuming would not continue the same run. Differences (checkpoint -> now): "
-            f"{'; '.join(diffs) or 'unknown'}. Restore those values, or use another run_dir or "
-            "--set checkpoint.resume=false")
-    if meta.get("global_batch_size") != global_batch_size:
+            f"{'; '.join(diffs) or 'unknown'}. Restore those values, or start afresh with another "
+            "run_dir")
+    saved_batch = meta.get("global_batch_size")
+    if type(saved_batch) is not int:  # noqa: E721 - a bool or a string is not a batch size
+        raise CheckpointError(f"checkpoint {path}: meta.json records the global batch as {saved_batch!r}, not a "
+                              f"whole number, so it was not written by dptrain (or was edited); delete {path} to "
+                              "resume from an earlier checkpoint, or start afresh with another run_dir")
+    if saved_batch != global_batch_size:
         raise CheckpointError(
-            f"checkpoint {path} was trained with global batch {meta.get('global_batch_size')}, this run "
+            f"checkpoint {path} was trained with global batch {saved_batch}, this run "
             f"resolves to {global_batch_size}; the data position and learning rate would not continue. "
             "Keep the global batch (micro batch and accumulation may change with the world size)")
     return meta
@@ -161,32 +236,54 @@ def verify_files(path: Path, fix: str | None = None) -> dict[str, Any]:
     """``meta.json`` of the checkpoint at ``path`` once every file it lists matches its sha256, or a
     :class:`CheckpointError` naming what is missing, corrupt or modified and ``fix`` (what to do)."""
     meta_path = path / "meta.json"
-    fix = fix or (f"delete {path} to resume from an earlier checkpoint, or start afresh with another run_dir "
-                  f"or --set checkpoint.resume=false")
+    fix = fix or f"delete {path} to resume from an earlier checkpoint, or start afresh with another run_dir"
     try:
-        meta = json.loads(meta_path.read_text())
+        meta = json.loads(read_bytes(meta_path, META_LIMIT))
         files = meta["files"]
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {path} has no meta.json, so it is incomplete or not a "
                               f"dptrain checkpoint; {fix}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, UnsafePath) as e:
         raise CheckpointError(f"checkpoint {path}: meta.json is corrupt ({e}); {fix}") from None
-    if not isinstance(files, dict):
-        raise CheckpointError(f"checkpoint {path}: meta.json is corrupt (its files are not a mapping); {fix}")
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise CheckpointError(f"checkpoint {path}: meta.json is corrupt (its files are not a mapping of names to "
+                              f"checksums); {fix}")
     required = _FILES if meta.get("format", "replicated") == "replicated" else ("trainer.pt",)
     for name in required:
         if name not in files:
             raise CheckpointError(f"checkpoint {path}: meta.json lists no {name}; {fix}")
     for name in files:
         try:
-            digest = hashlib.sha256((path / name).read_bytes()).hexdigest()
-        except (FileNotFoundError, IsADirectoryError):
+            digest = hashlib.sha256(read_bytes(inside(path, name))).hexdigest()
+        except FileNotFoundError:
             raise CheckpointError(f"checkpoint {path}: {name} is missing; {fix}") from None
+        except UnsafePath as e:
+            raise CheckpointError(f"checkpoint {path}: its meta.json lists {name!r}, which it will not read: {e}. "
+                                  "A checkpoint's files are regular files inside it; this one was made or edited "
+                                  f"by hand. {fix[0].upper() + fix[1:]}") from None
         if digest != files[name]:
             raise CheckpointError(f"checkpoint {path}: {name} does not match its checksum in meta.json "
                                   f"(sha256 {digest[:12]}..., expected {str(files[name])[:12]}...), so it was "
                                   f"truncated or modified; {fix}")
     return meta
+
+
+def check_readable(path: Path, meta: dict[str, Any]) -> None:
+    """Every ``.pt`` file the checkpoint lists loads with ``weights_only`` (memory-mapped: nothing is read in
+    full), or a :class:`CheckpointError` naming it: before launch, rather than a traceback from every worker
+    once the run directory is written. The checksums catch damage; this catches a file that passes them but
+    holds what ``weights_only`` refuses (crafted, or written by something else)."""
+    for name in sorted(meta["files"]):
+        if not name.endswith(".pt"):
+            continue
+        try:
+            torch.load(inside(path, name), map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # noqa: BLE001 - whatever torch.load raises on a file it will not load
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise CheckpointError(f"checkpoint {path}: {name} cannot be loaded safely ({first[:300]}); it holds "
+                                  "what a dptrain checkpoint never does, and nothing in it was run. Delete "
+                                  f"{path} to resume from an earlier checkpoint, or start afresh with another "
+                                  "run_dir") from None
 
 
 def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
@@ -199,8 +296,11 @@ def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
             for name in _FILES if (path / name).exists()}
 
 
-def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+def prune_checkpoints(run_dir: Path, keep_last: int, saved: Path | None = None) -> list[Path]:
     """Delete all but the newest ``keep_last`` complete checkpoints; return what was deleted.
+
+    Only the run's checkpoints count (:func:`scan_checkpoints`): a stray entry is never deleted,
+    and ``saved`` (the checkpoint just written) never is, whatever stands beside it.
 
     [Note: rotation and readers] A reader (``dptrain consolidate`` of a live run) holds a
     shared ``flock`` on the checkpoint directory it reads (:func:`reading`); rotation
@@ -209,10 +309,9 @@ def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
     (:func:`~dptrain.utils.atomic.remove_tree`), so :func:`find_latest` (a resume) never
     picks a checkpoint being deleted, and a reader finds it whole or gone, never half.
     """
-    root = checkpoint_root(run_dir)
-    found = sorted(p for p in root.iterdir() if _NAME.match(p.name)) if root.is_dir() else []
-    doomed = found[:-keep_last] if keep_last > 0 else []
-    return [path for path in doomed if _remove_unless_read(path)]
+    found, _ = scan_checkpoints(run_dir)
+    doomed = [path for _, path in found[:-keep_last]] if keep_last > 0 else []
+    return [path for path in doomed if path != saved and _remove_unless_read(path)]
 
 
 def _remove_unless_read(path: Path) -> bool:
@@ -290,7 +389,7 @@ def _tuples(x: Any) -> Any:
 
 
 def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
+    with open_file(path, "xb") as f:  # a new file in a fresh directory: nothing there to write through
         f.write(data)
         f.flush()
         os.fsync(f.fileno())

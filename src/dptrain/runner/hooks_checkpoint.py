@@ -9,7 +9,6 @@ staging directory, and rank 0 writes the rest and publishes the directory with o
 
 from __future__ import annotations
 
-import shutil
 import time
 from collections.abc import Callable
 
@@ -19,6 +18,7 @@ import torch.distributed as dist
 from dptrain.api.engine import StepInfo
 from dptrain.runner.checkpoint import (
     SHARDED,
+    fresh_dir,
     prune_checkpoints,
     rng_state,
     save_checkpoint,
@@ -29,6 +29,7 @@ from dptrain.runner.metrics import StepTimes
 from dptrain.runner.outputs import evaluate
 from dptrain.runner.resume import COMPRESSION, REPLICAS, replica_state
 from dptrain.strategies.state import replicated_state
+from dptrain.utils.files import open_file
 from dptrain.zero.checkpoint import save_sharded
 
 __all__ = ["EvalCheckpointHook", "save_run_checkpoint"]
@@ -56,12 +57,12 @@ class EvalCheckpointHook(StepHook):
         if (self.eval_every and step % self.eval_every == 0) or step == self.last:
             self._evaluate(step)
         if not saved and ((self.save_every and step % self.save_every == 0) or step == self.last):
-            self.run.beat.mark(step, "checkpoint")
             save_run_checkpoint(self.run, step)
 
     def _evaluate(self, step: int) -> None:
         self.run.beat.mark(step, "eval")
-        ev = evaluate(self.run.engine, self.run.rp.task, self.run.rp.cfg.log.eval_batches)
+        ev = evaluate(self.run.engine, self.run.rp.task, self.run.rp.cfg.log.eval_batches,
+                      progress=lambda: self.run.beat.mark(step, "eval"))  # each batch: a long evaluation is no hang
         ev = {"kind": "eval", "step": step, **ev, "time": time.time()}
         if self.run.sink is not None:
             self.run.sink.log(ev, step)
@@ -80,34 +81,42 @@ def _per_rank_parts(run: RunContext) -> dict[str, Callable[[], dict]]:
 
 
 def save_run_checkpoint(run: RunContext, step: int) -> None:
-    """Collective: gather every rank's RNG state; every rank stages its own files; rank 0 writes and publishes."""
+    """Collective: gather every rank's RNG state; every rank stages its own files; rank 0 writes and publishes.
+
+    Each part and file marks progress on the heartbeat: a long save is not a hang.
+    """
     engine, env = run.engine, run.env
+    progress = (lambda: run.beat.mark(step, "checkpoint"))
+    progress()
     states: list = [None] * env.world_size
     dist.all_gather_object(states, rng_state(run.device))
     parts = _per_rank_parts(run)
     staged = engine.sharded or bool(parts)
     if staged:
-        _stage(run, step, parts)
+        _stage(run, step, parts, progress)
     if env.rank == 0:
-        path = save_checkpoint(run.rp.run_dir, step, _rank0_files(run, states), _meta(run), staged=staged)
-        deleted = prune_checkpoints(run.rp.run_dir, run.rp.cfg.checkpoint.keep_last)
+        path = save_checkpoint(run.rp.run_dir, step, _rank0_files(run, states), _meta(run), staged=staged,
+                               progress=progress)
+        deleted = prune_checkpoints(run.rp.run_dir, run.rp.cfg.checkpoint.keep_last, saved=path)
         run.log.info(f"checkpoint {path.name} saved" + (f" ({len(deleted)} older deleted)" if deleted else ""),
                      console=False)
     dist.barrier()  # a rank that fails after this point finds the checkpoint complete
 
 
-def _stage(run: RunContext, step: int, parts: dict[str, Callable[[], dict]]) -> None:
+def _stage(run: RunContext, step: int, parts: dict[str, Callable[[], dict]], progress: Callable[[], None]) -> None:
     """Every rank's own files into the staging directory, which rank 0's rename publishes with the rest."""
     staged = staging_dir(run.rp.run_dir, step)
     if run.env.rank == 0:
-        shutil.rmtree(staged, ignore_errors=True)
-        staged.mkdir(parents=True)
+        fresh_dir(staged)
     dist.barrier()
     if run.engine.sharded:
         save_sharded(staged / SHARDED, run.engine.model, run.engine.optimizer)
+        progress()
     for name, state in parts.items():
         (staged / name).mkdir(exist_ok=True)
-        torch.save(state(), staged / name / f"rank{run.env.rank}.pt")
+        with open_file(staged / name / f"rank{run.env.rank}.pt", "xb") as f:
+            torch.save(state(), f)
+        progress()
     if parts:
         dist.barrier()
 

@@ -30,6 +30,7 @@ from typing import Any, Protocol
 
 from dptrain.config.loader import to_dict
 from dptrain.utils.atomic import write_text_atomic
+from dptrain.utils.files import open_file
 
 __all__ = ["BACKENDS", "check_backends", "scalars", "LogBackends", "open_backends", "backends_from_config",
            "JsonlBackend", "TensorBoardBackend", "CSVBackend", "WandbBackend", "MLflowBackend"]
@@ -88,7 +89,7 @@ class JsonlBackend:
 
     def __init__(self, path: Path):
         self.where = f"{path}"
-        self._file = open(path, "a", buffering=1)
+        self._file = open_file(path, "a")  # line-buffered, never through a link
 
     def log(self, record: dict, step: int) -> None:
         self._file.write(json.dumps(record) + "\n")

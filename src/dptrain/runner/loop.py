@@ -176,7 +176,9 @@ def _metrics_sink(rp: RunPlan, rank: int, start_step: int, log: RunLog) -> LogBa
     ``log.backends``; None on the other ranks."""
     if rank != 0:
         return None
-    truncate_metrics(rp.run_dir / "metrics.jsonl", start_step)
+    note = truncate_metrics(rp.run_dir / "metrics.jsonl", start_step)
+    if note:
+        log.info(note)
     sink = backends_from_config(rp.cfg, rp.run_dir, start_step)
     for line in sink.where():
         log.info(f"metrics also go to {line}")

@@ -19,8 +19,9 @@ from dptrain.utils.atomic import replacing
 __all__ = ["evaluate", "val_sums", "val_metrics", "save_weights", "save_hf_model"]
 
 
-def evaluate(engine, task, num_batches: int) -> dict[str, float]:
+def evaluate(engine, task, num_batches: int, progress: Callable[[], None] = lambda: None) -> dict[str, float]:
     """Collective: validation metrics over ``num_batches`` micro-batches per rank, summed over all ranks.
+    ``progress`` is called after each batch (the heartbeat's mark: a long evaluation is not a hang).
 
     ``engine``: an :class:`~dptrain.api.engine.Engine`. Sharded (ZeRO), its wrapper evaluates, gathering the
     parameters (and under no_grad freeing them again); replicated, the bare module does (no gradient sync or
@@ -28,7 +29,7 @@ def evaluate(engine, task, num_batches: int) -> dict[str, float]:
     """
     model = engine.model if engine.sharded else engine.model.module
     sums = val_sums(model, task, engine.plan.micro_batch_size, num_batches, dist.get_world_size(), dist.get_rank(),
-                    engine.to_device, engine.autocast)
+                    engine.to_device, engine.autocast, progress)
     keys = sorted(sums)
     totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=engine.device)
     dist.all_reduce(totals)
@@ -37,7 +38,8 @@ def evaluate(engine, task, num_batches: int) -> dict[str, float]:
 
 @torch.no_grad()
 def val_sums(model: torch.nn.Module, task, micro_batch: int, num_batches: int, replicas: int = 1, rank: int = 0,
-             to_device: Callable = lambda b: b, autocast: Callable = contextlib.nullcontext) -> dict[str, float]:
+             to_device: Callable = lambda b: b, autocast: Callable = contextlib.nullcontext,
+             progress: Callable[[], None] = lambda: None) -> dict[str, float]:
     """``task.eval_sums`` over this rank's first ``num_batches`` micro-batches of the unshuffled validation split.
 
     Rank ``r`` of ``replicas`` takes positions ``r, r + replicas, ...``, so the ranks together
@@ -53,6 +55,7 @@ def val_sums(model: torch.nn.Module, task, micro_batch: int, num_batches: int, r
         with autocast():
             for key, value in task.eval_sums(model, to_device(batch)).items():
                 sums[key] = sums.get(key, 0.0) + float(value)
+        progress()
     model.train(was_training)
     return sums
 

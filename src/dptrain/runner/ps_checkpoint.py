@@ -34,6 +34,7 @@ import torch
 from dptrain.ps.snapshot import Cut, CutSchedule, transit_messages
 from dptrain.ps.wire import Message, unpack
 from dptrain.runner.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, staging_dir
+from dptrain.utils.files import open_file
 
 if TYPE_CHECKING:
     from dptrain.runner.report import RunLog
@@ -52,23 +53,27 @@ class CutFiles:
         self._clocks: dict[int, dict[int, int]] = {}  # label -> the clocks at this server's snapshot
 
     def snapshot(self, label: int, state: dict) -> None:
-        torch.save(state, self._dir(label) / f"server{self.index}.pt")
+        _save(state, self._dir(label) / f"server{self.index}.pt")
         self._clocks[label] = dict(state["clock"])
 
     def close(self, cut: Cut) -> None:
         """The marks, and for a worker that died before the cut began (it marked nothing), its last gradient."""
         where = self._dir(cut.label)
         marks = {w: (clock, None) for w, clock in self._clocks.pop(cut.label).items()} | cut.marks
-        torch.save({"clocks": {w: clock for w, (clock, _) in marks.items()}, "transit": cut.transit_state()},
-                   where / f"transit{self.index}.pt")
+        _save({"clocks": {w: clock for w, (clock, _) in marks.items()}, "transit": cut.transit_state()},
+              where / f"transit{self.index}.pt")
         if self.leader:
-            torch.save({w: {"clock": clock, "state": state} for w, (clock, state) in marks.items()},
-                       where / "workers.pt")
+            _save({w: {"clock": clock, "state": state} for w, (clock, state) in marks.items()}, where / "workers.pt")
 
     def _dir(self, label: int) -> Path:
         where = staging_dir(self.run_dir, label) / PS
         where.mkdir(parents=True, exist_ok=True)
         return where
+
+
+def _save(obj, path: Path) -> None:
+    with open_file(path, "wb") as f:  # never through a link
+        torch.save(obj, f)
 
 
 class Publisher:
@@ -89,7 +94,7 @@ class Publisher:
                     "ps": {"servers": rp.cfg.ps.servers, "mode": rp.cfg.ps.mode}, "data": rp.data_identity}
             trainer = {"step": label, "world_size": self.world_size}
             path = save_checkpoint(rp.run_dir, label, {"trainer.pt": trainer}, meta, staged=True)
-            deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last)
+            deleted = prune_checkpoints(rp.run_dir, rp.cfg.checkpoint.keep_last, saved=path)
             self.log.info(f"checkpoint {path.name} saved" + (f" ({len(deleted)} older deleted)" if deleted else ""),
                           console=False)
             self.published = label
@@ -108,7 +113,7 @@ def check_ps_resume(path: Path, meta: dict[str, Any], servers: int, mode: str, w
         f"ps.mode={then[2]!r}; this run has {world_size} ranks with ps.servers={servers} and ps.mode={mode!r}. A ps "
         "checkpoint resumes only on the layout it was saved with (a shard is one server's tensors, each worker's "
         f"data position is its own): run with --nproc {then[0]} --set ps.servers={then[1]} --set "
-        f"ps.mode={then[2]}, or start afresh with another run_dir or --set checkpoint.resume=false")
+        f"ps.mode={then[2]}, or start afresh with another run_dir")
 
 
 def load_server_cut(path: Path, index: int) -> tuple[dict, list[tuple[int, Message]], dict[int, int]]:

@@ -119,8 +119,9 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat)
             log.info(f"rank {rank} had died before the cut it resumes from: its random streams start afresh")
     else:
         _load_worker_state(worker_state, model, device)
-    if rank == 0:
-        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+    note = truncate_metrics(run_dir / "metrics.jsonl", start_step) if rank == 0 else None
+    if note:
+        log.info(note)
     sink = backends_from_config(cfg, run_dir, start_step) if rank == 0 else None  # metrics.jsonl and log.backends
     for line in sink.where() if sink is not None else []:
         log.info(f"metrics also go to {line}")

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from dptrain.runner.metrics import format_line, has_tokens
 from dptrain.utils.atomic import write_text_atomic
+from dptrain.utils.files import open_file
 
 __all__ = ["RunLog", "summarize", "print_summary", "summary_rows", "truncate_metrics"]
 
@@ -29,7 +30,7 @@ class RunLog:
                  stream: TextIO = sys.stdout):
         self.rank = rank
         self.total_steps = total_steps
-        self._file = open(log_path, "a", buffering=1)
+        self._file = open_file(log_path, "a")  # line-buffered, never through a link
         self._stream = stream
         use_bar = progress == "bar" or (progress == "auto" and stream.isatty())
         self._bar = None
@@ -68,12 +69,37 @@ class RunLog:
         self._file.close()
 
 
-def truncate_metrics(path: Path, step: int) -> None:
-    """Drop records after ``step`` (logged before a crash, then replayed by the resumed run)."""
-    if not path.exists():
-        return
-    keep = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line)["step"] <= step]
+def truncate_metrics(path: Path, step: int) -> str | None:
+    """Drop records after ``step`` (logged before a crash, then replayed by the resumed run), and any line that
+    is not a whole record: a crash (or a full disk) cuts the line being written, which must never block a
+    resume. Returns a note saying what was dropped that was not a record, or None."""
+    try:
+        with open_file(path, "rb") as f:
+            lines = f.read().decode("utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        return None
+    keep, torn = [], []
+    for number, line in enumerate(lines, start=1):
+        record = _record(line)
+        if record is None:
+            torn += [number] if line.strip() else []
+        elif record["step"] <= step:
+            keep.append(line)
     write_text_atomic(path, "".join(line + "\n" for line in keep))
+    if not torn:
+        return None
+    where = "its last line" if torn == [len(lines)] else f"line(s) {', '.join(map(str, torn[:5]))}"
+    return (f"note: {path}: {where} held no whole record (cut short by a crash or a full disk) and "
+            f"{'was' if len(torn) == 1 else 'were'} dropped")
+
+
+def _record(line: str) -> dict | None:
+    """One metrics record, or None for a line that is not one (torn, or not JSON)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
 def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: list[dict]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from dptrain.data.identity import data_changes, data_identity
 from dptrain.data.loader import steps_per_epoch
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
-from dptrain.runner.checkpoint import CheckpointError, find_latest, verify_checkpoint
+from dptrain.runner.checkpoint import CheckpointError, check_readable, scan_checkpoints, verify_checkpoint
 from dptrain.runner.ps_checkpoint import check_ps_resume
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import Task, architecture, build_task, run_name
@@ -102,11 +102,13 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     ident["train.global_batch_size"] = plan.global_batch_size  # resolved, whichever two were given
     ident_hash = identity_hash(ident)
     resume_from, meta = None, None
-    latest = find_latest(run_dir)
+    found, strays = scan_checkpoints(run_dir)
+    latest = found[-1][1] if found else None
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
         layout = get_strategy(cfg.ddp.strategy).checkpoint_layout
         meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, layout)
+        check_readable(resume_from, meta)
         if layout == "ps":
             check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
         else:  # older formats, named before launch (ddp <-> zero otherwise resume either way)
@@ -121,6 +123,8 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
                           f"Use another run_dir, or delete {latest.parent}")
     notes = [f"warning: {line}" for line in [unused_settings(cfg)] if line] + list(getattr(task, "notes", []))
+    notes += [f"note: {stray}: not one of this run's checkpoints, so neither resumed from nor deleted"
+              for stray in strays]
     data = data_identity(getattr(task, "data_files", {}))
     if meta is not None:
         notes += check_data_identity(meta.get("data"), data, resume_from, cfg.data.allow_changed)

@@ -39,6 +39,8 @@ from dptrain.tasks.protocol import protocol_eval_sums, protocol_loss
 
 __all__ = ["ProtocolTask", "token_task", "factory_task", "token_files", "run_name", "DataNotPrepared"]
 
+MAX_VOCAB = 1 << 32  # token ids are uint32 at most (data/tokens.py)
+
 DEFAULT_HF_CONTEXT = 1024
 
 
@@ -152,6 +154,11 @@ def _lm_model(cfg: RunConfig, files: TokenFiles, notes: list[str]) -> tuple[Call
     if not vocab:
         raise ConfigError(f"{files.dir} has no meta.json (or nanoGPT meta.pkl) saying its vocabulary size: set "
                           "gpt.vocab_size (nanoGPT's GPT-2 tokens: 50304)")
+    if vocab > MAX_VOCAB:  # an embedding that large is no model: torch would fail in C++ allocating it
+        where = ("gpt.vocab_size" if g.vocab_size else f"{files.dir / 'meta.json'}" if files.vocab_size
+                 else f"{files.dir / META_PKL}")
+        raise ConfigError(f"the vocabulary size {vocab:,} ({where}) is more ids than token files can hold (uint32: "
+                          f"{MAX_VOCAB:,}); correct it, or set gpt.vocab_size")
     return _builtin_gpt(cfg, vocab, block), vocab, block, block
 
 
@@ -204,6 +211,10 @@ class _HFBuild:
         return hf.causal_lm(self.path, self.from_scratch)
 
     def architecture(self) -> nn.Module:
+        """The model without its weights (validation, planning); the weights' files are checked to load."""
         from dptrain.models import hf
 
-        return hf.causal_lm(self.path, weights=False)
+        model = hf.causal_lm(self.path, weights=False)
+        if not self.from_scratch:
+            hf.check_weights(self.path)
+        return model

@@ -1,8 +1,9 @@
 """Files in a run directory are complete or absent: write beside, then rename over.
 
 ``os.replace`` within one directory is atomic on POSIX, so a reader (or a run resumed
-after a crash) sees the old file or the new one, never half of one. The temporary name
-starts with a dot, so listings of the run directory (the summary) skip it.
+after a crash) sees the old file or the new one, never half of one. The temporary is a
+fresh file under a hidden random name (:func:`dptrain.utils.files.replacing`: never an
+existing file or a link), so listings of the run directory (the summary) skip it.
 
 Deleting works the same way backwards (:func:`remove_tree`): a directory is first
 renamed to a hidden trash name beside it, then removed; nobody ever sees a half-deleted
@@ -18,20 +19,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from dptrain.utils.files import open_file, replacing
+
 __all__ = ["replacing", "replacing_dir", "write_text_atomic", "remove_tree", "TRASH"]
 
 TRASH = ".trash"  # the infix of a directory being deleted: .<name>.trash-<pid>
-
-
-@contextlib.contextmanager
-def replacing(path: Path) -> Iterator[Path]:
-    """A temporary path beside ``path``, renamed over it if the block succeeds, removed if not."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        yield tmp
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 @contextlib.contextmanager
@@ -56,8 +48,8 @@ def replacing_dir(path: Path, replace: bool = False) -> Iterator[Path]:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
-    with replacing(path) as tmp:
-        tmp.write_text(text)
+    with replacing(path) as tmp, open_file(tmp, "w") as f:
+        f.write(text)
 
 
 def remove_tree(path: Path) -> bool:
@@ -72,6 +64,9 @@ def remove_tree(path: Path) -> bool:
         path.rename(trash)
     except FileNotFoundError:
         return False
+    if trash.is_symlink() or not trash.is_dir():  # a link (never followed) or a file where a directory was expected
+        trash.unlink()
+        return True
     shutil.rmtree(trash, ignore_errors=True)
     if trash.exists():  # not a concurrent deletion (that leaves nothing): raise what stopped it
         with contextlib.suppress(FileNotFoundError):

@@ -254,7 +254,7 @@ def _refuse_old_format(path: Path, meta: Mapping[str, Any]) -> None:
             f"{path} is in the sharded format dptrain wrote before DTensor checkpoints (flattened parameters in "
             "ShardedTensors), which cannot be resumed by this version. Export its weights with `dptrain "
             f"consolidate {path.parent if path.name == 'sharded' else path}` (which reads it), resume it with the "
-            "dptrain version that wrote it, or start afresh (--set checkpoint.resume=false or another run_dir)")
+            "dptrain version that wrote it, or start afresh with another run_dir")
 
 
 def layout_differences(saved: Mapping[str, list[int]], mine: Mapping[str, list[int]]) -> list[str]:
