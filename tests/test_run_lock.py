@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from _cli import TESTS, dptrain, tiny_gpt_config
-from dptrain.launch.run_lock import LOCK_NAME, TOKEN_ENV, Holder, RunDirBusy, acquire, hold_run_dir
+from dptrain.launch.run_lock import FD_ENV, LOCK_NAME, TOKEN_ENV, Holder, RunDirBusy, acquire, hold_run_dir
 
 HOLD = "import sys, time; from dptrain.launch.run_lock import acquire; acquire(sys.argv[1], 'holder test'); " \
        "print('held', flush=True); time.sleep(120)"
@@ -71,7 +71,7 @@ def test_a_stale_lock_file_of_a_dead_pid_is_taken_over_and_another_hosts_is_refu
 
     (tmp_path / LOCK_NAME).write_text(json.dumps(dict(record, host="elsewhere-node-7")))
     with pytest.raises(RunDirBusy, match=rf"locked by pid {dead} on host elsewhere-node-7.*cannot tell.*"
-                                         rf"delete {tmp_path / LOCK_NAME}"):
+                                         rf"empty the lock file \(: > {tmp_path / LOCK_NAME}\)"):
         acquire(tmp_path, "new")
 
 
@@ -175,3 +175,122 @@ def test_dptrain_launch_refuses_a_run_directory_in_use(tmp_path: Path) -> None:
     assert "ran" not in done.stdout and "Traceback" not in done.stderr
     again = dptrain("launch", "--nproc", "1", "--run-dir", str(run_dir), str(script), cwd=tmp_path)
     assert again.returncode == 0 and "ran" in again.stdout  # the dead holder's lock is taken over
+
+
+# --------------------------------------------------------------------------- every process of a run holds it
+
+SPAWN = ("import os, sys, subprocess, time; from dptrain.launch.run_lock import FD_ENV, acquire; "
+         "lock = acquire(sys.argv[1], 'launcher test'); "
+         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)'], pass_fds=(lock.fd,), "
+         "env=dict(os.environ, **{FD_ENV: str(lock.fd)})); print(child.pid, flush=True); time.sleep(120)")
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_launchers_workers_keep_the_directory_locked_until_the_last_ends(tmp_path: Path) -> None:
+    """[Note: who holds the lock]: the flock is the open file description's, shared with every process started."""
+    launcher = subprocess.Popen([sys.executable, "-c", SPAWN, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    worker = int(launcher.stdout.readline())
+    try:
+        launcher.kill()  # kill -9: its worker (here, not armed to die with it) goes on
+        launcher.wait()
+        with pytest.raises(RunDirBusy, match=rf"processes that pid {launcher.pid} .* started: that launcher has "
+                                             r"exited and its workers are still ending"):
+            acquire(tmp_path, "second run")
+    finally:
+        os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while True:  # the worker's descriptor closes as it ends
+        try:
+            acquire(tmp_path, "second run", log=lambda line: None).release()
+            break
+        except RunDirBusy:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+
+
+def test_removing_the_lock_file_frees_nothing_and_a_claim_is_not_proof(tmp_path: Path) -> None:
+    holder = _holder(tmp_path)
+    try:
+        (tmp_path / LOCK_NAME).unlink()  # the lock is on the directory, not on the file
+        with pytest.raises(RunDirBusy, match="is empty or missing"):
+            acquire(tmp_path, "second")
+        other = tmp_path / "other"
+        other.mkdir()
+        fd = os.open(other, os.O_RDONLY)
+        try:  # a descriptor of another directory proves nothing
+            with pytest.raises(RunDirBusy):
+                acquire(tmp_path, "worker", environ={FD_ENV: str(fd)})
+            with pytest.raises(RunDirBusy):
+                acquire(tmp_path, "worker", environ={FD_ENV: "not a number"})
+        finally:
+            os.close(fd)
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def _job_processes(directory: Path) -> list[int]:
+    """Live processes of a dptrain job started in ``directory``: its workers and torchrun's agent."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if os.readlink(proc / "cwd") != str(directory) or "State:\tZ" in (proc / "status").read_text():
+                continue
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if (proc / "comm").read_text().startswith("dptrain-rank") or b"dptrain.run" in argv[1:4] \
+                or b"torch.distributed.run" in argv[1:4]:
+            found.append(int(proc.name))
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("how", [["--start-method", "exec"], ["--max-restarts", "1"]], ids=["exec", "torchrun"])
+def test_a_killed_launcher_leaves_no_writer_beside_the_next_run(tmp_path: Path, how: list[str]) -> None:
+    """kill -9 of ``dptrain run`` (workers as fresh interpreters, or under torchrun's agent): whenever the next run
+    could take the directory, nothing of the first is left running, and all of it ends within seconds."""
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    env.pop("DPTRAIN_FAULT", None)
+    launcher = subprocess.Popen([sys.executable, "-m", "dptrain.cli", "run", "--nproc", "2", "--config",
+                                 str(tiny_gpt_config(tmp_path)), "--run-dir", str(run_dir), "--set",
+                                 "train.steps=100000", "--set", "checkpoint.every=0", "--set", "log.eval_every=0",
+                                 *how], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.exists() and metrics.stat().st_size > 0):  # training
+        assert launcher.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    launcher.kill()
+    launcher.wait()
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            lock = acquire(run_dir, "the next run", log=lambda line: None)
+        except RunDirBusy:
+            assert time.monotonic() < deadline, f"still running 30 s after the launcher died: {_job_processes(tmp_path)}"
+            time.sleep(0.05)
+            continue
+        assert _job_processes(tmp_path) == []  # the directory is free only once every writer is gone
+        lock.release()
+        break
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(150)
+def test_a_run_started_from_a_launched_script_takes_its_own_lock(tmp_path: Path) -> None:
+    """A sweep driver under ``dptrain launch`` starting ``python -m dptrain.run`` on the launch's own directory: the
+    launcher's claims stay with its workers, so the nested run takes the lock itself and is refused."""
+    config = tiny_gpt_config(tmp_path)
+    script = tmp_path / "sweep.py"
+    script.write_text("import os, subprocess, sys\n"
+                      "assert 'DPTRAIN_LAUNCHER' not in os.environ and 'DPTRAIN_RUN_LOCK_FD' not in os.environ\n"
+                      f"r = subprocess.run([sys.executable, '-m', 'dptrain.run', '--config', {str(config)!r}, "
+                      f"'--run-dir', {str(tmp_path / 'run')!r}, '--set', 'train.steps=2'])\n"
+                      "print('nested exit', r.returncode)\n")
+    done = dptrain("launch", "--nproc", "1", "--run-dir", str(tmp_path / "run"), str(script), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "nested exit 2" in done.stdout and "is in use by pid" in done.stdout + done.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists() and not (tmp_path / "run" / "checkpoints").exists()

@@ -7,9 +7,10 @@ rank, world size and rendezvous come from their environment (``launch.rendezvous
 
 Exit codes: 0 done; 2 bad input (config, batch sizes, model factory, checkpoint), raised
 before anything is written, or a run directory another run holds (rank 0 takes its lock,
-``launch.run_lock``, unless ``dptrain run``'s launcher holds it); 130 interrupted; 1
-anything else, with the traceback in ``logs/rank<r>.error.json`` for the launcher to
-show (and torchrun's error file).
+``launch.run_lock``, unless this worker's launcher holds it, which the worker proves by
+the lock's inherited descriptor or, under torchrun's agent, by its token); 130
+interrupted; 1 anything else, with the traceback in ``logs/rank<r>.error.json`` for the
+launcher to show (and torchrun's error file).
 """
 
 from __future__ import annotations
@@ -26,16 +27,19 @@ import torch.distributed as dist
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
 from dptrain.config import ConfigError, load_config
-from dptrain.launch.local import error_summary, threads_per_worker, write_error_record
-from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
-from dptrain.launch.run_lock import RunDirBusy, RunLock, acquire
+from dptrain.launch.errors import error_summary, write_error_record
+from dptrain.launch.orphans import orphan_guard
+from dptrain.launch.rendezvous import PortInUse, detect_worker_env, init_distributed, leave_process_groups
+from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
+from dptrain.launch.threads import omp_threads, threads_per_worker
 from dptrain.runner.checkpoint import CheckpointError
 from dptrain.runner.skips import NonFiniteRun
 from dptrain.runner.validate import default_run_dir, validate_run
+from dptrain.utils.files import UnsafePath
 
 __all__ = ["main", "BAD_INPUT"]
 
-BAD_INPUT = (ConfigError, BatchSizeError, CheckpointError)
+BAD_INPUT = (ConfigError, BatchSizeError, CheckpointError, UnsafePath, PortInUse)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -48,14 +52,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    orphan_guard(os.environ)  # started by a local launcher as a fresh interpreter: end with it
+    keep_inherited(os.environ)
     args = parse_args(argv)
     env = detect_worker_env()
-    local = os.environ.get("DPTRAIN_LAUNCHER") == "local"
+    local = os.environ.get("DPTRAIN_LAUNCHER") == "local"  # a claim: the lock's descriptor proves it (below)
     run_dir = None
     try:
         overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
         cfg = load_config(args.config, overrides)
         run_dir = default_run_dir(cfg).resolve()
+        local = local and inherited(run_dir, os.environ) is not None
         rp = validate_run(cfg, env.world_size, check_forward=not local)  # `dptrain run` traced the forward already
     except BAD_INPUT as e:
         if env.rank == 0 or not local:  # the local launcher already reported it once
@@ -64,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if env.rank == 0 and not local:  # under torchrun or Slurm no launcher printed them
         for line in rp.warnings:
             print(line, file=sys.stderr)
-    if "OMP_NUM_THREADS" not in os.environ:
+    if omp_threads(os.environ) is None:  # unset, or not a thread count (torch ignores such a value too)
         torch.set_num_threads(threads_per_worker(env.local_world_size))
     if not torch.cuda.is_available():
         tune_cpu_allocator()
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt:
         return 130
-    except RunDirBusy as e:
+    except RunDirError as e:
         if env.rank == 0:  # the others exit 2 too, silently: one message
             print(f"error: {e}", file=sys.stderr)
         return 2
@@ -126,17 +133,19 @@ def _lock_run_dir(env, run_dir) -> RunLock | None:
     token, which :func:`acquire` recognises as its own.
     """
     lock, message = None, ""
+    token = os.environ.pop(TOKEN_ENV, None)  # read once: nothing this worker starts inherits the claim
     if env.rank == 0:
         try:
-            lock = acquire(run_dir, "python -m dptrain.run (rank 0)")
-        except RunDirBusy as e:
+            lock = acquire(run_dir, "python -m dptrain.run (rank 0)",
+                           environ={TOKEN_ENV: token} if token else {})
+        except RunDirError as e:
             message = str(e)
     if env.world_size > 1:
         box = [message]
         dist.broadcast_object_list(box, src=0)
         message = box[0]
     if message:
-        raise RunDirBusy(message)
+        raise RunDirError(message)
     return lock
 
 

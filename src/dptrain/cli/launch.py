@@ -92,37 +92,41 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     env = {"DPTRAIN_RUN_DIR": str(run_dir)}
     if timeout_s is not None:
         env["DPTRAIN_TIMEOUT_S"] = repr(timeout_s)
-    if "OMP_NUM_THREADS" not in os.environ:
-        from dptrain.launch.local import threads_per_worker
+    from dptrain.launch.threads import omp_threads, omp_warning, threads_per_worker
 
+    if omp_threads(os.environ) is None:  # unset, or not a thread count (torch ignores such a value too)
+        if omp_warning(os.environ):
+            click.echo(omp_warning(os.environ), err=True)
         env["OMP_NUM_THREADS"] = str(threads_per_worker(nproc))
     if nodes is not None:
         click.echo(f"dptrain launch: {nproc} worker(s) here, one of {nodes.nnodes} nodes meeting at "
                    f"{nodes.endpoint} (torchrun's c10d rendezvous)", err=True)
-    from dptrain.launch.run_lock import RunDirBusy, hold_run_dir
+    from dptrain.launch.run_lock import RunDirError, hold_run_dir
 
     # One machine's launcher holds the run directory; over several nodes on a shared file system each node's
     # launcher would refuse the others, so the lock is this machine's only.
     try:
-        with hold_run_dir(run_dir, "dptrain launch") if nodes is None else contextlib.nullcontext():
-            sys.exit(_start(nproc, worker_args, run_dir, max_restarts, nodes, env, timeout_s, start_method, shown))
-    except RunDirBusy as e:
+        with hold_run_dir(run_dir, "dptrain launch") if nodes is None else contextlib.nullcontext() as lock:
+            sys.exit(_start(nproc, worker_args, run_dir, max_restarts, nodes, env, timeout_s, start_method, shown,
+                            None if lock is None else lock.fd))
+    except RunDirError as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 
 
 def _start(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int, nodes, env: dict[str, str],
-           timeout_s: float | None, start_method: str, shown: frozenset[int] | None) -> int:
-    """The workers, under this launcher or torchrun's agent (restarts, several nodes); the job's exit code."""
+           timeout_s: float | None, start_method: str, shown: frozenset[int] | None, lock_fd: int | None) -> int:
+    """The workers, under this launcher or torchrun's agent (restarts, several nodes); the job's exit code.
+    They hold the run directory's lock with us (``lock_fd``)."""
     if max_restarts or nodes is not None:
         from dptrain.launch.elastic import launch_elastic
 
         return launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env,
-                              shown=shown)
+                              shown=shown, lock_fd=lock_fd)
     from dptrain.launch.local import launch_local
 
     return launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
-                        roll_call_s=0.0, module="dptrain.launch.script", env=env, shown=shown)
+                        roll_call_s=0.0, module="dptrain.launch.script", env=env, shown=shown, lock_fd=lock_fd)
 
 
 def _shown(text: str | None, nproc: int) -> frozenset[int] | None:

@@ -69,7 +69,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     """
     from dptrain.config import ConfigError, load_config, to_toml
     from dptrain.data.prepare import prepare, prepare_command
-    from dptrain.launch.run_lock import RunDirBusy, acquire
+    from dptrain.launch.run_lock import RunDirError, acquire
     from dptrain.runner.validate import default_run_dir, validate_run
     from dptrain.tasks.user import DataNotPrepared
 
@@ -101,7 +101,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             prepare(e.recipe, progress=sys.stderr.isatty(), log=_note)
             rp = validate_run(cfg, nproc)
         lock = lock or acquire(rp.run_dir, "dptrain run", log=_note)  # a new one: once the input is known good
-    except (*_bad_input(), RunDirBusy) as e:
+    except (*_bad_input(), RunDirError) as e:
         _release(lock, undo=True)  # nothing written: the lock file as it was
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -109,7 +109,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
         _release(lock, undo=True)
         raise
     try:
-        code = _launch(rp, cfg, nproc, config_path, overrides, max_restarts, start_method, lock.token)
+        code = _launch(rp, cfg, nproc, config_path, overrides, max_restarts, start_method, lock)
     finally:
         lock.release()  # the workers have exited (a test suite runs many runs in one process)
     sys.exit(code)
@@ -125,23 +125,28 @@ def _release(lock, undo: bool) -> None:
 
 
 def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str, ...], max_restarts: int,
-            start_method: str, lock_token: str) -> int:
-    """Start the workers, under this launcher or torchrun's agent (``--max-restarts``); their exit code."""
+            start_method: str, lock) -> int:
+    """Start the workers, under this launcher or torchrun's agent (``--max-restarts``); their exit code.
+
+    Every process started holds the run directory's lock with us (``lock.fd``, ``launch.run_lock``)."""
     from dptrain.launch.local import launch_local
     from dptrain.launch.run_lock import TOKEN_ENV
+    from dptrain.launch.threads import omp_warning
 
-    for line in rp.warnings:  # e.g. settings this run never reads
-        click.echo(line, err=True)
+    for line in [*rp.warnings, omp_warning(os.environ)]:  # e.g. settings this run never reads
+        if line:
+            click.echo(line, err=True)
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
     if max_restarts:  # torchrun's workers are not "local": they find this launcher's token and take no lock
         from dptrain.launch.elastic import launch_elastic
 
-        return launch_elastic(nproc, worker_args, rp.run_dir, max_restarts, env={TOKEN_ENV: lock_token})
+        return launch_elastic(nproc, worker_args, rp.run_dir, max_restarts, env={TOKEN_ENV: lock.token},
+                              lock_fd=lock.fd)
     return launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
                         start_method=start_method, roll_call_s=cfg.ddp.roll_call_s,
-                        preload=("transformers.modeling_utils",) if cfg.hf.path else ())
+                        preload=("transformers.modeling_utils",) if cfg.hf.path else (), lock_fd=lock.fd)
 
 
 def _check_fault(spec: str, nproc: int) -> None:

@@ -18,9 +18,12 @@ already sets it.
 
 The run directory's lock (:mod:`dptrain.launch.run_lock`) is held by ``dptrain run``'s
 process for the whole job, every restart included: torchrun's agent and its workers run
-under it. The workers are not "local" (they report their own errors), so rank 0 would
-take the lock itself; the launcher passes its token in ``env`` (``DPTRAIN_RUN_LOCK``),
-by which rank 0 knows the lock for its own launcher's.
+under it, and the agent holds the lock's descriptor too, so a launcher killed with
+``kill -9`` does not free the directory while the agent lives; the agent is started
+through ``launch.orphans`` and ends with the launcher, stopping its workers. The workers
+are not "local" (they report their own errors), so rank 0 would take the lock itself; the
+launcher passes its token in ``env`` (``DPTRAIN_RUN_LOCK``), by which rank 0 knows the lock
+for its own launcher's.
 
 ``dptrain launch --nnodes N`` (or inside a Slurm job of several nodes) hands its job to
 torchrun the same way, with a c10d rendezvous (:class:`Nodes`): torchrun's agent is the
@@ -41,8 +44,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dptrain.launch.local import threads_per_worker
 from dptrain.launch.slurm import first_slurm_host, job_port
+from dptrain.launch.threads import threads_per_worker
 
 __all__ = ["launch_elastic", "torchrun_command", "Nodes", "slurm_nodes"]
 
@@ -86,8 +89,9 @@ def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], modu
 
 def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
                    module: str = "dptrain.run", nodes: Nodes | None = None, env: Mapping[str, str] = (),
-                   shown: frozenset[int] | None = None) -> int:
-    """Run the job under torchrun with ``max_restarts``; return its exit code. ``env``: added to the workers'."""
+                   shown: frozenset[int] | None = None, lock_fd: int | None = None) -> int:
+    """Run the job under torchrun with ``max_restarts``; return its exit code. ``env``: added to the workers'.
+    ``lock_fd``: the locked run directory's descriptor, held by the agent too."""
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -95,8 +99,10 @@ def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restar
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")  # [Note: a fresh store per restart]
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))  # torchrun would say 1
     env.pop("DPTRAIN_LAUNCHER", None)  # the workers print their own errors, as under torchrun
+    guard = [sys.executable, "-m", "dptrain.launch.orphans", str(os.getpid()), "--"]  # the agent ends with us
+    command = guard + torchrun_command(nproc, max_restarts, worker_args, module, nodes, shown)
     try:
-        return subprocess.run(torchrun_command(nproc, max_restarts, worker_args, module, nodes, shown), env=env).returncode
+        return subprocess.run(command, env=env, pass_fds=() if lock_fd is None else (lock_fd,)).returncode
     except KeyboardInterrupt:
         print("\ninterrupted", file=sys.stderr)
         return 130

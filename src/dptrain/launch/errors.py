@@ -8,10 +8,13 @@ records are read defensively: a full disk leaves them empty or cut short.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from pathlib import Path
+
+from dptrain.utils.files import UnsafePath, open_file
 
 __all__ = ["error_file", "write_error_record", "read_error_record", "error_summary"]
 
@@ -30,7 +33,8 @@ def write_error_record(run_dir: Path | None, rank: int, text: str, summary: str,
     if run_dir is not None:
         path = error_file(run_dir, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(record))
+        with contextlib.suppress(OSError, UnsafePath), open_file(path, "w") as f:  # a full disk: the console
+            f.write(json.dumps(record))                                            # still has the traceback
     torchrun_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if torchrun_file:
         Path(torchrun_file).write_text(json.dumps({"message": {"message": text.strip().splitlines()[-1],
@@ -51,8 +55,9 @@ def read_error_record(run_dir: Path, rank: int) -> dict | None:
     """A rank's error record, or None when it has none or it cannot be read: a full disk leaves an empty or
     truncated file, and the launcher then falls back to the rank's console and log (never a crash)."""
     try:
-        record = json.loads(error_file(run_dir, rank).read_text())
-    except (OSError, ValueError):
+        with open_file(error_file(run_dir, rank), "rb") as f:
+            record = json.loads(f.read())
+    except (OSError, ValueError):  # UnsafePath is a ValueError: a link is not a record
         return None
     if not isinstance(record, dict) or not isinstance(record.get("traceback"), str):
         return None

@@ -4,9 +4,9 @@ A collective's timeout (``ddp.timeout_s``) ends the wait of the ranks *inside* a
 It does not end a wait elsewhere: a store access to a stopped store host (rank 0), a
 parameter server's point-to-point receive, a rank whose own main thread is stuck, or a rank
 that is stopped as a whole (SIGSTOP, a frozen machine). So every worker runs a daemon thread
-that, about once a second, writes ``logs/rank<r>.heartbeat`` (JSON: the time, the step, the
-phase, and when the training loop last marked progress), replaced atomically. It has two
-readers:
+that, about once a second, writes ``logs/rank<r>.heartbeat`` (JSON: the host, the wall-clock
+and monotonic times, the step, the phase, and when the training loop last marked progress).
+It has two readers:
 
 - **the local launcher** (``launch.local``): a running rank whose heartbeat is older than
   the timeout is stopped as a whole (its heartbeat thread too): the launcher ends the job
@@ -20,22 +20,43 @@ The margin lets the precise paths speak first: a collective's own timeout and th
 (``train.roll_call``) that follows it. A script that never marks progress (a plain torch
 script under ``dptrain launch``) gets the heartbeat without the watchdog: the launcher still
 sees a stopped rank, and torch's collective timeout ends the others' waits.
+
+A long phase that makes progress is not a hang: the loop marks progress at each micro-step,
+each evaluation batch and each file of a checkpoint, so that only a stall is judged.
+
+[Note: a heartbeat on a full disk] The file is created once, at a fixed size, and then
+rewritten in place (one ``pwrite`` of :data:`RECORD_BYTES` at offset 0): rewriting blocks a
+file already has needs no free space, so a full disk does not silence the heartbeats of
+healthy ranks (a new file each second did, and the launcher then killed them as stopped).
+A reader may catch a record half-written; :func:`read_heartbeats` leaves it out, and a
+rank is judged stale only when its heartbeat stays old.
+
+[Note: which clock] On one host the ages are measured with the monotonic clock, which
+boot ID and ``time.monotonic()`` make comparable across processes: a step of the wall
+clock (NTP, a resumed VM) larger than the timeout would otherwise make every heartbeat
+look stale at once. Across hosts only the wall clock is shared.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
 from pathlib import Path
 
-__all__ = ["Heartbeat", "heartbeat_file", "read_heartbeats", "stale_ranks", "mark_progress", "INTERVAL_S",
-           "STALE_MIN_S"]
+from dptrain.utils.files import UnsafePath, open_fd, open_file
+
+__all__ = ["Heartbeat", "heartbeat_file", "read_heartbeats", "stale_ranks", "heartbeat_age", "process_state",
+           "mark_progress", "INTERVAL_S", "STALE_MIN_S", "RECORD_BYTES"]
 
 INTERVAL_S = 1.0  # between two writes of a heartbeat file
 STALE_MIN_S = 5.0  # a heartbeat is never called stale sooner: a loaded machine delays a thread by seconds
+RECORD_BYTES = 512  # a heartbeat's fixed size on disk ([Note: a heartbeat on a full disk])
 
 # The heartbeat of this process, for the progress marks of code that cannot be handed it: the Engine
 # and prepare()'s optimizer inside a user's script that `dptrain launch` runs (launch.script starts
@@ -64,11 +85,15 @@ class Heartbeat:
         self.step, self.phase = 0, "start"
         self._progress: float | None = None  # monotonic time of the last mark; None: the watchdog is not armed
         self._failing = False
+        self._fd: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name=f"dptrain-heartbeat-{rank}")
 
     def __enter__(self) -> Heartbeat:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # whatever was there (a link is removed, never followed)
+        self._fd = open_fd(self.path, "x")
         self._write()
         _ACTIVE.append(self)
         self._thread.start()
@@ -81,11 +106,15 @@ class Heartbeat:
             return
         self._stop.set()
         self._thread.join()
+        self.phase, self._progress = "exited", None
+        self._write()  # a run that ended is not one still going (launch.run_lock reads it)
+        os.close(self._fd)
         if self in _ACTIVE:
             _ACTIVE.remove(self)
 
     def mark(self, step: int, phase: str = "step") -> None:
-        """The main thread made progress (a step began, an evaluation, a checkpoint): arms the watchdog."""
+        """The main thread made progress (a step began, a micro-step, an evaluation batch, a checkpoint file):
+        arms the watchdog. Cheap: three assignments."""
         self.step, self.phase, self._progress = step, phase, time.monotonic()
 
     def disarm(self, phase: str = "finish") -> None:
@@ -100,15 +129,14 @@ class Heartbeat:
                 self._expire(time.monotonic() - progress)
 
     def _write(self) -> None:
+        """Rewrite the record in place ([Note: a heartbeat on a full disk])."""
         since = None if self._progress is None else time.monotonic() - self._progress
-        record = {"rank": self.rank, "pid": os.getpid(), "time": time.time(), "step": self.step,
-                  "phase": self.phase, "progress_age_s": since}
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        try:
-            tmp.write_text(json.dumps(record))
-            os.replace(tmp, self.path)
-        except OSError:  # a full disk: the heartbeat is a convenience, the run goes on
-            pass
+        record = {"rank": self.rank, "pid": os.getpid(), "host": socket.gethostname(), "boot": _BOOT_ID,
+                  "time": time.time(), "mono": time.monotonic(), "step": self.step, "phase": self.phase[:40],
+                  "progress_age_s": since, "timeout_s": self.timeout_s}
+        data = json.dumps(record).encode()[:RECORD_BYTES].ljust(RECORD_BYTES)
+        with contextlib.suppress(OSError):  # the heartbeat is a convenience: the run goes on without it
+            os.pwrite(self._fd, data, 0)
 
     def _expire(self, stalled_s: float) -> None:
         """No progress for too long: record why, naming the suspects, and end this process (exit 1)."""
@@ -120,15 +148,19 @@ class Heartbeat:
 
         others = read_heartbeats(self.run_dir, self.world_size)
         stale = stale_ranks(others, self.timeout_s, exclude={self.rank})
+        ended = _end_stopped_peers({r: others[r] for r in stale})
         behind = sorted(r for r, h in others.items() if r not in stale and h.get("step", 0) < self.step)
         who = (f"rank(s) {stale} sent no heartbeat for over {max(self.timeout_s, STALE_MIN_S):g} s (stopped or "
                "dead)" if stale else f"rank(s) {behind} are behind, at an earlier step" if behind else
                "no other rank's heartbeat looks wrong (are their logs/ visible from here?)")
+        if ended:
+            who += (f"; rank(s) {ended} were stopped (SIGSTOP) on this host and were ended (SIGKILL), so that "
+                    "the job can end at once")
         summary = (f"WatchdogTimeout: rank {self.rank} made no progress for {stalled_s:.0f} s at step {self.step} "
                    f"({self.phase}), over ddp.timeout_s {self.timeout_s:g} s + {self.margin_s:g} s; {who}")
         text = (f"{summary}\nwhere each rank was: " + "; ".join(
-            f"rank {r}: step {h.get('step')} ({h.get('phase')}), heartbeat {time.time() - h.get('time', 0):.0f} s "
-            "ago" for r, h in sorted(others.items())) + "\n")
+            f"rank {r}: step {h.get('step')} ({h.get('phase')}), heartbeat {heartbeat_age(h):.0f} s ago"
+            for r, h in sorted(others.items())) + "\n")
         try:
             write_error_record(self.run_dir, self.rank, text, summary, stale or behind)
             print(f"error: {summary}", file=sys.stderr, flush=True)
@@ -147,15 +179,64 @@ def read_heartbeats(run_dir: Path, world_size: int) -> dict[int, dict]:
     beats = {}
     for rank in range(world_size):
         try:
-            beats[rank] = json.loads(heartbeat_file(run_dir, rank).read_text())
-        except (OSError, ValueError):
+            with open_file(heartbeat_file(run_dir, rank), "rb") as f:
+                beat = json.loads(f.read(RECORD_BYTES * 2))
+        except (OSError, ValueError, UnsafePath):
             continue
+        if isinstance(beat, dict) and isinstance(beat.get("time"), (int, float)):
+            beats[rank] = beat
     return beats
+
+
+def heartbeat_age(beat: dict, now: float | None = None) -> float:
+    """Seconds since ``beat`` was written: by the monotonic clock when it comes from this host since its last boot,
+    else by the wall clock (``now``, when given, is a wall-clock time) ([Note: which clock])."""
+    if now is None and beat.get("boot") == _BOOT_ID and _BOOT_ID and beat.get("host") == socket.gethostname() \
+            and isinstance(beat.get("mono"), (int, float)):
+        return time.monotonic() - beat["mono"]
+    return (time.time() if now is None else now) - beat.get("time", now or time.time())
 
 
 def stale_ranks(beats: dict[int, dict], timeout_s: float, exclude: set[int] = frozenset(),
                 now: float | None = None) -> list[int]:
     """The ranks whose last heartbeat is older than ``timeout_s`` (at least ``STALE_MIN_S``): stopped or dead."""
-    now = time.time() if now is None else now
     limit = max(timeout_s, STALE_MIN_S)
-    return sorted(r for r, h in beats.items() if r not in exclude and now - h.get("time", now) > limit)
+    return sorted(r for r, h in beats.items() if r not in exclude and heartbeat_age(h, now) > limit)
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter of process ``pid`` on this host (``R`` running, ``S`` sleeping, ``T`` stopped, ``Z``...),
+    None where it cannot be read (gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _end_stopped_peers(stale: dict[int, dict]) -> list[int]:
+    """SIGKILL the stale ranks that are stopped processes on this host (``T``), and return them.
+
+    A stopped process cannot act on the SIGTERM an agent sends it: torchrun would wait its
+    30 s grace for it before the job could end. The job is over already (this rank is about
+    to exit for it), and a stopped peer only delays its end.
+    """
+    ended = []
+    for rank, beat in stale.items():
+        pid = beat.get("pid")
+        if beat.get("host") == socket.gethostname() and isinstance(pid, int) and process_state(pid) in ("T", "t"):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+                ended.append(rank)
+    return ended
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+_BOOT_ID = _boot_id()

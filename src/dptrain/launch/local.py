@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -32,8 +33,9 @@ import time
 from pathlib import Path
 
 from dptrain.launch.errors import error_file, error_summary, read_error_record, write_error_record
-from dptrain.launch.heartbeat import STALE_MIN_S, heartbeat_file, read_heartbeats, stale_ranks
+from dptrain.launch.heartbeat import STALE_MIN_S, heartbeat_file, process_state, read_heartbeats, stale_ranks
 from dptrain.launch.output import PrefixedOutput
+from dptrain.launch.threads import threads_per_worker
 from dptrain.launch.workers import start_worker
 
 __all__ = ["launch_local", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT",
@@ -62,16 +64,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def threads_per_worker(workers: int) -> int:
-    """This machine's cores shared by ``workers`` processes (at least 1 each): N workers with every core's
-    threads each would fight over the cores."""
-    return max(1, (os.cpu_count() or 1) // max(1, workers))
-
-
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
                  expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0,
                  preload: tuple[str, ...] = (), module: str = "dptrain.run", env: dict[str, str] | None = None,
-                 shown: frozenset[int] | None = None) -> int:
+                 shown: frozenset[int] | None = None, lock_fd: int | None = None) -> int:
     """Start ``nproc`` workers, wait for them, return the job's exit code.
 
     The failure of an ``expendable`` rank (a worker of an async parameter-server job)
@@ -84,6 +80,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     worker runs, ``python -m MODULE WORKER_ARGS`` (``dptrain.launch.script`` for ``dptrain
     launch``); ``env``: added to the workers' environment. ``shown``: the ranks whose output the
     terminal shows, each line prefixed ``[rank r]`` (``launch.output``); None: rank 0's, as it is.
+    ``lock_fd``: the locked run directory's descriptor, which every worker holds too (``launch.run_lock``).
     """
     port = free_port()
     logs = run_dir / "logs"
@@ -101,7 +98,7 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         relay = PrefixedOutput(rank, console) if shown is not None and rank in shown else None
         output = (relay.out_w, relay.err_w) if relay else None if shown is None and rank == 0 else console
         try:
-            procs.append(start_worker(start_method, worker_args, worker_env, output, preload, module))
+            procs.append(start_worker(start_method, worker_args, worker_env, output, preload, module, lock_fd))
         except BaseException:
             _stop(procs, grace=GRACE_S)
             raise
@@ -113,8 +110,9 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
     try:
         with _sigterm_raises():
+            terminal = frozenset({0} if shown is None else shown)  # the ranks whose output the terminal shows
             return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable,
-                              timeout_s)
+                              timeout_s, terminal)
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
@@ -156,13 +154,13 @@ def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> No
 
 
 def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: Path, grace_s: float,
-               expendable: set[int], timeout_s: float = float("inf")) -> int:
+               expendable: set[int], timeout_s: float = float("inf"), terminal: frozenset[int] = frozenset()) -> int:
     first_failure, survived, pending, stopped_dead = None, set(), {}, {}
     while True:
         codes = [p.poll() for p in procs]
         now = time.monotonic()
         for r in _stopped_ranks(procs, codes, run_dir, timeout_s, stopped_dead):
-            stopped_dead[r] = procs[r].pid
+            stopped_dead[r] = process_state(procs[r].pid)
             procs[r].kill()  # a stopped process handles no SIGTERM: it is ended as a crash would end it
             codes[r] = procs[r].wait()
             exit_times[r] = time.time()
@@ -183,11 +181,18 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
         if first_failure is not None and (not running or time.monotonic() - first_failure > grace_s
                                           or running <= _silent(run_dir, failed)):
             stopped = _stop(procs, grace=GRACE_S)
-            if all(p.returncode in (0, 2) for p in procs):
-                return 2  # bad input: the workers printed the error themselves
-            _report_failure(procs, exit_times, stopped, run_dir, stopped_dead, timeout_s)
+            if _bad_input(procs, stopped):
+                return 2  # the workers printed the error themselves
+            _report_failure(procs, exit_times, stopped, run_dir, stopped_dead, timeout_s, terminal)
             return 1
         time.sleep(0.2)
+
+
+def _bad_input(procs: list[subprocess.Popen], stopped: set[int]) -> bool:
+    """Bad input ended the job: a rank exited 2 (it said why), and every other one exited 0 or 2, or was stopped
+    by us while it waited for that rank (a store it could not reach, a collective it never got)."""
+    codes = [p.returncode for p in procs]
+    return 2 in codes and all(c in (0, 2) or r in stopped for r, c in enumerate(codes))
 
 
 def _stopped_ranks(procs, codes: list[int | None], run_dir: Path, timeout_s: float, known: dict) -> list[int]:
@@ -239,14 +244,16 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> set[int]:
 
 
 def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stopped: set[int],
-                    run_dir: Path, stopped_dead: dict | None = None, timeout_s: float = float("inf")) -> None:
+                    run_dir: Path, stopped_dead: dict | None = None, timeout_s: float = float("inf"),
+                    terminal: frozenset[int] = frozenset()) -> None:
     records = []
     for rank, p in enumerate(procs):
         record = read_error_record(run_dir, rank)
         if rank in (stopped_dead or {}):  # its heartbeat went stale: the root cause, whatever the others saw
+            how = ("was stopped (SIGSTOP, a frozen machine)" if stopped_dead[rank] in ("T", "t") else
+                   "was stuck where its heartbeat thread could not run (outside Python, holding the GIL)")
             died = (f"sent no heartbeat for over {max(timeout_s, STALE_MIN_S):g} s while running: the process "
-                    f"was stopped (SIGSTOP, a frozen machine) or stuck outside Python, and was killed; see "
-                    f"{run_dir / 'logs' / f'rank{rank}.log'}")
+                    f"{how}, and was killed{_look(run_dir, rank, rank in terminal)}")
             records.append((False, 0.0, rank, died, died))
         elif record is not None:
             text = record["traceback"]
@@ -254,27 +261,52 @@ def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stop
             when = record.get("time") if isinstance(record.get("time"), (int, float)) else exit_times[rank]
             records.append((bool(PEER_LOST.search(text)), when, rank, text, str(record.get("summary", last))))
         elif p.returncode not in (0, None) and not (p.returncode < 0 and rank in stopped):
-            # died on its own (a signal we did not send, or no traceback recorded)
-            unreadable = " (its error record is empty or unreadable: a full disk?)" \
-                if error_file(run_dir, rank).exists() else ""
-            died = (f"exited with {_describe(p.returncode)} and no Python traceback{unreadable}; see "
-                    f"{run_dir / 'logs' / f'rank{rank}.console'} and {run_dir / 'logs' / f'rank{rank}.log'}")
+            # died on its own (a signal we did not send, or before it could record why)
+            unreadable = " (its error record is empty or unreadable)" if error_file(run_dir, rank).exists() else ""
+            died = (f"exited with {_describe(p.returncode)} without recording why{unreadable}"
+                    f"{_look(run_dir, rank, rank in terminal)}")
             records.append((False, exit_times[rank] or float("inf"), rank, died, died))
     records.sort()
+    full = disk_full_note(run_dir)
     if not records:
-        print("error: a worker failed without reporting why; see the logs in "
-              f"{run_dir / 'logs'}", file=sys.stderr)
-        return
-    _, _, rank, text, _ = records[0]
-    print(f"\nerror: rank {rank} failed first:\n{text.rstrip()}", file=sys.stderr)
-    for _, _, other, _, summary in records[1:]:
-        print(f"(rank {other} also failed: {summary})", file=sys.stderr)
-    failed = {r for _, _, r, _, _ in records}
-    running = sorted(r for r in stopped if r not in failed)
-    if running and any(TIMED_OUT.search(t) for _, _, _, t, _ in records):
-        print(f"rank(s) {running} were still running when the others timed out waiting for them, and were "
-              f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
-              f"{run_dir / 'logs'}", file=sys.stderr)
+        print(f"error: a worker failed without reporting why{_look(run_dir, None, False)}", file=sys.stderr)
+    else:
+        _, _, rank, text, _ = records[0]
+        print(f"\nerror: rank {rank} failed first:\n{text.rstrip()}", file=sys.stderr)
+        for _, _, other, _, summary in records[1:]:
+            print(f"(rank {other} also failed: {summary})", file=sys.stderr)
+        failed = {r for _, _, r, _, _ in records}
+        running = sorted(r for r in stopped if r not in failed)
+        if running and any(TIMED_OUT.search(t) for _, _, _, t, _ in records):
+            print(f"rank(s) {running} were still running when the others timed out waiting for them, and were "
+                  f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
+                  f"{run_dir / 'logs'}", file=sys.stderr)
+    if full:
+        print(full, file=sys.stderr)
+
+
+def _look(run_dir: Path, rank: int | None, on_terminal: bool) -> str:
+    """Where a rank's own words are, naming only what exists: its output above, its console file, its log."""
+    logs = run_dir / "logs"
+    files = [] if rank is None else [logs / f"rank{rank}.console", logs / f"rank{rank}.log"]
+    places = (["its output above"] if on_terminal else []) + [str(f) for f in files if f.is_file()]
+    if rank is None and logs.is_dir():
+        places.append(f"the logs in {logs}")
+    return f"; see {' and '.join(places)}" if places else ""
+
+
+def disk_full_note(run_dir: Path, below: int = 1 << 20) -> str | None:
+    """What to say when the file system holding ``run_dir`` is full (less than ``below`` bytes free), or None."""
+    try:
+        usage = shutil.disk_usage(run_dir)
+    except OSError:
+        return None
+    if usage.free >= below:
+        return None
+    return (f"the file system holding {run_dir} is full ({usage.free:,} bytes free of {usage.total:,}): writes there "
+            "fail (No space left on device), so the workers could not save, log or record why they failed. Free "
+            "space there, or choose a --run-dir on another file system, and start again (the run resumes from its "
+            "newest complete checkpoint)")
 
 
 def _describe(code: int | None) -> str:

@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import BinaryIO
 
+from dptrain.utils.files import open_file
+
 __all__ = ["PrefixedOutput", "parse_ranks"]
 
 
@@ -41,7 +43,7 @@ class PrefixedOutput:
         self.prefix = f"[rank {rank}] ".encode()
         self._out_r, self.out_w = os.pipe()
         self._err_r, self.err_w = os.pipe()
-        self._file = open(console, "wb")
+        self._file = open_file(console, "wb")  # never through a link
         self._lock = threading.Lock()  # the console file is shared by the two relays
         self._threads: list[threading.Thread] = []
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
 
-__all__ = ["WorkerEnv", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
+__all__ = ["WorkerEnv", "PortInUse", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
            "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
 
 
@@ -127,6 +127,10 @@ def use_loopback(env: WorkerEnv, environ: dict[str, str] | None = None) -> bool:
     return True
 
 
+class PortInUse(ValueError):
+    """The job's store port is taken: bad input (MASTER_PORT), one line, exit 2."""
+
+
 def loopback_store(env: WorkerEnv, timeout: timedelta) -> dist.TCPStore:
     """The job's store, listening on 127.0.0.1 only: rank 0 hosts it, the others connect.
 
@@ -137,7 +141,14 @@ def loopback_store(env: WorkerEnv, timeout: timedelta) -> dist.TCPStore:
         return dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, timeout)
     listener = socket.socket(socket.AF_INET6 if env.master_addr == "::1" else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind(("::1" if env.master_addr == "::1" else "127.0.0.1", env.master_port))
+    address = ("::1" if env.master_addr == "::1" else "127.0.0.1", env.master_port)
+    try:
+        listener.bind(address)
+    except OSError as e:
+        listener.close()
+        raise PortInUse(f"the job's store cannot listen on {address[0]}:{address[1]} ({e.strerror}): another "
+                        "process has that port. Set MASTER_PORT to a free port (dptrain run and dptrain launch "
+                        "choose one themselves when they start the workers)") from None
     listener.listen(max(128, env.world_size))
     store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, True, timeout, wait_for_workers=False,
                           master_listen_fd=listener.detach())  # the store's socket from now on

@@ -41,6 +41,8 @@ from pathlib import Path
 
 from dptrain.launch.errors import error_summary, write_error_record
 from dptrain.launch.local import AGENT_STORE, LOOPBACK
+from dptrain.launch.orphans import orphan_guard
+from dptrain.launch.run_lock import FD_ENV, TOKEN_ENV, keep_inherited
 
 __all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
 
@@ -85,13 +87,32 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] == "-m" and len(argv) < 2:
         print("usage: python -m dptrain.launch.script SCRIPT [ARGS...] | -m MODULE [ARGS...]", file=sys.stderr)
         return 2
+    orphan_guard(os.environ)  # started by a local launcher as a fresh interpreter: end with it
+    keep_inherited(os.environ)
+    local = _launcher_only(os.environ)
     os.environ.update(torchrun_env_from_slurm(os.environ))
     rank = int(os.environ.get("RANK", "0"))
-    _host_loopback_store(os.environ, rank)
+    try:
+        _host_loopback_store(os.environ, rank, local)
+    except ValueError as e:  # PortInUse: the port is taken (MASTER_PORT)
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     with _watched(rank):
-        code = _run(argv, rank)
+        code = _run(argv, rank, local)
         _finish()
     return code
+
+
+def _launcher_only(environ: dict[str, str]) -> bool:
+    """Whether a local launcher started this worker; what only the worker may see leaves the script's environment.
+
+    The script, and whatever it starts (a sweep driver's ``python -m dptrain.run``, a torchrun), must
+    not inherit the launcher's claims: a run it starts takes its own run directory's lock, and is
+    refused on this launch's (``launch.run_lock``).
+    """
+    for name in (FD_ENV, TOKEN_ENV):
+        environ.pop(name, None)
+    return environ.pop("DPTRAIN_LAUNCHER", None) == "local"
 
 
 @contextlib.contextmanager
@@ -108,7 +129,7 @@ def _watched(rank: int):
         yield
 
 
-def _host_loopback_store(environ: dict[str, str], rank: int) -> None:
+def _host_loopback_store(environ: dict[str, str], rank: int, local: bool) -> None:
     """Under the local launcher, the job's store on 127.0.0.1 only, whatever the script does.
 
     A script's ``init_process_group`` (env://) would make rank 0 host torch's store, which
@@ -118,7 +139,7 @@ def _host_loopback_store(environ: dict[str, str], rank: int) -> None:
     Rank 0 then imports torch before the script runs; the others do not. A script that
     brings its own store or meets elsewhere (another ``MASTER_ADDR``) is left alone.
     """
-    if (environ.get("DPTRAIN_LAUNCHER") != "local" or environ.get(AGENT_STORE) == "True"
+    if (not local or environ.get(AGENT_STORE) == "True"
             or environ.get("MASTER_ADDR") not in LOOPBACK or "MASTER_PORT" not in environ):
         return
     if rank == 0:
@@ -148,7 +169,7 @@ def set_default_collective_timeout(seconds: float) -> None:
         c10d.default_pg_nccl_timeout = timedelta(seconds=seconds)
 
 
-def _run(argv: list[str], rank: int) -> int:
+def _run(argv: list[str], rank: int, local: bool) -> int:
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]  # runpy sets argv[0] to the module's file
@@ -169,8 +190,8 @@ def _run(argv: list[str], rank: int) -> int:
         _KEPT.append(e)  # its traceback holds the script's frames and globals
         text = _user_traceback(e)
         record_error(rank, text, error_summary(e))
-        if rank != 0 or os.environ.get("DPTRAIN_LAUNCHER") != "local":  # rank 0's terminal gets it from the
-            print(text, file=sys.stderr, end="")                         # local launcher, first failure first
+        if rank != 0 or not local:  # rank 0's terminal gets it from the local launcher, first failure first
+            print(text, file=sys.stderr, end="")
         return 1
 
 
@@ -181,7 +202,7 @@ def _finish() -> None:
             thread.join()
     atexit._run_exitfuncs()  # the script's handlers (logging's flush, trackers' finish)
     for obj in gc.get_objects():  # what a file's finalizer would do at teardown
-        if isinstance(obj, io.IOBase):
+        if issubclass(type(obj), io.IOBase):  # the type, not the object: touching torch's deprecated aliases warns
             with contextlib.suppress(Exception):
                 if not obj.closed and obj.writable():
                     obj.flush()

@@ -23,7 +23,10 @@ process (tests) that needs other such settings must use ``exec``.
 Either way a worker sees the same thing: its environment (``RANK``, ``WORLD_SIZE``,
 ``MASTER_ADDR``... and everything the launcher had), the launcher's working directory at
 the front of ``sys.path`` (as ``python -m`` puts it there) after ``PYTHONPATH``, and its
-output on the launcher's terminal (rank 0) or in ``logs/rank<r>.console``.
+output on the launcher's terminal (rank 0) or in ``logs/rank<r>.console``. It also holds a
+descriptor of the locked run directory (``lock_fd``, named by ``DPTRAIN_RUN_LOCK_FD``), so
+the directory stays locked while any worker lives (``launch.run_lock``, [Note: who holds the
+lock]), and it ends when its launcher does (``launch.orphans``).
 """
 
 from __future__ import annotations
@@ -33,11 +36,15 @@ import multiprocessing as mp
 import multiprocessing.connection
 import multiprocessing.reduction
 import os
-import signal
 import subprocess
 import sys
 import threading
 from pathlib import Path
+
+from dptrain.launch.orphans import PARENT_ENV, die_with_parent
+from dptrain.launch.run_lock import FD_ENV
+from dptrain.launch.threads import omp_threads
+from dptrain.utils.files import open_fd, open_file
 
 __all__ = ["START_METHODS", "PRELOAD", "start_worker"]
 
@@ -49,7 +56,7 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.ru
 
 
 def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | tuple[int, int] | None,
-                 preload: tuple[str, ...] = (), module: str = "dptrain.run"):
+                 preload: tuple[str, ...] = (), module: str = "dptrain.run", lock_fd: int | None = None):
     """Start one worker (``python -m MODULE ARGV``); ``console``: where its output goes (None: ours; a path;
     or the descriptors of its stdout and stderr, pipes of ``launch.output``).
 
@@ -59,17 +66,21 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     ``preload``: modules the fork server imports beyond ``PRELOAD`` (a Hugging Face model's:
     seconds each worker would otherwise spend importing them).
 
+    ``lock_fd``: the descriptor of the locked run directory, which the worker holds for its life.
+
     Returns an object with ``subprocess.Popen``'s ``pid``, ``poll``, ``wait``, ``send_signal``,
     ``kill`` and ``returncode``.
     """
     if method == "exec":
+        keep = () if lock_fd is None else (lock_fd,)
+        env = dict(env, **{PARENT_ENV: str(os.getpid())}, **({FD_ENV: str(lock_fd)} if keep else {}))
+        command = [sys.executable, "-m", module, *argv]
         if isinstance(console, tuple):
-            return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=console[0],
-                                    stderr=console[1])
-        out = None if console is None else open(console, "w")
+            return subprocess.Popen(command, env=env, stdout=console[0], stderr=console[1], pass_fds=keep)
+        out = None if console is None else open_file(console, "w")
         try:
-            return subprocess.Popen([sys.executable, "-m", module, *argv], env=env, stdout=out,
-                                    stderr=subprocess.STDOUT if out else None)
+            return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                    pass_fds=keep)
         finally:
             if out is not None:
                 out.close()
@@ -79,7 +90,9 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     ctx.set_forkserver_preload([*PRELOAD, *preload])  # no effect once the server runs (it was started with this list)
     fds = console if isinstance(console, tuple) else (1, 2)
     output = ("path", str(console)) if isinstance(console, Path) else ("fds", _Fd(fds[0]), _Fd(fds[1]))
-    proc = ctx.Process(target=_forked_worker, args=(module, argv, env, os.getcwd(), output), name="dptrain-worker")
+    lock = None if lock_fd is None else _Fd(lock_fd)
+    proc = ctx.Process(target=_forked_worker, args=(module, argv, env, os.getcwd(), output, lock),
+                       name="dptrain-worker")
     proc.start()
     return _Forked(proc)
 
@@ -135,14 +148,18 @@ class _Fd:
         return _Fd(dup.detach())
 
 
-def _forked_worker(module: str, argv: list[str], env: dict[str, str], cwd: str, output: tuple) -> None:
+def _forked_worker(module: str, argv: list[str], env: dict[str, str], cwd: str, output: tuple,
+                   lock: _Fd | None) -> None:
     """In the fork: become the worker ``python -m MODULE ARGV`` would have been, and run it."""
     _leave_the_fork_server()
     os.environ.clear()
     os.environ.update(env)
+    if lock is not None:  # held for the worker's life, never passed on to what it executes
+        os.set_inheritable(lock.fd, False)
+        os.environ[FD_ENV] = str(lock.fd)
     os.chdir(cwd)
     if output[0] == "path":
-        fd = os.open(output[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        fd = open_fd(Path(output[1]), "w")  # never truncated through a link
         out_fd, err_fd = fd, fd
     else:
         out_fd, err_fd = output[1].fd, output[2].fd
@@ -158,7 +175,8 @@ def _forked_worker(module: str, argv: list[str], env: dict[str, str], cwd: str, 
     sys.path[:0] = [p for p in dict.fromkeys(paths) if p not in sys.path]
     sys.argv = [sys.executable, "-m", module, *argv]
     _settings_read_at_import()
-    _linux_process_settings(f"dptrain-rank{env.get('RANK', '?')}")
+    # the parent is the fork server, which ends with the launcher (_leave_the_fork_server)
+    die_with_parent(os.getppid(), f"dptrain-rank{env.get('RANK', '?')}")
 
     code = importlib.import_module(module).main(argv)
     sys.stdout.flush()
@@ -172,8 +190,9 @@ def _settings_read_at_import() -> None:
     import torch.distributed as dist
 
     dist.set_debug_level_from_env()
-    if "OMP_NUM_THREADS" in os.environ:  # the OpenMP runtime read it when torch was loaded
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    threads = omp_threads(os.environ)
+    if threads is not None:  # the OpenMP runtime read it when torch was loaded
+        torch.set_num_threads(threads)
 
 
 def _leave_the_fork_server() -> None:
@@ -182,7 +201,7 @@ def _leave_the_fork_server() -> None:
     A child inherits the launcher's end of the pipe the server watches to know that the
     launcher is alive: while any worker held it, a SIGKILLed launcher left the server, and
     with it the workers, running. Without it, the server ends with the launcher and the
-    workers with the server (``_linux_process_settings``). A worker that uses the forkserver
+    workers with the server (each asks to, ``launch.orphans``). A worker that uses the forkserver
     start method itself then starts a server of its own.
     """
     from multiprocessing import forkserver
@@ -193,27 +212,3 @@ def _leave_the_fork_server() -> None:
     for name in ("_forkserver_alive_fd", "_forkserver_address", "_forkserver_pid"):
         if hasattr(server, name):
             setattr(server, name, None)
-
-
-def _linux_process_settings(name: str) -> None:
-    """Show the fork as ``name`` in top and ``ps -o comm``, and end it with SIGTERM if the fork server ends.
-
-    Linux's prctl: PR_SET_NAME (15 bytes at most) and PR_SET_PDEATHSIG. The fork server
-    ends when the launcher's process does, however it ends (a SIGKILL too), so a worker
-    does not train on alone. Its full command line stays the fork server's (``ps -f`` shows
-    ``python -c from multiprocessing.forkserver import main ...``); ``--start-method exec``
-    gives each worker ``python -m dptrain.run``'s, as torchrun does.
-    """
-    if sys.platform != "linux":
-        return
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-    except OSError:  # no C library to call: both are conveniences
-        return
-    parent = os.getppid()
-    libc.prctl(15, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)  # PR_SET_NAME
-    libc.prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # the server ended before the signal was armed
-        os.kill(os.getpid(), signal.SIGTERM)
