@@ -194,3 +194,140 @@ def test_a_run_whose_steps_are_all_non_finite_ends_with_exit_1_and_one_message(t
     assert "4 steps in a row had non-finite gradients and were skipped" in done.stderr
     assert "Traceback" not in done.stderr
     assert not (tmp_path / "run" / "summary.json").exists()  # no summary of NaN weights
+
+
+# --------------------------------------------------------------------------- a long phase is not a hang
+
+
+def _accumulating_engine_marks(rank: int, world_size: int, run_dir: str) -> list[tuple[int, str]]:
+    """The heartbeat's marks during one optimizer step of 6 micro-steps, through the Engine."""
+    import torch
+
+    from dptrain import BatchPlan, Engine
+
+    marks: list[tuple[int, str]] = []
+    with Heartbeat(Path(run_dir), rank, world_size, timeout_s=600) as beat:
+        mark = beat.mark
+        beat.mark = lambda step, phase="step": (marks.append((step, phase)), mark(step, phase))
+        engine = Engine(torch.nn.Linear(4, 1), lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                        BatchPlan.resolve(world_size, 6, 1, None))
+        batches = iter([torch.randn(1, 4)] * 6)
+        for x in engine.micro_steps(batches):
+            engine.backward(engine.model(x).square().mean())
+        engine.step()
+    return marks
+
+
+def test_every_micro_step_of_a_long_accumulation_marks_progress(tmp_path):
+    from dptrain.testing import run_on_ranks
+
+    marks = run_on_ranks(_accumulating_engine_marks, 1, str(tmp_path))[0]
+    assert marks.count((1, "micro-step")) == 6 and marks[-1] == (1, "step")
+
+
+def test_an_evaluation_and_a_checkpoint_mark_progress_batch_by_batch_and_file_by_file(tmp_path):
+    import torch
+
+    from dptrain.runner.checkpoint import save_checkpoint
+    from dptrain.runner.outputs import val_sums
+
+    class Task:
+        val_set = [(torch.randn(3), torch.tensor(1)) for _ in range(40)]
+
+        @staticmethod
+        def eval_sums(model, batch):
+            return {"loss_sum": 1.0, "count": 1.0}
+
+    calls = []
+    val_sums(torch.nn.Linear(3, 2), Task(), 4, num_batches=7, progress=lambda: calls.append("eval"))
+    assert calls == ["eval"] * 7
+    calls.clear()
+    save_checkpoint(tmp_path, 3, {"model.pt": {}, "optimizer.pt": {}, "trainer.pt": {}}, {},
+                    progress=lambda: calls.append("file"))
+    assert calls == ["file"] * 3
+
+
+# --------------------------------------------------------------------------- a full disk, clocks, stopped peers
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 2 MiB tmpfs, to be filled by the test (root only; skipped where mounting is not allowed)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)],
+                                           capture_output=True).returncode != 0:
+        pytest.skip("mounting a small tmpfs needs root (a full disk is emulated with one)")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _fill(directory: Path) -> None:
+    fd = os.open(directory / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        for size in (65536, 4096, 512, 1):
+            while True:
+                try:
+                    os.write(fd, b"\0" * size)
+                except OSError:
+                    break
+    finally:
+        os.close(fd)
+
+
+def test_a_full_disk_silences_no_heartbeat_and_is_named_as_full(full_disk):
+    from dptrain.launch.local import disk_full_note
+
+    with Heartbeat(full_disk, 0, 1, timeout_s=60) as beat:
+        beat.mark(5)
+        _fill(full_disk)
+        first = read_heartbeats(full_disk, 1)[0]["time"]
+        time.sleep(1.6)
+        beats = read_heartbeats(full_disk, 1)
+        assert beats[0]["time"] > first  # rewritten in place: no new block needed
+        assert stale_ranks(beats, timeout_s=1, now=first + 10) == [0]
+        assert stale_ranks(beats, timeout_s=1) == []
+    note = disk_full_note(full_disk)
+    assert note is not None and f"file system holding {full_disk} is full" in note
+    assert disk_full_note(full_disk.parent) is None
+
+
+def test_ages_on_one_host_come_from_the_monotonic_clock():
+    from dptrain.launch.heartbeat import _BOOT_ID, heartbeat_age
+
+    beat = {"time": time.time() - 1000, "mono": time.monotonic() - 1.0, "host": __import__("socket").gethostname(),
+            "boot": _BOOT_ID}  # the wall clock stepped forward 999 s since it was written (NTP, a resumed VM)
+    assert heartbeat_age(beat) < 5 and stale_ranks({0: beat}, timeout_s=10) == []
+    assert heartbeat_age(dict(beat, host="elsewhere")) > 900  # another host: only the wall clock is shared
+
+
+@pytest.mark.timeout(60)
+def test_a_watchdog_ends_a_stopped_peer_on_its_host_so_the_job_ends_at_once(tmp_path):
+    peer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    try:
+        os.kill(peer.pid, signal.SIGSTOP)
+        heartbeat_file(tmp_path, 1).parent.mkdir(parents=True)
+        heartbeat_file(tmp_path, 1).write_text(json.dumps({"rank": 1, "pid": peer.pid, "time": time.time() - 100,
+                                                           "host": __import__("socket").gethostname(), "step": 3}))
+        code = textwrap.dedent(f"""
+            import time
+            from dptrain.launch.heartbeat import Heartbeat
+            with Heartbeat({str(tmp_path)!r}, 0, 2, timeout_s=0.5, margin_s=0.5) as beat:
+                beat.mark(4)
+                time.sleep(120)
+        """)
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
+        assert done.returncode == 1, done.stderr
+        assert peer.wait(timeout=10) == -signal.SIGKILL  # not left for an agent's 30 s grace
+        assert "rank(s) [1] were stopped (SIGSTOP) on this host and were ended" in read_error_record(tmp_path, 0)["summary"]
+    finally:
+        peer.kill()
+
+
+def test_a_failure_report_names_only_files_that_exist(tmp_path):
+    from dptrain.launch.local import _look
+
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "logs" / "rank1.console").write_text("")
+    assert _look(tmp_path, 1, on_terminal=False) == f"; see {tmp_path / 'logs' / 'rank1.console'}"
+    assert _look(tmp_path, 0, on_terminal=True) == "; see its output above"

@@ -53,6 +53,7 @@ from dptrain.api.step import OptimizerStep, clip_by_global_norm
 from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
 from dptrain.batching import BatchPlan
 from dptrain.data.loader import ShardedLoader
+from dptrain.launch.heartbeat import mark_progress
 from dptrain.strategies.registry import get_strategy, strategy_names
 from dptrain.utils.tensors import map_tensors
 
@@ -161,6 +162,7 @@ class Engine:
         the relative weight ``weight * grad_accum_steps``.
         """
         self._micro_steps += 1
+        mark_progress(self.step_count + 1, "micro-step")  # a long accumulation window is progress, not a hang
         if self._in_backward:  # this backward steps the optimizer: the step's learning rate first
             self._set_lr()
         scaled = loss if weight is None else loss * (weight * self.plan.grad_accum_steps)
