@@ -65,7 +65,7 @@ def device_bytes(text: str) -> int:
         gib = math.nan
     if not (math.isfinite(gib) and gib > 0):
         presets = ", ".join(f"{d.name} ({d.gib:.2f} GiB)" for d in DEVICES.values())
-        raise ValueError(f"--device-memory must be a device ({presets}) or a positive number of GiB, got {text!r}")
+        raise ValueError(f"--device-memory must be positive GiB, got {text}; or name a device: {presets}")
     return int(gib * GiB)
 
 
