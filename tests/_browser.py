@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-__all__ = ["chromium_path", "open_page", "Console"]
+__all__ = ["chromium_path", "open_page", "Console", "plot_layout_problems"]
 
 
 def _missing(reason: str):
@@ -79,3 +79,31 @@ def open_page(path: Path, width: int = 1400, height: int = 1000) -> Iterator[tup
             yield page, console
         finally:
             browser.close()
+
+
+# For each plotly plot: its toolbar's box (shown on hover), its title's and its legend's, and its axis titles.
+_PLOT_BOXES = """() => Array.from(document.querySelectorAll('.js-plotly-plot')).map((div) => {
+  const box = (el) => { if (!el) return null; const r = el.getBoundingClientRect();
+                        return r.width && r.height ? [r.left, r.top, r.right, r.bottom] : null; };
+  const meet = (a, b) => a != null && b != null && a[0] < b[2] && b[0] < a[2] && a[1] < b[3] && b[1] < a[3];
+  const toolbar = box(div.querySelector('.modebar'));
+  return { id: div.id, toolbar, title: meet(toolbar, box(div.querySelector('.gtitle'))),
+           legend: meet(toolbar, box(div.querySelector('.legend'))),
+           axes: Array.from(div.querySelectorAll('.xtitle, .ytitle, .x2title, .y2title')).map((t) => t.textContent) };
+})"""
+
+
+def plot_layout_problems(page, axis_titles: bool = True) -> list[str]:
+    """Where a page's plots draw plotly's toolbar over a title or a legend (after hovering over each plot, which
+    shows it), or (``axis_titles``) leave an axis title empty: one line each."""
+    for plot in page.locator(".js-plotly-plot").all():
+        plot.scroll_into_view_if_needed()
+        plot.hover()
+    problems = []
+    for plot in page.evaluate(_PLOT_BOXES):
+        if plot["toolbar"] is None:
+            problems.append(f"{plot['id']}: no toolbar drawn")
+        problems += [f"{plot['id']}: the toolbar covers its {part}" for part in ("title", "legend") if plot[part]]
+        if axis_titles:
+            problems += [f"{plot['id']}: an empty axis title" for text in plot["axes"] if not text.strip()]
+    return problems

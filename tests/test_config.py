@@ -88,3 +88,29 @@ def test_a_field_added_after_checkpoints_were_written_is_out_of_the_identity_at_
 
     assert "train.onebit_freeze_step" not in identity(load_config())  # older checkpoints keep resuming
     assert identity(load_config(None, ["train.onebit_freeze_step=5"]))["train.onebit_freeze_step"] == 5
+
+
+@pytest.mark.parametrize("optimizer, lr", [("adamw", 2e-3), ("adam", 2e-3), ("onebit_adam", 2e-3), ("lamb", 2e-2),
+                                           ("lars", 2.0)])
+def test_an_unset_lr_is_the_optimizers_default_and_a_set_one_is_kept(tmp_path, optimizer, lr):
+    from dptrain.config.schema import DEFAULT_LR
+
+    assert load_config(None, [f"train.optimizer={optimizer}"]).train.lr == lr == DEFAULT_LR[optimizer]
+    path = write(tmp_path, f"[train]\noptimizer = \"{optimizer}\"\n")
+    assert load_config(path).train.lr == lr  # from a file as from --set
+    assert load_config(path, ["train.lr=5e-3"]).train.lr == 5e-3  # set explicitly: kept, whichever comes first
+    assert load_config(None, ["train.lr=5e-3", f"train.optimizer={optimizer}"]).train.lr == 5e-3
+    resolved = load_config(write(tmp_path, to_toml(load_config(path))))  # config.toml holds the rate used
+    assert resolved.train.lr == lr
+
+
+def test_a_warmup_as_long_as_the_run_is_a_warning_before_launch():
+    from dptrain.runner.validate import schedule_warnings, validate_run
+
+    tiny = ["gpt.n_layer=1", "gpt.n_embd=16", "gpt.n_head=2", "gpt.block_size=8", "gpt.corpus_bytes=20000"]
+    [warning] = [w for w in validate_run(load_config(None, [*tiny, "train.steps=20"]), 1).warnings
+                 if "warmup" in w]  # the default warm-up, 30 steps, in a 20-step run
+    assert warning.startswith("warning: train.warmup_steps 30 is not below train.steps 20")
+    assert "20/30 = 67% of its peak at the last step" in warning and "e.g. 2" in warning
+    assert "reaches its peak only at the last step" in schedule_warnings(30, 30)[0]
+    assert schedule_warnings(300, 30) == [] and schedule_warnings(1, 0) == []

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from _browser import open_page
+from _browser import open_page, plot_layout_problems
 from _cli import dptrain
 from dptrain.comm.cost import Link, collective_cost
 from dptrain.config import RunConfig
@@ -29,6 +30,7 @@ from dptrain.pages.explore import build_explore
 from dptrain.pages.explore_data import PRESET_MODELS, optimizer_config
 from dptrain.planner import Setup, plan_row
 from dptrain.planner.activations import trace_activations
+from dptrain.planner.devices import DEFAULT_HEADROOM, DEVICES, fits, usable_bytes
 from dptrain.planner.from_config import optimizer_for, plan_config, setup_for, simulate_config
 from dptrain.planner.network import PRESETS, Network
 from dptrain.planner.simulate import flops_profile, simulate_step
@@ -253,3 +255,38 @@ def test_explore_command_writes_the_page_and_refuses_unknown_models(tmp_path) ->
     r = dptrain("explore", "--models", "config,llama", "-o", str(tmp_path / "x.html"), cwd=tmp_path)
     assert r.returncode == 2 and "llama" in r.stderr
     assert not (tmp_path / "x.html").exists()
+
+
+# ------------------------------------------------------------------------- units, devices, the plots' frames
+
+
+@pytest.mark.timeout(120)
+def test_the_device_menu_is_the_planners_in_gib_and_fits_keeps_its_headroom(page) -> None:
+    pg, console = page
+    assert _js(pg, "dptrainExplore.data.devices") == [{"name": d.name, "label": d.label, "bytes": d.bytes}
+                                                      for d in DEVICES.values()]
+    assert _js(pg, "dptrainExplore.data.headroom") == DEFAULT_HEADROOM
+    h100 = DEVICES["h100"].bytes
+    edge = usable_bytes(h100, DEFAULT_HEADROOM)
+    for total in (edge - 1, edge, edge + 1, h100 - 1, h100):  # above the usable part and below the device: no
+        assert _js(pg, f"dptrainExplore.fits({total}, {h100}, {DEFAULT_HEADROOM})") == fits(total, h100,
+                                                                                          DEFAULT_HEADROOM), total
+    pg.select_option("#mem-device", "h100")
+    readout = pg.text_content("#mem-readout")
+    assert f"{edge / 2**30:.2f} GiB (H100 80GB: 79.65 GiB less 10% headroom" in readout and " GB" not in readout
+    pg.fill("#mem-headroom", "0")
+    pg.dispatch_event("#mem-headroom", "input")
+    assert "79.65 GiB (H100 80GB: 79.65 GiB less 0% headroom" in pg.text_content("#mem-readout")
+    pg.fill("#mem-headroom", "10")
+    pg.dispatch_event("#mem-headroom", "input")
+    assert console.problems() == []
+
+
+@pytest.mark.timeout(120)
+def test_plots_keep_the_toolbar_clear_and_name_their_units_and_rates_read_plainly(page) -> None:
+    pg, console = page
+    assert plot_layout_problems(pg) == []
+    assert _js(pg, "document.getElementById('ar-chart').layout.yaxis.title.text") == "predicted time (ms)"
+    rate = pg.text_content("#sc-tps")  # "48.41 M tokens/s" or "524,288 tokens/s", never "4.841e+7"
+    assert re.fullmatch(r"(\d+\.\d\d [MG]|[\d,]+) tokens/s", rate), rate
+    assert console.problems() == []

@@ -8,6 +8,7 @@ from sending telemetry, sampling the machine, or writing outside the test's dire
 
 import csv
 import json
+import re
 import struct
 import sys
 import time
@@ -23,10 +24,13 @@ from dptrain.runner.log_backends import (
     TensorBoardBackend,
     WandbBackend,
     check_backends,
+    open_backends,
     scalars,
+    tensorboard_tag,
 )
 
 ALL = ["jsonl", "tensorboard", "csv", "wandb", "mlflow"]
+DOCS = Path(__file__).resolve().parents[1] / "docs"
 
 RECORDS = [  # what metrics.jsonl holds: train records (per-rank lists among them), then an evaluation
     {"kind": "train", "step": 1, "loss": 5.5, "lr": 1e-3, "peak_rss_mb": [400.0, 410.0], "peak_tensor_mb": [None, None],
@@ -139,11 +143,19 @@ def test_check_backends_names_the_fix(monkeypatch):
     check_backends(ALL)  # the test extra installs all three libraries
     with pytest.raises(ValueError, match=r"unknown backend\(s\) \['tensorbord'\] \(did you mean \['tensorboard'\]"):
         check_backends(["jsonl", "tensorbord"])
-    with pytest.raises(ValueError, match=r"lacks \"jsonl\".*use \['jsonl', 'csv'\]"):
-        check_backends(["csv"])
+    check_backends(["tensorboard", "csv"])  # jsonl need not be listed: metrics.jsonl is always written
     monkeypatch.setitem(sys.modules, "mlflow", None)  # as if not installed: find_spec finds nothing
     with pytest.raises(ValueError, match=r"need mlflow, not installed here: pip install mlflow"):
         check_backends(["jsonl", "mlflow"])
+
+
+def test_jsonl_is_written_whether_listed_or_not(tmp_path):
+    opened = open_backends(["csv"], tmp_path, 0, run_name="run", config={}, wandb_project="p", mlflow_uri="",
+                           mlflow_experiment="e")
+    opened.log(RECORDS[0], 1)
+    opened.close()
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [RECORDS[0]]
+    assert (tmp_path / "metrics.csv").is_file() and opened.where() == [f"CSV: {tmp_path / 'metrics.csv'}"]
 
 
 def test_log_keys_are_not_part_of_the_checkpoint_identity():
@@ -166,8 +178,10 @@ def test_csv_widens_its_header_once_and_drops_replayed_rows_on_resume(tmp_path):
     assert [(row["kind"], int(row["step"])) for row in rows] == [(r["kind"], r["step"]) for r in RECORDS]
     assert [float(row["loss"]) for row in rows if row["loss"]] == [5.5, 5.25, 5.0]
     assert rows[2]["val_loss"] == "5.125" and rows[0]["val_loss"] == "" and rows[2]["loss"] == ""
-    assert json.loads(rows[1]["peak_rss_mb"]) == [401.0, 411.0]
-    assert json.loads(rows[0]["peak_tensor_mb"]) == [None, None]
+    # a per-rank list is a column per rank, as a spreadsheet or pandas wants it
+    assert "peak_rss_mb" not in reader.fieldnames
+    assert (rows[1]["peak_rss_mb/rank0"], rows[1]["peak_rss_mb/rank1"]) == ("401.0", "411.0")
+    assert (rows[0]["peak_tensor_mb/rank0"], rows[1]["peak_tensor_mb/rank1"]) == ("", "1.5")
 
     resumed = CSVBackend(path, start_step=1)  # a crash after step 3, resumed from the step-1 checkpoint
     resumed.log({**RECORDS[1], "loss": 5.3}, 2)
@@ -183,14 +197,25 @@ def test_tensorboard_scalars_by_tag_and_step_and_purged_on_resume(tmp_path):
         backend.log(r, r["step"])
     backend.close()
     tags = tensorboard_scalars(tmp_path / "tb")
-    assert tags["loss"] == logged(RECORDS, "loss") and tags["val_loss"] == [(2, 5.125)]
-    assert tags["peak_rss_mb/rank1"] == [(1, 410.0), (2, 411.0), (3, 412.0)] and "peak_tensor_mb/rank0" in tags
+    # grouped in TensorBoard's sections: train/, eval/, comm/, memory/
+    assert {tag.split("/")[0] for tag in tags} == {"train", "eval", "memory"}
+    assert tags["train/loss"] == logged(RECORDS, "loss") and tags["eval/val_loss"] == [(2, 5.125)]
+    assert tags["memory/peak_rss_mb/rank1"] == [(1, 410.0), (2, 411.0), (3, 412.0)]
+    assert "memory/peak_tensor_mb/rank0" in tags
 
     resumed = TensorBoardBackend(tmp_path / "tb", start_step=1)
     resumed.log({**RECORDS[1], "loss": 5.3}, 2)
     resumed.close()
     # step 3 of the crashed session is hidden; TensorBoard stores float32
-    assert tensorboard_scalars(tmp_path / "tb")["loss"] == [(1, 5.5), (2, pytest.approx(5.3))]
+    assert tensorboard_scalars(tmp_path / "tb")["train/loss"] == [(1, 5.5), (2, pytest.approx(5.3))]
+
+
+def test_tensorboard_sections_by_what_a_value_measures():
+    assert tensorboard_tag("exposed_comm_ms", "train") == "comm/exposed_comm_ms"
+    assert tensorboard_tag("comm_sent_bytes_per_step", "train") == "comm/comm_sent_bytes_per_step"
+    assert tensorboard_tag("peak_tensor_mb/rank1", "train") == "memory/peak_tensor_mb/rank1"
+    assert tensorboard_tag("compute_ms_per_rank/rank0", "train") == "train/compute_ms_per_rank/rank0"
+    assert tensorboard_tag("val_accuracy", "eval") == "eval/val_accuracy"
 
 
 def test_wandb_offline_history_summary_and_resumed_id(tmp_path):
@@ -245,11 +270,12 @@ def test_mlflow_history_params_and_resumed_run(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def run_all_backends(tmp_path_factory, offline_env):
-    """One run with every backend: 2 ranks, 3 steps, an evaluation at the last."""
+    """One run with every backend: 2 ranks, 3 steps, an evaluation at the last; jsonl not listed (it is implied)."""
     tmp = tmp_path_factory.mktemp("all_backends")
     run_dir = tmp / "run"
+    listed = [name for name in ALL if name != "jsonl"]
     proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp)), "--run-dir", str(run_dir),
-                   "--set", "train.steps=3", "--set", "log.trace_steps=0", "--set", f"log.backends={json.dumps(ALL)}",
+                   "--set", "train.steps=3", "--set", "log.trace_steps=0", "--set", f"log.backends={json.dumps(listed)}",
                    "--set", "log.wandb_project=dptrain-tests", cwd=tmp, env=offline_env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -268,10 +294,12 @@ def test_run_with_every_backend_matches_metrics_jsonl(run_all_backends):
     # TensorBoard: one event file (rank 0's), every value by tag and step (stored as float32)
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 1
     tags = tensorboard_scalars(run_dir / "tensorboard")
-    for key in ("loss", "lr", "tokens_per_s", "val_loss", "peak_rss_mb/rank1"):
+    for key, tag in (("loss", "train/loss"), ("lr", "train/lr"), ("tokens_per_s", "train/tokens_per_s"),
+                     ("val_loss", "eval/val_loss"), ("exposed_comm_ms", "comm/exposed_comm_ms"),
+                     ("peak_rss_mb/rank1", "memory/peak_rss_mb/rank1")):
         expected = logged(records, key) if "/" not in key else [(r["step"], r["peak_rss_mb"][1]) for r in train]
-        assert [s for s, _ in tags[key]] == [s for s, _ in expected]
-        assert [v for _, v in tags[key]] == pytest.approx([v for _, v in expected], rel=1e-6)
+        assert [s for s, _ in tags[tag]] == [s for s, _ in expected]
+        assert [v for _, v in tags[tag]] == pytest.approx([v for _, v in expected], rel=1e-6)
 
     # CSV: the same records in the same order, values exact
     with open(run_dir / "metrics.csv", newline="") as f:
@@ -280,6 +308,8 @@ def test_run_with_every_backend_matches_metrics_jsonl(run_all_backends):
     for row, r in zip(rows, records, strict=True):
         for key in ("loss", "tokens_per_s", "val_loss"):
             assert (float(row[key]) if row[key] else None) == r.get(key)
+        for i, value in enumerate(r.get("peak_rss_mb", [])):
+            assert float(row[f"peak_rss_mb/rank{i}"]) == value
 
     # W&B: one offline run (rank 0's), its history and summary, the run's config
     (offline,) = (run_dir / "wandb").glob("offline-run-*")
@@ -299,6 +329,15 @@ def test_run_with_every_backend_matches_metrics_jsonl(run_all_backends):
     assert mlflow_history(uri, mlrun.info.run_id, "loss") == logged(records, "loss")
     assert mlflow_history(uri, mlrun.info.run_id, "val_loss") == logged(records, "val_loss")
     assert mlrun.data.params["train.steps"] == "3" and mlrun.info.run_name == "run"
+
+
+def test_every_field_of_a_record_is_in_docs_run_md_metrics_table(run_all_backends):
+    _, records, _ = run_all_backends
+    section = (DOCS / "run.md").read_text().split("### Metrics", 1)[1].split("\n#", 1)[0]
+    documented = {name for cell in re.findall(r"^\| ([^|]+) \|", section, re.MULTILINE)
+                  for name in re.findall(r"`([a-z_]+)`", cell)}
+    fields = {key for r in records for key in r}
+    assert fields - documented == set()
 
 
 def test_unknown_backend_is_refused_before_launch(tmp_path):

@@ -262,3 +262,73 @@ def test_plan_says_what_it_could_not_estimate_instead_of_a_wrong_number(tmp_path
     assert planned["rows"][0]["parameters_bytes"] == 2 * 4 * (16 * 8 + 8)  # model states are still planned
     assert planned["rows"][0]["total_bytes"] is None
     assert "could not trace" in planned["notes"][0]
+
+
+# ---------------------------------------------------------------- planning without data, fitting with headroom
+
+
+def test_a_hugging_face_model_plans_from_its_config_alone(tmp_path) -> None:
+    transformers = pytest.importorskip("transformers")
+    from dptrain.models.hf import causal_lm
+
+    transformers.GPT2Config(vocab_size=256, n_positions=2048, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+                            eos_token_id=0).save_pretrained(tmp_path / "gpt2")
+    args = ["plan", "--set", f"hf.path={tmp_path / 'gpt2'}", "--set", "train.global_batch_size=2", "--world-sizes",
+            "2", "--precisions", "fp32", "--strategies", "ddp,zero3", "--json", str(tmp_path / "p.json")]
+    out = CliRunner().invoke(main, args)  # no data.source, no token files: the model's config.json is enough
+    assert out.exit_code == 0, out.output
+    numel = sum(p.numel() for p in causal_lm(tmp_path / "gpt2", weights=False).parameters())
+    assert f"parameters: {numel:,}; tokens per sample: 1,024" in out.output
+    assert "data.block_size = 0 takes the model's context (2,048 positions) capped at 1,024" in out.output
+    rows = {r["strategy"]: r for r in json.loads((tmp_path / "p.json").read_text())["rows"]}
+    assert rows["ddp"]["parameters_bytes"] == 4 * numel and rows["ddp"]["activation_bytes"] > 0
+    longer = CliRunner().invoke(main, [*args[:5], "--set", "data.block_size=2048", *args[5:]])
+    assert "tokens per sample: 2,048" in longer.output and "capped" not in longer.output
+    assert json.loads((tmp_path / "p.json").read_text())["rows"][0]["activation_bytes"] > rows["ddp"]["activation_bytes"]
+    too_long = CliRunner().invoke(main, [*args[:5], "--set", "data.block_size=4096", *args[5:]])
+    assert too_long.exit_code == 2 and "longer than the model's context (2048 positions)" in too_long.output
+
+
+def test_the_plan_heading_gives_the_parameter_count_and_tokens_per_sample() -> None:
+    out = CliRunner().invoke(main, ["plan", "--set", "gpt.n_layer=1", "--set", "gpt.n_embd=16", "--set", "gpt.n_head=2",
+                                    "--set", "gpt.block_size=8", "--world-sizes", "1", "--precisions", "fp32",
+                                    "--strategies", "ddp"])
+    assert out.exit_code == 0, out.output
+    numel = sum(p.numel() for p in GPT(vocab_size=256, block_size=8, n_layer=1, n_head=2, n_embd=16).parameters())
+    assert f"parameters: {numel:,}; tokens per sample: 8" in out.output.splitlines()[2]
+
+
+def test_fits_keeps_a_stated_headroom_of_the_device(tmp_path) -> None:
+    from dptrain.planner.devices import DEVICES
+
+    states = 16 * 10**6 + 4  # --params 1e6, fp32 AdamW, DDP at N=1 (gradients as bucket views: off)
+    gib = (states / 0.95) / 2**30  # room for the states with 5% to spare: fits without headroom, not with 10%
+    base = ["plan", "--params", "1e6", "--world-sizes", "1", "--precisions", "fp32", "--strategies", "zero1",
+            "--device-memory", f"{gib!r}"]
+    out = CliRunner().invoke(main, [*base, "--json", str(tmp_path / "p.json")])
+    assert out.exit_code == 0, out.output
+    assert "| zero1 | 1 | fp32 | - |" in out.output and out.output.count("| no? |") == 1
+    assert "less a 10% headroom" in out.output and "CUDA context" in out.output
+    plan = json.loads((tmp_path / "p.json").read_text())
+    assert plan["headroom"] == 0.1 and plan["rows"][0]["fits"] is False
+    assert plan["rows"][0]["model_state_bytes"] == states
+    assert "| yes? |" in CliRunner().invoke(main, [*base, "--headroom", "0"]).output
+    named = CliRunner().invoke(main, [*base[:-1], "h100"])
+    assert f"({DEVICES['h100'].gib:.2f} less 10%)" in named.output == named.output and "79.65" in named.output
+    for bad in (["--headroom", "1"], ["--device-memory", "h1000"], ["--device-memory", "nan"]):
+        refused = CliRunner().invoke(main, [*base, *bad])
+        assert refused.exit_code == 2 and ("--headroom" in refused.output or "h100 (79.65 GiB)" in refused.output)
+
+
+def test_a_bare_count_plans_zero3_traffic_as_a_transformers_blocks(tmp_path) -> None:
+    # One tensor that ZeRO-3 reshards: gathered in forward and again in backward, 3/2 of DDP's bytes (it was one
+    # unit kept gathered, as a model's root: 1x, the "43.9 GiB for a 65.0 GiB model" of issue 46)
+    out = CliRunner().invoke(main, ["plan", "--params", "1e6", "--world-sizes", "4", "--precisions", "fp32,bf16",
+                                    "--json", str(tmp_path / "p.json")])
+    assert out.exit_code == 0, out.output
+    rows = {(r["strategy"], r["precision"]): r for r in json.loads((tmp_path / "p.json").read_text())["rows"]}
+    ddp = rows["ddp", "fp32"]["sent_bytes_per_step"]
+    assert rows["zero3", "fp32"]["sent_bytes_per_step"] == pytest.approx(1.5 * ddp, rel=1e-6)
+    assert rows["zero2", "fp32"]["sent_bytes_per_step"] == pytest.approx(ddp, rel=1e-6)
+    # bf16: fp32 reduce-scatter, two bf16 gathers
+    assert rows["zero3", "bf16"]["sent_bytes_per_step"] == pytest.approx(ddp, rel=1e-6)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from plotly.offline import get_plotlyjs_version
 
-from _browser import open_page
+from _browser import open_page, plot_layout_problems
 from _cli import dptrain, tiny_gpt_config
 from dptrain.config import load_config
 from dptrain.pages.html import plotly_js
@@ -83,6 +83,11 @@ def test_report_data_is_the_runs_metrics_trace_summary_and_plan(run_dir, planned
     assert [r["peak_rss_mb"] for r in memory["ranks"]] == summary["peak_rss_mb_per_rank"]
     assert [r["ratio"] for r in memory["ranks"]] == [m / memory["total_mb"] for m in summary["peak_tensor_mb_per_rank"]]
     assert ("steps", str(STEPS)) in data["summary"]["data"]
+    parts = summary["step_breakdown"]  # the summary's step time: one record's, in parts that add up
+    record = next(r for r in train if r["step"] == parts["step"])
+    assert (parts["step_ms"], parts["compute_ms"], parts["exposed_comm_ms"]) == \
+        (record["step_ms"], record["compute_ms"], record["exposed_comm_ms"])
+    assert parts["step_ms"] == pytest.approx(parts["compute_ms"] + parts["rest_ms"]) and parts["rest_ms"] >= 0
 
 
 def test_report_renders_offline_and_responds(run_dir, planned, tmp_path):
@@ -240,3 +245,40 @@ def test_report_js_is_checked_with_a_did_you_mean(tmp_path):
 
     with pytest.raises(ConfigError, match=r"'log.report_js'.*must be one of inline, cdn, shared; got 'shard'.*shared"):
         load_config(None, ["log.report_js=shard"])
+
+
+def test_report_plots_keep_the_toolbar_clear_of_their_legends(run_dir):
+    with open_page(run_dir / "report.html", width=900) as (page, console):  # narrow: legends run long
+        page.wait_for_selector("#fig-timeline .main-svg")
+        assert plot_layout_problems(page, axis_titles=False) == []
+        assert console.problems() == []
+
+
+def _train_record(step: int, step_ms: float, compute_ms_per_rank: list[float], exposed_ms: float) -> dict:
+    return {"kind": "train", "step": step, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "skipped_steps": 0,
+            "samples_per_s": 80.0, "tokens_per_s": 5120.0, "step_ms": step_ms, "compute_ms": max(compute_ms_per_rank),
+            "exposed_comm_ms": exposed_ms, "tail_comm_ms": 0.0, "comm_busy_ms": 50.0, "overlap_pct": 40.0,
+            "comm_bytes_per_step": 2**20, "peak_rss_mb": [400.0, 401.0], "peak_tensor_mb": [10.0, 10.0],
+            "compute_ms_per_rank": compute_ms_per_rank}
+
+
+def test_the_summary_step_time_adds_up_from_one_record_and_names_its_parts(tmp_path):
+    from dptrain.runner.report import summarize, summary_rows
+
+    # the medians are issue 46's "394.8 ms: compute 383.2 ms, exposed comm 32.8 ms", from three different records
+    train = [_train_record(10, 900.0, [800.0, 790.0], 90.0), _train_record(20, 390.0, [383.2, 350.0], 40.0),
+             _train_record(30, 394.8, [370.0, 360.0], 32.8), _train_record(40, 400.0, [390.0, 365.0], 20.0)]
+    info = dict(run_dir=str(tmp_path), task="chargpt", parameters=1000, world_size=2, device="cpu", backend="gloo",
+                global_batch_size=8, micro_batch_size=4, grad_accum_steps=1, lr_rule="2e-3", start_step=0, steps=40,
+                wall_s=20.0)
+    summary = summarize(tmp_path, info, train, [])
+    assert (summary["median_step_ms"], summary["median_compute_ms"], summary["median_exposed_comm_ms"]) == \
+        (394.8, 383.2, 32.8)  # kept in summary.json, but they do not add up
+    rows = dict(summary_rows(summary))
+    parts = re.match(r"([\d.]+) ms = compute ([\d.]+) ms \+ rest ([\d.]+) ms \(step 30, the median of 3 logged",
+                     rows["step time"])
+    assert parts, rows["step time"]
+    step, compute, rest = map(float, parts.groups())
+    assert (step, compute, rest) == (394.8, 370.0, 24.8) and step == pytest.approx(compute + rest)
+    assert "the slowest rank's forward, backward and optimizer (rank 0)" in rows["step time"]
+    assert rows["exposed comm"].startswith("32.8 ms at step 30: the longest wait for communication on any rank")

@@ -28,17 +28,23 @@ __all__ = ["plan", "simulate", "explore", "check_params"]
 @click.option("--precisions", default="fp32,bf16", show_default=True,
               help="precisions to plan, comma-separated: fp32, bf16 (mixed precision: DDP under autocast, ZeRO "
                    "with bf16 parameters and fp32 master copies)")
-@click.option("--device-memory", type=float, help="GiB per device: adds a 'fits' column")
+@click.option("--device-memory", metavar="GIB|DEVICE",
+              help="the device's memory, in GiB or a device's name (h100, a100-80gb, h200, a10): adds a 'fits' column")
+@click.option("--headroom", type=float,
+              help="with --device-memory: the share of the device kept free for what the plan does not count (the "
+                   "CUDA context, NCCL's buffers, fragmentation; default 0.1, i.e. 10%); 'fits' compares the total "
+                   "with the rest")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the plan as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="write a PNG of memory per rank here")
 def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | None, world_sizes: str,
-         strategies: str, precisions: str, device_memory: float | None, json_path: Path | None,
+         strategies: str, precisions: str, device_memory: str | None, headroom: float | None, json_path: Path | None,
          plot_path: Path | None) -> None:
     """Predict per-rank memory and bytes sent per step, before launch.
 
     \b
     dptrain plan                                   # the default chargpt run
-    dptrain plan --set gpt.n_layer=24 --set gpt.n_embd=2048 --device-memory 80
+    dptrain plan --set gpt.n_layer=24 --set gpt.n_embd=2048 --device-memory h100
+    dptrain plan --set hf.path=DIR --device-memory 80   # a Hugging Face model: its config.json is enough
     dptrain plan --params 7e9 --world-sizes 8,64   # a bare parameter count
 
     Batch rule (plan and simulate): the config's batch as dptrain run resolves it at each
@@ -46,13 +52,16 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     global / N; a world size it cannot be split over is skipped with the reason. Model
     states are exact (the engines' own layout code on a model without storage);
     activations come from a traced forward of one micro-batch; the total adds the
-    communication buffers alive in backward. See docs/planner.md.
+    communication buffers alive in backward. 'fits' keeps --headroom of the device free.
+    See docs/planner.md.
     """
     from dptrain.config import load_config
-    from dptrain.planner import PRECISIONS, STRATEGIES, Setup, plan_row
-    from dptrain.planner.from_config import flat_model, plan_config
+    from dptrain.planner import PRECISIONS, STRATEGIES
+    from dptrain.planner.devices import DEFAULT_HEADROOM, budget_line, check_headroom, device_bytes
+    from dptrain.planner.from_config import plan_config, plan_count
     from dptrain.planner.report import batch_rule, table, to_json
     from dptrain.planner.report import plot as plot_rows
+    from dptrain.planner.target import plan_target
 
     sizes = int_list(world_sizes, "--world-sizes")
     chosen = [s.strip() for s in strategies.split(",") if s.strip()]
@@ -61,35 +70,44 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
         unknown = [v for v in value if v not in allowed]
         if unknown or not value:
             raise click.BadParameter(f"{what}: unknown {unknown or value}; choose from {', '.join(allowed)}")
-    if device_memory is not None and not (math.isfinite(device_memory) and device_memory > 0):
-        raise click.BadParameter(f"--device-memory must be positive GiB, got {device_memory}")
+    headroom = DEFAULT_HEADROOM if headroom is None else headroom
+    try:
+        budget = device_bytes(device_memory) if device_memory is not None else None
+        check_headroom(headroom)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
     notes: list[str] = []
     try:
         if params is not None:
             check_params(params)
-            model = flat_model(int(params))
-            rows = [plan_row(model, Setup(s, n, p), None, layered=False) for n in sizes for p in precs for s in chosen]
-            notes.append("a bare parameter count: activations and communication buffers are not estimated (they "
-                         "depend on the layers; plan a model for them); 'fits' compares the model states")
+            rows = plan_count(int(params), sizes, chosen, precs)
+            notes.append("a bare parameter count: one tensor that ZeRO-3 reshards as a transformer's blocks (a real "
+                         "model's embeddings and head are gathered once: its ZeRO-3 bytes are a little lower); "
+                         "activations and communication buffers are not estimated (they depend on the layers; plan "
+                         "a model for them); 'fits' compares the model states")
             head = [f"model: a bare parameter count, {int(params):,} parameters"]
         else:
             cfg = load_config(config_path, overrides)
-            rows = plan_config(cfg, sizes, chosen, precs, notes)
-            head = [f"model: {_model_name(cfg)}", batch_rule("global" if _fixed_global(cfg) else "micro",
-                                                             *_batch_sizes(cfg))]
+            target = plan_target(cfg)
+            rows = plan_config(cfg, sizes, chosen, precs, notes, target)
+            notes = target.notes + notes
+            head = [f"model: {_model_name(cfg)}",
+                    batch_rule("global" if _fixed_global(cfg) else "micro", *_batch_sizes(cfg)), target.heading()]
     except bad_input() as e:
         click.echo(f"dptrain plan: {e}", err=True)
         sys.exit(2)
     if not rows:
         click.echo("dptrain plan: no world size left to plan:\n" + "\n".join(notes), err=True)
         sys.exit(2)
-    budget = int(device_memory * 2**30) if device_memory is not None else None
     click.echo("\n".join(head))
-    click.echo(table(rows, budget))
+    click.echo(table(rows, budget, headroom))
+    if budget is not None:
+        notes.append(budget_line(budget, headroom))
     for note in notes:
         click.echo(f"note: {note}")
     if json_path is not None:
-        click.echo(f"JSON: {to_json(rows, json_path, {'notes': notes})}")
+        device = {"device_memory_bytes": budget, "headroom": headroom} if budget is not None else {}
+        click.echo(f"JSON: {to_json(rows, json_path, {'notes': notes, **device})}")
     if plot_path is not None:
         click.echo(f"plot: {plot_rows(rows, plot_path)}")
 
@@ -209,7 +227,8 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
 def _model_name(cfg) -> str:
     """What a config trains, in a few words: the task, and the user's factory or Hugging Face path if any."""
     if cfg.hf.path:
-        return f"the Hugging Face model in {cfg.hf.path} (task {cfg.task.name})"
+        data = f" on data.source {cfg.data.source}" if cfg.data.source != "task" else ""
+        return f"the Hugging Face model in {cfg.hf.path}{data}"
     if cfg.task.model:
         return f"{cfg.task.model} (the factory of task.model, task {cfg.task.name})"
     if cfg.task.name == "chargpt":

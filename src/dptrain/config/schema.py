@@ -97,6 +97,18 @@ class ClassifierConfig:
     noise: float = opt(1.0, "cluster standard deviation; larger is harder")
 
 
+# train.lr where the config does not set it, by train.optimizer (the scales docs/optim.md measured).
+DEFAULT_LR = {"adamw": 2e-3, "adam": 2e-3, "onebit_adam": 2e-3, "sgd": 2e-3, "lamb": 2e-2, "lars": 2.0}
+
+
+def _lr_defaults() -> str:
+    """DEFAULT_LR in words, for train.lr's help: "adamw, adam, onebit_adam, sgd 0.002; lamb 0.02; lars 2"."""
+    by_rate: dict[float, list[str]] = {}
+    for name, lr in DEFAULT_LR.items():
+        by_rate.setdefault(lr, []).append(name)
+    return "; ".join(f"{', '.join(names)} {lr:g}" for lr, names in by_rate.items())
+
+
 @dataclass
 class TrainConfig:
     steps: int = opt(300, "optimizer steps to train for")
@@ -110,7 +122,9 @@ class TrainConfig:
                          choices=("adamw", "adam", "sgd", "lars", "lamb", "onebit_adam"))
     onebit_freeze_step: int = opt(0, "optimizer onebit_adam: steps of uncompressed AdamW before the second moment is "
                                   "frozen and the momentum is averaged in 1 bit per element (0: train.warmup_steps)")
-    lr: float = opt(2e-3, "peak learning rate at base_batch_size, before the scaling rule")
+    lr: float | None = opt(None, "peak learning rate at base_batch_size, before the scaling rule; none: the "
+                           f"optimizer's default ({_lr_defaults()}: the layer-wise lamb and lars scale each "
+                           "layer's step by its trust ratio, so their rates are other numbers; docs/optim.md)")
     lr_scaling: str = opt("none", "how the peak LR follows the global batch: none, linear (lr x global/base) "
                           "or sqrt (lr x sqrt(global/base))", choices=("none", "linear", "sqrt"))
     base_batch_size: int = opt(32, "the global batch size lr is given for")
@@ -125,6 +139,13 @@ class TrainConfig:
     precision: str = opt("fp32", "fp32, bf16 (autocast on CPU and GPU) or fp16 (autocast with a loss "
                          "scaler, GPU only)", choices=("fp32", "bf16", "fp16"))
     seed: int = opt(0, "seed for initialisation and data order")
+
+    def __post_init__(self):
+        # A config that does not set train.lr gets its optimizer's default: AdamW's 2e-3 would leave LAMB and LARS
+        # far from their scale (docs/optim.md, "In dptrain run"). Resolved here, once, so that the resolved
+        # config (config.toml, the checkpoint's identity) holds the rate the run used.
+        if self.lr is None:
+            self.lr = DEFAULT_LR.get(self.optimizer, DEFAULT_LR["adamw"])
 
 
 @dataclass
@@ -266,7 +287,8 @@ class LogConfig:
                          "network), shared (one copy in the run directory's parent folder, written once, referred "
                          "to relatively: move the folder whole)", choices=("inline", "cdn", "shared"))
     backends: list = opt(["jsonl"], "where rank 0's metrics records go, a list of: jsonl (metrics.jsonl, always "
-                         "listed: the summary, plots and resumption read it), tensorboard (the run directory's "
+                         "written, listed or not: the summary, plots and resumption read it), tensorboard (the run "
+                         "directory's "
                          "tensorboard/), csv (its metrics.csv), wandb (an offline W&B run in its wandb/, uploaded "
                          "later with wandb sync), mlflow (an MLflow run at mlflow_uri); pip install "
                          "'dptrain[logging]' installs their libraries (docs/run.md, Logging backends)")

@@ -52,7 +52,7 @@ TRY_THIS = {
          "against DDP's in fp32: the parameters are gathered in forward and again in backward, 1.5× DDP's traffic "
          "(in bf16 the gathers carry half the bytes)."),
         ("When would you choose ZeRO-3 over basic data parallelism?", "Pick the 70B class with activation "
-         "checkpointing: no DP degree makes DDP fit in 80 GB (every rank holds everything), while ZeRO-3 fits from "
+         "checkpointing: no DP degree makes DDP fit on an H100 (every rank holds everything), while ZeRO-3 fits from "
          "DP 32."),
     ],
     "allreduce": [
@@ -86,7 +86,8 @@ def _body(data: dict) -> str:
     return f"""
 <header class="page"><h1>dptrain explore</h1>
 <p>Data parallelism's memory, scaling and collectives, computed by dptrain's planner, simulator and cost model.
-Move anything: every number on this page is theirs (1 GB = 10<sup>9</sup> bytes).</p></header>
+Move anything: every number on this page is theirs (1 GiB = 2<sup>30</sup> bytes, as <code>dptrain plan</code>
+counts and as a device's memory is).</p></header>
 <main>
 <section class="panel" id="memory">
 <h2>ZeRO memory per rank</h2>
@@ -101,9 +102,9 @@ by the DP degree, while activations stay per rank whatever the stage. {_docs_lin
 <label>optimizer<select id="mem-optimizer"></select></label>
 <label>micro-batch (samples)<select id="mem-mb"></select></label>
 <label><span><input id="mem-ckpt" type="checkbox"> activation checkpointing</span></label>
-<label>device memory<select id="mem-device"><option value="80" selected>80 GB (H100, A100 80 GB)</option>
-<option value="141">141 GB (H200)</option><option value="24">24 GB</option><option value="custom">your own</option></select>
-<input id="mem-device-gb" type="number" value="48" min="1" style="display:none"></label>
+<label>device memory<select id="mem-device"></select>
+<input id="mem-device-gib" type="number" value="48" min="1" step="any" style="display:none"></label>
+<label>headroom (%)<input id="mem-headroom" type="number" min="0" max="90" step="1"></label>
 </div>
 <p class="small" id="mem-model-note"></p>
 <div class="readout" id="mem-readout"></div>
@@ -111,7 +112,9 @@ by the DP degree, while activations stay per rank whatever the stage. {_docs_lin
 <div id="mem-lines" style="flex:1 1 480px"></div></div>
 <p class="small">Rank 0's bytes (it holds the largest shards). Parameters, gradients and optimizer state are exact, from
 the engines' own layout code; activations from a traced forward of one micro-batch; communication buffers are those
-alive in backward. HSDP is ZeRO-3 sharded over hosts of {data["hsdp_shard"]} and replicated across them.</p>
+alive in backward. HSDP is ZeRO-3 sharded over hosts of {data["hsdp_shard"]} and replicated across them. A total fits
+when it is at most the device's memory less the headroom, kept for what the plan does not count (the CUDA context,
+NCCL's buffers, the allocator's fragmentation), as <code>dptrain plan --device-memory --headroom</code> decides.</p>
 {_try("memory")}
 </section>
 

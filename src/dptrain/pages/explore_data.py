@@ -17,6 +17,8 @@ The page computes nothing of its own that could drift from dptrain's models:
 - **All-reduce** (:func:`~dptrain.comm.cost.collective_cost`): the same split for ring,
   tree, naive and hierarchical (8 ranks per host) over message sizes and world sizes,
   with each algorithm's rounds and bytes sent per rank.
+- **Devices**: the planner's device presets and default headroom
+  (:mod:`~dptrain.planner.devices`), so a total fits on the page as in ``dptrain plan``.
 
 The tests compare the page's arithmetic on these numbers with the Python functions at
 grid points (tests/test_explore.py).
@@ -35,6 +37,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from dptrain.comm.cost import collective_cost
 from dptrain.config import ConfigError, RunConfig
+from dptrain.planner.devices import DEFAULT_HEADROOM, DEVICES
 from dptrain.planner.from_config import checkpoint_classes, compute_mode, optimizer_for, setup_for, trace_model
 from dptrain.planner.layout import Setup, units
 from dptrain.planner.network import PRESETS
@@ -109,9 +112,10 @@ def preset_target(name: str, cfg: RunConfig | None = None) -> Target:
 
 def config_target(cfg: RunConfig, label: str = "this config's model") -> Target:
     """The model ``dptrain run`` would train for ``cfg``, with its engine options."""
-    from dptrain.tasks import architecture, build_task, collate
+    from dptrain.planner.target import plan_task
+    from dptrain.tasks import architecture, collate
 
-    task = build_task(cfg)
+    task = plan_task(cfg)  # a Hugging Face model needs no data: samples of its block size
     sample = task.train_set[0]
     first = sample[0] if isinstance(sample, (tuple, list)) else sample
     tokens = int(first.numel()) if torch.is_tensor(first) and first.dtype == torch.long else 1
@@ -277,4 +281,6 @@ def explore_data(targets: list[Target], dp: tuple[int, ...] = DP_DEGREES,
     return {"dp": list(dp), "strategies": list(STRATEGIES), "precisions": list(PRECISIONS),
             "optimizers": list(OPTIMIZERS), "micro_batches": list(micro_batches), "hsdp_shard": HSDP_SHARD,
             "bucket_caps": list(BUCKET_CAPS), "compression": list(COMPRESSION), "models": models,
-            "costs": costs, "networks": _networks(), "all_reduce": _all_reduce_table(dp), "notes": notes}
+            "costs": costs, "networks": _networks(), "all_reduce": _all_reduce_table(dp), "notes": notes,
+            "devices": [{"name": d.name, "label": d.label, "bytes": d.bytes} for d in DEVICES.values()],
+            "headroom": DEFAULT_HEADROOM}

@@ -152,7 +152,17 @@ def figures(data: dict[str, dict], log_loss: bool) -> dict[str, dict]:
         out["fig-memory"] = _memory_figure(data["memory"]["data"])
     if "data" in data["timeline"]:
         out["fig-timeline"] = _timeline_figure(data["timeline"]["data"])
-    return {key: json.loads(fig.to_json()) for key, fig in out.items()}
+    return {key: json.loads(_clear_of_the_toolbar(fig).to_json()) for key, fig in out.items()}
+
+
+MODEBAR_MARGIN = 40  # px: plotly's toolbar, upright, fits in a right margin this wide
+
+
+def _clear_of_the_toolbar(fig):
+    """``fig`` with plotly's toolbar upright in a right margin of its own: lying along the top (plotly's default)
+    it covers the legends and titles drawn there."""
+    fig.update_layout(modebar=dict(orientation="v"), margin=dict(r=MODEBAR_MARGIN))
+    return fig
 
 
 def _two_rows(heights: tuple[float, float], steps: list[int]):

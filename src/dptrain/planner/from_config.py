@@ -24,38 +24,60 @@ from dptrain.optim.build import build_optimizer
 from dptrain.planner.activations import ActivationTraceError, trace_activations
 from dptrain.planner.layout import STRATEGIES, Setup
 from dptrain.planner.plan import Row, plan_row
+from dptrain.planner.target import PlanTarget, plan_target, plan_task
 from dptrain.strategies import get_strategy
 from dptrain.strategies.options import zero_options
-from dptrain.tasks import architecture, build_task, collate
+from dptrain.tasks import architecture, collate
 
-__all__ = ["plan_config", "flat_model", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
+__all__ = ["plan_config", "flat_model", "plan_count", "CountedBlock", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
            "checkpoint_classes", "trace_model", "loss_problem"]
 
 
+class CountedBlock(nn.Module):
+    """The one parameter of a bare count (:func:`flat_model`), owned as a transformer's block owns its weights.
+
+    Planned as a unit ZeRO-3 reshards (gathered for forward, freed, gathered again for
+    backward), as it does a transformer's blocks, which hold nearly all its parameters.
+    """
+
+    def __init__(self, numel: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(int(numel), dtype=dtype, device="meta"))
+
+
 def flat_model(numel: int, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """A model that is one parameter of ``numel`` elements, on the meta device (plan by count alone)."""
+    """A model that is one parameter of ``numel`` elements in one :class:`CountedBlock`, on the meta device."""
     if numel < 1:
         raise ValueError(f"the parameter count must be positive, got {numel}")
     model = nn.Module()
-    model.weight = nn.Parameter(torch.empty(int(numel), dtype=dtype, device="meta"))
+    model.block = CountedBlock(numel, dtype)
     return model
 
 
+def plan_count(numel: int, world_sizes: list[int], strategies: list[str], precisions: list[str]) -> list[Row]:
+    """Model states and bytes sent for a bare parameter count (``dptrain plan --params``), one :class:`Row` each.
+
+    The count is one tensor in one resharded ZeRO-3 unit (:class:`CountedBlock`), so
+    ZeRO-3 gathers it twice a step as it gathers a transformer's blocks: 3/2 of DDP's
+    bytes. A real model's root unit (embeddings, head, final norm) is gathered once, so
+    its ZeRO-3 traffic is a little lower. Activations and communication buffers depend on
+    the layers and are not estimated.
+    """
+    model = flat_model(numel)
+    return [plan_row(model, Setup(s, n, p, unit_classes=(CountedBlock,)), None, layered=False)
+            for n in world_sizes for p in precisions for s in strategies]
+
+
 def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], precisions: list[str],
-                notes: list[str] | None = None) -> list[Row]:
+                notes: list[str] | None = None, target: PlanTarget | None = None) -> list[Row]:
     """One :class:`Row` per strategy x world size x precision for the run ``cfg`` describes.
 
-    ``notes`` collects what could not be estimated (e.g. a forward that does not trace).
+    ``notes`` collects what could not be estimated (e.g. a forward that does not trace);
+    ``target``: :func:`~dptrain.planner.target.plan_target` of ``cfg``, when the caller has it.
     """
     notes = [] if notes is None else notes
-    task = build_task(cfg)
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
-    try:
-        with mode:
-            model = architecture(task)
-    except Exception as e:  # the user's factory may fail in any way
-        raise ConfigError(f"the model factory failed while building the model to plan: {type(e).__name__}: {e}") \
-            from None
+    target = target if target is not None else plan_target(cfg)
+    task, model, mode = target.task, target.model, target.mode
     t = cfg.train
     sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
     if all(v is None for v in sizes):
@@ -246,7 +268,7 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
     """
     from dptrain.planner.simulate import flops_profile, measure_profile, simulate_step
 
-    task = build_task(cfg)
+    task = plan_task(cfg)
     t = cfg.train
     sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps) if micro_batch is None else \
         (None, micro_batch, None)

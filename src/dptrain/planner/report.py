@@ -5,10 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dptrain.planner.devices import DEFAULT_HEADROOM, fits, usable_bytes
 from dptrain.planner.plan import Row
 from dptrain.utils.atomic import replacing
 
-__all__ = ["table", "to_json", "plot"]
+__all__ = ["table", "row_fits", "to_json", "plot"]
 
 _MiB = 2**20
 
@@ -17,14 +18,19 @@ def _fmt(n: int | None, unit: int) -> str:
     return "n/a" if n is None else f"{n / unit:,.1f}"
 
 
-def table(rows: list[Row], device_memory: int | None = None) -> str:
-    """Markdown: one line per row, per rank (rank 0), in MiB, or GiB when the largest total reaches 10 GiB."""
+def table(rows: list[Row], device_memory: int | None = None, headroom: float = DEFAULT_HEADROOM) -> str:
+    """Markdown: one line per row, per rank (rank 0), in MiB, or GiB when the largest total reaches 10 GiB.
+
+    With ``device_memory`` (bytes) a last column says whether each row fits it less ``headroom``
+    (:func:`~dptrain.planner.devices.fits`); "?" where only the model states could be planned.
+    """
     largest = max((r.total() or r.states.total for r in rows), default=0)
     unit, name = (2**30, "GiB") if largest >= 10 * 2**30 else (_MiB, "MiB")
     head = ["strategy", "N", "precision", "micro-batch", "params", "grads", "optimizer", "buffers",
             "activations", "act. ckpt", "comm buffers", "total", "total ckpt", "sent / step"]
     if device_memory is not None:
-        head.append(f"fits {device_memory / 2**30:g} GiB")
+        head.append(f"fits {usable_bytes(device_memory, headroom) / 2**30:.2f} GiB ({device_memory / 2**30:.2f} "
+                    f"less {100 * headroom:g}%)")
     lines = [f"{name} per rank (rank 0, which holds the largest shards); sent / step in {name} per rank.",
              "| " + " | ".join(head) + " |", "|" + "---|" * 3 + "---:|" * (len(head) - 3)]
     for r in rows:
@@ -35,15 +41,26 @@ def table(rows: list[Row], device_memory: int | None = None) -> str:
                  _fmt(acts.checkpointed if acts else None, unit), _fmt(r.comm_buffers, unit),
                  _fmt(r.total(), unit), _fmt(r.total(checkpointed=True), unit), _fmt(r.traffic.total, unit)]
         if device_memory is not None:
-            total = r.total() if r.total() is not None else r.states.total + r.states.buffers
-            cells.append(("yes" if total <= device_memory else "no") + ("" if r.total() is not None else "?"))
+            cells.append(("yes" if row_fits(r, device_memory, headroom) else "no") +
+                         ("" if r.total() is not None else "?"))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def row_fits(row: Row, device_memory: int, headroom: float) -> bool:
+    """Whether ``row``'s total (its model states and buffers where there is none) fits the device less headroom."""
+    total = row.total() if row.total() is not None else row.states.total + row.states.buffers
+    return fits(total, device_memory, headroom)
+
+
 def to_json(rows: list[Row], path: Path, extra: dict | None = None) -> Path:
+    """The rows' bytes as JSON; with ``extra["device_memory_bytes"]`` each row also says whether it ``fits``."""
+    extra = extra or {}
+    device = extra.get("device_memory_bytes")
+    headroom = extra.get("headroom", DEFAULT_HEADROOM)
+    out = [{**r.to_dict(), **({"fits": row_fits(r, device, headroom)} if device else {})} for r in rows]
     with replacing(path) as tmp:
-        tmp.write_text(json.dumps({**(extra or {}), "rows": [r.to_dict() for r in rows]}, indent=2))
+        tmp.write_text(json.dumps({**extra, "rows": out}, indent=2))
     return path
 
 

@@ -1,11 +1,14 @@
 """Where rank 0's metrics records go: ``metrics.jsonl`` always, and TensorBoard, CSV, Weights & Biases or MLflow
 when ``log.backends`` names them, each written by its own library.
 
-Every backend gets the records ``metrics.jsonl`` gets (``kind`` train or eval, a ``step``), at the same moments
-(every ``log.every`` steps and at each evaluation), on rank 0 only, as the console. Values keep their
-metrics.jsonl names (``loss``, ``val_loss``, ``tokens_per_s``); a per-rank list such as ``peak_rss_mb`` becomes
-``peak_rss_mb/rank0``, ``peak_rss_mb/rank1``, ... where the library takes scalars only. Logging costs a record's
-worth of small writes, or a queue put (TensorBoard's writer thread, W&B's service process), per logged step.
+``metrics.jsonl`` is written whether ``log.backends`` lists it or not (the summary, the plots, report.html and
+resumption read it). Every backend gets the records ``metrics.jsonl`` gets (``kind`` train or eval, a ``step``),
+at the same moments (every ``log.every`` steps and at each evaluation), on rank 0 only, as the console. Values
+keep their metrics.jsonl names (``loss``, ``val_loss``, ``tokens_per_s``); a per-rank list such as
+``peak_rss_mb`` becomes ``peak_rss_mb/rank0``, ``peak_rss_mb/rank1``, ... (a CSV column each, or a scalar each
+where the library takes scalars only). TensorBoard's tags are grouped into sections, ``train/``, ``eval/``,
+``comm/`` and ``memory/`` (:func:`tensorboard_tag`). Logging costs a record's worth of small writes, or a queue
+put (TensorBoard's writer thread, W&B's service process), per logged step.
 
 A resumed run continues each backend from the checkpoint's step, as ``metrics.jsonl`` (``truncate_metrics``):
 CSV drops its rows after that step; TensorBoard's ``purge_step`` hides the events an earlier session wrote after
@@ -32,7 +35,8 @@ from dptrain.config.loader import to_dict
 from dptrain.utils.atomic import write_text_atomic
 from dptrain.utils.files import open_file
 
-__all__ = ["BACKENDS", "check_backends", "scalars", "LogBackends", "open_backends", "backends_from_config",
+__all__ = ["BACKENDS", "check_backends", "scalars", "tensorboard_tag", "csv_row", "LogBackends", "open_backends",
+           "backends_from_config",
            "JsonlBackend", "TensorBoardBackend", "CSVBackend", "WandbBackend", "MLflowBackend"]
 
 BACKENDS = ("jsonl", "tensorboard", "csv", "wandb", "mlflow")
@@ -50,16 +54,14 @@ class Backend(Protocol):
 
 
 def check_backends(names: list) -> None:
-    """Refuse, with a ValueError that names the fix, unknown backends, a list without ``jsonl``, and backends
-    whose library is not installed (looked up, not imported: the check is cheap and has no side effects)."""
+    """Refuse, with a ValueError that names the fix, unknown backends and backends whose library is not
+    installed (looked up, not imported: the check is cheap and has no side effects). ``jsonl`` may be left
+    out: ``metrics.jsonl`` is always written (:func:`open_backends`)."""
     unknown = [n for n in names if n not in BACKENDS]
     if unknown:
         close = [m for n in unknown for m in difflib.get_close_matches(str(n), BACKENDS, n=1)]
         raise ValueError(f"unknown backend(s) {unknown}" + (f" (did you mean {close}?)" if close else "") +
                          f"; choose from {', '.join(BACKENDS)}")
-    if "jsonl" not in names:
-        raise ValueError(f"{names} lacks \"jsonl\": metrics.jsonl is the run's own record (summary.json, the plots, "
-                         f"report.html and resumption read it); use {['jsonl', *names]}")
     missing = [package for name, (module, package) in _NEEDS.items()
                if name in names and importlib.util.find_spec(module) is None]
     if missing:
@@ -81,6 +83,33 @@ def scalars(record: dict) -> dict[str, float]:
     return out
 
 
+# TensorBoard's sections: a value's tag is "<section>/<name>" (TensorBoard groups the scalars by the part before
+# the first "/"). Evaluation records go to eval/; a train record's values by what they measure.
+_COMM = ("comm_bytes_per_step", "comm_compressed_bytes_per_step", "comm_sent_bytes_per_step", "comm_busy_ms",
+         "exposed_comm_ms", "tail_comm_ms", "overlap_pct", "gossip_mix_ms", "consensus_distance")
+_MEMORY = ("peak_rss_mb", "peak_tensor_mb")
+
+
+def tensorboard_tag(name: str, kind: str) -> str:
+    """``name`` (a :func:`scalars` name, ``peak_rss_mb/rank0`` included) in its section: ``eval/val_loss``,
+    ``comm/exposed_comm_ms``, ``memory/peak_rss_mb/rank0``, ``train/loss``."""
+    base = name.split("/")[0]
+    section = "eval" if kind == "eval" else "comm" if base in _COMM else "memory" if base in _MEMORY else "train"
+    return f"{section}/{name}"
+
+
+def csv_row(record: dict) -> dict[str, Any]:
+    """A record as CSV cells: a per-rank list as one column per rank (``peak_rss_mb/rank0``, ...), None empty, a
+    dict as JSON text, the rest as it is."""
+    row: dict[str, Any] = {}
+    for key, value in record.items():
+        if isinstance(value, list):
+            row.update({f"{key}/rank{i}": _cell(v) for i, v in enumerate(value)})
+        else:
+            row[key] = _cell(value)
+    return row
+
+
 class JsonlBackend:
     """``metrics.jsonl``: each record as one JSON line, line-buffered (a crash loses at most the line being written).
     The run's own record: summary.json, the plots, report.html and resumption read it."""
@@ -100,7 +129,7 @@ class JsonlBackend:
 
 class TensorBoardBackend:
     """TensorBoard event files in ``log_dir``, by torch's ``SummaryWriter``: one scalar per value at the record's
-    step and wall time. A resumed run passes ``purge_step``: TensorBoard then hides the events an earlier session
+    step and wall time, tagged in its section (:func:`tensorboard_tag`). A resumed run passes ``purge_step``: TensorBoard then hides the events an earlier session
     wrote after the checkpoint (they stay in its event file)."""
 
     label = "TensorBoard"
@@ -112,8 +141,9 @@ class TensorBoardBackend:
         self._writer = SummaryWriter(str(log_dir), purge_step=start_step + 1 if start_step else None)
 
     def log(self, record: dict, step: int) -> None:
-        for tag, value in scalars(record).items():
-            self._writer.add_scalar(tag, value, global_step=step, walltime=record.get("time"))
+        kind = record.get("kind", "train")
+        for name, value in scalars(record).items():
+            self._writer.add_scalar(tensorboard_tag(name, kind), value, global_step=step, walltime=record.get("time"))
 
     def close(self) -> None:
         self._writer.close()
@@ -124,8 +154,8 @@ class CSVBackend:
 
     The columns are the keys seen so far, in first-seen order. A record that brings new keys (the first
     evaluation's ``val_loss``) rewrites the file once with the wider header, so the file always has one valid
-    header; earlier rows get empty cells. Lists are JSON text, None is empty. A resumed run first drops the rows
-    after the checkpoint's step.
+    header; earlier rows get empty cells. A per-rank list is a column per rank (:func:`csv_row`), None is empty.
+    A resumed run first drops the rows after the checkpoint's step.
     """
 
     label = "CSV"
@@ -142,7 +172,7 @@ class CSVBackend:
         self._file = open(path, "a", newline="", buffering=1)
 
     def log(self, record: dict, step: int) -> None:
-        row = {key: _cell(value) for key, value in record.items()}
+        row = csv_row(record)
         new = [key for key in row if key not in self.columns]
         if new:  # rare: the first record, the first evaluation
             self._file.close()

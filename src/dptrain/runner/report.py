@@ -22,7 +22,7 @@ from dptrain.runner.metrics import format_line, has_tokens
 from dptrain.utils.atomic import write_text_atomic
 from dptrain.utils.files import open_file
 
-__all__ = ["RunLog", "summarize", "print_summary", "summary_rows", "truncate_metrics"]
+__all__ = ["RunLog", "summarize", "step_breakdown", "print_summary", "summary_rows", "truncate_metrics"]
 
 
 class RunLog:
@@ -107,6 +107,8 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
 
     A resumed run's ``metrics.jsonl`` also holds the earlier sessions' records (perhaps on
     another world size); loss comes from the last record, speed and memory from this session.
+    Each median is taken on its own (of values that are each the largest over the ranks), so
+    they need not add up; ``step_breakdown`` is one record's step time in parts that do.
     """
     session = [r for r in train if r["step"] > info["start_step"]] or train
     steady = session[1:] if len(session) > 1 else session
@@ -128,6 +130,7 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
             "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
             "peak_tensor_mb_per_rank": _peak_per_rank(session, "peak_tensor_mb"),
             "skipped_steps": train[-1]["skipped_steps"],
+            "step_breakdown": step_breakdown(steady),
         })
     per_rank = [r["compute_ms_per_rank"] for r in steady if "compute_ms_per_rank" in r]
     if per_rank and len(per_rank[0]) > 1:
@@ -138,6 +141,27 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
     write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
     summary["files"]["summary.json"] = (run_dir / "summary.json").stat().st_size
     return summary
+
+
+def step_breakdown(records: list[dict]) -> dict[str, Any] | None:
+    """The median logged record's step time in two parts that add up, and its exposed communication apart.
+
+    In a record ``step_ms``, ``compute_ms`` and ``exposed_comm_ms`` are each the largest over
+    the ranks (of each rank's mean since the previous record): the slowest rank computes
+    longest, a faster rank waits longest, so compute + exposed may exceed the step. What adds
+    up is the step = the slowest rank's compute + the rest of its step (communication its
+    compute did not hide, loading the batch, the hooks); every rank's step contains its own
+    compute, so the rest is never negative. The record is the median by ``step_ms`` (the
+    lower one of an even count), so the three figures come from one record.
+    """
+    if not records:
+        return None
+    record = sorted(records, key=lambda r: r["step_ms"])[(len(records) - 1) // 2]
+    per_rank = record.get("compute_ms_per_rank") or []
+    return {"step": record["step"], "of": len(records), "step_ms": record["step_ms"],
+            "compute_ms": record["compute_ms"], "rest_ms": record["step_ms"] - record["compute_ms"],
+            "slowest_rank": max(range(len(per_rank)), key=per_rank.__getitem__) if len(per_rank) > 1 else None,
+            "exposed_comm_ms": record["exposed_comm_ms"], "tail_comm_ms": record.get("tail_comm_ms", 0.0)}
 
 
 def _peak_per_rank(session: list[dict], key: str) -> list[float | None]:
@@ -214,8 +238,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         tokens = (f"{summary['median_tokens_per_s']:,.0f} tokens/s, "
                   if has_tokens(summary.get("median_tokens_per_s"), summary["median_samples_per_s"]) else "")
         rows += [("throughput", f"{tokens}{summary['median_samples_per_s']:,.1f} samples/s (median)"),
-                 ("step time", f"{summary['median_step_ms']:.1f} ms: compute {summary['median_compute_ms']:.1f} ms, "
-                               f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms{_hideable(summary)}"),
+                 *_step_time_rows(summary),
                  ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
                                    f"{_busy(summary)}{summary['median_overlap_pct']:.0f}% overlapped with computation"),
                  ("peak memory", _memory(summary))]
@@ -266,9 +289,29 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
+def _step_time_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    """The step time in parts that add up, from one record (:func:`step_breakdown`), each part named; a
+    summary.json written before the breakdown was recorded gives its medians, saying what they are."""
+    b = summary.get("step_breakdown")
+    if b is None:
+        return [("step time", f"{summary['median_step_ms']:.1f} ms, compute {summary['median_compute_ms']:.1f} ms, "
+                              f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms{_hideable(summary)} "
+                              "(medians over the logged steps, each the largest over the ranks: they need not add up)")]
+    rank = f" (rank {b['slowest_rank']})" if b["slowest_rank"] is not None else ""
+    return [("step time", f"{b['step_ms']:.1f} ms = compute {b['compute_ms']:.1f} ms + rest {b['rest_ms']:.1f} ms "
+                          f"(step {b['step']}, the median of {b['of']} logged steps; compute: the slowest rank's "
+                          f"forward, backward and optimizer{rank}; rest: the remainder of the step, communication "
+                          "that compute did not hide, loading the batch, the hooks)"),
+            ("exposed comm", f"{b['exposed_comm_ms']:.1f} ms at step {b['step']}: the longest wait for "
+                             "communication on any rank, a faster rank's wait for the slowest included"
+                             f"{_hideable(summary)}")]
+
+
 def _hideable(summary: dict) -> str:
     """What of the exposed communication the cost model says could have been hidden (DDP's buckets)."""
-    exposed, tail = summary["median_exposed_comm_ms"], summary.get("median_tail_comm_ms") or 0.0
+    b = summary.get("step_breakdown")
+    exposed, tail = ((b["exposed_comm_ms"], b.get("tail_comm_ms") or 0.0) if b is not None else
+                     (summary["median_exposed_comm_ms"], summary.get("median_tail_comm_ms") or 0.0))
     if not tail or exposed <= 0:
         return ""
     return (f" (by the cost model {min(tail, exposed):.1f} ms of it unavoidable, the reductions started after "

@@ -34,7 +34,7 @@ from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import Task, architecture, build_task, run_name
 from dptrain.zero.hybrid import check_shard_size
 
-__all__ = ["RunPlan", "validate_run", "default_run_dir", "DEFAULT_GLOBAL_BATCH"]
+__all__ = ["RunPlan", "validate_run", "default_run_dir", "schedule_warnings", "DEFAULT_GLOBAL_BATCH"]
 
 DEFAULT_GLOBAL_BATCH = 32
 
@@ -122,7 +122,9 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
                           f"Use another run_dir, or delete {latest.parent}")
-    notes = [f"warning: {line}" for line in [unused_settings(cfg)] if line] + list(getattr(task, "notes", []))
+    notes = [f"warning: {line}" for line in [unused_settings(cfg)] if line] + schedule_warnings(cfg.train.steps,
+                                                                                              cfg.train.warmup_steps)
+    notes += list(getattr(task, "notes", []))
     notes += [f"note: {stray}: not one of this run's checkpoints, so neither resumed from nor deleted"
               for stray in strays]
     data = data_identity(getattr(task, "data_files", {}))
@@ -201,6 +203,19 @@ def _check_ranges(cfg: RunConfig) -> None:
         raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {cfg.train.min_lr_ratio}")
     if len(cfg.train.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in cfg.train.betas):
         raise ConfigError(f"train.betas must be two numbers in [0, 1), got {cfg.train.betas}")
+
+
+def schedule_warnings(steps: int, warmup_steps: int) -> list[str]:
+    """A warning when the learning-rate warm-up does not end before the run does (the schedule is
+    :func:`~dptrain.optim.schedule.warmup_cosine`: the rate rises for ``warmup_steps`` steps, then decays)."""
+    if warmup_steps < steps:
+        return []
+    reached = (f"reaches {steps}/{warmup_steps} = {steps / warmup_steps:.0%} of its peak at the last step"
+               if warmup_steps > steps else "reaches its peak only at the last step")
+    return [f"warning: train.warmup_steps {warmup_steps} is not below train.steps {steps}: the learning rate rises "
+            f"for the whole run, {reached}, and never decays (train.min_lr_ratio has no effect); set "
+            f"train.warmup_steps below {steps}, e.g. {max(1, steps // 10)} (a tenth of the run, as the default 30 "
+            "of 300)"]
 
 
 def onebit_freeze_step(cfg: RunConfig) -> int:

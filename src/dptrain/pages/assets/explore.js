@@ -5,15 +5,23 @@
 "use strict";
 (function () {
   const D = JSON.parse(document.getElementById("explore-data").textContent);
-  const GB = 1e9;
+  const GiB = 2 ** 30;
   const $ = (id) => document.getElementById(id);
   const byName = (name) => D.models.find((m) => m.name === name);
   const dpIndex = (n) => { const i = D.dp.indexOf(n); if (i < 0) throw new Error("DP degree " + n + " is not on the grid " + D.dp); return i; };
-  const fmtBytes = (b) => b == null ? "n/a" : b >= 1e12 ? (b / 1e12).toFixed(2) + " TB" : b >= GB ? (b / GB).toFixed(2) + " GB" : b >= 1e6 ? (b / 1e6).toFixed(1) + " MB" : b >= 1e3 ? (b / 1e3).toFixed(1) + " KB" : b + " B";
+  // one unit everywhere, binary as a device's memory is: the planner's GiB (dptrain plan, planner/devices.py)
+  const fmtBytes = (b) => b == null ? "n/a" : b >= 2 ** 40 ? (b / 2 ** 40).toFixed(2) + " TiB" : b >= GiB ? (b / GiB).toFixed(2) + " GiB" : b >= 2 ** 20 ? (b / 2 ** 20).toFixed(1) + " MiB" : b >= 1024 ? (b / 1024).toFixed(1) + " KiB" : b + " B";
+  // a rate with SI prefixes from a million, commas below: "3.16 M", "524,288"
+  const fmtRate = (x) => x >= 1e9 ? (x / 1e9).toFixed(2) + " G" : x >= 1e6 ? (x / 1e6).toFixed(2) + " M" : Math.round(x).toLocaleString("en-US");
   const fmtTime = (s) => s >= 1 ? s.toFixed(2) + " s" : s >= 1e-3 ? (s * 1e3).toFixed(2) + " ms" : (s * 1e6).toFixed(1) + " µs";
   const fmtCount = (n) => n >= 1e9 ? (n / 1e9).toFixed(2) + "B" : n >= 1e6 ? (n / 1e6).toFixed(1) + "M" : n >= 1e3 ? (n / 1e3).toFixed(1) + "K" : String(n);
   const STRATEGY_LABEL = { ddp: "DDP", zero1: "ZeRO-1", zero2: "ZeRO-2", zero3: "ZeRO-3", hsdp: "HSDP" };
   const plotConfig = { displaylogo: false, responsive: true };
+  // plotly's toolbar stands upright in a right margin of its own, clear of the titles and legends
+  const MODEBAR_MARGIN = 40;
+  const frame = (layout) => Object.assign({ modebar: { orientation: "v" } }, layout,
+    { margin: Object.assign({ t: 30, b: 40, l: 60 }, layout.margin, { r: MODEBAR_MARGIN }) });
+  const axisTitle = (text) => ({ text });
 
   // ------------------------------------------------------------------ memory: the planner's rows, added up
 
@@ -95,7 +103,12 @@
     return { rounds: cell[0], bytes_per_rank: cell[1], time_s: predict(cell.slice(2), links) };
   }
 
-  window.dptrainExplore = { memory, step, collective, data: D };
+  // ------------------------------------------------------ fits: the planner's rule (planner/devices.py fits)
+
+  function usable(deviceBytes, headroom) { return Math.floor(deviceBytes * (1 - headroom)); }
+  function fits(total, deviceBytes, headroom) { return total <= usable(deviceBytes, headroom); }
+
+  window.dptrainExplore = { memory, step, collective, usable, fits, data: D };
 
   // =============================================================================== the page
 
@@ -130,23 +143,28 @@
                  ["other", "buffers + communication buffers", "#8b8f9a"]];
 
   function memoryInputs() {
+    const name = $("mem-device").value;
+    const preset = D.devices.find((d) => d.name === name);
+    const deviceBytes = preset ? preset.bytes : Math.max(0, Number($("mem-device-gib").value)) * GiB;
+    const headroom = Math.min(0.99, Math.max(0, Number($("mem-headroom").value) / 100));
     return { model: $("mem-model").value, dp: D.dp[Number($("mem-dp").value)], strategy: $("mem-strategy").value,
              precision: $("mem-precision").value, optimizer: $("mem-optimizer").value,
              microBatch: Number($("mem-mb").value), checkpointed: $("mem-ckpt").checked,
-             device: Number($("mem-device").value === "custom" ? $("mem-device-gb").value : $("mem-device").value) };
+             deviceLabel: preset ? preset.label : "your device", deviceBytes, headroom,
+             device: usable(deviceBytes, headroom) / GiB };  // what a total may reach, in GiB
   }
 
   function drawMemory() {
     const q = memoryInputs();
     $("mem-dp-out").textContent = q.dp;
-    $("mem-device-gb").style.display = $("mem-device").value === "custom" ? "" : "none";
+    $("mem-device-gib").style.display = $("mem-device").value === "custom" ? "" : "none";
     const rows = D.strategies.map((s) => memory(q.model, s, q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed));
     const x = D.strategies.map((s) => STRATEGY_LABEL[s]);
     const traces = PARTS.map(([key, name, color]) => ({
       type: "bar", name, x, marker: { color, opacity: D.strategies.map((s) => s === q.strategy ? 1 : 0.45) },
-      y: rows.map((r) => r == null ? null : (key === "other" ? r.buffers + (r.comm_buffers || 0) : r[key] || 0) / GB),
-      hovertemplate: "%{x}: " + name + " %{y:.2f} GB<extra></extra>" }));
-    const tallest = Math.max(0, ...rows.map((r) => r == null ? 0 : (r.total != null ? r.total : r.model_states) / GB));
+      y: rows.map((r) => r == null ? null : (key === "other" ? r.buffers + (r.comm_buffers || 0) : r[key] || 0) / GiB),
+      hovertemplate: "%{x}: " + name + " %{y:.2f} GiB<extra></extra>" }));
+    const tallest = Math.max(0, ...rows.map((r) => r == null ? 0 : (r.total != null ? r.total : r.model_states) / GiB));
     const offScale = q.device > 3 * tallest;  // a small model: draw the bars, say where the device's line is
     const line = offScale ? [] : [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }];
     // a strategy without a bar (HSDP on one host) says why in its place
@@ -154,21 +172,22 @@
       x: STRATEGY_LABEL[s], xref: "x", y: 0.03, yref: "paper", yanchor: "bottom", showarrow: false,
       text: STRATEGY_LABEL[s] + " needs DP ≥ " + 2 * D.hsdp_shard + "<br>(2 hosts of " + D.hsdp_shard + ")",
       font: { size: 11, color: "#555" } }));
-    Plotly.react("mem-bars", traces, {
-      barmode: "stack", margin: { t: 30, r: 10, b: 40, l: 60 }, height: 360, legend: { orientation: "h", y: -0.15 },
-      yaxis: Object.assign({ title: "GB per rank (rank 0)" }, offScale ? { range: [0, 1.15 * tallest] } : {}),
+    const usableText = "usable: " + q.device.toFixed(2) + " GiB (" + (100 * q.headroom).toFixed(0) + "% headroom)";
+    Plotly.react("mem-bars", traces, frame({
+      barmode: "stack", height: 360, legend: { orientation: "h", y: -0.15 },
+      yaxis: Object.assign({ title: axisTitle("GiB per rank (rank 0)") }, offScale ? { range: [0, 1.15 * tallest] } : {}),
       title: { text: "memory per rank at DP " + q.dp, font: { size: 14 } }, shapes: line,
-      annotations: [{ xref: "paper", x: 1, y: offScale ? 1.15 * tallest : q.device, text: "device: " + q.device + " GB" + (offScale ? " (above the scale)" : ""),
-                      showarrow: false, xanchor: "right", yanchor: offScale ? "top" : "bottom", font: { color: "#b00" } }].concat(absent) }, plotConfig);
+      annotations: [{ xref: "paper", x: 1, y: offScale ? 1.15 * tallest : q.device, text: usableText + (offScale ? " (above the scale)" : ""),
+                      showarrow: false, xanchor: "right", yanchor: offScale ? "top" : "bottom", font: { color: "#b00" } }].concat(absent) }), plotConfig);
     const lines = D.strategies.map((s) => ({ type: "scatter", mode: "lines+markers", name: STRATEGY_LABEL[s], x: D.dp,
       y: D.dp.map((n) => { const r = memory(q.model, s, q.precision, q.optimizer, n, q.microBatch, q.checkpointed);
-                           return r == null || r.total == null ? null : r.total / GB; }),
+                           return r == null || r.total == null ? null : r.total / GiB; }),
       line: { width: s === q.strategy ? 3.5 : 1.5 } }));
-    Plotly.react("mem-lines", lines, {
-      margin: { t: 30, r: 10, b: 40, l: 60 }, height: 360, title: { text: "total per rank against DP", font: { size: 14 } },
-      xaxis: { type: "log", title: "DP degree", tickvals: D.dp }, yaxis: { type: "log", title: "GB per rank" },
+    Plotly.react("mem-lines", lines, frame({
+      height: 360, title: { text: "total per rank against DP", font: { size: 14 } },
+      xaxis: { type: "log", title: axisTitle("DP degree"), tickvals: D.dp }, yaxis: { type: "log", title: axisTitle("GiB per rank") },
       shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }],
-      legend: { orientation: "h", y: -0.2 } }, plotConfig);
+      legend: { orientation: "h", y: -0.3 } }), plotConfig);
     const r = memory(q.model, q.strategy, q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed);
     const ddp = memory(q.model, "ddp", q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed);
     const out = $("mem-readout");
@@ -177,11 +196,14 @@
         D.hsdp_shard + " ranks. Move DP above " + D.hsdp_shard + ".";
       return;
     }
-    const fits = r.total == null ? "" : r.total <= q.device * GB ? " <b class=fits>fits</b> in " + q.device + " GB" : " <b class=nofit>does not fit</b> in " + q.device + " GB";
+    const budget = " " + fmtBytes(usable(q.deviceBytes, q.headroom)) + " (" + q.deviceLabel + ": " + fmtBytes(q.deviceBytes) +
+      " less " + (100 * q.headroom).toFixed(0) + "% headroom for the CUDA context, NCCL's buffers and fragmentation)";
+    const fit = r.total == null ? "" : fits(r.total, q.deviceBytes, q.headroom) ? " <b class=fits>fits</b> in" + budget
+      : " <b class=nofit>does not fit</b> in" + budget;
     out.innerHTML = "<b>" + STRATEGY_LABEL[q.strategy] + "</b> at DP <b>" + q.dp + "</b>: model states <b id=mem-states>" +
       fmtBytes(r.model_states) + "</b> (parameters " + fmtBytes(r.parameters) + ", gradients " + fmtBytes(r.gradients) +
       ", optimizer " + fmtBytes(r.optimizer) + "), activations " + fmtBytes(r.activations) + ", total <b id=mem-total>" +
-      fmtBytes(r.total) + "</b> per rank;" + fits + ". Sends <b>" + fmtBytes(r.sent) + "</b> per step per rank (DDP: " +
+      fmtBytes(r.total) + "</b> per rank;" + fit + ". Sends <b>" + fmtBytes(r.sent) + "</b> per step per rank (DDP: " +
       fmtBytes(ddp.sent) + ").";
     $("mem-model-note").textContent = byName(q.model).note + "; " + fmtCount(byName(q.model).params) + " parameters.";
   }
@@ -202,9 +224,9 @@
     const all = D.dp.map((n) => step(q.model, q.cap, n, q.net, opts));
     const base = all[0];
     const eff = all.map((r) => 100 * base.step_s / r.step_s);
-    const layout = (title, ytitle, ylog) => ({ margin: { t: 30, r: 10, b: 40, l: 60 }, height: 300, showlegend: false,
-      title: { text: title, font: { size: 14 } }, xaxis: { type: "log", title: "DP degree", tickvals: D.dp },
-      yaxis: { title: ytitle, type: ylog ? "log" : "linear", rangemode: "tozero" } });
+    const layout = (title, ytitle, ylog) => frame({ height: 300, showlegend: false,
+      title: { text: title, font: { size: 14 } }, xaxis: { type: "log", title: axisTitle("DP degree"), tickvals: D.dp },
+      yaxis: { title: axisTitle(ytitle), type: ylog ? "log" : "linear", rangemode: "tozero" } });
     const mark = (ys) => ({ type: "scatter", mode: "markers", x: [q.dp], y: [ys[dpIndex(q.dp)]], marker: { size: 12, color: "#b00" }, hoverinfo: "skip" });
     const tokens = byName(q.model).tokens_per_sample > 1;  // a token model; otherwise throughput is in samples
     const unit = tokens ? "tokens" : "samples";
@@ -217,13 +239,13 @@
       hovertemplate: "DP %{x}: %{y:.1f}%<extra></extra>" }, mark(eff)], layout("scaling efficiency", "% of linear", false), plotConfig);
     const exposed = all.map((r) => r.exposed_s * 1e3);
     Plotly.react("sc-exposed", [{ type: "bar", x: D.dp, y: exposed, hovertemplate: "DP %{x}: %{y:.2f} ms<extra></extra>" },
-      mark(exposed)], layout("exposed communication per step", "ms", false), plotConfig);
+      mark(exposed)], layout("exposed communication per step", "ms per step", false), plotConfig);
     const r = all[dpIndex(q.dp)];
     const tokensGlobal = q.microBatch * q.dp * q.gradAcc * byName(q.model).tokens_per_sample;
     $("sc-readout").innerHTML = "DP <b>" + q.dp + "</b>: step <b id=sc-step>" + fmtTime(r.step_s) + "</b> (compute " +
       fmtTime(r.compute_s) + ", all-reduce busy " + fmtTime(r.comm_s) + ", exposed <b id=sc-exposed-out>" + fmtTime(r.exposed_s) +
       "</b>), " + r.buckets + " buckets; efficiency <b id=sc-eff>" + eff[dpIndex(q.dp)].toFixed(1) + "%</b>; <b id=sc-tps>" +
-      tps[dpIndex(q.dp)].toExponential(3) + "</b> " + unit + "/s.";
+      fmtRate(tps[dpIndex(q.dp)]) + " " + unit + "/s</b>.";
     $("sc-batch").innerHTML = "global batch = micro-batch " + q.microBatch + " × DP " + q.dp + " × accumulation " + q.gradAcc +
       " = <b>" + q.microBatch * q.dp * q.gradAcc + "</b> samples" + (tokens ? " = <b id=sc-tokens>" + tokensGlobal.toLocaleString("en-US") +
       "</b> tokens (× " + byName(q.model).tokens_per_sample + " tokens per sample)" : "");
@@ -249,9 +271,10 @@
         fmtBytes(size / r.time_s) + "/s</td></tr>").join("");
     Plotly.react("ar-chart", algs.map((a) => ({ type: "scatter", mode: "lines+markers", name: ALG_LABEL[a], x: sizes,
       y: sizes.map((k) => collective(a, size, k, net).time_s * 1e3), hovertemplate: a + ", %{x} ranks: %{y:.3f} ms<extra></extra>" })),
-      { margin: { t: 30, r: 10, b: 40, l: 60 }, height: 320, title: { text: "all-reduce of " + fmtBytes(size) + ": predicted time", font: { size: 14 } },
-        xaxis: { type: "log", title: "ranks", tickvals: sizes }, yaxis: { type: "log", title: "ms" }, legend: { orientation: "h", y: -0.25 },
-        shapes: [{ type: "line", x0: n, x1: n, yref: "paper", y0: 0, y1: 1, line: { dash: "dot", color: "#b00" } }] }, plotConfig);
+      frame({ height: 340, title: { text: "all-reduce of " + fmtBytes(size) + ": predicted time", font: { size: 14 } },
+        xaxis: { type: "log", title: axisTitle("ranks"), tickvals: sizes }, yaxis: { type: "log", title: axisTitle("predicted time (ms)") },
+        legend: { orientation: "h", y: -0.3 },
+        shapes: [{ type: "line", x0: n, x1: n, yref: "paper", y0: 0, y1: 1, line: { dash: "dot", color: "#b00" } }] }), plotConfig);
   }
 
   // ---------------------------------------------------------------------- the ring, step by step
@@ -345,6 +368,10 @@
     fill($("mem-precision"), D.precisions, null, "bf16");
     fill($("mem-optimizer"), D.optimizers, null, "adamw");
     fill($("mem-mb"), D.micro_batches, null, D.micro_batches[0]);
+    fill($("mem-device"), D.devices.map((d) => d.name).concat(["custom"]),
+         (name) => { const d = D.devices.find((x) => x.name === name); return d ? d.label + ": " + fmtBytes(d.bytes) : "your own (GiB)"; },
+         D.devices[0].name);
+    $("mem-headroom").value = String(Math.round(100 * D.headroom));
     fill($("sc-cap"), D.bucket_caps, (c) => c === 0 ? "none: one all-reduce per parameter" : c + " MiB", 25);
     fill($("sc-compression"), D.compression, (c) => c === 1 ? "none" : c + "× fewer bytes", 1);
     for (const p of ["sc", "ar"]) fill($(p + "-net"), netNames, netLabel, "nvlink4+ib-ndr");
@@ -355,7 +382,7 @@
     $("ar-n").max = arSizes.length - 1;
     $("ar-n").value = Math.max(0, arSizes.indexOf(8));
     const on = (ids, draw) => { for (const id of ids) { $(id).addEventListener("input", draw); $(id).addEventListener("change", draw); } };
-    on(["mem-model", "mem-dp", "mem-strategy", "mem-precision", "mem-optimizer", "mem-mb", "mem-ckpt", "mem-device", "mem-device-gb"], drawMemory);
+    on(["mem-model", "mem-dp", "mem-strategy", "mem-precision", "mem-optimizer", "mem-mb", "mem-ckpt", "mem-device", "mem-device-gib", "mem-headroom"], drawMemory);
     on(["sc-model", "sc-dp", "sc-cap", "sc-net", "sc-alpha", "sc-gbit", "sc-pernode", "sc-overlap", "sc-compression", "sc-mb", "sc-tflops", "sc-acc"], drawScaling);
     on(["ar-size", "ar-n", "ar-net", "ar-alpha", "ar-gbit", "ar-pernode"], drawCollectives);
     ringControls();
