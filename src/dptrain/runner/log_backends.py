@@ -164,23 +164,23 @@ class CSVBackend:
         self.path, self.where = path, f"{path}"
         self.columns: list[str] = []
         if path.exists():
-            with open(path, newline="") as f:
+            with open_file(path, "r", newline="") as f:
                 reader = csv.DictReader(f)
                 rows = [row for row in reader if int(row["step"]) <= start_step]
                 self.columns = list(reader.fieldnames or [])
             self._rewrite(rows)
-        self._file = open(path, "a", newline="", buffering=1)
+        self._file = open_file(path, "a", newline="")  # line-buffered, never through a link
 
     def log(self, record: dict, step: int) -> None:
         row = csv_row(record)
         new = [key for key in row if key not in self.columns]
         if new:  # rare: the first record, the first evaluation
             self._file.close()
-            with open(self.path, newline="") as f:
+            with open_file(self.path, "r", newline="") as f:
                 rows = list(csv.DictReader(f)) if self.columns else []
             self.columns += new
             self._rewrite(rows)
-            self._file = open(self.path, "a", newline="", buffering=1)
+            self._file = open_file(self.path, "a", newline="")
         csv.DictWriter(self._file, self.columns, lineterminator="\n").writerow(row)
 
     def close(self) -> None:

@@ -59,18 +59,19 @@ def _refused(path: Path, why: str = "") -> UnsafePath:
                       "never through a link; remove it (or choose another directory)")
 
 
-def open_file(path: Path, mode: str = "r", perms: int = 0o644) -> io.IOBase:
+def open_file(path: Path, mode: str = "r", perms: int = 0o644, newline: str | None = None) -> io.IOBase:
     """``open(path, mode)`` without following a link in its last component, and only if it is a regular file.
 
     ``mode``: ``r``, ``w``, ``a``, ``x`` or ``r+`` (read and write, created if missing), each with an optional
-    ``b``; text files are UTF-8, line-buffered when appended to.
+    ``b``; text files are UTF-8 (``newline`` as ``open``'s), line-buffered when appended to.
     """
     binary = "b" in mode
     base = mode.replace("b", "")
     fd = _open_fd(Path(path), _FLAGS[base], perms)
     if binary:
         return os.fdopen(fd, base.replace("x", "w") + "b")
-    return os.fdopen(fd, base.replace("x", "w"), encoding="utf-8", buffering=1 if base == "a" else -1)
+    return os.fdopen(fd, base.replace("x", "w"), encoding="utf-8", newline=newline,
+                     buffering=1 if base == "a" else -1)
 
 
 def open_fd(path: Path, mode: str = "r", perms: int = 0o644) -> int:
