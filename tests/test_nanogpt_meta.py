@@ -100,3 +100,14 @@ def test_dptrain_run_on_a_hostile_meta_pkl_exits_2_before_anything_runs(tmp_path
     assert proc.stderr.count("error: ") == 1 and "meta.pkl is refused: it names io.open" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not target.exists() and not (tmp_path / "run").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_vocabulary_no_token_file_can_hold_is_one_line_not_a_crash_in_cpp(tmp_path):
+    directory, _ = nanogpt_dir(tmp_path / "data", {"vocab_size": 2**70})
+    proc = dptrain("run", "--nproc", "1", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir", "run",
+                   "--set", "data.source=tokens", "--set", f"data.dir={directory}", cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    assert f"the vocabulary size {2**70:,} ({directory / 'meta.pkl'}) is more ids than token files can hold" \
+        in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "run").exists()

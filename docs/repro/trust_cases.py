@@ -114,7 +114,9 @@ def symlink(c: Case, name: str) -> str:
     (run / name).unlink(missing_ok=True)
     (run / name).symlink_to(victim)
     done = c.resume(run)
-    return f"{first_error(done) if done.returncode else 'exit 0'}; victim: {victim.read_text()!r} ({victim.stat().st_size} B)"
+    text = victim.read_text()
+    return f"{first_error(done) if done.returncode else 'exit 0'}; victim: " + (
+        "intact" if text == "precious\n" else f"{len(text)} B now ({text[:20]!r}...)")
 
 
 def long_eval(c: Case) -> str:
@@ -129,8 +131,9 @@ def long_eval(c: Case) -> str:
 def long_accumulation(c: Case) -> str:
     """3: one optimizer step of 1,024 micro-steps longer than the watchdog's wait."""
     done = c.cli("run", "--config", str(CFG), "--nproc", "2", "--run-dir", str(c.work / "accum"), "--set",
-                 "train.steps=2", "--set", "train.global_batch_size=2048", "--set", "train.micro_batch_size=1",
-                 "--set", "gpt.n_embd=128", "--set", "gpt.block_size=64", timeout=900)
+                 "train.steps=2", "--set", "train.global_batch_size=4096", "--set", "train.micro_batch_size=1",
+                 "--set", "gpt.n_embd=128", "--set", "gpt.block_size=64", "--set", "gpt.corpus_bytes=4000000",
+                 timeout=900)
     return first_error(done) if done.returncode else "exit 0"
 
 
@@ -142,9 +145,10 @@ def full_disk(c: Case) -> str:
         return "not run (mounting a tmpfs needs root)"
     try:
         job = c.start("run", "--config", str(CFG), "--nproc", "2", "--run-dir", str(mount / "R"), "--set",
-                      "train.steps=3000", "--set", "log.every=1")
-        while not (mount / "R" / "metrics.jsonl").exists() and job.poll() is None:
+                      "train.steps=600", "--set", "log.every=1000")
+        while not (mount / "R" / "logs" / "rank1.heartbeat").exists() and job.poll() is None:
             time.sleep(0.2)
+        time.sleep(2)
         with open(mount / "filler", "wb") as f:
             try:
                 while True:
@@ -154,7 +158,8 @@ def full_disk(c: Case) -> str:
                 pass
         job.wait(timeout=300)
         err = job.stderr.read()
-        said = [line for line in err.splitlines() if "SIGSTOP" in line or "is full" in line or "No space" in line]
+        said = [line for line in err.splitlines() if "SIGSTOP" in line or "is full" in line] or \
+            [line for line in err.splitlines() if line.startswith("error")]
         return f"exit {job.returncode}: " + " / ".join(s.strip()[:110] for s in said[:2])
     finally:
         subprocess.run(["umount", "-l", str(mount)])
@@ -286,11 +291,12 @@ def deep_toml(c: Case) -> str:
 
 
 def huge_config(c: Case) -> str:
-    """10: a 50 MB config."""
-    (c.work / "huge.toml").write_text("[train]\nsteps = 4\n[task]\nname = \"classifier\"\n[gpt]\nn_embd = 32\n"
-                                      "[hf]\npath = \"\"\n[classifier]\nsamples = 512\n" + "# " + "x" * (50 << 20))
-    done = c.cli("run", "--config", "huge.toml", "--run-dir", str(c.work / "huge"), "--set", "gpt.n_head=4")
-    return f"{first_error(done)}; stderr {len(done.stderr):,} bytes"
+    """10: a 50 MB config whose one value the run does not use (so a warning echoes it)."""
+    (c.work / "huge.toml").write_text('[data]\ntext = ["' + "x" * (50 << 20) + '"]\n')
+    done = c.cli("run", "--config", "huge.toml", "--run-dir", str(c.work / "huge"), "--set", "train.steps=2")
+    config = c.work / "huge" / "config.toml"
+    copied = f"; config.toml {config.stat().st_size:,} bytes" if config.exists() else "; nothing written"
+    return f"{first_error(done) if done.returncode else 'exit 0'}; stderr {len(done.stderr):,} bytes{copied}"
 
 
 def stranger_store(c: Case) -> str:
@@ -305,6 +311,31 @@ def stranger_store(c: Case) -> str:
                                str(c.work / "port"), "--set", "train.steps=2"], env=env, capture_output=True,
                               text=True, timeout=120, cwd=c.work)
     return first_error(done)
+
+
+def torchrun_stop(c: Case) -> str:
+    """10: rank 1 stopped (SIGSTOP) under plain torchrun: how long until the job ends."""
+    run = c.work / "R"
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                            "-m", "dptrain.run", "--config", str(CFG), "--run-dir", str(run)], cwd=c.work, env=c.env,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    beat = run / "logs" / "rank1.heartbeat"
+    while job.poll() is None:
+        try:
+            record = json.loads(beat.read_text())
+            if record.get("step", 0) >= 2:
+                break
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    os.kill(record["pid"], signal.SIGSTOP)
+    try:
+        code = job.wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        job.kill()
+        return "still running 180 s after the SIGSTOP"
+    return f"exit {code}, {time.monotonic() - t0:.1f} s after the SIGSTOP (ddp.timeout_s 10, roll call 1 s)"
 
 
 CASES = {
@@ -334,6 +365,7 @@ CASES = {
     "deep-toml": deep_toml,
     "huge-config": huge_config,
     "store-port": stranger_store,
+    "torchrun-stop": torchrun_stop,
 }
 
 

@@ -28,6 +28,7 @@ from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
 from dptrain.config import ConfigError, load_config
 from dptrain.launch.errors import error_summary, write_error_record
+from dptrain.launch.heartbeat import end_stopped_peers
 from dptrain.launch.orphans import orphan_guard
 from dptrain.launch.rendezvous import PortInUse, detect_worker_env, init_distributed, leave_process_groups
 from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
@@ -100,8 +101,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:
+        silent = getattr(e, "silent_ranks", [])
+        if not local and silent and run_dir is not None:  # torchrun would wait 30 s for a stopped peer to end
+            ended = end_stopped_peers(run_dir, silent, env.world_size)
+            if ended:
+                e.add_note(f"rank(s) {ended} were stopped (SIGSTOP) on this host and were ended (SIGKILL), so "
+                           "that the job can end at once")
         text = traceback.format_exc()
-        write_error_record(run_dir, env.rank, text, error_summary(e), getattr(e, "silent_ranks", []))
+        write_error_record(run_dir, env.rank, text, error_summary(e), silent)
         if not local:  # the local launcher prints the first failing rank's traceback itself
             print(text, file=sys.stderr)
         return 1

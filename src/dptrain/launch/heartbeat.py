@@ -52,7 +52,7 @@ from pathlib import Path
 from dptrain.utils.files import UnsafePath, open_fd, open_file
 
 __all__ = ["Heartbeat", "heartbeat_file", "read_heartbeats", "stale_ranks", "heartbeat_age", "process_state",
-           "mark_progress", "INTERVAL_S", "STALE_MIN_S", "RECORD_BYTES"]
+           "mark_progress", "end_stopped_peers", "INTERVAL_S", "STALE_MIN_S", "RECORD_BYTES"]
 
 INTERVAL_S = 1.0  # between two writes of a heartbeat file
 STALE_MIN_S = 5.0  # a heartbeat is never called stale sooner: a loaded machine delays a thread by seconds
@@ -148,7 +148,7 @@ class Heartbeat:
 
         others = read_heartbeats(self.run_dir, self.world_size)
         stale = stale_ranks(others, self.timeout_s, exclude={self.rank})
-        ended = _end_stopped_peers({r: others[r] for r in stale})
+        ended = end_stopped_peers(self.run_dir, stale, self.world_size)
         behind = sorted(r for r, h in others.items() if r not in stale and h.get("step", 0) < self.step)
         who = (f"rank(s) {stale} sent no heartbeat for over {max(self.timeout_s, STALE_MIN_S):g} s (stopped or "
                "dead)" if stale else f"rank(s) {behind} are behind, at an earlier step" if behind else
@@ -214,15 +214,18 @@ def process_state(pid: int) -> str | None:
         return None
 
 
-def _end_stopped_peers(stale: dict[int, dict]) -> list[int]:
-    """SIGKILL the stale ranks that are stopped processes on this host (``T``), and return them.
+def end_stopped_peers(run_dir: Path, ranks: list[int], world_size: int) -> list[int]:
+    """SIGKILL those of ``ranks`` that are stopped processes (``T``) on this host, by their heartbeats; return them.
 
-    A stopped process cannot act on the SIGTERM an agent sends it: torchrun would wait its
-    30 s grace for it before the job could end. The job is over already (this rank is about
-    to exit for it), and a stopped peer only delays its end.
+    For a rank that is failing anyway (its watchdog fired, or its collective timed out on a silent
+    peer): a stopped process cannot act on the SIGTERM torchrun's agent sends it, and the agent
+    would wait its 30 s grace for it before the job could end. The job is over already, and a
+    stopped peer only delays its end.
     """
+    beats = read_heartbeats(run_dir, world_size)
     ended = []
-    for rank, beat in stale.items():
+    for rank in ranks:
+        beat = beats.get(rank, {})
         pid = beat.get("pid")
         if beat.get("host") == socket.gethostname() and isinstance(pid, int) and process_state(pid) in ("T", "t"):
             with contextlib.suppress(OSError):
