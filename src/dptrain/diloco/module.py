@@ -1,0 +1,161 @@
+"""DiLoCo (Douillard et al. 2023, "DiLoCo: Distributed Low-Communication Training of Language Models"): each rank
+takes H steps of the run's optimizer alone (the inner steps), then the ranks meet once, for the outer step.
+
+The ranks send their weights' difference once every H steps instead of their gradients
+every step: H times fewer bytes (4H with int8), and one meeting per H steps, which is
+what makes it train over slow links between machines. The price is the ranks' drift
+between meetings, which the outer optimizer's Nesterov momentum partly turns into speed.
+
+The wrapper keeps the global weights and the outer optimizer's momentum off the compute
+device (``offload``, on the CPU: they are touched once every H steps), as torchft's and
+OpenDiLoCo's do; each rank keeps its own inner optimizer state across rounds, as in the
+paper. The rounds hang on :meth:`DiLoCo.after_optimizer_step`, which every rank calls after
+every optimizer step (skipped ones included), so the ranks meet at the same steps; the
+outer step itself is :class:`~dptrain.diloco.outer.OuterStep`.
+
+Between meetings the replicas differ: an evaluation then averages the ranks' own losses,
+and :meth:`DiLoCo.finish` ends a run with an outer step when its last round is
+incomplete, so that the model kept is the global one. A checkpoint holds the global
+weights, the outer momentum and the step count (the same on every rank) and each rank's
+own replica, inner optimizer state and error-feedback residual, so that a run resumed in
+the middle of a round continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.diloco.options import DiLoCoOptions
+from dptrain.diloco.outer import OuterStep
+
+__all__ = ["DiLoCo"]
+
+
+class DiLoCo(nn.Module):
+    """``module`` trained by DiLoCo over ``process_group`` (see the module docstring).
+
+    ``options``: a :class:`DiLoCoOptions`, or its fields as keywords (``period=``, ``outer_lr=``...).
+    """
+
+    def __init__(self, module: nn.Module, options: DiLoCoOptions | None = None,
+                 process_group: dist.ProcessGroup | None = None, **keywords: Any):
+        super().__init__()
+        if options is not None and keywords:
+            raise TypeError(f"pass DiLoCoOptions or its fields as keywords, not both (got {sorted(keywords)})")
+        self.options = options if options is not None else DiLoCoOptions(**keywords)
+        self.module, self.process_group = module, process_group
+        self.device = next(module.parameters()).device
+        _broadcast_from_rank0(module, process_group)  # the replicas start equal, as in DDP
+        o = self.options
+        self.outer = OuterStep(self._params(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov,
+                               compression=o.compression, error_feedback=o.error_feedback,
+                               home="cpu" if o.offload else self.device, process_group=process_group)
+        self.steps = 0  # inner steps taken, skipped ones included: the same count on every rank
+        self.syncs = 0
+        self.last_sync_s = 0.0
+        self._metered = {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        return self.module(*inputs, **kwargs)
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    @property
+    def steps_since_sync(self) -> int:
+        return self.steps % self.options.period
+
+    # ------------------------------------------------------------------ the wrapper protocol
+
+    last_step_comm = None  # no step reduces gradients: the outer steps' bytes are in step_metrics()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Nothing to switch: inner steps never synchronise gradients."""
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def record_comm_spans(self, on: bool) -> None:
+        """Nothing to record per step: an outer step is timed whole (``sync_ms``)."""
+
+    def before_optimizer_step(self) -> None:
+        """Nothing: the inner step applies this rank's own gradient."""
+
+    def after_optimizer_step(self) -> None:
+        """Count the inner step; every ``period`` of them, the outer step (collective)."""
+        self.steps += 1
+        self._metered["steps"] += 1
+        if self.steps_since_sync == 0:
+            self.sync()
+
+    def sync(self) -> None:
+        """Collective: the outer step; every replica then holds the new global weights."""
+        t0 = time.perf_counter()
+        for key, value in self.outer(self._params()).items():
+            self._metered[key] += value
+        self.syncs += 1
+        self.last_sync_s = time.perf_counter() - t0
+
+    def step_metrics(self) -> dict[str, float]:
+        """Bytes per inner step since the last call (what the outer steps sent, spread over the steps), the steps
+        since the last outer step, and the last one's time. Not a collective."""
+        m, self._metered = self._metered, {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
+        steps = max(1, m["steps"])
+        return {"comm_bytes_per_step": m["raw"] / steps, "comm_compressed_bytes_per_step": m["payload"] / steps,
+                "comm_sent_bytes_per_step": m["sent"] / steps, "steps_since_sync": self.steps_since_sync,
+                "outer_steps": self.syncs, "sync_ms": 1e3 * self.last_sync_s}
+
+    def finish(self) -> None:
+        """Collective, after the last step: an incomplete last round ends with its outer step."""
+        if self.steps_since_sync:
+            self.sync()
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """``shared``: the global weights, the outer momentum and the step count; ``rank``: this rank's replica,
+        inner optimizer state and error-feedback residual (all differ between ranks)."""
+        return {"shared": {"outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs},
+                "rank": {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "residual": self.outer.residual()}}
+
+    def load_checkpoint_state(self, state: dict[str, dict | None], optimizer: torch.optim.Optimizer) -> str | None:
+        """Continue the round where it was. Without this rank's own part (saved on another number of ranks), the
+        rank starts a fresh round from the global weights, with rank 0's inner optimizer state; says so."""
+        shared = state.get("shared")
+        if shared is None:
+            return "DiLoCo's global weights start from the checkpoint's model: it has no outer state"
+        self.outer.load_state_dict(shared["outer"])
+        self.steps, self.syncs = int(shared["steps"]), int(shared["syncs"])
+        mine = state.get("rank")
+        if mine:
+            self.module.load_state_dict(mine["model"])
+            optimizer.load_state_dict(mine["optimizer"])
+            self.outer.load_residual(mine.get("residual"))
+            return None
+        self._from_global_weights()
+        return (f"DiLoCo's ranks continue their round from the global weights (the checkpoint holds no replica for "
+                f"this rank: saved on another number of ranks); the {self.steps_since_sync} inner step(s) the "
+                "round had taken are lost")
+
+    @torch.no_grad()
+    def _from_global_weights(self) -> None:
+        params = self._params()
+        weights = self.outer.weights.to(self.device)
+        torch._foreach_copy_(params, [w.view_as(p) for w, p in
+                                      zip(weights.split(self.outer.sizes), params, strict=True)])
+
+
+@torch.no_grad()
+def _broadcast_from_rank0(module: nn.Module, group: dist.ProcessGroup | None) -> None:
+    tensors = [t for t in [*module.parameters(), *module.buffers()] if t.is_floating_point()]
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.broadcast(flat, dist.get_global_rank(group or dist.group.WORLD, 0), group=group)
+    torch._foreach_copy_(tensors, [piece.view_as(t) for piece, t in
+                                   zip(flat.split([t.numel() for t in tensors]), tensors, strict=True)])

@@ -1,0 +1,115 @@
+"""DiLoCo's outer step (Douillard et al. 2023, Algorithm 1): one all-reduce of the pseudo-gradients, one step of the
+outer optimizer on the global weights, every rank restarted from them.
+
+With global weights ``g`` and rank ``i``'s weights ``x_i`` after H inner steps,
+
+    delta_i = g - x_i              (rank i's pseudo-gradient: where its inner steps took it, reversed)
+    delta   = mean_i delta_i       (one all-reduce, optionally compressed)
+    g       <- OuterSGD(g, delta)  (lr 0.7, Nesterov momentum 0.9: the paper's)
+    x_i     <- g                   (every rank starts the next round from the same weights)
+
+With H = 1, outer lr 1 and no momentum, ``g <- mean_i x_i``: with plain SGD inside, DDP's step
+(to rounding). :class:`OuterStep` packs the weights into one flat buffer (one all-reduce, one
+optimizer tensor); :func:`outer_step_naive` does the same per tensor, the oracle in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from dptrain import comm
+from dptrain.compress import make_codec
+from dptrain.compress.hook import CompressionHook
+from dptrain.ddp.comm_hooks import GradBucket
+
+__all__ = ["OuterStep", "outer_step_naive", "outer_optimizer"]
+
+
+def outer_optimizer(params: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
+    """The outer optimizer: SGD, with Nesterov momentum when there is momentum (torch refuses Nesterov without)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=nesterov and momentum > 0)
+
+
+class OuterStep:
+    """The global weights (a flat copy, on ``home``), the outer optimizer over them, and the pseudo-gradient's
+    reduction (uncompressed, or through a codec with error feedback)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], *, lr: float, momentum: float, nesterov: bool,
+                 compression: str = "none", error_feedback: bool = True, home: torch.device | str = "cpu",
+                 process_group: dist.ProcessGroup | None = None):
+        self.group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.sizes = [p.numel() for p in params]
+        self.weights = torch.cat([p.detach().reshape(-1) for p in params]).to(home, torch.float32, copy=True)
+        self.optimizer = outer_optimizer([self.weights], lr, momentum, nesterov)
+        self.compressor = (CompressionHook(make_codec(compression), error_feedback=error_feedback,
+                                           process_group=process_group) if compression != "none" else None)
+        self.sent_bytes = comm.sent_bytes("all_reduce", self.weights.numel(), 4, group=process_group)
+
+    @torch.no_grad()
+    def __call__(self, params: Sequence[torch.Tensor]) -> dict[str, int]:
+        """Collective: the outer step from the ranks' ``params``, which then hold the new global weights.
+
+        Returns the bytes of the reduction: ``raw`` (the fp32 pseudo-gradient), ``payload`` (encoded; 0
+        uncompressed) and ``sent`` (on the wire, by the cost model or the codec's count).
+        """
+        local = torch.cat([p.detach().reshape(-1).float() for p in params])
+        delta = self.weights.to(local.device, copy=True).sub_(local)  # this rank's pseudo-gradient
+        counted = self._reduce(delta)
+        self.weights.grad = delta.to(self.weights.device)
+        self.optimizer.step()
+        self.weights.grad = None
+        restart = self.weights.to(params[0].device)
+        torch._foreach_copy_(list(params), [piece.view_as(p) for piece, p in
+                                            zip(restart.split(self.sizes), params, strict=True)])
+        return counted
+
+    def _reduce(self, delta: torch.Tensor) -> dict[str, int]:
+        """``delta`` becomes the mean over the ranks (in place)."""
+        raw = delta.numel() * delta.element_size()
+        if self.compressor is None:
+            comm.all_reduce(delta, group=self.group)
+            delta.div_(self.world_size)
+            return {"raw": raw, "payload": 0, "sent": self.sent_bytes}
+        mean = self.compressor(None, GradBucket(0, delta, [delta], [], True)).wait()  # the hook averages
+        if mean.data_ptr() != delta.data_ptr():
+            delta.copy_(mean)
+        stats = self.compressor.stats.close_step()
+        return {"raw": raw, "payload": stats["payload_bytes"], "sent": stats["sent_bytes"]}
+
+    def state_dict(self) -> dict:
+        """The global weights and the outer optimizer: the same on every rank."""
+        return {"weights": self.weights, "optimizer": self.optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The global weights and the outer momentum; the error-feedback residual is this rank's own, loaded apart
+        (:meth:`load_residual`)."""
+        self.weights.copy_(state["weights"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
+    def residual(self) -> dict | None:
+        """This rank's error-feedback residual (it differs between ranks), or None uncompressed."""
+        return self.compressor.state_dict() if self.compressor is not None else None
+
+    def load_residual(self, state: dict | None) -> None:
+        if self.compressor is not None and state is not None:
+            self.compressor.load_state_dict(state)
+
+
+@torch.no_grad()
+def outer_step_naive(global_params: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                     optimizer: torch.optim.Optimizer, group: dist.ProcessGroup | None = None) -> None:
+    """The oracle: per tensor, the pseudo-gradient all-reduced with ``torch.distributed``, the outer optimizer
+    stepped over ``global_params`` (their own tensors), then copied into ``params``."""
+    world = dist.get_world_size(group)
+    for g, x in zip(global_params, params, strict=True):
+        delta = g - x
+        dist.all_reduce(delta, group=group)
+        g.grad = delta / world
+    optimizer.step()
+    for g, x in zip(global_params, params, strict=True):
+        g.grad = None
+        x.copy_(g)

@@ -1,0 +1,173 @@
+"""Post-local SGD (Lin et al. 2020, "Don't use large mini-batches, use local SGD"): synchronous DDP steps for a
+warm-up, then every rank steps alone on its own gradients and the replicas are averaged every ``period`` steps.
+
+With H = ``period``, a rank sends its model once every H steps instead of its gradients
+every step (H times fewer bytes), at the cost of replicas that drift apart between
+averages. Lin et al. warm up synchronously first: local steps from the first step hurt
+the final accuracy, after a warm-up they generalise as well or better.
+
+The schedule is torch's (``PostLocalSGDState(start_localSGD_iter=warmup_steps)`` with a
+``PeriodicModelAverager(period, warmup_steps)``): optimizer steps ``s = 0, 1, ...`` below
+``warmup_steps`` all-reduce their gradients (the DDP engine, bit for bit a ddp run's);
+from ``warmup_steps`` on, gradients stay local, and after step ``s`` the parameters are
+averaged when ``(s - warmup_steps) % period == 0`` (so right after the first local step,
+then every ``period`` steps). With ``period`` 1 every step's models are averaged: with
+plain SGD, the same step as DDP's to rounding. Unlike torch's averager, the step count is
+part of the wrapper's checkpoint state: a resumed run does not restart its warm-up
+(pytorch issue 74556). Only parameters are averaged; buffers stay each rank's, as torch's.
+
+The wrapper satisfies the strategies' wrapper protocol (``strategies/protocol.py``): the
+averaging hangs on :meth:`LocalSGD.after_optimizer_step`, which every rank calls after
+every optimizer step, skipped ones included, so the ranks' counts never part.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain import comm
+from dptrain.comm.step_stats import StepCommStats
+from dptrain.ddp import DistributedDataParallel
+from dptrain.localsgd.average import average_parameters
+from dptrain.localsgd.options import LocalSGDOptions
+
+__all__ = ["LocalSGD"]
+
+
+class LocalSGD(nn.Module):
+    """``module`` trained by post-local SGD over ``process_group`` (see the module docstring).
+
+    ``options``: a :class:`LocalSGDOptions`; or its fields as keywords (``period=``,
+    ``warmup_steps=``, ``ddp=``).
+    """
+
+    def __init__(self, module: nn.Module, options: LocalSGDOptions | None = None,
+                 process_group: dist.ProcessGroup | None = None, **keywords: Any):
+        super().__init__()
+        if options is not None and keywords:
+            raise TypeError(f"pass LocalSGDOptions or its fields as keywords, not both (got {sorted(keywords)})")
+        self.options = options if options is not None else LocalSGDOptions(**keywords)
+        self.ddp = DistributedDataParallel(module, process_group=process_group, **self.options.ddp)
+        self.process_group, self.device = process_group, self.ddp.device
+        self.steps = 0  # optimizer steps taken, skipped ones included: the same count on every rank
+        self.averages = 0
+        self.last_average_s = 0.0
+        self._user_sync = True  # what the caller asked (no_sync for accumulation)
+        self._synced = False    # whether the latest forward armed a gradient reduction
+        self._bytes = 0         # averaged since the last step_metrics()
+        self._metered_steps = 0
+        self._metered_averages = 0
+        params = self._params()
+        self._sent_per_average = comm.sent_bytes("all_reduce", sum(p.numel() for p in params),
+                                                 params[0].element_size(), group=process_group) if params else 0
+
+    @property
+    def module(self) -> nn.Module:
+        """The model as the user built it."""
+        return self.ddp.module
+
+    @property
+    def in_warmup(self) -> bool:
+        return self.steps < self.options.warmup_steps
+
+    @property
+    def local_steps(self) -> int:
+        """Local steps since the replicas were last averaged (0: they are equal)."""
+        local = self.steps - self.options.warmup_steps
+        return 0 if local <= 0 else (local - 1) % self.options.period
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._synced = self._user_sync and self.in_warmup
+        self.ddp.set_requires_gradient_sync(self._synced)
+        return self.ddp(*inputs, **kwargs)
+
+    def _params(self) -> list[nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ the wrapper protocol
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """During the warm-up, whether the next backward all-reduces (accumulation); after it, never."""
+        self._user_sync = requires_gradient_sync
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before = self._user_sync
+        self._user_sync = False
+        try:
+            yield
+        finally:
+            self._user_sync = before
+
+    @property
+    def last_step_comm(self) -> StepCommStats | None:
+        """The DDP engine's buckets for a warm-up step; None for a local one (its averages are in step_metrics)."""
+        return self.ddp.last_step_comm if self._synced else None
+
+    def record_comm_spans(self, on: bool) -> None:
+        self.ddp.record_comm_spans(on)
+
+    def before_optimizer_step(self) -> None:
+        """Nothing: a local step applies this rank's own gradient."""
+
+    def after_optimizer_step(self) -> None:
+        """Count the step; average the replicas when the schedule says so (collective then)."""
+        step, self.steps = self.steps, self.steps + 1
+        self._metered_steps += 1
+        warmup = self.options.warmup_steps
+        if step >= warmup and (step - warmup) % self.options.period == 0:
+            self.average()
+
+    def average(self) -> None:
+        """Collective: every replica becomes the mean of all of them."""
+        t0 = time.perf_counter()
+        self._bytes += average_parameters(self._params(), self.process_group)
+        self.averages += 1
+        self._metered_averages += 1
+        self.last_average_s = time.perf_counter() - t0
+
+    def step_metrics(self) -> dict[str, float]:
+        """After the warm-up: the averages' bytes per step since the last call (the step's communication), the
+        local steps since the last average, and the last average's time. Not a collective."""
+        if self.steps <= self.options.warmup_steps:
+            return {}
+        steps, self._metered_steps = max(1, self._metered_steps), 0
+        (raw, averages), self._bytes, self._metered_averages = (self._bytes, self._metered_averages), 0, 0
+        return {"comm_bytes_per_step": raw / steps, "comm_sent_bytes_per_step": averages * self._sent_per_average
+                / steps, "comm_compressed_bytes_per_step": 0, "local_steps": self.local_steps,
+                "average_ms": 1e3 * self.last_average_s}
+
+    def finish(self) -> None:
+        """Collective, after the last step: the replicas averaged if they differ (the model to evaluate and keep)."""
+        if self.local_steps:
+            self.average()
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """``shared``: the step count (the schedule's position); ``rank``: once the warm-up is over, this rank's
+        own replica and optimizer state (they differ between ranks from then on)."""
+        state: dict[str, dict] = {"shared": {"steps": self.steps, "averages": self.averages}}
+        if self.steps > self.options.warmup_steps:
+            state["rank"] = {"model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, dict | None], optimizer: torch.optim.Optimizer) -> str | None:
+        """Continue the schedule where it was; take this rank's own replica back where it was saved (on as many
+        ranks). Returns what to tell the user when the replicas start from rank 0's instead."""
+        shared = state.get("shared") or {}
+        self.steps, self.averages = int(shared.get("steps", 0)), int(shared.get("averages", 0))
+        mine = state.get("rank")
+        if mine:
+            self.module.load_state_dict(mine["model"])
+            optimizer.load_state_dict(mine["optimizer"])
+            return None
+        if self.steps > self.options.warmup_steps:
+            return ("local SGD's replicas start from rank 0's copy and optimizer state: the checkpoint has none "
+                    "for this rank (saved on another number of ranks)")
+        return None
