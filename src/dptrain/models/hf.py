@@ -25,7 +25,7 @@ from torch import nn
 from dptrain.config import ConfigError
 from dptrain.config.extras import require
 
-__all__ = ["load_config", "causal_lm", "has_weights", "context_length", "save_pretrained_from"]
+__all__ = ["load_config", "causal_lm", "has_weights", "context_length", "save_pretrained_from", "load_weights_file"]
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -94,26 +94,41 @@ def causal_lm(path: str | Path, from_scratch: bool = False, weights: bool = True
 def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
     """A ``from_pretrained``-ready directory at ``out``: ``path``'s architecture with the trained ``weights``.
 
-    ``weights`` is the run's ``model.safetensors`` (tied weights stored once, under one of
-    their names); the model is rebuilt from ``path``'s config, the weights loaded strictly
-    up to tied names, and written with ``save_pretrained`` (config, safetensors, generation
-    config), plus ``tokenizer`` (a tokenizer.json) when the data was tokenized with one.
-    Written beside ``out`` and renamed into place: never half-written.
+    ``weights`` is the run's ``model.safetensors`` (the model's state dict, tied weights
+    under each name; a file with one name per tied weight, as dptrain wrote them before,
+    loads too): the model is rebuilt from ``path``'s config, the weights loaded strictly up
+    to tied names (:func:`load_weights_file`), and the directory written with
+    ``save_pretrained`` (config, safetensors, generation config; Hugging Face's rule for
+    tied weights: the copies in ``_tied_weights_keys`` are left out and ``from_pretrained``
+    ties them back), plus ``tokenizer`` (a tokenizer.json) when the data was tokenized with
+    one. Written beside ``out`` and renamed into place: never half-written.
     """
     import shutil
-
-    from safetensors.torch import load_model
 
     from dptrain.utils.atomic import replacing_dir
 
     model = causal_lm(path, weights=False)
-    missing, unexpected = load_model(model, str(weights), strict=False)  # tied weights: stored under one name
-    if missing or unexpected:
-        raise ValueError(f"{weights} does not match {path}'s architecture: missing {sorted(missing)}, unexpected "
-                         f"{sorted(unexpected)}")
+    load_weights_file(model, weights, f"{path}'s architecture")
     out = Path(out)
     with replacing_dir(out, replace=True) as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         if tokenizer and tokenizer != "bytes":
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
     return out
+
+
+def load_weights_file(model: nn.Module, weights: str | Path, what: str = "the model") -> None:
+    """Load a safetensors state dict into ``model``, strictly except for tied names the file holds under another name.
+
+    Raises a ValueError naming the missing and unexpected keys.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[name]) for name in state if name in params}
+    missing = [name for name in missing if not (name in params and id(params[name]) in loaded)]  # tied: loaded
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match {what}: missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}")

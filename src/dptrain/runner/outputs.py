@@ -9,12 +9,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import DistributedSampler
 from dptrain.tasks.base import collate
-from dptrain.utils.atomic import replacing
+from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["evaluate", "val_sums", "val_metrics", "save_weights", "save_hf_model"]
 
@@ -67,19 +66,15 @@ def val_metrics(sums: dict[str, float]) -> dict[str, float]:
 
 
 def save_weights(module: torch.nn.Module, path: Path) -> None:
-    """``module``'s weights as safetensors at ``path``, atomically, readable by everyone.
+    """``module.state_dict()`` as safetensors at ``path``, atomically, readable by everyone.
 
-    Parameters that are views of one flat buffer (gossip, parameter-server workers) get
-    storage of their own first: safetensors refuses tensors that share a storage none of
-    them covers. Call it when training is over.
+    Every key of the state dict, a tied parameter under each of its names
+    (:mod:`dptrain.utils.weights_file`, the rule every strategy and ``dptrain consolidate``
+    follow), so ``module.load_state_dict(load_file(path))`` loads it strictly. Parameters
+    that are views of one flat buffer (gossip, parameter-server workers) are copied out
+    of it as they are written.
     """
-    storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    if len(storages) < len(list(module.parameters())):
-        for param in module.parameters():
-            param.data = param.data.clone()
-    with replacing(path) as tmp:
-        save_model(module, str(tmp))
-    path.chmod(0o644)  # safetensors creates it owner-only
+    save_state_file(module.state_dict(), path)
 
 
 def save_hf_model(cfg, run_dir: Path, log) -> None:
