@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -82,11 +83,11 @@ def save_hf_model(cfg, run_dir: Path, log) -> None:
 
     ``AutoModelForCausalLM.from_pretrained(run_dir / "hf")`` loads it; the tokenizer.json the
     data was prepared with (``data.tokenizer``, or the one a token directory's meta.json names)
-    travels with it.
+    travels with it. What the export warns of (a bos or eos id outside the vocabulary) goes to the log.
     """
     if not cfg.hf.path:
         return
-    from dptrain.models.hf import save_pretrained_from
+    from dptrain.models.hf import ExportWarning, save_pretrained_from
 
     tokenizer = cfg.data.tokenizer if cfg.data.source in ("text", "hf") else None
     if cfg.data.source == "tokens":  # prepared by dptrain: its meta.json names the tokenizer
@@ -95,5 +96,12 @@ def save_hf_model(cfg, run_dir: Path, log) -> None:
         made_with = read_meta(Path(cfg.data.dir)).get("recipe", {}).get("tokenizer", {})
         if made_with.get("kind") == "tokenizer.json" and Path(made_with.get("path", "")).is_file():
             tokenizer = made_with["path"]
-    out = save_pretrained_from(run_dir / "model.safetensors", cfg.hf.path, run_dir / "hf", tokenizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        out = save_pretrained_from(run_dir / "model.safetensors", cfg.hf.path, run_dir / "hf", tokenizer)
+    for warning in caught:
+        if issubclass(warning.category, ExportWarning):
+            log.info(f"warning: {warning.message}")
+        else:  # not ours: as it would have been shown
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     log.info(f"Hugging Face model: {out} (AutoModelForCausalLM.from_pretrained loads it)")
