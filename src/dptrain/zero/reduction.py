@@ -15,13 +15,14 @@ the tensors in it, for a moment after marking it complete: until the work's comp
 callbacks have run (dptrain's timing callback needs the GIL, which the training thread
 holds) and the thread has dropped its pointer. So when ``wait()`` returns and the unit
 drops its last reference, the full-size gradient is freed either at once or a little
-later on gloo's thread, depending on scheduling: measured on a 3-block GPT under ZeRO-2
-at world 2, unit 2's 270,336-byte gradient outlived backward in about one step in
-eight (``tests/test_zero_memory.py``). Once the reduction is done nothing reads its
-input, so the reduction releases the input's storage (``resize_(0)``, as FSDP frees an
-unsharded buffer) right after waiting, on the training thread: whoever still holds the
-tensor holds an empty one, and the memory is gone before backward returns. Not for an
-input that outlives the reduction (stage 1's accumulation buffer: ``owned=False``).
+later on gloo's thread, depending on scheduling: on a 3-block GPT of width 96 under
+ZeRO-2 at world 2, the last units' gradients (unit 2's 270,336 bytes; twice unit 1's)
+outlived backward in 18 of 144 rank-steps (issue 46). Once the reduction is done
+nothing reads its input, so the reduction releases the input's storage (``resize_(0)``,
+as FSDP frees an unsharded buffer) right after waiting, on the training thread: whoever
+still holds the tensor holds an empty one, and the memory is gone before backward
+returns. Not for an input that outlives the reduction (stage 1's accumulation buffer:
+``owned=False``).
 
 The units of one model share a :class:`CommContext` (FSDP2's ``FSDPCommContext``
 plays the same part): the queue, the collective check and the current step's
