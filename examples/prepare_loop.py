@@ -48,7 +48,9 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     train = DataLoader(clusters(4096, seed=1), batch_size=32, shuffle=True)
     val = DataLoader(clusters(1024, seed=2), batch_size=256)
-    steps_per_epoch = -(-len(train) // (world * accum))   # the last window of an epoch may be shorter
+    # A prepared scheduler steps once per process per optimizer step (as Accelerate's): epochs x len(train) / accum,
+    # as one process counts it. The helper counts it exactly (the shards' padding, the epoch's last window).
+    steps_per_epoch = dptrain.scheduler_steps_per_epoch(train, grad_accum_steps=accum)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=args.epochs * steps_per_epoch)
 
     model, optimizer, train, val, scheduler = dptrain.prepare(

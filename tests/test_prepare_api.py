@@ -80,8 +80,9 @@ def _prepared_run(rank, world_size, strategy):
     return steps, passes, synced, evals, scheduler.last_epoch, optimizer.steps
 
 
-def _reference(windows):
-    """One process: step s on the samples every rank saw in window s, all at once."""
+def _reference(windows, world_size):
+    """One process: step s on the samples every rank saw in window s, all at once; the scheduler stepped once
+    per process (prepare()'s default, Accelerate's rule)."""
     x, y, _ = _dataset().tensors
     model = _model()
     optimizer = _optimizer(model)
@@ -92,7 +93,8 @@ def _reference(windows):
         F.cross_entropy(model(x[batch]), y[batch]).backward()
         norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
         optimizer.step()
-        scheduler.step()
+        for _ in range(world_size):
+            scheduler.step()
         optimizer.zero_grad()
         out.append(({n: p.detach().clone() for n, p in model.named_parameters()}, norm, scheduler.get_last_lr()))
     return out
@@ -106,9 +108,10 @@ def test_prepared_loop_matches_one_process_on_the_global_batch(world_size, strat
     windows_per_pass = -(-micro_per_pass // ACCUM)  # the pass's last window is shorter: 10 = 3+3+3+1, 5 = 3+2
     step_windows = [[w for rank_steps, _, _, _, _, _ in results for w in rank_steps[s][0]]
                     for s in range(EPOCHS * windows_per_pass)]
-    expected = _reference(step_windows)
+    expected = _reference(step_windows, world_size)
     for steps, _passes, synced, evals, scheduler_steps, optimizer_steps in results:
-        assert len(steps) == len(expected) == scheduler_steps == optimizer_steps == EPOCHS * windows_per_pass
+        assert len(steps) == len(expected) == optimizer_steps == EPOCHS * windows_per_pass
+        assert scheduler_steps == world_size * optimizer_steps
         for (_, params, norm, lr), (want, want_norm, want_lr) in zip(steps, expected, strict=True):
             assert params.keys() == want.keys()
             for name in want:
@@ -170,7 +173,131 @@ def _nonfinite_run(rank, world_size):
 
 @pytest.mark.timeout(60)
 def test_a_non_finite_window_skips_the_step_and_the_scheduler_on_every_rank():
-    assert run_on_ranks(_nonfinite_run, 2) == [(2, 1, 2, True)] * 2
+    # 3 windows, one skipped: 2 optimizer steps, each stepping the scheduler once per process
+    assert run_on_ranks(_nonfinite_run, 2) == [(2, 1, 4, True)] * 2
+
+
+# ------------------------------------------------- the LR schedule over a sharded loader (issue 46, item 4)
+
+LR, SCHEDULE_EPOCHS = 3e-3, 3
+
+
+def _cosine_runs(rank, world_size, cases):
+    """Per case (samples, accum, how T_max was counted, scheduler_steps): a single-process script's cosine, T_max
+    built before prepare(): (lr after each epoch, warnings, lr after each epoch resumed from the first's end)."""
+    return [_cosine_run(*case) for case in cases]
+
+
+def _cosine_run(samples, accum, t_max_from, scheduler_steps):
+    import warnings
+
+    from dptrain import scheduler_steps_per_epoch
+
+    def build():
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+        loader = DataLoader(TensorDataset(torch.randn(samples, 5), torch.randint(0, 3, (samples,))), batch_size=4,
+                            shuffle=True)
+        per_epoch = {"one process": -(-len(loader) // accum),  # what a single-process script writes
+                     "helper": scheduler_steps_per_epoch(loader, grad_accum_steps=accum,
+                                                         scheduler_steps=scheduler_steps)}[t_max_from]
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=SCHEDULE_EPOCHS * per_epoch)
+        return prepare(model, optimizer, loader, scheduler, grad_accum_steps=accum, scheduler_steps=scheduler_steps)
+
+    def train(model, optimizer, loader, scheduler, epochs):
+        lrs = []
+        for _ in range(epochs):
+            for x, y in loader:
+                F.cross_entropy(model(x), y).backward()
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            lrs.append(scheduler.get_last_lr()[0])
+        return lrs
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, optimizer, loader, scheduler = build()
+        lrs = train(model, optimizer, loader, scheduler, 1)
+        saved = (model.unwrap().state_dict(), optimizer.state_dict(), scheduler.state_dict(), loader.epoch)
+        lrs += train(model, optimizer, loader, scheduler, SCHEDULE_EPOCHS - 1)
+        messages = [str(w.message) for w in caught]
+        model, optimizer, loader, scheduler = build()  # resumed from the checkpoint after the first epoch
+        model.unwrap().load_state_dict(saved[0])
+        optimizer.load_state_dict(saved[1])  # the cosine's closed form is chained on the optimizer's lr
+        scheduler.load_state_dict(saved[2])
+        loader.set_epoch(saved[3])
+        resumed = train(model, optimizer, loader, scheduler, SCHEDULE_EPOCHS - 1)
+    return lrs, messages, resumed
+
+
+@pytest.mark.timeout(60)
+def test_a_schedule_built_for_one_process_before_prepare_ends_where_it_meant_to():
+    # CosineAnnealingLR(T_max=epochs * len(loader) / accum) over the unsharded loader: stepped once per optimizer
+    # step over the shards it ended half-way (lr 1.5e-3 of 3e-3 at world 2); once per process it ends at 0, with
+    # and without accumulation, and resumed from a checkpoint after the first epoch
+    cases = [(64, 1, "one process", "per_process"), (64, 2, "one process", "per_process")]
+    for per_rank in run_on_ranks(_cosine_runs, 2, cases):
+        for case, (lrs, caught, resumed) in zip(cases, per_rank, strict=True):
+            assert lrs[-1] == pytest.approx(0.0, abs=1e-12) and lrs[0] == pytest.approx(LR * 0.75), (case, lrs)
+            assert resumed == pytest.approx(lrs[1:], abs=1e-12) and caught == [], case
+
+
+@pytest.mark.timeout(60)
+def test_shards_padded_to_equal_length_take_more_steps_the_helper_counts_them_and_a_late_end_warns():
+    # 26 samples, batch 4: one process takes 7 batches an epoch; 2 ranks take 13 samples each, 4 batches
+    # (8 scheduler steps), so T_max = 3 x 7 is passed before the end, and says so
+    cases = [(26, 1, "one process", "per_process"), (26, 1, "helper", "per_process"), (26, 1, "helper", "per_step")]
+    [naive, *helped], _ = run_on_ranks(_cosine_runs, 2, cases)
+    lrs, caught, _ = naive
+    assert lrs[-1] > 0 and len(caught) == 1
+    assert "CosineAnnealingLR was stepped past the end of its schedule (T_max=21; stepped 22 times)" in caught[0]
+    assert "scheduler_steps_per_epoch" in caught[0] and "scheduler_steps='per_step'" in caught[0]
+    for case, (lrs, caught, resumed) in zip(cases[1:], helped, strict=True):
+        assert lrs[-1] == pytest.approx(0.0, abs=1e-12) and caught == [], (case, lrs, caught)
+        assert resumed == pytest.approx(lrs[1:], abs=1e-12)
+
+
+def test_the_steps_per_epoch_before_prepare_count_the_padded_shard_in_windows():
+    from dptrain import scheduler_steps_per_epoch
+
+    loader = DataLoader(TensorDataset(torch.arange(26)), batch_size=4, shuffle=True)
+    count = {(world, accum, rule): scheduler_steps_per_epoch(loader, grad_accum_steps=accum, world_size=world,
+                                                             scheduler_steps=rule)
+             for world in (1, 2, 3) for accum in (1, 3) for rule in ("per_process", "per_step")}
+    # shards of 26, 13 and 9 samples: 7, 4 and 3 batches of 4; windows of 3: 3, 2 and 1
+    assert count == {(1, 1, "per_process"): 7, (1, 1, "per_step"): 7, (1, 3, "per_process"): 3,
+                     (1, 3, "per_step"): 3, (2, 1, "per_process"): 8, (2, 1, "per_step"): 4,
+                     (2, 3, "per_process"): 4, (2, 3, "per_step"): 2, (3, 1, "per_process"): 9,
+                     (3, 1, "per_step"): 3, (3, 3, "per_process"): 3, (3, 3, "per_step"): 1}
+    dropping = DataLoader(TensorDataset(torch.arange(26)), batch_size=4, drop_last=True)
+    assert scheduler_steps_per_epoch(dropping, world_size=2) == 2 * 3  # 13 samples: 3 whole batches
+    with pytest.raises(ValueError, match="scheduler_steps must be 'per_process'.*got 'per_rank'"):
+        scheduler_steps_per_epoch(loader, world_size=2, scheduler_steps="per_rank")
+    if not dist.is_initialized():
+        with pytest.raises(RuntimeError, match="init_distributed.*or pass world_size="):
+            scheduler_steps_per_epoch(loader)
+
+
+def test_one_cycle_stops_at_its_last_step_and_a_plateau_scheduler_steps_once_per_call():
+    import warnings
+
+    from dptrain.api.scheduler import PreparedScheduler
+
+    optimizer = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    cycle = PreparedScheduler(torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=5), None,
+                              AccumulationState(1), per_step=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(4):  # 8 steps asked for: OneCycleLR raises past total_steps
+            cycle.step()
+    ends = [str(w.message) for w in caught if "end of its schedule" in str(w.message)]
+    assert cycle.last_epoch == 5 and len(ends) == 1 and "stays there (one more step would raise)" in ends[0]
+    plateau = PreparedScheduler(torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=1), None,
+                                AccumulationState(1), per_step=2)
+    for _ in range(2):
+        plateau.step(1.0)  # no improvement after the first: patience 1 is used up by the second, not the first
+    assert plateau.num_bad_epochs == 1
 
 
 # ------------------------------------------------------------------------ no process group

@@ -40,6 +40,7 @@ _EXPORTS = {
     "Engine": "dptrain.api.engine",
     "StepInfo": "dptrain.api.engine",
     "prepare": "dptrain.api.prepare",
+    "scheduler_steps_per_epoch": "dptrain.api.prepare",
     "ShardedLoader": "dptrain.data.loader",
     "init_distributed": "dptrain.launch.rendezvous",
     "leave_process_groups": "dptrain.launch.rendezvous",
@@ -69,7 +70,7 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from dptrain.allocator import tune_cpu_allocator
     from dptrain.api.engine import Engine, StepInfo
-    from dptrain.api.prepare import prepare
+    from dptrain.api.prepare import prepare, scheduler_steps_per_epoch
     from dptrain.batching import BatchPlan, BatchSizeError
     from dptrain.data.loader import ShardedLoader
     from dptrain.data.sampler import DistributedSampler

@@ -17,8 +17,9 @@ wrappers share one :class:`AccumulationState`; gradient accumulation is a window
    becomes the mean over the window's global batch), clips by the global norm, and steps
    unless the norm is not finite (the same on every rank, so all ranks skip together);
 3. ``optimizer.zero_grad()`` does nothing inside a window; ``scheduler.step()`` steps when it
-   closes, unless the optimizer skipped its step, so the schedule counts optimizer steps as
-   one process on the global batch would (Accelerate steps it ``num_processes`` times).
+   closes, unless the optimizer skipped its step: once per process (``world_size`` times) by
+   default, as Accelerate does, so a schedule written for one process over the loader
+   ends where it meant to; once with ``scheduler_steps="per_step"`` (:mod:`dptrain.api.scheduler`).
 
 The loader is rebuilt over the same dataset with :class:`~dptrain.data.sampler.DistributedSampler`
 (``batch_size`` per rank). The model is wrapped by the strategy's registry entry
@@ -40,6 +41,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
+from dptrain.api.scheduler import SCHEDULER_STEPS, PreparedScheduler, steps_per_optimizer_step
 from dptrain.api.step import OptimizerStep
 from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
 from dptrain.data.loader import set_epoch
@@ -49,7 +51,8 @@ from dptrain.strategies.registry import Strategy, get_strategy, strategy_names
 from dptrain.utils.tensors import map_tensors
 
 __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
-           "PreparedLoader", "shard_loader", "STRATEGIES", "PRECISIONS"]
+           "PreparedLoader", "shard_loader", "scheduler_steps_per_epoch", "STRATEGIES", "PRECISIONS",
+           "SCHEDULER_STEPS"]
 
 STRATEGIES = strategy_names(lambda s: s.wrap is not None)  # those whose wrapper the registry builds (not ps)
 PRECISIONS = ("fp32", "bf16")
@@ -78,7 +81,8 @@ class AccumulationState:
 def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_accum_steps: int = 1,
             grad_clip: float = 0.0, device: torch.device | str | None = None,
             process_group: dist.ProcessGroup | None = None, seed: int = 0, ddp_kwargs: dict | None = None,
-            zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None) -> Any:
+            zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None,
+            scheduler_steps: str = "per_process") -> Any:
     """Wrap a model, optimizers, DataLoaders and LR schedulers for data parallelism; return them in order.
 
     Against :class:`~dptrain.api.engine.Engine`: the loop stays an ordinary one, at the cost
@@ -94,11 +98,16 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
     - ``grad_accum_steps``: micro-steps per optimizer step; ``grad_clip``: max global L2 norm (0: none).
     - ``device``: default ``cuda:<current>`` with NCCL, else CPU; ``process_group``: default the world.
     - ``seed``: the loaders' shuffling seed (epoch ``e`` draws the permutation of ``seed + e``).
+    - ``scheduler_steps``: ``"per_process"`` steps the LR schedulers ``world_size`` times per
+      optimizer step (Accelerate's rule: a schedule written for one process over the loader you
+      passed ends where it meant to), ``"per_step"`` once (a schedule in this run's optimizer
+      steps). :func:`scheduler_steps_per_epoch` gives the exact count.
 
     One object returns it alone, several a tuple. Anything but a module, an optimizer, a
     DataLoader or an LR scheduler is a TypeError.
     """
     entry = _check_settings(strategy, precision, grad_accum_steps, grad_clip)
+    steps_per_optimizer_step(scheduler_steps, 1)  # a ValueError naming both choices
     if not dist.is_initialized():
         raise RuntimeError("prepare() needs torch.distributed initialised: call device = dptrain.init_distributed() "
                            "first (torchrun, Slurm or a single process)")
@@ -122,9 +131,10 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
     for optimizer in picked["optimizer"]:
         done[id(optimizer)] = PreparedOptimizer(optimizer, state, grad_clip, wrapper,
                                                 sharded=entry.shards_parameters)
-    for scheduler in picked["scheduler"]:
-        done[id(scheduler)] = PreparedScheduler(scheduler, _optimizer_of(scheduler, done), state)
     world, rank = dist.get_world_size(process_group), dist.get_rank(process_group)
+    for scheduler in picked["scheduler"]:
+        done[id(scheduler)] = PreparedScheduler(scheduler, _optimizer_of(scheduler, done), state,
+                                                steps_per_optimizer_step(scheduler_steps, world))
     for loader in picked["loader"]:
         done[id(loader)] = PreparedLoader(shard_loader(loader, world, rank, seed), state, device)
     result = tuple(done[id(obj)] for obj in objects)
@@ -286,28 +296,6 @@ class PreparedOptimizer(torch.optim.Optimizer):
         self.optimizer.add_param_group(param_group)
 
 
-class PreparedScheduler:
-    """The LR scheduler, stepping when an accumulation window closes unless its optimizer skipped the step.
-
-    As Accelerate's AcceleratedScheduler (which also lets it precede ``optimizer.step()``), but
-    once per optimizer step. Without a prepared optimizer: whenever a window closes.
-    """
-
-    def __init__(self, scheduler: LRScheduler, optimizer: PreparedOptimizer | None, state: AccumulationState):
-        self.scheduler, self.optimizer, self.accumulation = scheduler, optimizer, state
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        optimizer = self.optimizer
-        state = optimizer.accumulation if optimizer is not None else self.accumulation
-        if state.sync_gradients and not (optimizer is not None and optimizer.step_was_skipped):
-            self.scheduler.step(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:  # get_last_lr, state_dict, last_epoch, ...
-        if name == "scheduler":
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-
 def _optimizer_of(scheduler: LRScheduler, done: dict[int, Any]) -> PreparedOptimizer | None:
     if isinstance(scheduler.optimizer, PreparedOptimizer):  # built on an optimizer prepared earlier
         return scheduler.optimizer
@@ -357,6 +345,28 @@ class PreparedLoader:
         if name == "loader":
             raise AttributeError(name)
         return getattr(self.loader, name)
+
+
+def scheduler_steps_per_epoch(loader: DataLoader, *, grad_accum_steps: int = 1, world_size: int | None = None,
+                              scheduler_steps: str = "per_process") -> int:
+    """The steps a prepared scheduler takes in one pass over ``loader``: its ``T_max`` per epoch. Call it before prepare().
+
+    ``loader`` is the DataLoader as you pass it to ``prepare()`` (batch size per rank);
+    ``world_size`` defaults to the initialised process group's. The count is exact: one
+    rank's shard, padded as prepare() pads it, in whole batches (or, with ``drop_last``,
+    the whole ones), in accumulation windows of ``grad_accum_steps`` (the pass's last one
+    may be shorter), times the scheduler's steps per optimizer step.
+    """
+    if world_size is None:
+        if not dist.is_initialized():
+            raise RuntimeError("scheduler_steps_per_epoch() needs the world size: call device = "
+                               "dptrain.init_distributed() first, or pass world_size=")
+        world_size = dist.get_world_size()
+    per_step = steps_per_optimizer_step(scheduler_steps, world_size)
+    if isinstance(grad_accum_steps, bool) or not isinstance(grad_accum_steps, int) or grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be an integer >= 1, got {grad_accum_steps!r}")
+    batches = len(shard_loader(loader, world_size, 0))  # every rank's shard has as many
+    return -(-batches // grad_accum_steps) * per_step
 
 
 def shard_loader(loader: DataLoader, world_size: int, rank: int, seed: int = 0) -> DataLoader:

@@ -10,13 +10,16 @@ than a download attempt (compute nodes often have no network, and this machine n
 Parameters are kept in fp32 whatever dtype the weights were saved in: mixed precision
 is autocast's job (``train.precision``), with fp32 master weights. ``use_cache`` is
 turned off: training does not reuse attention keys and values, and keeping them costs
-memory. A transformer's decoder layers are the first ``ModuleList`` of the model, which
-is what ZeRO-3 makes its units of by default (``[zero] unit_classes``).
+memory; the export (:func:`save_pretrained_from`) restores the directory's own value, so
+``generate()`` on the trained model keeps its KV cache. A transformer's decoder layers
+are the first ``ModuleList`` of the model, which is what ZeRO-3 makes its units of by
+default (``[zero] unit_classes``).
 """
 
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -25,7 +28,8 @@ from torch import nn
 from dptrain.config import ConfigError
 from dptrain.config.extras import require
 
-__all__ = ["load_config", "causal_lm", "has_weights", "check_weights", "context_length", "save_pretrained_from"]
+__all__ = ["load_config", "causal_lm", "has_weights", "check_weights", "context_length", "save_pretrained_from",
+           "load_weights_file", "token_id_problems", "ExportWarning"]
 
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 
@@ -106,29 +110,88 @@ def causal_lm(path: str | Path, from_scratch: bool = False, weights: bool = True
     return model
 
 
+class ExportWarning(UserWarning):
+    """Something about an exported model its user should know (token ids outside the vocabulary)."""
+
+
 def save_pretrained_from(weights: str | Path, path: str | Path, out: str | Path, tokenizer: str | None = None) -> Path:
     """A ``from_pretrained``-ready directory at ``out``: ``path``'s architecture with the trained ``weights``.
 
-    ``weights`` is the run's ``model.safetensors`` (tied weights stored once, under one of
-    their names); the model is rebuilt from ``path``'s config, the weights loaded strictly
-    up to tied names, and written with ``save_pretrained`` (config, safetensors, generation
-    config), plus ``tokenizer`` (a tokenizer.json) when the data was tokenized with one.
-    Written beside ``out`` and renamed into place: never half-written.
+    ``weights`` is the run's ``model.safetensors`` (the model's state dict, tied weights
+    under each name; a file with one name per tied weight, as dptrain wrote them before,
+    loads too): the model is rebuilt from ``path``'s config, the weights loaded strictly up
+    to tied names (:func:`load_weights_file`), what training changed in the config put back
+    (``use_cache``, turned off by :func:`causal_lm`; the generation config: ``path``'s own
+    ``generation_config.json``, else the one its config implies), and the directory written
+    with ``save_pretrained`` (config, safetensors, generation config; Hugging Face's rule
+    for tied weights: the copies in ``_tied_weights_keys`` are left out and
+    ``from_pretrained`` ties them back), plus ``tokenizer`` (a tokenizer.json) when the data
+    was tokenized with one. Written beside ``out`` and renamed into place: never
+    half-written. A bos or eos token id outside the vocabulary is an :class:`ExportWarning`.
     """
     import shutil
 
-    from safetensors.torch import load_model
-
     from dptrain.utils.atomic import replacing_dir
 
+    original = load_config(path)
     model = causal_lm(path, weights=False)
-    missing, unexpected = load_model(model, str(weights), strict=False)  # tied weights: stored under one name
-    if missing or unexpected:
-        raise ValueError(f"{weights} does not match {path}'s architecture: missing {sorted(missing)}, unexpected "
-                         f"{sorted(unexpected)}")
+    load_weights_file(model, weights, f"{path}'s architecture")
+    _restore_inference_settings(model, original, Path(path))
+    for problem in token_id_problems(model.config, getattr(model, "generation_config", None), Path(path)):
+        warnings.warn(problem, ExportWarning, stacklevel=2)
     out = Path(out)
     with replacing_dir(out, replace=True) as staging:
         model.save_pretrained(str(staging), safe_serialization=True)
         if tokenizer and tokenizer != "bytes":
             shutil.copyfile(tokenizer, staging / "tokenizer.json")
     return out
+
+
+def load_weights_file(model: nn.Module, weights: str | Path, what: str = "the model") -> None:
+    """Load a safetensors state dict into ``model``, strictly except for tied names the file holds under another name.
+
+    Raises a ValueError naming the missing and unexpected keys.
+    """
+    from safetensors.torch import load_file
+
+    state = load_file(str(weights))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded = {id(params[name]) for name in state if name in params}
+    missing = [name for name in missing if not (name in params and id(params[name]) in loaded)]  # tied: loaded
+    if missing or unexpected:
+        raise ValueError(f"{weights} does not match {what}: missing {sorted(missing)}, unexpected "
+                         f"{sorted(unexpected)}")
+
+
+def _restore_inference_settings(model: nn.Module, original, path: Path) -> None:
+    """Put back what :func:`causal_lm` changed for training: ``use_cache``, and the generation config."""
+    if hasattr(original, "use_cache"):
+        model.config.use_cache = original.use_cache
+    if getattr(model, "generation_config", None) is None:
+        return  # a model that does not generate
+    transformers = _transformers()
+    if (path / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(str(path), local_files_only=True)
+    else:  # what from_pretrained derives from the config, from the config as the directory has it
+        model.generation_config = transformers.GenerationConfig.from_model_config(original)
+
+
+def token_id_problems(config, generation_config=None, path: Path | None = None) -> list[str]:
+    """The bos and eos token ids of ``config`` (and ``generation_config``) outside ``[0, vocab_size)``, as sentences."""
+    vocab = getattr(config, "vocab_size", None)
+    if not isinstance(vocab, int):
+        return []
+    where = f"{path / 'config.json'} (and generation_config.json, if any)" if path is not None else "the config"
+    effect = {"bos_token_id": "generate() without a prompt starts from it, and the embedding has no row for it",
+              "eos_token_id": "the model can never produce it, so generate() never stops before max_length"}
+    problems = []
+    for source in (config, generation_config):
+        for name, why in effect.items():
+            value = getattr(source, name, None) if source is not None else None
+            ids = list(value) if isinstance(value, (list, tuple)) else [value]
+            bad = [i for i in ids if isinstance(i, int) and not 0 <= i < vocab]
+            if bad:
+                problems.append(f"{name} {value} lies outside the vocabulary (vocab_size {vocab}): {why}. Set it "
+                                f"in {where} to an id below {vocab}, the tokenizer's id for that token")
+    return list(dict.fromkeys(problems))

@@ -4,7 +4,8 @@ No process group and no GPU: a sharded checkpoint's ``sharded/`` is read by DCP,
 chunk of each parameter into one tensor (whatever the world size that wrote it); a
 replicated one's ``model.pt`` is memory-mapped. The names are the model's own
 (``get_model_state_dict``'s: tied parameters under each name, buffers included), so
-``model.load_state_dict(safetensors.torch.load_file(path))`` loads it. With the
+``model.load_state_dict(safetensors.torch.load_file(path))`` loads it: the rule of a
+run's ``model.safetensors`` under every strategy (:mod:`dptrain.utils.weights_file`). With the
 optimizer, its per-parameter state follows under ``optim.state.<fqn>.<key>`` and the
 hyperparameters of each parameter's group go into the file's metadata (JSON under
 ``optim.param_groups``), safetensors holding tensors only.
@@ -33,7 +34,7 @@ import torch
 
 from dptrain.runner.checkpoint import SHARDED, CheckpointError, find_latest, reading, verify_files
 from dptrain.strategies.state import full_state
-from dptrain.utils.atomic import replacing
+from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["ConsolidateError", "Consolidated", "find_checkpoint", "consolidate_checkpoint"]
 
@@ -74,8 +75,6 @@ def find_checkpoint(path: Path) -> Path:
 
 def consolidate_checkpoint(path: Path, output: Path, optimizer: bool = False) -> Consolidated:
     """Write the full weights of the checkpoint ``path`` names (:func:`find_checkpoint`) to ``output``, atomically."""
-    from safetensors.torch import save_file
-
     checkpoint, model_state, optim_state = _read_checked(path, optimizer)
     tensors = {k: v for k, v in model_state.items() if torch.is_tensor(v)}
     tensors.update({f"optim.{k}": v for k, v in optim_state.items() if k.startswith("state.") and torch.is_tensor(v)})
@@ -83,11 +82,7 @@ def consolidate_checkpoint(path: Path, output: Path, optimizer: bool = False) ->
     if optimizer:
         groups = {k[len("param_groups."):]: v for k, v in optim_state.items() if k.startswith("param_groups.")}
         metadata["optim.param_groups"] = json.dumps(groups, default=_plain)
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    with replacing(output) as tmp:
-        save_file(_own_storage(tensors), str(tmp), metadata=metadata)
-    output.chmod(0o644)  # safetensors creates it owner-only
+    output = save_state_file(tensors, Path(output), metadata)
     return Consolidated(checkpoint, output, len(tensors), sum(t.numel() for t in tensors.values()),
                         output.stat().st_size)
 
@@ -117,20 +112,6 @@ def _read_checked(path: Path, optimizer: bool) -> tuple[Path, dict[str, torch.Te
 
 
 _FIX = "export an earlier checkpoint (checkpoints/step_*), or the run directory once it has saved a complete one"
-
-
-def _own_storage(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors, each with a storage of its own: safetensors refuses shared ones (tied weights)."""
-    seen: set[int] = set()
-    out = {}
-    for name, t in tensors.items():
-        t = t.detach().cpu().contiguous()
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in seen or t.untyped_storage().nbytes() != t.numel() * t.element_size():
-            t = t.clone()
-        seen.add(t.untyped_storage().data_ptr())
-        out[name] = t
-    return out
 
 
 def _plain(value: Any) -> Any:

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_model
 from torch.utils.data import DataLoader
 
 from dptrain.data.sampler import DistributedSampler
 from dptrain.tasks.base import collate
-from dptrain.utils.atomic import replacing
+from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["evaluate", "val_sums", "val_metrics", "save_weights", "save_hf_model"]
 
@@ -70,19 +70,15 @@ def val_metrics(sums: dict[str, float]) -> dict[str, float]:
 
 
 def save_weights(module: torch.nn.Module, path: Path) -> None:
-    """``module``'s weights as safetensors at ``path``, atomically, readable by everyone.
+    """``module.state_dict()`` as safetensors at ``path``, atomically, readable by everyone.
 
-    Parameters that are views of one flat buffer (gossip, parameter-server workers) get
-    storage of their own first: safetensors refuses tensors that share a storage none of
-    them covers. Call it when training is over.
+    Every key of the state dict, a tied parameter under each of its names
+    (:mod:`dptrain.utils.weights_file`, the rule every strategy and ``dptrain consolidate``
+    follow), so ``module.load_state_dict(load_file(path))`` loads it strictly. Parameters
+    that are views of one flat buffer (gossip, parameter-server workers) are copied out
+    of it as they are written.
     """
-    storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
-    if len(storages) < len(list(module.parameters())):
-        for param in module.parameters():
-            param.data = param.data.clone()
-    with replacing(path) as tmp:
-        save_model(module, str(tmp))
-    path.chmod(0o644)  # safetensors creates it owner-only
+    save_state_file(module.state_dict(), path)
 
 
 def save_hf_model(cfg, run_dir: Path, log) -> None:
@@ -90,11 +86,11 @@ def save_hf_model(cfg, run_dir: Path, log) -> None:
 
     ``AutoModelForCausalLM.from_pretrained(run_dir / "hf")`` loads it; the tokenizer.json the
     data was prepared with (``data.tokenizer``, or the one a token directory's meta.json names)
-    travels with it.
+    travels with it. What the export warns of (a bos or eos id outside the vocabulary) goes to the log.
     """
     if not cfg.hf.path:
         return
-    from dptrain.models.hf import save_pretrained_from
+    from dptrain.models.hf import ExportWarning, save_pretrained_from
 
     tokenizer = cfg.data.tokenizer if cfg.data.source in ("text", "hf") else None
     if cfg.data.source == "tokens":  # prepared by dptrain: its meta.json names the tokenizer
@@ -103,5 +99,12 @@ def save_hf_model(cfg, run_dir: Path, log) -> None:
         made_with = read_meta(Path(cfg.data.dir)).get("recipe", {}).get("tokenizer", {})
         if made_with.get("kind") == "tokenizer.json" and Path(made_with.get("path", "")).is_file():
             tokenizer = made_with["path"]
-    out = save_pretrained_from(run_dir / "model.safetensors", cfg.hf.path, run_dir / "hf", tokenizer)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ExportWarning)
+        out = save_pretrained_from(run_dir / "model.safetensors", cfg.hf.path, run_dir / "hf", tokenizer)
+    for warning in caught:
+        if issubclass(warning.category, ExportWarning):
+            log.info(f"warning: {warning.message}")
+        else:  # not ours: as it would have been shown
+            warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     log.info(f"Hugging Face model: {out} (AutoModelForCausalLM.from_pretrained loads it)")

@@ -11,7 +11,11 @@ then each new storage an
 operation returns is added, and each storage is subtracted when it is freed (a weak
 reference's callback). The live bytes after every operation are known, and the peak is
 their maximum: parameters + gradients + optimizer state + saved activations + buffers,
-each storage once (views share theirs).
+each storage once (views share theirs). A storage emptied in place outside the
+dispatcher (``untyped_storage().resize_(0)``: ZeRO frees a reduced gradient that way
+while another thread may still hold the tensor, [Note: a finished collective's input]
+in ``zero/reduction.py``) is recounted before a new peak is taken and when
+``live_bytes`` is read, so it stops counting when it is emptied, not when it is dropped.
 
 Not seen: memory a kernel allocates and frees inside one operation (workspaces),
 storages made outside the dispatcher (``torch.from_numpy``) or on another thread
@@ -45,7 +49,7 @@ class TensorPeak(TorchDispatchMode):
                  exclude: Iterable[torch.Tensor] = ()):
         super().__init__()
         self.device_type = device_type
-        self.live_bytes = 0
+        self._live = 0
         self.peak_bytes = 0
         self._sizes: dict[int, int] = {}  # a storage's StorageImpl address -> its bytes
         self._refs: dict[int, weakref.ref] = {}
@@ -57,7 +61,7 @@ class TensorPeak(TorchDispatchMode):
             if t is not None:
                 self._track(t)
         self._extra = ()  # holding them would keep them alive
-        self.peak_bytes = self.live_bytes
+        self.peak_bytes = self._live
         return super().__enter__()
 
     def __exit__(self, *exc) -> None:
@@ -84,11 +88,28 @@ class TensorPeak(TorchDispatchMode):
         elif known == nbytes:
             return
         self._sizes[key] = nbytes  # new, or resized in place (resize_)
-        self.live_bytes += nbytes - (known or 0)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+        self._live += nbytes - (known or 0)
+        if self._live > self.peak_bytes:
+            self._recount()
+            self.peak_bytes = max(self.peak_bytes, self._live)
+
+    @property
+    def live_bytes(self) -> int:
+        """The bytes of the tracked storages alive now."""
+        self._recount()
+        return self._live
+
+    def _recount(self) -> None:
+        """Take the current size of every tracked storage: some are emptied in place (see the module docstring)."""
+        for key, ref in list(self._refs.items()):  # a snapshot: another thread may free one meanwhile
+            storage = ref()
+            known = self._sizes.get(key)
+            if storage is not None and known is not None and storage.nbytes() != known:
+                self._sizes[key] = storage.nbytes()
+                self._live += storage.nbytes() - known
 
     def _freed(self, key: int) -> None:
-        self.live_bytes -= self._sizes.pop(key, 0)
+        self._live -= self._sizes.pop(key, 0)
         self._refs.pop(key, None)
 
 

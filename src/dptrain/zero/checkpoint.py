@@ -61,6 +61,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorSt
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dptrain.utils.weights_file import save_state_file
 from dptrain.zero.redistribute import chunk_intervals, chunk_rows, redistribute, zero_intervals
 from dptrain.zero.safe_metadata import UnsafeCheckpointError, dcp_load, read_metadata
 from dptrain.zero.unit import FlatUnit, ParamRef
@@ -478,15 +479,20 @@ def consolidated_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str
 
 
 def export_safetensors(model, path: str | os.PathLike) -> Path | None:
-    """Collective: gather the full weights; rank 0 writes them to ``path`` (safetensors) atomically."""
-    from safetensors.torch import save_file
+    """Collective: gather the full weights; rank 0 writes the wrapped module's whole state dict to ``path`` atomically.
 
-    state = model.gathered_state()
+    The keys of ``model.module.state_dict()`` before wrapping: each trained parameter under
+    every one of its names (a tied one under each), the buffers and the frozen parameters,
+    as the DDP engine's ``model.safetensors`` and ``dptrain consolidate`` write them
+    (:mod:`dptrain.utils.weights_file`).
+    """
+    gathered = model.gathered_state()
     path = Path(path)
     if dist.get_rank() == 0:
-        tmp = path.with_name(path.name + ".tmp")
-        save_file({k: v.contiguous().cpu() for k, v in state.items()}, str(tmp))
-        os.replace(tmp, path)
+        state = dict(model.module.state_dict())  # buffers and frozen parameters: the trained ones live in the units
+        for first, names in _aliases(model).items():
+            state.update(dict.fromkeys(names, gathered[first]))
+        save_state_file(state, path)
     dist.barrier()
     return path if dist.get_rank() == 0 else None
 

@@ -75,9 +75,11 @@ def live_tensor_bytes(device: str | None = None, settle_s: float = 0.0) -> int:
     include a full-size gradient that is already garbage. Seen with ZeRO-2 at world 2 in
     about 1 run in 10 of its memory tests beside other tests (pytest -n 2): 1,052,672
     bytes more than the formula, exactly one unit's full-size gradient, gone 0.1 s later.
-    The likely holder is gloo's worker thread, which drops a work (and the tensors in it)
-    only after marking it complete, so a moment after ``wait()`` has returned. Nothing a
-    model holds goes away while we wait, so the least reading is what the model holds.
+    The holder was gloo's worker thread, which drops a work (and the tensors in it) only
+    after marking it complete, so a moment after ``wait()`` has returned; ZeRO's reductions
+    now empty their input's storage themselves ([Note: a finished collective's input] in
+    ``zero/reduction.py``, issue 46). Nothing a model holds goes away while we wait, so the
+    least reading is what the model holds, whatever else may still hold a tensor briefly.
     """
     least = _live_tensor_bytes(device)
     deadline = time.monotonic() + settle_s

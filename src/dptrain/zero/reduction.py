@@ -6,8 +6,23 @@ rank's shard, so the reduction overlaps the rest of backward, and collects the r
 when backward is done (:meth:`UnitReduction.collect`). A reduction keeps its input
 alive until it completes; the model's units share one :class:`ReductionQueue` that
 keeps one reduction in flight, as FSDP2 does, so the unsharded gradient never exists
-at once. With hybrid sharding (``zero/hybrid.py``) each reduced shard is then averaged
-over the replicate group, the only collective that crosses hosts.
+at once. A completed reduction frees its input's memory itself ([Note: a finished
+collective's input]). With hybrid sharding (``zero/hybrid.py``) each reduced shard is
+then averaged over the replicate group, the only collective that crosses hosts.
+
+[Note: a finished collective's input] gloo's worker thread holds the work it ran, and
+the tensors in it, for a moment after marking it complete: until the work's completion
+callbacks have run (dptrain's timing callback needs the GIL, which the training thread
+holds) and the thread has dropped its pointer. So when ``wait()`` returns and the unit
+drops its last reference, the full-size gradient is freed either at once or a little
+later on gloo's thread, depending on scheduling: on a 3-block GPT of width 96 under
+ZeRO-2 at world 2, the last units' gradients (unit 2's 270,336 bytes; twice unit 1's)
+outlived backward in 18 of 144 rank-steps (issue 46). Once the reduction is done
+nothing reads its input, so the reduction releases the input's storage (``resize_(0)``,
+as FSDP frees an unsharded buffer) right after waiting, on the training thread: whoever
+still holds the tensor holds an empty one, and the memory is gone before backward
+returns. Not for an input that outlives the reduction (stage 1's accumulation buffer:
+``owned=False``).
 
 The units of one model share a :class:`CommContext` (FSDP2's ``FSDPCommContext``
 plays the same part): the queue, the collective check and the current step's
@@ -28,7 +43,7 @@ from dptrain.zero.hybrid import ShardGroups
 from dptrain.zero.policy import CommPolicy
 from dptrain.zero.timing import start_timing
 
-__all__ = ["ReductionQueue", "CommContext", "UnitReduction"]
+__all__ = ["ReductionQueue", "CommContext", "UnitReduction", "free_storage"]
 
 
 class ReductionQueue:
@@ -85,8 +100,9 @@ class UnitReduction:
                           traffic=policy.traffic)
         self._replicate_comm = dict(algorithm=policy.algorithm, group=groups.replicate, validate=False,
                                     traffic=policy.traffic)
-        # (work, shard result, full-size input; None once waited for) per reduction of this backward
-        self.pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None]] = []
+        # (work, shard result, full-size input (None once waited for), whether to free the input) per reduction
+        # of this backward
+        self.pending: list[tuple[comm.Work | None, torch.Tensor, torch.Tensor | None, bool]] = []
         # hybrid sharding: this backward's reductions still to come (one per differentiable use in a synced
         # forward), and the reduced pieces held to be averaged over the replicas once, summed, in collect
         self._pieces_due = 0
@@ -107,13 +123,15 @@ class UnitReduction:
         if self.replicate_group is not None:
             self._pieces_due += 1
 
-    def launch(self, grad_full: torch.Tensor, home: torch.Tensor | None = None) -> None:
+    def launch(self, grad_full: torch.Tensor, home: torch.Tensor | None = None, *, owned: bool = True) -> None:
         """Start reducing ``grad_full``, a full-size gradient nothing else reads afterwards.
 
         It is consumed: the collective works in it rather than in a copy (on gloo, whose
         reduce-scatter is an all-reduce of a copy, it is all-reduced in place), so a
         reduction in flight holds one full-size buffer, not two. ``home``: where the
         shard's result may land when it is the only reduction (stage 1's gradient view).
+        ``owned``: ``grad_full`` is a temporary whose memory the reduction frees once done
+        ([Note: a finished collective's input]); False for a buffer that outlives it.
         """
         context = self.context
         context.reductions.make_room()  # bound the full-size gradients alive at once (see ReductionQueue)
@@ -133,24 +151,26 @@ class UnitReduction:
             stats.sent_bytes += self._sent_bytes
             work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
         work = start_timing(work, stats, "reduce-scatter", self.index, grad_full)
-        self.pending.append((work, out, grad_full))  # the input stays alive until the reduction is done
+        self.pending.append((work, out, grad_full, owned))  # the input stays alive until the reduction is done
         context.reductions.add(self)
 
     def settle_oldest(self) -> None:
         """Wait for the oldest unfinished reduce-scatter and drop its full-size input (HSDP: start the replicas')."""
-        for i, (_, _, grad_full) in enumerate(self.pending):
+        for i, (_, _, grad_full, _) in enumerate(self.pending):
             if grad_full is not None:
                 self._settle(i)
                 return
 
     def _settle(self, i: int) -> None:
-        work, out, _ = self.pending[i]
+        work, out, grad_full, owned = self.pending[i]
         work.wait()
+        if owned:
+            free_storage(grad_full)  # [Note: a finished collective's input]
         if self.replicate_group is not None and (self._pieces_due or len(self.pending) > 1):
             self._held.append(out)  # a unit used twice (a tied weight): its pieces cross hosts once, summed
-            self.pending[i] = (None, out, None)
+            self.pending[i] = (None, out, None, False)
         else:
-            self.pending[i] = (self._replicate(out), out, None)
+            self.pending[i] = (self._replicate(out), out, None, False)
 
     def _replicate(self, out: torch.Tensor) -> comm.Work | None:
         """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
@@ -164,11 +184,11 @@ class UnitReduction:
         self._pieces_due = 0
         if not self.pending:
             return None
-        for i, (_, _, grad_full) in enumerate(self.pending):  # every reduce-scatter done, replicas' started
+        for i, (_, _, grad_full, _) in enumerate(self.pending):  # every reduce-scatter done, replicas' started
             if grad_full is not None:
                 self._settle(i)
         outs = []
-        for work, out, _ in self.pending:
+        for work, out, _, _ in self.pending:
             if work is not None:
                 work.wait()
             if not any(out is held for held in self._held):
@@ -188,3 +208,14 @@ class UnitReduction:
         self._replicate(held).wait()
         self._held = []
         return held
+
+
+def free_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory now, whoever else still holds the tensor ([Note: a finished collective's input]).
+
+    Only when the tensor covers its whole storage (nothing else lives in it) and the
+    storage can be resized; afterwards the tensor must not be read.
+    """
+    storage = tensor.untyped_storage()
+    if storage.resizable() and storage.nbytes() == tensor.numel() * tensor.element_size():
+        storage.resize_(0)

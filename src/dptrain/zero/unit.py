@@ -361,7 +361,8 @@ class FlatUnit:
         """Start reducing ``grad_full``, a full-size gradient nothing else reads afterwards (it is consumed)."""
         # stage 1, fp32 throughout: a lone reduction lands straight in the gradient's home
         home = self.full_grad[self.lo:self.hi] if self._grad_is_view else None
-        self.reduction.launch(grad_full, home)
+        # a gradient from autograd is freed once reduced; stage 1's accumulation buffer lives on
+        self.reduction.launch(grad_full, home, owned=grad_full is not self.full_grad)
 
     @property
     def reduced(self) -> bool:
