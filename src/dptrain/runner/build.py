@@ -24,7 +24,8 @@ from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.optim import OneBitAdam
 from dptrain.optim.build import build_optimizer
 from dptrain.optim.schedule import scaled_lr, warmup_cosine
-from dptrain.runner.validate import RunPlan, compression_remedies, onebit_freeze_step
+from dptrain.runner.plan import RunPlan
+from dptrain.runner.validate import compression_remedies, onebit_freeze_step
 from dptrain.strategies import Strategy, get_strategy
 from dptrain.tasks import collate
 

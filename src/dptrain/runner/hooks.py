@@ -39,8 +39,8 @@ from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.runner.log_backends import LogBackends
 from dptrain.runner.metrics import StepTimes
+from dptrain.runner.plan import RunPlan
 from dptrain.runner.report import RunLog
-from dptrain.runner.validate import RunPlan
 
 __all__ = ["StepHook", "Hooks", "RunContext"]
 

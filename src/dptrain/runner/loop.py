@@ -38,11 +38,11 @@ from dptrain.runner.hooks_config import build_hooks
 from dptrain.runner.log_backends import LogBackends, backends_from_config
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.outputs import evaluate, save_hf_model, save_weights
+from dptrain.runner.plan import RunPlan
 from dptrain.runner.ps_loop import train_ps
 from dptrain.runner.report import RunLog, truncate_metrics
 from dptrain.runner.resume import resume, resume_compression, resume_replicas, seed_everything
 from dptrain.runner.roll_call import is_collective_failure, roll_call
-from dptrain.runner.validate import RunPlan
 from dptrain.strategies import get_strategy
 from dptrain.tasks import Task
 from dptrain.utils.atomic import write_text_atomic

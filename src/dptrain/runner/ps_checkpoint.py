@@ -27,18 +27,16 @@ and a server's version counts rounds in sync and backup but gradients in async a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from dptrain.ps.snapshot import Cut, CutSchedule, transit_messages
 from dptrain.ps.wire import Message, unpack
 from dptrain.runner.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, staging_dir
+from dptrain.runner.plan import RunPlan
+from dptrain.runner.report import RunLog
 from dptrain.utils.files import open_file
-
-if TYPE_CHECKING:
-    from dptrain.runner.report import RunLog
-    from dptrain.runner.validate import RunPlan
 
 __all__ = ["CutFiles", "Publisher", "check_ps_resume", "load_server_cut", "load_worker_cut", "PS"]
 

@@ -57,13 +57,13 @@ from dptrain.runner.faults import inject_fault, parse_fault
 from dptrain.runner.log_backends import LogBackends, backends_from_config
 from dptrain.runner.metrics import peak_rss_mb, peak_tensor_mb
 from dptrain.runner.outputs import save_hf_model, save_weights, val_metrics, val_sums
+from dptrain.runner.plan import RunPlan
 from dptrain.runner.ps_checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
 from dptrain.runner.report import RunLog, truncate_metrics
 from dptrain.runner.resume import seed_everything
 from dptrain.runner.straggler import Straggler
 from dptrain.runner.tensor_peak import TensorPeak, data_tensors
 from dptrain.runner.trace import TraceRecorder
-from dptrain.runner.validate import RunPlan
 from dptrain.tasks import collate
 from dptrain.utils.atomic import write_text_atomic
 

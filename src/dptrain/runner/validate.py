@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -29,6 +27,7 @@ from dptrain.data.loader import steps_per_epoch
 from dptrain.ps.consistency import Consistency
 from dptrain.ps.layout import PSLayoutError, Roles, partition
 from dptrain.runner.checkpoint import CheckpointError, check_readable, scan_checkpoints, verify_checkpoint
+from dptrain.runner.plan import RunPlan
 from dptrain.runner.ps_checkpoint import check_ps_resume
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import Task, architecture, build_task, run_name
@@ -37,20 +36,6 @@ from dptrain.zero.hybrid import check_shard_size
 __all__ = ["RunPlan", "validate_run", "default_run_dir", "schedule_warnings", "DEFAULT_GLOBAL_BATCH"]
 
 DEFAULT_GLOBAL_BATCH = 32
-
-
-@dataclass
-class RunPlan:
-    cfg: RunConfig
-    run_dir: Path
-    plan: BatchPlan
-    task: Task
-    identity: dict[str, Any]
-    identity_hash: str
-    resume_from: Path | None
-    resume_meta: dict[str, Any] | None
-    warnings: list[str] = field(default_factory=list)  # for the launcher to print once, before launch
-    data_identity: dict[str, Any] = field(default_factory=dict)  # the data files' fingerprints, for meta.json
 
 
 def default_run_dir(cfg: RunConfig) -> Path:
