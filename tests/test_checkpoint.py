@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from dptrain.runner.checkpoint import (
+from dptrain.checkpoint.files import (
     CheckpointError,
     find_latest,
     load_checkpoint,

@@ -25,8 +25,7 @@ import torch
 from click.testing import CliRunner
 
 from _cli import dptrain, tiny_gpt_config
-from dptrain.cli.checkpoint import consolidate
-from dptrain.runner.checkpoint import (
+from dptrain.checkpoint.files import (
     CheckpointError,
     find_latest,
     prune_checkpoints,
@@ -34,7 +33,8 @@ from dptrain.runner.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from dptrain.zero.safe_metadata import SafeLoadPlanner, UnsafeCheckpointError
+from dptrain.checkpoint.safe_metadata import SafeLoadPlanner, UnsafeCheckpointError
+from dptrain.cli.checkpoint import consolidate
 from test_consolidate import META, zero2_checkpoint
 
 

@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file
 
 from _cli import dptrain, tiny_gpt_config
+from dptrain.checkpoint.files import load_checkpoint
 from dptrain.config import load_config
 from dptrain.planner.from_config import plan_config
-from dptrain.runner.checkpoint import load_checkpoint
 
 
 def train_records(run_dir):

@@ -20,10 +20,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from _models import build, global_batch, loss_fn
+from dptrain.checkpoint.files import save_checkpoint, staging_dir
+from dptrain.checkpoint.replicated import replicated_state
 from dptrain.cli.checkpoint import consolidate
 from dptrain.optim.build import build_optimizer, decays
-from dptrain.runner.checkpoint import save_checkpoint, staging_dir
-from dptrain.strategies.state import replicated_state
 from dptrain.testing import run_on_ranks
 from dptrain.zero import ZeRO
 from dptrain.zero.checkpoint import save_sharded

@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from _cli import dptrain, tiny_gpt_config
+from dptrain.checkpoint.files import CheckpointError, save_checkpoint
 from dptrain.config import load_config
 from dptrain.data.identity import BLOCK, data_changes, data_identity, file_identity
-from dptrain.runner.checkpoint import CheckpointError, save_checkpoint
 from dptrain.runner.validate import validate_run
 
 

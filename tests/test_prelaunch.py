@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from _cli import dptrain
+from dptrain.checkpoint.files import CheckpointError, save_checkpoint, staging_dir
 from dptrain.config import identity, identity_hash, load_config
 from dptrain.config.loader import _flat_identity
 from dptrain.config.schema import ADDED_LATER, RunConfig
 from dptrain.planner.from_config import loss_problem
-from dptrain.runner.checkpoint import CheckpointError, save_checkpoint, staging_dir
 from dptrain.runner.validate import validate_run
 from dptrain.tasks import build_task
 

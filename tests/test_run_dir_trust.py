@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from _cli import dptrain
-from dptrain.runner.checkpoint import CheckpointError, prune_checkpoints, scan_checkpoints, verify_files
+from dptrain.checkpoint.files import CheckpointError, prune_checkpoints, scan_checkpoints, verify_files
 from dptrain.utils.files import UnsafePath, inside, open_file, read_bytes, replacing
 
 SMOKE = ["--set", "task.name=classifier", "--set", "train.steps=4", "--set", "log.progress=lines",

@@ -67,10 +67,16 @@ def _protocol_each(rank, world_size, names):
     return facts
 
 
+# Whose backward reduces gradients (the others keep their own: gossip mixes before the step, local SGD without a
+# warm-up and DiLoCo step alone), and who acts before the optimizer step (gossip's mix, counted in its steps).
+REDUCES = {"ddp": True, "zero1": True, "zero2": True, "zero3": True, "gossip": False, "localsgd": False,
+           "diloco": False}
+MIXES_BEFORE_STEP = {"gossip"}
+
+
 def test_every_wrapper_satisfies_the_protocol_through_its_switch_stats_and_pre_step_hook():
     names = strategy_names(lambda s: s.wrap is not None)
+    assert set(names) == set(REDUCES), "a new strategy: say here what its backward does"
     facts = run_on_ranks(_protocol_each, 2, names)[0]
     for name in names:
-        decentralized = REGISTRY[name].decentralized
-        # gossip reduces no gradients (no stats) and mixes once before the step; the others the reverse
-        assert facts[name] == (True, not decentralized, True, True, int(decentralized)), name
+        assert facts[name] == (True, REDUCES[name], True, True, int(name in MIXES_BEFORE_STEP)), name

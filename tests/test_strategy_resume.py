@@ -1,6 +1,6 @@
 """A run moves between ddp and ZeRO when it resumes, and continues exactly.
 
-Both strategies write the same names (``dptrain.strategies.state``): ddp's
+Both strategies write the same names (``dptrain.checkpoint.state``): ddp's
 ``model.pt`` / ``optimizer.pt`` and ZeRO's DCP ``sharded/``. Each test trains 3 AdamW
 steps (two param groups: weight decay on matrices only) with one strategy, saves as
 ``dptrain run`` does, loads into a fresh model of the other strategy (other initial
@@ -25,9 +25,10 @@ from _cli import dptrain
 from _models import build, global_batch, loss_fn
 from dptrain.api.engine import Engine
 from dptrain.batching import BatchPlan
+from dptrain.checkpoint.replicated import replicated_state
+from dptrain.checkpoint.state import load_model_and_optimizer
 from dptrain.models.gpt import Block
 from dptrain.optim.build import build_optimizer, decays
-from dptrain.strategies.state import load_model_and_optimizer, replicated_state
 from dptrain.testing import run_on_ranks
 from dptrain.zero.checkpoint import save_sharded
 

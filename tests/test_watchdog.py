@@ -228,7 +228,7 @@ def test_every_micro_step_of_a_long_accumulation_marks_progress(tmp_path):
 def test_an_evaluation_and_a_checkpoint_mark_progress_batch_by_batch_and_file_by_file(tmp_path):
     import torch
 
-    from dptrain.runner.checkpoint import save_checkpoint
+    from dptrain.checkpoint.files import save_checkpoint
     from dptrain.runner.outputs import val_sums
 
     class Task:

@@ -115,7 +115,7 @@ def _checkpoint_s(run_dir: Path) -> float:
     """The run's last checkpoint written again by ``save_checkpoint`` (torch.save, sha256, fsync, rename)."""
     import torch
 
-    from dptrain.runner.checkpoint import find_latest, save_checkpoint
+    from dptrain.checkpoint.files import find_latest, save_checkpoint
 
     latest = find_latest(run_dir)
     files = {f.name: torch.load(f, weights_only=True) for f in latest.glob("*.pt")}

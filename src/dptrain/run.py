@@ -26,6 +26,7 @@ import torch.distributed as dist
 
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.batching import BatchSizeError
+from dptrain.checkpoint.files import CheckpointError
 from dptrain.config import ConfigError, load_config
 from dptrain.launch.errors import error_summary, write_error_record
 from dptrain.launch.heartbeat import end_stopped_peers
@@ -33,7 +34,6 @@ from dptrain.launch.orphans import orphan_guard
 from dptrain.launch.rendezvous import PortInUse, detect_worker_env, init_distributed, leave_process_groups
 from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
 from dptrain.launch.threads import omp_threads, threads_per_worker
-from dptrain.runner.checkpoint import CheckpointError
 from dptrain.runner.skips import NonFiniteRun
 from dptrain.runner.validate import default_run_dir, validate_run
 from dptrain.utils.files import UnsafePath
@@ -118,13 +118,13 @@ def main(argv: list[str] | None = None) -> int:
         leave_process_groups()
 
 
-def _write_pages(rp, facts: dict) -> None:
+def _write_pages(rp, facts) -> None:
     """Rank 0, after the loop: plots, summary.json and report.html from the run directory's files; then the
     summary, on the console and in rank 0's log (``dptrain.pages.finish``)."""
     from dptrain.pages.finish import write_run_pages  # the pages are above the loop: it never imports them
     from dptrain.runner.report import RunLog, print_summary
 
-    log = RunLog(rp.run_dir / "logs" / "rank0.log", 0, "lines", facts["steps"], facts["start_step"])
+    log = RunLog(rp.run_dir / "logs" / "rank0.log", 0, "lines", facts.steps, facts.start_step)
     try:
         print_summary(write_run_pages(rp.run_dir, facts, rp.cfg, log.info), log)
     finally:

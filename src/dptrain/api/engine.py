@@ -16,12 +16,14 @@ Mixed precision follows ``torch.autocast``: bf16 on CPU or GPU; fp16 on GPU with
 is the same on every rank, every rank skips it together.
 
 ``strategy`` names an entry of the registry (:mod:`dptrain.strategies`), which wraps the
-model: ``"ddp"`` (replicated, the DDP engine; options ``ddp_kwargs``),
-``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``) or ``"gossip"``
-(:class:`dptrain.gossip.module.GossipDataParallel`, ``gossip_kwargs``: gradients stay local, the
-parameters are mixed with the neighbours' before each optimizer step; the gradient norm is then
-each rank's own). ``options`` is the wrapper's options whichever the strategy (what its registry
-entry's ``options(cfg, model, nodes)`` returns); the per-wrapper keywords are kept. Where the strategy shards the parameters (ZeRO) the optimizer must be built
+model: ``"ddp"`` (replicated, the DDP engine), ``"zero1"``/``"zero2"``/``"zero3"``
+(:class:`dptrain.zero.ZeRO`), ``"gossip"`` (:class:`dptrain.gossip.module.GossipDataParallel`:
+gradients stay local, the parameters are mixed with the neighbours' before each optimizer
+step; the gradient norm is then each rank's own), ``"localsgd"``
+(:class:`dptrain.localsgd.LocalSGD`) or ``"diloco"`` (:class:`dptrain.diloco.DiLoCo`).
+``options`` is the strategy's options whichever it is: its options object
+(``LocalSGDOptions(period=8)``...) or a dict of its wrapper's keyword arguments; the
+per-wrapper keywords ``ddp_kwargs``, ``zero_kwargs`` and ``gossip_kwargs`` still work. Where the strategy shards the parameters (ZeRO) the optimizer must be built
 from the wrapped model's shards, so pass a factory
 ``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``; bf16 becomes
 ZeRO's own mixed precision (the module computes in bf16 from fp32 master shards,
@@ -81,11 +83,10 @@ class Engine:
                  *, precision: str = "fp32", grad_clip: float = 0.0, lr_at: Callable[[int], float] | None = None,
                  ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None,
                  strategy: str = "ddp", zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None,
-                 options: dict | None = None):
+                 options: Any = None):
         self.strategy = get_strategy(strategy, among=strategy_names(lambda s: s.wrap is not None))
-        if options is None:
-            options = options_for(self.strategy, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs,
-                                  gossip_kwargs=gossip_kwargs)
+        options = options_for(self.strategy, options, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs,
+                              gossip_kwargs=gossip_kwargs)
         self.model: nn.Module = wrap_model(self.strategy, model, precision=precision, process_group=process_group,
                                            options=options)
         self.optimizer = self._build_optimizer(optimizer)
@@ -104,7 +105,7 @@ class Engine:
     def _build_optimizer(self, optimizer) -> torch.optim.Optimizer:
         if not isinstance(optimizer, torch.optim.Optimizer):
             return optimizer(self.model)
-        if self.sharded:
+        if self.strategy.shards_parameters:
             raise TypeError(f"strategy {self.strategy.name} shards the parameters when it wraps the model, so the "
                             "optimizer must be built afterwards: pass a factory, optimizer=lambda model: "
                             "torch.optim.AdamW(model.parameters(), ...)")
@@ -112,13 +113,8 @@ class Engine:
 
     @property
     def sharded(self) -> bool:
-        """Whether the strategy shards the parameters (ZeRO; checkpoints are then sharded too)."""
-        return self.strategy.shards_parameters
-
-    @property
-    def gossip(self) -> bool:
-        """Whether replicas are mixed with neighbours instead of gradients all-reduced (the entry's ``decentralized``)."""
-        return self.strategy.decentralized
+        """Whether the strategy's parameters are shards (ZeRO), and so its checkpoints (the entry's layout)."""
+        return self.strategy.checkpoint_layout == "sharded"
 
     grad_clip = _core_attribute("grad_clip", "Max global L2 norm of the gradient (0: no clipping).")
     step_count = _core_attribute("steps", "Optimizer steps taken, skipped ones included.")
@@ -197,19 +193,21 @@ class Engine:
                              f"{self.plan.grad_accum_steps} micro-steps, clip (grad_clip {self.grad_clip}) or "
                              f"unscale (fp16 scaler: {self.scaler is not None}): it needs one micro-step, "
                              "grad_clip 0 and no fp16")
-        if not hasattr(self.model, "optimizer_in_backward"):
-            raise ValueError(f"optimizer_in_backward is the DDP engine's; strategy {self.strategy.name!r} has none")
+        if not self.strategy.optimizer_in_backward:
+            able = ", ".join(strategy_names(lambda s: s.optimizer_in_backward))
+            raise ValueError(f"strategy {self.strategy.name!r} cannot step the optimizer inside backward; "
+                             f"strategy {able} can")
         self.model.optimizer_in_backward(self.optimizer)
-        self._in_backward = True
+        self._in_backward = self._core.in_backward = True
 
     # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.strategies.state`).
+        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.checkpoint.replicated`).
 
         A sharded model saves with :func:`dptrain.zero.checkpoint.save_sharded` (every rank).
         """
-        from dptrain.strategies.state import replicated_state  # torch.distributed.checkpoint: when saving
+        from dptrain.checkpoint.replicated import replicated_state  # torch.distributed.checkpoint: when saving
 
         if self.sharded:
             raise RuntimeError("a ZeRO model's state is sharded: save it with dptrain.zero.checkpoint.save_sharded "
@@ -223,7 +221,7 @@ class Engine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (or an older one, whose optimizer state is keyed by parameter index)."""
-        from dptrain.strategies.state import set_replicated_state
+        from dptrain.checkpoint.replicated import set_replicated_state
 
         if self.sharded:
             raise RuntimeError("a ZeRO model's state is sharded: load it with dptrain.zero.checkpoint.load_sharded "

@@ -80,19 +80,24 @@ class AccumulationState:
 
 def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_accum_steps: int = 1,
             grad_clip: float = 0.0, device: torch.device | str | None = None,
-            process_group: dist.ProcessGroup | None = None, seed: int = 0, ddp_kwargs: dict | None = None,
-            zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None,
+            process_group: dist.ProcessGroup | None = None, seed: int = 0, options: Any = None,
+            ddp_kwargs: dict | None = None, zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None,
             scheduler_steps: str = "per_process") -> Any:
     """Wrap a model, optimizers, DataLoaders and LR schedulers for data parallelism; return them in order.
 
     Against :class:`~dptrain.api.engine.Engine`: the loop stays an ordinary one, at the cost
     of inferring the accumulation window from forwards and loader passes (module docstring).
 
-    - ``strategy``: ``"ddp"`` (dptrain's DistributedDataParallel, ``ddp_kwargs``),
-      ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`, ``zero_kwargs``; at most one
-      optimizer, created over the unwrapped model and not yet stepped) or ``"gossip"``
-      (:class:`dptrain.gossip.GossipDataParallel`, ``gossip_kwargs``: the parameters are mixed with
-      the neighbours' before each optimizer step, and each rank clips by its own gradient's norm).
+    - ``strategy``: a registered strategy: ``"ddp"`` (dptrain's DistributedDataParallel),
+      ``"zero1"``/``"zero2"``/``"zero3"`` (:class:`dptrain.zero.ZeRO`; at most one optimizer, created
+      over the unwrapped model and not yet stepped), ``"gossip"``
+      (:class:`dptrain.gossip.GossipDataParallel`: the parameters are mixed with the neighbours'
+      before each optimizer step, and each rank clips by its own gradient's norm), ``"localsgd"`` or
+      ``"diloco"`` (each rank steps alone; the models are averaged, or an outer step taken, every
+      few steps). Those whose replicas are not equal after every step take one optimizer.
+    - ``options``: the strategy's options object (``LocalSGDOptions``, ``DiLoCoOptions``...) or a
+      dict of its wrapper's keyword arguments; ``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``:
+      the same, by the keyword each strategy took before ``options=``.
     - ``precision``: ``"fp32"`` or ``"bf16"``: autocast around the forward with fp32 weights and
       outputs cast back to fp32 (under ZeRO its own ``MixedPrecision``, fp32 master shards).
     - ``grad_accum_steps``: micro-steps per optimizer step; ``grad_clip``: max global L2 norm (0: none).
@@ -123,7 +128,7 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
     state = AccumulationState(grad_accum_steps)
     done: dict[int, Any] = {}
     wrapper = None
-    options = options_for(entry, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs, gossip_kwargs=gossip_kwargs)
+    options = options_for(entry, options, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs, gossip_kwargs=gossip_kwargs)
     for model in picked["model"]:
         done[id(model)] = prepared = _prepare_model(model, picked["optimizer"], entry, precision, device,
                                                     process_group, state, options)
@@ -197,31 +202,35 @@ def _wrap_sharded(entry: Strategy, model: nn.Module, optimizers: list[torch.opti
     """
     options = dict(options or {})
     if "split_by" in options or "mixed_precision" in options:
-        raise ValueError(f"{entry.options_argument} may not set split_by or mixed_precision: prepare() derives them "
-                         "from the optimizer's param groups and precision=")
+        raise ValueError(f"{entry.options_argument or 'options'} may not set split_by or mixed_precision (nor may "
+                         "options=, which carries the same): prepare() derives them from the optimizer's param groups "
+                         "and precision=")
     group_of = {id(p): j for optimizer in optimizers for j, g in enumerate(optimizer.param_groups)
                 for p in g["params"]}
     for optimizer in optimizers:
         _check_movable(optimizer, entry.name)
     replaced = {id(p) for p in model.parameters() if p.requires_grad}  # what ZeRO turns into shards
     options["split_by"] = lambda name, p: group_of.get(id(p))
-    zero = wrap_model(entry, model, precision=precision, process_group=group, options=options,
-                      output_dtype=torch.float32)  # the loss is computed outside, in fp32
+    wrapper = wrap_model(entry, model, precision=precision, process_group=group, options=options,
+                         output_dtype=torch.float32)  # the loss is computed outside, in fp32
     for optimizer in optimizers:
         for j, g in enumerate(optimizer.param_groups):
             others = [p for p in g["params"] if id(p) not in replaced]  # not the model's: kept as they are
-            g["params"] = others + [unit.shard for unit in zero.units if unit.key == j]
-    return zero
+            g["params"] = others + wrapper.sharded_parameters(j)
+    return wrapper
 
 
 def _check_optimizer_count(entry: Strategy, count: int) -> None:
-    """Sharding clips and scales the whole model once per step, and gossip mixes it once: one optimizer then."""
-    if count <= 1 or not (entry.shards_parameters or entry.decentralized):
+    """Sharding clips and scales the whole model once per step, and a strategy whose replicas differ acts on the whole
+    model at each step (gossip mixes it, local SGD averages it): one optimizer then."""
+    if count <= 1 or (entry.replicated_state and not entry.shards_parameters):
         return
     once = ("the gradient clipping and scaling are over the whole sharded model" if entry.shards_parameters
-            else "the replicas are mixed with the neighbours'")
+            else "its replicas differ, and it acts on the whole model at each optimizer step")
+    able = " or ".join(f"strategy={n!r}" for n in strategy_names(lambda s: s.replicated_state
+                                                                  and not s.shards_parameters))
     raise ValueError(f"strategy {entry.name} with {count} optimizers: {once}, once per step. Use one optimizer "
-                     "with a param group per part, or strategy='ddp'")
+                     f"with a param group per part, or {able}")
 
 
 def _check_movable(optimizer: torch.optim.Optimizer, strategy: str) -> None:

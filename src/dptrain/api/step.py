@@ -18,7 +18,10 @@ micro-steps through :class:`OptimizerStep`, in this order:
    decide alone);
 5. the wrapper's ``before_optimizer_step()`` (gossip mixes the parameters here, even on a
    skipped step: it is a collective with the neighbours);
-6. ``optimizer.step()`` (through the scaler under fp16), then ``zero_grad`` if asked.
+6. ``optimizer.step()`` (through the scaler under fp16), then ``zero_grad`` if asked;
+7. the wrapper's ``after_optimizer_step()``, after every step, skipped ones included, so that
+   every rank counts the same steps (local SGD averages the replicas here, DiLoCo takes its
+   outer step).
 
 The divisions cost one pass over the gradients per optimizer step and none when ``k`` is 1;
 nothing is added per micro-step or per gradient.
@@ -64,6 +67,7 @@ class OptimizerStep:
                  grad_clip: float = 0.0, sharded: bool = False, scaler: Any = None):
         self.optimizer, self.wrapper, self.grad_clip = optimizer, wrapper, grad_clip
         self.sharded, self.scaler = sharded, scaler
+        self.in_backward = False  # the optimizer steps inside backward (the DDP engine's optimizer_in_backward)
         self.steps = 0
         self.skipped_steps = 0
 
@@ -77,7 +81,7 @@ class OptimizerStep:
         average_window(params, micro_steps)
         norm = clip_by_global_norm(params, self.grad_clip, self.wrapper if self.sharded else None)
         skipped = not math.isfinite(norm)
-        if skipped and getattr(self.optimizer, "_dptrain_in_backward", None) is not None:
+        if skipped and self.in_backward:
             raise NonFiniteRun(f"step {self.steps + 1}: the gradients were not finite (norm {norm}) and the optimizer "
                                "had already applied them inside backward (optimizer_in_backward), so the step could "
                                "not be skipped: lower the learning rate, or turn optimizer_in_backward off so that "
@@ -89,6 +93,8 @@ class OptimizerStep:
             self.optimizer.zero_grad(set_to_none=True)
         self.steps += 1
         self.skipped_steps += skipped
+        if self.wrapper is not None:  # every step, skipped ones too: the ranks' counts never part
+            self.wrapper.after_optimizer_step()
         return StepOutcome(norm, skipped, result)
 
     def _params(self) -> list[torch.Tensor]:

@@ -29,7 +29,7 @@ def consolidate(checkpoint_dir: Path, output: Path, optimizer: bool) -> None:
     of ranks is read in this one process, without a process group; a ddp checkpoint too.
     Load the result with model.load_state_dict(safetensors.torch.load_file(PATH)).
     """
-    from dptrain.runner.consolidate import ConsolidateError, consolidate_checkpoint
+    from dptrain.checkpoint.consolidate import ConsolidateError, consolidate_checkpoint
 
     try:
         done = consolidate_checkpoint(checkpoint_dir, output, optimizer=optimizer)

@@ -10,8 +10,8 @@ __all__ = ["bad_input", "int_list"]
 def bad_input() -> tuple[type[Exception], ...]:
     """The errors that mean bad input (one line, exit 2): imported on demand, since they pull in torch."""
     from dptrain.batching import BatchSizeError
+    from dptrain.checkpoint.files import CheckpointError
     from dptrain.config import ConfigError
-    from dptrain.runner.checkpoint import CheckpointError
 
     return ConfigError, BatchSizeError, CheckpointError
 

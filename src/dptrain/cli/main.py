@@ -75,8 +75,12 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
 
     if config_reference:
         from dptrain.config.schema import reference_markdown
+        from dptrain.strategies import REGISTRY
 
         click.echo(reference_markdown())
+        click.echo("\n**ddp.strategy**, the registered strategies\n\n| name | what it is |\n|---|---|")
+        for name, entry in REGISTRY.items():
+            click.echo(f"| `{name}` | {entry.summary} |")
         return
     extra = [f"run_dir={json.dumps(str(run_dir))}"] if run_dir else []
     lock = None  # the run directory's (launch.run_lock), held until the workers exit
@@ -162,12 +166,11 @@ def _check_fault(spec: str, nproc: int) -> None:
 
 
 def _expendable(cfg, nproc: int) -> set[int]:
-    """Ranks whose death the run survives: the workers other than rank 0 of an async, ssp or backup ps job."""
+    """Ranks whose death the run survives, as the strategy says (the parameter server's workers, in its async modes)."""
     from dptrain.strategies import get_strategy
 
-    if not get_strategy(cfg.ddp.strategy).expendable_workers or cfg.ps.mode == "sync":
-        return set()
-    return set(range(1, nproc - cfg.ps.servers))
+    entry = get_strategy(cfg.ddp.strategy)
+    return entry.expendable(cfg, nproc) if entry.expendable is not None else set()
 
 
 @main.command("prepare-data")

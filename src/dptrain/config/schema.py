@@ -150,11 +150,10 @@ class TrainConfig:
 
 @dataclass
 class DDPConfig:
-    strategy: str = opt("ddp", "data-parallel strategy: replicated (ddp), ZeRO stage 1, 2 or 3 (zero1: sharded "
-                        "optimizer state, zero2: and gradients, zero3: and parameters; see [zero] and docs/zero.md), "
-                        "a parameter server (ps; see [ps] and docs/async.md) or gossip (decentralized: each rank "
-                        "averages parameters with its neighbours; see [gossip])",
-                        choices=("ddp", "zero1", "zero2", "zero3", "ps", "gossip"))
+    strategy: str = opt("ddp", "data-parallel strategy, one of the registered ones (`dptrain run --config-reference` "
+                        "lists them with what each is; docs/architecture.md): replicated (ddp), ZeRO stage 1, 2 or 3 "
+                        "(zero1-3; [zero]), a parameter server (ps; [ps]), gossip ([gossip]), local SGD (localsgd; "
+                        "[localsgd]) or DiLoCo (diloco; [diloco])")
     backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
                        choices=("auto", "gloo", "nccl"))
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
@@ -242,6 +241,28 @@ class GossipConfig:
 
 
 @dataclass
+class LocalSGDConfig:
+    period: int = opt(8, "strategy localsgd: optimizer steps between two averages of the replicas (H); 1 is "
+                      "synchronous SGD")
+    warmup_steps: int = opt(0, "strategy localsgd: the first steps are the DDP engine's, gradients all-reduced every "
+                            "step (post-local SGD)")
+
+
+@dataclass
+class DiLoCoConfig:
+    period: int = opt(50, "strategy diloco: inner steps of train.optimizer between two outer steps (H)")
+    outer_lr: float = opt(0.7, "strategy diloco: the outer optimizer's learning rate (SGD on the averaged "
+                          "pseudo-gradient)")
+    outer_momentum: float = opt(0.9, "strategy diloco: the outer optimizer's momentum")
+    nesterov: bool = opt(True, "strategy diloco: Nesterov momentum for the outer step")
+    compression: str = opt("none", "strategy diloco: the pseudo-gradient's all-reduce in bf16 or int8 (with "
+                           "error_feedback)", choices=("none", "bf16", "int8"))
+    error_feedback: bool = opt(True, "strategy diloco: add what a rank's compressed pseudo-gradient lost to its next "
+                               "one")
+    offload: bool = opt(True, "strategy diloco: keep the global weights and the outer momentum on the CPU")
+
+
+@dataclass
 class StragglerConfig:
     rank: int = opt(-1, "inject a straggler for experiments: this rank computes factor times slower (it sleeps "
                     "after each forward); -1: none")
@@ -312,6 +333,8 @@ class RunConfig:
     zero: ZeROConfig = field(default_factory=ZeROConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    localsgd: LocalSGDConfig = field(default_factory=LocalSGDConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
@@ -323,7 +346,8 @@ class RunConfig:
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "data.allow_changed",
                 "train.max_skipped_steps",
-                "ddp", "zero", "ps", "gossip", "straggler", "balance", "divergence", "checkpoint", "log"}
+                "ddp", "zero", "ps", "gossip", "localsgd", "diloco", "straggler", "balance", "divergence",
+                "checkpoint", "log"}
 
 
 # Fields added after checkpoints were written: left out of the identity while they hold their
@@ -350,6 +374,7 @@ def reference_markdown() -> str:
         for f in fields(cls):
             default = f.default_factory() if callable(f.default_factory) else f.default
             shown = "none" if default is None else json.dumps(default)
-            choices = f" One of: {', '.join(f.metadata['choices'])}." if f.metadata.get("choices") else ""
-            out.append(f"| `{f.name}` | `{shown}` | {f.metadata['help']}.{choices} |")
+            allowed = f.metadata.get("choices")
+            choices_text = f" One of: {', '.join(allowed)}." if allowed else ""
+            out.append(f"| `{f.name}` | `{shown}` | {f.metadata['help']}.{choices_text} |")
     return "\n".join(out).replace("..", ".")

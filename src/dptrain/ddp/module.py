@@ -339,6 +339,36 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
     def before_optimizer_step(self) -> None:
         """Nothing: backward left every rank the averaged gradients (the wrapper protocol's hook for gossip)."""
 
+    # the rest of dptrain's wrapper protocol (strategies/protocol.py): nothing differs between replicas
+
+    def after_optimizer_step(self) -> None:
+        """Nothing: every replica took the same step."""
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}  # its buckets' statistics are last_step_comm's
+
+    def finish(self) -> None:
+        """Nothing: the replicas are equal."""
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        return {}  # the replicated model and optimizer are everything it holds
+
+    def load_checkpoint_state(self, state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+        return None
+
+    @property
+    def evaluation_module(self) -> nn.Module:
+        """The bare module: an evaluation needs no gradient hooks and no buffer broadcast."""
+        return self.module
+
+    def export_weights(self, path) -> Any:
+        """Rank 0 writes the module's state dict (:mod:`dptrain.utils.weights_file`); the others nothing."""
+        if dist.get_rank() != 0:
+            return None
+        from dptrain.utils.weights_file import save_state_file
+
+        return save_state_file(self.module.state_dict(), path)
+
     @property
     def bucket_assignment(self) -> list[list[str]]:
         """Parameter names per bucket, in launch order."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 
 from dptrain.diloco.options import DiLoCoOptions
 from dptrain.diloco.outer import OuterStep
+from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["DiLoCo"]
 
@@ -52,14 +54,18 @@ class DiLoCo(nn.Module):
         self.module, self.process_group = module, process_group
         self.device = next(module.parameters()).device
         _broadcast_from_rank0(module, process_group)  # the replicas start equal, as in DDP
-        o = self.options
-        self.outer = OuterStep(self._params(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov,
-                               compression=o.compression, error_feedback=o.error_feedback,
-                               home="cpu" if o.offload else self.device, process_group=process_group)
+        self.outer = self._fresh_outer()
         self.steps = 0  # inner steps taken, skipped ones included: the same count on every rank
         self.syncs = 0
         self.last_sync_s = 0.0
         self._metered = {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
+
+    def _fresh_outer(self) -> OuterStep:
+        """The outer step from the replicas' weights now (collective where it compresses: its channel)."""
+        o = self.options
+        return OuterStep(self._params(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov,
+                         compression=o.compression, error_feedback=o.error_feedback,
+                         home="cpu" if o.offload else self.device, process_group=self.process_group)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         return self.module(*inputs, **kwargs)
@@ -116,6 +122,16 @@ class DiLoCo(nn.Module):
         if self.steps_since_sync:
             self.sync()
 
+    @property
+    def evaluation_module(self) -> nn.Module:
+        return self.module
+
+    def export_weights(self, path) -> Path | None:
+        """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's)."""
+        if dist.get_rank() != 0:
+            return None
+        return save_state_file(self.module.state_dict(), Path(path))
+
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the global weights, the outer momentum and the step count; ``rank``: this rank's replica,
         inner optimizer state and error-feedback residual (all differ between ranks)."""
@@ -127,8 +143,9 @@ class DiLoCo(nn.Module):
         """Continue the round where it was. Without this rank's own part (saved on another number of ranks), the
         rank starts a fresh round from the global weights, with rank 0's inner optimizer state; says so."""
         shared = state.get("shared")
-        if shared is None:
-            return "DiLoCo's global weights start from the checkpoint's model: it has no outer state"
+        if shared is None:  # a checkpoint of another strategy: the model loaded is where the global weights start
+            self.outer = self._fresh_outer()
+            return "DiLoCo's global weights start from the checkpoint's model, with no outer momentum yet"
         self.outer.load_state_dict(shared["outer"])
         self.steps, self.syncs = int(shared["steps"]), int(shared["syncs"])
         mine = state.get("rank")

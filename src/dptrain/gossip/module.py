@@ -32,10 +32,13 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["GossipDataParallel", "TOPOLOGIES", "mixing_peers"]
 
@@ -97,6 +100,41 @@ class GossipDataParallel(nn.Module):
         """D-PSGD: mix the parameters, then the optimizer applies the gradient taken before mixing."""
         self.mix()
 
+    def after_optimizer_step(self) -> None:
+        """Nothing: the mix came before the step."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """Collective: how far apart the replicas are, and what a mix sends (the step's communication)."""
+        return {"consensus_distance": self.consensus_distance(), "comm_bytes_per_step": self.bytes_per_mix,
+                "comm_sent_bytes_per_step": self.bytes_per_mix, "gossip_mix_ms": 1e3 * self.last_mix_s}
+
+    def finish(self) -> None:
+        """Collective: the replicas averaged exactly, the model to evaluate and keep."""
+        self.average_()
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """Each rank's own replica (they differ by design), its optimizer state and its mixing step."""
+        return {"rank": {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
+                         "mix_steps": self.steps}}
+
+    def load_checkpoint_state(self, state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+        """This rank's own replica, saved on as many ranks; else every replica starts from rank 0's (loaded)."""
+        mine = state.get("rank")
+        if not mine:
+            return "gossip replicas start from rank 0's copy: the checkpoint holds none for this rank"
+        self.module.load_state_dict(mine["model"])  # copies into the flat buffer's views
+        optimizer.load_state_dict(mine["optimizer"])
+        self.steps = mine["mix_steps"]
+        return None
+
+    @property
+    def evaluation_module(self) -> nn.Module:
+        return self.module
+
+    def export_weights(self, path) -> Path | None:
+        """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's average)."""
+        return _export_module(self.module, path)
+
     @torch.no_grad()
     def mix(self) -> None:
         """Replace this rank's parameters with the weighted average of its own and its neighbours' copies."""
@@ -135,3 +173,10 @@ class GossipDataParallel(nn.Module):
         """Collective: every replica becomes the exact average (the model to evaluate and keep)."""
         dist.all_reduce(self.flat, group=self.process_group)
         self.flat.div_(self.world_size)
+
+
+def _export_module(module: nn.Module, path) -> Path | None:
+    """Rank 0: ``module``'s state dict (parameters that are views of one flat buffer get storage of their own)."""
+    if dist.get_rank() != 0:
+        return None
+    return save_state_file(module.state_dict(), Path(path))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
 from dptrain.localsgd.average import average_parameters
 from dptrain.localsgd.options import LocalSGDOptions
+from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["LocalSGD"]
 
@@ -148,6 +150,16 @@ class LocalSGD(nn.Module):
         """Collective, after the last step: the replicas averaged if they differ (the model to evaluate and keep)."""
         if self.local_steps:
             self.average()
+
+    @property
+    def evaluation_module(self) -> nn.Module:
+        return self.module
+
+    def export_weights(self, path) -> Path | None:
+        """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's)."""
+        if dist.get_rank() != 0:
+            return None
+        return save_state_file(self.module.state_dict(), Path(path))
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the step count (the schedule's position); ``rank``: once the warm-up is over, this rank's

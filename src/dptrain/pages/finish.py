@@ -15,12 +15,13 @@ from typing import Any
 
 from dptrain.pages.plots import plot_run, read_metrics
 from dptrain.pages.run_report import try_write_run_report
+from dptrain.runner.facts import RunFacts
 from dptrain.runner.report import summarize
 
 __all__ = ["write_run_pages", "plot_title"]
 
 
-def write_run_pages(run_dir: Path, facts: dict[str, Any], cfg, log: Callable[[str], None]) -> dict[str, Any]:
+def write_run_pages(run_dir: Path, facts: RunFacts, cfg, log: Callable[[str], None]) -> dict[str, Any]:
     """Plots, ``summary.json`` and ``report.html`` of the run in ``run_dir``; returns the summary.
 
     ``facts``: what the loop returned (task, ranks, batch, steps, wall time...); ``cfg``: the run's
@@ -39,9 +40,9 @@ def write_run_pages(run_dir: Path, facts: dict[str, Any], cfg, log: Callable[[st
     return summary
 
 
-def plot_title(facts: dict[str, Any]) -> str:
-    """The plots' title: the task, the ranks and the global batch, or the parameter server's mode and workers."""
-    ps = facts.get("ps")
-    if ps:
-        return f"{facts['task']}, parameter server ({ps['mode']}), {ps['workers']} workers"
-    return f"{facts['task']} on {facts['world_size']} rank(s), global batch {facts['global_batch_size']}"
+def plot_title(facts: RunFacts) -> str:
+    """The plots' title: the task, and how the ranks were used (the ranks and the global batch, or the strategy's
+    own description of its layout)."""
+    if facts.layout:
+        return f"{facts.task}, {facts.layout}"
+    return f"{facts.task} on {facts.world_size} rank(s), global batch {facts.global_batch_size}"

@@ -134,7 +134,7 @@ def compute_mode(strategy: str, precision: str) -> str:
     fp32 norms and softmax); or a bf16 model (ZeRO's mixed precision casts the module)."""
     if precision == "fp32":
         return "fp32"
-    return "bf16" if get_strategy(strategy).shards_parameters else "autocast"
+    return "bf16" if get_strategy(strategy).casts_itself else "autocast"
 
 
 def _trace(task, micro_batch: int, compute: str, checkpoint: tuple[type, ...], mode: FakeTensorMode,

@@ -89,7 +89,7 @@ def transit_messages(rows: list[dict]) -> list[tuple[int, Message]]:
 
 
 class CutWriter(Protocol):
-    """Where one server's cuts go (``dptrain.runner.ps_checkpoint.CutFiles`` in ``dptrain run``)."""
+    """Where one server's cuts go (``dptrain.ps.checkpoint.CutFiles`` in ``dptrain run``)."""
 
     def snapshot(self, label: int, state: dict) -> None:
         """Keep ``state`` (live tensors: save them before returning) as this server's state in cut ``label``."""

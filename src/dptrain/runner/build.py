@@ -14,18 +14,13 @@ from typing import Any
 import torch
 
 from dptrain.api.engine import Engine
-from dptrain.compress import make_codec
-from dptrain.compress.base import Compressor
-from dptrain.compress.hook import CompressionHook
-from dptrain.compress.zero import ShardedCompression
 from dptrain.data.balance import DynamicBatcher, DynamicLoader
 from dptrain.data.loader import steps_per_epoch
 from dptrain.launch.rendezvous import WorkerEnv
-from dptrain.optim import OneBitAdam
 from dptrain.optim.build import build_optimizer
 from dptrain.optim.schedule import scaled_lr, warmup_cosine
 from dptrain.runner.plan import RunPlan
-from dptrain.runner.validate import compression_remedies, onebit_freeze_step
+from dptrain.runner.validate import onebit_freeze_step
 from dptrain.strategies import Strategy, get_strategy
 from dptrain.tasks import collate
 
@@ -46,15 +41,14 @@ def lr_rule(rp: RunPlan) -> str:
             f"cosine to {t.min_lr_ratio:g} x peak")
 
 
-def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Engine, Compressor | None, int]:
-    """The task's model wrapped by the run's strategy, its optimizer and schedule; the compression, if any; and
-    the model's parameter count (before a strategy shards them)."""
+def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Engine, Any, int]:
+    """The task's model wrapped by the run's strategy, its optimizer and schedule; the compression, if any (what
+    keeps the residuals a checkpoint saves); and the model's parameter count (before a strategy shards them)."""
     cfg, t = rp.cfg, rp.cfg.train
     strategy = get_strategy(cfg.ddp.strategy)
     model = rp.task.build_model().to(device)
     n_params = sum(p.numel() for p in model.parameters())
     options = strategy.options(cfg, model, cfg.ddp.ranks_per_node or env.local_world_size)
-    options.update(_sharded_compression(cfg, strategy))
     peak = peak_lr(rp)
     # under momentum correction the ranks keep the momentum (dptrain.compress.dgc): the optimizer has none
     momentum = 0.0 if cfg.ddp.momentum_correction else t.momentum
@@ -66,30 +60,16 @@ def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Eng
     engine.model.record_comm_spans(True)  # each collective's launch and completion: the trace, the overlap figures
     if cfg.ddp.optimizer_in_backward:  # each bucket stepped as its all-reduce completes (validate.py checked it)
         engine.optimizer_in_backward()
-    return engine, _compression(cfg, engine), n_params
+    return engine, _compression(cfg, strategy, engine), n_params
 
 
-def _sharded_compression(cfg, strategy: Strategy) -> dict[str, Any]:
-    """A strategy that shards the gradients compresses its reduce-scatter itself, shard by shard: its codec."""
-    if cfg.ddp.compression == "none" or not strategy.shards_parameters:
-        return {}
-    return {"compression": ShardedCompression(make_codec(cfg.ddp.compression), cfg.ddp.error_feedback)}
-
-
-def _compression(cfg, engine: Engine) -> Compressor | None:
-    """The compression ``[ddp] compression`` asks for: the sharded wrapper's own, or a comm hook on the DDP
-    engine's buckets (None: uncompressed)."""
-    d = cfg.ddp
-    if isinstance(engine.optimizer, OneBitAdam):  # its momentum's 1-bit all-reduce: bytes, per-rank errors
-        return engine.optimizer.compressor
-    if d.compression == "none":
-        return None
-    if engine.sharded:
-        return engine.model.compression
-    codec = make_codec(d.compression, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
-    hook = CompressionHook(codec, error_feedback=d.error_feedback, remedies=compression_remedies(cfg))
-    engine.model.register_comm_hook(None, hook)
-    return hook
+def _compression(cfg, strategy: Strategy, engine: Engine) -> Any:
+    """What compresses the run's reductions, and keeps the residuals a checkpoint saves: 1-bit Adam's own (its
+    momentum's 1-bit all-reduce), or ``ddp.compression`` as the strategy applies it (None: uncompressed)."""
+    own = getattr(engine.optimizer, "compressor", None)
+    if own is not None:
+        return own
+    return strategy.compression(cfg, engine.model) if strategy.compression is not None else None
 
 
 def build_batches(rp: RunPlan, rank: int, engine: Engine, start_step: int) -> tuple[Iterator, DynamicBatcher | None]:

@@ -8,16 +8,14 @@ written; evaluation and checkpoints come last, on the step's final state.
 
 from __future__ import annotations
 
-import os
-
 from dptrain.api.engine import Engine
 from dptrain.data.balance import DynamicBatcher
 from dptrain.runner.divergence import DivergenceMonitor, replica_tensors
-from dptrain.runner.faults import parse_fault
 from dptrain.runner.hooks import Hooks, RunContext, StepHook
 from dptrain.runner.hooks_checkpoint import EvalCheckpointHook
 from dptrain.runner.hooks_guard import DivergenceHook, FaultHook, HeartbeatHook, SkipHook, StragglerHook
-from dptrain.runner.hooks_metrics import BatchingHook, CompressionStepHook, MetricsHook, TraceHook, replica_record
+from dptrain.runner.hooks_metrics import BatchingHook, CompressionStepHook, MetricsHook, TraceHook, strategy_record
+from dptrain.runner.lifecycle import run_fault
 from dptrain.runner.straggler import Straggler
 
 __all__ = ["build_hooks"]
@@ -26,9 +24,9 @@ __all__ = ["build_hooks"]
 def build_hooks(run: RunContext, batcher: DynamicBatcher | None) -> Hooks:
     """``run``'s hooks from its config; ``batcher``: dynamic batching's, which also makes the batches."""
     cfg, rank, engine = run.rp.cfg, run.env.rank, run.engine
-    fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
+    fault = run_fault()
     batching = BatchingHook(batcher) if batcher is not None else None
-    extras = [batching.record if batching else None, replica_record(engine)]
+    extras = [batching.record if batching else None, strategy_record(engine)]
     hooks: list[StepHook | None] = [
         HeartbeatHook(run.beat),
         FaultHook(fault, rank, engine.model) if fault else None,

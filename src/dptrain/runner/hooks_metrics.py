@@ -22,7 +22,7 @@ from dptrain.runner.metrics import StepRecorder, StepTimes
 from dptrain.runner.tensor_peak import TensorPeak, data_tensors
 from dptrain.runner.trace import TraceRecorder, trace_zero
 
-__all__ = ["MetricsHook", "TraceHook", "CompressionStepHook", "BatchingHook", "replica_record"]
+__all__ = ["MetricsHook", "TraceHook", "CompressionStepHook", "BatchingHook", "strategy_record"]
 
 Extra = Callable[[], dict]  # more fields for a metrics record; may be a collective (called on every rank)
 
@@ -138,11 +138,7 @@ class BatchingHook(StepHook):
         return {"batch_shares": list(self.batcher.shares)}
 
 
-def replica_record(engine: Engine) -> Extra | None:
-    """Where the replicas differ by design (gossip): how far apart they are (collective) and what a mix sends,
-    which is the step's communication; None for the strategies whose replicas are equal."""
-    if not engine.gossip:  # replicas that differ by design (the registry entry's decentralized)
-        return None
-    model = engine.model
-    return lambda: {"consensus_distance": model.consensus_distance(), "comm_bytes_per_step": model.bytes_per_mix,
-                    "comm_sent_bytes_per_step": model.bytes_per_mix, "gossip_mix_ms": 1e3 * model.last_mix_s}
+def strategy_record(engine: Engine) -> Extra:
+    """The strategy's own fields of a record (its wrapper's ``step_metrics()``, every rank: it may be a collective):
+    gossip's consensus distance and mix, local SGD's averages, DiLoCo's outer steps, and the bytes they sent."""
+    return engine.model.step_metrics

@@ -6,7 +6,7 @@ The order of things, nanoGPT's, in :func:`_train`:
    wrapper broadcasts rank 0's copy anyway), the :class:`Engine` with its strategy's wrapper
    (:mod:`dptrain.runner.build`, through the registry);
 2. resume from the newest checkpoint if there is one: model, optimizer, loss scaler, step, and
-   this rank's RNG states (:mod:`dptrain.runner.resume`); the data position follows from the step;
+   this rank's RNG states (:mod:`dptrain.checkpoint.resume`); the data position follows from the step;
 3. for each optimizer step: :func:`timed_step` (micro-steps of forward and backward, gradient
    sync on the last; clip, learning rate, optimizer step), between the step hooks' moments
    (:mod:`dptrain.runner.hooks`: heartbeat, faults, straggler, skipped steps, dynamic batching,
@@ -15,7 +15,7 @@ The order of things, nanoGPT's, in :func:`_train`:
 
 The loop draws nothing: its caller (``dptrain.run``) makes the plots, ``summary.json`` and
 ``report.html`` from the run directory's files (:mod:`dptrain.pages.finish`). A strategy with a
-loop of its own (the parameter server: see :mod:`dptrain.runner.ps_loop` for why) trains there.
+program of its own (the parameter server: see :mod:`dptrain.ps.program` for why) runs instead, with the same lifecycle (:mod:`dptrain.runner.lifecycle`).
 """
 
 from __future__ import annotations
@@ -28,32 +28,28 @@ import torch
 import torch.distributed as dist
 
 from dptrain.api.engine import Engine, StepInfo
-from dptrain.config import to_toml
+from dptrain.checkpoint.resume import resume, resume_compression, resume_strategy_state, seed_everything
 from dptrain.launch.heartbeat import Heartbeat
-from dptrain.launch.rendezvous import WorkerEnv, restart_count
+from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.runner.build import build_batches, build_engine, lr_rule, peak_lr
-from dptrain.runner.checkpoint import remove_partial
+from dptrain.runner.facts import RunFacts
 from dptrain.runner.hooks import RunContext
 from dptrain.runner.hooks_config import build_hooks
-from dptrain.runner.log_backends import LogBackends, backends_from_config
+from dptrain.runner.lifecycle import base_facts, open_run_dir, open_sink, program_context
 from dptrain.runner.metrics import StepTimes
-from dptrain.runner.outputs import evaluate, save_hf_model, save_weights
+from dptrain.runner.outputs import evaluate, save_hf_model
 from dptrain.runner.plan import RunPlan
-from dptrain.runner.ps_loop import train_ps
-from dptrain.runner.report import RunLog, truncate_metrics
-from dptrain.runner.resume import resume, resume_compression, resume_replicas, seed_everything
+from dptrain.runner.report import RunLog
 from dptrain.runner.roll_call import is_collective_failure, roll_call
 from dptrain.strategies import get_strategy
 from dptrain.tasks import Task
-from dptrain.utils.atomic import write_text_atomic
-from dptrain.zero.checkpoint import export_safetensors
 
 __all__ = ["train", "timed_step", "evaluate"]
 
 WATCHDOG_MARGIN_S = 3.0  # the watchdog's wait beyond ddp.timeout_s and the roll call
 
 
-def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
+def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> RunFacts | None:
     """Run the training described by ``rp`` on this rank; rank 0 returns the run's facts (the summary's input).
 
     A heartbeat thread (``launch.heartbeat``) beats throughout; the loop's progress marks arm its
@@ -61,21 +57,22 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> dict | None:
     wait + ``WATCHDOG_MARGIN_S`` (the collective's timeout and the roll call speak first).
     """
     margin = rp.cfg.ddp.roll_call_s + WATCHDOG_MARGIN_S
+    entry = get_strategy(rp.cfg.ddp.strategy)
     with Heartbeat(rp.run_dir, env.rank, env.world_size, rp.cfg.ddp.timeout_s, margin) as beat:
-        if get_strategy(rp.cfg.ddp.strategy).own_loop:
-            return train_ps(rp, env, device, beat)
+        open_run_dir(rp, env.rank)
+        if entry.own_loop:  # its ranks run programs of their own (the parameter server's servers and workers)
+            return entry.program(program_context(rp, env, device, beat))
         return _train(rp, env, device, beat)
 
 
-def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> dict | None:
+def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> RunFacts | None:
     """Build, resume, step between the hooks, save the weights: this rank's run."""
     wall0 = time.perf_counter()
-    _open_run_dir(rp, env.rank)
     seed_everything(rp.cfg.train.seed)
     engine, compression, n_params = build_engine(rp, env, device)
     start_step, resume_note = _resume_or_seed(rp, env, engine, compression)
     log = _open_log(rp, env, device, n_params, start_step, resume_note)
-    sink = _metrics_sink(rp, env.rank, start_step, log)
+    sink = open_sink(rp, env.rank, start_step, log)
     batches, batcher = build_batches(rp, env.rank, engine, start_step)
     run = RunContext(rp, env, device, engine, log, beat, sink, compression, start_step, n_params)
     hooks = build_hooks(run, batcher)
@@ -127,15 +124,6 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], *, weighted: 
     return info, times
 
 
-def _open_run_dir(rp: RunPlan, rank: int) -> None:
-    """``logs/`` and, on rank 0, config.toml; a staged checkpoint a crash left behind is removed."""
-    (rp.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        remove_partial(rp.run_dir)
-        write_text_atomic(rp.run_dir / "config.toml", to_toml(rp.cfg))
-    dist.barrier()  # the directory exists before any rank writes into it
-
-
 def _resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) -> tuple[int, str | None]:
     """The step to start from, and what to say about the parts of the checkpoint this run cannot use.
 
@@ -144,12 +132,13 @@ def _resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) ->
     if rp.resume_from is None:
         seed_everything(rp.cfg.train.seed + 1 + env.rank)
         return 0, None
-    start_step, note = resume(engine, rp.resume_from, env.rank, engine.device), None
-    if compression is not None:
-        note = resume_compression(compression, rp.resume_from, env.rank, env.world_size, rp.cfg.ddp.strategy)
-    if engine.gossip:  # each rank's own replica (gossip's replicas differ by design)
-        note = resume_replicas(engine, rp.resume_from, env.rank, env.world_size)
-    return start_step, note
+    path, strategy = rp.resume_from, rp.cfg.ddp.strategy
+    start_step = resume(engine, path, env.rank, engine.device)
+    notes = [resume_compression(compression, path, env.rank, env.world_size, strategy)
+             if compression is not None else None,
+             resume_strategy_state(engine.model, engine.optimizer, path, strategy, env.rank, env.world_size,
+                                   engine.device)]
+    return start_step, "; ".join(n for n in notes if n) or None
 
 
 def _open_log(rp: RunPlan, env: WorkerEnv, device: torch.device, n_params: int, start_step: int,
@@ -171,20 +160,6 @@ def _open_log(rp: RunPlan, env: WorkerEnv, device: torch.device, n_params: int, 
     return log
 
 
-def _metrics_sink(rp: RunPlan, rank: int, start_step: int, log: RunLog) -> LogBackends | None:
-    """Rank 0's metrics.jsonl (records after ``start_step`` dropped: a resumed run writes them again) and
-    ``log.backends``; None on the other ranks."""
-    if rank != 0:
-        return None
-    note = truncate_metrics(rp.run_dir / "metrics.jsonl", start_step)
-    if note:
-        log.info(note)
-    sink = backends_from_config(rp.cfg, rp.run_dir, start_step)
-    for line in sink.where():
-        log.info(f"metrics also go to {line}")
-    return sink
-
-
 def _name_silent_ranks(e: Exception, step: int, world_size: int, roll_call_s: float) -> None:
     """After a failed collective, ask which ranks still answer: the error's note names the silent ones."""
     if world_size > 1 and is_collective_failure(e):
@@ -193,28 +168,17 @@ def _name_silent_ranks(e: Exception, step: int, world_size: int, roll_call_s: fl
         e.silent_ranks = call.silent  # recorded for the local launcher, which then stops them at once
 
 
-def _save_final_weights(run: RunContext, wall0: float) -> dict | None:
-    """model.safetensors (collective when sharded: every rank's shards gathered to rank 0) and the Hugging Face
-    export; rank 0 returns the run's facts."""
-    engine, rp, path = run.engine, run.rp, run.rp.run_dir / "model.safetensors"
-    if engine.sharded:
-        export_safetensors(engine.model, path)
+def _save_final_weights(run: RunContext, wall0: float) -> RunFacts | None:
+    """model.safetensors (the wrapper's export: collective when sharded, every rank's shards gathered to rank 0)
+    and the Hugging Face export; rank 0 returns the run's facts."""
+    run.engine.model.export_weights(run.rp.run_dir / "model.safetensors")
     if run.env.rank != 0:
         return None
-    if engine.sharded:
-        path.chmod(0o644)  # safetensors creates it owner-only
-    else:
-        save_weights(engine.model.module, path)
-    save_hf_model(rp.cfg, rp.run_dir, run.log)
+    save_hf_model(run.rp.cfg, run.rp.run_dir, run.log)
     return _facts(run, time.perf_counter() - wall0)
 
 
-def _facts(run: RunContext, wall_s: float) -> dict[str, Any]:
+def _facts(run: RunContext, wall_s: float) -> RunFacts:
     """What the run was, for the summary (:func:`dptrain.runner.report.summarize`)."""
-    rp, plan, env = run.rp, run.rp.plan, run.env
-    return {"run_dir": str(rp.run_dir), "task": rp.task.name, "parameters": run.parameters,
-            "world_size": env.world_size, "device": run.device.type, "backend": dist.get_backend(),
-            "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-            "grad_accum_steps": plan.grad_accum_steps, "lr_rule": lr_rule(rp), "peak_lr": peak_lr(rp),
-            "start_step": run.start_step, "steps": rp.cfg.train.steps, "restarts": restart_count(),
-            "wall_s": wall_s}
+    return base_facts(run.rp, run.env, run.device, run.parameters, run.start_step, wall_s, lr_rule(run.rp),
+                      peak_lr(run.rp))

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from dptrain.runner.facts import RunFacts
 from dptrain.runner.metrics import format_line, has_tokens
 from dptrain.utils.atomic import write_text_atomic
 from dptrain.utils.files import open_file
@@ -102,7 +103,7 @@ def _record(line: str) -> dict | None:
     return record if isinstance(record, dict) and isinstance(record.get("step"), int) else None
 
 
-def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: list[dict]) -> dict[str, Any]:
+def summarize(run_dir: Path, facts: RunFacts | dict[str, Any], train: list[dict], evals: list[dict]) -> dict[str, Any]:
     """The run's headline numbers: medians over this session's logged steps after the first.
 
     A resumed run's ``metrics.jsonl`` also holds the earlier sessions' records (perhaps on
@@ -110,6 +111,7 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
     Each median is taken on its own (of values that are each the largest over the ranks), so
     they need not add up; ``step_breakdown`` is one record's step time in parts that do.
     """
+    info = facts.to_summary() if isinstance(facts, RunFacts) else dict(facts)  # a dict: the fields already
     session = [r for r in train if r["step"] > info["start_step"]] or train
     steady = session[1:] if len(session) > 1 else session
     med = (lambda key: statistics.median(r[key] for r in steady) if steady else None)
@@ -221,7 +223,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows = [("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
             ("workers", f"{summary['world_size']} x {summary['device']} ({summary['backend']})"),
             ("batch", f"global {summary['global_batch_size']} = micro {summary['micro_batch_size']} x "
-                      f"{summary.get('ps', {}).get('workers', summary['world_size'])} ranks x "
+                      f"{summary.get('data_ranks') or summary['world_size']} ranks x "
                       f"{summary['grad_accum_steps']} accum"),
             ("learning rate", summary["lr_rule"]),
             ("steps", (f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
@@ -249,8 +251,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows += [("stragglers", f"slowest rank {st['slowest_rank']}, {st['slowdown']:.2f}x the others' compute; "
                                 "median compute ms per rank (before the collective): "
                                 + ", ".join(f"{i}: {m:.1f}" for i, m in enumerate(st["compute_ms_per_rank"])))]
-    if summary.get("ps"):
-        rows += _ps_rows(summary["ps"])
+    rows += [tuple(row) for row in summary.get("strategy_rows", [])]  # the strategy's own lines
     return rows
 
 
@@ -258,28 +259,6 @@ def _busy(summary: dict[str, Any]) -> str:
     """The collectives' busy time (a summary.json written before it was recorded has none)."""
     busy = summary.get("median_comm_busy_ms")
     return f"busy {busy:.1f} ms, " if busy is not None else ""
-
-
-def _ps_rows(ps: dict[str, Any]) -> list[tuple[str, str]]:
-    """The parameter server's part of the summary: per server, updates, staleness, dropped and lost workers."""
-    detail = (f", staleness bound {ps['staleness_bound']}" if ps.get("staleness_bound") is not None else
-              f", {ps['backups']} backup(s)" if ps.get("backups") is not None else "")
-    rows = [("parameter server", f"{ps['mode']}, {ps['servers']} server(s), {ps['workers']} worker(s){detail}")]
-    for name, rep in ps["servers_report"].items():
-        rows.append((name.replace("_", " "), f"{rep['updates']} updates from {rep['gradients']} gradients, "
-                                             f"{rep['dropped']} dropped; per worker {rep['applied_per_worker']}"))
-        rows.append(("  staleness (steps)", _hist(rep["staleness"])))
-        rows.append(("  delay (updates)", _hist(rep["delay"])))
-        if rep["lost_workers"]:
-            rows.append(("  lost workers", "; ".join(f"rank {w}: {why}" for w, why in rep["lost_workers"].items())))
-    if ps.get("straggler"):
-        rows.append(("straggler", f"rank {ps['straggler']['rank']} made {ps['straggler']['factor']:g}x slower"))
-    return rows
-
-
-def _hist(counts: dict[str, int]) -> str:
-    total = sum(counts.values()) or 1
-    return ", ".join(f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in counts.items()) or "none"
 
 
 def _size(n: int) -> str:

@@ -5,7 +5,7 @@ factory, builds the task's datasets far enough to know they fit one global batch
 verifies the checkpoint a resumption would start from (its config, and its data: the
 fingerprints of the data files it was trained on, ``data/identity.py``). It raises
 :class:`~dptrain.config.ConfigError`, :class:`~dptrain.batching.BatchSizeError` or
-:class:`~dptrain.runner.checkpoint.CheckpointError` (exit code 2 from the CLI) and has no
+:class:`~dptrain.checkpoint.files.CheckpointError` (exit code 2 from the CLI) and has no
 side effects, so ``dptrain run`` calls it before spawning workers or creating the run
 directory, and each worker calls it again (under torchrun there is no ``dptrain run``).
 """
@@ -19,19 +19,15 @@ from pathlib import Path
 import torch
 
 from dptrain.batching import BatchPlan, BatchSizeError
-from dptrain.compress.remedies import Remedies
+from dptrain.checkpoint.files import CheckpointError, check_readable, scan_checkpoints, verify_checkpoint
 from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.config.loader import unused_settings
 from dptrain.data.identity import data_changes, data_identity
 from dptrain.data.loader import steps_per_epoch
-from dptrain.ps.consistency import Consistency
-from dptrain.ps.layout import PSLayoutError, Roles, partition
-from dptrain.runner.checkpoint import CheckpointError, check_readable, scan_checkpoints, verify_checkpoint
 from dptrain.runner.plan import RunPlan
-from dptrain.runner.ps_checkpoint import check_ps_resume
-from dptrain.strategies import get_strategy, strategy_names
+from dptrain.strategies import Strategy, get_strategy, strategy_names
+from dptrain.strategies.options import compression_remedies
 from dptrain.tasks import Task, architecture, build_task, run_name
-from dptrain.zero.hybrid import check_shard_size
 
 __all__ = ["RunPlan", "validate_run", "default_run_dir", "schedule_warnings", "DEFAULT_GLOBAL_BATCH"]
 
@@ -47,24 +43,25 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     (:func:`_check_forward`; a launcher that already did may skip it in the workers)."""
     if world_size < 1:
         raise ConfigError(f"the world size must be at least 1, got {world_size}")
+    entry = _strategy(cfg)
     _check_ranges(cfg)
     t = cfg.train
     sizes = (t.global_batch_size, t.micro_batch_size, t.grad_accum_steps)
     if all(v is None for v in sizes):
         sizes = (DEFAULT_GLOBAL_BATCH, None, None)
-    _check_straggler(cfg, world_size)
+    data_ranks = _own_check(entry, cfg, world_size)  # the strategy's own settings; the ranks that take data
+    _check_straggler(cfg, world_size, data_ranks)
     _check_balance(cfg)
     _check_divergence(cfg)
     _check_log_backends(cfg)
-    check_own = _STRATEGY_CHECKS.get(cfg.ddp.strategy)  # a strategy's own settings ([ps]); returns its data ranks
-    data_ranks = check_own(cfg, world_size) if check_own else world_size
     try:
         plan = BatchPlan.resolve(data_ranks, *sizes)
     except BatchSizeError as e:
         if data_ranks == world_size:
             raise
-        raise BatchSizeError(f"{e} (strategy {cfg.ddp.strategy}: the world here is the {data_ranks} workers; the "
-                             f"{world_size - data_ranks} server rank(s) take no data)") from None
+        takers, others = entry.roles
+        raise BatchSizeError(f"{e} (strategy {cfg.ddp.strategy}: the world here is the {data_ranks} {takers}; the "
+                             f"{world_size - data_ranks} {others} take no data)") from None
     _check_nodes(cfg, world_size)
     _check_optimizer_in_backward(cfg, plan.grad_accum_steps)
     try:
@@ -78,7 +75,7 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     except BatchSizeError as e:
         about = getattr(task, "about", "")
         raise BatchSizeError(f"{e}" + (f" (samples: {about})" if about else "")) from None
-    n_params = _check_model_builds(task, cfg)
+    n_params = _check_model_builds(task, cfg, entry)
     if check_forward:
         _check_forward(task, cfg, plan.micro_batch_size)
     run_dir = default_run_dir(cfg).resolve()
@@ -91,18 +88,9 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     latest = found[-1][1] if found else None
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
-        layout = get_strategy(cfg.ddp.strategy).checkpoint_layout
-        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, layout)
+        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, entry.checkpoint_layout)
         check_readable(resume_from, meta)
-        if layout == "ps":
-            check_ps_resume(resume_from, meta, cfg.ps.servers, cfg.ps.mode, world_size)
-        else:  # older formats, named before launch (ddp <-> zero otherwise resume either way)
-            from dptrain.strategies.state import check_strategy_resume  # DCP: only when resuming
-
-            try:
-                check_strategy_resume(resume_from, meta.get("format", "replicated"), layout)
-            except ValueError as e:
-                raise CheckpointError(str(e)) from None
+        _check_resume(entry, resume_from, meta, cfg, world_size)
     elif latest is not None:
         raise ConfigError(f"checkpoint.resume is false but {run_dir} already has checkpoints (newest: "
                           f"{latest.name}); a new run there would mix its checkpoints with the old ones. "
@@ -116,6 +104,38 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     if meta is not None:
         notes += check_data_identity(meta.get("data"), data, resume_from, cfg.data.allow_changed)
     return RunPlan(cfg, run_dir, plan, task, ident, ident_hash, resume_from, meta, notes, data)
+
+
+def _strategy(cfg: RunConfig) -> Strategy:
+    """The run's registry entry; an unknown name is a ConfigError with the registered ones."""
+    try:
+        return get_strategy(cfg.ddp.strategy)
+    except ValueError as e:
+        raise ConfigError(f"ddp.strategy: {e}") from None
+
+
+def _own_check(entry: Strategy, cfg: RunConfig, world_size: int) -> int:
+    """The strategy's own settings (its entry's ``check``); the ranks that take data."""
+    try:
+        return entry.data_ranks(cfg, world_size)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+def _check_resume(entry: Strategy, path: Path, meta: dict, cfg: RunConfig, world_size: int) -> None:
+    """Before launch: what the strategy says of the checkpoint (its entry's ``check_resume``), else whether its layout
+    can read the one that wrote it (older formats named; ddp <-> zero otherwise resume either way)."""
+    try:
+        if entry.check_resume is not None:
+            entry.check_resume(path, meta, cfg, world_size)
+            return
+        from dptrain.checkpoint.state import check_strategy_resume  # DCP: only when resuming
+
+        check_strategy_resume(path, meta.get("format", "replicated"), entry.checkpoint_layout)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def check_data_identity(before: dict | None, now: dict, checkpoint: Path, allow_changed: bool) -> list[str]:
@@ -240,8 +260,9 @@ def _check_optimizer_in_backward(cfg: RunConfig, grad_accum_steps: int) -> None:
              "train.precision other than fp16 (its loss scaler unscales and checks every gradient first)":
                  t.precision != "fp16",
              "an optimizer other than onebit_adam (it communicates in its own step)": t.optimizer != "onebit_adam",
-             "the DDP engine, ddp.strategy = \"ddp\"": get_strategy(d.strategy).comm_hooks and not
-                 get_strategy(d.strategy).shards_parameters}
+             "ddp.strategy " + _listed([f"{n} ({get_strategy(n).summary})" for n in
+                                         strategy_names(lambda s: s.optimizer_in_backward)], "or"):
+                 get_strategy(d.strategy).optimizer_in_backward}
     missing = [what for what, ok in needs.items() if not ok]
     if missing:
         raise ConfigError(f"ddp.optimizer_in_backward steps each bucket's parameters inside backward, which needs "
@@ -272,38 +293,6 @@ def _listed(items, conjunction: str) -> str:
     """``a, b or c``."""
     items = list(items)
     return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
-
-
-def compression_remedies(cfg: RunConfig) -> Remedies:
-    """``[ddp]``'s corrections and schedules for top-k and PowerSGD (:mod:`dptrain.compress.remedies`)."""
-    d = cfg.ddp
-    try:
-        return Remedies(momentum=cfg.train.momentum if d.momentum_correction else None, masking=d.momentum_masking,
-                        local_clip=d.local_clip, topk_warmup_steps=d.topk_warmup_steps,
-                        powersgd_uncompressed_steps=d.powersgd_uncompressed_steps,
-                        powersgd_warmup_rank=d.powersgd_warmup_rank, powersgd_warmup_steps=d.powersgd_warmup_steps)
-    except ValueError as e:
-        raise ConfigError(f"ddp: {e}") from None
-
-
-def _check_ps(cfg: RunConfig, world_size: int) -> int:
-    """The parameter-server settings; returns the number of workers (the ranks that take data)."""
-    p, d = cfg.ps, cfg.ddp
-    try:
-        roles = Roles(world_size, p.servers)
-        Consistency(p.mode, staleness=p.staleness, backups=p.backups).check_workers(roles.num_workers)
-    except ValueError as e:
-        raise ConfigError(f"[ps] servers={p.servers}, mode={p.mode!r}: {e}") from None
-    _check_codec(get_strategy("ps"), d.compression)
-    if cfg.train.precision == "fp16":
-        raise ConfigError("train.precision fp16 is not supported with strategy ps (it needs a loss scaler); use bf16")
-    if p.lookahead and p.mode not in ("async", "ssp"):
-        raise ConfigError(f"ps.lookahead is for modes async and ssp; in mode {p.mode!r} every applied gradient is "
-                          "fresh, so there is nothing to look ahead for: set lookahead = false")
-    if p.lookahead and cfg.train.optimizer not in ("adamw", "adam", "sgd"):
-        raise ConfigError(f"ps.lookahead predicts the optimizer's next step, which dptrain does for adamw, adam and "
-                          f"sgd, not {cfg.train.optimizer!r}: change train.optimizer or set lookahead = false")
-    return roles.num_workers
 
 
 def _check_balance(cfg: RunConfig) -> None:
@@ -341,16 +330,16 @@ def _check_log_backends(cfg: RunConfig) -> None:
         raise ConfigError(f"log.backends: {e}") from None
 
 
-def _check_straggler(cfg: RunConfig, world_size: int) -> None:
+def _check_straggler(cfg: RunConfig, world_size: int, data_ranks: int) -> None:
     s = cfg.straggler
     if not -1 <= s.rank < world_size:
         raise ConfigError(f"straggler.rank must be -1 (none) or a rank in [0, {world_size - 1}], got {s.rank}")
     if s.factor < 1.0:
         raise ConfigError(f"straggler.factor must be at least 1 (how many times slower), got {s.factor}")
-    if get_strategy(cfg.ddp.strategy).expendable_workers and s.rank >= world_size - cfg.ps.servers:
-        raise ConfigError(f"straggler.rank {s.rank} is a parameter server (ranks {world_size - cfg.ps.servers}-"
-                          f"{world_size - 1}); a straggler must be a worker, a rank below "
-                          f"{world_size - cfg.ps.servers}")
+    if s.rank >= data_ranks:
+        raise ConfigError(f"straggler.rank {s.rank} takes no data (strategy {cfg.ddp.strategy}: ranks "
+                          f"{data_ranks}-{world_size - 1} are its own, such as parameter servers); a straggler must "
+                          f"compute, a rank below {data_ranks}")
 
 
 def _check_nodes(cfg: RunConfig, world_size: int) -> None:
@@ -364,11 +353,6 @@ def _check_nodes(cfg: RunConfig, world_size: int) -> None:
         zero = strategy_names(lambda s: s.shards_parameters)
         raise ConfigError(f"zero.shard_size={shard_size} (hybrid sharding) needs strategy {_listed(zero, 'or')}, "
                           f"not {cfg.ddp.strategy!r}")
-    if shard_size:
-        try:
-            check_shard_size(shard_size, world_size)
-        except ValueError as e:
-            raise ConfigError(f"zero.{e}, or 0 to shard over all ranks") from None
 
 
 def _check_run_dir(run_dir: Path, n_params: int, cfg: RunConfig) -> None:
@@ -401,7 +385,7 @@ def _check_run_dir(run_dir: Path, n_params: int, cfg: RunConfig) -> None:
                           "--run-dir, or lower checkpoint.keep_last")
 
 
-def _check_model_builds(task: Task, cfg: RunConfig) -> int:
+def _check_model_builds(task: Task, cfg: RunConfig, entry: Strategy) -> int:
     """Build the model on the meta device (no memory, no init cost) to catch bad model arguments."""
     try:
         with torch.device("meta"):
@@ -416,11 +400,11 @@ def _check_model_builds(task: Task, cfg: RunConfig) -> int:
         raise ConfigError(f"{where} cannot build the model: {e}") from None
     if not any(p.requires_grad for p in model.parameters()):
         raise ConfigError("the model has no trainable parameters")
-    if get_strategy(cfg.ddp.strategy).checkpoint_layout == "ps":  # the servers' shards of the parameters
+    if entry.check_model is not None:  # what only the strategy can say of the model (a ps server's shards)
         try:
-            partition([p.numel() for p in model.parameters()], cfg.ps.servers)
-        except PSLayoutError as e:
-            raise ConfigError(f"ps.servers={cfg.ps.servers}: {e}") from None
+            entry.check_model(cfg, model)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return sum(p.numel() for p in model.parameters())
 
 
@@ -443,6 +427,3 @@ def _check_forward(task: Task, cfg: RunConfig, micro_batch: int) -> None:
                       "object with .loss, or logits whose last dimension is the classes and whose other dimensions "
                       "match the targets (docs/your-data.md: what a model may return)")
 
-
-# Each strategy's own settings, checked before launch (the [ps] section); returns the ranks that take data.
-_STRATEGY_CHECKS = {"ps": _check_ps}

@@ -1,8 +1,12 @@
-"""A strategy's wrapper options from a run's config: ``[ddp]``, ``[zero]``, ``[gossip]`` unpacked once.
+"""The registry entries' functions for the strategies that came first: a run's config unpacked once.
 
 The wrappers take explicit keyword arguments and never read the config; the job runner,
-the planner and the benchmarks turn a config into those arguments here, so a setting means
-the same thing wherever it is read.
+the planner and the benchmarks turn a config into those arguments here (``*_options``),
+so a setting means the same thing wherever it is read. Beside them, what each of these
+strategies alone checks and applies: ZeRO's hybrid shard size and its compressed
+reduce-scatter, the DDP engine's compression hook, the parameter server's layout, model,
+checkpoints and expendable workers. (A newer strategy keeps these with its entry:
+``registry.py``.)
 """
 
 from __future__ import annotations
@@ -12,9 +16,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain.compress import make_codec
+from dptrain.compress.remedies import Remedies
 from dptrain.optim.build import decays
 
-__all__ = ["ddp_options", "zero_options", "gossip_options"]
+__all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedies", "ddp_compression",
+           "zero_compression", "zero_check", "ps_check", "ps_check_model", "ps_check_resume", "ps_expendable",
+           "ps_program"]
 
 
 def ddp_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
@@ -41,6 +49,10 @@ def zero_options(cfg, model: nn.Module, nodes: int, stage: int) -> dict[str, Any
                                   check_collectives=cfg.ddp.check_collectives, check_timeout_s=cfg.ddp.timeout_s,
                                   find_unused_parameters=cfg.ddp.find_unused_parameters,
                                   shard_size=z.shard_size or None)
+    if cfg.ddp.compression != "none":  # its reduce-scatter compresses shard by shard
+        from dptrain.compress.zero import ShardedCompression
+
+        kwargs["compression"] = ShardedCompression(make_codec(cfg.ddp.compression), cfg.ddp.error_feedback)
     if stage < 3:
         if cfg.ddp.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = cfg.ddp.bucket_cap_mb
@@ -62,3 +74,97 @@ def zero_options(cfg, model: nn.Module, nodes: int, stage: int) -> dict[str, Any
         else:
             kwargs["min_unit_numel"] = max(1, sum(p.numel() for p in model.parameters()) // 8)
     return kwargs
+
+
+def compression_remedies(cfg) -> Remedies:
+    """``[ddp]``'s corrections and schedules for top-k and PowerSGD (:mod:`dptrain.compress.remedies`)."""
+    d = cfg.ddp
+    return Remedies(momentum=cfg.train.momentum if d.momentum_correction else None, masking=d.momentum_masking,
+                    local_clip=d.local_clip, topk_warmup_steps=d.topk_warmup_steps,
+                    powersgd_uncompressed_steps=d.powersgd_uncompressed_steps,
+                    powersgd_warmup_rank=d.powersgd_warmup_rank, powersgd_warmup_steps=d.powersgd_warmup_steps)
+
+
+def ddp_compression(cfg, wrapper: nn.Module) -> Any:
+    """``ddp.compression`` as a communication hook on the DDP engine's buckets (None: uncompressed)."""
+    d = cfg.ddp
+    if d.compression == "none":
+        return None
+    from dptrain.compress.hook import CompressionHook
+
+    codec = make_codec(d.compression, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
+    hook = CompressionHook(codec, error_feedback=d.error_feedback, remedies=compression_remedies(cfg))
+    wrapper.register_comm_hook(None, hook)
+    return hook
+
+
+def zero_compression(cfg, wrapper: nn.Module) -> Any:
+    """ZeRO's compressed reduce-scatter, built with the wrapper (:func:`zero_options`); None uncompressed."""
+    return wrapper.compression if cfg.ddp.compression != "none" else None
+
+
+def zero_check(cfg, world_size: int) -> int:
+    """``zero.shard_size`` (hybrid sharding) divides the world; every rank takes data."""
+    if cfg.zero.shard_size:
+        from dptrain.zero.hybrid import check_shard_size
+
+        try:
+            check_shard_size(cfg.zero.shard_size, world_size)
+        except ValueError as e:
+            raise ValueError(f"zero.{e}, or 0 to shard over all ranks") from None
+    return world_size
+
+
+def ps_check(cfg, world_size: int) -> int:
+    """The parameter-server settings; returns the number of workers (the ranks that take data)."""
+    from dptrain.ps.consistency import Consistency
+    from dptrain.ps.layout import Roles
+
+    p = cfg.ps
+    try:
+        roles = Roles(world_size, p.servers)
+        Consistency(p.mode, staleness=p.staleness, backups=p.backups).check_workers(roles.num_workers)
+    except ValueError as e:
+        raise ValueError(f"[ps] servers={p.servers}, mode={p.mode!r}: {e}") from None
+    if cfg.train.precision == "fp16":
+        raise ValueError("train.precision fp16 is not supported with strategy ps (it needs a loss scaler); use bf16")
+    servers = range(world_size - p.servers, world_size)
+    if cfg.straggler.rank in servers:
+        raise ValueError(f"straggler.rank {cfg.straggler.rank} is a parameter server (ranks {servers.start}-"
+                         f"{servers.stop - 1}); a straggler must be a worker, a rank below {servers.start}")
+    if p.lookahead and p.mode not in ("async", "ssp"):
+        raise ValueError(f"ps.lookahead is for modes async and ssp; in mode {p.mode!r} every applied gradient is "
+                         "fresh, so there is nothing to look ahead for: set lookahead = false")
+    if p.lookahead and cfg.train.optimizer not in ("adamw", "adam", "sgd"):
+        raise ValueError(f"ps.lookahead predicts the optimizer's next step, which dptrain does for adamw, adam and "
+                         f"sgd, not {cfg.train.optimizer!r}: change train.optimizer or set lookahead = false")
+    return roles.num_workers
+
+
+def ps_check_model(cfg, model: nn.Module) -> None:
+    """The servers can split the parameters into ``ps.servers`` shards of whole tensors."""
+    from dptrain.ps.layout import partition
+
+    try:
+        partition([p.numel() for p in model.parameters()], cfg.ps.servers)
+    except ValueError as e:
+        raise ValueError(f"ps.servers={cfg.ps.servers}: {e}") from None
+
+
+def ps_check_resume(path, meta: dict, cfg, world_size: int) -> None:
+    """A ps checkpoint resumes only on the layout it was saved with (:func:`dptrain.checkpoint.ps.check_ps_resume`)."""
+    from dptrain.checkpoint.ps import check_ps_resume
+
+    check_ps_resume(path, meta, cfg.ps.servers, cfg.ps.mode, world_size)
+
+
+def ps_expendable(cfg, world_size: int) -> set[int]:
+    """The workers other than rank 0 of an async, ssp or backup job: the run goes on without them."""
+    return set() if cfg.ps.mode == "sync" else set(range(1, world_size - cfg.ps.servers))
+
+
+def ps_program(ctx: Any) -> Any:
+    """The parameter server's own program (its ranks run two: :func:`dptrain.ps.program.train_ps`)."""
+    from dptrain.ps.program import train_ps
+
+    return train_ps(ctx)

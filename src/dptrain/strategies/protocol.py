@@ -1,30 +1,59 @@
-"""The wrapper protocol: what every data-parallel module wrapper offers the layers above it.
+"""The wrapper protocol: everything a data-parallel wrapper offers the layers above it, and everything in which the
+strategies differ.
 
 A strategy's ``wrap`` (:class:`~dptrain.strategies.registry.Strategy`) returns an
 ``nn.Module`` that also satisfies :class:`DataParallelWrapper`. The user API (``Engine``,
-``prepare()``) and the job runner talk to the wrapper through these members only, never
-through its type or its internals, so a new strategy needs no change above its package.
-What each member means, and what the three wrappers do:
+``prepare()``), the job runner and the checkpoints talk to the wrapper through these
+members only, never through its type, its internals or its strategy's name, so a new
+strategy needs no change above its package: local SGD and DiLoCo were added as one
+package and one registry entry each. What each member means, and what the wrappers do:
 
-================================  ==================  =====================  =====================
-member                            DDP engine          ZeRO                   gossip (D-PSGD)
-================================  ==================  =====================  =====================
-``set_requires_gradient_sync``    flag read at        flag read at the end   no-op (gradients are
-                                  forward             of backward            never reduced)
-``no_sync()``                     the flag, as a context
-``last_step_comm``                bucket stats        unit stats and spans   None (not measured
-                                                                             as reductions)
-``record_comm_spans(on)``         exact completion    no-op (always timed)   no-op
-                                  times per bucket
-``before_optimizer_step()``       no-op               no-op                  mix with neighbours
-================================  ==================  =====================  =====================
+==========================  ===============  ==================  ===============  ================  ================
+member                      DDP engine       ZeRO                gossip (D-PSGD)  local SGD         DiLoCo
+==========================  ===============  ==================  ===============  ================  ================
+``set_requires_gradient_    flag read at     flag read at the    no-op            the DDP engine's  no-op
+sync`` / ``no_sync()``      forward          end of backward                      in the warm-up
+``last_step_comm``          bucket stats     unit stats, spans   None             DDP's, warm-up    None
+``record_comm_spans(on)``   per bucket       no-op (timed)       no-op            DDP's             no-op
+``before_optimizer_step``   no-op            no-op               mix              no-op             no-op
+``after_optimizer_step``    no-op            no-op               no-op            count; average    count; outer
+                                                                                  every H           step every H
+``step_metrics()``          {}               {}                  consensus        bytes of the      bytes of the
+                                                                 distance, mix    averages, local   outer steps,
+                                                                                  steps             steps since
+``finish()``                no-op            no-op               average          average           last outer step
+``checkpoint_state`` /      {} / nothing     {} / nothing        rank: replica,   shared: step      shared: global
+``load_checkpoint_state``                                        optimizer, mix   count; rank:      weights, outer
+                                                                 steps            replica, optim.   momentum; rank:
+                                                                                                    replica, inner
+                                                                                                    optimizer
+``evaluation_module``       ``module``       the wrapper         ``module``       ``module``        ``module``
+``export_weights(path)``    rank 0 writes    gathered, rank 0    rank 0 writes    rank 0 writes     rank 0 writes
+==========================  ===============  ==================  ===============  ================  ================
 
-The protocol stops at what differs in kind between strategies. Gradient clipping is not in
-it: the norm must cover every parameter the optimizer steps, which the wrapper does not
-know (``prepare()`` accepts optimizers over parameters outside the model); the step core
-(:mod:`dptrain.api.step`) asks the registry whether the parameters are sharded and then
-calls the wrapper's own ``clip_grad_norm_`` (ZeRO's sums every rank's shard). Checkpoint
-state follows the entry's ``checkpoint_layout`` (:mod:`dptrain.strategies.state`).
+- ``after_optimizer_step()`` is called by every rank after every optimizer step, skipped
+  ones included (the step count is then the same on every rank): torchft's LocalSGD and
+  DiLoCo hang on the same point (the optimizer's post-step hook).
+- ``step_metrics()`` is called by every rank at a logging step (it may be a collective);
+  its fields go into the metrics record, replacing the engine's where they name the same
+  thing (the bytes a step sent).
+- ``finish()``: every rank, after the last step's checkpoint and before the final
+  evaluation and weights: the replicas made one model where they differ by design.
+- ``checkpoint_state(optimizer)`` returns ``{"shared": ..., "rank": ...}`` (either part may
+  be missing): what the strategy keeps beyond the model and the optimizer under its layout,
+  saved once (``shared``) or by every rank (``rank``); ``load_checkpoint_state`` gets the
+  same back, with ``None`` for a part the checkpoint lacks (another number of ranks, another
+  strategy), and returns what to tell the user about what starts afresh.
+
+A strategy whose registry entry keeps the ``sharded`` checkpoint layout also offers
+:class:`ShardedWrapper`'s members: it saves and loads its own shards (DCP, resharded on
+any world size), loads full tensors from a replicated checkpoint, and names the shards an
+optimizer steps (``prepare()`` moves a user's optimizer onto them).
+
+Gradient clipping is not in the protocol: the norm must cover every parameter the
+optimizer steps, which the wrapper does not know (``prepare()`` accepts optimizers over
+parameters outside the model); the step core (:mod:`dptrain.api.step`) calls the
+wrapper's own ``clip_grad_norm_`` where the entry says the parameters are sharded.
 
 The wrappers live below this package and do not import it (the layers point down): they
 satisfy the protocol by their shape, and ``tests/test_strategies.py`` checks each one.
@@ -33,19 +62,20 @@ satisfy the protocol by their shape, and ``tests/test_strategies.py`` checks eac
 from __future__ import annotations
 
 import contextlib
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 from dptrain.comm.step_stats import StepCommStats
 
-__all__ = ["DataParallelWrapper"]
+__all__ = ["DataParallelWrapper", "ShardedWrapper"]
 
 
 @runtime_checkable
 class DataParallelWrapper(Protocol):
-    """A module wrapped for data parallelism (DDP engine, ZeRO, gossip); see the module docstring.
+    """A module wrapped for data parallelism; see the module docstring.
 
     ``module``: the model as the user built it (under ZeRO its parameters live in the shards).
     ``device``: where the model computes.
@@ -69,3 +99,43 @@ class DataParallelWrapper(Protocol):
 
     def before_optimizer_step(self) -> None:
         """Collective where the strategy needs one between backward and the optimizer step (gossip's mix)."""
+
+    def after_optimizer_step(self) -> None:
+        """After every optimizer step, skipped ones included (local SGD's averages, DiLoCo's outer steps)."""
+
+    def step_metrics(self) -> dict[str, float]:
+        """This strategy's fields for a metrics record; every rank calls it at a logging step."""
+
+    def finish(self) -> None:
+        """Collective, after the last step: make the replicas one model where they differ by design."""
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """The strategy's own state beyond the model and optimizer: ``{"shared": ..., "rank": ...}``."""
+
+    def load_checkpoint_state(self, state: dict[str, dict | None], optimizer: torch.optim.Optimizer) -> str | None:
+        """Load what :meth:`checkpoint_state` saved (None for a part the checkpoint lacks); a note, or None."""
+
+    @property
+    def evaluation_module(self) -> nn.Module:
+        """The module an evaluation runs forward through (no gradient synchronisation)."""
+
+    def export_weights(self, path: Path) -> Path | None:
+        """Collective: the trained model's state dict as one safetensors file, written by rank 0 (its path there)."""
+
+
+@runtime_checkable
+class ShardedWrapper(DataParallelWrapper, Protocol):
+    """A wrapper whose parameters are shards (the ``sharded`` layout): it saves, loads and names them itself."""
+
+    def save_sharded(self, path: Path, optimizer: torch.optim.Optimizer) -> Any:
+        """Collective: this rank's shards of the model and the optimizer state, as DCP files under ``path``."""
+
+    def load_sharded(self, path: Path, optimizer: torch.optim.Optimizer) -> Any:
+        """Collective: a sharded checkpoint, saved on any number of ranks, into the shards."""
+
+    def load_full_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                        source: str) -> None:
+        """Every rank, no collective: the shards cut from full tensors (a replicated checkpoint)."""
+
+    def sharded_parameters(self, key: Any) -> list[torch.Tensor]:
+        """The flat shards holding the parameters its ``split_by`` mapped to ``key``."""

@@ -1,10 +1,12 @@
-"""One :class:`Strategy` per name: the facts every layer above needs, and how to wrap a model.
+"""One :class:`Strategy` per name: the facts every layer above needs, how to wrap a model, and its own rules.
 
-The strategies' own packages (``dptrain.ddp``, ``dptrain.zero``, ``dptrain.gossip.module``,
-``dptrain.ps``) implement them; this module describes each once, for the validation of a
-run, the user API (``Engine``, ``prepare()``), the job runner, the planner and the pages.
-torchtitan's registry is the model: a component is looked up by name in one place and every
-caller goes through it.
+The strategies' own packages (``dptrain.ddp``, ``dptrain.zero``, ``dptrain.gossip``,
+``dptrain.ps``, ``dptrain.localsgd``, ``dptrain.diloco``) implement them; this module
+describes each once, for the validation of a run, the user API (``Engine``,
+``prepare()``), the job runner, the planner and the pages. torchtitan's registry is the
+model: a component is looked up by name in one place and every caller goes through it.
+An entry's functions import their package when called, so looking a strategy up costs
+nothing.
 """
 
 from __future__ import annotations
@@ -12,46 +14,75 @@ from __future__ import annotations
 import difflib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import nn
 
 from dptrain.compress.codecs import CODECS  # the DDP engine's compression hook runs each on its buckets
 from dptrain.compress.zero import ZERO_CODECS  # ZeRO's reduce-scatter runs these shard by shard
-from dptrain.strategies.options import ddp_options, gossip_options, zero_options
+from dptrain.strategies.options import (
+    ddp_compression,
+    ddp_options,
+    gossip_options,
+    ps_check,
+    ps_check_model,
+    ps_check_resume,
+    ps_expendable,
+    ps_program,
+    zero_check,
+    zero_compression,
+    zero_options,
+)
 
-__all__ = ["Strategy", "REGISTRY", "get_strategy", "strategy_names", "SHARDED"]
-
-SHARDED = "sharded"  # the subdirectory of a sharded checkpoint that every rank writes into
+__all__ = ["Strategy", "REGISTRY", "get_strategy", "strategy_names"]
 
 
 @dataclass(frozen=True)
 class Strategy:
     """What dptrain knows of one data-parallel strategy.
 
-    ``zero_stage``: 0 for replicated DDP, 1-3 for ZeRO, None where the planner's memory
-    and traffic model does not apply (gossip, ps). ``shards_parameters``: the wrapper
-    replaces the parameters with shards, so an optimizer is built after wrapping and
-    checkpoints are sharded. ``replicated_state``: every rank holds the same parameters
-    and optimizer state after a step (what the divergence monitor compares).
-    ``checkpoint_layout``: ``replicated`` (rank 0 writes model.pt/optimizer.pt),
-    ``sharded`` (every rank writes its shards through DCP), ``ps`` (the servers' shards).
-    ``codecs``: the values of ``ddp.compression`` it accepts besides ``none``; where there are none,
-    ``uncompressed``: why, completing "strategy NAME ...".
-    ``own_loop``: the job runner trains it with a loop of its own (the parameter server:
-    its workers and servers run different programs, see ``dptrain.runner.ps_loop``).
-    ``buckets``: ``ddp.bucket_cap_mb`` applies (DDP's buckets, ZeRO-1/2's units).
-    ``dynamic_batching``: ranks may take unequal shares of the global batch.
-    ``comm_hooks``: the wrapper takes a communication hook (``register_comm_hook``), which
-    1-bit Adam (``dptrain.optim.OneBitAdam``) replaces the gradient all-reduce with.
-    ``decentralized``: each rank keeps its own replica, mixed with its neighbours' and never
-    made equal by a reduction (gradients stay local): the runner reports the replicas'
-    consensus distance, checkpoints every rank's own and averages them at the end.
-    ``options_argument``: the keyword of ``Engine`` and ``prepare()`` whose dict carries
-    ``wrap``'s options (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``).
-    ``wrap``: ``wrap(model, process_group, **options) -> module`` (None for ``own_loop``), a module
-    satisfying :class:`~dptrain.strategies.protocol.DataParallelWrapper`;
-    ``options``: ``options(cfg, model, nodes) -> dict``, those keyword arguments from a run's config
-    (:mod:`dptrain.strategies.options`).
+    Facts (each a capability, never a stand-in for a name):
+
+    - ``zero_stage``: 0 for replicated DDP, 1-3 for ZeRO, None where the planner's memory and
+      traffic model does not apply;
+    - ``shards_parameters``: the wrapper replaces the parameters with shards, so an optimizer
+      is built after wrapping and the gradient's norm is the wrapper's to take;
+    - ``casts_itself``: the wrapper applies mixed precision itself (its own master weights),
+      so the user API does not autocast;
+    - ``replicated_state``: every rank holds the same parameters and optimizer state after a
+      step (what the divergence monitor compares);
+    - ``checkpoint_layout``: ``replicated`` (rank 0 writes model.pt/optimizer.pt), ``sharded``
+      (every rank writes its shards through DCP: the wrapper is a
+      :class:`~dptrain.strategies.protocol.ShardedWrapper`), ``ps`` (the servers' shards);
+    - ``codecs``: the values of ``ddp.compression`` it accepts besides ``none``; where there
+      are none, ``uncompressed``: why, completing "strategy NAME ...";
+    - ``own_loop``: the job runner runs its own program (``program``) instead of the SPMD
+      loop (the parameter server: servers and workers run different programs);
+    - ``buckets``: ``ddp.bucket_cap_mb`` applies; ``dynamic_batching``: ranks may take unequal
+      shares of the global batch; ``comm_hooks``: the wrapper takes a communication hook
+      (``register_comm_hook``), which 1-bit Adam replaces the gradient all-reduce with;
+      ``optimizer_in_backward``: the wrapper can step the optimizer bucket by bucket inside
+      backward.
+
+    Functions (called with the run's config; the library below never reads it):
+
+    - ``wrap(model, process_group, options, precision, output_dtype) -> module``: a module
+      satisfying :class:`~dptrain.strategies.protocol.DataParallelWrapper` (None for
+      ``own_loop``); ``options`` is what ``options(cfg, model, nodes)`` returns, or what a user
+      passed to ``Engine`` / ``prepare()``: its options object, or a dict of its keyword arguments;
+    - ``check(cfg, world_size) -> int``: its own settings checked (a ValueError naming the
+      values and the fix); returns the ranks that take data;
+    - ``check_model(cfg, model)``, ``check_resume(path, meta, cfg, world_size)``: what only it
+      can say about a model or a checkpoint, before launch;
+    - ``compression(cfg, wrapper) -> compressor | None``: ``ddp.compression`` applied to the
+      built wrapper (a comm hook, or its own compressed reduce-scatter);
+    - ``expendable(cfg, world_size) -> set[int]``: ranks whose death the run survives;
+    - ``program(ctx)``: its own program (``own_loop``), given the runner's lifecycle
+      (:class:`~dptrain.runner.lifecycle.ProgramContext`); rank 0 returns the run's facts.
+
+    ``options_argument``: the keyword ``Engine`` and ``prepare()`` took its options by before
+    ``options=`` (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``), still accepted.
     """
 
     name: str
@@ -60,64 +91,137 @@ class Strategy:
     shards_parameters: bool
     replicated_state: bool
     checkpoint_layout: str
+    casts_itself: bool = False
     codecs: tuple[str, ...] = ()
     uncompressed: str = ""
     own_loop: bool = False
     buckets: bool = True
     dynamic_batching: bool = False
     comm_hooks: bool = False
-    expendable_workers: bool = False
-    decentralized: bool = False
-    options_argument: str = "ddp_kwargs"
+    optimizer_in_backward: bool = False
+    roles: tuple[str, str] = ("ranks", "other ranks")  # what its ranks that take data, and the others, are called
+    options_argument: str = ""
     wrap: Callable[..., nn.Module] | None = None
-    options: Callable[..., dict] | None = None
+    options: Callable[..., Any] | None = None
+    check: Callable[[Any, int], int] | None = None
+    check_model: Callable[[Any, nn.Module], None] | None = None
+    check_resume: Callable[..., None] | None = None
+    compression: Callable[[Any, nn.Module], Any] | None = None
+    expendable: Callable[[Any, int], set[int]] | None = None
+    program: Callable[[Any], Any] | None = None
 
     def accepts_codec(self, codec: str) -> bool:
         return codec == "none" or codec in self.codecs
 
+    def data_ranks(self, cfg: Any, world_size: int) -> int:
+        """The ranks that take data, once its own settings are checked (:attr:`check`)."""
+        return self.check(cfg, world_size) if self.check is not None else world_size
 
-def _wrap_ddp(model: nn.Module, process_group=None, **options) -> nn.Module:
+
+def _keywords(options: Any) -> dict[str, Any]:
+    """A user's options: a dict of keyword arguments (what ``ddp_kwargs=`` carried), or none."""
+    if options is None:
+        return {}
+    if isinstance(options, dict):
+        return dict(options)
+    raise TypeError(f"options for this strategy are a dict of its wrapper's keyword arguments, got "
+                    f"{type(options).__name__}")
+
+
+def _wrap_ddp(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
+              output_dtype: torch.dtype | None = None) -> nn.Module:
     from dptrain.ddp import DistributedDataParallel
 
-    return DistributedDataParallel(model, process_group=process_group, **options)
+    return DistributedDataParallel(model, process_group=process_group, **_keywords(options))
 
 
 def _zero_wrapper(stage: int) -> Callable[..., nn.Module]:
-    def wrap(model: nn.Module, process_group=None, **options) -> nn.Module:
-        from dptrain.zero import ZeRO
+    def wrap(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
+             output_dtype: torch.dtype | None = None) -> nn.Module:
+        from dptrain.zero import MixedPrecision, ZeRO
 
-        return ZeRO(model, stage=stage, process_group=process_group, **options)
+        keywords = _keywords(options)
+        reduce_dtype = keywords.pop("reduce_dtype", torch.float32)  # [zero] reduce_dtype: bf16's reductions
+        if precision == "fp16":
+            raise ValueError(f"precision fp16 is not supported with strategy zero{stage} (it needs a loss scaler "
+                             "over sharded gradients); use bf16, which needs none")
+        if precision == "bf16":
+            if "mixed_precision" in keywords:
+                raise ValueError("precision='bf16' builds ZeRO's MixedPrecision: do not also pass mixed_precision")
+            keywords["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype,
+                                                         output_dtype=output_dtype)
+        return ZeRO(model, stage=stage, process_group=process_group, **keywords)
     return wrap
 
 
-def _wrap_gossip(model: nn.Module, process_group=None, **options) -> nn.Module:
+def _wrap_gossip(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
+                 output_dtype: torch.dtype | None = None) -> nn.Module:
     from dptrain.gossip.module import GossipDataParallel
 
-    return GossipDataParallel(model, process_group=process_group, **options)
+    return GossipDataParallel(model, process_group=process_group, **_keywords(options))
+
+
+def _policy_wrapper(module: str, wrapper: str, policy: str) -> Callable[..., nn.Module]:
+    """``wrap`` for a wrapper taking one options policy (``module:wrapper``, its policy class ``policy``), or its
+    fields as keywords."""
+    def wrap(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
+             output_dtype: torch.dtype | None = None) -> nn.Module:
+        import importlib
+
+        package = importlib.import_module(module)
+        if isinstance(options, getattr(package, policy)):
+            return getattr(package, wrapper)(model, options, process_group=process_group)
+        return getattr(package, wrapper)(model, process_group=process_group, **_keywords(options))
+    return wrap
+
+
+def _localsgd_options(cfg, model: nn.Module, nodes: int) -> Any:
+    from dptrain.localsgd import LocalSGDOptions
+
+    return LocalSGDOptions.from_section(cfg.localsgd, ddp=ddp_options(cfg, model, nodes))
+
+
+def _diloco_options(cfg, model: nn.Module, nodes: int) -> Any:
+    from dptrain.diloco import DiLoCoOptions
+
+    return DiLoCoOptions.from_section(cfg.diloco)
 
 
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
-                    checkpoint_layout="sharded", codecs=ZERO_CODECS, buckets=stage < 3,
-                    options_argument="zero_kwargs",
-                    wrap=_zero_wrapper(stage), options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage))
+                    checkpoint_layout="sharded", casts_itself=True, codecs=ZERO_CODECS, buckets=stage < 3,
+                    options_argument="zero_kwargs", wrap=_zero_wrapper(stage),
+                    options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage), check=zero_check,
+                    compression=zero_compression)
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("ddp", "replicated model, gradients all-reduced in buckets (the DDP engine)", zero_stage=0,
              shards_parameters=False, replicated_state=True, checkpoint_layout="replicated", codecs=CODECS,
-             dynamic_batching=True, comm_hooks=True, wrap=_wrap_ddp, options=ddp_options),
+             dynamic_batching=True, comm_hooks=True, optimizer_in_backward=True, options_argument="ddp_kwargs",
+             wrap=_wrap_ddp, options=ddp_options, compression=ddp_compression),
     _zero(1, "ZeRO-1: optimizer state sharded"),
     _zero(2, "ZeRO-2: optimizer state and gradients sharded"),
     _zero(3, "ZeRO-3: optimizer state, gradients and parameters sharded (FSDP)"),
     Strategy("gossip", "decentralized SGD: parameters mixed with neighbours, no global all-reduce (D-PSGD)",
              zero_stage=None, shards_parameters=False, replicated_state=False, checkpoint_layout="replicated",
              uncompressed="has none (it exchanges parameters with neighbours, not gradients)", buckets=False,
-             decentralized=True, options_argument="gossip_kwargs", wrap=_wrap_gossip, options=gossip_options),
+             options_argument="gossip_kwargs", wrap=_wrap_gossip, options=gossip_options),
     Strategy("ps", "parameter server: workers push gradients to server ranks and pull parameters (sync, async, "
              "SSP, backup workers)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="ps", uncompressed="sends fp32 gradients to its servers", own_loop=True, buckets=False,
-             expendable_workers=True, options_argument=""),
+             roles=("workers", "server rank(s)"), check=ps_check, check_model=ps_check_model,
+             check_resume=ps_check_resume, expendable=ps_expendable, program=ps_program),
+    Strategy("localsgd", "post-local SGD: the DDP engine for a warm-up, then local steps with the models averaged "
+             "every H steps (Lin et al. 2020)", zero_stage=None, shards_parameters=False, replicated_state=False,
+             checkpoint_layout="replicated", uncompressed="averages the models uncompressed, every localsgd.period "
+             "steps", wrap=_policy_wrapper("dptrain.localsgd", "LocalSGD", "LocalSGDOptions"),
+             options=_localsgd_options),
+    Strategy("diloco", "DiLoCo: H local steps of the run's optimizer, then an outer Nesterov step on the averaged "
+             "pseudo-gradients (Douillard et al. 2023)", zero_stage=None, shards_parameters=False,
+             replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
+             "all-reduce itself (diloco.compression)", buckets=False,
+             wrap=_policy_wrapper("dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options),
 ]}
 
 

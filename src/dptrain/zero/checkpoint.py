@@ -5,7 +5,7 @@ resharding is done by ``torch.distributed.checkpoint`` (DCP), which reads, for e
 chunk a rank asks for, the overlapping parts of the chunks that were saved. Keys are
 those of ``torch.distributed.checkpoint.state_dict`` (``get_model_state_dict``, and
 ``get_optimizer_state_dict`` with ``flatten_optimizer_state_dict=True``), so the DDP
-engine's checkpoints (:mod:`dptrain.strategies.state`) use the same names::
+engine's checkpoints (:mod:`dptrain.checkpoint.state`) use the same names::
 
     model.<fqn>                        every parameter (each name of a tied one), buffer and frozen
                                        parameter, in its own shape
@@ -45,11 +45,8 @@ its metadata (its last file), so a crash never leaves a checkpoint that looks co
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import shutil
-import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -57,24 +54,31 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from dptrain.checkpoint.safe_metadata import dcp_load
+from dptrain.checkpoint.sharded import (
+    EXTRA,
+    MODEL,
+    OPTIM,
+    ShardedCheckpointError,
+    checkpoint_shapes,
+    consolidated_state,
+    layout_differences,
+    local_read,
+    placeholder,
+    refuse_old_format,
+    shapes_of,
+    sharded_metadata,
+)
 from dptrain.utils.weights_file import save_state_file
 from dptrain.zero.redistribute import chunk_intervals, chunk_rows, redistribute, zero_intervals
-from dptrain.zero.safe_metadata import UnsafeCheckpointError, dcp_load, read_metadata
 from dptrain.zero.unit import FlatUnit, ParamRef
 
 __all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded", "load_full_state", "consolidated_state",
            "export_safetensors", "checkpoint_shapes", "layout_differences", "local_read", "MODEL", "OPTIM"]
-
-MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."  # key prefixes (get_state_dict's "model" and "optim")
-
-
-class ShardedCheckpointError(ValueError):
-    """A sharded checkpoint that does not fit the model it is loaded into."""
-
 
 # --------------------------------------------------------------------- names and layout
 
@@ -163,14 +167,6 @@ def _state_kinds(model, optimizer: torch.optim.Optimizer) -> dict[int, dict[str,
     return {u.index: {k: v for other in everyone for k, v in other[u.index].items()} for u in model.units}
 
 
-@contextlib.contextmanager
-def local_read() -> Iterator[None]:
-    """A local read (``no_dist``) warns that it is one, which is what it is meant to be."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
-        yield
-
-
 # --------------------------------------------------------------------- save
 
 
@@ -236,44 +232,6 @@ def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, A
 # --------------------------------------------------------------------- load
 
 
-def _metadata(path: Path) -> dict[str, Any]:
-    """The checkpoint's ``{key: storage metadata}``, read locally (no collective)."""
-    if not (path / ".metadata").is_file():
-        raise ShardedCheckpointError(f"{path} is not a dptrain sharded checkpoint: it has no .metadata file "
-                                     "(written last by a complete save)")
-    try:
-        return read_metadata(path).state_dict_metadata  # never plain pickle: it could run code
-    except UnsafeCheckpointError as e:
-        raise ShardedCheckpointError(str(e)) from None
-    except Exception as e:  # a truncated or foreign .metadata: pickle, EOF or attribute errors
-        raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
-
-
-def _refuse_old_format(path: Path, meta: Mapping[str, Any]) -> None:
-    if "shapes" in meta:
-        raise ShardedCheckpointError(
-            f"{path} is in the sharded format dptrain wrote before DTensor checkpoints (flattened parameters in "
-            "ShardedTensors), which cannot be resumed by this version. Export its weights with `dptrain "
-            f"consolidate {path.parent if path.name == 'sharded' else path}` (which reads it), resume it with the "
-            "dptrain version that wrote it, or start afresh with another run_dir")
-
-
-def layout_differences(saved: Mapping[str, list[int]], mine: Mapping[str, list[int]]) -> list[str]:
-    """What differs between a checkpoint's ``{name: shape}`` and a model's: missing, unexpected, other shapes."""
-    missing = sorted(set(mine) - set(saved))
-    unexpected = sorted(set(saved) - set(mine))
-    differ = [f"{n} (checkpoint {tuple(saved[n])}, model {tuple(mine[n])})"
-              for n in sorted(set(mine) & set(saved)) if list(saved[n]) != list(mine[n])]
-    parts = []
-    if missing:
-        parts.append(f"missing from the checkpoint: {', '.join(missing)}")
-    if unexpected:
-        parts.append(f"in the checkpoint but not in the model: {', '.join(unexpected)}")
-    if differ:
-        parts.append(f"shapes differ: {', '.join(differ)}")
-    return parts
-
-
 def _model_shapes(model) -> dict[str, list[int]]:
     names = _aliases(model)
     shapes = {name: list(ref.shape) for ref in _refs(model) for name in names[ref.name]}
@@ -288,19 +246,6 @@ def _check_layout(path: Path, model, saved: dict[str, list[int]]) -> None:
             f"checkpoint {path} does not fit this model ({'; '.join(parts)}). Build the model with the "
             "configuration the checkpoint was saved with, or export it (dptrain consolidate) and load "
             "what matches by hand")
-
-
-def checkpoint_shapes(path: str | os.PathLike) -> dict[str, list[int]]:
-    """``{name: shape}`` of the model entries of a sharded checkpoint (read locally, no collective)."""
-    path = Path(path)
-    meta = _metadata(path)
-    _refuse_old_format(path, meta)
-    return _shapes(meta)
-
-
-def _shapes(meta: Mapping[str, Any]) -> dict[str, list[int]]:
-    return {k[len(MODEL):]: list(md.size) for k, md in meta.items()
-            if k.startswith(MODEL) and isinstance(md, TensorStorageMetadata)}
 
 
 def _element_keys(meta: Mapping[str, Any], shapes: Mapping[str, torch.Size]) -> set[str]:
@@ -326,9 +271,9 @@ def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
     differ from the model's.
     """
     path = Path(path)
-    meta = _metadata(path)
-    _refuse_old_format(path, meta)
-    _check_layout(path, model, _shapes(meta))
+    meta = sharded_metadata(path)
+    refuse_old_format(path, meta)
+    _check_layout(path, model, shapes_of(meta))
     mesh, hybrid = _mesh(model)
     sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()}  # buffers: in place
     element = _element_keys(meta, {r.name: r.shape for r in _refs(model)}) if optimizer is not None else set()
@@ -347,7 +292,7 @@ def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
             if key in element:
                 placeholders(unit, key, md.properties.dtype)
             else:  # scalar state: the unit's first parameter's
-                sd[f"{OPTIM}state.{unit.refs[0].name}.{key}"] = _placeholder(md, unit.device)
+                sd[f"{OPTIM}state.{unit.refs[0].name}.{key}"] = placeholder(md, unit.device)
     for group in optimizer.param_groups if optimizer is not None else []:
         if group["params"]:
             first = group["params"][0]._zero_unit.refs[0].name
@@ -376,13 +321,6 @@ def _state_keys(meta: Mapping[str, Any], unit: FlatUnit) -> list[str]:
     """The optimizer state keys saved for the unit's first parameter (every parameter of a unit has the same)."""
     prefix = f"{OPTIM}state.{unit.refs[0].name}."
     return [k[len(prefix):] for k in meta if k.startswith(prefix)]
-
-
-def _placeholder(md: Any, device: torch.device) -> Any:
-    """An entry for DCP to load a scalar into: a tensor of the saved size and dtype, or anything for bytes."""
-    if isinstance(md, BytesStorageMetadata):
-        return None
-    return torch.empty(md.size, dtype=md.properties.dtype, device=device if len(md.size) else "cpu")
 
 
 def _set_unit_state(optimizer: torch.optim.Optimizer, unit: FlatUnit, state: dict[str, Any]) -> None:
@@ -449,33 +387,6 @@ def _slice_shard(unit: FlatUnit, full_of, dtype: torch.dtype) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------- export
-
-
-def consolidated_state(path: str | os.PathLike, prefix: str = MODEL) -> dict[str, Any]:
-    """Every entry under ``prefix`` (``model.``: parameters by name, ``optim.``: optimizer state), full, in one process.
-
-    No process group: DCP reads every chunk of each entry into one tensor. Also reads the
-    older flattened format (its ``shapes`` entry gives each parameter's shape).
-    """
-    path = Path(path)
-    meta = _metadata(path)
-    sd = {k: _placeholder(md, torch.device("cpu")) for k, md in meta.items() if k.startswith(prefix)}
-    old = "shapes" in meta
-    if old and prefix != MODEL:
-        raise ShardedCheckpointError(f"{path} is in the older sharded format, whose optimizer state is not saved "
-                                     "by parameter name; only its weights can be read (leave out the optimizer)")
-    if old:
-        sd["shapes"] = ""
-    try:
-        with local_read():
-            dcp_load(sd, path, no_dist=True)
-    except Exception as e:  # DCP raises CheckpointException / FileNotFoundError / RuntimeError
-        raise ShardedCheckpointError(f"{path} is not a readable dptrain sharded checkpoint: {e}") from None
-    if old:
-        shapes = json.loads(sd.pop("shapes"))
-        return {k[len(prefix):]: v.reshape(shapes[k[len(MODEL):]]) if k[len(MODEL):] in shapes else v
-                for k, v in sd.items()}
-    return {k[len(prefix):]: v for k, v in sd.items()}
 
 
 def export_safetensors(model, path: str | os.PathLike) -> Path | None:

@@ -421,3 +421,54 @@ class ZeRO(nn.Module):
 
     def before_optimizer_step(self) -> None:
         """Nothing: the reduce-scatter in backward left each shard its averaged gradient."""
+
+    def after_optimizer_step(self) -> None:
+        """Nothing: the next forward gathers the stepped shards."""
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}  # its collectives' statistics are last_step_comm's
+
+    def finish(self) -> None:
+        """Nothing: the replicas (the shards' groups) never differ."""
+
+    def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        return {}  # everything it holds is in its shards (save_sharded)
+
+    def load_checkpoint_state(self, state: dict, optimizer: torch.optim.Optimizer) -> str | None:
+        return None
+
+    @property
+    def evaluation_module(self) -> nn.Module:
+        """The wrapper itself: its forward gathers each unit (and, without gradients, frees it again)."""
+        return self
+
+    def export_weights(self, path) -> Any:
+        """Collective: every unit gathered; rank 0 writes the model's state dict (:func:`~dptrain.zero.checkpoint.export_safetensors`)."""
+        from dptrain.zero.checkpoint import export_safetensors
+
+        return export_safetensors(self, path)
+
+    # ------------------------------------------------------------------ its own shards, for checkpoints (sharded)
+
+    def save_sharded(self, path, optimizer: torch.optim.Optimizer) -> Any:
+        """Collective: this rank's row chunks of every parameter and its optimizer state, DCP files under ``path``."""
+        from dptrain.zero.checkpoint import save_sharded
+
+        return save_sharded(path, self, optimizer)
+
+    def load_sharded(self, path, optimizer: torch.optim.Optimizer) -> Any:
+        """Collective: a sharded checkpoint saved on any number of ranks, resharded by DCP into the shards."""
+        from dptrain.zero.checkpoint import load_sharded
+
+        return load_sharded(path, self, optimizer)
+
+    def load_full_state(self, optimizer: torch.optim.Optimizer, model_state: dict, optim_state: dict,
+                        source: str) -> None:
+        """Every rank, no collective: the shards sliced from full tensors (a replicated checkpoint)."""
+        from dptrain.zero.checkpoint import load_full_state
+
+        load_full_state(self, optimizer, model_state, optim_state, source)
+
+    def sharded_parameters(self, key: Any) -> list[torch.Tensor]:
+        """The flat shards of the units whose parameters ``split_by`` mapped to ``key``."""
+        return [unit.shard for unit in self.units if unit.key == key]

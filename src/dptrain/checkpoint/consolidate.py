@@ -12,10 +12,10 @@ hyperparameters of each parameter's group go into the file's metadata (JSON unde
 
 The checkpoint is checked as a resume checks it before anything is read: ``meta.json``
 present and intact, every file matching its sha256
-(:func:`~dptrain.runner.checkpoint.verify_files`); a truncated, partial or foreign one is
+(:func:`~dptrain.checkpoint.files.verify_files`); a truncated, partial or foreign one is
 a :class:`ConsolidateError`. It is held against the rotation of a run still writing it
-(:func:`~dptrain.runner.checkpoint.reading`) while it is read, and ``sharded/.metadata``
-is read without running code (:mod:`dptrain.zero.safe_metadata`).
+(:func:`~dptrain.checkpoint.files.reading`) while it is read, and ``sharded/.metadata``
+is read without running code (:mod:`dptrain.checkpoint.safe_metadata`).
 
 The file is written beside its destination under a temporary name and renamed over it
 (:func:`dptrain.utils.atomic.replacing`): a reader sees the old file or the new one.
@@ -32,8 +32,8 @@ from typing import Any
 
 import torch
 
-from dptrain.runner.checkpoint import SHARDED, CheckpointError, find_latest, reading, verify_files
-from dptrain.strategies.state import full_state
+from dptrain.checkpoint.files import SHARDED, CheckpointError, find_latest, reading, verify_files
+from dptrain.checkpoint.state import full_state
 from dptrain.utils.weights_file import save_state_file
 
 __all__ = ["ConsolidateError", "Consolidated", "find_checkpoint", "consolidate_checkpoint"]

@@ -21,12 +21,14 @@ a worker's number of steps is not known in advance (the servers' budget decides,
 async modes a fast worker takes more), no two workers share a collective, and a worker may
 die without stopping the run (``expendable_workers``). What carries over is what the hooks
 wrap, per rank: the heartbeat, fault and straggler injection, the tensor-peak count, the
-trace recorder, the log and metrics backends, and the outputs (:mod:`dptrain.runner.outputs`).
+trace recorder, the log and metrics backends, and the outputs: the runner hands them to this
+program in a :class:`~dptrain.runner.lifecycle.ProgramContext` (the run's lifecycle, shared with
+the SPMD loop), so this package imports nothing above itself.
 
 Checkpoints (every ``checkpoint.every`` steps, and at the end) are cuts of
 :mod:`dptrain.ps.snapshot`, taken while training goes on; the servers write their files and
 rank 0 publishes each cut once every server reports it complete
-(:mod:`dptrain.runner.ps_checkpoint`). A run started again in the same directory, by hand or
+(:mod:`dptrain.ps.checkpoint`). A run started again in the same directory, by hand or
 by ``--max-restarts``, resumes from the newest: servers from their shards and the gradients
 they recorded in flight, workers from their clocks (so their data positions) and random streams.
 """
@@ -34,7 +36,6 @@ they recorded in flight, workers from their clocks (so their data positions) and
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,61 +43,40 @@ from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from dptrain.config import to_toml
-from dptrain.data.loader import ShardedLoader
-from dptrain.launch.heartbeat import Heartbeat
-from dptrain.launch.rendezvous import WorkerEnv, restart_count
-from dptrain.optim.build import build_optimizer
-from dptrain.optim.schedule import scaled_lr, warmup_cosine
-from dptrain.ps import Consistency, CutPolicy, CutSchedule, PSWorker, Roles, ShardServer, build_parameter_server
+from dptrain.checkpoint.files import rng_state, set_rng_state
+from dptrain.checkpoint.resume import seed_everything
+from dptrain.ps.checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
+from dptrain.ps.consistency import Consistency
+from dptrain.ps.job import build_parameter_server
+from dptrain.ps.layout import Roles
+from dptrain.ps.server import ShardServer
+from dptrain.ps.snapshot import CutPolicy, CutSchedule
 from dptrain.ps.wire import pack
-from dptrain.runner.checkpoint import remove_partial, rng_state, set_rng_state
-from dptrain.runner.faults import inject_fault, parse_fault
-from dptrain.runner.log_backends import LogBackends, backends_from_config
-from dptrain.runner.metrics import peak_rss_mb, peak_tensor_mb
-from dptrain.runner.outputs import save_hf_model, save_weights, val_metrics, val_sums
-from dptrain.runner.plan import RunPlan
-from dptrain.runner.ps_checkpoint import CutFiles, Publisher, load_server_cut, load_worker_cut
-from dptrain.runner.report import RunLog, truncate_metrics
-from dptrain.runner.resume import seed_everything
-from dptrain.runner.straggler import Straggler
-from dptrain.runner.tensor_peak import TensorPeak, data_tensors
-from dptrain.runner.trace import TraceRecorder
-from dptrain.tasks import collate
-from dptrain.utils.atomic import write_text_atomic
+from dptrain.ps.worker import PSWorker
 
 __all__ = ["train_ps"]
 
 
-def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> dict | None:
-    """This rank's part: a server serves, a worker trains; ``beat``'s watchdog sees each step, and a server's
-    every update. Rank 0 returns the run's facts (the summary's input)."""
-    cfg, run_dir, rank, plan = rp.cfg, rp.run_dir, env.rank, rp.plan
+def train_ps(ctx: Any) -> Any:
+    """This rank's part: a server serves, a worker trains; the heartbeat's watchdog sees each step, and a server's
+    every update. ``ctx``: the runner's :class:`~dptrain.runner.lifecycle.ProgramContext`. Rank 0 returns the run's
+    facts (the summary's input)."""
+    rp, env, device, beat = ctx.rp, ctx.env, ctx.device, ctx.beat
+    cfg, rank, plan = rp.cfg, env.rank, rp.plan
     t, p = cfg.train, cfg.ps
     wall0 = time.perf_counter()
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    if rank == 0:
-        remove_partial(run_dir)
-        write_text_atomic(run_dir / "config.toml", to_toml(cfg))
-    dist.barrier()
     seed_everything(t.seed)
     task = rp.task
     model = task.build_model().to(device)
-    peak_lr = scaled_lr(t.lr, t.lr_scaling, plan.global_batch_size, t.base_batch_size)
     consistency = Consistency(p.mode, staleness=p.staleness, backups=p.backups)
-    fault = parse_fault(os.environ.get("DPTRAIN_FAULT", ""))
     start_step = rp.resume_meta["step"] if rp.resume_from is not None else 0
     cuts, worker_state = _cut_policy(rp, env, model, device, start_step)
     role = build_parameter_server(
-        model, lambda params: build_optimizer(params, t.optimizer, peak_lr, t.weight_decay, tuple(t.betas),
-                                              t.momentum),
-        num_servers=p.servers, consistency=consistency, steps=t.steps,
-        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), grad_clip=t.grad_clip,
-        lookahead=p.lookahead, before_server_step=_server_step(fault, rank, beat), cuts=cuts,
+        model, ctx.optimizer, num_servers=p.servers, consistency=consistency, steps=t.steps, lr_at=ctx.lr_at,
+        grad_clip=t.grad_clip, lookahead=p.lookahead, before_server_step=_server_step(ctx, rank), cuts=cuts,
         timeout=timedelta(seconds=cfg.ddp.timeout_s))
-    log = RunLog(run_dir / "logs" / f"rank{rank}.log", rank, cfg.log.progress, t.steps, start_step)
+    log = ctx.open_log(start_step)
     workers = plan.world_size
     log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "
              f"parameter server ({p.mode}{_mode_detail(p)}): {workers} worker(s), {p.servers} server(s) "
@@ -119,25 +99,16 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat)
             log.info(f"rank {rank} had died before the cut it resumes from: its random streams start afresh")
     else:
         _load_worker_state(worker_state, model, device)
-    note = truncate_metrics(run_dir / "metrics.jsonl", start_step) if rank == 0 else None
-    if note:
-        log.info(note)
-    sink = backends_from_config(cfg, run_dir, start_step) if rank == 0 else None  # metrics.jsonl and log.backends
-    for line in sink.where() if sink is not None else []:
-        log.info(f"metrics also go to {line}")
+    sink = ctx.open_sink(start_step, log)  # rank 0's metrics.jsonl and log.backends
     beat.mark(start_step)
     loop = _WorkerLoop(
-        role, task, ShardedLoader(task.train_set, plan, rank, seed=t.seed, collate_fn=collate(task))
-        .micro_batches(role.clock), plan.grad_accum_steps, log, device, rank, every=cfg.log.every,
-        straggler=Straggler(cfg.straggler.factor) if cfg.straggler.rank == rank else None,
-        tracer=TraceRecorder(0, time.perf_counter(), cfg.log.trace_start + role.clock, cfg.log.trace_steps)
-        if rank == 0 and cfg.log.trace_steps else None,
+        role, task, ctx.batches(rank, role.clock), plan.grad_accum_steps, log, rank, every=cfg.log.every,
+        straggler=ctx.straggler, tracer=ctx.tracer(role.clock),
         samples_per_update=plan.micro_batch_size * plan.grad_accum_steps * (
             workers if p.mode == "sync" else workers - p.backups if p.mode == "backup" else 1),
         step_of=lambda version: version if consistency.rounds else version // workers,
-        lr_scale=1.0 if consistency.rounds else 1.0 / workers,
-        lr_at=lambda s: warmup_cosine(s, peak_lr, t.warmup_steps, t.steps, t.min_lr_ratio), fault=fault,
-        beat=beat, publisher=Publisher(rp, cuts.schedule, env.world_size, log, start_step) if rank == 0 else None)
+        lr_scale=1.0 if consistency.rounds else 1.0 / workers, ctx=ctx,
+        publisher=Publisher(rp, cuts.schedule, env.world_size, log, start_step) if rank == 0 else None)
     try:
         records = loop.run(sink)
         reports = role.leave()
@@ -146,11 +117,13 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat)
         if rank == 0:
             loop.publisher.advance(min(role.saved))  # the last cut, complete once every worker has left
             if loop.tracer is not None and loop.tracer.events:
-                loop.tracer.write_local(run_dir / "trace.json")
+                loop.tracer.write_local(rp.run_dir / "trace.json")
                 log.info(f"trace of rank 0's steps {loop.tracer.steps.start}-{loop.tracer.steps.stop - 1}: "
-                         f"{run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
-            facts = _finish(rp, env, model, reports, records, device, log, wall0, peak_lr, start_step,
-                            loop.publisher.labels, sink)
+                         f"{rp.run_dir / 'trace.json'} (open in https://ui.perfetto.dev)")
+            report = _report(cfg, workers, reports, records, loop.publisher.labels)
+            facts = ctx.finish(model, start_step, wall0, sink, log, data_ranks=workers,
+                               layout=f"parameter server ({p.mode}), {workers} workers", strategy_rows=ps_rows(report),
+                               strategy_report=report)
     finally:
         if sink is not None:
             sink.close()
@@ -158,7 +131,7 @@ def train_ps(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat)
     return facts
 
 
-def _cut_policy(rp: RunPlan, env: WorkerEnv, model, device: torch.device,
+def _cut_policy(rp: Any, env: Any, model, device: torch.device,
                 start_step: int) -> tuple[CutPolicy, dict | None]:
     """This rank's part in checkpoints, and (a resumed worker) its state in the cut resumed from."""
     roles = Roles(env.world_size, rp.cfg.ps.servers)
@@ -188,18 +161,19 @@ def _load_worker_state(state: dict, model, device: torch.device) -> None:
                 buffer.copy_(state["buffers"][name])
 
 
-def _server_step(fault: tuple[int, int, str] | None, rank: int, beat: Heartbeat):
+def _server_step(ctx: Any, rank: int):
     """Before a server's update: mark progress; DPTRAIN_FAULT for a server rank fires once, before the server
     applies its first update of that step.
 
     A server's step is the logged one: rounds in sync and backup, gradients applied / workers in async and ssp."""
     fired = []
+    fault = ctx.fault
 
     def before_step(step: int) -> None:
-        beat.mark(step, "serve")
+        ctx.beat.mark(step, "serve")
         if fault and fault[0] == rank and step == fault[1] and not fired:
             fired.append(step)
-            inject_fault(fault[2], rank, step)
+            ctx.inject_fault(fault[2], rank, step)
     return before_step
 
 
@@ -215,35 +189,30 @@ class _WorkerLoop:
     task: Any
     batches: Iterator
     accum: int
-    log: RunLog
-    device: torch.device
+    log: Any  # this rank's RunLog
     rank: int
     every: int
-    straggler: Straggler | None
-    tracer: TraceRecorder | None
+    straggler: Any  # this rank's Straggler, or None
+    tracer: Any  # rank 0's TraceRecorder, or None
     samples_per_update: int  # samples in one server update: micro x accum x gradients per update
     step_of: Callable[[int], int]  # a server version in synchronous steps
     lr_scale: float
-    lr_at: Callable[[int], float]
-    fault: tuple[int, int, str] | None  # DPTRAIN_FAULT, parsed
-    beat: Heartbeat  # marked at each step: the watchdog's view of this worker
+    ctx: Any  # the runner's ProgramContext: the schedule, faults, the heartbeat, the tensor peak, memory
     publisher: Publisher | None  # rank 0's: publishes the checkpoints the servers complete
     tensor_peak_bytes: int | None = None  # its second step's live tensors (CPU), once measured
 
-    def run(self, out: LogBackends | None) -> list[dict]:
+    def run(self, out: Any) -> list[dict]:
         """Steps until the servers stop; each record to ``out`` (rank 0's backends, which the caller closes)."""
-        fault = self.fault
+        fault, ctx = self.ctx.fault, self.ctx
         records, window, step = [], [], self.role.clock  # a worker's steps go on from its clock in a resumed run
         peak_step = step + 2  # the session's second step: its live tensors are measured
         last = (time.perf_counter(), min(self.role.version))
         while not self.role.stopped:  # stopped at once: resumed from the last step's checkpoint
             step += 1
-            self.beat.mark(step)
+            ctx.beat.mark(step)  # the watchdog's view of this worker
             if fault and fault[:2] == (self.rank, step):
-                inject_fault(fault[2], self.rank, step, self.role.model)
-            peak = TensorPeak(extra=self.role.model.parameters(),  # its second step's live tensors
-                              exclude=data_tensors(self.task.train_set, self.task.val_set)) \
-                if step == peak_step and self.device.type == "cpu" else None
+                ctx.inject_fault(fault[2], self.rank, step, self.role.model)
+            peak = ctx.tensor_peak(self.role.model) if step == peak_step else None  # its second step's live tensors
             with peak or contextlib.nullcontext():
                 t0 = time.perf_counter()
                 loss, micro = self._compute()
@@ -251,7 +220,7 @@ class _WorkerLoop:
                 stop = self.role.step(loss)
                 t2 = time.perf_counter()
             if peak is not None:
-                self.tensor_peak_bytes = peak.peak_bytes
+                self.tensor_peak_bytes = getattr(peak, "peak_bytes", None)
             if self.tracer is not None and self.tracer.wants(step):
                 self.tracer.add_ps_step(step, t0, micro, t2)
             window.append((loss, t1 - t0, t2 - t1, t2 - t0))
@@ -293,38 +262,44 @@ class _WorkerLoop:
         worker's loss of the step, as DDP logs it), not rank 0's own."""
         mean = (lambda i: sum(w[i] for w in window) / len(window))
         pushed = self.role.flat.numel() * 4  # the gradient, to the servers; the parameters come back
+        rss, tensors = self.ctx.memory(self.tensor_peak_bytes)
         step = self.step_of(version)
         return {"kind": "train", "step": step, "worker_step": worker_step, "loss": self.role.step_loss,
-                "lr": self.lr_at(step) * self.lr_scale, "grad_norm": self.role.grad_norm, "skipped_steps": 0,
+                "lr": self.ctx.lr_at(step) * self.lr_scale, "grad_norm": self.role.grad_norm, "skipped_steps": 0,
                 "samples_per_s": samples_per_s, "tokens_per_s": samples_per_s * self.task.tokens_per_sample,
                 "step_ms": 1e3 * mean(3), "compute_ms": 1e3 * mean(1), "exposed_comm_ms": 1e3 * mean(2),
                 "comm_busy_ms": 1e3 * mean(2), "overlap_pct": 0.0, "comm_bytes_per_step": 2 * pushed,
                 "comm_compressed_bytes_per_step": 0, "comm_sent_bytes_per_step": pushed, "version": version,
-                "peak_rss_mb": [peak_rss_mb()], "peak_tensor_mb": [peak_tensor_mb(self.device, self.tensor_peak_bytes)],
-                "time": time.time()}
+                "peak_rss_mb": [rss], "peak_tensor_mb": [tensors], "time": time.time()}
 
 
-def _finish(rp: RunPlan, env: WorkerEnv, model, reports: dict, records: list[dict], device, log: RunLog,
-            wall0: float, peak_lr: float, start_step: int, checkpoints: list[int], sink: LogBackends) -> dict:
-    """Rank 0: the final parameters evaluated and saved; returns the run's facts, the servers' reports among them."""
-    cfg, run_dir, plan, t = rp.cfg, rp.run_dir, rp.plan, rp.cfg.train
-    # rank 0 alone (no collective: a worker may be gone), on the samples all workers together would take
-    sums = val_sums(model, rp.task, plan.micro_batch_size, cfg.log.eval_batches * plan.world_size)
-    ev = {"kind": "eval", "step": t.steps, **val_metrics(sums), "time": time.time()}
-    sink.log(ev, t.steps)
-    log.info(f"eval of the final parameters: val_loss {ev['val_loss']:.4f}")
-    save_weights(model, run_dir / "model.safetensors")
-    save_hf_model(cfg, run_dir, log)
-    return {"run_dir": str(run_dir), "task": rp.task.name, "parameters": sum(x.numel() for x in model.parameters()),
-            "world_size": env.world_size, "device": device.type, "backend": dist.get_backend(),
-            "global_batch_size": plan.global_batch_size, "micro_batch_size": plan.micro_batch_size,
-            "grad_accum_steps": plan.grad_accum_steps, "lr_rule": f"peak {peak_lr:.3g}", "peak_lr": peak_lr,
-            "start_step": start_step, "steps": t.steps,
-            "restarts": restart_count(), "wall_s": time.perf_counter() - wall0,
-            "ps": {"mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": plan.world_size,
-                   "staleness_bound": cfg.ps.staleness if cfg.ps.mode == "ssp" else None,
-                   "backups": cfg.ps.backups if cfg.ps.mode == "backup" else None,
-                   "rank0_steps": records[-1]["worker_step"] if records else 0, "servers_report": reports,
-                   "checkpoints": checkpoints,
-                   "straggler": None if cfg.straggler.rank < 0 else {"rank": cfg.straggler.rank,
-                                                                    "factor": cfg.straggler.factor}}}
+def _report(cfg: Any, workers: int, reports: dict, records: list[dict], checkpoints: list[int]) -> dict[str, Any]:
+    """The parameter server's report for the summary (kept in summary.json under "ps")."""
+    return {"mode": cfg.ps.mode, "servers": cfg.ps.servers, "workers": workers,
+            "staleness_bound": cfg.ps.staleness if cfg.ps.mode == "ssp" else None,
+            "backups": cfg.ps.backups if cfg.ps.mode == "backup" else None,
+            "rank0_steps": records[-1]["worker_step"] if records else 0, "servers_report": reports,
+            "checkpoints": checkpoints,
+            "straggler": None if cfg.straggler.rank < 0 else {"rank": cfg.straggler.rank, "factor": cfg.straggler.factor}}
+
+
+def ps_rows(ps: dict[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The parameter server's lines of the summary: per server, updates, staleness, dropped and lost workers."""
+    detail = (f", staleness bound {ps['staleness_bound']}" if ps.get("staleness_bound") is not None else
+              f", {ps['backups']} backup(s)" if ps.get("backups") is not None else "")
+    rows = [("parameter server", f"{ps['mode']}, {ps['servers']} server(s), {ps['workers']} worker(s){detail}")]
+    for name, rep in ps["servers_report"].items():
+        rows.append((name.replace("_", " "), f"{rep['updates']} updates from {rep['gradients']} gradients, "
+                                             f"{rep['dropped']} dropped; per worker {rep['applied_per_worker']}"))
+        rows.append(("  staleness (steps)", _hist(rep["staleness"])))
+        rows.append(("  delay (updates)", _hist(rep["delay"])))
+        if rep["lost_workers"]:
+            rows.append(("  lost workers", "; ".join(f"rank {w}: {why}" for w, why in rep["lost_workers"].items())))
+    if ps.get("straggler"):
+        rows.append(("straggler", f"rank {ps['straggler']['rank']} made {ps['straggler']['factor']:g}x slower"))
+    return tuple(rows)
+
+
+def _hist(counts: dict[str, int]) -> str:
+    total = sum(counts.values()) or 1
+    return ", ".join(f"{k}: {v} ({100 * v / total:.0f}%)" for k, v in counts.items()) or "none"

@@ -17,9 +17,9 @@ rank's row chunks of the parameters and optimizer state as DTensors, in
 :mod:`dptrain.zero.checkpoint`) instead of ``model.pt`` and ``optimizer.pt``;
 ``meta.json`` then says ``"format": "sharded"`` and holds a checksum of every file
 under ``sharded/`` too. Both use the same names for the same state, so a run may
-change between ddp and any ZeRO stage when it resumes (:mod:`dptrain.strategies.state`).
+change between ddp and any ZeRO stage when it resumes (:mod:`dptrain.checkpoint.state`).
 A parameter-server run (``ddp.strategy = "ps"``) writes ``ps/`` instead: each server's
-shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.runner.ps_checkpoint`).
+shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.ps.checkpoint`).
 
 **Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
 ``step_00000200/`` only when every file, ``meta.json`` last, is written and flushed to
@@ -65,9 +65,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from dptrain.checkpoint.sharded import SHARDED  # the sharded checkpoint's subdirectory
 from dptrain.config.loader import identity_hash as hash_identity
 from dptrain.config.loader import normalize_identity
-from dptrain.strategies.registry import SHARDED  # the sharded checkpoint's subdirectory, named by the registry
 from dptrain.utils.atomic import TRASH, remove_tree
 from dptrain.utils.files import UnsafePath, describe, inside, open_file, read_bytes
 
@@ -290,7 +290,7 @@ def load_checkpoint(path: Path, device: torch.device) -> dict[str, Any]:
     """The checkpoint's ``.pt`` files, loaded with ``weights_only`` (no code runs from a checkpoint).
 
     A sharded checkpoint's ``sharded/`` is read by :mod:`dptrain.zero.checkpoint`; a run
-    resumes through :func:`dptrain.strategies.state.load_model_and_optimizer`.
+    resumes through :func:`dptrain.checkpoint.state.load_model_and_optimizer`.
     """
     return {name.removesuffix(".pt"): torch.load(path / name, map_location=device, weights_only=True)
             for name in _FILES if (path / name).exists()}

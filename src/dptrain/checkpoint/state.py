@@ -1,4 +1,4 @@
-"""A checkpoint's model and optimizer state: written by one strategy, read by any (ddp <-> zero1/2/3).
+"""A checkpoint's model and optimizer state: written under one layout, read by a wrapper of any (ddp <-> zero1/2/3).
 
 Both strategies write the keys of ``torch.distributed.checkpoint.state_dict``:
 ``get_model_state_dict`` (``<fqn>`` for every parameter, tied names included, and
@@ -11,12 +11,12 @@ parameter's shape. What differs is the container, chosen for what each strategy 
   system;
 - **sharded** (zero1-3): each rank holds a part, so every rank writes its part into
   ``sharded/`` with DCP, the same keys prefixed ``model.`` and ``optim.``
-  (:mod:`dptrain.zero.checkpoint`).
+  (:mod:`dptrain.checkpoint.sharded`; the wrapper's own ``save_sharded``).
 
 Resuming across strategies reads the other container under the same names:
 
-- a replicated checkpoint into ZeRO: every rank memory-maps the two files and copies
-  the slices its shards cover (:func:`~dptrain.zero.checkpoint.load_full_state`; no
+- a replicated checkpoint into a sharding wrapper: every rank memory-maps the two files
+  and the wrapper copies the slices its shards cover (its ``load_full_state``; no
   collective, and only those pages are read);
 - a sharded checkpoint into DDP: every rank asks DCP for full tensors, into the
   placeholders ``get_model_state_dict`` / ``get_optimizer_state_dict`` return, then
@@ -35,81 +35,45 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from dptrain.strategies.registry import SHARDED
-from dptrain.zero.checkpoint import (
+from dptrain.checkpoint.replicated import index_keyed, replicated_files, replicated_state, set_replicated_state
+from dptrain.checkpoint.safe_metadata import dcp_load
+from dptrain.checkpoint.sharded import (
     MODEL,
     OPTIM,
+    SHARDED,
     ShardedCheckpointError,
     checkpoint_shapes,
     consolidated_state,
     layout_differences,
-    load_full_state,
-    load_sharded,
     local_read,
 )
-from dptrain.zero.safe_metadata import dcp_load
 
-__all__ = ["replicated_state", "set_replicated_state", "load_model_and_optimizer", "full_state",
-           "check_strategy_resume", "index_keyed"]
-
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+__all__ = ["load_model_and_optimizer", "full_state", "check_strategy_resume"]
 
 
-def replicated_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) state of a replicated model under the shared names (see the module docstring)."""
-    return get_model_state_dict(module), get_optimizer_state_dict(module, optimizer, options=FLAT)
+def load_model_and_optimizer(path: Path, engine: Any, device: torch.device) -> None:
+    """Load checkpoint ``path``'s model and optimizer state into ``engine`` (its ``model`` wrapper and
+    ``optimizer``), whichever layout wrote it; ``engine.sharded``: its strategy keeps the sharded layout.
 
-
-def index_keyed(optim_state: dict[str, Any]) -> bool:
-    """Whether an optimizer state is ``optimizer.state_dict()``'s (by parameter index), as dptrain saved it before."""
-    return set(optim_state) == {"state", "param_groups"}
-
-
-def set_replicated_state(module: nn.Module, optimizer: torch.optim.Optimizer, model_state: dict[str, Any],
-                         optim_state: dict[str, Any]) -> None:
-    """Load a replicated model and its optimizer from either naming (shared names, or the older index keys)."""
-    set_model_state_dict(module, model_state)
-    if index_keyed(optim_state):
-        optimizer.load_state_dict(optim_state)
-    else:
-        set_optimizer_state_dict(module, optimizer, optim_state, options=FLAT)
-
-
-def load_model_and_optimizer(path: Path, engine, device: torch.device) -> None:
-    """Load checkpoint ``path``'s model and optimizer state into ``engine``, whichever strategy wrote it.
-
-    Collective when ``engine`` is ZeRO and the checkpoint sharded (DCP resharding);
-    otherwise each rank reads on its own.
+    A sharding wrapper reads through its own ``load_sharded`` (collective: DCP reshards) and
+    ``load_full_state`` (a replicated checkpoint, no collective); a replicated one through
+    ``set_model_state_dict`` on its ``module``, each rank on its own.
     """
-    sharded = (path / SHARDED).is_dir()
-    if engine.sharded and sharded:
-        load_sharded(path / SHARDED, engine.model, engine.optimizer)
+    wrapper, optimizer = engine.model, engine.optimizer
+    saved_sharded = (path / SHARDED).is_dir()
+    if engine.sharded and saved_sharded:
+        wrapper.load_sharded(path / SHARDED, optimizer)
     elif engine.sharded:
-        model_state, optim_state = _replicated_files(path)
+        model_state, optim_state = replicated_files(path)
         if index_keyed(optim_state):
             raise ShardedCheckpointError(_index_keyed_message(path))
-        load_full_state(engine.model, engine.optimizer, model_state, optim_state, str(path))
-    elif sharded:
-        _load_sharded_into_replicated(path / SHARDED, engine.model.module, engine.optimizer)
+        wrapper.load_full_state(optimizer, model_state, optim_state, str(path))
+    elif saved_sharded:
+        _load_sharded_into_replicated(path / SHARDED, wrapper.module, optimizer)
     else:
-        model_state, optim_state = _replicated_files(path, device)
-        set_replicated_state(engine.model.module, engine.optimizer, model_state, optim_state)
-
-
-def _replicated_files(path: Path, device: torch.device | str = "cpu") -> tuple[dict, dict]:
-    """``model.pt`` and ``optimizer.pt`` (on CPU: memory-mapped, read where sliced)."""
-    def load(name: str) -> dict:
-        mmap = torch.device(device).type == "cpu"
-        return torch.load(path / name, map_location=device, weights_only=True, mmap=mmap)
-    return load("model.pt"), load("optimizer.pt")
+        model_state, optim_state = replicated_files(path, device)
+        set_replicated_state(wrapper.module, optimizer, model_state, optim_state)
 
 
 def _load_sharded_into_replicated(path: Path, module: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -138,7 +102,7 @@ def full_state(path: Path, optimizer: bool = False) -> tuple[dict[str, torch.Ten
     if (path / SHARDED).is_dir():
         return (consolidated_state(path / SHARDED, MODEL),
                 consolidated_state(path / SHARDED, OPTIM) if optimizer else {})
-    model_state, optim_state = _replicated_files(path)
+    model_state, optim_state = replicated_files(path)
     if optimizer and index_keyed(optim_state):
         raise ShardedCheckpointError(_index_keyed_message(path))
     return model_state, optim_state if optimizer else {}

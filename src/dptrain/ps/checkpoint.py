@@ -16,7 +16,7 @@ Every file goes into the staging directory ``.step_00000100.tmp/`` first. A serv
 ``workers.pt``) when every worker has marked it; then it reports the cut complete in its
 answers. Rank 0 (worker 0), once every server has reported a cut, writes ``trainer.pt`` and
 ``meta.json`` and renames the directory into place
-(:func:`~dptrain.runner.checkpoint.save_checkpoint`). So a checkpoint is complete or absent,
+(:func:`~dptrain.checkpoint.files.save_checkpoint`). So a checkpoint is complete or absent,
 as in every strategy, and is published about one step after it is taken.
 
 A ps checkpoint resumes only on the world size, ``ps.servers`` and ``ps.mode`` it was saved
@@ -31,14 +31,12 @@ from typing import Any
 
 import torch
 
+from dptrain.checkpoint.files import prune_checkpoints, save_checkpoint, staging_dir
 from dptrain.ps.snapshot import Cut, CutSchedule, transit_messages
 from dptrain.ps.wire import Message, unpack
-from dptrain.runner.checkpoint import CheckpointError, prune_checkpoints, save_checkpoint, staging_dir
-from dptrain.runner.plan import RunPlan
-from dptrain.runner.report import RunLog
 from dptrain.utils.files import open_file
 
-__all__ = ["CutFiles", "Publisher", "check_ps_resume", "load_server_cut", "load_worker_cut", "PS"]
+__all__ = ["CutFiles", "Publisher", "load_server_cut", "load_worker_cut", "PS"]
 
 PS = "ps"  # the checkpoint's subdirectory of server and worker files
 
@@ -77,7 +75,8 @@ def _save(obj, path: Path) -> None:
 class Publisher:
     """Rank 0: each cut that every server reports complete becomes a checkpoint; the newest ``keep_last`` are kept."""
 
-    def __init__(self, rp: RunPlan, schedule: CutSchedule, world_size: int, log: RunLog, published: int = 0):
+    def __init__(self, rp: Any, schedule: CutSchedule, world_size: int, log: Any, published: int = 0):
+        """``rp``: the run's checked plan (its identity, batch, ``[ps]`` and ``[checkpoint]``); ``log``: rank 0's."""
         self.rp, self.schedule, self.world_size, self.log = rp, schedule, world_size, log
         self.published = published
         self.labels: list[int] = []  # published by this session
@@ -97,21 +96,6 @@ class Publisher:
                           console=False)
             self.published = label
             self.labels.append(label)
-
-
-def check_ps_resume(path: Path, meta: dict[str, Any], servers: int, mode: str, world_size: int) -> None:
-    """A CheckpointError naming the values unless the checkpoint at ``path`` was saved on this job's layout."""
-    saved = meta.get("ps", {})
-    now = (world_size, servers, mode)
-    then = (meta.get("world_size"), saved.get("servers"), saved.get("mode"))
-    if now == then:
-        return
-    raise CheckpointError(
-        f"checkpoint {path} was saved by a parameter-server job of {then[0]} ranks with ps.servers={then[1]} and "
-        f"ps.mode={then[2]!r}; this run has {world_size} ranks with ps.servers={servers} and ps.mode={mode!r}. A ps "
-        "checkpoint resumes only on the layout it was saved with (a shard is one server's tensors, each worker's "
-        f"data position is its own): run with --nproc {then[0]} --set ps.servers={then[1]} --set "
-        f"ps.mode={then[2]}, or start afresh with another run_dir")
 
 
 def load_server_cut(path: Path, index: int) -> tuple[dict, list[tuple[int, Message]], dict[int, int]]:
