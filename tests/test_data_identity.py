@@ -28,7 +28,7 @@ def settings(data_dir, run_dir, *extra):
 
 
 def checkpoint_as_the_trainer_writes_it(run_dir, rp, record_data: bool = True) -> None:
-    """The checkpoint's files as runner/hooks_checkpoint.py's save_run_checkpoint writes them, its meta.json with ``"data"`` when asked."""
+    """The checkpoint's files as runner/hooks/checkpoint.py's save_run_checkpoint writes them, its meta.json with ``"data"`` when asked."""
     meta = {"identity": json.loads(json.dumps(rp.identity)), "identity_hash": rp.identity_hash,
             "global_batch_size": rp.plan.global_batch_size, "world_size": 1}
     if record_data:

@@ -15,7 +15,7 @@ import pytest
 from dptrain.api.engine import StepInfo
 from dptrain.pages.finish import plot_title
 from dptrain.runner.hooks import Hooks, StepHook
-from dptrain.runner.hooks_guard import SkipHook, StragglerHook
+from dptrain.runner.hooks.guard import SkipHook, StragglerHook
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.skips import NonFiniteRun
 from dptrain.runner.straggler import Straggler

@@ -66,7 +66,7 @@ def _train(rank: int, world_size: int, strategy: str, steps: range, save: str | 
 
 
 def _save(engine: Engine, path: Path, rank: int) -> None:
-    """What dptrain run's checkpoint holds of the model and optimizer (runner/hooks_checkpoint.py, save_run_checkpoint)."""
+    """What dptrain run's checkpoint holds of the model and optimizer (runner/hooks/checkpoint.py, save_run_checkpoint)."""
     if engine.sharded:
         save_sharded(path / "sharded", engine.model, engine.optimizer)
     else:

@@ -34,7 +34,7 @@ from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.runner.build import build_batches, build_engine, lr_rule, peak_lr
 from dptrain.runner.facts import RunFacts
 from dptrain.runner.hooks import RunContext
-from dptrain.runner.hooks_config import build_hooks
+from dptrain.runner.hooks.build import build_hooks
 from dptrain.runner.lifecycle import base_facts, open_run_dir, open_sink, program_context
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.outputs import evaluate, save_hf_model

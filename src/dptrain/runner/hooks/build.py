@@ -12,9 +12,9 @@ from dptrain.api.engine import Engine
 from dptrain.data.balance import DynamicBatcher
 from dptrain.runner.divergence import DivergenceMonitor, replica_tensors
 from dptrain.runner.hooks import Hooks, RunContext, StepHook
-from dptrain.runner.hooks_checkpoint import EvalCheckpointHook
-from dptrain.runner.hooks_guard import DivergenceHook, FaultHook, HeartbeatHook, SkipHook, StragglerHook
-from dptrain.runner.hooks_metrics import BatchingHook, CompressionStepHook, MetricsHook, TraceHook, strategy_record
+from dptrain.runner.hooks.checkpoint import EvalCheckpointHook
+from dptrain.runner.hooks.guard import DivergenceHook, FaultHook, HeartbeatHook, SkipHook, StragglerHook
+from dptrain.runner.hooks.metrics import BatchingHook, CompressionStepHook, MetricsHook, TraceHook, strategy_record
 from dptrain.runner.lifecycle import run_fault
 from dptrain.runner.straggler import Straggler
 

@@ -3,7 +3,7 @@
 The loop (:mod:`dptrain.runner.loop`) does one thing per step: ``timed_step`` (micro-steps of
 forward and backward, then the optimizer). Everything else a run does around it is a
 :class:`StepHook`, configured from the run's config
-(:func:`dptrain.runner.hooks_config.build_hooks`): the heartbeat,
+(:func:`dptrain.runner.hooks.build.build_hooks`): the heartbeat,
 fault and straggler injection, the skipped-steps bound, dynamic batching, compression's
 per-step bookkeeping, the divergence check, metrics, the trace, evaluation and checkpoints.
 A hook overrides only the moments it needs:
@@ -17,12 +17,12 @@ A hook overrides only the moments it needs:
 - ``at_end(step)``: after the last step (not after a failure);
 - ``close()``: always, last (a failed run closes its files too).
 
-The hooks run in the order :func:`~dptrain.runner.hooks_config.build_hooks` lists them, the
+The hooks run in the order :func:`~dptrain.runner.hooks.build.build_hooks` lists them, the
 same on every rank: several are collectives (the divergence check, the metrics record,
 evaluation, checkpoints), and the ranks must meet in them in the same order. Where they live:
-:mod:`~dptrain.runner.hooks_guard` (heartbeat, faults, straggler, skipped steps, divergence),
-:mod:`~dptrain.runner.hooks_metrics` (metrics, trace, compression's bytes, dynamic batching),
-:mod:`~dptrain.runner.hooks_checkpoint` (evaluation and checkpoints).
+:mod:`~dptrain.runner.hooks.guard` (heartbeat, faults, straggler, skipped steps, divergence),
+:mod:`~dptrain.runner.hooks.metrics` (metrics, trace, compression's bytes, dynamic batching),
+:mod:`~dptrain.runner.hooks.checkpoint` (evaluation and checkpoints).
 """
 
 from __future__ import annotations
