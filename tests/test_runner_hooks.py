@@ -119,7 +119,13 @@ def test_the_straggler_hook_measures_forward_and_backward_less_its_sleep() -> No
 
 
 def test_the_plots_title_says_what_ran() -> None:
-    facts = {"task": "chargpt", "world_size": 4, "global_batch_size": 64}
+    from dataclasses import replace
+
+    from dptrain.runner.facts import RunFacts
+
+    facts = RunFacts(run_dir="r", task="chargpt", parameters=1, world_size=4, device="cpu", backend="gloo",
+                     global_batch_size=64, micro_batch_size=16, grad_accum_steps=1, lr_rule="", peak_lr=1e-3,
+                     start_step=0, steps=1, restarts=0, wall_s=1.0, strategy="ddp")
     assert plot_title(facts) == "chargpt on 4 rank(s), global batch 64"
-    ps = {**facts, "ps": {"mode": "async", "workers": 3}}
+    ps = replace(facts, strategy="ps", layout="parameter server (async), 3 workers")  # as the ps program says it
     assert plot_title(ps) == "chargpt, parameter server (async), 3 workers"
