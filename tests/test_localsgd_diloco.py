@@ -129,24 +129,33 @@ def test_the_flat_average_is_the_per_tensor_oracle_bit_for_bit():
 # ----------------------------------------------------------------------------- DiLoCo
 
 
-def _diloco_reference(rank: int, world_size: int) -> tuple[list, list]:
-    """Inner AdamW for H = 3 steps, then the outer step as Algorithm 1 writes it, with the ranks' weights gathered."""
-    options = DiLoCoOptions(period=3, outer_lr=0.7, outer_momentum=0.9)
+def _diloco_reference(rank: int, world_size: int, warmup: int) -> tuple[list, list]:
+    """``warmup`` DDP steps, then inner AdamW for H = 3 steps and the outer step as Algorithm 1 writes it, with the
+    ranks' weights gathered; the global weights start where the warm-up ends."""
+    options = DiLoCoOptions(period=3, outer_lr=0.7, outer_momentum=0.9, warmup_steps=warmup)
     wrapper = DiLoCo(_model(), options)
     opt = torch.optim.AdamW(wrapper.module.parameters(), lr=1e-2)
-    got = _steps(wrapper, opt, rank, range(7))
+    got = _steps(wrapper, opt, rank, range(warmup + 7))
 
     model = _model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     global_ = [p.detach().clone() for p in model.parameters()]
     outer = outer_optimizer(global_, 0.7, 0.9, True)
     want = []
-    for step in range(7):
+    for step in range(warmup + 7):
         x, y = _batch(rank, step)
         nn.functional.mse_loss(model(x), y).backward()
+        if step < warmup:  # the DDP engine's step: the mean gradient
+            for p in model.parameters():
+                dist.all_reduce(p.grad)
+                p.grad.div_(world_size)
         inner.step()
         inner.zero_grad()
-        if (step + 1) % 3 == 0:
+        if step + 1 == warmup:
+            with torch.no_grad():
+                for g, x_i in zip(global_, model.parameters(), strict=True):
+                    g.copy_(x_i)
+        if step >= warmup and (step + 1 - warmup) % 3 == 0:
             for g, x_i in zip(global_, model.parameters(), strict=True):
                 everyone = [torch.empty_like(x_i) for _ in range(world_size)]
                 dist.all_gather(everyone, x_i.detach().contiguous())
@@ -159,9 +168,9 @@ def _diloco_reference(rank: int, world_size: int) -> tuple[list, list]:
     return got, want
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-def test_diloco_steps_as_written_out(world_size):
-    for got, want in run_on_ranks(_diloco_reference, world_size):
+@pytest.mark.parametrize("world_size,warmup", [(2, 0), (3, 0), (2, 2)])
+def test_diloco_steps_as_written_out(world_size, warmup):
+    for got, want in run_on_ranks(_diloco_reference, world_size, warmup):
         for g, w in zip(got, want, strict=True):
             for a, b in zip(g, w, strict=True):
                 torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -16,7 +16,8 @@ pytestmark = pytest.mark.timeout(240)
 
 SETTINGS = {"localsgd": ["--set", "ddp.strategy=localsgd", "--set", "localsgd.period=4", "--set",
                          "localsgd.warmup_steps=1"],
-            "diloco": ["--set", "ddp.strategy=diloco", "--set", "diloco.period=4", "--set", "diloco.compression=int8"]}
+            "diloco": ["--set", "ddp.strategy=diloco", "--set", "diloco.period=4", "--set", "diloco.compression=int8",
+                       "--set", "diloco.warmup_steps=1"]}
 
 
 @pytest.mark.parametrize("strategy", ["localsgd", "diloco"])

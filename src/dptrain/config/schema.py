@@ -260,6 +260,9 @@ class DiLoCoConfig:
     error_feedback: bool = opt(True, "strategy diloco: add what a rank's compressed pseudo-gradient lost to its next "
                                "one")
     offload: bool = opt(True, "strategy diloco: keep the global weights and the outer momentum on the CPU")
+    warmup_steps: int = opt(0, "strategy diloco: the first steps are the DDP engine's, gradients all-reduced every "
+                               "step; the global weights start where they end (the paper starts from a model "
+                               "trained synchronously)")
 
 
 @dataclass

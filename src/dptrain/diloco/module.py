@@ -6,6 +6,11 @@ every step: H times fewer bytes (4H with int8), and one meeting per H steps, whi
 what makes it train over slow links between machines. The price is the ranks' drift
 between meetings, which the outer optimizer's Nesterov momentum partly turns into speed.
 
+With ``warmup_steps``, the first steps are the DDP engine's (gradients all-reduced every
+step, the replicas equal), and the global weights start where the warm-up ends: the paper
+starts DiLoCo from a model trained synchronously, where the loss has left its first,
+steepest phase, in which the replicas' drift costs the most.
+
 The wrapper keeps the global weights and the outer optimizer's momentum off the compute
 device (``offload``, on the CPU: they are touched once every H steps), as torchft's and
 OpenDiLoCo's do; each rank keeps its own inner optimizer state across rounds, as in the
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.comm.step_stats import StepCommStats
+from dptrain.ddp import DistributedDataParallel
 from dptrain.diloco.options import DiLoCoOptions
 from dptrain.diloco.outer import OuterStep
 from dptrain.utils.weights_file import save_state_file
@@ -51,14 +59,27 @@ class DiLoCo(nn.Module):
         if options is not None and keywords:
             raise TypeError(f"pass DiLoCoOptions or its fields as keywords, not both (got {sorted(keywords)})")
         self.options = options if options is not None else DiLoCoOptions(**keywords)
-        self.module, self.process_group = module, process_group
+        self.process_group = process_group
+        # The DDP engine for the warm-up (it broadcasts rank 0's weights, so the replicas start equal); without
+        # one, the module itself, broadcast here.
+        self.ddp = DistributedDataParallel(module, process_group=process_group, **self.options.ddp) \
+            if self.options.warmup_steps else None
+        if self.ddp is None:
+            self._module = module
+            _broadcast_from_rank0(module, process_group)
         self.device = next(module.parameters()).device
-        _broadcast_from_rank0(module, process_group)  # the replicas start equal, as in DDP
         self.outer = self._fresh_outer()
-        self.steps = 0  # inner steps taken, skipped ones included: the same count on every rank
+        self.steps = 0  # optimizer steps taken, skipped ones included: the same count on every rank
         self.syncs = 0
         self.last_sync_s = 0.0
+        self._user_sync = True  # what the caller asked (no_sync for accumulation), in the warm-up
+        self._synced = False    # whether the latest forward armed a gradient reduction
         self._metered = {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
+
+    @property
+    def module(self) -> nn.Module:
+        """The model as the user built it."""
+        return self.ddp.module if self.ddp is not None else self._module
 
     def _fresh_outer(self) -> OuterStep:
         """The outer step from the replicas' weights now (collective where it compresses: its channel)."""
@@ -68,34 +89,62 @@ class DiLoCo(nn.Module):
                          home="cpu" if o.offload else self.device, process_group=self.process_group)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        return self.module(*inputs, **kwargs)
+        if self.ddp is None:
+            return self._module(*inputs, **kwargs)
+        self._synced = self._user_sync and self.in_warmup
+        self.ddp.set_requires_gradient_sync(self._synced)
+        return self.ddp(*inputs, **kwargs)
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
+    def in_warmup(self) -> bool:
+        return self.steps < self.options.warmup_steps
+
+    @property
     def steps_since_sync(self) -> int:
-        return self.steps % self.options.period
+        """Inner steps since the last outer step (0 in the warm-up and right after an outer step)."""
+        local = self.steps - self.options.warmup_steps
+        return 0 if local <= 0 else local % self.options.period
 
     # ------------------------------------------------------------------ the wrapper protocol
 
-    last_step_comm = None  # no step reduces gradients: the outer steps' bytes are in step_metrics()
-
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """Nothing to switch: inner steps never synchronise gradients."""
+        """In the warm-up, whether the next backward all-reduces (accumulation); inner steps never do."""
+        self._user_sync = requires_gradient_sync
 
-    def no_sync(self) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        before = self._user_sync
+        self._user_sync = False
+        try:
+            yield
+        finally:
+            self._user_sync = before
+
+    @property
+    def last_step_comm(self) -> StepCommStats | None:
+        """The DDP engine's buckets for a warm-up step; None for an inner step (the outer steps' bytes are in
+        step_metrics())."""
+        return self.ddp.last_step_comm if self.ddp is not None and self._synced else None
 
     def record_comm_spans(self, on: bool) -> None:
-        """Nothing to record per step: an outer step is timed whole (``sync_ms``)."""
+        """The warm-up's buckets, as the DDP engine records them; an outer step is timed whole (``sync_ms``)."""
+        if self.ddp is not None:
+            self.ddp.record_comm_spans(on)
 
     def before_optimizer_step(self) -> None:
         """Nothing: the inner step applies this rank's own gradient."""
 
     def after_optimizer_step(self) -> None:
-        """Count the inner step; every ``period`` of them, the outer step (collective)."""
+        """Count the step; at the warm-up's end the global weights start from the replicas (all equal); then
+        every ``period`` inner steps, the outer step (collective)."""
         self.steps += 1
+        if self.steps <= self.options.warmup_steps:
+            if self.steps == self.options.warmup_steps:
+                self.outer = self._fresh_outer()
+            return
         self._metered["steps"] += 1
         if self.steps_since_sync == 0:
             self.sync()
@@ -109,8 +158,10 @@ class DiLoCo(nn.Module):
         self.last_sync_s = time.perf_counter() - t0
 
     def step_metrics(self) -> dict[str, float]:
-        """Bytes per inner step since the last call (what the outer steps sent, spread over the steps), the steps
-        since the last outer step, and the last one's time. Not a collective."""
+        """After the warm-up: bytes per inner step since the last call (what the outer steps sent, spread over the
+        steps), the steps since the last outer step, and the last one's time. Not a collective."""
+        if self.steps <= self.options.warmup_steps:
+            return {}
         m, self._metered = self._metered, {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
         steps = max(1, m["steps"])
         return {"comm_bytes_per_step": m["raw"] / steps, "comm_compressed_bytes_per_step": m["payload"] / steps,

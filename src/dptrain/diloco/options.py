@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = ["DiLoCoOptions", "CODECS"]
@@ -19,7 +19,10 @@ class DiLoCoOptions:
     ``compression``: the pseudo-gradient's all-reduce in ``bf16`` or ``int8`` (with
     ``error_feedback``: what a rank's encoding lost is added to its next pseudo-gradient).
     ``offload``: the global weights and the outer optimizer's momentum live on the CPU, not
-    on the device that computes (they are read once every H steps).
+    on the device that computes (they are read once every H steps). ``warmup_steps``: the
+    first steps are the DDP engine's, gradients all-reduced every step, and the global
+    weights start where they end (the paper starts DiLoCo from a model trained
+    synchronously); ``ddp``: the DDP engine's keyword arguments for them.
     """
 
     period: int = 50
@@ -29,6 +32,8 @@ class DiLoCoOptions:
     compression: str = "none"
     error_feedback: bool = True
     offload: bool = True
+    warmup_steps: int = 0
+    ddp: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
@@ -40,12 +45,14 @@ class DiLoCoOptions:
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"DiLoCo's outer_momentum must be in [0, 1), got {self.outer_momentum!r}; the paper's "
                              "is 0.9")
+        if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"DiLoCo's warmup_steps must be a whole number >= 0, got {self.warmup_steps!r}")
         if self.compression not in CODECS:
             raise ValueError(f"DiLoCo's compression must be one of {', '.join(CODECS)}, got {self.compression!r}")
 
     @classmethod
-    def from_section(cls, section: Any) -> DiLoCoOptions:
-        """From a run config's ``[diloco]`` section."""
+    def from_section(cls, section: Any, ddp: dict[str, Any] | None = None) -> DiLoCoOptions:
+        """From a run config's ``[diloco]`` section (and the DDP engine's options for the warm-up)."""
         return cls(period=section.period, outer_lr=section.outer_lr, outer_momentum=section.outer_momentum,
                    nesterov=section.nesterov, compression=section.compression, error_feedback=section.error_feedback,
-                   offload=section.offload)
+                   offload=section.offload, warmup_steps=section.warmup_steps, ddp=dict(ddp or {}))

@@ -184,7 +184,7 @@ def _localsgd_options(cfg, model: nn.Module, nodes: int) -> Any:
 def _diloco_options(cfg, model: nn.Module, nodes: int) -> Any:
     from dptrain.diloco import DiLoCoOptions
 
-    return DiLoCoOptions.from_section(cfg.diloco)
+    return DiLoCoOptions.from_section(cfg.diloco, ddp=ddp_options(cfg, model, nodes))
 
 
 def _zero(stage: int, summary: str) -> Strategy:
@@ -220,7 +220,7 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("diloco", "DiLoCo: H local steps of the run's optimizer, then an outer Nesterov step on the averaged "
              "pseudo-gradients (Douillard et al. 2023)", zero_stage=None, shards_parameters=False,
              replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
-             "all-reduce itself (diloco.compression)", buckets=False,
+             "all-reduce itself (diloco.compression)",
              wrap=_policy_wrapper("dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options),
 ]}
 
