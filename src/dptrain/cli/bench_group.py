@@ -27,7 +27,7 @@ BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator"
               "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
               "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader",
-              "ddp-timeline": "dptrain.bench.ddp_timeline"}
+              "ddp-timeline": "dptrain.bench.ddp_timeline", "diloco": "dptrain.bench.diloco"}
 
 
 def summary(doc: str | None) -> str:
