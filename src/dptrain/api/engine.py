@@ -15,18 +15,16 @@ Mixed precision follows ``torch.autocast``: bf16 on CPU or GPU; fp16 on GPU with
 ``GradScaler``. A step whose gradient norm is not finite is skipped; because the norm
 is the same on every rank, every rank skips it together.
 
-``strategy`` names an entry of the registry (:mod:`dptrain.strategies`), which wraps the
-model: ``"ddp"`` (replicated, the DDP engine), ``"zero1"``/``"zero2"``/``"zero3"``
-(:class:`dptrain.zero.ZeRO`), ``"gossip"`` (:class:`dptrain.gossip.module.GossipDataParallel`:
-gradients stay local, the parameters are mixed with the neighbours' before each optimizer
-step; the gradient norm is then each rank's own), ``"localsgd"``
-(:class:`dptrain.localsgd.LocalSGD`) or ``"diloco"`` (:class:`dptrain.diloco.DiLoCo`).
-``options`` is the strategy's options whichever it is: its options object
-(``LocalSGDOptions(period=8)``...) or a dict of its wrapper's keyword arguments; the
-per-wrapper keywords ``ddp_kwargs``, ``zero_kwargs`` and ``gossip_kwargs`` still work. Where the strategy shards the parameters (ZeRO) the optimizer must be built
-from the wrapped model's shards, so pass a factory
-``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``; bf16 becomes
-ZeRO's own mixed precision (the module computes in bf16 from fp32 master shards,
+``strategy`` names an entry of the registry (:mod:`dptrain.strategies`; ``strategy_names()``,
+or ``dptrain run --config-reference``, lists them with what each does), which wraps the
+model: ``"ddp"`` is the DDP engine. ``options`` is the strategy's options whichever it is:
+its options object or a dict of its wrapper's keyword arguments; the older per-wrapper
+keywords (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``) still work. Under a strategy
+whose replicas differ between steps (``replicated_state`` false: gossip, local steps) the
+gradient norm is each rank's own. Where the strategy shards the parameters
+(``shards_parameters``: ZeRO) the optimizer must be built from the wrapped model's shards,
+so pass a factory ``optimizer=lambda model: torch.optim.AdamW(model.parameters(), ...)``;
+bf16 becomes its own mixed precision (the module computes in bf16 from fp32 master shards,
 no autocast); gradient clipping takes the norm over every rank's shard.
 
     engine = Engine(model, optimizer, plan, precision="bf16", grad_clip=1.0, lr_at=schedule)

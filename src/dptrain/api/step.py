@@ -20,8 +20,8 @@ micro-steps through :class:`OptimizerStep`, in this order:
    skipped step: it is a collective with the neighbours);
 6. ``optimizer.step()`` (through the scaler under fp16), then ``zero_grad`` if asked;
 7. the wrapper's ``after_optimizer_step()``, after every step, skipped ones included, so that
-   every rank counts the same steps (local SGD averages the replicas here, DiLoCo takes its
-   outer step).
+   every rank counts the same steps (a strategy that averages the replicas every few steps
+   does it here).
 
 The divisions cost one pass over the gradients per optimizer step and none when ``k`` is 1;
 nothing is added per micro-step or per gradient.

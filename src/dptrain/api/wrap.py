@@ -8,8 +8,8 @@ facts decide how precision is applied, never its name:
   gets the precision and builds its own mixed precision; there is no autocast;
 - the others run the forward under ``torch.autocast`` (:func:`autocast_dtype`).
 
-Options are one argument, ``options=``: the strategy's options object (``LocalSGDOptions``,
-``DiLoCoOptions``...) or a dict of its wrapper's keyword arguments. The keywords the user
+Options are one argument, ``options=``: the strategy's options object (the policy its
+package defines) or a dict of its wrapper's keyword arguments. The keywords the user
 API took before (``ddp_kwargs=``, ``zero_kwargs=``, ``gossip_kwargs=``) still work: the one
 the entry names (``options_argument``) is its options.
 """
