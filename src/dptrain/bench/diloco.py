@@ -139,7 +139,8 @@ class _Variant:
         totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(totals)
         loss = val_metrics(dict(zip(keys, totals.tolist(), strict=True)))["val_loss"]
-        self.records.append({"step": self.step, "seconds": self.seconds, "sent_bytes": self.sent, "val_loss": loss})
+        self.records.append({"step": self.step, "seconds": self.seconds, "sent_bytes": self.sent, "val_loss": loss,
+                             "phase": "beyond" if self.step > self.args["steps"] else "equal"})
 
 
 class _nothing:
@@ -189,18 +190,15 @@ def _worker(out: Path, args: dict) -> None:
     task = build_task(load_config(None, args["overrides"]))
     plan = BatchPlan.resolve(world, args["global_batch"], args["micro_batch"], None)
     variants = {name: _Variant(name, task, plan, args, rank) for name in args["variants"]}
-    round_index = 0
-    while any(v.step < args["steps"] for v in variants.values()):
-        order = [name for name in variants if variants[name].step < args["steps"]]
-        random.Random(round_index).shuffle(order)
-        for name in order:
-            v = variants[name]
-            v.train(min(args["chunk"], args["steps"] - v.step))
-            if v.step % args["eval_every"] == 0 and v.step < args["steps"]:
-                v.evaluate()
-        round_index += 1
+    _interleave(variants, args, args["steps"])
     for v in variants.values():
         v.evaluate(last=True)
+    if args["beyond"] > 1:  # the variants short of the reference's loss go on (at the schedule's last rate)
+        reference = variants.get("torch") or variants.get("ddp")
+        target = reference.records[-1]["val_loss"] if reference else None
+        going = {n: v for n, v in variants.items() if v not in (variants.get("torch"), variants.get("ddp"))
+                 and target is not None and v.records[-1]["val_loss"] > target}
+        _interleave(going, args, int(args["beyond"] * args["steps"]), target)
     if rank == 0:
         params = sum(p.numel() for p in task.build_model().parameters())
         out.write_text(json.dumps({"records": {n: v.records for n, v in variants.items()}, "params": params}))
@@ -208,15 +206,37 @@ def _worker(out: Path, args: dict) -> None:
     leave_process_groups()
 
 
+def _interleave(variants: dict[str, _Variant], args: dict, until: int, target: float | None = None) -> None:
+    """Train every variant to step ``until``, ``chunk`` steps at a time in a shuffled order per round, evaluating
+    every ``eval_every`` steps; with a ``target``, also at ``until``, and a variant stops once its validation loss
+    is at or below it. Without one, the caller evaluates at ``until`` (the end of the equal-token phase)."""
+    going = dict(variants)
+    round_index = 0
+    while going:
+        order = list(going)
+        random.Random(round_index).shuffle(order)
+        for name in order:
+            v = going[name]
+            v.train(min(args["chunk"], until - v.step))
+            last = v.step == until
+            if (v.step % args["eval_every"] == 0 and not last) or (last and target is not None):
+                v.evaluate()
+                if target is not None and v.records[-1]["val_loss"] <= target:
+                    last = True
+            if last:
+                del going[name]
+        round_index += 1
+
+
 def run(rate_gbit: float, steps: int, chunk: int, eval_every: int, eval_batches: int, overrides: list[str],
         variants: list[str], global_batch: int = 32, micro_batch: int = 16, localsgd_period: int = 8,
-        localsgd_warmup: int = 30, timeout: float = 7200) -> dict:
+        localsgd_warmup: int = 30, beyond: float = 1.0, timeout: float = 7200) -> dict:
     check_root()
     cfg = load_config(None, overrides)
     t = cfg.train
     args = dict(steps=steps, chunk=chunk, eval_every=eval_every, eval_batches=eval_batches, overrides=overrides,
                 variants=variants, global_batch=global_batch, micro_batch=micro_batch,
-                localsgd_period=localsgd_period, localsgd_warmup=localsgd_warmup,
+                localsgd_period=localsgd_period, localsgd_warmup=localsgd_warmup, beyond=beyond,
                 train={"lr": t.lr, "warmup_steps": t.warmup_steps, "min_lr_ratio": t.min_lr_ratio,
                        "weight_decay": t.weight_decay, "betas": list(t.betas), "grad_clip": t.grad_clip})
     with tempfile.TemporaryDirectory() as tmp:
@@ -240,11 +260,13 @@ def summarize(records: dict[str, list[dict]], steps: int) -> dict[str, dict]:
     target = records[reference][-1]["val_loss"] if reference else None
     out = {}
     for name, recs in records.items():
-        final = recs[-1]
-        reached = next((r["seconds"] for r in recs if target is not None and r["val_loss"] <= target), None)
+        final = [r for r in recs if r.get("phase", "equal") == "equal"][-1]  # at equal tokens
+        reached = next((r for r in recs if target is not None and r["val_loss"] <= target), None)
         out[name] = {"final_val_loss": final["val_loss"], "loss_ratio": final["val_loss"] / target if target else None,
                      "sent_bytes_per_step": final["sent_bytes"] / steps, "seconds": final["seconds"],
-                     "seconds_to_reference_loss": reached}
+                     "seconds_to_reference_loss": reached["seconds"] if reached else None,
+                     "steps_to_reference_loss": reached["step"] if reached else None,
+                     "last_step": recs[-1]["step"], "last_val_loss": recs[-1]["val_loss"]}
     base = out.get(reference, {})
     for row in out.values():
         row["fewer_bytes"] = base["sent_bytes_per_step"] / row["sent_bytes_per_step"] \
@@ -263,13 +285,16 @@ def table(result: dict) -> str:
              f"worker) on {cfg['rate_gbit']:g} Gbit/s links; variants interleaved {cfg['chunk']} steps at a time; "
              f"ratios against {ref}.", "",
              f"| variant | final val loss | / {ref} | MiB sent per step per host | fewer bytes | wall s | "
-             f"faster (equal tokens) | s to {ref}'s final loss | sooner |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"faster (equal tokens) | steps, s to {ref}'s final loss | sooner |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def times(x):
         return f"{x:.2f}x" if x else "-"
 
     for name, r in summary["variants"].items():
-        reach = f"{r['seconds_to_reference_loss']:.0f}" if r["seconds_to_reference_loss"] is not None else "not reached"
+        reach = (f"{r['steps_to_reference_loss']}, {r['seconds_to_reference_loss']:.0f}"
+                 if r["seconds_to_reference_loss"] is not None else
+                 f"not by step {r['last_step']} ({r['last_val_loss']:.4f})")
         ratio = f"{r['loss_ratio']:.4f}" if r["loss_ratio"] else "-"
         fewer = f"{r['fewer_bytes']:.1f}x" if r["fewer_bytes"] else "-"
         lines.append(f"| {name} | {r['final_val_loss']:.4f} | {ratio} | {r['sent_bytes_per_step'] / 2**20:.3f} | "
@@ -288,11 +313,14 @@ def table(result: dict) -> str:
 @click.option("--variants", cls=Variadic, type=str, help=f"default: {' '.join(VARIANTS)}")
 @click.option("--localsgd-period", type=int, default=8)
 @click.option("--localsgd-warmup", type=int, default=30)
+@click.option("--beyond", type=float, default=1.0,
+              help="variants short of the reference's final loss at equal tokens train on, up to this many times "
+                   "--steps (at the schedule's last rate), to time when they reach it")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/diloco.json"))
 def main(rate: float, steps: int, chunk: int, eval_every: int, eval_batches: int, overrides: tuple[str, ...],
-         variants: tuple[str, ...], localsgd_period: int, localsgd_warmup: int, out: Path) -> None:
+         variants: tuple[str, ...], localsgd_period: int, localsgd_warmup: int, beyond: float, out: Path) -> None:
     result = run(rate, steps, chunk, eval_every, eval_batches, list(overrides), list(variants) or VARIANTS,
-                 localsgd_period=localsgd_period, localsgd_warmup=localsgd_warmup)
+                 localsgd_period=localsgd_period, localsgd_warmup=localsgd_warmup, beyond=beyond)
     print(table(result))
     save_result(out, result)
 
