@@ -57,10 +57,14 @@ class TensorPeak(TorchDispatchMode):
         self._excluded = {t.untyped_storage()._cdata for t in exclude}
 
     def __enter__(self) -> TensorPeak:
+        # No recount while the tensors alive at the start are taken: each would raise the peak and rescan every
+        # storage seen so far, quadratic in the process's tensors (thousands in a long-lived process).
+        self.peak_bytes = float("inf")
         for t in [*self._extra, *reachable_tensors()]:
             if t is not None:
                 self._track(t)
         self._extra = ()  # holding them would keep them alive
+        self._recount()
         self.peak_bytes = self._live
         return super().__enter__()
 
