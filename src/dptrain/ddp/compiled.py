@@ -21,11 +21,11 @@ The two orders of wrapping:
 - ``torch.compile(DDP(model))``: dynamo starts at the wrapper. Its own work (the buffer
   broadcast, ``Join``'s collectives, the reducer's bookkeeping, a pre-hook on the outputs'
   autograd nodes) is Python that dynamo cannot put in a graph, so it is kept out whole:
-  :data:`eager` (``torch._dynamo.disable``) on those steps, and the wrapper's ``forward``
-  itself is a frame dynamo skips (:func:`skip_frame`), calling the module as a frame of its
-  own, compiled while the wrapper is the active DDP module: split. The cost is one
-  graph break where dynamo meets the skipped forward (torch's class has three: its logger
-  call and, twice, its ``_inside_ddp_forward``).
+  :func:`eager` on those steps, and the wrapper's ``forward`` itself is a frame dynamo
+  skips (:func:`skip_frame`), calling the module as a frame of its own, compiled while the
+  wrapper is the active DDP module: split. No graph break (torch's class has three: its
+  logger call and, twice, its ``_inside_ddp_forward``); a compiled function that calls the
+  wrapped model breaks once, where it calls it.
 
 DDPOptimizer asserts that its first piece (1 MiB, ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``)
 is no larger than the others: torch's class compiled with ``bucket_cap_mb`` under 1 raises
@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
 
 __all__ = ["TorchDDP", "eager", "skip_frame", "run_module", "split_bytes"]
 
@@ -54,13 +55,23 @@ _FIRST_PIECE_BYTES = dist._DEFAULT_FIRST_BUCKET_BYTES if dist.is_available() els
 
 
 def eager(fn: F) -> F:
-    """``fn`` and everything it calls run eagerly, never traced by dynamo (about 1 µs a call)."""
-    return torch._dynamo.disable(fn, recursive=True)
+    """``fn`` and everything it calls run eagerly, never traced by dynamo (:func:`_mark`)."""
+    return _mark(fn, _FrameAction.SKIP)
 
 
 def skip_frame(fn: F) -> F:
-    """Dynamo never traces ``fn``'s own frame, but compiles the frames it calls as usual (about 0.4 µs a call)."""
-    return torch._dynamo.disable(fn, recursive=False)
+    """Dynamo never traces ``fn``'s own frame, but compiles the frames it calls as usual (:func:`_mark`)."""
+    return _mark(fn, _FrameAction.DEFAULT)
+
+
+def _mark(fn: F, callees: _FrameAction) -> F:
+    """What ``torch._dynamo.skip`` does, without importing dynamo (1.5 s) or wrapping ``fn`` (a frame a call):
+    dynamo skips ``fn``'s frames (and, with ``callees`` SKIP, the frames they call), a mark on its code object
+    read by dynamo's frame hook; and dynamo tracing a caller does not inline it (``_torchdynamo_disable``) but
+    calls it, so it runs as a frame of its own, skipped. Private to torch; used by ``torch._dynamo.skip``."""
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, callees))
+    fn._torchdynamo_disable = True  # type: ignore[attr-defined]
+    return fn
 
 
 @skip_frame
