@@ -7,6 +7,8 @@ import re
 import statistics
 from pathlib import Path
 
+from dptrain.bench.stats import bootstrap_ci
+
 d = Path(os.environ.get("OUT", "/tmp/dropin_speed"))
 
 
@@ -28,5 +30,7 @@ for prefix, label in (("mlp", "15.9M MLP"), ("sp", "small parameters (800 tensor
             print(f"  {cap:>3} MiB {v}: " + "; ".join(f"{r['median']:.3f} [{r['ci90'][0]:.2f}, {r['ci90'][1]:.2f}]"
                                                       for r in rs) + f"  (median {statistics.median(r['median'] for r in rs):.3f})")
         per_pair = [n["median"] / o["median"] for o, n in zip(cells["old"], cells["new"], strict=True)]
+        low, high = bootstrap_ci(per_pair)
         print(f"  {cap:>3} MiB new/old per pair: {', '.join(f'{x:.3f}' for x in per_pair)} "
-              f"(median {statistics.median(per_pair):.3f}, range {min(per_pair):.3f}-{max(per_pair):.3f})")
+              f"(median {statistics.median(per_pair):.3f}, 90% interval {low:.3f}-{high:.3f}, "
+              f"{sum(x > 1 for x in per_pair)} of {len(per_pair)} above 1)")
