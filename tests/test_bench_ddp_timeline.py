@@ -5,7 +5,8 @@ from dptrain.bench.ddp_timeline import VARIANTS, chrome_trace, summarise
 
 def _step(t0: float, comm: list) -> dict:
     # forward 10 ms, backward's computation 20 ms, a wait of 5 ms, the optimizer 2 ms
-    return {"start": t0, "forward_end": t0 + 0.010, "last_grad": t0 + 0.030, "backward_end": t0 + 0.035,
+    return {"start": t0, "forward_end": t0 + 0.010, "first_grad": t0 + 0.015, "last_grad": t0 + 0.030,
+            "backward_end": t0 + 0.035,
             "end": t0 + 0.037, "comm": comm}
 
 
@@ -24,12 +25,17 @@ def test_spans_are_the_slowest_ranks_in_ms():
     assert round(row["comm busy"], 6) == 14.0  # the union of 20-32 ms and 25-34 ms, the slower rank's
     assert round(row["isolated all-reduces"], 6) == 10.0
     assert "comm busy" not in rows["no_comm"]
+    # the first all-reduce started 10 ms into backward's 20 ms of computation; both started before it ended
+    assert round(row["first all-reduce, % of backward"], 6) == 50.0
+    assert round(row["first gradient, % of backward"], 6) == 25.0
+    assert row["all-reduces started in backward"] == 2 and row["all-reduces"] == 2
 
 
 def test_the_trace_has_a_process_per_variant_and_compute_and_comm_rows_per_rank():
     trace = chrome_trace([_rank(0.0), _rank(0.0)])["traceEvents"]
     assert {e["pid"] for e in trace} == set(VARIANTS)
-    assert {e["tid"] for e in trace} == {"rank 0 compute", "rank 1 compute", "rank 0 comm", "rank 1 comm"}
+    assert {e["tid"] for e in trace} == {"rank 0 compute", "rank 1 compute", "rank 0 comm", "rank 1 comm",
+                                         "rank 0 gradients", "rank 1 gradients"}
     forward = next(e for e in trace if e["name"] == "forward" and e["pid"] == "torch_ddp")
     assert forward["ts"] == 0.0 and round(forward["dur"], 3) == 10_000.0  # microseconds from the first step
     assert sum(e["name"].startswith("all-reduce") for e in trace) == 2 * 2 * (len(VARIANTS) - 1)

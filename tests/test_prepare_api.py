@@ -3,6 +3,7 @@
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -43,8 +44,8 @@ def _scheduler(optimizer):
 
 def _params(model):
     """Every parameter, full, by name (under ZeRO gathered from the shards; all ranks take part)."""
-    if hasattr(model.module, "gathered_state"):
-        return model.module.gathered_state()
+    if hasattr(model.wrapper, "gathered_state"):
+        return model.wrapper.gathered_state()
     return {name: p.detach().clone() for name, p in model.unwrap().named_parameters()}
 
 
@@ -58,13 +59,13 @@ def _prepared_run(rank, world_size, strategy):
     train, scheduler, model, val, optimizer = prepare(train, scheduler, model, val, optimizer, strategy=strategy,
                                                       grad_accum_steps=ACCUM, grad_clip=CLIP)
     steps, window, passes, synced, evals = [], [], [], [], 0
-    comm = model.module.last_step_comm
+    comm = model.wrapper.last_step_comm
     for _ in range(EPOCHS):
         passes.append([])
         for x, y, index in train:
             F.cross_entropy(model(x), y).backward()
-            synced.append(model.module.last_step_comm is not comm)  # reduced in this backward?
-            comm = model.module.last_step_comm
+            synced.append(model.wrapper.last_step_comm is not comm)  # reduced in this backward?
+            comm = model.wrapper.last_step_comm
             window.append(index.tolist())
             passes[-1] += index.tolist()
             optimizer.step()
@@ -298,6 +299,58 @@ def test_one_cycle_stops_at_its_last_step_and_a_plateau_scheduler_steps_once_per
     for _ in range(2):
         plateau.step(1.0)  # no improvement after the first: patience 1 is used up by the second, not the first
     assert plateau.num_bad_epochs == 1
+
+
+class ReturnsItsLoss(nn.Module):
+    """A model that returns its loss, as nanoGPT's GPT ``(logits, loss)`` and Hugging Face's ``outputs.loss`` do."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(5, 3)
+
+    def forward(self, x, y):
+        logits = self.fc(x)
+        return logits, F.cross_entropy(logits, y)
+
+    def estimate_mfu(self) -> float:  # nanoGPT's loop calls model.module.estimate_mfu(...)
+        return 0.25
+
+
+def _module_and_divided_loss(rank, world_size):
+    torch.manual_seed(0)
+    mine = ReturnsItsLoss()
+    theirs = nn.parallel.DistributedDataParallel(ReturnsItsLoss())
+    model, optimizer = prepare(mine, torch.optim.SGD(mine.parameters(), lr=0.1), grad_accum_steps=ACCUM)
+    hf = pytest.importorskip("transformers.modeling_utils")
+    out = {"torch's .module": isinstance(theirs.module, ReturnsItsLoss), ".module": model.module is mine,
+           "unwrap()": model.unwrap() is mine, "hf unwrap_model": hf.unwrap_model(model) is mine,
+           "estimate_mfu": model.module.estimate_mfu(),
+           ".wrapper": isinstance(model.wrapper, nn.parallel.DistributedDataParallel) and model.wrapper.module is mine}
+    x, y = torch.randn(4, 5), torch.randint(0, 3, (4,))
+    for divide in (False, True):  # nanoGPT's loop divides; each prepare() checks its first window
+        if divide:
+            torch.manual_seed(0)
+            mine = ReturnsItsLoss()
+            model, optimizer = prepare(mine, torch.optim.SGD(mine.parameters(), lr=0.1), grad_accum_steps=ACCUM)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(2 * ACCUM):
+                _, loss = model(x, y)
+                (loss / ACCUM if divide else loss).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        out[f"warnings, divided {divide}"] = [str(w.message) for w in caught if "grad_accum_steps" in str(w.message)]
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_module_is_the_users_model_and_a_loss_divided_by_the_accumulation_steps_is_named():
+    for out in run_on_ranks(_module_and_divided_loss, 2):
+        assert out["torch's .module"] and out[".module"] and out["unwrap()"] and out["hf unwrap_model"]
+        assert out["estimate_mfu"] == 0.25 and out[".wrapper"]
+        assert out["warnings, divided False"] == []
+        [message] = out["warnings, divided True"]  # once, on the first window
+        assert f"is 0.333333 = 1/{ACCUM}" in message and f"gradients {ACCUM} times too small" in message
 
 
 # ------------------------------------------------------------------------ no process group

@@ -30,6 +30,7 @@ moved onto its flat shards in place (as Accelerate does for FSDP2).
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -48,7 +49,7 @@ from dptrain.data.loader import set_epoch
 from dptrain.data.sampler import DistributedSampler
 from dptrain.strategies.protocol import DataParallelWrapper
 from dptrain.strategies.registry import Strategy, get_strategy, strategy_names
-from dptrain.utils.tensors import map_tensors
+from dptrain.utils.tensors import iter_tensors, map_tensors
 
 __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
            "PreparedLoader", "shard_loader", "scheduler_steps_per_epoch", "STRATEGIES", "PRECISIONS",
@@ -132,7 +133,7 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
     for model in picked["model"]:
         done[id(model)] = prepared = _prepare_model(model, picked["optimizer"], entry, precision, device,
                                                     process_group, state, options)
-        wrapper = prepared.module
+        wrapper = prepared.wrapper
     for optimizer in picked["optimizer"]:
         done[id(optimizer)] = PreparedOptimizer(optimizer, state, grad_clip, wrapper,
                                                 sharded=entry.shards_parameters)
@@ -150,35 +151,80 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
 
 
 class PreparedModel(nn.Module):
-    """The strategy's wrapper (``.module``), with the accumulation's sync switch and autocast around its forward.
+    """The strategy's wrapper (``.wrapper``), with the accumulation's sync switch and autocast around its forward.
 
     A forward with autograd on is one micro-step (:meth:`AccumulationState.begin_micro_step`);
     it sets the wrapper's ``set_requires_gradient_sync`` to whether it closes its window, and
     the switch stays so through its backward (ZeRO reads it during backward, DDP at forward)
     until the next forward. Forwards under ``torch.no_grad()`` (evaluation) are
-    not counted. ``unwrap()`` is the original module (under ZeRO its parameters live in the
-    shards: save with ``dptrain.zero.checkpoint.save_sharded(path, model.module, optimizer.optimizer)``).
+    not counted. ``.module`` (and ``unwrap()``) is the model as it was passed, as torch DDP's
+    ``.module`` and Accelerate's ``unwrap_model`` give it, so ``model.module.estimate_mfu()`` works (under ZeRO
+    its parameters live in the shards: save with
+    ``dptrain.zero.checkpoint.save_sharded(path, model.wrapper, optimizer.optimizer)``). The loss is not to be
+    divided by ``grad_accum_steps``: ``optimizer.step()`` divides the window's summed gradients
+    (:func:`check_loss_not_divided`).
     """
 
     def __init__(self, wrapped: nn.Module, state: AccumulationState, autocast_dtype: torch.dtype | None,
                  device: torch.device):
         super().__init__()
-        self.module, self.accumulation, self.device = wrapped, state, device
+        self.wrapper, self.accumulation, self.device = wrapped, state, device
         self._autocast_dtype = autocast_dtype
+        self._loss_checked = state.grad_accum_steps == 1  # nothing to check without accumulation
+
+    @property
+    def module(self) -> nn.Module:
+        """The model as it was passed to ``prepare()`` (on the device); the strategy's wrapper is ``.wrapper``."""
+        return self.wrapper.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.is_grad_enabled():
-            self.module.set_requires_gradient_sync(self.accumulation.begin_micro_step())
+            self.wrapper.set_requires_gradient_sync(self.accumulation.begin_micro_step())
         if self._autocast_dtype is None:
-            return self.module(*args, **kwargs)
-        with torch.autocast(self.device.type, dtype=self._autocast_dtype):
-            out = self.module(*args, **kwargs)
-        # the loss is computed outside, after the forward: in fp32, as Accelerate's convert_outputs_to_fp32
-        return map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
+            out = self.wrapper(*args, **kwargs)
+        else:
+            with torch.autocast(self.device.type, dtype=self._autocast_dtype):
+                out = self.wrapper(*args, **kwargs)
+            # the loss is computed outside, after the forward: in fp32, as Accelerate's convert_outputs_to_fp32
+            out = map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
+        if not self._loss_checked and torch.is_grad_enabled():
+            self._loss_checked = True  # the first micro-step: a loop divides every micro-step's loss alike
+            check_loss_not_divided(out, self.accumulation)
+        return out
 
     def unwrap(self) -> nn.Module:
-        """The model as it was passed to ``prepare()`` (on the device)."""
-        return self.module.module
+        """The model as it was passed to ``prepare()`` (on the device): ``.module``."""
+        return self.module
+
+
+def check_loss_not_divided(out: Any, state: AccumulationState) -> None:
+    """Warn if the loop divides a loss the model returns by ``grad_accum_steps`` (asked on the first micro-step).
+
+    ``optimizer.step()`` divides the window's summed gradients by its micro-step count k, as
+    Accelerate's ``backward`` divides the loss: a loop that also divides its loss by k (nanoGPT's
+    does) steps with gradients k times too small, and nothing fails. What can be seen: the
+    gradient that reaches a 0-dim output requiring grad (a loss the model returns, as nanoGPT's
+    and Hugging Face's models do) is the factor the loop applied to it, exactly 1/k when it
+    divided by k. A loss computed outside the model from its outputs carries no such sign (its
+    value or the outputs' gradients depend on the loss function), so it is not checked: the
+    contract is documented (docs/api.md). A tensor hook on such outputs, on the first micro-step only.
+    """
+    k = state.grad_accum_steps
+
+    def check(grad: torch.Tensor) -> None:
+        factor = float(grad)
+        if abs(factor * k - 1.0) < 1e-5:
+            warnings.warn(
+                f"the gradient reaching the model's loss output (micro-step {state.micro_step} of window "
+                f"{state.window}) is {factor:.6g} = 1/{k}: the loop seems to divide its loss by grad_accum_steps={k}. "
+                f"prepare() already divides each window's summed gradients by its micro-step count ({k}), so the "
+                f"optimizer steps with gradients {k} times too small (1/{k * k} of the mean over the window). Remove "
+                "the division: the loss of each micro-step is its micro-batch's mean, as in one process (Accelerate's "
+                "contract too: its backward divides the loss itself)", UserWarning, stacklevel=2)
+
+    losses = [t for t in iter_tensors(out) if t.dim() == 0 and t.requires_grad and t.is_floating_point()]
+    if len(losses) == 1:  # several scalars: which one is the loss is not known
+        losses[0].register_hook(check)
 
 
 def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], entry: Strategy, precision: str,
@@ -238,7 +284,7 @@ def _check_movable(optimizer: torch.optim.Optimizer, strategy: str) -> None:
         raise ValueError(f"the {type(optimizer).__name__} already has state for {len(optimizer.state)} parameters "
                          f"(it stepped, or loaded a checkpoint); {strategy} replaces the parameters by flat shards, "
                          "so that state cannot follow them. prepare() it before its first step, and resume from a "
-                         "sharded checkpoint afterwards: dptrain.zero.checkpoint.load_sharded(path, model.module, "
+                         "sharded checkpoint afterwards: dptrain.zero.checkpoint.load_sharded(path, model.wrapper, "
                          "optimizer.optimizer)")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError(f"LBFGS keeps its own list of parameters, which cannot be moved onto {strategy}'s "

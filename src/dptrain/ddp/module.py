@@ -19,7 +19,13 @@ the gradient copy on the compute stream and waited for by the compute stream at 
 end of backward, so no host synchronisation is added. On CPU it runs on gloo's
 background threads.
 
-A torch DDP script works unchanged with ``from dptrain import DistributedDataParallel``.
+A torch DDP script works unchanged with ``from dptrain import DistributedDataParallel``, and code that
+asks ``isinstance(model, torch.nn.parallel.DistributedDataParallel)`` gets True: the class is a subclass of
+torch's that never builds torch's reducer ([Note: a subclass of torch's DDP that never runs torch's __init__]
+in ``torch_class.py``). Parameters and buffers named in torch's ignore list
+(``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``) are neither broadcast nor reduced.
+Under ``torch.compile`` the compiled graph is split at bucket boundaries, so the all-reduces still overlap
+backward ([Note: compiled graphs split at bucket boundaries] in ``compiled.py``).
 """
 
 from __future__ import annotations
@@ -38,35 +44,26 @@ from dptrain.comm.fingerprint import collective_check
 from dptrain.ddp.autograd import on_backward_reaching
 from dptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB, ParamInfo, ddp_bucket_layout
 from dptrain.ddp.comm_hooks import CommHook
-from dptrain.ddp.errors import NothingToTrainError, NotInitialisedError
+from dptrain.ddp.compiled import TorchDDP, eager, run_module, skip_frame, split_bytes
+from dptrain.ddp.errors import NothingToTrainError
 from dptrain.ddp.join import DDPJoinHook
 from dptrain.ddp.optimizer_in_backward import BucketOptimizer
 from dptrain.ddp.pickling import pickled_state, restore
 from dptrain.ddp.reducer import Reducer, StepCommStats
 from dptrain.ddp.replicas import broadcast_coalesced, tensor_signature, verify_replicas
 from dptrain.ddp.sync_switch import GradSyncSwitch
+from dptrain.ddp.torch_class import check_arguments, refusal, refuse_the_rest
 from dptrain.utils.tensors import iter_tensors, map_tensors
 
 __all__ = ["DistributedDataParallel"]
 
 
-# Arguments of torch's DDP that dptrain does not implement, with what to do instead.
-_UNSUPPORTED = {
-    "mixed_precision": "use torch.autocast around the forward (see dptrain's mixed-precision docs)",
-    "device_mesh": "pass process_group= (a 1-D data-parallel group) instead",
-    "delay_all_reduce_named_params": "not supported; all parameters are reduced in buckets",
-    "param_to_hook_all_reduce": "not supported",
-    "skip_all_reduce_unused_params": "not supported; unused parameters are reduced as zeros",
-    "bucket_cap_mb_list": "pass a single bucket_cap_mb",
-}
-# Accepted only with the value dptrain implements (docs/ddp.md: torch's arguments and methods).
-_ONLY_VALUE = {
-    "batched_grad_copy": (True, "dptrain always copies a bucket's gradients in one batched op (torch._foreach_copy_)"),
-}
-
-
-class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
+@refuse_the_rest
+class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
     """Data-parallel wrapper with bucketed all-reduce overlapped with backward.
+
+    A subclass of ``torch.nn.parallel.DistributedDataParallel`` that never runs torch's ``__init__``
+    (``torch_class.py``): ``isinstance`` checks and torch's checkpoint helpers treat it as torch's.
 
     Arguments follow ``torch.nn.parallel.DistributedDataParallel``:
 
@@ -90,6 +87,9 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
       copy in and out and one gradient-sized buffer of memory.
     - ``static_graph``: the set of used parameters never changes; learned on the first
       step, then no graph walk is needed.
+    - torch's ignore list: parameters and buffers named in ``module._ddp_params_and_buffers_to_ignore``
+      (``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)``) are
+      neither broadcast nor reduced (``parameters_to_ignore``).
 
     dptrain's own arguments:
 
@@ -134,9 +134,10 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         last_bucket_cap_mb: float | None = None,
         **unsupported: Any,
     ):
-        super().__init__()
+        # nn.Module's __init__, not torch's DDP's: that one would build torch's C++ reducer (torch_class.py)
+        nn.Module.__init__(self)
         Joinable.__init__(self)
-        _check_arguments(unsupported, bucket_cap_mb, device_ids)
+        check_arguments(unsupported, bucket_cap_mb, device_ids)
         if last_bucket_cap_mb is not None and not last_bucket_cap_mb > 0:
             raise ValueError(f"last_bucket_cap_mb must be > 0, got {last_bucket_cap_mb}; use None for no "
                              "separate last bucket")
@@ -148,12 +149,13 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self.algorithm, self.nodes = algorithm, nodes
         # kept to rebuild the reducer when a pickled or deep-copied model is loaded (pickling.py)
         self.bucket_cap_mb, self.last_bucket_cap_mb, self.traffic = bucket_cap_mb, last_bucket_cap_mb, traffic
+        self.bucket_bytes_cap = split_bytes(bucket_cap_mb, DEFAULT_BUCKET_CAP_MB)  # read by dynamo (compiled.py)
         self.check_collectives, self.check_timeout_s = check_collectives, check_timeout_s
         self.device_ids = list(device_ids) if device_ids else None
         self.output_device = output_device
         self.dim = dim
-        # torch 2.13's new name for broadcast_buffers; given, it wins, as in torch
-        self.broadcast_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
+        # torch 2.13's new name for broadcast_buffers (torch's property, inherited, aliases it); given, it wins
+        self.forward_sync_buffers = broadcast_buffers if forward_sync_buffers is None else forward_sync_buffers
         self.find_unused_parameters = find_unused_parameters
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.static_graph = static_graph
@@ -163,20 +165,32 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         self._comm_hook_registered = False
         self._forward_calls = 0
 
-        named = _trainable_parameters(module)
+        # torch's ignore list: names set on the bare module by torch's static helper, read once here as torch does
+        self.parameters_to_ignore = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        named = self._reducer_parameters()
         # the buffers to broadcast each forward, listed once as torch's DDP does (a buffer reassigned to a new
         # tensor after wrapping is not followed): walking every submodule costs 0.5 ms a forward on 400 modules
-        self._synced_buffers = list(module.buffers())
+        self._synced_buffers = self._managed("buffers")
         self.device = _module_device(module)
         self._check_replicas(named, [("option", "algorithm", algorithm, repr(nodes), False)])
         self._param_names = [name for name, _ in named]
-        if init_sync:  # every parameter, frozen ones too, and the buffers unless broadcast_buffers=False
+        if init_sync:  # every parameter not ignored, frozen ones too, and the buffers unless broadcast_buffers=False
             # torch 2.13's rule: broadcast_buffers=False keeps rank-local buffers at construction too; the new
             # name forward_sync_buffers, given, syncs them at construction whatever its value
             init_buffers = forward_sync_buffers is not None or broadcast_buffers
-            states = list(module.parameters()) + (list(module.buffers()) if init_buffers else [])
+            states = self._managed("parameters") + (self._synced_buffers if init_buffers else [])
             broadcast_coalesced(states, 0, self.process_group)
         self.reducer = self._build_reducer(named, check)
+
+    def _managed(self, kind: str) -> list[torch.Tensor]:
+        """The module's parameters or buffers (``kind``) that DDP keeps equal across ranks: all but torch's ignore
+        list."""
+        named = self.module.named_parameters() if kind == "parameters" else self.module.named_buffers()
+        return [t for name, t in named if name not in self.parameters_to_ignore]
+
+    def _reducer_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """What the reducer averages: the trainable parameters not in torch's ignore list (also after unpickling)."""
+        return _trainable_parameters(self.module, self.parameters_to_ignore)
 
     def _build_reducer(self, named: list[tuple[str, nn.Parameter]], check: Any) -> Reducer:
         params = [p for _, p in named]
@@ -204,28 +218,57 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         restore(self, state)
 
     def _check_replicas(self, named: list[tuple[str, nn.Parameter]], options: list[tuple]) -> None:
-        # Collective first: a rank whose model differs must fail together with the rest.
-        signature = options + tensor_signature(self.module.named_parameters(), "parameter")
-        signature += tensor_signature(self.module.named_buffers(), "buffer")
+        # Collective first: a rank whose model differs must fail together with the rest. Ignored parameters and
+        # buffers may differ between ranks, as with torch's class.
+        ignored = self.parameters_to_ignore
+        signature = options + tensor_signature(
+            ((n, p) for n, p in self.module.named_parameters() if n not in ignored), "parameter")
+        signature += tensor_signature(((n, b) for n, b in self.module.named_buffers() if n not in ignored), "buffer")
         verify_replicas(signature, self.process_group, self.device)
         if not named:
+            hint = (f" ({len(ignored)} names are in torch's ignore list, _ddp_params_and_buffers_to_ignore)"
+                    if ignored else "")
             raise NothingToTrainError(
-                f"{type(self.module).__name__} has no parameters that require a gradient, so "
+                f"{type(self.module).__name__} has no parameters that require a gradient{hint}, so "
                 "there is nothing for data parallelism to synchronise. Check that the model "
                 "is not frozen (requires_grad=False everywhere) and that its layers are "
                 "registered as submodules (nn.ModuleList, not a Python list).")
 
+    def __getattr__(self, name: str) -> Any:
+        """nn.Module's lookup of submodules, parameters and buffers; a name of torch's class that dptrain refuses
+        raises AttributeError saying what to use instead (nn.Module's own message would hide it)."""
+        try:
+            return nn.Module.__getattr__(self, name)
+        except AttributeError:
+            message = refusal(type(self), name)
+            if message is None:
+                raise
+            raise AttributeError(message) from None
+
     # ---------------------------------------------------------------------- forward
 
+    @skip_frame
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """Broadcast buffers if due, run the module (compiled or not: [Note: compiled graphs split at bucket
+        boundaries]), then prepare the reducer for the backward through the outputs, returned untouched.
+
+        Under ``torch.compile(ddp_model)`` dynamo skips this frame: the wrapper's steps run eagerly and the
+        module's forward is compiled as a frame of its own, split at bucket boundaries.
+        """
         with torch.autograd.profiler.record_function("dptrain.DistributedDataParallel.forward"):
-            forward_comm = self._pre_forward()
-            if self.device_ids:
-                inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
-            output = self.module(*inputs, **kwargs)
+            inputs, kwargs, forward_comm = self._pre_forward(inputs, kwargs)
+            output = run_module(self, self.module, inputs, kwargs)
             return self._post_forward(output, forward_comm)
 
-    def _pre_forward(self) -> tuple[int, int]:
+    @eager
+    def _pre_forward(self, inputs: tuple, kwargs: dict) -> tuple[tuple, dict, tuple[int, int]]:
+        """Join's notification, the buffer broadcast if due, inputs moved to ``device_ids``; the inputs and the
+        (calls, bytes) communicated."""
+        if self.device_ids:
+            inputs, kwargs = map_tensors((inputs, kwargs), lambda t: t.to(self.device, non_blocking=True))
+        return inputs, kwargs, self._notify_and_sync()
+
+    def _notify_and_sync(self) -> tuple[int, int]:
         self._forward_calls += 1
         join_work = Join.notify_join_context(self)
         if join_work is not None and not self._divide_by_initial_world_size:
@@ -240,6 +283,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
             self._agree_on_grad_sync(is_joined=False)
         return comm
 
+    @eager
     def _post_forward(self, output: Any, forward_comm: tuple[int, int]) -> Any:
         if not torch.is_grad_enabled():
             self.require_forward_param_sync = False
@@ -252,11 +296,6 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         generation = self.reducer.prepare_for_backward(list(iter_tensors(output)), forward_comm)
         on_backward_reaching(output, self.reducer.backward_callback(generation))
         return output
-
-    @property
-    def forward_sync_buffers(self) -> bool:
-        """torch 2.13's name for ``broadcast_buffers``."""
-        return self.broadcast_buffers
 
     def will_sync_module_buffers(self) -> bool:
         """Whether the next forward broadcasts buffers (torch's public name)."""
@@ -277,7 +316,7 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
         return (tuple(moved_inputs),), (moved_kwargs,)
 
     def _will_sync_buffers(self) -> bool:
-        return self.broadcast_buffers and self.require_forward_param_sync and bool(self._synced_buffers)
+        return self.forward_sync_buffers and self.require_forward_param_sync and bool(self._synced_buffers)
 
     def _sync_buffers(self, is_active: bool) -> tuple[int, int]:
         """Broadcast buffers from rank 0, or under Join from the highest rank with data."""
@@ -401,40 +440,18 @@ class DistributedDataParallel(GradSyncSwitch, nn.Module, Joinable):
 
     def _sync_final_model(self, is_last_joiner: bool) -> None:
         src = self._highest_rank_where(is_last_joiner)
-        tensors = list(self.module.parameters())
-        if self.broadcast_buffers:
-            tensors += list(self.module.buffers())
+        tensors = self._managed("parameters")
+        if self.forward_sync_buffers:
+            tensors += self._synced_buffers
         broadcast_coalesced(tensors, src, self.process_group)
 
 
-def _check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids) -> None:
-    for name, (value, why) in _ONLY_VALUE.items():
-        if name in unsupported and unsupported.pop(name) != value:
-            raise TypeError(f"dptrain's DistributedDataParallel supports torch's {name!r} only as {value}: {why}")
-    for name in unsupported:
-        hint = _UNSUPPORTED.get(name)
-        if hint is None:
-            raise TypeError(f"DistributedDataParallel() got an unexpected keyword argument {name!r}")
-        raise TypeError(f"dptrain's DistributedDataParallel does not support torch's {name!r}: {hint}")
-    if not dist.is_available() or not dist.is_initialized():
-        raise NotInitialisedError(
-            "torch.distributed is not initialised: call torch.distributed.init_process_group("
-            "backend='gloo' or 'nccl') on every rank before wrapping the model (torchrun and "
-            "dptrain's launcher set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT for it).")
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0:
-        raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}; "
-                         f"use None for the default ({DEFAULT_BUCKET_CAP_MB:g} MiB)")
-    if device_ids is not None and len(device_ids) > 1:
-        raise ValueError(f"device_ids={list(device_ids)}: one device per process is supported; "
-                         "launch one process per device (torchrun --nproc-per-node N)")
-
-
-def _trainable_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def _trainable_parameters(module: nn.Module, ignored: set[str]) -> list[tuple[str, nn.Parameter]]:
     lazy = [name for name, p in module.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
     if lazy:
         raise RuntimeError(f"parameters {lazy} are uninitialised (lazy modules such as nn.LazyLinear): run one forward "
                            "on a sample batch before wrapping the model, so that their shapes are known")
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+    return [(name, p) for name, p in module.named_parameters() if p.requires_grad and name not in ignored]
 
 
 def _module_device(module: nn.Module) -> torch.device:

@@ -57,12 +57,16 @@ def restore(ddp: Any, state: dict[str, Any]) -> None:
         raise NotInitialisedError("loading a pickled DistributedDataParallel rebuilds it on the default process group, and "
                            "torch.distributed is not initialised: call init_process_group before torch.load, or "
                            f"{_INSTEAD}")
+    state = dict(state)
+    if "broadcast_buffers" in state:  # pickled before broadcast_buffers became torch's alias of forward_sync_buffers
+        state["forward_sync_buffers"] = state.pop("broadcast_buffers")
+    state.setdefault("parameters_to_ignore", set())
     nn.Module.__setstate__(ddp, state)
     ddp.process_group = dist.group.WORLD
-    ddp._synced_buffers = list(ddp.module.buffers())
+    ddp._synced_buffers = ddp._managed("buffers")
     ddp._forward_calls, ddp._comm_hook_registered = 0, False  # a fresh reducer: a hook may be registered again
     ddp.collective_check = collective_check(ddp.check_collectives, ddp.check_timeout_s, None)
-    named = [(name, p) for name, p in ddp.module.named_parameters() if p.requires_grad]
+    named = ddp._reducer_parameters()
     ddp._param_names = [name for name, _ in named]
     ddp.reducer = ddp._build_reducer(named, ddp.collective_check)
 
