@@ -39,6 +39,7 @@ in :attr:`compressor`'s ``state_dict``.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterable
 
 import torch
@@ -46,6 +47,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.comm.cost import collective_cost
+from dptrain.comm.step_stats import InStepComm
 from dptrain.comm.work import Work
 from dptrain.compress.onebit import OneBitAllReduce
 from dptrain.ddp.comm_hooks import GradBucket, allreduce_hook
@@ -61,6 +63,11 @@ class OneBitAdam(torch.optim.Optimizer):
     it must have none (ZeRO, gossip and a compression hook are refused). ``freeze_step``:
     warm-up steps, at least 1. ``process_group``: the model's (default: the world).
     ``lr``, ``betas``, ``eps``, ``weight_decay``: AdamW's, per param group.
+
+    What it communicates: ``compressor.stats`` counts the bytes of every step (the warm-up's
+    fp32 all-reduces, through its hook, and the momentum's 1-bit phases); ``step_comm`` spans
+    the momentum's all-reduce inside the last ``step()`` (an
+    :class:`~dptrain.comm.step_stats.InStepComm`, None in the warm-up), which no engine sees.
     """
 
     # its step() all-reduces the momentum of every parameter at once: the DDP engine's optimizer_in_backward,
@@ -80,9 +87,11 @@ class OneBitAdam(torch.optim.Optimizer):
         self.freeze_step = freeze_step
         self.steps_done = 0
         self._params = [p for g in self.param_groups for p in g["params"]]
+        self._index = {p: i for i, p in enumerate(self._params)}  # a parameter's place in the flat momentum
         self.compressor = OneBitAllReduce(sum(p.numel() for p in self._params), process_group)
         self.hook = PhaseHook(self, process_group)
         self._zero_v: list[torch.Tensor | None] | None = None  # derived from frozen v, rebuilt after a load
+        self.step_comm: InStepComm | None = None  # what the last step() communicated itself (the compression stage)
         _register(model, self.hook)
 
     @property
@@ -97,6 +106,7 @@ class OneBitAdam(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         t = self.steps_done + 1
+        self.step_comm = None
         if t <= self.freeze_step:
             self._adam_step(t)
         else:
@@ -142,18 +152,24 @@ class OneBitAdam(torch.optim.Optimizer):
                 ms.append(m)
         flat = self.compressor.flat_buffer(ms[0].device)
         torch.cat([m.reshape(-1) for m in ms], out=flat)
+        start = time.perf_counter()
         self.compressor.all_reduce_(flat)
+        self.step_comm = InStepComm([(start, time.perf_counter())])
         torch._foreach_copy_(ms, [f.view_as(m) for f, m in zip(flat.split([m.numel() for m in ms]), ms, strict=True)])
         for m, zero in zip(ms, self._zero_variance(), strict=True):
             if zero is not None:
                 m.masked_fill_(zero, 0.0)
+        # the denominators go into the flat buffer, free again (a fresh tensor per parameter and step would leave
+        # holes in the heap: [Note: no temporaries in the 1-bit all-reduce] in dptrain.compress.onebit)
+        denominators = flat.split([m.numel() for m in ms])
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** self.freeze_step)
             for p in group["params"]:
-                state = self.state[p]
+                state, denominator = self.state[p], denominators[self._index[p]].view_as(p)
+                torch.sqrt(state["exp_avg_sq"], out=denominator).div_(bc2_sqrt).add_(eps)
                 p.mul_(1 - lr * wd)
-                p.addcdiv_(state["exp_avg"], (state["exp_avg_sq"].sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+                p.addcdiv_(state["exp_avg"], denominator, value=-step_size)
 
     def _zero_variance(self) -> list[torch.Tensor | None]:
         """Per parameter, where its frozen v is exactly 0 (None where nowhere): computed once, v is frozen."""
@@ -188,7 +204,8 @@ class PhaseHook:
     """The DDP comm hook of :class:`OneBitAdam`: buckets averaged in the warm-up, each rank's own after.
 
     In the warm-up, the all-reduce of ``dptrain.ddp.comm_hooks.allreduce_hook`` (divide by N,
-    sum), counted in the optimizer's ``compressor.stats`` as uncompressed. After the freeze,
+    sum), counted in the optimizer's ``compressor.stats`` as uncompressed (raw and sent bytes,
+    no payload). After the freeze,
     nothing travels but one flag per step: whether every rank's gradient is finite. The
     flags of the buckets launched so far are all-reduced (MIN) at the first wait, which
     comes after the step's launches on every rank (the engine launches every bucket, then
@@ -205,10 +222,8 @@ class PhaseHook:
     def __call__(self, state, bucket: GradBucket) -> Work:
         buffer = bucket.buffer()
         stats = self.optimizer.compressor.stats
-        if not self.optimizer.compressing:
-            nbytes = buffer.numel() * buffer.element_size()
-            stats.raw_bytes += nbytes
-            stats.payload_bytes += nbytes
+        if not self.optimizer.compressing:  # fp32: nothing encoded (payload 0, as for an uncompressed run)
+            stats.raw_bytes += buffer.numel() * buffer.element_size()
             stats.sent_bytes += self._ring_bytes(buffer.numel(), buffer.element_size())
             stats.buckets += 1
             return allreduce_hook(self.group, bucket)

@@ -99,6 +99,7 @@ def summarize(run_dir: Path, info: dict[str, Any], train: list[dict], evals: lis
             "median_tail_comm_ms": statistics.median(r.get("tail_comm_ms", 0.0) for r in steady) if steady else None,
             "median_overlap_pct": med("overlap_pct"),
             "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
+            "comm_sent_bytes_per_step": session[-1].get("comm_sent_bytes_per_step"),
             "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
             "peak_tensor_mb_per_rank": _peak_per_rank(session, "peak_tensor_mb"),
             "skipped_steps": train[-1]["skipped_steps"],
@@ -190,7 +191,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
         rows += [("throughput", f"{tokens}{summary['median_samples_per_s']:,.1f} samples/s (median)"),
                  ("step time", f"{summary['median_step_ms']:.1f} ms: compute {summary['median_compute_ms']:.1f} ms, "
                                f"exposed comm {summary['median_exposed_comm_ms']:.1f} ms{_hideable(summary)}"),
-                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
+                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank{_sent(summary)}, "
                                    f"{_busy(summary)}{summary['median_overlap_pct']:.0f}% overlapped with computation"),
                  ("peak memory", _memory(summary))]
         if summary["skipped_steps"]:
@@ -203,6 +204,12 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     if summary.get("ps"):
         rows += _ps_rows(summary["ps"])
     return rows
+
+
+def _sent(summary: dict[str, Any]) -> str:
+    """The bytes sent, where they differ from those reduced (compression, or a ring on more than 2 ranks)."""
+    sent, raw = summary.get("comm_sent_bytes_per_step"), f"{summary['comm_bytes_per_step'] / 2**20:.2f}"
+    return f" ({sent / 2**20:.2f} MiB sent)" if sent and f"{sent / 2**20:.2f}" != raw else ""
 
 
 def _busy(summary: dict[str, Any]) -> str:
