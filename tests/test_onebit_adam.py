@@ -268,7 +268,7 @@ def _check_bytes(records: list[dict], numel: int, freeze: int, stdout: str) -> N
 @pytest.mark.parametrize("setting, message", [
     ("ddp.strategy=zero2", "strategy 'zero2' has none: set ddp.strategy = \"ddp\""),
     ("ddp.compression=int8", "ddp.compression 'int8'"),
-    ("train.warmup_steps=0", "at least one uncompressed step"),
+    ("train.onebit_freeze_step=-1", "at least one uncompressed step"),
 ])
 def test_dptrain_run_refuses_onebit_adam_where_it_cannot_apply(tmp_path, setting: str, message: str) -> None:
     proc = dptrain("run", "--nproc", "2", "--set", "train.optimizer=onebit_adam", "--set", setting,

@@ -109,7 +109,8 @@ class TrainConfig:
                          "docs/compression.md) (dptrain.optim)",
                          choices=("adamw", "adam", "sgd", "lars", "lamb", "onebit_adam"))
     onebit_freeze_step: int = opt(0, "optimizer onebit_adam: steps of uncompressed AdamW before the second moment is "
-                                  "frozen and the momentum is averaged in 1 bit per element (0: train.warmup_steps)")
+                                  "frozen and the momentum is averaged in 1 bit per element (0: once the second "
+                                  "moment settles, not before train.warmup_steps; docs/compression.md)")
     lr: float = opt(2e-3, "peak learning rate at base_batch_size, before the scaling rule")
     lr_scaling: str = opt("none", "how the peak LR follows the global batch: none, linear (lr x global/base) "
                           "or sqrt (lr x sqrt(global/base))", choices=("none", "linear", "sqrt"))

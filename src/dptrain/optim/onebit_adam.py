@@ -9,16 +9,18 @@ ranks is the momentum, a linear quantity, which 1-bit compression with error fee
 on both sides averages without losing Adam's convergence (the paper's Theorem 1). Per
 step t (1-based), g_i rank i's gradient:
 
-- **warm-up**, t <= ``freeze_step``: AdamW, exactly torch's arithmetic (bias corrections;
-  weight decay decoupled, ``p *= 1 - lr * weight_decay``, when > 0), on the gradient the
-  DDP engine all-reduces as usual (uncompressed fp32);
-- **compression stage**, t > ``freeze_step``: the engine no longer all-reduces gradients
-  (this optimizer's comm hook keeps each rank's own); each rank updates the shared
-  momentum with its own gradient, m_i = beta1 m + (1 - beta1) g_i, and m becomes the 1-bit
-  average of the m_i (:class:`~dptrain.compress.onebit.OneBitAllReduce`); v and its bias
-  correction stay as they were at ``freeze_step``; p -= lr (m / (1 - beta1^t)) /
-  (sqrt(v / (1 - beta2^freeze_step)) + eps). The parameters stay equal on every rank:
-  every rank decodes the same average.
+- **warm-up**, until v freezes at the end of step T: AdamW, exactly torch's arithmetic (bias
+  corrections; weight decay decoupled, ``p *= 1 - lr * weight_decay``, when > 0), on the
+  gradient the DDP engine all-reduces as usual (uncompressed fp32). T is ``freeze_step`` if
+  given, else the first step where :class:`~dptrain.optim.onebit_freeze.FreezeRule` finds v
+  settled (its per-tensor mass drifted by at most ~10% over the last 10 steps; measured on the
+  v every rank holds, the verdict all-reduced);
+- **compression stage**, t > T: the engine no longer all-reduces gradients (this optimizer's
+  comm hook keeps each rank's own); each rank updates the shared momentum with its own
+  gradient, m_i = beta1 m + (1 - beta1) g_i, and m becomes the 1-bit average of the m_i
+  (:class:`~dptrain.compress.onebit.OneBitAllReduce`); v and its bias correction stay as they
+  were at T; p -= lr (m / (1 - beta1^t)) / (sqrt(v / (1 - beta2^T)) + eps). The parameters
+  stay equal on every rank: every rank decodes the same average.
 
 Against DeepSpeed's ``OnebitAdam`` (the reference implementation): bias corrections are
 kept (DeepSpeed has none), so the warm-up is AdamW; the momentum of a coordinate whose v
@@ -32,14 +34,16 @@ own gradient (the average is never formed), so the trainer's ``grad_clip`` clips
 rank's gradient by its own norm, as DeepSpeed does; and a non-finite gradient on any rank
 makes every rank's gradient NaN (one all-reduce of a flag per step), so every rank skips
 the step together, as they do in the warm-up. Checkpoints: the optimizer's state (m, v,
-step; the same on every rank) is ordinary optimizer state; the error buffers are per rank,
-in :attr:`compressor`'s ``state_dict``.
+step, and the freeze rule's record: each tensor's v mass at its last recording, the steps v
+settled and froze at; the same on every rank) is ordinary optimizer state; the error buffers
+are per rank, in :attr:`compressor`'s ``state_dict``.
 """
 
 from __future__ import annotations
 
 import math
 import time
+import warnings
 from collections.abc import Callable, Iterable
 
 import torch
@@ -51,6 +55,7 @@ from dptrain.comm.step_stats import InStepComm
 from dptrain.comm.work import Work
 from dptrain.compress.onebit import OneBitAllReduce
 from dptrain.ddp.comm_hooks import GradBucket, allreduce_hook
+from dptrain.optim.onebit_freeze import FreezeRule, v_mass
 
 __all__ = ["OneBitAdam", "PhaseHook"]
 
@@ -60,8 +65,11 @@ class OneBitAdam(torch.optim.Optimizer):
 
     ``model``: the :class:`dptrain.DistributedDataParallel` wrapping the parameters, before
     its first forward; the optimizer registers its comm hook there (:class:`PhaseHook`), so
-    it must have none (ZeRO, gossip and a compression hook are refused). ``freeze_step``:
-    warm-up steps, at least 1. ``process_group``: the model's (default: the world).
+    it must have none (ZeRO, gossip and a compression hook are refused). ``freeze_step``: the
+    warm-up's steps (at least 1), or None (default): until ``freeze_rule`` (default
+    ``FreezeRule()``; ``dptrain run`` gives it the LR warm-up as ``earliest``) finds v settled.
+    With a ``freeze_step`` the rule still measures, and a warning says so if v had not settled
+    by then. ``process_group``: the model's (default: the world).
     ``lr``, ``betas``, ``eps``, ``weight_decay``: AdamW's, per param group.
 
     What it communicates: ``compressor.stats`` counts the bytes of every step (the warm-up's
@@ -76,18 +84,25 @@ class OneBitAdam(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable, model: nn.Module, *, lr: float = 1e-3,
                  betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.0,
-                 freeze_step: int = 100, process_group: dist.ProcessGroup | None = None):
-        if freeze_step < 1:
+                 freeze_step: int | None = None, freeze_rule: FreezeRule | None = None,
+                 process_group: dist.ProcessGroup | None = None):
+        if freeze_step is not None and freeze_step < 1:
             raise ValueError(f"1-bit Adam needs at least one uncompressed warm-up step to estimate the second "
-                             f"moment it freezes; got freeze_step={freeze_step}, use e.g. the LR warm-up's length")
+                             f"moment it freezes; got freeze_step={freeze_step}: use None (freeze when v settles, "
+                             "freeze_rule) or e.g. the LR warm-up's length")
         if not (lr >= 0 and eps > 0 and weight_decay >= 0 and all(0 <= b < 1 for b in betas)):
             raise ValueError(f"1-bit Adam: lr {lr}, betas {betas}, eps {eps}, weight_decay {weight_decay}: need lr "
                              ">= 0, betas in [0, 1), eps > 0, weight_decay >= 0")
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
-        self.freeze_step = freeze_step
+        self.freeze_step, self.freeze_rule = freeze_step, freeze_rule or FreezeRule()
         self.steps_done = 0
+        self.frozen_at: int | None = None  # the step v froze at (its bias correction's t); None in the warm-up
+        self.settled_at: int | None = None  # the first step the rule found v settled (with freeze_step: it warns)
+        self.last_drift: float | None = None  # the rule's latest measure (for the warning)
+        self._legacy = False  # resumed from a state saved before the rule: keeps the freeze it had then
         self._params = [p for g in self.param_groups for p in g["params"]]
         self._index = {p: i for i, p in enumerate(self._params)}  # a parameter's place in the flat momentum
+        self._numels = torch.tensor([p.numel() for p in self._params], dtype=torch.float64)
         self.compressor = OneBitAllReduce(sum(p.numel() for p in self._params), process_group)
         self.hook = PhaseHook(self, process_group)
         self._zero_v: list[torch.Tensor | None] | None = None  # derived from frozen v, rebuilt after a load
@@ -97,7 +112,7 @@ class OneBitAdam(torch.optim.Optimizer):
     @property
     def compressing(self) -> bool:
         """Whether the next step is in the compression stage (the hook asks, at backward)."""
-        return self.steps_done >= self.freeze_step
+        return self.frozen_at is not None
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None):
@@ -107,19 +122,25 @@ class OneBitAdam(torch.optim.Optimizer):
                 loss = closure()
         t = self.steps_done + 1
         self.step_comm = None
-        if t <= self.freeze_step:
+        if self.frozen_at is None:
             self._adam_step(t)
+            self._consider_freezing(t)
         else:
             self._onebit_step(t)
         self.steps_done = t
         return loss
 
     def _state(self, p: torch.Tensor, t: int) -> dict:
+        """A parameter's state, created at its first step: Adam's m, v and step, and the freeze rule's record (its
+        v's mass at the rule's last recording step; the steps v settled and froze at, 0 for not yet, the same in
+        every parameter's state, as ``step`` is)."""
         state = self.state[p]
         if not state:
             state["step"] = torch.tensor(0.0)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["v_mass"] = torch.tensor(0.0, dtype=torch.float64)
+            state["freeze"] = torch.zeros(2, dtype=torch.float64)  # [settled_at, frozen_at]
         state["step"].fill_(t)
         return state
 
@@ -137,6 +158,50 @@ class OneBitAdam(torch.optim.Optimizer):
                 m.lerp_(g, 1 - beta1)
                 v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
                 p.addcdiv_(m, (v.sqrt() / bc2_sqrt).add_(eps), value=-step_size)
+
+    def _consider_freezing(self, t: int) -> None:
+        """After warm-up step ``t``: the rule's masses when due, its verdict when it decides, and the freeze: at
+        ``freeze_step`` if one was given (with a warning where the rule has not found v settled by then), else at
+        the rule's first settled verdict."""
+        rule = self.freeze_rule
+        if rule.records_at(t):
+            masses = self._v_masses(t)
+            if rule.checks_at(t) and self.settled_at is None:
+                self.last_drift = rule.drift(masses, self._recorded_masses(), self._numels)
+                if self._on_every_rank(rule.settled(self.last_drift)):
+                    self.settled_at = t
+            for p, mass in zip(self._params, masses.tolist(), strict=True):
+                if self.state[p]:
+                    self.state[p]["v_mass"].fill_(mass)
+        if t == (self.freeze_step if self.freeze_step is not None else self.settled_at):
+            if self.settled_at is None and not self._legacy:
+                warnings.warn(_early_freeze(t, rule, self.last_drift), stacklevel=4)
+            self.frozen_at = t
+        self._write_record()
+
+    def _v_masses(self, t: int) -> torch.Tensor:
+        """The rule's statistic now: per parameter, its bias-corrected v's mass (float64; 0 without a v yet)."""
+        return torch.tensor([v_mass(self.state[p].get("exp_avg_sq"), group["betas"][1], t)
+                             for group in self.param_groups for p in group["params"]], dtype=torch.float64)
+
+    def _recorded_masses(self) -> torch.Tensor:
+        return torch.tensor([float(self.state[p]["v_mass"]) if self.state[p] else 0.0 for p in self._params],
+                            dtype=torch.float64)
+
+    def _on_every_rank(self, flag: bool) -> bool:
+        """``flag`` if it holds on every rank: a MIN all-reduce of it over the model's group (4 bytes, counted)."""
+        if self.hook.world_size == 1:
+            return flag
+        verdict = torch.tensor([float(flag)], device=self._params[0].device)
+        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.hook.group)
+        self.compressor.stats.sent_bytes += self.hook._ring_bytes(1, 4)
+        return bool(verdict)
+
+    def _write_record(self) -> None:
+        """settled_at and frozen_at into every parameter's state (0: not yet), where a checkpoint finds them."""
+        for p in self._params:
+            if self.state[p]:
+                self.state[p]["freeze"].copy_(torch.tensor([self.settled_at or 0, self.frozen_at or 0]))
 
     def _onebit_step(self, t: int) -> None:
         """Local momentum, its 1-bit average over ranks, the update with the frozen v."""
@@ -164,7 +229,7 @@ class OneBitAdam(torch.optim.Optimizer):
         denominators = flat.split([m.numel() for m in ms])
         for group in self.param_groups:
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** self.freeze_step)
+            step_size, bc2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** self.frozen_at)
             for p in group["params"]:
                 state, denominator = self.state[p], denominators[self._index[p]].view_as(p)
                 torch.sqrt(state["exp_avg_sq"], out=denominator).div_(bc2_sqrt).add_(eps)
@@ -179,10 +244,26 @@ class OneBitAdam(torch.optim.Optimizer):
         return self._zero_v
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Optimizer state as saved (m, v, step per parameter); the phase follows the step."""
+        """Optimizer state as saved (m, v, step and the freeze rule's record per parameter).
+
+        A state saved before the rule existed has no record (torch's flat state dicts hand back
+        ``{}`` for it): it froze, or was to freeze, where 1-bit Adam did then, at ``freeze_step``
+        if given, else at the LR warm-up (``freeze_rule.earliest``, what ``dptrain run`` passes;
+        at least step 1), and it keeps doing so.
+        """
         super().load_state_dict(state_dict)
-        steps = [float(self.state[p]["step"]) for p in self._params if "step" in self.state[p]]
-        self.steps_done = int(max(steps)) if steps else 0
+        states = [self.state[p] for p in self._params if "step" in self.state[p]]
+        self.steps_done = int(max(float(s["step"]) for s in states)) if states else 0
+        record = next((s["freeze"] for s in states if torch.is_tensor(s.get("freeze"))), None)
+        if record is None and states:
+            self.freeze_step, self._legacy = self.freeze_step or max(self.freeze_rule.earliest, 1), True
+            self.settled_at, self.frozen_at = None, self.freeze_step if self.steps_done >= self.freeze_step else None
+        else:
+            self.settled_at, self.frozen_at = (int(x) or None for x in (record.tolist() if states else (0, 0)))
+        for s in states:
+            if not torch.is_tensor(s.get("v_mass")):
+                s["v_mass"], s["freeze"] = torch.tensor(0.0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+        self._write_record()
         self._zero_v = None
 
 
@@ -255,3 +336,13 @@ class _Verdict:
     def __init__(self):
         self.flags: list[torch.Tensor] = []
         self.all_finite: bool | None = None
+
+
+def _early_freeze(t: int, rule: FreezeRule, drift: float | None) -> str:
+    """The warning for a freeze_step that came before the rule found v settled."""
+    measured = (f"v's drift over the last {rule.window} steps was {drift:.3f}, above the rule's {rule.tolerance}"
+                if drift is not None else f"the rule had not measured it yet (its first check is at step "
+                f"{rule.first_check})")
+    return (f"1-bit Adam froze its second moment at step {t} (freeze_step) before it settled: {measured}. Frozen "
+            f"early, v is stale for the rest of the run (docs/compression.md: up to 1.5x AdamW's loss); leave "
+            f"freeze_step unset (train.onebit_freeze_step = 0) to freeze when it settles")
