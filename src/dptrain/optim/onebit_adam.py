@@ -140,7 +140,7 @@ class OneBitAdam(torch.optim.Optimizer):
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["v_mass"] = torch.tensor(0.0, dtype=torch.float64)
-            state["freeze"] = torch.zeros(2, dtype=torch.float64)  # [settled_at, frozen_at]
+            state["freeze"] = self._record()  # [settled_at, frozen_at]
         state["step"].fill_(t)
         return state
 
@@ -163,7 +163,7 @@ class OneBitAdam(torch.optim.Optimizer):
         """After warm-up step ``t``: the rule's masses when due, its verdict when it decides, and the freeze: at
         ``freeze_step`` if one was given (with a warning where the rule has not found v settled by then), else at
         the rule's first settled verdict."""
-        rule = self.freeze_rule
+        rule, before = self.freeze_rule, (self.settled_at, self.frozen_at)
         if rule.records_at(t):
             masses = self._v_masses(t)
             if rule.checks_at(t) and self.settled_at is None:
@@ -177,7 +177,8 @@ class OneBitAdam(torch.optim.Optimizer):
             if self.settled_at is None and not self._legacy:
                 warnings.warn(_early_freeze(t, rule, self.last_drift), stacklevel=4)
             self.frozen_at = t
-        self._write_record()
+        if (self.settled_at, self.frozen_at) != before:
+            self._write_record()
 
     def _v_masses(self, t: int) -> torch.Tensor:
         """The rule's statistic now: per parameter, its bias-corrected v's mass (float64; 0 without a v yet)."""
@@ -194,14 +195,18 @@ class OneBitAdam(torch.optim.Optimizer):
             return flag
         verdict = torch.tensor([float(flag)], device=self._params[0].device)
         dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.hook.group)
-        self.compressor.stats.sent_bytes += self.hook._ring_bytes(1, 4)
+        self.compressor.stats.sent_bytes += _ring_bytes(self.hook.world_size, self.hook.rank, 1, 4)
         return bool(verdict)
+
+    def _record(self) -> torch.Tensor:
+        return torch.tensor([self.settled_at or 0, self.frozen_at or 0], dtype=torch.float64)
 
     def _write_record(self) -> None:
         """settled_at and frozen_at into every parameter's state (0: not yet), where a checkpoint finds them."""
+        record = self._record()
         for p in self._params:
             if self.state[p]:
-                self.state[p]["freeze"].copy_(torch.tensor([self.settled_at or 0, self.frozen_at or 0]))
+                self.state[p]["freeze"].copy_(record)
 
     def _onebit_step(self, t: int) -> None:
         """Local momentum, its 1-bit average over ranks, the update with the frozen v."""
@@ -262,7 +267,7 @@ class OneBitAdam(torch.optim.Optimizer):
             self.settled_at, self.frozen_at = (int(x) or None for x in (record.tolist() if states else (0, 0)))
         for s in states:
             if not torch.is_tensor(s.get("v_mass")):
-                s["v_mass"], s["freeze"] = torch.tensor(0.0, dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+                s["v_mass"], s["freeze"] = torch.tensor(0.0, dtype=torch.float64), self._record()
         self._write_record()
         self._zero_v = None
 
@@ -305,7 +310,7 @@ class PhaseHook:
         stats = self.optimizer.compressor.stats
         if not self.optimizer.compressing:  # fp32: nothing encoded (payload 0, as for an uncompressed run)
             stats.raw_bytes += buffer.numel() * buffer.element_size()
-            stats.sent_bytes += self._ring_bytes(buffer.numel(), buffer.element_size())
+            stats.sent_bytes += _ring_bytes(self.world_size, self.rank, buffer.numel(), buffer.element_size())
             stats.buckets += 1
             return allreduce_hook(self.group, bucket)
         verdict = self._verdict
@@ -317,17 +322,20 @@ class PhaseHook:
             flag = torch.stack(verdict.flags).all().to(torch.float32).reshape(1)
             if self.world_size > 1:
                 dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-                self.optimizer.compressor.stats.sent_bytes += self._ring_bytes(1, 4)
+                self.optimizer.compressor.stats.sent_bytes += _ring_bytes(self.world_size, self.rank, 1, 4)
             verdict.all_finite = bool(flag)
             self._verdict = _Verdict()  # the buckets launched from now on are the next reduction's
         if not verdict.all_finite:
             buffer.fill_(float("nan"))
         return buffer
 
-    def _ring_bytes(self, numel: int, element_size: int) -> int:
-        if self.world_size == 1:
-            return 0
-        return collective_cost("all_reduce", "ring", numel, element_size, self.world_size).bytes_sent[self.rank]
+
+
+def _ring_bytes(world_size: int, rank: int, numel: int, element_size: int) -> int:
+    """What ``rank`` sends in a ring all-reduce of ``numel`` elements (the cost model's count; 0 alone)."""
+    if world_size == 1:
+        return 0
+    return collective_cost("all_reduce", "ring", numel, element_size, world_size).bytes_sent[rank]
 
 
 class _Verdict:
