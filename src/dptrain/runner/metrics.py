@@ -150,7 +150,7 @@ class StepRecorder:
             "tail_comm_ms": 1e3 * mean([t.tail_comm_s for t in comms]),
             "comm_busy_ms": 1e3 * mean([t.comm_busy_s for t in comms]),
             "overlap": mean([t.overlap for t in comms]),
-            "comm_bytes": mean([t.comm.bytes for t in comms if t.comm is not None]),
+            "comm_bytes": mean([t.comm.bytes for t in comms if t.comm is not None and t.comm.calls]),
             "comm_payload_bytes": mean([t.compressed["payload_bytes"] for t in times if t.compressed]),
             "comm_wire_bytes": mean([t.sent_bytes for t in times]),
             "peak_rss_mb": peak_rss_mb(),
