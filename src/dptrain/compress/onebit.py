@@ -33,10 +33,12 @@ tests require the two to agree bit for bit.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from dptrain.comm.progress import progress_thread
 from dptrain.comm.topology import shard_bounds
 from dptrain.comm.wire import Workspace
 from dptrain.compress.base import RUN, Compressor
@@ -56,19 +58,26 @@ _SPREAD = 0x0101010101010101
 _MASK = 0x8040201008040201 - 2**64  # as a signed int64
 
 # [Note: no temporaries in the 1-bit all-reduce]
-# Nothing of a size that follows the tensor is allocated per call: the sign mask, the packing's
-# int64 words and the decoded signs live in the codec's Workspace, the payloads are encoded
-# straight into the compressor's send buffers, and phase 2 is an all-to-all into a kept buffer
-# (gloo's all_gather_into_tensor gathers into a flat temporary of its own at every call). Issue 46:
-# with those blocks allocated afresh (n / N bytes each: 0.9 MB for the default GPT's 1.84M elements
-# on 2 ranks), each rank's resident set grew 0.5-0.9 MiB per call. All of it was free heap (glibc's
-# mallinfo after 300 calls: 255-281 MiB free, up from 1.5, while 137 MiB in use stayed flat; malloc_info:
-# ~300 free chunks of 0.56-0.92 MB) that later calls could not reuse: torch's flight recorder keeps an
-# entry for each of the last 2,000 collectives, small blocks allocated between the temporaries that keep
-# the blocks freed around them from merging. Any one of TORCH_FR_BUFFER_SIZE=0, glibc's per-thread cache
-# off (GLIBC_TUNABLES=glibc.malloc.tcache_count=0) or the temporaries served by mmap
-# (MALLOC_MMAP_THRESHOLD_=524288; dptrain.allocator keeps everything under 32 MiB on the heap) made it
-# flat; at world size 1 there are no collectives to record. tests/test_compress_onebit.py soaks it.
+# Issue 46: under 1-bit Adam each rank's resident set grew by about 0.5-0.9 MiB per step, all
+# of it free heap that later allocations could not reuse (glibc's mallinfo after 300 calls of
+# the all-reduce alone: 255-281 MiB free, up from 1.5, while 137 MiB in use stayed flat;
+# malloc_info: ~300 free chunks of 0.56-0.92 MB). torch's flight recorder keeps an entry for each
+# of the last 2,000 collectives, allocated on the thread that calls the collective; small blocks
+# that live long, made between large short-lived ones, keep the freed blocks around them from
+# merging. Two things put such entries among large temporaries, and both are gone:
+# - the all-reduce allocated blocks of n / N bytes at every call (the sign mask, the packing's
+#   int64 words, the payloads; 0.9 MB for the default GPT's 1.84M elements on 2 ranks), and
+#   gloo's all_gather_into_tensor gathers into a temporary of its own. Now every such buffer is
+#   kept from call to call (the codec's Workspace, the compressor's scratch: payloads are encoded
+#   straight into the send buffers) and phase 2 is an all-to-all into a kept buffer;
+# - its collectives (and 1-bit Adam's flags) ran on the training thread, among the activations
+#   and gradients that backward allocates and frees every step. Now they run on the channel's
+#   progress thread, whose heap holds nothing else (all_reduce_ waits for it).
+# TORCH_FR_BUFFER_SIZE=0, glibc's per-thread cache off (GLIBC_TUNABLES=
+# glibc.malloc.tcache_count=0) or the blocks served by mmap (MALLOC_MMAP_THRESHOLD_=524288;
+# dptrain.allocator keeps everything under 32 MiB on the heap) each made it flat too; at world
+# size 1 there are no collectives to record. Soaked in tests/test_compress_onebit.py (the
+# all-reduce) and tests/test_onebit_adam.py (training).
 
 
 def pack_signs(positive: torch.Tensor, out: torch.Tensor | None = None,
@@ -185,9 +194,29 @@ class OneBitAllReduce(Compressor):
         return self._scratch("input", 0, self.numel, torch.float32, device)
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
-        """Average ``x`` (flat fp32, ``numel``) over the group, compressed; the result is written into ``x``."""
+        """Average ``x`` (flat fp32, ``numel``) over the group, compressed; the result is written into ``x``.
+
+        Synchronous, but run on the channel's progress thread, not the caller's: [Note: no
+        temporaries in the 1-bit all-reduce].
+        """
         if x.numel() != self.numel or x.dtype != torch.float32:
             raise ValueError(f"1-bit all-reduce of {self.numel} fp32 elements got {x.numel()} {x.dtype}")
+        return self._on_channel(lambda: self._reduce(x), lambda: x)
+
+    def all_reduce_flag(self, flag: bool, device: torch.device) -> bool:
+        """Whether ``flag`` holds on every rank (a MIN all-reduce of one fp32), on the channel's progress thread."""
+        verdict = torch.tensor([float(flag)], device=device)
+        return bool(self._on_channel(lambda: dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.channel),
+                                     lambda: verdict))
+
+    def _on_channel(self, run: Callable[[], object], finish: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """``run`` then ``finish``: on the progress thread of this compressor's own group, waited for (inline alone)."""
+        if self.world_size == 1:
+            run()
+            return finish()
+        return progress_thread(self.channel).submit(run, finish).wait()
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         self._errors_like(x)
         sent = self._scratch(RUN, 1, self.spans[-1][1], torch.uint8, x.device)  # every chunk's payload, packed
         with self.stats.clock("encode"):

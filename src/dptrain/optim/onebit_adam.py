@@ -175,7 +175,7 @@ class OneBitAdam(torch.optim.Optimizer):
                     self.state[p]["v_mass"].fill_(mass)
         if t == (self.freeze_step if self.freeze_step is not None else self.settled_at):
             if self.settled_at is None and not self._legacy:
-                warnings.warn(_early_freeze(t, rule, self.last_drift), stacklevel=4)
+                warnings.warn(_early_freeze(t, rule, self.last_drift), stacklevel=5)  # the caller of step()
             self.frozen_at = t
         if (self.settled_at, self.frozen_at) != before:
             self._write_record()
@@ -190,13 +190,9 @@ class OneBitAdam(torch.optim.Optimizer):
                             dtype=torch.float64)
 
     def _on_every_rank(self, flag: bool) -> bool:
-        """``flag`` if it holds on every rank: a MIN all-reduce of it over the model's group (4 bytes, counted)."""
-        if self.hook.world_size == 1:
-            return flag
-        verdict = torch.tensor([float(flag)], device=self._params[0].device)
-        dist.all_reduce(verdict, op=dist.ReduceOp.MIN, group=self.hook.group)
+        """``flag`` if it holds on every rank: a MIN all-reduce of it (4 bytes, counted)."""
         self.compressor.stats.sent_bytes += _ring_bytes(self.hook.world_size, self.hook.rank, 1, 4)
-        return bool(verdict)
+        return self.compressor.all_reduce_flag(flag, self._params[0].device)
 
     def _record(self) -> torch.Tensor:
         return torch.tensor([self.settled_at or 0, self.frozen_at or 0], dtype=torch.float64)
@@ -319,11 +315,9 @@ class PhaseHook:
 
     def _checked(self, verdict: _Verdict, buffer: torch.Tensor) -> torch.Tensor:
         if verdict.all_finite is None:
-            flag = torch.stack(verdict.flags).all().to(torch.float32).reshape(1)
-            if self.world_size > 1:
-                dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=self.group)
-                self.optimizer.compressor.stats.sent_bytes += _ring_bytes(self.world_size, self.rank, 1, 4)
-            verdict.all_finite = bool(flag)
+            compressor = self.optimizer.compressor
+            compressor.stats.sent_bytes += _ring_bytes(self.world_size, self.rank, 1, 4)
+            verdict.all_finite = compressor.all_reduce_flag(bool(torch.stack(verdict.flags).all()), buffer.device)
             self._verdict = _Verdict()  # the buckets launched from now on are the next reduction's
         if not verdict.all_finite:
             buffer.fill_(float("nan"))
