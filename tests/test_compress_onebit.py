@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -147,3 +148,33 @@ def _mismatch(rank: int, world_size: int) -> str:
 def test_errors_saved_on_another_world_size_are_refused_by_name() -> None:
     message = run_on_ranks(_mismatch, 2)[0]
     assert "10 elements on 3 ranks" in message and "on 2" in message
+
+
+def _resident_mib() -> float:
+    """This process's resident set now (not its peak), from /proc/self/statm."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _soak(rank: int, world_size: int, numel: int, calls: int) -> float:
+    """The resident MiB this rank gained over ``calls`` all-reduces of ``numel`` elements, after 30 to warm up."""
+    reducer, x, gen = OneBitAllReduce(numel), torch.empty(numel), torch.Generator().manual_seed(rank)
+    for _ in range(30):
+        reducer.all_reduce_(x.normal_(generator=gen))
+    before = _resident_mib()
+    for _ in range(calls):
+        reducer.all_reduce_(x.normal_(generator=gen))
+    return _resident_mib() - before
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")
+def test_resident_memory_stays_flat_over_thousands_of_calls_on_two_ranks() -> None:
+    """Issue 46: each call on 2 ranks left about n/2 bytes of free heap behind that later calls could not reuse;
+    [Note: no temporaries in the 1-bit all-reduce]. The holes scale with the tensor: at n = 2 MiB, 200 calls
+    grew each rank by 45-72 MiB before the fix (three runs), 0.7 MiB after."""
+    for grown in run_on_ranks(_soak, 2, 524_288, 200):
+        assert grown < 3.0, grown
+    # thousands of small calls keep nothing per call either. torch's flight recorder, which keeps the last 2,000
+    # collectives (~1 KiB each), fills over the first 1,000 calls: bounded, and off here
+    for grown in run_on_ranks(_soak, 2, 4_096, 2_000, env={"TORCH_FR_BUFFER_SIZE": "0"}):
+        assert grown < 1.0, grown

@@ -61,8 +61,12 @@ REMEDIES = [
                                                   "powersgd_warmup_rank": 16, "powersgd_warmup_steps": 50}),
     ("powersgd r4 +MC", {**_PSGD, "momentum_correction": True}),
 ]
-# 1-bit Adam (dptrain.optim.OneBitAdam): the optimizer compresses its momentum; a dotted key is a setting of its own
-ONEBIT = [("onebit adam", {"compression": "none", "train.optimizer": "onebit_adam"})]
+# 1-bit Adam (dptrain.optim.OneBitAdam): the optimizer compresses its momentum; a dotted key is a setting of its own.
+# "onebit adam" freezes v when its rule finds it settled (the default); "freeze 30" at the LR warm-up's end, as the
+# default did before issue 46
+ONEBIT = [("onebit adam", {"compression": "none", "train.optimizer": "onebit_adam"}),
+          ("onebit adam freeze 30", {"compression": "none", "train.optimizer": "onebit_adam",
+                                     "train.onebit_freeze_step": 30})]
 CODEC_VARIANTS = list(VARIANTS)  # what runs without --variants
 VARIANTS += REMEDIES + ONEBIT
 # final val loss / uncompressed (issues 7, 24 and 40)
@@ -78,7 +82,19 @@ def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: lis
     return {"val_loss": summary["val_loss"], "final_train_loss": summary["final_train_loss"],
             "raw_bytes_per_step": last["comm_bytes_per_step"],
             "payload_bytes_per_step": payloads[-1], "mean_logged_payload_bytes": sum(payloads) / len(payloads),
-            "sent_bytes_per_step": last.get("comm_sent_bytes_per_step", 0), "wall_s": done["wall_s"]}
+            "sent_bytes_per_step": last.get("comm_sent_bytes_per_step", 0), **_over_the_run(done["train"], steps),
+            "wall_s": done["wall_s"]}
+
+
+def _over_the_run(records: list[dict], steps: int) -> dict:
+    """Each record holds the means of the steps since the one before: the bytes sent per step over the whole run,
+    and the steps that sent an encoded payload (1-bit Adam: the steps after v froze; exact whatever log.every is)."""
+    spans = [r["step"] - before for r, before in zip(records, [0] + [r["step"] for r in records[:-1]], strict=True)]
+    full = records[-1].get("comm_compressed_bytes_per_step") or 0
+    compressed = sum(n * r.get("comm_compressed_bytes_per_step", 0) for n, r in zip(spans, records, strict=True))
+    return {"mean_sent_bytes": sum(n * r.get("comm_sent_bytes_per_step", 0) for n, r in zip(spans, records,
+                                                                                             strict=True)) / steps,
+            "compressed_steps": round(compressed / full) if full else 0}
 
 
 def run(steps: int, nproc: int, variants: list[str] | None = None, overrides: list[str] | None = None) -> dict:
@@ -97,16 +113,19 @@ def table(result: dict) -> str:
     """Markdown: a row per variant, its bytes at the end and on average, its loss against uncompressed and the goal."""
     base = next((r for r in result["rows"] if r["variant"] == "none"), None)
     lines = ["| variant | MiB per step per rank (payload, last step) | mean over logged steps | compression ratio | "
-             "final val loss | vs uncompressed | goal |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "uncompressed steps | MiB sent per step, whole run | final val loss | vs uncompressed | goal |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for r in result["rows"]:
         ratio = r["raw_bytes_per_step"] / r["payload_bytes_per_step"]
         rel = r["val_loss"] / base["val_loss"] if base else None
         goal = GOALS.get(r["settings"].get("compression")) or GOALS.get(r["settings"].get("train.optimizer"))
         verdict = "-" if goal is None or rel is None else f"<= {goal:.2f}: {'met' if rel <= goal else 'missed'}"
         mean = r.get("mean_logged_payload_bytes", r["payload_bytes_per_step"])
+        uncompressed = result["steps"] - r["compressed_steps"] if "compressed_steps" in r else "-"
+        sent = f"{r['mean_sent_bytes'] / 2**20:.3f}" if "mean_sent_bytes" in r else "-"
         lines.append(f"| {r['variant']} | {r['payload_bytes_per_step'] / 2**20:.3f} | {mean / 2**20:.3f} | "
-                     f"{ratio:.1f}x | {r['val_loss']:.4f} | {'-' if rel is None else f'{rel:.4f}'} | {verdict} |")
+                     f"{ratio:.1f}x | {uncompressed} | {sent} | {r['val_loss']:.4f} | "
+                     f"{'-' if rel is None else f'{rel:.4f}'} | {verdict} |")
     return "\n".join(lines)
 
 

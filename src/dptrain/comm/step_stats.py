@@ -2,14 +2,15 @@
 
 Filled by the engines (the DDP reducer bucket by bucket, ZeRO unit by unit) and read by
 the trainer's metrics (:mod:`dptrain.runner.metrics`): bytes reduced, bytes sent, and for
-the DDP engine the spans that give exposed communication and overlap.
+the DDP engine the spans that give exposed communication and overlap. An optimizer that
+communicates inside its own step (1-bit Adam) reports that part as an :class:`InStepComm`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepCommStats", "union_length"]
+__all__ = ["InStepComm", "StepCommStats", "union_length"]
 
 
 @dataclass
@@ -68,6 +69,25 @@ class StepCommStats:
         hidden = union_length([(s, min(e, self.backward_end)) for _, s, e in self.bucket_spans
                                 if e is not None and s < self.backward_end])
         return hidden / busy if busy > 0 else 0.0
+
+
+@dataclass
+class InStepComm:
+    """What an optimizer communicated inside its own ``step()`` (this rank, its last step), which no engine sees.
+
+    An optimizer that averages something itself, after backward (1-bit Adam's momentum, in 1 bit
+    per element), exposes this as ``optimizer.step_comm`` (None for a step that communicated
+    nothing there). Nothing computes while it runs, so all of it is exposed: the trainer's metrics
+    add it to the engine's exposed and busy communication (:mod:`dptrain.runner.metrics`). Bytes
+    are counted where the step's other bytes are (1-bit Adam: its compressor's statistics).
+    """
+
+    spans: list[tuple[float, float]] = field(default_factory=list)  # perf_counter (start, end): collectives with
+    # their encoding and decoding
+
+    @property
+    def seconds(self) -> float:
+        return union_length(self.spans)
 
 
 def union_length(intervals: list[tuple[float, float]]) -> float:

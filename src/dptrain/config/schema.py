@@ -121,7 +121,8 @@ class TrainConfig:
                          "docs/compression.md) (dptrain.optim)",
                          choices=("adamw", "adam", "sgd", "lars", "lamb", "onebit_adam"))
     onebit_freeze_step: int = opt(0, "optimizer onebit_adam: steps of uncompressed AdamW before the second moment is "
-                                  "frozen and the momentum is averaged in 1 bit per element (0: train.warmup_steps)")
+                                  "frozen and the momentum is averaged in 1 bit per element (0: once the second "
+                                  "moment settles, not before train.warmup_steps; docs/compression.md)")
     lr: float | None = opt(None, "peak learning rate at base_batch_size, before the scaling rule; none: the "
                            f"optimizer's default ({_lr_defaults()}: the layer-wise lamb and lars scale each "
                            "layer's step by its trust ratio, so their rates are other numbers; docs/optim.md)")

@@ -205,7 +205,7 @@ LINK_FREE = ("logs",)  # besides the top level: where dptrain writes files of fi
 def _check_links(run_dir: Path) -> None:
     """Refuse a run directory with a symbolic link where dptrain writes: at its top level, or in ``logs/`` (a
     link there would make the run write, truncate or read the file it points to). A link under
-    ``checkpoints/`` is not a checkpoint, and is left alone (``runner.checkpoint.scan_checkpoints``)."""
+    ``checkpoints/`` is not a checkpoint, and is left alone (``dptrain.checkpoint.files.scan_checkpoints``)."""
     links = links_in(run_dir) + [link for sub in LINK_FREE if not (run_dir / sub).is_symlink()
                                  for link in links_in(run_dir / sub)]
     if links:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from dptrain.optim import LAMB, LARS, OneBitAdam
+from dptrain.optim.onebit_freeze import FreezeRule
 
 __all__ = ["build_optimizer", "decays"]
 
@@ -25,9 +26,10 @@ def _decays(p: torch.Tensor) -> bool:
 
 
 def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float, betas: tuple[float, float],
-                    momentum: float, freeze_step: int = 0) -> torch.optim.Optimizer:
-    """``name``'s optimizer over ``model``'s parameters; ``freeze_step``: onebit_adam's warm-up (``model`` is then
-    the DDP engine it registers its comm hook on)."""
+                    momentum: float, freeze_step: int | None = None,
+                    freeze_rule: FreezeRule | None = None) -> torch.optim.Optimizer:
+    """``name``'s optimizer over ``model``'s parameters; ``freeze_step`` and ``freeze_rule``: when onebit_adam
+    freezes v (``model`` is then the DDP engine it registers its comm hook on; see OneBitAdam)."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if _decays(p)], "weight_decay": weight_decay},
               {"params": [p for p in params if not _decays(p)], "weight_decay": 0.0}]
@@ -42,5 +44,5 @@ def build_optimizer(model: nn.Module, name: str, lr: float, weight_decay: float,
     if name == "lamb":
         return LAMB(groups, lr=lr, betas=betas, exclude_1d=True)
     if name == "onebit_adam":
-        return OneBitAdam(groups, model, lr=lr, betas=betas, freeze_step=freeze_step)
+        return OneBitAdam(groups, model, lr=lr, betas=betas, freeze_step=freeze_step, freeze_rule=freeze_rule)
     raise ValueError(f"unknown optimizer {name!r}; use adamw, adam, sgd, lars, lamb or onebit_adam")

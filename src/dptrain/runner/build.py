@@ -20,7 +20,7 @@ from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.optim.build import build_optimizer
 from dptrain.optim.schedule import scaled_lr, warmup_cosine
 from dptrain.runner.plan import RunPlan
-from dptrain.runner.validate import onebit_freeze_step
+from dptrain.runner.validate import onebit_freeze
 from dptrain.strategies import Strategy, get_strategy
 from dptrain.tasks import collate
 
@@ -53,7 +53,7 @@ def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Eng
     # under momentum correction the ranks keep the momentum (dptrain.compress.dgc): the optimizer has none
     momentum = 0.0 if cfg.ddp.momentum_correction else t.momentum
     engine = Engine(model, lambda wrapped: build_optimizer(wrapped, t.optimizer, peak, t.weight_decay,
-                                                           tuple(t.betas), momentum, onebit_freeze_step(cfg)),
+                                                           tuple(t.betas), momentum, *onebit_freeze(cfg)),
                     rp.plan, precision=t.precision, grad_clip=t.grad_clip,
                     lr_at=lambda s: warmup_cosine(s, peak, t.warmup_steps, t.steps, t.min_lr_ratio),
                     strategy=strategy.name, options=options)

@@ -8,7 +8,9 @@ DDP engine's buckets; ZeRO's all-gathers and reduce-scatters, :mod:`dptrain.zero
   left exposed (the end-of-backward wait is inside ``loss.backward()``);
 - **exposed comm ms**: the part of communication that overlap did not hide: DDP's wait for
   gradients after the last one was computed; ZeRO's waits for its collectives, in forward
-  and backward alike;
+  and backward alike; and all of what an optimizer communicates inside its own step
+  (``optimizer.step_comm``, an :class:`~dptrain.comm.step_stats.InStepComm`: 1-bit Adam's
+  momentum all-reduce with its encoding and decoding, after backward, so nothing hides it);
 - **tail comm ms** (DDP): the cost model's floor on the exposed time: the bytes of the reductions
   launched after backward ended, at the step's measured rate (bytes over busy time); exposed
   time beyond it could have been hidden behind backward;
@@ -16,7 +18,10 @@ DDP engine's buckets; ZeRO's all-gathers and reduce-scatters, :mod:`dptrain.zero
 - **overlap %**: the fraction of that busy time that computation hid (DDP: that ran while
   backward was still computing);
 - **comm bytes**: bytes this rank put into all-reduces for the step, and the bytes it
-  sent for them (by the cost model of the collective it ran: ``comm.sent_bytes``).
+  sent for them (by the cost model of the collective it ran: ``comm.sent_bytes``); with
+  compression, the payload it encoded and the bytes sent as the compressor counts them (a
+  hook's or the optimizer's: 1-bit Adam's fp32 all-reduces in its warm-up, payload 0, then
+  its momentum in 1 bit).
 
 At logging steps the ranks exchange one small vector (an ``all_gather``), so rank 0 can
 report the loss averaged over all ranks, the slowest rank's timings, and each rank's peak
@@ -38,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dptrain.comm.step_stats import StepCommStats
+from dptrain.comm.step_stats import InStepComm, StepCommStats
 
 __all__ = ["StepTimes", "StepRecorder", "peak_rss_mb", "peak_tensor_mb", "format_line"]
 
@@ -49,7 +54,12 @@ _GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "tail_comm_ms",
 
 @dataclass
 class StepTimes:
-    """One rank's spans for one optimizer step, in ``time.perf_counter()`` seconds."""
+    """One rank's spans for one optimizer step, in ``time.perf_counter()`` seconds.
+
+    Its communication is the engine's (``comm``: the buckets reduced in backward) and, for an
+    optimizer that averages something inside its own step (1-bit Adam's momentum after the
+    freeze), that optimizer's ``in_step_comm``: it runs after backward, so all of it is exposed.
+    """
 
     start: float = 0.0
     end: float = 0.0
@@ -57,11 +67,37 @@ class StepTimes:
     backward: list[tuple[float, float]] = field(default_factory=list)
     optimizer: tuple[float, float] = (0.0, 0.0)
     comm: StepCommStats | None = None  # the synced backward's statistics
-    compressed: dict | None = None  # the compression hook's bytes of the step (dptrain.compress.hook)
+    in_step_comm: InStepComm | None = None  # what optimizer.step() communicated itself (its ``step_comm``)
+    compressed: dict | None = None  # the compression's bytes of the step (dptrain.compress: hook or optimizer)
+
+    @property
+    def communicated(self) -> bool:
+        """Whether the step communicated at all (a step without, e.g. gossip's, is left out of the means)."""
+        return bool(self.comm and self.comm.calls) or self.in_step_comm is not None
 
     @property
     def exposed_comm_s(self) -> float:
-        return max(0.0, self.comm.exposed_comm_s) if self.comm and self.comm.calls else 0.0
+        engine = max(0.0, self.comm.exposed_comm_s) if self.comm and self.comm.calls else 0.0
+        return engine + self._in_step_s
+
+    @property
+    def tail_comm_s(self) -> float:
+        """The engine's floor on its exposed time, plus the optimizer's own communication (all of it is)."""
+        return (self.comm.tail_comm_s if self.comm else 0.0) + self._in_step_s
+
+    @property
+    def comm_busy_s(self) -> float:
+        return (self.comm.comm_busy_s if self.comm else 0.0) + self._in_step_s
+
+    @property
+    def overlap(self) -> float:
+        """The engine's hidden share of the step's busy communication time (the optimizer's own hides nothing)."""
+        busy = self.comm_busy_s
+        return self.comm.overlap * self.comm.comm_busy_s / busy if self.comm and busy > 0 else 0.0
+
+    @property
+    def _in_step_s(self) -> float:
+        return self.in_step_comm.seconds if self.in_step_comm is not None else 0.0
 
     @property
     def sent_bytes(self) -> float:
@@ -105,16 +141,16 @@ class StepRecorder:
         """Collective: every rank calls it at the same step. Returns the record (rank 0's is complete)."""
         times, self._times = self._times, []
         mean = (lambda xs: statistics.fmean(xs) if xs else 0.0)
-        comms = [t.comm for t in times if t.comm is not None and t.comm.calls]
+        comms = [t for t in times if t.communicated]
         local = {
             "loss": loss,
             "step_ms": 1e3 * mean([t.end - t.start for t in times]),
             "compute_ms": 1e3 * mean([t.compute_s for t in times]),
             "exposed_comm_ms": 1e3 * mean([t.exposed_comm_s for t in times]),
-            "tail_comm_ms": 1e3 * mean([c.tail_comm_s for c in comms]),
-            "comm_busy_ms": 1e3 * mean([c.comm_busy_s for c in comms]),
-            "overlap": mean([c.overlap for c in comms]),
-            "comm_bytes": mean([c.bytes for c in comms]),
+            "tail_comm_ms": 1e3 * mean([t.tail_comm_s for t in comms]),
+            "comm_busy_ms": 1e3 * mean([t.comm_busy_s for t in comms]),
+            "overlap": mean([t.overlap for t in comms]),
+            "comm_bytes": mean([t.comm.bytes for t in comms if t.comm is not None and t.comm.calls]),
             "comm_payload_bytes": mean([t.compressed["payload_bytes"] for t in times if t.compressed]),
             "comm_wire_bytes": mean([t.sent_bytes for t in times]),
             "peak_rss_mb": peak_rss_mb(),

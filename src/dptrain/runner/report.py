@@ -129,6 +129,7 @@ def summarize(run_dir: Path, facts: RunFacts | dict[str, Any], train: list[dict]
             "median_tail_comm_ms": statistics.median(r.get("tail_comm_ms", 0.0) for r in steady) if steady else None,
             "median_overlap_pct": med("overlap_pct"),
             "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
+            "comm_sent_bytes_per_step": session[-1].get("comm_sent_bytes_per_step"),
             "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
             "peak_tensor_mb_per_rank": _peak_per_rank(session, "peak_tensor_mb"),
             "skipped_steps": train[-1]["skipped_steps"],
@@ -241,7 +242,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                   if has_tokens(summary.get("median_tokens_per_s"), summary["median_samples_per_s"]) else "")
         rows += [("throughput", f"{tokens}{summary['median_samples_per_s']:,.1f} samples/s (median)"),
                  *_step_time_rows(summary),
-                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank, "
+                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank{_sent(summary)}, "
                                    f"{_busy(summary)}{summary['median_overlap_pct']:.0f}% overlapped with computation"),
                  ("peak memory", _memory(summary))]
         if summary["skipped_steps"]:
@@ -253,6 +254,12 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                                 + ", ".join(f"{i}: {m:.1f}" for i, m in enumerate(st["compute_ms_per_rank"])))]
     rows += [tuple(row) for row in summary.get("strategy_rows", [])]  # the strategy's own lines
     return rows
+
+
+def _sent(summary: dict[str, Any]) -> str:
+    """The bytes sent, where they differ from those reduced (compression, or a ring on more than 2 ranks)."""
+    sent, raw = summary.get("comm_sent_bytes_per_step"), f"{summary['comm_bytes_per_step'] / 2**20:.2f}"
+    return f" ({sent / 2**20:.2f} MiB sent)" if sent and f"{sent / 2**20:.2f}" != raw else ""
 
 
 def _busy(summary: dict[str, Any]) -> str:

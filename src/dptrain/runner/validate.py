@@ -24,6 +24,7 @@ from dptrain.config import ConfigError, RunConfig, identity, identity_hash
 from dptrain.config.loader import unused_settings
 from dptrain.data.identity import data_changes, data_identity
 from dptrain.data.loader import steps_per_epoch
+from dptrain.optim.onebit_freeze import FreezeRule
 from dptrain.runner.plan import RunPlan
 from dptrain.strategies import Strategy, get_strategy, strategy_names
 from dptrain.strategies.options import compression_remedies
@@ -100,6 +101,7 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     notes += list(getattr(task, "notes", []))
     notes += [f"note: {stray}: not one of this run's checkpoints, so neither resumed from nor deleted"
               for stray in strays]
+    notes += onebit_notes(cfg)
     data = data_identity(getattr(task, "data_files", {}))
     if meta is not None:
         notes += check_data_identity(meta.get("data"), data, resume_from, cfg.data.allow_changed)
@@ -223,9 +225,29 @@ def schedule_warnings(steps: int, warmup_steps: int) -> list[str]:
             "of 300)"]
 
 
-def onebit_freeze_step(cfg: RunConfig) -> int:
-    """``train.onebit_freeze_step``, or the LR warm-up's length where it is 0."""
-    return cfg.train.onebit_freeze_step or cfg.train.warmup_steps
+def onebit_freeze(cfg: RunConfig) -> tuple[int | None, FreezeRule]:
+    """1-bit Adam's ``freeze_step`` and ``freeze_rule``: ``train.onebit_freeze_step`` where set (> 0), else None, v
+    freezing when the rule finds it settled; the rule never before the LR warm-up's end."""
+    t = cfg.train
+    return t.onebit_freeze_step or None, FreezeRule(earliest=t.warmup_steps)
+
+
+def onebit_notes(cfg: RunConfig) -> list[str]:
+    """What to know before a 1-bit Adam run starts: a freeze_step earlier than the rule can ever freeze (the
+    LR warm-up), or a run too short for the rule to freeze at all (then it is AdamW throughout)."""
+    t = cfg.train
+    if t.optimizer != "onebit_adam":
+        return []
+    step, rule = onebit_freeze(cfg)
+    if step is not None and step < rule.first_check:
+        return [f"warning: train.onebit_freeze_step {step} freezes 1-bit Adam's second moment before step "
+                f"{rule.first_check}, the first the rule can freeze at (after the {t.warmup_steps}-step LR warm-up); "
+                "frozen that early, v is stale for the rest of the run (docs/compression.md: up to 1.5x AdamW's "
+                "loss at 1,000 steps). Leave it 0 to freeze when v settles"]
+    if step is None and t.steps <= rule.first_check:
+        return [f"note: 1-bit Adam freezes v once it settles, at step {rule.first_check} at the earliest; this run "
+                f"has {t.steps} steps, so it runs uncompressed AdamW throughout"]
+    return []
 
 
 def _check_onebit(cfg: RunConfig) -> None:
@@ -242,10 +264,10 @@ def _check_onebit(cfg: RunConfig) -> None:
                           f"warm-up) and all-reduces the warm-up's gradients natively; ddp.compression "
                           f"{d.compression!r} and ddp.algorithm {d.algorithm!r} would claim the same gradients: set "
                           "compression = \"none\" and algorithm = \"native\"")
-    if t.onebit_freeze_step < 0 or onebit_freeze_step(cfg) < 1:
-        raise ConfigError(f"train.onebit_freeze_step {t.onebit_freeze_step} (train.warmup_steps {t.warmup_steps}): "
-                          "1-bit Adam needs at least one uncompressed step to estimate the second moment it "
-                          "freezes; set onebit_freeze_step to e.g. 30")
+    if t.onebit_freeze_step < 0:
+        raise ConfigError(f"train.onebit_freeze_step {t.onebit_freeze_step}: 1-bit Adam needs at least one "
+                          "uncompressed step to estimate the second moment it freezes; set 0 (freeze when it "
+                          "settles) or a step >= 1")
 
 
 def _check_optimizer_in_backward(cfg: RunConfig, grad_accum_steps: int) -> None:

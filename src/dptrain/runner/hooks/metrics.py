@@ -59,6 +59,8 @@ class MetricsHook(StepHook):
     def after_step(self, step: int, info: StepInfo, times: StepTimes) -> None:
         if self.peak is not None:
             self.recorder.tensor_peak_bytes, self.peak = self.peak.peak_bytes, None
+        # an optimizer that communicates inside its own step reports it (dptrain.comm.step_stats.InStepComm)
+        times.in_step_comm = getattr(self.run.engine.optimizer, "step_comm", None)
         self.recorder.add(times)
         self.run.log.step_done()
         if step % self.every == 0 or step == self.last:
