@@ -105,7 +105,8 @@ def test_an_unset_lr_is_the_optimizers_default_and_a_set_one_is_kept(tmp_path, o
 
 
 def test_a_warmup_as_long_as_the_run_is_a_warning_before_launch():
-    from dptrain.runner.validate import schedule_warnings, validate_run
+    from dptrain.optim.schedule import schedule_warnings
+    from dptrain.runner.validate import validate_run
 
     tiny = ["gpt.n_layer=1", "gpt.n_embd=16", "gpt.n_head=2", "gpt.block_size=8", "gpt.corpus_bytes=20000"]
     [warning] = [w for w in validate_run(load_config(None, [*tiny, "train.steps=20"]), 1).warnings

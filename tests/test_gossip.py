@@ -125,7 +125,7 @@ def _prepared_same_data(rank, world_size, steps):
             model(x).square().mean().backward()
             optimizer.step()
             optimizer.zero_grad()
-    return model.module.flat.clone(), model.module.steps
+    return model.wrapper.flat.clone(), model.wrapper.steps
 
 
 def test_prepare_with_gossip_mixes_once_per_window_and_trains_as_one_process():

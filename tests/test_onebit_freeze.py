@@ -11,11 +11,10 @@ import torch
 from torch import nn
 
 from dptrain import DistributedDataParallel
+from dptrain.checkpoint.replicated import replicated_state, set_replicated_state
 from dptrain.config.loader import load_config
 from dptrain.optim.onebit_adam import OneBitAdam
-from dptrain.optim.onebit_freeze import FreezeRule
-from dptrain.runner.validate import onebit_notes
-from dptrain.checkpoint.replicated import replicated_state, set_replicated_state
+from dptrain.optim.onebit_freeze import FreezeRule, onebit_notes
 from dptrain.testing import run_on_ranks
 
 # Recorded: AdamW (betas 0.9, 0.99; grad_clip 1; 30-step LR warm-up) on the 2-layer, width-80 GPT of issue 46, global

@@ -30,7 +30,6 @@ moved onto its flat shards in place (as Accelerate does for FSDP2).
 from __future__ import annotations
 
 import difflib
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -42,6 +41,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
+from dptrain.api.loss_check import check_loss_not_divided
 from dptrain.api.scheduler import SCHEDULER_STEPS, PreparedScheduler, steps_per_optimizer_step
 from dptrain.api.step import OptimizerStep
 from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
@@ -49,7 +49,7 @@ from dptrain.data.loader import set_epoch
 from dptrain.data.sampler import DistributedSampler
 from dptrain.strategies.protocol import DataParallelWrapper
 from dptrain.strategies.registry import Strategy, get_strategy, strategy_names
-from dptrain.utils.tensors import iter_tensors, map_tensors
+from dptrain.utils.tensors import map_tensors
 
 __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
            "PreparedLoader", "shard_loader", "scheduler_steps_per_epoch", "STRATEGIES", "PRECISIONS",
@@ -195,36 +195,6 @@ class PreparedModel(nn.Module):
     def unwrap(self) -> nn.Module:
         """The model as it was passed to ``prepare()`` (on the device): ``.module``."""
         return self.module
-
-
-def check_loss_not_divided(out: Any, state: AccumulationState) -> None:
-    """Warn if the loop divides a loss the model returns by ``grad_accum_steps`` (asked on the first micro-step).
-
-    ``optimizer.step()`` divides the window's summed gradients by its micro-step count k, as
-    Accelerate's ``backward`` divides the loss: a loop that also divides its loss by k (nanoGPT's
-    does) steps with gradients k times too small, and nothing fails. What can be seen: the
-    gradient that reaches a 0-dim output requiring grad (a loss the model returns, as nanoGPT's
-    and Hugging Face's models do) is the factor the loop applied to it, exactly 1/k when it
-    divided by k. A loss computed outside the model from its outputs carries no such sign (its
-    value or the outputs' gradients depend on the loss function), so it is not checked: the
-    contract is documented (docs/api.md). A tensor hook on such outputs, on the first micro-step only.
-    """
-    k = state.grad_accum_steps
-
-    def check(grad: torch.Tensor) -> None:
-        factor = float(grad)
-        if abs(factor * k - 1.0) < 1e-5:
-            warnings.warn(
-                f"the gradient reaching the model's loss output (micro-step {state.micro_step} of window "
-                f"{state.window}) is {factor:.6g} = 1/{k}: the loop seems to divide its loss by grad_accum_steps={k}. "
-                f"prepare() already divides each window's summed gradients by its micro-step count ({k}), so the "
-                f"optimizer steps with gradients {k} times too small (1/{k * k} of the mean over the window). Remove "
-                "the division: the loss of each micro-step is its micro-batch's mean, as in one process (Accelerate's "
-                "contract too: its backward divides the loss itself)", UserWarning, stacklevel=2)
-
-    losses = [t for t in iter_tensors(out) if t.dim() == 0 and t.requires_grad and t.is_floating_point()]
-    if len(losses) == 1:  # several scalars: which one is the loss is not known
-        losses[0].register_hook(check)
 
 
 def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], entry: Strategy, precision: str,

@@ -22,6 +22,7 @@ from typing import Any
 
 import tomli_w
 
+from dptrain.config.errors import ConfigError
 from dptrain.config.schema import ADDED_LATER, NOT_IDENTITY, RunConfig, section_fields
 
 if sys.version_info >= (3, 11):
@@ -31,10 +32,6 @@ else:  # pragma: no cover
 
 __all__ = ["ConfigError", "load_config", "build", "to_dict", "to_toml", "identity", "identity_hash",
            "normalize_identity", "unused_fields", "unused_settings"]
-
-
-class ConfigError(ValueError):
-    """A config that cannot be run as written; the message says why and how to fix it."""
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:

@@ -12,6 +12,15 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dptrain.comm.collectives import ALGORITHMS
+from dptrain.config.errors import ConfigError
+
+
+def _at_least(section: str, values: object, lows: dict[str, float]) -> None:
+    """Each named field of ``values`` at least its low bound, else a ConfigError naming ``section.field``."""
+    for name, low in lows.items():
+        value = getattr(values, name)
+        if value < low:
+            raise ConfigError(f"{section}.{name} must be at least {low}, got {value}")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
@@ -148,6 +157,21 @@ class TrainConfig:
         if self.lr is None:
             self.lr = DEFAULT_LR.get(self.optimizer, DEFAULT_LR["adamw"])
 
+    def check(self) -> None:
+        """This section's own values (the rules across sections: dptrain.strategies.requirements)."""
+        _at_least("train", self, {"steps": 1, "base_batch_size": 1, "warmup_steps": 0, "grad_clip": 0.0,
+                                  "weight_decay": 0.0, "momentum": 0.0})
+        if not self.lr > 0:  # the loader refuses nan and inf already
+            raise ConfigError(f"train.lr must be a positive learning rate, got {self.lr}; e.g. --set train.lr=3e-4")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"train.min_lr_ratio must be within [0, 1], got {self.min_lr_ratio}")
+        if len(self.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ConfigError(f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        if self.optimizer == "onebit_adam" and self.onebit_freeze_step < 0:
+            raise ConfigError(f"train.onebit_freeze_step {self.onebit_freeze_step}: 1-bit Adam needs at least one "
+                              "uncompressed step to estimate the second moment it freezes; set 0 (freeze when it "
+                              "settles) or a step >= 1")
+
 
 @dataclass
 class DDPConfig:
@@ -205,6 +229,26 @@ class DDPConfig:
     powersgd_warmup_rank: int = opt(0, "with compression powersgd: the rank for the first powersgd_warmup_steps "
                                     "steps (0: powersgd_rank throughout)")
     powersgd_warmup_steps: int = opt(0, "with compression powersgd: how many first steps use powersgd_warmup_rank")
+
+    def check(self) -> None:
+        """This section's own values (what the strategy and the other sections ask: dptrain.strategies.requirements)."""
+        _at_least("ddp", self, {"timeout_s": 1.0, "roll_call_s": 0.0})
+        for name in ("bucket_cap_mb", "last_bucket_cap_mb"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"ddp.{name} must be a positive size in MiB, got {value}; leave it unset for the "
+                                  "default")
+        if self.compression != "none" and self.algorithm != "native":
+            raise ConfigError(f"ddp.algorithm {self.algorithm!r} chooses how uncompressed buckets are all-reduced; "
+                              f"with ddp.compression {self.compression!r} the codec decides the collectives: leave "
+                              "algorithm native")
+        if self.powersgd_rank < 1:
+            raise ConfigError(f"ddp.powersgd_rank must be at least 1, got {self.powersgd_rank}")
+        if not 0.0 < self.topk_fraction <= 1.0:
+            raise ConfigError(f"ddp.topk_fraction must be in (0, 1], got {self.topk_fraction}")
+        if self.momentum_correction and not self.error_feedback:
+            raise ConfigError("ddp.momentum_correction accumulates the velocity that was not sent, which is error "
+                              "feedback: set ddp.error_feedback = true")
 
 
 @dataclass
@@ -272,6 +316,11 @@ class StragglerConfig:
                     "after each forward); -1: none")
     factor: float = opt(2.0, "how many times slower the straggler is, >= 1")
 
+    def check(self) -> None:
+        """This section's own values (the rank against the world: the run's validation)."""
+        if self.factor < 1.0:
+            raise ConfigError(f"straggler.factor must be at least 1 (how many times slower), got {self.factor}")
+
 
 @dataclass
 class BalanceConfig:
@@ -281,6 +330,15 @@ class BalanceConfig:
     smoothing: float = opt(0.5, "dynamic batching: weight of the past in the moving average of seconds per sample, "
                            "in [0, 1)")
 
+    def check(self) -> None:
+        """This section's own values (whether the strategy can: dptrain.strategies.requirements)."""
+        if not self.dynamic_batching:
+            return
+        if self.every < 1:
+            raise ConfigError(f"balance.every must be at least 1, got {self.every}")
+        if not 0.0 <= self.smoothing < 1.0:
+            raise ConfigError(f"balance.smoothing must be in [0, 1), got {self.smoothing}")
+
 
 @dataclass
 class DivergenceConfig:
@@ -289,12 +347,21 @@ class DivergenceConfig:
     repair: bool = opt(False, "on a mismatch, copy a healthy rank's state to the others and go on, instead of "
                               "stopping with an error")
 
+    def check(self) -> None:
+        """This section's own values (whether the strategy keeps replicas: dptrain.strategies.requirements)."""
+        if self.every < 0:
+            raise ConfigError(f"divergence.every must be >= 0 (0: off), got {self.every}")
+
 
 @dataclass
 class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every this many steps (and at the end); 0 saves only at the end")
     keep_last: int = opt(2, "checkpoints kept; older ones are deleted after a newer one is complete")
     resume: bool = opt(True, "resume from the latest checkpoint in the run directory")
+
+    def check(self) -> None:
+        """This section's own values."""
+        _at_least("checkpoint", self, {"every": 0, "keep_last": 1})
 
 
 @dataclass
@@ -323,6 +390,10 @@ class LogConfig:
     mlflow_experiment: str = opt("dptrain", "backend mlflow: the experiment of the run (named after the run "
                                  "directory)")
 
+    def check(self) -> None:
+        """This section's own values (the backends' libraries: the run's validation)."""
+        _at_least("log", self, {"every": 1, "eval_every": 0, "eval_batches": 1, "trace_start": 1, "trace_steps": 0})
+
 
 @dataclass
 class RunConfig:
@@ -344,6 +415,13 @@ class RunConfig:
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def check(self) -> None:
+        """Every section's own values, each by its ``check()`` (a strategy's section: its registry entry's check)."""
+        for section in fields(self):
+            check = getattr(getattr(self, section.name), "check", None)
+            if check is not None:
+                check()
 
 
 # Fields that do not change what a step computes: changing them between a run and its

@@ -41,7 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["FreezeRule", "v_mass"]
+from dptrain.config import RunConfig
+
+__all__ = ["FreezeRule", "v_mass", "onebit_freeze", "onebit_notes"]
 
 
 @dataclass(frozen=True)
@@ -92,3 +94,28 @@ class FreezeRule:
 def v_mass(v: torch.Tensor | None, beta2: float, t: int) -> float:
     """sum(v) / (1 - beta2^t), summed in float64 (0 for a tensor with no v yet): one tensor's statistic at step t."""
     return 0.0 if v is None else float(v.sum(dtype=torch.float64)) / (1 - beta2 ** t)
+
+
+def onebit_freeze(cfg: RunConfig) -> tuple[int | None, FreezeRule]:
+    """1-bit Adam's ``freeze_step`` and ``freeze_rule``: ``train.onebit_freeze_step`` where set (> 0), else None, v
+    freezing when the rule finds it settled; the rule never before the LR warm-up's end."""
+    t = cfg.train
+    return t.onebit_freeze_step or None, FreezeRule(earliest=t.warmup_steps)
+
+
+def onebit_notes(cfg: RunConfig) -> list[str]:
+    """What to know before a 1-bit Adam run starts: a freeze_step earlier than the rule can ever freeze (the
+    LR warm-up), or a run too short for the rule to freeze at all (then it is AdamW throughout)."""
+    t = cfg.train
+    if t.optimizer != "onebit_adam":
+        return []
+    step, rule = onebit_freeze(cfg)
+    if step is not None and step < rule.first_check:
+        return [f"warning: train.onebit_freeze_step {step} freezes 1-bit Adam's second moment before step "
+                f"{rule.first_check}, the first the rule can freeze at (after the {t.warmup_steps}-step LR warm-up); "
+                "frozen that early, v is stale for the rest of the run (docs/compression.md: up to 1.5x AdamW's "
+                "loss at 1,000 steps). Leave it 0 to freeze when v settles"]
+    if step is None and t.steps <= rule.first_check:
+        return [f"note: 1-bit Adam freezes v once it settles, at step {rule.first_check} at the earliest; this run "
+                f"has {t.steps} steps, so it runs uncompressed AdamW throughout"]
+    return []

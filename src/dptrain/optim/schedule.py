@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["scaled_lr", "warmup_cosine"]
+__all__ = ["scaled_lr", "warmup_cosine", "schedule_warnings"]
 
 
 def scaled_lr(lr: float, rule: str, global_batch_size: int, base_batch_size: int) -> float:
@@ -35,3 +35,16 @@ def warmup_cosine(step: int, peak: float, warmup_steps: int, total_steps: int, m
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - 1 - warmup_steps))
     floor = peak * min_ratio
     return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+def schedule_warnings(steps: int, warmup_steps: int) -> list[str]:
+    """A warning when the learning-rate warm-up does not end before the run does (the schedule is
+    :func:`~dptrain.optim.schedule.warmup_cosine`: the rate rises for ``warmup_steps`` steps, then decays)."""
+    if warmup_steps < steps:
+        return []
+    reached = (f"reaches {steps}/{warmup_steps} = {steps / warmup_steps:.0%} of its peak at the last step"
+               if warmup_steps > steps else "reaches its peak only at the last step")
+    return [f"warning: train.warmup_steps {warmup_steps} is not below train.steps {steps}: the learning rate rises "
+            f"for the whole run, {reached}, and never decays (train.min_lr_ratio has no effect); set "
+            f"train.warmup_steps below {steps}, e.g. {max(1, steps // 10)} (a tenth of the run, as the default 30 "
+            "of 300)"]

@@ -18,9 +18,9 @@ from dptrain.data.balance import DynamicBatcher, DynamicLoader
 from dptrain.data.loader import steps_per_epoch
 from dptrain.launch.rendezvous import WorkerEnv
 from dptrain.optim.build import build_optimizer
+from dptrain.optim.onebit_freeze import onebit_freeze
 from dptrain.optim.schedule import scaled_lr, warmup_cosine
 from dptrain.runner.plan import RunPlan
-from dptrain.runner.validate import onebit_freeze
 from dptrain.strategies import Strategy, get_strategy
 from dptrain.tasks import collate
 
