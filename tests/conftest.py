@@ -94,7 +94,12 @@ def pytest_runtest_makereport(item, call):
 
 
 def pytest_runtest_logreport(report) -> None:
-    _seconds.setdefault(report.nodeid, [None, 0.0])[1] += report.duration
+    # under pytest-xdist this runs in the controller too, which learns the tier from the teardown's report
+    entry = _seconds.setdefault(report.nodeid, [None, 0.0])
+    entry[1] += report.duration
+    tier = dict(report.user_properties).get("tier")
+    if tier is not None:
+        entry[0] = tier
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -1,12 +1,17 @@
 #!/usr/bin/env bash
-# The local SGD / DiLoCo study of docs/localsgd.md: two link rates, two model sizes, equal tokens (300 steps).
-# Needs root (dptrain cluster). Each run prints its table; the raw records go to $OUT/diloco-*.json.
+# The local SGD / DiLoCo study of docs/localsgd.md, on the emulated two-host cluster (one rank per host, 300 steps
+# of global batch 32, equal tokens). Needs root (dptrain cluster). Each run prints its table; the raw records go to
+# $OUT/diloco-*.json. About 70 minutes on a 2-core machine; nothing else should run meanwhile (wall times).
 set -euo pipefail
 OUT=${OUT:-bench_results}
-COMMON=(--steps 300 --chunk 25 --eval-every 25 --eval-batches 10)
-ALL=(torch ddp localsgd diloco10 diloco50 diloco100 diloco50-int8)
-LARGER=(--set gpt.n_layer=8)   # 3.6M parameters against the default's 1.8M
-dptrain bench diloco --rate 0.1 "${COMMON[@]}" --beyond 2 --variants "${ALL[@]}" diloco50-w30 --out "$OUT/diloco-default-0.1.json"
-dptrain bench diloco --rate 1 "${COMMON[@]}" --variants "${ALL[@]}" diloco50-w30 --out "$OUT/diloco-default-1.json"
-dptrain bench diloco --rate 0.1 "${COMMON[@]}" --beyond 2 --variants "${ALL[@]}" "${LARGER[@]}" --out "$OUT/diloco-larger-0.1.json"
-dptrain bench diloco --rate 1 "${COMMON[@]}" --variants "${ALL[@]}" "${LARGER[@]}" --out "$OUT/diloco-larger-1.json"
+COMMON=(--steps 300 --chunk 25 --eval-every 50 --eval-batches 10)
+# 1 Gbit/s, the default GPT (1.84M): two jobs, each with dptrain's DDP as the reference
+dptrain bench diloco --rate 1 "${COMMON[@]}" --variants ddp localsgd diloco10 diloco50 --out "$OUT/diloco-default-1a.json"
+dptrain bench diloco --rate 1 "${COMMON[@]}" --variants ddp diloco10-w30 diloco50-w30 diloco100-w30 diloco50-w30-lr0.5 \
+    --out "$OUT/diloco-default-1b.json"
+# 100 Mbit/s, the default GPT: torch's DDP the reference; the variants short of its loss train on (--beyond 2)
+dptrain bench diloco --rate 0.1 "${COMMON[@]}" --beyond 2 \
+    --variants torch localsgd diloco50 diloco100 diloco50-int8 diloco50-w30 --out "$OUT/diloco-default-0.1.json"
+# 1 Gbit/s, a larger GPT (8 layers, 3.6M)
+dptrain bench diloco --rate 1 "${COMMON[@]}" --set gpt.n_layer=8 --variants ddp diloco50 diloco50-w30 \
+    --out "$OUT/diloco-larger-1.json"
