@@ -9,7 +9,7 @@ from pathlib import Path
 
 from dptrain.bench.stats import bootstrap_ci
 
-d = Path(os.environ.get("OUT", "/tmp/dropin_speed"))
+d = Path(os.environ.get("OUT", "/tmp/hotpath_speed"))
 
 
 def load(n, v):
