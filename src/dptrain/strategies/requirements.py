@@ -69,7 +69,7 @@ def check_onebit_adam(cfg: RunConfig, entry: Strategy) -> None:
     if not entry.comm_hooks:
         hooked = listed([f'"{n}"' for n in strategy_names(lambda s: s.comm_hooks)], "or")
         raise ConfigError(f"train.optimizer onebit_adam averages the momentum through the DDP engine's comm hook; "
-                          f"strategy {d.strategy!r} has none: set ddp.strategy = {hooked} or "
+                          f"strategy {entry.name!r} has none: set ddp.strategy = {hooked} or "
                           "train.optimizer = \"adamw\"")
     if d.compression != "none" or d.algorithm != "native":
         raise ConfigError(f"train.optimizer onebit_adam compresses the momentum itself (1 bit per element after the "
