@@ -40,12 +40,14 @@ def test_a_zero_run_reports_its_collectives_busy_and_exposed(tmp_path, strategy)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())
     busy, exposed = summary["median_comm_busy_ms"], summary["median_exposed_comm_ms"]
-    assert busy > 0 and 0 <= exposed <= busy
+    assert busy > 0 and exposed >= 0  # their arithmetic on given spans: the tests above
     assert f"busy {busy:.1f} ms" in proc.stdout
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     train = [r for r in records if r.get("kind") == "train"]
-    # a step whose collectives all finished before they were waited for exposes none (on a busy machine, some do)
-    assert all(0 <= r["exposed_comm_ms"] <= r["comm_busy_ms"] and r["comm_busy_ms"] > 0 for r in train)
+    # Every step reports both. No order between them is asserted: they are clocks read on two threads (the wait on
+    # the training thread, the collective's span on gloo's), and on a busy machine a collective can finish before it
+    # is waited for (0 exposed) or the waiting thread wake up after it finished (exposed past the span).
+    assert all(r["exposed_comm_ms"] >= 0 and r["comm_busy_ms"] > 0 for r in train)
     events = json.loads((run_dir / "trace.json").read_text())["traceEvents"]
     names = {e["name"] for e in events}
     assert {"all-gather unit 0", "reduce-scatter unit 0"} <= names
