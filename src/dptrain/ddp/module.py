@@ -402,11 +402,9 @@ class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
 
     def export_weights(self, path) -> Any:
         """Rank 0 writes the module's state dict (:mod:`dptrain.utils.weights_file`); the others nothing."""
-        if dist.get_rank() != 0:
-            return None
-        from dptrain.utils.weights_file import save_state_file
+        from dptrain.utils.weights_file import save_replica_weights
 
-        return save_state_file(self.module.state_dict(), path)
+        return save_replica_weights(self.module, path)
 
     @property
     def bucket_assignment(self) -> list[list[str]]:

@@ -42,7 +42,7 @@ from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
 from dptrain.diloco.options import DiLoCoOptions
 from dptrain.diloco.outer import OuterStep
-from dptrain.utils.weights_file import save_state_file
+from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["DiLoCo"]
 
@@ -179,9 +179,7 @@ class DiLoCo(nn.Module):
 
     def export_weights(self, path) -> Path | None:
         """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's)."""
-        if dist.get_rank() != 0:
-            return None
-        return save_state_file(self.module.state_dict(), Path(path))
+        return save_replica_weights(self.module, path)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the global weights, the outer momentum and the step count; ``rank``: this rank's replica,

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.utils.weights_file import save_state_file
+from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["GossipDataParallel", "TOPOLOGIES", "mixing_peers"]
 
@@ -177,6 +177,4 @@ class GossipDataParallel(nn.Module):
 
 def _export_module(module: nn.Module, path) -> Path | None:
     """Rank 0: ``module``'s state dict (parameters that are views of one flat buffer get storage of their own)."""
-    if dist.get_rank() != 0:
-        return None
-    return save_state_file(module.state_dict(), Path(path))
+    return save_replica_weights(module, path)

@@ -51,7 +51,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from dptrain.utils.files import UnsafePath, links_in, open_file
+from dptrain.utils.files import UnsafePath, links_in, open_file, pid_alive
 
 __all__ = ["LOCK_NAME", "TOKEN_ENV", "FD_ENV", "RunDirError", "RunDirBusy", "Holder", "RunLock", "acquire",
            "hold_run_dir", "inherited", "keep_inherited"]
@@ -283,7 +283,7 @@ def _check_stale(run_dir: Path, previous: Holder | None, log: Callable[[str], No
             f"that process still runs (its heartbeats in {run_dir / 'logs'} are not fresh). Once you know that run "
             f"is over, empty the lock file (: > {run_dir / LOCK_NAME}) and start again; otherwise wait for it, or "
             "use another --run-dir")
-    if not flock_works and _alive(previous.pid):  # without flock, a live pid is taken to hold it
+    if not flock_works and pid_alive(previous.pid):  # without flock, a live pid is taken to hold it
         raise RunDirBusy(_busy_message(run_dir, previous))
     log(f"note: taking over the lock of {run_dir}: its holder, {previous.describe()}, is gone")
 
@@ -312,7 +312,7 @@ def _fresh_heartbeats(run_dir: Path) -> dict[int, dict]:
             continue
         if beat.get("phase") == "exited" or age > max(FRESH_S, float(beat.get("timeout_s") or 0)):
             continue
-        if beat.get("host", here) == here and not _alive(int(beat.get("pid", 0))):
+        if beat.get("host", here) == here and not pid_alive(int(beat.get("pid", 0))):
             continue
         fresh[int(name[4:-10])] = dict(beat, age_s=age)
     return fresh
@@ -321,23 +321,12 @@ def _fresh_heartbeats(run_dir: Path) -> dict[int, dict]:
 def _busy_message(run_dir: Path, holder: Holder | None) -> str:
     if holder is None:
         who = f"another process (its lock file {run_dir / LOCK_NAME}, which would name it, is empty or missing)"
-    elif holder.host == socket.gethostname() and not _alive(holder.pid):
+    elif holder.host == socket.gethostname() and not pid_alive(holder.pid):
         who = (f"the processes that {holder.describe()} started: that launcher has exited and its workers are "
                "still ending (they die with it)")
     else:
         who = holder.describe()
-    kill = f" (kill {holder.pid})" if holder is not None and _alive(holder.pid) else ""
+    kill = f" (kill {holder.pid})" if holder is not None and pid_alive(holder.pid) else ""
     return (f"the run directory {run_dir} is in use by {who}; two runs in one directory would overwrite each "
             f"other's checkpoints and metrics. Wait for it to finish, stop it{kill}, or use another --run-dir")
-
-
-def _alive(pid: int) -> bool:
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
     return True

@@ -38,7 +38,7 @@ from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
 from dptrain.localsgd.average import average_parameters
 from dptrain.localsgd.options import LocalSGDOptions
-from dptrain.utils.weights_file import save_state_file
+from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["LocalSGD"]
 
@@ -157,9 +157,7 @@ class LocalSGD(nn.Module):
 
     def export_weights(self, path) -> Path | None:
         """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's)."""
-        if dist.get_rank() != 0:
-            return None
-        return save_state_file(self.module.state_dict(), Path(path))
+        return save_replica_weights(self.module, path)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the step count (the schedule's position); ``rank``: once the warm-up is over, this rank's

@@ -29,7 +29,7 @@ import stat
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["UnsafePath", "open_file", "open_fd", "read_bytes", "inside", "replacing", "remove_stale_temps", "links_in",
+__all__ = ["UnsafePath", "pid_alive", "open_file", "open_fd", "read_bytes", "inside", "replacing", "remove_stale_temps", "links_in",
            "describe"]
 
 _FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC, "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND,
@@ -173,14 +173,17 @@ def remove_stale_temps(path: Path) -> list[Path]:
         return removed
     for entry in entries:
         m = _TEMP.match(entry.name)
-        if m and m["name"] == Path(path).name and not _alive(int(m["pid"])):
+        if m and m["name"] == Path(path).name and not pid_alive(int(m["pid"])):
             with contextlib.suppress(OSError):
                 os.unlink(entry.path)
                 removed.append(Path(entry.path))
     return removed
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this pid exists on this host (one of another user's counts as alive)."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -57,3 +57,12 @@ def save_state_file(tensors: dict[str, torch.Tensor], path: Path, metadata: dict
         save_file(own_storage(tensors), str(tmp), metadata=metadata or {"format": "pt"})
     path.chmod(0o644)  # safetensors creates it owner-only
     return path
+
+
+def save_replica_weights(module: torch.nn.Module, path: Path) -> Path | None:
+    """A replicated strategy's weights file: rank 0 writes ``module``'s state dict, the other ranks nothing (None)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        return None
+    return save_state_file(module.state_dict(), Path(path))
