@@ -196,9 +196,9 @@ def test_simulate_command_with_a_flops_profile(tmp_path) -> None:
 
 
 def test_a_link_probe_of_all_reduces_and_all_gathers_fits_the_link_that_produced_it() -> None:
-    # What dptrain.bench.link_probe writes, made by the cost model from a known link: the
+    # What dptrain.tune.link_probe writes, made by the cost model from a known link: the
     # fit of the emulated cluster's links (dptrain bench cluster-zero) recovers it.
-    from dptrain.bench.cluster import fit_probe
+    from dptrain.tune.calibrate import fit_probe
 
     true = Link(alpha=4e-4, beta=1.3e8)
     sizes = (16 << 10, 256 << 10, 1 << 20, 4 << 20)
@@ -207,3 +207,43 @@ def test_a_link_probe_of_all_reduces_and_all_gathers_fits_the_link_that_produced
     for kinds in (("all_reduce",), ("all_reduce", "all_gather")):
         fitted = fit_probe(probe, kinds)
         assert fitted.alpha == pytest.approx(true.alpha, rel=1e-6) and fitted.beta == pytest.approx(true.beta, rel=1e-6)
+
+
+def test_accumulation_computes_every_micro_step_and_reduces_on_the_last_only() -> None:
+    model = _model()
+    prof = _profile(model)
+    one = simulate_step(model, Setup("ddp", 4, bucket_cap_mb=100), prof, NET)
+    three = simulate_step(model, Setup("ddp", 4, bucket_cap_mb=100), prof, NET, accum=3)
+    assert three.step_s == pytest.approx(one.step_s + 2 * 0.3)  # two more micro-steps of compute, no communication
+    assert len(three.collectives) == len(one.collectives) and three.collectives[0].launched_s == pytest.approx(0.9)
+    z3 = Setup("zero3", 4, unit_classes=(nn.Linear,))
+    z3_one, z3_two = simulate_step(model, z3, prof, NET), simulate_step(model, z3, prof, NET, accum=2)
+    gathers = [sum(c.name.startswith("all_gather") for c in p.collectives) for p in (z3_one, z3_two)]
+    reductions = [sum(c.name.startswith("reduce_scatter") for c in p.collectives) for p in (z3_one, z3_two)]
+    assert gathers == [16, 32] and reductions == [8, 8]  # ZeRO-3 gathers in every micro-step
+    z1 = [simulate_step(model, Setup("zero1", 4), prof, NET, accum=a) for a in (1, 2)]
+    assert [len(p.collectives) for p in z1] == [len(z1[0].collectives)] * 2  # gathered once, reduced once
+    with pytest.raises(ValueError, match="accum"):
+        simulate_step(model, Setup("ddp", 4), prof, NET, accum=0)
+
+
+def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> None:
+    from dptrain.planner.simulate import Overheads
+
+    model = _model()
+    prof = _profile(model)
+    setup = Setup("ddp", 4, bucket_cap_mb=0.2)  # a bucket per layer, all but the last overlapping backward
+    bare = simulate_step(model, setup, prof, NET)
+    n = len(bare.collectives)
+    assert bare.features[:3] == (1.0, n, 0.0) and bare.overhead_s == 0
+    assert 0 < bare.features[3] < sum(c.nbytes for c in bare.collectives)  # the overlapped bytes: not all of them
+    assert bare.features[5] == 8 * 65_792 * 4  # DDP steps every parameter
+    assert bare.features[4] == sum(c.nbytes for c in bare.collectives) and bare.features[6] == pytest.approx(0.31)
+    o = Overheads(per_step_s=1e-3, per_bucket_s=1e-4, contention_s_per_byte=1e-9, state_s_per_byte=1e-10,
+                  compute_slowdown=0.1)
+    with_o = simulate_step(model, setup, prof, NET, overheads=o)
+    assert with_o.overhead_s == pytest.approx(1e-3 + n * 1e-4 + 1e-9 * bare.features[3] + 1e-10 * bare.features[5]
+                                              + 0.031)
+    assert with_o.step_s == pytest.approx(bare.step_s + with_o.overhead_s)
+    z2 = simulate_step(model, Setup("zero2", 4), prof, NET)
+    assert z2.features[1] == 0 and z2.features[2] == len(z2.collectives) and z2.features[5] == bare.features[5] / 4

@@ -11,7 +11,7 @@ The prediction uses the same model, batch and bucket size:
   in 2 processes at once, one thread each (what the two workers share: this machine's
   2 cores), without communication; the median over the two;
 - network: the link the job actually gets, fitted: before the runs at each rate,
-  :mod:`dptrain.bench.link_probe` times gloo all-reduces of 64 KiB to 32 MiB between
+  :mod:`dptrain.tune.link_probe` times gloo all-reduces of 64 KiB to 32 MiB between
   the two hosts and α, β are fitted to them with the cost model's rounds and bytes
   (``dptrain.comm.fit.fit_link``); the nominal tbf rate is reported beside the fit;
 - then :func:`~dptrain.planner.simulate.simulate_step`, bucket by bucket.
@@ -43,17 +43,17 @@ from torch.utils.data import default_collate
 from dptrain.bench.results import save_result
 from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
-from dptrain.comm.cost import Link, collective_cost
-from dptrain.comm.fit import fit_link
+from dptrain.comm.cost import Link
 from dptrain.config import load_config
 from dptrain.planner.from_config import optimizer_for, setup_for
 from dptrain.planner.network import Network as Links
 from dptrain.planner.simulate import ComputeProfile, measure_profile, simulate_step
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
+from dptrain.tune.calibrate import fit_probe
 
 __all__ = ["run", "main", "profile_together", "rescaled_profile", "fit_cluster_link",
-           "fit_probe", "measure_on_cluster"]
+           "measure_on_cluster"]
 
 MICRO = 16
 
@@ -95,25 +95,12 @@ def fit_cluster_link(rate_gbit: float, per_host: int = 1, within_hosts: bool = F
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "probe.json"
         with Network(2, rate_mbit=rate_gbit * 1000) as net:
-            code = run_on_cluster(net, per_host, ["-m", "dptrain.bench.link_probe", str(out)]
+            code = run_on_cluster(net, per_host, ["-m", "dptrain.tune.link_probe", str(out)]
                                   + (["--within-hosts"] if within_hosts else []), timeout=600,
                                   env={"OMP_NUM_THREADS": "1"})
         if code != 0:
             raise RuntimeError(f"the link probe at {rate_gbit} Gbit/s exited with {code}")
         return fit_probe(json.loads(out.read_text()), kinds)
-
-
-def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
-    """α and β fitted to a link probe's timings (``{"world_size", "seconds": {kind: {numel: s}}}``) of ``kinds``,
-    each costed as the ring the cost model takes ``native`` collectives to be."""
-    rounds, nbytes, seconds = [], [], []
-    for kind in kinds:
-        for numel, t in probe["seconds"][kind].items():
-            cost = collective_cost(kind, "native", int(numel), 4, probe["world_size"])
-            rounds.append(cost.steps())
-            nbytes.append(cost.load(duplex=True))
-            seconds.append(t)
-    return fit_link(rounds, nbytes, seconds)
 
 
 def measure_on_cluster(rate_gbit: float, per_host: int, overrides: list[str], steps: int, warmup: int) -> dict:

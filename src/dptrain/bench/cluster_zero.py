@@ -14,7 +14,7 @@ A variant's step time is the median of the run's ``step_ms`` after ``--warmup`` 
 the HSDP / ZeRO-3 ratio is taken per round (paired), then its median.
 
 The predictions use :func:`~dptrain.planner.simulate.simulate_step` on the same model
-and batch, with a network fitted on this cluster (``dptrain.bench.link_probe``, α and β
+and batch, with a network fitted on this cluster (``dptrain.tune.link_probe``, α and β
 fitted to all-reduces and all-gathers of 64 KiB to 32 MiB together): across hosts from
 the 4 ranks' collectives, which every ring step takes across the host link, and inside
 a host from its 2 ranks' collectives, both hosts at once. The replicate all-reduces of

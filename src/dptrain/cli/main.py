@@ -23,6 +23,7 @@ from dptrain.cli.checkpoint import consolidate
 from dptrain.cli.input import bad_input as _bad_input
 from dptrain.cli.launch import launch
 from dptrain.cli.planning import explore, plan, simulate
+from dptrain.cli.tune import tune
 
 __all__ = ["main"]
 
@@ -310,7 +311,7 @@ def bench() -> None:
     """
 
 
-for _command in (launch, consolidate, plan, simulate, explore):
+for _command in (launch, consolidate, plan, simulate, explore, tune):
     main.add_command(_command)
 
 if __name__ == "__main__":

@@ -26,8 +26,11 @@ __all__ = ["run_on_cluster"]
 
 
 def run_on_cluster(network: Network, per_host: int, args: list[str], port: int = 29400,
-                   timeout: float | None = None, env: dict[str, str] | None = None) -> int:
-    """Run ``torchrun ... args`` on every host of ``network`` (already up); returns the job's exit code."""
+                   timeout: float | None = None, env: dict[str, str] | None = None, stdout=None, stderr=None) -> int:
+    """Run ``torchrun ... args`` on every host of ``network`` (already up); returns the job's exit code.
+
+    ``stdout``, ``stderr``: where the agents and workers write (``subprocess.Popen``'s; default: this process's).
+    """
     if per_host < 1:
         raise ValueError(f"at least one worker per host, got {per_host}")
     if not args:
@@ -49,7 +52,7 @@ def run_on_cluster(network: Network, per_host: int, args: list[str], port: int =
                 "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", network.address(i), *args]
             host_env = {**os.environ, **(env or {}), "GLOO_SOCKET_IFNAME": network.interface(i),
                         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "DPTRAIN_CLUSTER_HOST": str(i)}
-            procs.append(subprocess.Popen(cmd, env=host_env, start_new_session=True))
+            procs.append(subprocess.Popen(cmd, env=host_env, start_new_session=True, stdout=stdout, stderr=stderr))
             if i == 0:
                 time.sleep(0.5)  # host 0 serves the rendezvous store
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -29,6 +29,16 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   Where a host's ranks share one link to the others (``Network.shared_net``), their
   concurrent all-reduces divide its bandwidth.
 
+- **Gradient accumulation** (``accum``): the micro-steps before the last compute without
+  reducing (``no_sync``); ZeRO-3 still gathers its units in each of them; ZeRO-1/2
+  gather once, before the first.
+- **What the link's α-β cost leaves out** (:class:`Overheads`, fitted on the machine at
+  hand by :func:`dptrain.planner.calibration.fit_overheads`): a fixed time per step (the
+  end-of-backward bookkeeping), per DDP bucket and per ZeRO collective (the work on the
+  compute thread around each collective: launch, wait, copies), and the computation
+  slowed by the bytes communicated beside it (gloo's TCP copies take the cores compute
+  runs on). Added to the step after the timeline; zero by default.
+
 Compute comes from a :class:`ComputeProfile`: measured on the real model
 (:func:`measure_profile`: forward, backward and optimizer times, and when each
 parameter's gradient is ready) or derived from FLOPs and a device throughput
@@ -51,7 +61,8 @@ from dptrain.comm.cost import Link, collective_cost
 from dptrain.planner.layout import Setup, Unit, units
 from dptrain.planner.network import Network
 
-__all__ = ["ComputeProfile", "measure_profile", "flops_profile", "Collective", "StepPrediction", "simulate_step"]
+__all__ = ["ComputeProfile", "measure_profile", "flops_profile", "Collective", "StepPrediction", "Overheads",
+           "simulate_step"]
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,42 @@ class Collective:
     launched_s: float
     start_s: float
     end_s: float
+    nbytes: int = 0  # the rank's buffer: what it sends and receives, in the dtype on the wire
+
+
+@dataclass(frozen=True)
+class Overheads:
+    """The step's time the link's α-β cost does not account for, on the compute thread (seconds).
+
+    ``per_step_s``: once per optimizer step (the end-of-backward callback, the engine's
+    bookkeeping); ``per_bucket_s``: per DDP all-reduce (its hook's launch, the wait and
+    the copy back into the gradients); ``per_zero_collective_s``: per ZeRO gather or
+    reduce-scatter (flattening, the shard copies, the hooks); ``contention_s_per_byte``:
+    compute delayed per byte of a collective that runs while the device computes (a
+    CPU backend's copies share the cores with compute; near zero where a NIC and NCCL's
+    kernels do the work); ``comm_s_per_byte``: per byte of every collective, wherever it
+    runs (the copies into and out of the buckets and flat buffers, the casts, a CPU
+    backend's own work); ``state_s_per_byte``: per
+    byte of the parameters the rank steps (the step's passes over every gradient that a
+    bare forward-backward-step does not make: the gradient norm for clipping and the
+    divergence checks, zeroing, the engine's copies); ``compute_slowdown``: the share by
+    which a training run's compute exceeds the profile's bare forward, backward and step
+    (the trainer's per-step work, the data, the network stack's interrupts on a host
+    whose cores compute: measured here at 4-31%). Fitted by
+    :func:`dptrain.planner.calibration.fit_overheads`.
+    """
+
+    per_step_s: float = 0.0
+    per_bucket_s: float = 0.0
+    per_zero_collective_s: float = 0.0
+    contention_s_per_byte: float = 0.0
+    comm_s_per_byte: float = 0.0
+    state_s_per_byte: float = 0.0
+    compute_slowdown: float = 0.0
+
+    def terms(self) -> tuple[float, ...]:
+        return (self.per_step_s, self.per_bucket_s, self.per_zero_collective_s, self.contention_s_per_byte,
+                self.comm_s_per_byte, self.state_s_per_byte, self.compute_slowdown)
 
 
 @dataclass(frozen=True)
@@ -148,22 +195,26 @@ class StepPrediction:
     comm_s: float  # the link's busy time
     exposed_s: float  # step time beyond compute alone
     collectives: list[Collective] = field(repr=False)
+    accum: int = 1  # micro-steps per step: forward_s and backward_s are per micro-step
+    features: tuple[float, ...] = (0.0,) * 7  # what Overheads' terms multiply
+    overhead_s: float = 0.0  # the Overheads' share of step_s
 
     @property
     def compute_s(self) -> float:
-        return self.forward_s + self.backward_s + self.optimizer_s
+        return self.accum * (self.forward_s + self.backward_s) + self.optimizer_s
 
 
 class _Link:
     """One collective at a time, in launch order."""
 
-    def __init__(self, duration: Callable[[str, Unit], float]):
+    def __init__(self, duration: Callable[[str, Unit], tuple[float, int]]):
         self.free, self.duration, self.log = 0.0, duration, []
 
     def run(self, kind: str, unit: Unit, index: int, launched: float) -> float:
         start = max(launched, self.free)
-        self.free = start + self.duration(kind, unit)
-        self.log.append(Collective(f"{kind} {index}", launched, start, self.free))
+        seconds, nbytes = self.duration(kind, unit)
+        self.free = start + seconds
+        self.log.append(Collective(f"{kind} {index}", launched, start, self.free, nbytes))
         return self.free
 
 
@@ -176,11 +227,13 @@ class _Reductions:
     on; :meth:`finish` when the last reduction is done (end of backward's callback).
     """
 
-    def __init__(self, shard_link: _Link, replica_link: _Link | None):
-        self.shard_link, self.replica_link = shard_link, replica_link
+    def __init__(self, shard_link: _Link, replica_link: _Link | None, sync: bool = True):
+        self.shard_link, self.replica_link, self.sync = shard_link, replica_link, sync
         self._previous: tuple[Unit, int, float] | None = None  # (unit, index, its reduce-scatter's end)
 
     def launch(self, unit: Unit, index: int, t: float) -> float:
+        if not self.sync:  # a no_sync micro-step accumulates locally
+            return t
         t = self._settle(t)
         self._previous = (unit, index, self.shard_link.run("reduce_scatter", unit, index, t))
         return t
@@ -200,16 +253,20 @@ class _Reductions:
 
 
 def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, network: Network,
-                  algorithm: str = "ring", overlap: bool = True, compression: int = 1) -> StepPrediction:
-    """Predict one optimizer step of ``model`` (one micro-batch per rank) under ``setup`` on ``network``.
+                  algorithm: str = "ring", overlap: bool = True, compression: int = 1, accum: int = 1,
+                  overheads: Overheads | None = None) -> StepPrediction:
+    """Predict one optimizer step of ``model`` (``accum`` micro-batches per rank) under ``setup`` on ``network``.
 
     ``overlap=False`` (DDP): every bucket is launched when backward ends, as an engine
     without gradient hooks would. ``compression``: gradients cross the link ``compression``
     times smaller (DDP: each bucket's all-reduce carries ceil(numel / compression)
-    elements); encoding and decoding are not charged.
+    elements); encoding and decoding are not charged. ``overheads``: the calibrated
+    terms added to the timeline's step (:class:`Overheads`).
     """
     if not isinstance(compression, int) or compression < 1:
         raise ValueError(f"compression must be a positive integer ratio, got {compression!r}")
+    if not isinstance(accum, int) or accum < 1:
+        raise ValueError(f"accum must be a positive number of micro-steps, got {accum!r}")
     if setup.stage and (compression != 1 or not overlap):
         raise ValueError("overlap=False and compression apply to DDP (strategy 'ddp'); ZeRO's schedule is fixed")
     shapes = units(model, setup)
@@ -222,29 +279,53 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     def ready(unit: Unit) -> float:
         return max((profile.ready.get(name, 1.0) for name in unit.names), default=1.0)
 
-    if setup.stage == 0:  # the DDP engine launches each bucket when it is ready, in bucket order, without waiting
-        launched = 0.0
-        for i, unit in enumerate(shapes):
-            launched = max(launched, F + B * (ready(unit) if overlap else 1.0))
-            shard_link.run("all_reduce", unit, i, launched)
-        backward_end = F + B
-    elif setup.stage < 3:
-        start = 0.0
-        for i, unit in enumerate(shapes):  # the updated parameters are gathered before the next forward
-            start = shard_link.run("all_gather", unit, i, 0.0)
-        reductions = _Reductions(shard_link, replica_link)
-        delay = launched = 0.0  # compute held back by the waits for earlier reductions
-        for i, unit in enumerate(shapes):
-            launched = reductions.launch(unit, i, max(launched, start + F + B * ready(unit) + delay))
-            delay = max(delay, launched - (start + F + B * ready(unit)))
-        backward_end = reductions.finish(start + F + B + delay)
-    else:
-        backward_end = _stage3(shapes, F, B, shard_link, _Reductions(shard_link, replica_link))
+    t, windows = 0.0, []  # windows: when the device computes (forward to backward's end, per micro-step)
+    for micro in range(accum):
+        sync, start = micro == accum - 1, t
+        if setup.stage == 0:  # the DDP engine launches each bucket when it is ready, in bucket order, without waiting
+            launched = 0.0
+            for i, unit in enumerate(shapes if sync else []):
+                launched = max(launched, t + F + B * (ready(unit) if overlap else 1.0))
+                shard_link.run("all_reduce", unit, i, launched)
+            t = t + F + B
+        elif setup.stage < 3:
+            if micro == 0:
+                for i, unit in enumerate(shapes):  # the updated parameters are gathered before the next forward
+                    start = shard_link.run("all_gather", unit, i, t)
+                t = start
+            reductions = _Reductions(shard_link, replica_link, sync)
+            delay = launched = 0.0  # compute held back by the waits for earlier reductions
+            for i, unit in enumerate(shapes):
+                launched = reductions.launch(unit, i, max(launched, t + F + B * ready(unit) + delay))
+                delay = max(delay, launched - (t + F + B * ready(unit)))
+            t = reductions.finish(t + F + B + delay)
+        else:
+            t = _stage3(shapes, t, F, B, shard_link, _Reductions(shard_link, replica_link, sync))
+        windows.append((start, t))
     links = [shard_link] + ([replica_link] if replica_link is not None else [])
-    step = max(backward_end, *(link.free for link in links)) + O
+    step = max(t, *(link.free for link in links)) + O
     log = sorted((c for link in links for c in link.log), key=lambda c: c.start_s)
     comm = sum(c.end_s - c.start_s for c in log)
-    return StepPrediction(setup.strategy, setup.world_size, F, B, O, step, comm, step - (F + B + O), log)
+    stepped = sum(u.numel * u.dtype.itemsize for u in shapes) / (setup.shards if setup.stage else 1)
+    features = _features(log, windows, setup.stage, stepped, accum * (F + B) + O)
+    overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
+    return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
+                          step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
+
+
+def _features(log: list[Collective], windows: list[tuple[float, float]], stage: int, stepped_bytes: float,
+              compute_s: float) -> tuple[float, ...]:
+    """What :class:`Overheads`' terms multiply: 1 step, DDP's collectives, ZeRO's collectives, the bytes of
+    collectives while the device computes (each collective's bytes times the share of its time inside a window),
+    every collective's bytes, the bytes of the parameters this rank steps, and the profile's compute seconds."""
+    overlapped = 0.0
+    for c in log:
+        span = c.end_s - c.start_s
+        if span > 0:
+            inside = sum(max(0.0, min(c.end_s, hi) - max(c.start_s, lo)) for lo, hi in windows)
+            overlapped += c.nbytes * inside / span
+    return (1.0, float(len(log)) if stage == 0 else 0.0, float(len(log)) if stage else 0.0, overlapped,
+            float(sum(c.nbytes for c in log)), float(stepped_bytes), float(compute_s))
 
 
 def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool,
@@ -271,9 +352,9 @@ def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard
 
     mixed = setup.compute_dtype is not None
 
-    def duration(kind: str, unit: Unit) -> float:
+    def duration(kind: str, unit: Unit) -> tuple[float, int]:
         if ranks == 1:
-            return 0.0
+            return 0.0, 0
         dtype, numel = unit.dtype, -(-unit.numel // compression)
         if kind == "all_gather" and mixed:
             dtype = setup.compute_dtype
@@ -283,25 +364,26 @@ def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard
                 kind = "all_reduce"  # gloo's, and any with uneven shards (ZeRO consumes its input)
         if not shard:  # the reduced shard: the largest of the shard group's
             dtype, numel = setup.reduce_dtype if mixed else dtype, -(-unit.numel // setup.shards)
-        return collective_cost(kind, algorithm, numel, dtype.itemsize, ranks, nodes=nodes).predict(links)
+        seconds = collective_cost(kind, algorithm, numel, dtype.itemsize, ranks, nodes=nodes).predict(links)
+        return seconds, numel * dtype.itemsize
 
     return duration
 
 
-def _stage3(shapes: list[Unit], F: float, B: float, link: _Link, reductions: _Reductions) -> float:
-    """ZeRO-3's forward and backward with prefetching; returns when backward's last reduction is done."""
+def _stage3(shapes: list[Unit], t0: float, F: float, B: float, link: _Link, reductions: _Reductions) -> float:
+    """ZeRO-3's forward and backward from ``t0``, with prefetching; returns when backward's last reduction is done."""
     blocks = [i for i, u in enumerate(shapes) if u.resharded]
     kept = [i for i, u in enumerate(shapes) if not u.resharded]
     total = sum(u.numel for u in shapes) or 1
     share = {i: shapes[i].numel / total for i in range(len(shapes))}
-    root_ready = 0.0
+    root_ready = t0
     for i in kept:  # the root unit: gathered for the whole step
-        root_ready = link.run("all_gather", shapes[i], i, 0.0)
+        root_ready = link.run("all_gather", shapes[i], i, t0)
     gathered = {}
-    t = 0.0
+    t = t0
     for k, i in enumerate(blocks):  # forward
         if k == 0:
-            gathered[i] = link.run("all_gather", shapes[i], i, 0.0)
+            gathered[i] = link.run("all_gather", shapes[i], i, t0)
         start = max(t, gathered[i], root_ready)
         if k + 1 < len(blocks):
             nxt = blocks[k + 1]

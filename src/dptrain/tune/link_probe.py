@@ -1,13 +1,13 @@
 """Time gloo all-reduces and all-gathers of a few sizes between the ranks of a torchrun job; rank 0 writes the medians.
 
-Started by ``dptrain bench cluster`` on the emulated hosts, to fit α and β of the links
+Started by ``dptrain tune`` (and ``dptrain bench cluster``) on the hosts of a job, to fit α and β of the links
 the job actually gets (``dptrain.comm.fit.fit_link``), rather than trusting a nominal rate.
 
 With ``--within-hosts`` the collectives run inside each host's group of ranks instead,
 every host at once: the link between a host's ranks, under the load a sharded job puts
 on it (hybrid sharding's gathers and reduce-scatters stay inside hosts).
 
-    torchrun ... -m dptrain.bench.link_probe OUT.json [--within-hosts]
+    torchrun ... -m dptrain.tune.link_probe OUT.json [--within-hosts]
 """
 
 from __future__ import annotations

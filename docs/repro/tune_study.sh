@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The study of docs/tune.md: the calibrated simulator's fidelity on the emulated cluster, and the tuner against
+# the exhaustive search on three settings. Needs root (dptrain cluster). About an hour on a 2-core machine.
+#   OUT=bench_results/tune bash docs/repro/tune_study.sh [SETTING ...]
+# Each setting's directory holds the calibration, every trial's config and run, tune.json and tune.md.
+set -euo pipefail
+OUT=${OUT:-bench_results/tune}
+mkdir -p "$OUT"
+LARGER=(--set gpt.n_layer=8 --set gpt.n_embd=256)
+COMMON=(--buckets 1,4,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300)
+run() { local name=$1; shift; [ -e "$OUT/$name" ] && { echo "skip $name (exists)"; return; }
+        /usr/bin/time -f "$name wall %e s" dptrain tune --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 || echo "$name failed: see $OUT/$name.log"; tail -n 3 "$OUT/$name.log"; }
+want() { [ $# -eq 0 ] || [[ " ${SETTINGS} " == *" $1 "* ]]; }
+SETTINGS="$*"
+# fidelity: 2 hosts x 1 rank, the default GPT, 16 samples per rank, every ddp bucket, zero1-2 bucket and zero3
+for rate in 1 100; do
+  want "fid-2x1-$rate" && run "fid-2x1-$rate" --cluster 2x1 --bandwidth-gbit $rate --global-batch 32 \
+    --micro-batches 16 "${COMMON[@]}" --exhaustive
+done
+# tuner vs exhaustive 1: the default GPT on 2 local ranks, global batch 32, the whole space
+if want local; then
+  run local-exhaustive --nproc 2 --global-batch 32 "${COMMON[@]}" --exhaustive
+  run local-tuner --nproc 2 --global-batch 32 "${COMMON[@]}" --calibration "$OUT/local-exhaustive/calibration.json"
+fi
+# tuner vs exhaustive 2 and 3 (also fidelity at 2 x 2): a larger GPT on the emulated 2x2 cluster at 1 and 100 Gbit/s
+for rate in 1 100; do
+  if want "cluster-$rate"; then
+    run "cluster-$rate-exhaustive" --cluster 2x2 --bandwidth-gbit $rate "${LARGER[@]}" --global-batch 16 \
+      --micro-batches 4,2 --buckets 1,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300 --exhaustive
+    run "cluster-$rate-tuner" --cluster 2x2 --bandwidth-gbit $rate "${LARGER[@]}" --global-batch 16 \
+      --micro-batches 4,2 --buckets 1,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300 \
+      --calibration "$OUT/cluster-$rate-exhaustive/calibration.json"
+  fi
+done

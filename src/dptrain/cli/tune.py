@@ -1,0 +1,171 @@
+"""``dptrain tune``: choose the strategy, micro-batch, bucket size and codec for a job, and say why."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from dptrain.cli.input import bad_input, int_list
+
+__all__ = ["tune"]
+
+
+@click.command()
+@click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config of the run to tune")
+@click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (repeatable)")
+@click.option("--global-batch", type=int, help="samples per optimizer step over all ranks (default: the config's, "
+              "else 32)")
+@click.option("--nproc", type=int, help="ranks on this machine")
+@click.option("--cluster", "cluster_shape", metavar="HOSTSxPER_HOST",
+              help="the emulated cluster instead (dptrain cluster; root), e.g. 2x2")
+@click.option("--bandwidth-gbit", type=float, default=1.0, show_default=True,
+              help="with --cluster: each host's link rate")
+@click.option("--launcher", metavar="COMMAND", help="how a job starts on several machines, '-m MODULE ARGS' appended "
+              "(e.g. 'srun python -m torch.distributed.run --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d "
+              "--rdzv-endpoint HOST:29500'); with --hosts and --per-host; files in --out must be shared")
+@click.option("--hosts", type=int, help="with --launcher: hosts")
+@click.option("--per-host", type=int, help="with --launcher: ranks per host")
+@click.option("--strategies", default="ddp,zero1,zero2,zero3", show_default=True,
+              help="strategies to consider (those the simulator models)")
+@click.option("--micro-batches", help="micro-batch sizes per rank to consider, comma-separated (default: every "
+              "divisor of the samples per rank)")
+@click.option("--buckets", default="1,4,25", show_default=True,
+              help="bucket sizes (MiB) for ddp and zero1-2, comma-separated")
+@click.option("--codecs", default="none", show_default=True,
+              help="ddp's gradient codecs to consider: none, fp16, bf16 (those that keep the loss)")
+@click.option("--shard-sizes", help="hybrid ZeRO shard sizes to consider (default: every proper divisor of the "
+              "world size above 1; 0 for none)")
+@click.option("--memory-gib", type=float, help="memory budget per rank: candidates planned above it are not run")
+@click.option("--trials", type=int, default=3, show_default=True, help="candidates measured by real runs")
+@click.option("--rounds", type=int, default=1, show_default=True,
+              help="runs of each measured candidate, interleaved (the median counts)")
+@click.option("--exhaustive", is_flag=True, help="measure every candidate that fits (to check the tuner)")
+@click.option("--steps", type=int, default=12, show_default=True, help="steps per trial run")
+@click.option("--warmup", type=int, default=4, show_default=True, help="first steps of a trial not timed")
+@click.option("--trial-timeout", type=float, default=600.0, show_default=True,
+              help="seconds before a trial counts as hung and is stopped")
+@click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
+              help="a calibration measured before on the same machine (OUT/calibration.json); default: measure one")
+@click.option("--out", type=click.Path(path_type=Path), default=Path("tune"), show_default=True,
+              help="directory for the table, best.toml, the calibration and the trials (must not exist)")
+def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int | None, nproc: int | None,
+         cluster_shape: str | None, bandwidth_gbit: float, launcher: str | None, hosts: int | None,
+         per_host: int | None, strategies: str, micro_batches: str | None, buckets: str, codecs: str,
+         shard_sizes: str | None, memory_gib: float | None, trials: int, rounds: int, exhaustive: bool, steps: int,
+         warmup: int, trial_timeout: float, calibration_path: Path | None, out: Path) -> None:
+    """Choose the configuration of a job: predicted by the calibrated simulator, confirmed by short runs.
+
+    \b
+    dptrain tune --nproc 2                                  # the default run on 2 local ranks
+    dptrain tune --config job.toml --nproc 4 --memory-gib 20 --out tune-job
+    dptrain tune --cluster 2x2 --bandwidth-gbit 1 --set gpt.n_layer=8   # the emulated cluster (root)
+    dptrain tune --nproc 2 --exhaustive                     # measure every candidate
+
+    It enumerates strategy (ddp, zero1-3, hybrid ZeRO), micro-batch x accumulation at
+    the global batch, bucket size and codec; drops what the planner says does not fit
+    --memory-gib; ranks the rest by the simulator's step time on this machine's
+    calibrated links and overheads; runs the first --trials for --steps steps each; and
+    writes OUT/best.toml (for dptrain run --config), the command, and OUT/tune.md, the
+    table of every candidate. See docs/tune.md.
+    """
+    from dptrain.config import load_config
+    from dptrain.planner.calibration import Calibration, CalibrationError
+    from dptrain.strategies import get_strategy
+    from dptrain.tune.machine import Emulated, Launcher, Local
+    from dptrain.tune.space import candidates
+
+    argv = ["dptrain", "tune", *sys.argv[2:]]
+    try:
+        chosen = [x for x in (nproc is not None, cluster_shape is not None, launcher is not None) if x]
+        if len(chosen) != 1:
+            raise click.UsageError("say where the job runs: one of --nproc N, --cluster HOSTSxPER_HOST, --launcher CMD")
+        if nproc is not None:
+            if nproc < 1:
+                raise click.BadParameter(f"--nproc must be at least 1, got {nproc}")
+            machine = Local(nproc)
+        elif cluster_shape is not None:
+            h, _, p = cluster_shape.lower().partition("x")
+            if not (h.isdigit() and p.isdigit() and int(h) >= 1 and int(p) >= 1):
+                raise click.BadParameter(f"--cluster takes HOSTSxPER_HOST, e.g. 2x2; got {cluster_shape!r}")
+            machine = Emulated(int(h), int(p), bandwidth_gbit)
+        else:
+            if not hosts or not per_host or hosts < 1 or per_host < 1:
+                raise click.UsageError("--launcher needs --hosts and --per-host (positive)")
+            machine = Launcher(launcher, hosts, per_host)
+        if out.exists():
+            raise click.BadParameter(f"--out {out} exists; give a new directory (a tune's files are never mixed "
+                                     "with another's)")
+        extra = list(overrides)
+        cfg = load_config(config_path, extra)
+        batch = global_batch or cfg.train.global_batch_size or 32
+        extra = [*extra, f"train.global_batch_size={batch}"]
+        names = [s.strip() for s in strategies.split(",") if s.strip()]
+        stages = {}
+        for name in names:
+            stage = get_strategy(name).zero_stage
+            if stage is None:
+                raise click.BadParameter(f"--strategies: {name!r} is not modelled by the simulator; choose among "
+                                         "ddp, zero1, zero2, zero3")
+            stages[name] = stage
+        space = candidates(machine.world_size, batch, names, stages,
+                           int_list(micro_batches, "--micro-batches") if micro_batches else None,
+                           [float(b) for b in buckets.split(",") if b.strip()],
+                           None if shard_sizes is None else [k for k in int_list(shard_sizes, "--shard-sizes") if k],
+                           [c.strip() for c in codecs.split(",") if c.strip()])
+        calibration = Calibration.load(calibration_path) if calibration_path is not None else None
+        if calibration is not None and (calibration.hosts, calibration.per_host) != (machine.hosts, machine.per_host):
+            raise click.BadParameter(f"--calibration was measured on {calibration.hosts} x {calibration.per_host} "
+                                     f"ranks, this job is {machine.hosts} x {machine.per_host}: measure a new one")
+        if steps <= warmup or warmup < 0:
+            raise click.BadParameter(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    except (CalibrationError, ValueError, *bad_input()) as e:
+        click.echo(f"dptrain tune: {e}", err=True)
+        sys.exit(2)
+    _run(machine, config_path, extra, space, calibration, out, argv, trials, rounds, exhaustive, steps, warmup,
+         trial_timeout, None if memory_gib is None else int(memory_gib * 2**30))
+
+
+def _run(machine, config_path, extra, space, calibration, out: Path, argv, trials, rounds, exhaustive, steps, warmup,
+         timeout, budget) -> None:
+    import time
+
+    from tqdm import tqdm
+
+    from dptrain.tune.calibrate import calibrate
+    from dptrain.tune.report import command, table, write_outputs
+    from dptrain.tune.tuner import TuneOptions, tune
+
+    out.mkdir(parents=True)
+    click.echo(f"dptrain tune: {len(space)} candidates on {machine.where}", err=True)
+    t0 = time.perf_counter()
+    with machine:
+        if calibration is None:
+            click.echo("calibrating the simulator on this machine (links, then probe runs)...", err=True)
+            calibration = calibrate(machine, out / "calibration", steps, warmup, timeout,
+                                    log=lambda line: click.echo("  " + line, err=True))
+        calibration.save(out / "calibration.json")
+        calibrated = time.perf_counter() - t0
+        bar = tqdm(total=None, desc="trials", unit="run", file=sys.stderr, leave=True)
+
+        def progress(row, done, total):
+            bar.total = total
+            bar.set_postfix_str(f"{row.candidate.label}: {row.status}"
+                                + (f" {row.measured_s * 1e3:.0f} ms" if row.measured_s else ""))
+            bar.update(done - bar.n)
+
+        options = TuneOptions(trials, rounds, exhaustive, steps, warmup, timeout, budget)
+        tuned = tune(machine, config_path, extra, space, calibration, out, options, progress)
+        bar.close()
+    tuned.seconds["calibration"] = calibrated
+    best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, argv)
+    click.echo(table(tuned.result.rows, tuned.result.best))
+    if best_toml is None:
+        click.echo(f"dptrain tune: no candidate ran to the end ({out / 'tune.md'} says why)", err=True)
+        sys.exit(1)
+    best = tuned.result.best
+    click.echo(f"\nchosen: {best.candidate.label}, {best.measured_s * 1e3:.1f} ms per step measured "
+               f"({best.predicted_s * 1e3:.1f} predicted); {tuned.result.trials} trial(s), "
+               f"{sum(tuned.seconds.values()):.0f} s")
+    click.echo(f"config: {best_toml}\nrun it: {command(machine, best_toml)}")

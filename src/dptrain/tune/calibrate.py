@@ -1,0 +1,141 @@
+"""Measure a :class:`~dptrain.planner.calibration.Calibration` on the machine at hand: links, then overheads.
+
+1. **Links.** :mod:`dptrain.tune.link_probe` times gloo all-reduces and all-gathers of
+   64 KiB to 32 MiB over all ranks, and (several hosts of several ranks) inside each
+   host, every host at once; α and β are fitted to each set with the cost model's rounds
+   and bytes (:func:`fit_probe`). On one host the two are the same link.
+2. **Overheads.** Short ``dptrain run`` jobs of three probe models (the built-in
+   character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
+   is used for) under DDP with small and large buckets, ZeRO-1, ZeRO-3 and, where the world
+   allows, hybrid ZeRO-3; each probe's compute is timed on all ranks at once
+   (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
+   links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
+   fits the seven terms to what the timeline misses. Each probe runs ``rounds`` times,
+   interleaved (the median counts): a single run of a short job varies by 10-30% here.
+
+The probes use the built-in task, whatever the user's model: the calibration belongs to
+the machine and is reused for any model (``dptrain tune --calibration FILE``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import statistics
+from collections.abc import Callable
+from pathlib import Path
+
+from dptrain.comm.cost import Link, collective_cost
+from dptrain.comm.fit import fit_link
+from dptrain.config import load_config
+from dptrain.planner.calibration import Calibration, ProbeRun, fit_overheads
+from dptrain.planner.from_config import setup_for
+from dptrain.planner.simulate import ComputeProfile, simulate_step
+from dptrain.planner.target import plan_target
+from dptrain.tune.compute_probe import profile_from_dict
+from dptrain.tune.machine import Machine
+from dptrain.tune.trials import run_trial, write_config
+
+__all__ = ["PROBE_MODELS", "probe_variants", "fit_probe", "measure_links", "measure_profiles", "calibrate"]
+
+# (model overrides, micro-batch per rank): three sizes, so per-collective, per-byte and compute costs can be told apart
+PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gpt.n_embd=224"], 12),
+                (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
+
+
+def probe_variants(world_size: int, per_host: int) -> dict[str, list[str]]:
+    """The strategies each probe model runs under: many and few DDP buckets, ZeRO-1, ZeRO-3, hybrid ZeRO-3."""
+    out = {"ddp 0.25MiB": ['ddp.strategy="ddp"', "ddp.bucket_cap_mb=0.25"],
+           "ddp 25MiB": ['ddp.strategy="ddp"', "ddp.bucket_cap_mb=25"],
+           "zero1": ['ddp.strategy="zero1"'], "zero3": ['ddp.strategy="zero3"']}
+    shard = per_host if 1 < per_host < world_size else None
+    if shard is not None:
+        out[f"zero3/hybrid{shard}"] = ['ddp.strategy="zero3"', f"zero.shard_size={shard}"]
+    return out
+
+
+def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
+    """α and β fitted to a link probe's timings (``{"world_size", "seconds": {kind: {numel: s}}}``) of ``kinds``,
+    each costed as the ring the cost model takes ``native`` collectives to be."""
+    rounds, nbytes, seconds = [], [], []
+    for kind in kinds:
+        for numel, t in probe["seconds"][kind].items():
+            cost = collective_cost(kind, "native", int(numel), 4, probe["world_size"])
+            rounds.append(cost.steps())
+            nbytes.append(cost.load(duplex=True))
+            seconds.append(t)
+    return fit_link(rounds, nbytes, seconds)
+
+
+def _probe_job(machine: Machine, out: Path, args: list[str], timeout: float) -> dict:
+    code, tail = machine.job(args, timeout)
+    if code != 0:
+        raise RuntimeError(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else ""))
+    return json.loads(out.read_text())
+
+
+def measure_links(machine: Machine, work: Path, timeout: float = 600) -> tuple[Link, Link]:
+    """(inside a host, across hosts) as fitted on ``machine``; on one host both are its link."""
+    both = ("all_reduce", "all_gather")
+    work.mkdir(parents=True, exist_ok=True)
+    out = work / "link_all.json"
+    across = fit_probe(_probe_job(machine, out, ["-m", "dptrain.tune.link_probe", str(out)], timeout), both)
+    if machine.hosts == 1 or machine.per_host == 1:
+        return across, across
+    out = work / "link_inside.json"
+    inside = fit_probe(_probe_job(machine, out, ["-m", "dptrain.tune.link_probe", str(out), "--within-hosts"],
+                                  timeout), both)
+    return inside, across
+
+
+def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], out: Path,
+                     timeout: float = 900) -> dict[int, ComputeProfile]:
+    """The compute profile of ``config``'s model at each micro-batch size, timed on all of ``machine``'s ranks."""
+    args = ["-m", "dptrain.tune.compute_probe", str(out), "--config", str(config),
+            "--micro-batches", ",".join(str(m) for m in sorted(set(micro_batches), reverse=True))]
+    return {int(m): profile_from_dict(p) for m, p in _probe_job(machine, out, args, timeout).items()}
+
+
+def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, timeout: float = 600, rounds: int = 2,
+              log: Callable[[str], None] = print) -> Calibration:
+    """Measure ``machine``'s links and fit its overheads to the probe runs (the module's docstring)."""
+    inside, across = measure_links(machine, work / "links", timeout)
+    log(f"links: inside a host alpha {inside.alpha * 1e3:.2f} ms, beta {inside.beta * 8 / 1e9:.2f} Gbit/s; "
+        f"across hosts alpha {across.alpha * 1e3:.2f} ms, beta {across.beta * 8 / 1e9:.2f} Gbit/s")
+    cal = Calibration(machine.where, datetime.date.today().isoformat(), machine.hosts, machine.per_host, "gloo",
+                      machine.shared_net, inside, across)
+    network, world = cal.network(), machine.world_size
+    runs = []  # (label, base config, variant overrides, timeline)
+    for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
+        batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
+        base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
+        profile = measure_profiles(machine, base, [micro], work / f"probe{i}" / "profile.json", timeout)[micro]
+        model = plan_target(load_config(base)).model
+        for name, variant in probe_variants(world, machine.per_host).items():
+            cfg = load_config(base, variant)
+            setup = setup_for(cfg, model, cfg.ddp.strategy, world, "fp32")
+            label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
+            runs.append((label, base, variant, simulate_step(model, setup, profile, network, "native")))
+    measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
+    for r in range(rounds):  # interleaved, each round from a different start
+        for label, base, variant, _ in runs[r % len(runs):] + runs[:r % len(runs)]:
+            trial = work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}"
+            measured[label].append(run_trial(machine, base, variant, trial, steps, warmup, timeout).step_s)
+    probes = []
+    for label, _, _, timeline in runs:
+        probes.append(ProbeRun(label, statistics.median(measured[label]), timeline.step_s, timeline.features))
+        log(f"probe {label}: measured {probes[-1].measured_s * 1e3:.1f} ms "
+            f"({', '.join(f'{x * 1e3:.1f}' for x in measured[label])}), timeline {timeline.step_s * 1e3:.1f} ms")
+    cal.probes = probes
+    cal.overheads = fit_overheads(probes)
+    o = cal.overheads
+    log(f"overheads: {o.per_step_s * 1e3:.2f} ms per step, {o.per_bucket_s * 1e3:.3f} ms per DDP bucket, "
+        f"{o.per_zero_collective_s * 1e3:.3f} ms per ZeRO collective, "
+        f"{o.contention_s_per_byte * 1e9:.3f} ms per MB communicated beside compute, "
+        f"{o.comm_s_per_byte * 1e9:.3f} ms per MB communicated, "
+        f"{o.state_s_per_byte * 1e9:.3f} ms per MB of parameters stepped, compute slowed by "
+        f"{100 * o.compute_slowdown:.1f}%")
+    for r in cal.residuals():
+        log(f"  fitted {r['label']}: {r['fitted_s'] * 1e3:.1f} ms, measured {r['measured_s'] * 1e3:.1f} "
+            f"({r['ratio']:.3f})")
+    return cal

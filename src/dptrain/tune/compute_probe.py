@@ -1,0 +1,82 @@
+"""Time the run's model on every rank of a job at once, without communication; rank 0 writes the profiles.
+
+Started by ``dptrain tune`` as a job on the ranks that will train, so each rank's compute
+is timed while the others compute beside it, as in training (on a CPU host, a host's
+ranks share its cores; a GPU host's ranks each have their own device). For each
+micro-batch size, :func:`~dptrain.planner.simulate.measure_profile` times forward,
+backward and the optimizer step of the config's model (median of its steps) and when
+each gradient is ready; the job's profile is the mean over the ranks, written by rank 0
+as JSON. The ranks meet only through barriers (one per micro-batch size, so they time
+the same size together).
+
+    torchrun ... -m dptrain.tune.compute_probe OUT.json --config RUN.toml --micro-batches 16,8,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from dptrain.config import load_config
+from dptrain.launch.rendezvous import leave_process_groups
+from dptrain.planner.from_config import optimizer_for
+from dptrain.planner.simulate import ComputeProfile, measure_profile
+from dptrain.tasks import build_task, collate
+
+__all__ = ["main", "profile_to_dict", "profile_from_dict"]
+
+
+def profile_to_dict(p: ComputeProfile) -> dict:
+    return {"forward_s": p.forward_s, "backward_s": p.backward_s, "optimizer_s": p.optimizer_s, "ready": p.ready,
+            "source": p.source}
+
+
+def profile_from_dict(d: dict) -> ComputeProfile:
+    return ComputeProfile(float(d["forward_s"]), float(d["backward_s"]), float(d["optimizer_s"]),
+                          {str(k): float(v) for k, v in d["ready"].items()}, str(d["source"]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m dptrain.tune.compute_probe")
+    parser.add_argument("out")
+    parser.add_argument("--config", required=True)
+    parser.add_argument("--micro-batches", required=True)
+    parser.add_argument("--steps", type=int, default=6)
+    args = parser.parse_args(argv)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = load_config(args.config)
+    task = build_task(cfg)
+    torch.manual_seed(cfg.train.seed)
+    model = task.build_model()
+    opt = optimizer_for(cfg, [p for p in model.parameters() if p.requires_grad])
+    profiles: dict[int, ComputeProfile] = {}
+    for m in (int(x) for x in args.micro_batches.split(",")):
+        samples = collate(task)([task.train_set[(rank * m + i) % len(task.train_set)] for i in range(m)])
+        dist.barrier()
+        # bf16 is timed under autocast, as the DDP engine computes (ZeRO's bf16 copy of the model is not timed)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
+            profiles[m] = measure_profile(model, samples, task.loss, opt, steps=args.steps)
+    gathered: list[dict] = [None] * world  # type: ignore[list-item]
+    dist.all_gather_object(gathered, {m: profile_to_dict(p) for m, p in profiles.items()})
+    if rank == 0:
+        out = {}
+        for m in profiles:
+            ps = [g[m] for g in gathered]
+            out[str(m)] = {"forward_s": statistics.mean(p["forward_s"] for p in ps),
+                           "backward_s": statistics.mean(p["backward_s"] for p in ps),
+                           "optimizer_s": statistics.mean(p["optimizer_s"] for p in ps),
+                           "ready": {k: statistics.mean(p["ready"][k] for p in ps) for k in ps[0]["ready"]},
+                           "source": f"measured on the job's {world} ranks at once, no communication "
+                                     f"(mean of the ranks' medians of {args.steps} steps)"}
+        with open(args.out, "w") as f:
+            json.dump(out, f)
+    leave_process_groups()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,154 @@
+"""Where the tuner's probes and trials run: this machine, the emulated cluster, or the user's launcher.
+
+Each runs a job (``python -m MODULE ARGS`` on every rank, torchrun's environment set)
+and returns its exit code; a job past its timeout is killed with its process group and
+reported as 124. Every probe and trial is such a job, so what is measured is measured
+on the ranks that will train:
+
+- :class:`Local`: ``torchrun --standalone --nproc-per-node N`` on this machine;
+- :class:`Emulated`: ``dptrain cluster``'s hosts (network namespaces, each host's link
+  limited by tc's token bucket; root), the network kept up for the whole search;
+- :class:`Launcher`: a command the user gives, which starts ``python -m ...`` on every
+  rank of several machines (``srun ... torchrun ...``; ARGS are appended). Its files
+  (the probes' results, the trials' run directories) must be on a file system every
+  host and this process share.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["Machine", "Local", "Emulated", "Launcher"]
+
+
+@dataclass
+class Machine:
+    """``hosts`` x ``per_host`` ranks; ``shared_net``: a host's ranks share one link to the others."""
+
+    hosts: int
+    per_host: int
+    shared_net: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * self.per_host
+
+    @property
+    def where(self) -> str:
+        raise NotImplementedError
+
+    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+        """Run ``python -m ...`` (``args``) on every rank; the exit code (124: killed at ``timeout``) and the
+        last lines of its error output (where the machine captures it)."""
+        raise NotImplementedError
+
+    def __enter__(self) -> Machine:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+    """``cmd`` in its own session; killed with its process group after ``timeout`` s (124)."""
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        return 124, ""
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return proc.returncode, _tail(err) if proc.returncode else ""
+
+
+def _tail(err: bytes, lines: int = 3) -> str:
+    kept = [x for x in err.decode(errors="replace").splitlines() if x.strip()]
+    return "\n".join(kept[-lines:])
+
+
+@dataclass
+class Local(Machine):
+    """``nproc`` ranks on this machine."""
+
+    def __init__(self, nproc: int):
+        super().__init__(1, nproc)
+
+    @property
+    def where(self) -> str:
+        return f"this machine, {self.per_host} ranks"
+
+    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+        return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                     str(self.per_host), *args], timeout)
+
+
+@dataclass
+class Emulated(Machine):
+    """``hosts`` emulated hosts of ``per_host`` ranks, each host's link at ``rate_gbit`` (``dptrain cluster``)."""
+
+    rate_gbit: float = 1.0
+    _network: Any = field(default=None, repr=False)
+
+    def __init__(self, hosts: int, per_host: int, rate_gbit: float):
+        super().__init__(hosts, per_host, shared_net=True)
+        self.rate_gbit, self._network = rate_gbit, None
+
+    @property
+    def where(self) -> str:
+        return f"the emulated cluster, {self.hosts} hosts x {self.per_host} ranks, links at {self.rate_gbit:g} Gbit/s"
+
+    def __enter__(self) -> Emulated:
+        from dptrain.cluster import Network, check_root
+
+        check_root()
+        self._network = Network(self.hosts, rate_mbit=self.rate_gbit * 1000).__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._network is not None:
+            self._network.__exit__(*exc)
+            self._network = None
+
+    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+        from dptrain.cluster import run_on_cluster
+
+        if self._network is None:
+            raise RuntimeError("the emulated cluster is not up: use it in a with-block")
+        with tempfile.TemporaryFile() as err:
+            code = run_on_cluster(self._network, self.per_host, args, timeout=timeout, env={"OMP_NUM_THREADS": "1"},
+                                  stdout=subprocess.DEVNULL, stderr=err)
+            err.seek(0)
+            return code, _tail(err.read()) if code else ""
+
+
+@dataclass
+class Launcher(Machine):
+    """The user's command for a job of ``hosts`` x ``per_host`` ranks; ``python -m ARGS`` is appended."""
+
+    command: str = ""
+
+    def __init__(self, command: str, hosts: int, per_host: int):
+        super().__init__(hosts, per_host, shared_net=False)
+        if not shlex.split(command):
+            raise ValueError("the launcher command is empty: give e.g. 'srun --nodes 2 python -m torch.distributed.run "
+                             "--nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500'")
+        self.command = command
+
+    @property
+    def where(self) -> str:
+        return f"{self.hosts} hosts x {self.per_host} ranks, started by: {self.command}"
+
+    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+        return _run(shlex.split(self.command) + args, timeout)

@@ -1,0 +1,72 @@
+"""What ``dptrain tune`` writes: the table of every candidate, the winner's config and its command line."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+
+from dptrain.planner.calibration import Calibration
+from dptrain.tune.machine import Emulated, Launcher, Local, Machine
+from dptrain.tune.search import Row
+from dptrain.tune.space import Candidate
+from dptrain.tune.trials import write_config
+from dptrain.tune.tuner import Tuned
+
+__all__ = ["table", "to_json", "write_outputs", "command"]
+
+
+def _ms(s: float | None) -> str:
+    return "-" if s is None else f"{s * 1e3:.1f}"
+
+
+def _mib(b: int | None) -> str:
+    return "-" if b is None else f"{b / 2**20:.1f}"
+
+
+def table(rows: list[Row[Candidate]], best: Row[Candidate] | None) -> str:
+    """Markdown: every candidate in predicted order, with its memory, predicted and measured step and status."""
+    lines = ["| # | candidate | planned MiB/rank | predicted ms | measured ms | predicted / measured | "
+             "peak MiB (run) | status |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+    for i, r in enumerate(rows, 1):
+        ratio = f"{r.predicted_s / r.measured_s:.2f}" if r.predicted_s and r.measured_s else "-"
+        peak = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
+        mark = " **best**" if r is best else ""
+        lines.append(f"| {i} | {r.candidate.label}{mark} | {_mib(r.memory_bytes)} | {_ms(r.predicted_s)} | "
+                     f"{_ms(r.measured_s)} | {ratio} | {peak} | {r.status} |")
+    return "\n".join(lines)
+
+
+def to_json(tuned: Tuned, machine: Machine, calibration: Calibration, argv: list[str]) -> dict:
+    res = tuned.result
+    return {"command": argv, "where": machine.where, "world_size": machine.world_size, "trials": res.trials,
+            "seconds": tuned.seconds, "calibration": calibration.to_dict(),
+            "best": None if res.best is None else res.best.candidate.label,
+            "predicted_best": None if res.predicted_best is None else res.predicted_best.candidate.label,
+            "rows": [{"candidate": r.candidate.label, "overrides": r.candidate.overrides(),
+                      "memory_bytes": r.memory_bytes, "predicted_s": r.predicted_s, "measured_s": r.measured_s,
+                      "measured_runs_s": [m.step_s for m in r.measured], "peak_mb": r.peak_mb, "status": r.status}
+                     for r in res.rows]}
+
+
+def command(machine: Machine, config: Path) -> str:
+    """The command that runs ``config`` on ``machine``."""
+    if isinstance(machine, Local):
+        return f"dptrain run --nproc {machine.per_host} --config {shlex.quote(str(config))}"
+    if isinstance(machine, Emulated):
+        return (f"dptrain cluster --hosts {machine.hosts} --per-host {machine.per_host} --bandwidth-gbit "
+                f"{machine.rate_gbit:g} -- -m dptrain.run --config {shlex.quote(str(config))}")
+    if isinstance(machine, Launcher):
+        return f"{machine.command} -m dptrain.run --config {shlex.quote(str(config))}"
+    raise TypeError(f"no command for {type(machine).__name__}")
+
+
+def write_outputs(tuned: Tuned, machine: Machine, calibration: Calibration, config: Path | None,
+                  overrides: list[str], out: Path, argv: list[str]) -> Path | None:
+    """``tune.json``, ``tune.md`` and, when a candidate was measured, ``best.toml``; returns the latter."""
+    best = tuned.result.best
+    (out / "tune.json").write_text(json.dumps(to_json(tuned, machine, calibration, argv), indent=1) + "\n")
+    (out / "tune.md").write_text(table(tuned.result.rows, best) + "\n")
+    if best is None:
+        return None
+    return write_config(out / "best.toml", config, [*overrides, *best.candidate.overrides()])

@@ -1,0 +1,101 @@
+"""The space ``dptrain tune`` searches: strategy and its options, micro-batch x accumulation, bucket size, codec.
+
+At a fixed global batch B on N ranks, each rank processes B / N samples per step as
+m samples per micro-step and B / (N m) micro-steps (every divisor m of B / N is a
+candidate, or those given). For each:
+
+- the strategies the planner and the simulator model (registry entries with a ZeRO
+  stage: ``ddp``, ``zero1``-``zero3``), each with the options that change its step:
+  DDP's and ZeRO-1/2's bucket size; ZeRO's hybrid sharding over groups of k ranks, for
+  each proper divisor k of N (k = a host's ranks is the usual choice, docs/zero.md);
+- with ``ddp``, the gradient codecs given (``none`` by default): the codecs whose
+  convergence study kept the loss are ``fp16`` and ``bf16`` (docs/compression.md),
+  whose all-reduce is the uncompressed one at half the bytes.
+
+Strategies that change what is computed (local SGD, DiLoCo, the parameter server,
+gossip) are not candidates: the simulator has no model of them and their loss differs
+from synchronous training (docs/localsgd.md), so a faster step is not a like-for-like
+win. Lossy codecs (int8, top-k, PowerSGD) are left out for the same reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Candidate", "candidates", "LOSS_KEEPING_CODECS", "divisors"]
+
+LOSS_KEEPING_CODECS = ("none", "fp16", "bf16")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: ``strategy``, ``micro_batch`` x ``accum`` per rank, ``bucket_mb`` (None: the engine's
+    default), ``shard_size`` (hybrid ZeRO; None: plain), ``codec`` (DDP's gradient compression)."""
+
+    strategy: str
+    micro_batch: int
+    accum: int
+    bucket_mb: float | None = None
+    shard_size: int | None = None
+    codec: str = "none"
+
+    @property
+    def label(self) -> str:
+        parts = [self.strategy if self.shard_size is None else f"{self.strategy}/hybrid{self.shard_size}",
+                 f"{self.micro_batch}x{self.accum}"]
+        if self.bucket_mb is not None:
+            parts.append(f"{self.bucket_mb:g}MiB")
+        if self.codec != "none":
+            parts.append(self.codec)
+        return " ".join(parts)
+
+    def overrides(self) -> list[str]:
+        """The candidate as ``--set`` overrides of the run config (the global batch stays the config's)."""
+        out = [f'ddp.strategy="{self.strategy}"', f"train.micro_batch_size={self.micro_batch}",
+               f"train.grad_accum_steps={self.accum}"]
+        if self.bucket_mb is not None:
+            out.append(f"ddp.bucket_cap_mb={self.bucket_mb:g}")
+        if self.shard_size is not None:
+            out.append(f"zero.shard_size={self.shard_size}")
+        if self.codec != "none":
+            out.append(f'ddp.compression="{self.codec}"')
+        return out
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(world_size: int, global_batch: int, strategies: list[str], stages: dict[str, int],
+               micro_batches: list[int] | None = None, buckets: list[float | None] = (None,),
+               shard_sizes: list[int] | None = None, codecs: list[str] = ("none",)) -> list[Candidate]:
+    """Every :class:`Candidate` of the space (the module's docstring), in a fixed order.
+
+    ``stages``: each strategy's ZeRO stage (0 for DDP), from the registry. ``shard_sizes``:
+    the hybrid shard sizes to try (None: every proper divisor of ``world_size`` above 1).
+    A ValueError names what cannot be split.
+    """
+    if global_batch % world_size:
+        raise ValueError(f"the global batch {global_batch} cannot be split over {world_size} ranks: give a "
+                         f"multiple of {world_size} (--global-batch)")
+    per_rank = global_batch // world_size
+    micros = divisors(per_rank) if micro_batches is None else micro_batches
+    bad = [m for m in micros if m < 1 or per_rank % m]
+    if bad:
+        raise ValueError(f"micro-batches {bad} do not divide the {per_rank} samples per rank "
+                         f"({global_batch} over {world_size} ranks); choose among {divisors(per_rank)}")
+    unknown = [c for c in codecs if c not in LOSS_KEEPING_CODECS]
+    if unknown:
+        raise ValueError(f"codecs {unknown} are not among those that keep the loss: {', '.join(LOSS_KEEPING_CODECS)}")
+    hybrid = [k for k in divisors(world_size) if 1 < k < world_size] if shard_sizes is None else shard_sizes
+    out: list[Candidate] = []
+    for m in sorted(micros, reverse=True):
+        for strategy in strategies:
+            stage = stages[strategy]
+            sized = buckets if stage in (0, 1, 2) else (None,)
+            for bucket in sized:
+                for codec in (codecs if stage == 0 else ("none",)):
+                    out.append(Candidate(strategy, m, per_rank // m, bucket, None, codec))
+                for k in (hybrid if stage else ()):
+                    out.append(Candidate(strategy, m, per_rank // m, bucket, k))
+    return list(dict.fromkeys(out))

@@ -1,0 +1,70 @@
+"""One short real run of a configuration: ``python -m dptrain.run`` on the machine's ranks, its step time read back.
+
+The run's config is the user's with the candidate's overrides and the trial's own
+settings on top (``steps`` steps, no checkpoints, no evaluation, no plots, a log line
+every step), written as TOML into the trial's directory and run there. The step time is
+the median of the slowest rank's ``step_ms`` (``metrics.jsonl``) over the steps after
+``warmup``; the memory is the largest peak of live tensors over the ranks (or, where the
+run did not measure it, of the resident set). A run that exits non-zero or runs past
+its timeout is a :class:`~dptrain.tune.search.TrialFailed` naming why.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from dptrain.config import load_config, to_toml
+from dptrain.tune.machine import Machine
+from dptrain.tune.search import Measured, TrialFailed
+
+__all__ = ["trial_overrides", "write_config", "run_trial", "read_steps"]
+
+
+def trial_overrides(steps: int) -> list[str]:
+    """What a trial sets beyond the candidate: its length, and nothing that is not a training step."""
+    return [f"train.steps={steps}", "checkpoint.every=0", "log.every=1", "log.eval_every=0", "log.plots=false"]
+
+
+def write_config(path: Path, config: Path | None, overrides: list[str]) -> Path:
+    """The run config ``config`` with ``overrides``, resolved and written as TOML to ``path``."""
+    cfg = load_config(config, overrides)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(to_toml(cfg))
+    return path
+
+
+def read_steps(run_dir: Path, warmup: int) -> Measured:
+    """The median step time after ``warmup`` steps and the peak memory, from a finished run's ``metrics.jsonl``."""
+    records = []
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a torn last line
+            continue
+    train = [r for r in records if r.get("kind") == "train" and r.get("step", 0) > warmup]
+    if not train:
+        raise TrialFailed(f"no step after the {warmup} warm-up steps was logged in {run_dir / 'metrics.jsonl'}")
+    peaks = [m for r in train for m in (r.get("peak_tensor_mb") or []) if m is not None]
+    if not peaks:
+        peaks = [m for r in train for m in (r.get("peak_rss_mb") or []) if m is not None]
+    return Measured(statistics.median(r["step_ms"] for r in train) / 1e3, max(peaks) if peaks else None)
+
+
+def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial_dir: Path, steps: int,
+              warmup: int, timeout: float) -> Measured:
+    """Run the configuration for ``steps`` steps in ``trial_dir`` (a new directory); its :class:`Measured`."""
+    if steps <= warmup:
+        raise ValueError(f"a trial needs more steps ({steps}) than warm-up steps ({warmup})")
+    toml = write_config(trial_dir / "config.toml", config, [*overrides, *trial_overrides(steps)])
+    code, tail = machine.job(["-m", "dptrain.run", "--config", str(toml), "--run-dir", str(trial_dir / "run")],
+                             timeout)
+    if code == 124:
+        raise TrialFailed(f"hung: not finished after {timeout:g} s, stopped")
+    if code != 0:
+        why = tail.splitlines()[-1] if tail else f"see {trial_dir / 'run'}"
+        if "out of memory" in tail.lower() or code == -9 or code == 137:
+            why = f"out of memory? {why}"
+        raise TrialFailed(f"exit {code}: {why}")
+    return read_steps(trial_dir / "run", warmup)

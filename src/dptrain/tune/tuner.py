@@ -1,0 +1,125 @@
+"""``dptrain tune``: the configuration chosen for the job, by the calibrated simulator and a few short real runs.
+
+Given the user's run config (a built-in task or their own model and data), a global
+batch and the machine (:mod:`dptrain.tune.machine`):
+
+1. the space (:func:`~dptrain.tune.space.candidates`) at that global batch;
+2. each candidate's memory per rank from the planner (``dptrain plan``'s numbers), the
+   ones over ``budget_bytes`` dropped;
+3. its step time from the simulator (:func:`~dptrain.planner.simulate.simulate_step`)
+   on the calibrated links and overheads (:mod:`dptrain.tune.calibrate`, measured once
+   and reused) with the model's compute timed on all ranks at once for each micro-batch;
+4. :func:`~dptrain.tune.search.search`: the best few measured by short real runs
+   (:func:`~dptrain.tune.trials.run_trial`), or every one (``exhaustive``).
+
+Everything it writes goes to the tune directory: the calibration, the profiles, each
+trial's config and run directory, the table (``tune.json``, ``tune.md``) and the
+winner's config (``best.toml``), which ``dptrain run --config`` takes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dptrain.config import load_config
+from dptrain.planner.calibration import Calibration
+from dptrain.planner.from_config import plan_config, setup_for
+from dptrain.planner.simulate import ComputeProfile, simulate_step
+from dptrain.planner.target import plan_target
+from dptrain.strategies import get_strategy
+from dptrain.tune.calibrate import measure_profiles
+from dptrain.tune.machine import Machine
+from dptrain.tune.search import Row, SearchResult, search
+from dptrain.tune.space import Candidate
+from dptrain.tune.trials import run_trial
+
+__all__ = ["TuneOptions", "Tuned", "tune", "CODEC_RATIO"]
+
+CODEC_RATIO = {"none": 1, "fp16": 2, "bf16": 2}  # bytes on the wire, fp32 over the codec's
+
+
+@dataclass
+class TuneOptions:
+    trials: int = 3
+    rounds: int = 1
+    exhaustive: bool = False
+    steps: int = 12
+    warmup: int = 4
+    timeout: float = 600.0
+    budget_bytes: int | None = None
+
+
+@dataclass
+class Tuned:
+    result: SearchResult[Candidate]
+    profiles: dict[int, ComputeProfile]
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time of each phase
+
+
+def predictor(config: Path | None, overrides: list[str], world_size: int, calibration: Calibration,
+              profiles: dict[int, ComputeProfile]) -> Callable[[Candidate], float]:
+    """The calibrated simulator's step time for a candidate, in seconds."""
+    model = plan_target(load_config(config, overrides)).model
+    network = calibration.network()
+
+    def predict(c: Candidate) -> float:
+        cfg = load_config(config, [*overrides, *c.overrides()])
+        precision = cfg.train.precision if cfg.train.precision in ("fp32", "bf16") else "fp32"
+        setup = setup_for(cfg, model, c.strategy, world_size, precision)
+        return simulate_step(model, setup, profiles[c.micro_batch], network, "native",
+                             compression=CODEC_RATIO[c.codec], accum=c.accum, overheads=calibration.overheads).step_s
+
+    return predict
+
+
+def planned_memory(config: Path | None, overrides: list[str], world_size: int) -> Callable[[Candidate], int | None]:
+    """The planner's bytes per rank for a candidate (model states, activations, communication buffers)."""
+    cache: dict[tuple, int | None] = {}
+
+    def memory(c: Candidate) -> int | None:
+        key = (c.strategy, c.micro_batch, c.accum, c.bucket_mb, c.shard_size)
+        if key not in cache:
+            cfg = load_config(config, [*overrides, *c.overrides()])
+            precision = cfg.train.precision if cfg.train.precision in ("fp32", "bf16") else "fp32"
+            rows = plan_config(cfg, [world_size], [c.strategy], [precision])
+            cache[key] = rows[0].total() if rows else None
+        return cache[key]
+
+    return memory
+
+
+def tune(machine: Machine, config: Path | None, overrides: list[str], candidates: list[Candidate],
+         calibration: Calibration, work: Path, options: TuneOptions,
+         progress: Callable[[Row[Candidate], int, int], None] | None = None) -> Tuned:
+    """Search ``candidates`` on ``machine`` (the module's docstring); trials run in ``work``/trials."""
+    for c in candidates:
+        get_strategy(c.strategy)
+    seconds = {}
+    t0 = time.perf_counter()
+    profiles = measure_profiles(machine, _base_config(config, overrides, work), [c.micro_batch for c in candidates],
+                                work / "profiles.json", options.timeout)
+    seconds["profile"] = time.perf_counter() - t0
+    predict = predictor(config, overrides, machine.world_size, calibration, profiles)
+    memory = planned_memory(config, overrides, machine.world_size)
+    names = {c: f"{i:02d}-{c.label.replace(' ', '_').replace('/', '-')}" for i, c in enumerate(candidates)}
+
+    def measure(c: Candidate):
+        trial_dir = work / "trials" / names[c]
+        n = sum(1 for _ in trial_dir.parent.glob(names[c] + "*")) if trial_dir.parent.exists() else 0
+        return run_trial(machine, config, [*overrides, *c.overrides()],
+                         trial_dir.with_name(f"{names[c]}-r{n}"), options.steps, options.warmup, options.timeout)
+
+    t0 = time.perf_counter()
+    result = search(candidates, predict, measure, memory, options.budget_bytes, options.trials, options.rounds,
+                    options.exhaustive, progress)
+    seconds["search"] = time.perf_counter() - t0
+    return Tuned(result, profiles, seconds)
+
+
+def _base_config(config: Path | None, overrides: list[str], work: Path) -> Path:
+    from dptrain.tune.trials import write_config
+
+    return write_config(work / "model.toml", config, overrides)

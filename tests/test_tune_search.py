@@ -1,0 +1,196 @@
+"""dptrain tune's search logic on fake measurements: pruning, ranking, failing trials, the exhaustive mode.
+
+No timing is asserted: the "measurements" are given numbers, so what is checked is
+which candidates the search runs, in what order, and what it chooses and reports.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from dptrain.planner.calibration import Calibration, CalibrationError, ProbeRun, fit_overheads
+from dptrain.planner.simulate import Overheads
+from dptrain.tune.machine import _run
+from dptrain.tune.search import Measured, TrialFailed, search
+from dptrain.tune.space import candidates
+from dptrain.tune.trials import read_steps
+
+TRUE = {"a": 1.0, "b": 0.8, "c": 1.2, "d": 0.9, "e": 2.0}  # measured step times of five candidates
+
+
+def _measure(log: list[str], failing: set[str] = frozenset(), true: dict[str, float] = TRUE):
+    def measure(c: str) -> Measured:
+        log.append(c)
+        if c in failing:
+            raise TrialFailed("exit 1: RuntimeError: boom")
+        return Measured(true[c], 10.0)
+
+    return measure
+
+
+def test_the_search_runs_only_the_predicted_best_and_chooses_by_measurement() -> None:
+    predicted = {"a": 0.5, "b": 0.9, "c": 0.7, "d": 2.0, "e": 3.0}  # b is truly fastest but predicted third
+    log: list[str] = []
+    res = search(list(TRUE), predicted.__getitem__, _measure(log), trials=3)
+    assert sorted(log) == ["a", "b", "c"]  # the three predicted best, each once
+    assert res.best.candidate == "b" and res.trials == 3
+    assert [r.candidate for r in res.rows] == ["a", "c", "b", "d", "e"]  # predicted order
+    assert res.predicted_best.candidate == "a"
+    assert [r.status for r in res.rows] == ["measured"] * 3 + ["ranked"] * 2
+
+
+def test_a_candidate_over_the_memory_budget_is_never_run_or_chosen() -> None:
+    predicted = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.4, "e": 0.5}
+    memory = {"a": 100, "b": 10, "c": 10, "d": 10, "e": 10}
+    log: list[str] = []
+    res = search(list(TRUE), predicted.__getitem__, _measure(log), memory.__getitem__, budget_bytes=50, trials=2)
+    assert "a" not in log and sorted(log) == ["b", "c"]
+    row_a = next(r for r in res.rows if r.candidate == "a")
+    assert row_a.status == "does not fit" and res.rows[-1] is row_a
+    assert res.best.candidate == "b"
+
+
+def test_a_failing_trial_is_reported_and_the_next_candidate_takes_its_place() -> None:
+    predicted = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.4, "e": 0.5}
+    log: list[str] = []
+    res = search(list(TRUE), predicted.__getitem__, _measure(log, failing={"a"}), trials=2)
+    assert log == ["a", "b", "c"]  # a failed, c replaced it
+    statuses = {r.candidate: r.status for r in res.rows}
+    assert statuses["a"].startswith("failed: exit 1") and statuses["c"] == "measured"
+    assert res.best.candidate == "b" and res.trials == 3
+    assert next(r for r in res.rows if r.candidate == "a").measured_s is None
+
+
+def test_failures_are_replaced_at_most_up_to_twice_the_trials_then_the_search_ends_without_a_winner() -> None:
+    predicted = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.4, "e": 0.5}
+    log: list[str] = []
+    res = search(list(TRUE), predicted.__getitem__, _measure(log, failing=set(TRUE)), trials=2)
+    assert log == ["a", "b", "c", "d"] and res.best is None
+
+
+def test_a_candidate_the_simulator_cannot_predict_ranks_last_with_the_reason() -> None:
+    def predict(c: str) -> float:
+        if c == "a":
+            raise ValueError("shard size 3 does not divide 4 ranks")
+        return {"b": 0.2, "c": 0.3, "d": 0.4, "e": 0.5}[c]
+
+    res = search(list(TRUE), predict, _measure([]), trials=1)
+    assert res.rows[-1].candidate == "a" and "shard size 3" in res.rows[-1].status
+
+
+def test_the_exhaustive_mode_measures_every_candidate_that_fits_interleaved_over_rounds() -> None:
+    predicted = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.4, "e": 0.5}
+    memory = {"a": 1, "b": 1, "c": 1, "d": 1, "e": 99}
+    log: list[str] = []
+    seen: list[tuple[int, int]] = []
+    res = search(list(TRUE), predicted.__getitem__, _measure(log), memory.__getitem__, 50, exhaustive=True, rounds=2,
+                 progress=lambda row, done, total: seen.append((done, total)))
+    assert log == ["a", "b", "c", "d", "b", "c", "d", "a"]  # round 2 starts one further on
+    assert seen[-1] == (8, 8) and res.best.candidate == "b" and res.trials == 4
+    assert all(len(r.measured) == 2 for r in res.rows if r.candidate != "e")
+
+
+def test_the_search_refuses_repeated_candidates_and_nonsense_budgets() -> None:
+    with pytest.raises(ValueError, match="repeat"):
+        search(["a", "a"], lambda c: 1.0, _measure([]))
+    with pytest.raises(ValueError, match="at least 1"):
+        search(["a"], lambda c: 1.0, _measure([]), trials=0)
+
+
+def test_the_space_keeps_the_global_batch_and_gives_each_strategy_its_options() -> None:
+    stages = {"ddp": 0, "zero1": 1, "zero3": 3}
+    space = candidates(4, 32, ["ddp", "zero1", "zero3"], stages, buckets=[1.0, 25.0], codecs=["none", "bf16"])
+    assert all(4 * c.micro_batch * c.accum == 32 for c in space)
+    assert {c.micro_batch for c in space} == {1, 2, 4, 8}
+    per_micro = [c for c in space if c.micro_batch == 8]
+    labels = [c.label for c in per_micro]
+    assert labels == ["ddp 8x1 1MiB", "ddp 8x1 1MiB bf16", "ddp 8x1 25MiB", "ddp 8x1 25MiB bf16",
+                      "zero1 8x1 1MiB", "zero1/hybrid2 8x1 1MiB", "zero1 8x1 25MiB", "zero1/hybrid2 8x1 25MiB",
+                      "zero3 8x1", "zero3/hybrid2 8x1"]
+    assert per_micro[-1].overrides() == ['ddp.strategy="zero3"', "train.micro_batch_size=8",
+                                         "train.grad_accum_steps=1", "zero.shard_size=2"]
+    with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
+        candidates(3, 32, ["ddp"], stages)
+    with pytest.raises(ValueError, match=r"micro-batches \[3\] do not divide"):
+        candidates(2, 32, ["ddp"], stages, micro_batches=[3])
+    with pytest.raises(ValueError, match="keep the loss"):
+        candidates(2, 32, ["ddp"], stages, codecs=["topk"])
+
+
+def test_the_overheads_fit_recovers_known_terms_and_never_goes_negative() -> None:
+    rng = np.random.default_rng(0)
+    true = Overheads(2e-3, 5e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15)
+    probes = []
+    for i in range(14):
+        features = (1.0, float(rng.integers(0, 30)), float(rng.integers(0, 40)), float(rng.uniform(0, 5e7)),
+                    float(rng.uniform(0, 9e7)), float(rng.uniform(1e6, 3e7)), float(rng.uniform(0.01, 0.3)))
+        timeline = float(rng.uniform(0.02, 0.2))
+        extra = sum(k * x for k, x in zip(true.terms(), features, strict=True))
+        probes.append(ProbeRun(f"p{i}", timeline + extra, timeline, features))
+    fitted = fit_overheads(probes)
+    assert fitted.terms() == pytest.approx(true.terms(), rel=1e-6, abs=1e-12)
+    # residuals that a term could only explain with a negative value leave it at zero
+    fast = [ProbeRun("p", 0.9 * p.timeline_s, p.timeline_s, p.features) for p in probes]
+    assert fit_overheads(fast).terms() == (0.0,) * 7
+
+
+def test_a_calibration_round_trips_and_a_damaged_one_is_named(tmp_path) -> None:
+    from dptrain.comm.cost import Link
+
+    cal = Calibration("the emulated cluster", "2026-11-28", 2, 2, "gloo", True, Link(1e-3, 1e9), Link(2e-4, 1.2e8),
+                      Overheads(1e-3, 2e-4, 3e-4, 4e-10, 5e-10, 6e-10, 0.1),
+                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 1e6, 0.0, 1e6, 0.05))])
+    path = tmp_path / "calibration.json"
+    cal.save(path)
+    back = Calibration.load(path)
+    assert back == cal and back.network().per_node == 2 and back.network().shared_net
+    assert back.residuals()[0]["fitted_s"] == pytest.approx(0.08 + 1e-3 + 4e-4 + 4e-4 + 6e-4 + 5e-3)
+    d = json.loads(path.read_text())
+    d["overheads"]["per_step_s"] = -1
+    path.write_text(json.dumps(d))
+    with pytest.raises(CalibrationError, match="per_step_s = -1"):
+        Calibration.load(path)
+    path.write_text('{"version": 99}')
+    with pytest.raises(CalibrationError, match="version 99"):
+        Calibration.load(path)
+    path.write_text("{not json")
+    with pytest.raises(CalibrationError, match="cannot read"):
+        Calibration.load(path)
+
+
+def test_a_trial_reads_the_steps_after_the_warmup_and_survives_a_torn_last_line(tmp_path) -> None:
+    lines = [json.dumps({"kind": "train", "step": s, "step_ms": ms, "peak_tensor_mb": [None, None] if s == 1 else
+                         [50.0, 60.0 + s]}) for s, ms in ((1, 900.0), (2, 100.0), (3, 120.0), (4, 110.0))]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "train", "st')
+    m = read_steps(tmp_path, warmup=1)
+    assert m.step_s == pytest.approx(0.110) and m.peak_mb == 64.0
+    with pytest.raises(TrialFailed, match="no step after the 4 warm-up steps"):
+        read_steps(tmp_path, warmup=4)
+
+
+def test_a_job_past_its_timeout_is_stopped_and_reported_as_hung() -> None:
+    code, _ = _run([sys.executable, "-c", "import time; time.sleep(30)"], timeout=1.0)
+    assert code == 124
+    code, tail = _run([sys.executable, "-c", "import sys; sys.exit('the last words')"], timeout=30)
+    assert code == 1 and tail == "the last words"
+
+
+def test_dptrain_tune_refuses_bad_input_with_one_line_and_exit_2(tmp_path) -> None:
+    from dptrain.bench.runs import run_cli
+
+    def tune(*args: str) -> subprocess.CompletedProcess:
+        return run_cli(["tune", *args], cwd=tmp_path)
+
+    for args, message in ((["--nproc", "2", "--cluster", "2x2"], "one of --nproc"),
+                          (["--cluster", "2by2"], "HOSTSxPER_HOST"),
+                          (["--nproc", "3", "--global-batch", "32"], "cannot be split over 3 ranks"),
+                          (["--nproc", "2", "--strategies", "gossip"], "not modelled by the simulator"),
+                          (["--nproc", "2", "--out", "."], "exists")):
+        done = tune(*args)
+        assert done.returncode == 2, (args, done.stderr)
+        assert message in done.stderr and "Traceback" not in done.stderr
