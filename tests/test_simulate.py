@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from itertools import pairwise
 
 import pytest
@@ -247,3 +248,23 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     assert with_o.step_s == pytest.approx(bare.step_s + with_o.overhead_s)
     z2 = simulate_step(model, Setup("zero2", 4), prof, NET)
     assert z2.features[1] == 0 and z2.features[2] == len(z2.collectives) and z2.features[5] == bare.features[5] / 4
+
+
+def test_simulate_with_a_calibration_uses_its_links_and_overheads_and_models_accumulation(tmp_path) -> None:
+    from dptrain.planner.calibration import Calibration
+    from dptrain.planner.simulate import Overheads
+
+    path = tmp_path / "calibration.json"
+    Calibration("a test machine", "2026-11-28", 1, 8, "gloo", False, Link(1e-4, 1e9), Link(1e-4, 1e9),
+                Overheads(per_step_s=5.0)).save(path)
+    args = ["simulate", "--profile", "flops", "--device-flops", "1e12", "--world-sizes", "2,4",
+            "--set", "train.global_batch_size=8", "--set", "train.micro_batch_size=2", "--json", str(tmp_path / "s.json")]
+    out = CliRunner().invoke(main, [*args, "--calibration", str(path)])
+    assert out.exit_code == 0, out.output
+    rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+    assert {r["network"] for r in rows} == {"calibrated: a test machine"}
+    assert all(r["step_s"] > 5.0 for r in rows)  # the 5 s per step of the calibration's overheads
+    assert {r["world_size"]: r["global_batch"] for r in rows} == {2: 8, 4: 8}  # 2 ranks accumulate 2 micro-steps
+    path.write_text("{}")
+    out = CliRunner().invoke(main, [*args, "--calibration", str(path)])
+    assert out.exit_code == 2 and "not a dptrain calibration" in out.output

@@ -10,7 +10,7 @@ LARGER=(--set gpt.n_layer=8 --set gpt.n_embd=256)
 COMMON=(--buckets 1,4,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300)
 run() { local name=$1; shift; [ -e "$OUT/$name" ] && { echo "skip $name (exists)"; return; }
         /usr/bin/time -f "$name wall %e s" dptrain tune --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 || echo "$name failed: see $OUT/$name.log"; tail -n 3 "$OUT/$name.log"; }
-want() { [ $# -eq 0 ] || [[ " ${SETTINGS} " == *" $1 "* ]]; }
+want() { [ -z "${SETTINGS}" ] || [[ " ${SETTINGS} " == *" $1 "* ]]; }
 SETTINGS="$*"
 # fidelity: 2 hosts x 1 rank, the default GPT, 16 samples per rank, every ddp bucket, zero1-2 bucket and zero3
 for rate in 1 100; do

@@ -133,6 +133,9 @@ def check_params(params: float) -> None:
 @click.option("--per-node", type=int, default=1, show_default=True, help="with --bandwidth-gbit: workers per host")
 @click.option("--node-bandwidth-gbit", type=float,
               help="with --bandwidth-gbit: Gbit/s between the workers of a host (default: the same)")
+@click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
+              help="a machine's calibration (dptrain tune's OUT/calibration.json): its fitted links and overheads "
+                   "instead of --networks (docs/tune.md)")
 @click.option("--world-sizes", default="1,2,4,8,16,32,64", show_default=True,
               help="data-parallel degrees to simulate, comma-separated")
 @click.option("--algorithm", type=click.Choice(["native", "ring", "tree", "naive", "hierarchical"]), default="native",
@@ -150,7 +153,7 @@ def check_params(params: float) -> None:
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="PNG: throughput, efficiency, breakdown")
 @click.option("--list-networks", is_flag=True, help="print the presets and their sources")
 def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency_us, per_node, node_bandwidth_gbit,
-             world_sizes, algorithm, profile, device_flops, micro_batch, no_overlap, compression, json_path, plot_path,
+             calibration_path, world_sizes, algorithm, profile, device_flops, micro_batch, no_overlap, compression, json_path, plot_path,
              list_networks) -> None:
     """Predict step time, throughput and scaling efficiency against the data-parallel degree.
 
@@ -181,8 +184,14 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     sizes = int_list(world_sizes, "--world-sizes")
     if micro_batch is not None and micro_batch < 1:
         raise click.BadParameter(f"--micro-batch must be positive, got {micro_batch}")
+    overheads = None
     try:
-        if bandwidth_gbit is not None:
+        if calibration_path is not None:
+            from dptrain.planner.calibration import Calibration
+
+            calibration = Calibration.load(calibration_path)
+            nets, overheads = [calibration.network()], calibration.overheads
+        elif bandwidth_gbit is not None:
             if per_node < 1:
                 raise click.BadParameter(f"--per-node must be positive, got {per_node}")
             link = custom_link(bandwidth_gbit, latency_us * 1e-6)
@@ -193,7 +202,7 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
             nets = [network(name.strip()) for name in networks.split(",") if name.strip()]
         cfg = load_config(config_path, overrides)
         result = simulate_config(cfg, sizes, strategy or cfg.ddp.strategy, nets, algorithm, profile, micro_batch,
-                                 device_flops, overlap=not no_overlap, compression=compression)
+                                 device_flops, overlap=not no_overlap, compression=compression, overheads=overheads)
     except (ValueError, *bad_input()) as e:
         click.echo(f"dptrain simulate: {e}", err=True)
         sys.exit(2)

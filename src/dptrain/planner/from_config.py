@@ -250,19 +250,19 @@ def checkpoint_classes(cfg: RunConfig, model: nn.Module) -> tuple[type, ...]:
 
 def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, networks: list, algorithm: str,
                     profile: str, micro_batch: int | None = None, device_flops: float | None = None,
-                    overlap: bool = True, compression: int = 1) -> dict:
+                    overlap: bool = True, compression: int = 1, overheads=None) -> dict:
     """Predicted steps of the run ``cfg`` describes at each world size, its batch resolved as ``dptrain run`` does.
 
     The rule is :func:`plan_config`'s: the config's batch sizes are kept and the rest follows
     the world size (:meth:`BatchPlan.resolve`). The config's global batch (32 if none is
     given) stays fixed as N grows, each rank taking global / N; ``micro_batch`` fixes the
     samples per rank instead (no global batch, accumulation 1), so N ranks process N
-    times as many. A world size the batch cannot be split over, or that would accumulate
-    gradients (not simulated), is skipped with the reason in ``skipped``.
+    times as many. A world size the batch cannot be split over is skipped with the
+    reason in ``skipped``; one that accumulates is simulated micro-step by micro-step.
 
     ``profile="measured"`` times the real model on this machine (one thread), once per
     micro-batch size; ``"flops"`` counts its FLOPs on fake tensors at ``device_flops`` FLOP/s.
-    ``overlap`` and ``compression``: as :func:`~dptrain.planner.simulate.simulate_step` (DDP).
+    ``overlap``, ``compression`` and ``overheads``: as :func:`~dptrain.planner.simulate.simulate_step`.
     Returns the profiles by micro-batch, the batch plan and one
     :class:`~dptrain.planner.simulate.StepPrediction` per network and world size.
     """
@@ -282,9 +282,6 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
             skipped[n] = f"{e} (set it with --set train.global_batch_size=..., or fix the samples per rank with " \
                          "--micro-batch)"
             continue
-        if batches[n].grad_accum_steps > 1:
-            skipped[n] = (f"{batches.pop(n).grad_accum_steps} accumulation steps per step, which the simulator "
-                          "does not model (--set train.grad_accum_steps=1, or --micro-batch)")
     if profile == "flops" and device_flops is None:
         raise ConfigError("profile 'flops' needs the device's throughput: --device-flops (FLOP/s)")
     if profile not in ("measured", "flops"):
@@ -311,7 +308,7 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
         for n, b in batches.items():
             setup = setup_for(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
             predictions[(net.name, n)] = simulate_step(model, setup, profiles[b.micro_batch_size], net, algorithm,
-                                                       overlap, compression)
+                                                       overlap, compression, b.grad_accum_steps, overheads)
     first = batches[min(batches)].micro_batch_size if batches else None
     return {"profile": profiles.get(first), "profiles": profiles, "micro_batch": first, "batches": batches,
             "skipped": skipped, "fixed": "micro" if micro_batch is not None or sizes[0] is None else "global",

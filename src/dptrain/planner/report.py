@@ -129,13 +129,14 @@ def _scaling_rows(result: dict) -> list[dict]:
     rows = []
     batches = result.get("batches") or {}
     micro = {n: b.micro_batch_size for n, b in batches.items()}
+    per_rank = {n: b.micro_batch_size * b.grad_accum_steps for n, b in batches.items()}  # samples per step
     ideal: dict[str, float] = {}
     for (net, n), p in result["predictions"].items():
-        ideal.setdefault(net, micro.get(n, result["micro_batch"]) / p.compute_s)  # samples/s of one rank, no comm
+        ideal.setdefault(net, per_rank.get(n, result["micro_batch"]) / p.compute_s)  # samples/s of one rank, no comm
     for (net, n), p in result["predictions"].items():
-        m = micro.get(n, result["micro_batch"])
-        rate = n * m / p.step_s
-        rows.append(dict(network=net, world_size=n, micro_batch=m, global_batch=n * m, step_s=p.step_s,
+        m, samples = micro.get(n, result["micro_batch"]), per_rank.get(n, result["micro_batch"])
+        rate = n * samples / p.step_s
+        rows.append(dict(network=net, world_size=n, micro_batch=m, global_batch=n * samples, step_s=p.step_s,
                          compute_s=p.compute_s, comm_s=p.comm_s, exposed_s=p.exposed_s, samples_per_s=rate,
                          efficiency=rate / (n * ideal[net])))
     return rows

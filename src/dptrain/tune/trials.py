@@ -6,12 +6,14 @@ every step), written as TOML into the trial's directory and run there. The step 
 the median of the slowest rank's ``step_ms`` (``metrics.jsonl``) over the steps after
 ``warmup``; the memory is the largest peak of live tensors over the ranks (or, where the
 run did not measure it, of the resident set). A run that exits non-zero or runs past
-its timeout is a :class:`~dptrain.tune.search.TrialFailed` naming why.
+its timeout is a :class:`~dptrain.tune.search.TrialFailed` naming why (its run directory
+is kept whole); a measured trial's weights and checkpoint are removed (:func:`prune`).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import statistics
 from pathlib import Path
 
@@ -24,7 +26,8 @@ __all__ = ["trial_overrides", "write_config", "run_trial", "read_steps"]
 
 def trial_overrides(steps: int) -> list[str]:
     """What a trial sets beyond the candidate: its length, and nothing that is not a training step."""
-    return [f"train.steps={steps}", "checkpoint.every=0", "log.every=1", "log.eval_every=0", "log.plots=false"]
+    return [f"train.steps={steps}", "checkpoint.every=0", "log.every=1", "log.eval_every=0", "log.plots=false",
+            "log.trace_steps=0"]
 
 
 def write_config(path: Path, config: Path | None, overrides: list[str]) -> Path:
@@ -67,4 +70,17 @@ def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial
         if "out of memory" in tail.lower() or code == -9 or code == 137:
             why = f"out of memory? {why}"
         raise TrialFailed(f"exit {code}: {why}")
-    return read_steps(trial_dir / "run", warmup)
+    measured = read_steps(trial_dir / "run", warmup)
+    prune(trial_dir / "run")
+    return measured
+
+
+def prune(run_dir: Path) -> None:
+    """A measured trial's weights and checkpoint removed (tens of MB each, of no use): its config, metrics, summary
+    and logs stay. Only what the trial's own run wrote inside the tune directory is removed, links not followed."""
+    for name in ("model.safetensors", "checkpoints"):
+        path = run_dir / name
+        if path.is_symlink() or path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path)
