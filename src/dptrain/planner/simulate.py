@@ -165,7 +165,7 @@ class Overheads:
     divergence checks, zeroing, the engine's copies); ``compute_slowdown``: the share by
     which a training run's compute exceeds the profile's bare forward, backward and step
     (the trainer's per-step work, the data, the network stack's interrupts on a host
-    whose cores compute: measured here at 4-31%). Fitted by
+    whose cores compute: 1-49% in docs/tune.md's probe runs). Fitted by
     :func:`dptrain.planner.calibration.fit_overheads`.
     """
 
