@@ -76,7 +76,7 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
     from dptrain.tune.machine import Emulated, Launcher, Local
     from dptrain.tune.space import candidates
 
-    argv = ["dptrain", "tune", *sys.argv[2:]]
+    options = {k: str(v) if isinstance(v, Path) else v for k, v in click.get_current_context().params.items()}
     try:
         chosen = [x for x in (nproc is not None, cluster_shape is not None, launcher is not None) if x]
         if len(chosen) != 1:
@@ -123,11 +123,11 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
     except (CalibrationError, ValueError, *bad_input()) as e:
         click.echo(f"dptrain tune: {e}", err=True)
         sys.exit(2)
-    _run(machine, config_path, extra, space, calibration, out, argv, trials, rounds, exhaustive, steps, warmup,
+    _run(machine, config_path, extra, space, calibration, out, options, trials, rounds, exhaustive, steps, warmup,
          trial_timeout, None if memory_gib is None else int(memory_gib * 2**30))
 
 
-def _run(machine, config_path, extra, space, calibration, out: Path, argv, trials, rounds, exhaustive, steps, warmup,
+def _run(machine, config_path, extra, space, calibration, out: Path, options, trials, rounds, exhaustive, steps, warmup,
          timeout, budget) -> None:
     import time
 
@@ -155,11 +155,11 @@ def _run(machine, config_path, extra, space, calibration, out: Path, argv, trial
                                 + (f" {row.measured_s * 1e3:.0f} ms" if row.measured_s else ""))
             bar.update(done - bar.n)
 
-        options = TuneOptions(trials, rounds, exhaustive, steps, warmup, timeout, budget)
-        tuned = tune(machine, config_path, extra, space, calibration, out, options, progress)
+        tuned = tune(machine, config_path, extra, space, calibration, out,
+                     TuneOptions(trials, rounds, exhaustive, steps, warmup, timeout, budget), progress)
         bar.close()
     tuned.seconds["calibration"] = calibrated
-    best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, argv)
+    best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, options)
     click.echo(table(tuned.result.rows, tuned.result.best))
     if best_toml is None:
         click.echo(f"dptrain tune: no candidate ran to the end ({out / 'tune.md'} says why)", err=True)

@@ -33,6 +33,7 @@ import numpy as np
 from dptrain.comm.cost import Link
 from dptrain.planner.network import Network
 from dptrain.planner.simulate import Overheads
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["ProbeRun", "Calibration", "fit_overheads", "CalibrationError"]
 
@@ -124,7 +125,7 @@ class Calibration:
         return d
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+        write_text_atomic(path, json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
     def from_dict(cls, d: dict) -> Calibration:

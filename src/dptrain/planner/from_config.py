@@ -29,7 +29,7 @@ from dptrain.strategies import get_strategy
 from dptrain.strategies.options import zero_options
 from dptrain.tasks import architecture, collate
 
-__all__ = ["plan_config", "flat_model", "plan_count", "CountedBlock", "simulate_config", "setup_for", "optimizer_for", "compute_mode",
+__all__ = ["plan_config", "flat_model", "plan_count", "CountedBlock", "simulate_config", "setup_for", "optimizer_for", "compute_mode", "planned_precision",
            "checkpoint_classes", "trace_model", "loss_problem"]
 
 
@@ -115,6 +115,11 @@ def setup_for(cfg: RunConfig, model: nn.Module, strategy: str, world_size: int, 
                  bucket_cap_mb=kw.get("bucket_cap_mb"), unit_classes=kw.get("unit_classes", ()),
                  min_unit_numel=kw.get("min_unit_numel"), reshard_after_forward=kw.get("reshard_after_forward", True),
                  split_by=kw["split_by"], shard_size=_hybrid(kw.get("shard_size"), world_size))
+
+
+def planned_precision(cfg: RunConfig) -> str:
+    """The config's precision as the planner models it: fp32 or bf16 (fp16 is planned as fp32)."""
+    return cfg.train.precision if cfg.train.precision in ("fp32", "bf16") else "fp32"
 
 
 def _hybrid(shard_size: int | None, world_size: int) -> int | None:
@@ -306,7 +311,7 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
     predictions = {}
     for net in networks:
         for n, b in batches.items():
-            setup = setup_for(cfg, model, strategy, n, t.precision if t.precision in ("fp32", "bf16") else "fp32")
+            setup = setup_for(cfg, model, strategy, n, planned_precision(cfg))
             predictions[(net.name, n)] = simulate_step(model, setup, profiles[b.micro_batch_size], net, algorithm,
                                                        overlap, compression, b.grad_accum_steps, overheads)
     first = batches[min(batches)].micro_batch_size if batches else None

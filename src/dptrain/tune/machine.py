@@ -22,32 +22,31 @@ import signal
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
 from typing import Any
 
 __all__ = ["Machine", "Local", "Emulated", "Launcher"]
 
 
-@dataclass
-class Machine:
+class Machine(ABC):
     """``hosts`` x ``per_host`` ranks; ``shared_net``: a host's ranks share one link to the others."""
 
-    hosts: int
-    per_host: int
-    shared_net: bool = False
+    def __init__(self, hosts: int, per_host: int, shared_net: bool = False):
+        self.hosts, self.per_host, self.shared_net = hosts, per_host, shared_net
 
     @property
     def world_size(self) -> int:
         return self.hosts * self.per_host
 
     @property
+    @abstractmethod
     def where(self) -> str:
-        raise NotImplementedError
+        """The machine in words, for the table and the calibration."""
 
+    @abstractmethod
     def job(self, args: list[str], timeout: float) -> tuple[int, str]:
         """Run ``python -m ...`` (``args``) on every rank; the exit code (124: killed at ``timeout``) and the
         last lines of its error output (where the machine captures it)."""
-        raise NotImplementedError
 
     def __enter__(self) -> Machine:
         return self
@@ -78,7 +77,6 @@ def _tail(err: bytes, lines: int = 3) -> str:
     return "\n".join(kept[-lines:])
 
 
-@dataclass
 class Local(Machine):
     """``nproc`` ranks on this machine."""
 
@@ -94,12 +92,8 @@ class Local(Machine):
                      str(self.per_host), *args], timeout)
 
 
-@dataclass
 class Emulated(Machine):
     """``hosts`` emulated hosts of ``per_host`` ranks, each host's link at ``rate_gbit`` (``dptrain cluster``)."""
-
-    rate_gbit: float = 1.0
-    _network: Any = field(default=None, repr=False)
 
     def __init__(self, hosts: int, per_host: int, rate_gbit: float):
         super().__init__(hosts, per_host, shared_net=True)
@@ -133,11 +127,8 @@ class Emulated(Machine):
             return code, _tail(err.read()) if code else ""
 
 
-@dataclass
 class Launcher(Machine):
     """The user's command for a job of ``hosts`` x ``per_host`` ranks; ``python -m ARGS`` is appended."""
-
-    command: str = ""
 
     def __init__(self, command: str, hosts: int, per_host: int):
         super().__init__(hosts, per_host, shared_net=False)

@@ -12,6 +12,7 @@ from dptrain.tune.search import Row
 from dptrain.tune.space import Candidate
 from dptrain.tune.trials import write_config
 from dptrain.tune.tuner import Tuned
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["table", "to_json", "write_outputs", "command"]
 
@@ -37,9 +38,9 @@ def table(rows: list[Row[Candidate]], best: Row[Candidate] | None) -> str:
     return "\n".join(lines)
 
 
-def to_json(tuned: Tuned, machine: Machine, calibration: Calibration, argv: list[str]) -> dict:
+def to_json(tuned: Tuned, machine: Machine, calibration: Calibration, options: dict) -> dict:
     res = tuned.result
-    return {"command": argv, "where": machine.where, "world_size": machine.world_size, "trials": res.trials,
+    return {"options": options, "where": machine.where, "world_size": machine.world_size, "trials": res.trials,
             "seconds": tuned.seconds, "calibration": calibration.to_dict(),
             "best": None if res.best is None else res.best.candidate.label,
             "predicted_best": None if res.predicted_best is None else res.predicted_best.candidate.label,
@@ -62,11 +63,11 @@ def command(machine: Machine, config: Path) -> str:
 
 
 def write_outputs(tuned: Tuned, machine: Machine, calibration: Calibration, config: Path | None,
-                  overrides: list[str], out: Path, argv: list[str]) -> Path | None:
+                  overrides: list[str], out: Path, options: dict) -> Path | None:
     """``tune.json``, ``tune.md`` and, when a candidate was measured, ``best.toml``; returns the latter."""
     best = tuned.result.best
-    (out / "tune.json").write_text(json.dumps(to_json(tuned, machine, calibration, argv), indent=1) + "\n")
-    (out / "tune.md").write_text(table(tuned.result.rows, best) + "\n")
+    write_text_atomic(out / "tune.json", json.dumps(to_json(tuned, machine, calibration, options), indent=1) + "\n")
+    write_text_atomic(out / "tune.md", table(tuned.result.rows, best) + "\n")
     if best is None:
         return None
     return write_config(out / "best.toml", config, [*overrides, *best.candidate.overrides()])

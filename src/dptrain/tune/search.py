@@ -118,7 +118,8 @@ def search(candidates: list[C], predict: Callable[[C], float], measure: Callable
         batch, to_run = to_run, []
         for r in range(rounds):
             for row in batch[r % len(batch):] + batch[:r % len(batch)]:
-                if row.status.startswith("failed"):
+                if row.status.startswith("failed"):  # failed in an earlier round: not run again
+                    done += 1
                     continue
                 try:
                     row.measured.append(measure(row.candidate))

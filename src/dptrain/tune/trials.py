@@ -20,6 +20,7 @@ from pathlib import Path
 from dptrain.config import load_config, to_toml
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Measured, TrialFailed
+from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["trial_overrides", "write_config", "run_trial", "read_steps"]
 
@@ -34,7 +35,7 @@ def write_config(path: Path, config: Path | None, overrides: list[str]) -> Path:
     """The run config ``config`` with ``overrides``, resolved and written as TOML to ``path``."""
     cfg = load_config(config, overrides)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(to_toml(cfg))
+    write_text_atomic(path, to_toml(cfg))
     return path
 
 

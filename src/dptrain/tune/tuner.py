@@ -26,7 +26,7 @@ from pathlib import Path
 
 from dptrain.config import load_config
 from dptrain.planner.calibration import Calibration
-from dptrain.planner.from_config import plan_config, setup_for
+from dptrain.planner.from_config import plan_config, planned_precision, setup_for
 from dptrain.planner.simulate import ComputeProfile, simulate_step
 from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy
@@ -34,7 +34,7 @@ from dptrain.tune.calibrate import measure_profiles
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Row, SearchResult, search
 from dptrain.tune.space import Candidate
-from dptrain.tune.trials import run_trial
+from dptrain.tune.trials import run_trial, write_config
 
 __all__ = ["TuneOptions", "Tuned", "tune", "CODEC_RATIO"]
 
@@ -67,8 +67,7 @@ def predictor(config: Path | None, overrides: list[str], world_size: int, calibr
 
     def predict(c: Candidate) -> float:
         cfg = load_config(config, [*overrides, *c.overrides()])
-        precision = cfg.train.precision if cfg.train.precision in ("fp32", "bf16") else "fp32"
-        setup = setup_for(cfg, model, c.strategy, world_size, precision)
+        setup = setup_for(cfg, model, c.strategy, world_size, planned_precision(cfg))
         return simulate_step(model, setup, profiles[c.micro_batch], network, "native",
                              compression=CODEC_RATIO[c.codec], accum=c.accum, overheads=calibration.overheads).step_s
 
@@ -83,8 +82,7 @@ def planned_memory(config: Path | None, overrides: list[str], world_size: int) -
         key = (c.strategy, c.micro_batch, c.accum, c.bucket_mb, c.shard_size)
         if key not in cache:
             cfg = load_config(config, [*overrides, *c.overrides()])
-            precision = cfg.train.precision if cfg.train.precision in ("fp32", "bf16") else "fp32"
-            rows = plan_config(cfg, [world_size], [c.strategy], [precision])
+            rows = plan_config(cfg, [world_size], [c.strategy], [planned_precision(cfg)])
             cache[key] = rows[0].total() if rows else None
         return cache[key]
 
@@ -99,27 +97,21 @@ def tune(machine: Machine, config: Path | None, overrides: list[str], candidates
         get_strategy(c.strategy)
     seconds = {}
     t0 = time.perf_counter()
-    profiles = measure_profiles(machine, _base_config(config, overrides, work), [c.micro_batch for c in candidates],
-                                work / "profiles.json", options.timeout)
+    profiles = measure_profiles(machine, write_config(work / "model.toml", config, overrides),
+                                [c.micro_batch for c in candidates], work / "profiles.json", options.timeout)
     seconds["profile"] = time.perf_counter() - t0
     predict = predictor(config, overrides, machine.world_size, calibration, profiles)
     memory = planned_memory(config, overrides, machine.world_size)
     names = {c: f"{i:02d}-{c.label.replace(' ', '_').replace('/', '-')}" for i, c in enumerate(candidates)}
+    runs = dict.fromkeys(candidates, 0)  # each candidate's runs so far: its next run directory's number
 
     def measure(c: Candidate):
-        trial_dir = work / "trials" / names[c]
-        n = sum(1 for _ in trial_dir.parent.glob(names[c] + "*")) if trial_dir.parent.exists() else 0
-        return run_trial(machine, config, [*overrides, *c.overrides()],
-                         trial_dir.with_name(f"{names[c]}-r{n}"), options.steps, options.warmup, options.timeout)
+        trial_dir, runs[c] = work / "trials" / f"{names[c]}-r{runs[c]}", runs[c] + 1
+        return run_trial(machine, config, [*overrides, *c.overrides()], trial_dir, options.steps, options.warmup,
+                         options.timeout)
 
     t0 = time.perf_counter()
     result = search(candidates, predict, measure, memory, options.budget_bytes, options.trials, options.rounds,
                     options.exhaustive, progress)
     seconds["search"] = time.perf_counter() - t0
     return Tuned(result, profiles, seconds)
-
-
-def _base_config(config: Path | None, overrides: list[str], work: Path) -> Path:
-    from dptrain.tune.trials import write_config
-
-    return write_config(work / "model.toml", config, overrides)
