@@ -31,7 +31,13 @@ from dptrain.config import ConfigError, load_config
 from dptrain.launch.errors import error_summary, write_error_record
 from dptrain.launch.heartbeat import end_stopped_peers
 from dptrain.launch.orphans import orphan_guard
-from dptrain.launch.rendezvous import PortInUse, detect_worker_env, init_distributed, leave_process_groups
+from dptrain.launch.rendezvous import (
+    PortInUse,
+    detect_worker_env,
+    init_alone,
+    init_distributed,
+    leave_process_groups,
+)
 from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
 from dptrain.launch.threads import omp_threads, threads_per_worker
 from dptrain.runner.skips import NonFiniteRun
@@ -78,11 +84,18 @@ def main(argv: list[str] | None = None) -> int:
         tune_cpu_allocator()
     lock = None
     try:
-        device = init_distributed(env, rp.cfg.ddp.backend, rp.cfg.ddp.timeout_s)
+        live = rp.cfg.live.enabled  # each worker a process group of its own; the rounds span the job (dptrain.live)
+        device = init_alone(env, rp.cfg.ddp.backend) if live else init_distributed(env, rp.cfg.ddp.backend,
+                                                                                   rp.cfg.ddp.timeout_s)
         lock = None if local else _lock_run_dir(env, rp.run_dir)  # `dptrain run` holds it for its workers
         from dptrain.runner.loop import train  # after init: keeps `--help` and bad-input paths fast
 
-        facts = train(rp, env, device)
+        if live:
+            from dptrain.runner.live_loop import train_live
+
+            facts = train(rp, env, device, train_live)
+        else:
+            facts = train(rp, env, device)
         if facts is not None:  # rank 0
             _write_pages(rp, facts)
         return 0

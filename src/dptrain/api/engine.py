@@ -176,6 +176,13 @@ class Engine:
         self._loss_sum.zero_()
         return StepInfo(self.step_count, loss, outcome.grad_norm, lr, outcome.skipped)
 
+    def drop_window(self) -> None:
+        """Forget the micro-steps since the last step, gradients included, without stepping (a step that live
+        recovery's vote aborted: it is tried again)."""
+        self._micro_steps = 0
+        self._loss_sum.zero_()
+        self.optimizer.zero_grad(set_to_none=True)
+
     def _set_lr(self) -> float:
         lr = self.lr_at(self.step_count) if self.lr_at else self.optimizer.param_groups[0]["lr"]
         for group in self.optimizer.param_groups:

@@ -144,14 +144,23 @@ def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str,
     worker_args = [a for o in overrides for a in ("--set", o)] + ["--run-dir", str(rp.run_dir)]
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
+    preload = ("transformers.modeling_utils",) if cfg.hf.path else ()
+    if cfg.live.enabled:  # a failed worker is restarted alone; the others go on (dptrain.launch.live)
+        from dptrain.launch.live import launch_live
+
+        live = cfg.live
+        return launch_live(nproc, worker_args, rp.run_dir, heartbeat_timeout_s=live.heartbeat_timeout_s,
+                           max_restarts=live.max_restarts, finish_grace_s=2 * live.heartbeat_timeout_s + 5.0,
+                           start_method=start_method, preload=preload, lock_fd=lock.fd,
+                           stall_timeout_s=max(2 * live.heartbeat_timeout_s, 5.0))
     if max_restarts:  # torchrun's workers are not "local": they find this launcher's token and take no lock
         from dptrain.launch.elastic import launch_elastic
 
         return launch_elastic(nproc, worker_args, rp.run_dir, max_restarts, env={TOKEN_ENV: lock.token},
                               lock_fd=lock.fd)
     return launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
-                        start_method=start_method, roll_call_s=cfg.ddp.roll_call_s,
-                        preload=("transformers.modeling_utils",) if cfg.hf.path else (), lock_fd=lock.fd)
+                        start_method=start_method, roll_call_s=cfg.ddp.roll_call_s, preload=preload,
+                        lock_fd=lock.fd)
 
 
 def _check_fault(spec: str, nproc: int) -> None:

@@ -354,6 +354,36 @@ class DivergenceConfig:
 
 
 @dataclass
+class LiveConfig:
+    enabled: bool = opt(False, "live recovery: survivors go on without a restart (a quorum each step, a commit vote, "
+                        "a restarted worker healed from a peer; docs/reliability.md, \"Live recovery\")")
+    heartbeat_timeout_s: float = opt(5.0, "live recovery: a worker whose heartbeat has not moved for this long is "
+                                     "dropped from the next quorum; also the timeout of a round's collectives")
+    join_timeout_s: float = opt(30.0, "live recovery: how long a round waits for a worker that beats but does not "
+                                "arrive (a stall, a hang) before it closes without it")
+    start_timeout_s: float = opt(120.0, "live recovery: how long the first round waits for every worker to start")
+    min_workers: int = opt(1, "live recovery: the fewest workers a step may run with")
+    on_too_few: str = opt("stop", "live recovery: below min_workers, stop with an error naming the missing workers, "
+                          "or wait for them (up to wait_timeout_s)", choices=("stop", "wait"))
+    wait_timeout_s: float = opt(600.0, "live recovery: how long on_too_few = \"wait\" waits")
+    lr_scaling: str = opt("none", "live recovery: a step with k of N workers takes k/N of the global batch; "
+                          "\"linear\" scales its learning rate by k/N, \"none\" keeps it",
+                          choices=("none", "linear"))
+    check_every: int = opt(0, "live recovery: every this many steps each worker records a hash of its whole state in "
+                           "logs/live<r>.jsonl (survivors' hashes are equal); 0: only a heal is hashed")
+    max_restarts: int = opt(100, "live recovery under dptrain run --nproc: how many times the launcher restarts "
+                            "each worker that fails")
+
+    def check(self) -> None:
+        """This section's own values (what the strategy and the rest must be: dptrain.strategies.requirements)."""
+        if not self.enabled:
+            return
+        _at_least("live", self, {"heartbeat_timeout_s": 0.2, "join_timeout_s": 0.0, "start_timeout_s": 1.0,
+                                 "min_workers": 1, "wait_timeout_s": 0.0, "max_restarts": 0,
+                                 "check_every": 0})
+
+
+@dataclass
 class CheckpointConfig:
     every: int = opt(100, "save a checkpoint every this many steps (and at the end); 0 saves only at the end")
     keep_last: int = opt(2, "checkpoints kept; older ones are deleted after a newer one is complete")
@@ -413,6 +443,7 @@ class RunConfig:
     straggler: StragglerConfig = field(default_factory=StragglerConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    live: LiveConfig = field(default_factory=LiveConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
@@ -429,7 +460,7 @@ class RunConfig:
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "data.allow_changed",
                 "train.max_skipped_steps",
                 "ddp", "zero", "ps", "gossip", "localsgd", "diloco", "straggler", "balance", "divergence",
-                "checkpoint", "log"}
+                "live", "checkpoint", "log"}
 
 
 # Fields added after checkpoints were written: left out of the identity while they hold their

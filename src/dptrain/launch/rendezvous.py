@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
 
-__all__ = ["WorkerEnv", "PortInUse", "detect_worker_env", "init_distributed", "leave_process_groups", "free_port",
+__all__ = ["WorkerEnv", "PortInUse", "detect_worker_env", "init_distributed", "leave_process_groups", "init_alone", "free_port",
            "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
 
 
@@ -105,6 +105,18 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
         "env://" if env.launcher == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
     dist.init_process_group(backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def init_alone(env: WorkerEnv, backend: str = "auto") -> torch.device:
+    """A default process group of this worker alone (live recovery: the workers meet in rounds of their own, so no
+    group spans a fixed set of processes that one death would break); this worker's device."""
+    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    backend = choose_backend(backend, env.local_world_size, devices)
+    device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     return device
 
 

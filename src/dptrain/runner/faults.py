@@ -8,6 +8,10 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
 - ``delay``: sleeps ``DPTRAIN_FAULT_DELAY_S`` seconds (default 3) before the step (a
   transient stall: the others wait in their next collective, then go on);
 - ``raise``: raises an exception (a bug);
+- ``stop``: stops itself with SIGSTOP (a frozen machine: its threads, heartbeats included,
+  stop with it);
+- ``kill-before-vote``: under live recovery, SIGKILLs itself after the step's all-reduce and
+  before the commit vote (elsewhere nothing happens);
 - ``hang``: stops, without exiting (a deadlock, a stuck device): the others wait in their
   next collective until ``ddp.timeout_s``;
 - ``flip``: flips the lowest bit of its first parameter's first element (silent data
@@ -45,7 +49,7 @@ from dptrain.launch.rendezvous import restart_count
 
 __all__ = ["parse_fault", "fault_spec", "inject_fault", "KINDS"]
 
-KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch")
+KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch", "stop", "kill-before-vote")
 
 
 def fault_spec(spec: str) -> tuple[int, int, str]:
@@ -74,6 +78,11 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
             f.write(json.dumps({"rank": rank, "step": step, "kind": kind, "time": time.time()}) + "\n")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "kill-before-vote":  # the live loop fires it at its moment (dptrain.runner.live_loop)
+        return
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     if kind == "raise":
         raise RuntimeError(f"fault injected by DPTRAIN_FAULT on rank {rank} at step {step}")
     if kind == "hang":

@@ -44,13 +44,18 @@ from dptrain.runner.roll_call import is_collective_failure, roll_call
 from dptrain.strategies import get_strategy
 from dptrain.tasks import Task
 
-__all__ = ["train", "timed_step", "evaluate"]
+__all__ = ["train", "timed_step", "timed_backward", "evaluate"]
 
 WATCHDOG_MARGIN_S = 3.0  # the watchdog's wait beyond ddp.timeout_s and the roll call
 
 
-def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> RunFacts | None:
+def train(rp: RunPlan, env: WorkerEnv, device: torch.device,
+          body: Callable[[RunPlan, WorkerEnv, torch.device, Heartbeat], RunFacts | None] | None = None) \
+        -> RunFacts | None:
     """Run the training described by ``rp`` on this rank; rank 0 returns the run's facts (the summary's input).
+
+    ``body``: the loop to run inside the heartbeat and the opened run directory (default this module's; live
+    recovery's is :func:`dptrain.runner.live_loop.train_live`).
 
     A heartbeat thread (``launch.heartbeat``) beats throughout; the loop's progress marks arm its
     watchdog, which ends this rank when it makes no progress for ``ddp.timeout_s`` + the roll call's
@@ -62,7 +67,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> RunFacts | None:
         open_run_dir(rp, env.rank)
         if entry.own_loop:  # its ranks run programs of their own (the parameter server's servers and workers)
             return entry.program(program_context(rp, env, device, beat))
-        return _train(rp, env, device, beat)
+        return (body or _train)(rp, env, device, beat)
 
 
 def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> RunFacts | None:
@@ -104,6 +109,18 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], *, weighted: 
     :class:`dptrain.data.balance.DynamicLoader`). ``after_first_forward`` runs inside the step's first
     forward span (an injected straggler's sleep: compute, as a slow device's would be).
     """
+    times = timed_backward(engine, task, batches, weighted=weighted, after_first_forward=after_first_forward)
+    o0 = time.perf_counter()
+    info = engine.step()
+    times.end = time.perf_counter()
+    times.optimizer = (o0, times.end)
+    return info, times
+
+
+def timed_backward(engine: Engine, task: Task, batches: Iterator[Any], *, weighted: bool = False,
+                   after_first_forward: Callable[[], None] | None = None) -> StepTimes:
+    """A step's micro-steps of forward and backward (the gradients synchronised in the last), timed; no optimizer
+    step (:func:`timed_step` takes it; live recovery takes it after the commit vote)."""
     times = StepTimes(start=time.perf_counter())
     for item in engine.micro_steps(iter(next(batches)) if weighted else batches):
         batch, weight = item if weighted else (item, None)
@@ -117,11 +134,7 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], *, weighted: 
         times.forward.append((f0, f1))
         times.backward.append((f1, time.perf_counter()))
     times.comm = engine.model.last_step_comm  # the wrapper protocol's: DDP's buckets, ZeRO's collectives (gossip: None)
-    o0 = time.perf_counter()
-    info = engine.step()
-    times.end = time.perf_counter()
-    times.optimizer = (o0, times.end)
-    return info, times
+    return times
 
 
 def _resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) -> tuple[int, str | None]:

@@ -29,6 +29,7 @@ def check_features(cfg: RunConfig, entry: Strategy, world_size: int, data_ranks:
     check_divergence(cfg, entry)
     check_hybrid_sharding(cfg, entry)
     check_straggler(cfg, world_size, data_ranks)
+    check_live(cfg, entry, world_size)
 
 
 def check_compression(cfg: RunConfig, entry: Strategy) -> None:
@@ -134,6 +135,32 @@ def check_straggler(cfg: RunConfig, world_size: int, data_ranks: int) -> None:
         raise ConfigError(f"straggler.rank {s.rank} takes no data (strategy {cfg.ddp.strategy}: ranks "
                           f"{data_ranks}-{world_size - 1} are its own, such as parameter servers); a straggler must "
                           f"compute, a rank below {data_ranks}")
+
+
+def check_live(cfg: RunConfig, entry: Strategy, world_size: int) -> None:
+    """Live recovery averages the replicas' gradients over each round's members through the wrapper's comm hook, and
+    heals a joiner with the replicated state: a strategy whose ranks hold the same state (``replicated_state``), not
+    shards, that takes a comm hook (``comm_hooks``); nothing else may claim that hook or step inside backward."""
+    live, d, t = cfg.live, cfg.ddp, cfg.train
+    if not live.enabled:
+        return
+    able = listed([f'"{n}"' for n in strategy_names(lambda s: s.comm_hooks and s.replicated_state
+                                                    and not s.shards_parameters and not s.own_loop)], "or")
+    if not (entry.comm_hooks and entry.replicated_state) or entry.shards_parameters or entry.own_loop:
+        raise ConfigError(f"live.enabled averages each round's gradients through a comm hook and heals a joining "
+                          f"worker with the replicated state; strategy {entry.name!r} cannot: set ddp.strategy = "
+                          f"{able}, or live.enabled = false")
+    claims = [name for name, on in (("ddp.compression", d.compression != "none"),
+                                    ("train.optimizer onebit_adam", t.optimizer == "onebit_adam"),
+                                    ("ddp.optimizer_in_backward", d.optimizer_in_backward),
+                                    ("balance.dynamic_batching", cfg.balance.dynamic_batching),
+                                    ("ddp.algorithm " + repr(d.algorithm), d.algorithm != "native")) if on]
+    if claims:
+        raise ConfigError(f"live.enabled averages the gradients over each round's members itself; {claims[0]} would "
+                          "claim the same all-reduce: turn it off, or live.enabled = false")
+    if live.min_workers > world_size:
+        raise ConfigError(f"live.min_workers = {live.min_workers} is more than the job's {world_size} worker(s): "
+                          f"lower it to at most {world_size}")
 
 
 def listed(items, conjunction: str) -> str:

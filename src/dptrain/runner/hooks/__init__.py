@@ -115,3 +115,4 @@ class RunContext:
     compression: Compressor | None
     start_step: int
     parameters: int  # the model's, counted before a strategy sharded them
+    checkpoint_meta: Callable[[], dict] | None = None  # more for a checkpoint's meta.json (live recovery's position)

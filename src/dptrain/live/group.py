@@ -1,0 +1,102 @@
+"""The round's process group, and the gradient all-reduce over it, averaged over the members that take part.
+
+A gloo group is made for a round's members (``ProcessGroupGloo`` over the live store, its
+keys under ``pg/<round>/``) when the quorum changes, and kept while it does not (torchft
+reconfigures only then too; making one costs a connection between every pair, milliseconds
+on a LAN). Its timeout is the heartbeat's: a member stopped inside a collective releases
+the others within it.
+
+:class:`AveragingHook` is a communication hook (the DDP engine's protocol,
+:mod:`dptrain.ddp.comm_hooks`): each bucket is summed over the round's group, asynchronously,
+as it fills in backward, and divided by the round's size, so the gradient is the mean over
+the participants whatever their number. A collective that fails (a member died) does not
+raise inside backward: the hook records the error, leaves the local gradient, and makes no
+more collectives this step; the vote then aborts the step (:mod:`~dptrain.live.vote`).
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RoundGroup", "AveragingHook"]
+
+
+class RoundGroup:
+    """The process group of the current round (None alone: a round of one needs none)."""
+
+    def __init__(self, store, timeout_s: float):
+        self.store, self.timeout_s = store, timeout_s
+        self.pg: dist.ProcessGroup | None = None
+        self.round, self.size, self.rank = -1, 1, 0
+        self.error: BaseException | None = None  # the first failure of a collective this step
+
+    def configure(self, round_: int, rank: int, size: int) -> None:
+        """A new group for ``round_``'s ``size`` members, this worker at ``rank``; raises if a member never connects."""
+        self.pg = None  # the old one's connections close
+        self.round, self.size, self.rank = round_, size, rank
+        if size > 1:
+            opts = dist.ProcessGroupGloo._Options()
+            opts._timeout = timedelta(seconds=self.timeout_s)
+            interface = os.environ.get("GLOO_SOCKET_IFNAME")
+            opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface
+                             else dist.ProcessGroupGloo.create_default_device()]
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{round_}/", self.store), rank, size, opts)
+
+    def begin_step(self) -> None:
+        self.error = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> dist.Work | None:
+        """Start ``tensor``'s sum over the round (in place); None when alone or after this step's first failure."""
+        if self.pg is None or self.error is not None:
+            return None
+        try:
+            return self.pg.allreduce([tensor])
+        except Exception as e:
+            self.fail(e)
+            return None
+
+    def wait(self, work: dist.Work | None) -> bool:
+        """Wait for ``work``; False (the error recorded) if it failed."""
+        if work is None:
+            return self.error is None
+        try:
+            work.wait()
+            return True
+        except Exception as e:
+            self.fail(e)
+            return False
+
+
+class _Averaged:
+    """A bucket's handle: ``wait()`` returns the buffer averaged over the round (the local one after a failure)."""
+
+    __slots__ = ("group", "work", "buffer")
+
+    def __init__(self, group: RoundGroup, work, buffer: torch.Tensor):
+        self.group, self.work, self.buffer = group, work, buffer
+
+    def wait(self) -> torch.Tensor:
+        if self.group.wait(self.work) and self.group.size > 1:
+            self.buffer.div_(self.group.size)
+        return self.buffer
+
+
+class AveragingHook:
+    """``hook(state, bucket)``: the bucket summed over the round's group and divided by its size (see above)."""
+
+    def __init__(self, group: RoundGroup):
+        self.group = group
+        self.bytes = 0  # sent this step, for the metrics
+
+    def __call__(self, state, bucket) -> _Averaged:
+        buffer = bucket.buffer()
+        self.bytes += buffer.numel() * buffer.element_size()
+        return _Averaged(self.group, self.group.all_reduce_sum(buffer), buffer)

@@ -1,0 +1,77 @@
+"""Healing: a worker behind its round's step gets the whole training state from an up-to-date peer.
+
+The state (the runner's: model, optimizer, step counts, learning-rate schedule position,
+data position, the strategy's own state through the wrapper protocol) is serialised with
+``torch.save`` and sent over the round's process group, point to point: a header (the
+payload's length, the payload's SHA-256, and the sender's :func:`state_hash`), then the
+payload. The receiver checks the payload's digest, loads it with ``weights_only=True`` (a
+peer is trusted, its bytes still never run code), loads it into its engine, and recomputes
+:func:`state_hash` on what it now holds: equal to the sender's, or the heal failed. Only
+the sender and its receivers take part; the other members go on to the step and meet them
+in its first all-reduce.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["state_hash", "pack", "unpack", "send_state", "recv_state", "HealError"]
+
+DIGEST = 32
+HEADER_TAG, PAYLOAD_TAG = 17, 18
+
+
+class HealError(RuntimeError):
+    """The state received does not match what its sender holds (a digest or hash differs)."""
+
+
+def state_hash(tensors: Iterable[torch.Tensor]) -> bytes:
+    """SHA-256 over the bytes of ``tensors`` in order (their dtype and shape included): replicas hold bitwise-equal
+    state exactly when their hashes are equal."""
+    h = hashlib.sha256()
+    for t in tensors:
+        t = t.detach().contiguous().cpu()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.digest()
+
+
+def pack(state: dict) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def unpack(payload: bytes) -> dict:
+    return torch.load(io.BytesIO(payload), weights_only=True)
+
+
+def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes) -> int:
+    """Send ``payload`` (and the sender's state hash) to rank ``dst`` of ``pg``; the bytes sent."""
+    header = torch.zeros(8 + 2 * DIGEST, dtype=torch.uint8)
+    header[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
+    header[8:8 + DIGEST] = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8)
+    header[8 + DIGEST:] = torch.frombuffer(bytearray(held_hash), dtype=torch.uint8)
+    pg.send([header], dst, HEADER_TAG).wait()
+    body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    pg.send([body], dst, PAYLOAD_TAG).wait()
+    return header.numel() + body.numel()
+
+
+def recv_state(pg: dist.ProcessGroup, src: int) -> tuple[bytes, bytes]:
+    """The payload and the sender's state hash, from rank ``src`` of ``pg``; HealError on a damaged payload."""
+    header = torch.zeros(8 + 2 * DIGEST, dtype=torch.uint8)
+    pg.recv([header], src, HEADER_TAG).wait()
+    length = int(header[:8].view(torch.int64).item())
+    body = torch.empty(length, dtype=torch.uint8)
+    pg.recv([body], src, PAYLOAD_TAG).wait()
+    payload = body.numpy().tobytes()
+    if hashlib.sha256(payload).digest() != bytes(header[8:8 + DIGEST].tolist()):
+        raise HealError(f"the state received from rank {src} of the round ({length} bytes) does not match its "
+                        "digest")
+    return payload, bytes(header[8 + DIGEST:].tolist())

@@ -1,0 +1,168 @@
+"""A worker's live recovery, step by step: quorum, process group, heal, (the step), vote.
+
+The runner's live loop (``dptrain.runner.live_loop``) calls, for every attempt at a step:
+
+1. :meth:`LiveManager.begin` -- form the round's quorum (:mod:`~dptrain.live.quorum`), make
+   its process group if the members changed (:mod:`~dptrain.live.group`), and heal the
+   members behind the round's step from up-to-date ones (:mod:`~dptrain.live.heal`);
+2. forward and backward, the gradients averaged over the round by :attr:`LiveManager.hook`
+   (the DDP engine's comm hook);
+3. :meth:`LiveManager.vote` -- the commit vote (:mod:`~dptrain.live.vote`); then the runner
+   steps the optimizer on commit, or drops the window on abort, and calls :meth:`end`.
+
+Every member of a round therefore holds the same state before its step (healed where it
+was behind), averages the same gradients, and applies the step or not together: after each
+round the survivors are bitwise identical, which ``tests/test_live.py`` checks by hash.
+What the state is, the runner says (``held``, ``held_hash``, ``load``): this package knows
+no model, optimizer or strategy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from dptrain.live.group import AveragingHook, RoundGroup
+from dptrain.live.heal import HealError, pack, recv_state, send_state, unpack
+from dptrain.live.liveness import Liveness
+from dptrain.live.quorum import Member, Quorum, TooFewWorkers, form_quorum, latest_round
+from dptrain.live.stats import LiveStats
+from dptrain.live.vote import commit_vote
+
+__all__ = ["LiveSettings", "LiveManager", "TooFewWorkers", "Attempt"]
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """The ``[live]`` section's values (see its help in the config reference)."""
+
+    heartbeat_timeout_s: float = 5.0
+    join_timeout_s: float = 30.0
+    start_timeout_s: float = 120.0
+    min_workers: int = 1
+    on_too_few: str = "stop"
+    wait_timeout_s: float = 600.0
+
+    @property
+    def heartbeat_interval_s(self) -> float:
+        return max(0.05, self.heartbeat_timeout_s / 10)
+
+
+@dataclass
+class Attempt:
+    """One attempt at a step, as the live log records it."""
+
+    quorum: Quorum
+    ok: bool = True                   # the group was made and the heal done: the step may run
+    error: str = ""
+    heal_sent: int = 0
+    heal_received: int = 0
+    heal_s: float = 0.0
+    began: float = 0.0
+
+
+class LiveManager:
+    """This worker's side of live recovery (see the module docstring).
+
+    ``connect()``: a new client of the job's live store; ``replica``: this worker's id (its
+    launch rank); ``replicas``: how many the job has; ``step``: steps this worker has
+    committed (-1: none known, it must be healed: a restarted worker).
+    """
+
+    def __init__(self, connect: Callable[[], object], replica: int, replicas: int, settings: LiveSettings,
+                 step: int, progress: Callable[[], None] = lambda: None):
+        self.replica, self.replicas, self.settings, self.progress = replica, replicas, settings, progress
+        self.store = connect()
+        self.liveness = Liveness(connect, replica, replicas, settings.heartbeat_interval_s,
+                                 settings.heartbeat_timeout_s)
+        self.group = RoundGroup(self.store, settings.heartbeat_timeout_s)
+        self.hook = AveragingHook(self.group)
+        self.step = step
+        self.stats = LiveStats()
+        self.round = latest_round(self.store) + 1
+        self.absent: set[int] = set()
+        self._group_ok = True
+        self.global_batch = 0  # samples in the last committed step (the round's share of the global batch)
+
+    def close(self) -> None:
+        self.liveness.stop()
+        self.group.pg = None
+
+    def begin(self, held: Callable[[], dict], held_hash: Callable[[], bytes],
+              load: Callable[[dict], bytes], abandon: Callable[[], bool] | None = None) -> Attempt | None:
+        """Form the next round this worker is a member of, its group, and heal; the attempt (``ok``: step it).
+
+        ``held()``: this worker's state to send; ``held_hash()``: its hash; ``load(state)``:
+        take a received state and return the hash of what is now held. ``abandon()``: checked
+        while the round is open; True leaves it (None returned: the end of a run).
+        """
+        self.liveness.start()
+        began = time.monotonic()
+        while True:
+            me = Member(self.replica, self.step, self.group.round if self.group.pg is not None or
+                        self.group.size == 1 else -1, self.group.size, self._group_ok)
+            s = self.settings
+            quorum = form_quorum(self.store, self.liveness, me, self.round, self.replicas,
+                                 min_workers=s.min_workers, on_too_few=s.on_too_few,
+                                 start_timeout_s=s.start_timeout_s, join_timeout_s=s.join_timeout_s,
+                                 wait_timeout_s=s.wait_timeout_s, absent=self.absent, progress=self.progress,
+                                 abandon=abandon)
+            if abandon is not None and abandon():
+                return None
+            if quorum is not None:
+                break
+            self.round += 1
+        attempt = Attempt(quorum, began=began)
+        self.group.begin_step()
+        try:
+            if quorum.new_group:
+                self.group.configure(quorum.round, quorum.index, quorum.size)
+            self._heal(attempt, held, held_hash, load)
+        except (RuntimeError, HealError) as e:  # a member gone while connecting or healing: this round aborts
+            self.group.fail(e)
+            attempt.ok, attempt.error = False, f"{type(e).__name__}: {e}"
+        return attempt
+
+    def _heal(self, attempt: Attempt, held, held_hash, load) -> None:
+        quorum = attempt.quorum
+        if quorum.step < 0:
+            raise TooFewWorkers(f"no member of round {quorum.round} (replicas {list(quorum.replicas)}) holds the "
+                                "training state (every one was restarted): resume the run from its last checkpoint")
+        plan = quorum.heal_plan()
+        t0 = time.monotonic()
+        for src, dst in plan:
+            if quorum.index == src:
+                attempt.heal_sent += send_state(self.group.pg, dst, pack(held()), held_hash())
+            elif quorum.index == dst:
+                payload, expected = recv_state(self.group.pg, src)
+                attempt.heal_received += len(payload)
+                got = load(unpack(payload))
+                if got != expected:
+                    raise HealError(f"after healing from replica {quorum.members[src].replica} the state's hash "
+                                    f"differs from the sender's ({got.hex()[:12]} vs {expected.hex()[:12]})")
+                self.step = quorum.step
+        if attempt.heal_sent or attempt.heal_received:
+            attempt.heal_s = time.monotonic() - t0
+            self.stats.heal_bytes_sent += attempt.heal_sent
+            self.stats.heal_bytes_received += attempt.heal_received
+            self.stats.heal_s += attempt.heal_s
+
+    def vote(self, attempt: Attempt, ok: bool) -> bool:
+        """The round's decision: True when every member's step went well (this one's: ``ok``)."""
+        ok = ok and attempt.ok and self.group.error is None
+        quorum = attempt.quorum
+        return commit_vote(self.store, quorum.round, quorum.index, quorum.replicas, ok, self.liveness,
+                           self.settings.heartbeat_timeout_s, self.progress)
+
+    def end(self, attempt: Attempt, committed: bool, counted: bool = True) -> float | None:
+        """After the decision (and the optimizer step on commit): on to the next round; a recovery's seconds, if this
+        commit ends one. ``counted``: False for a round with no step in it (the end of a run)."""
+        self._group_ok = self.group.error is None
+        if self.group.error is not None:
+            self.group.pg = None  # broken: the next round makes a new one
+        if committed:
+            self.step = attempt.quorum.step + 1
+        self.round = attempt.quorum.round + 1
+        self.hook.bytes = 0
+        return self.stats.attempt(committed, attempt.quorum.size, attempt.began) if counted else None

@@ -1,0 +1,78 @@
+"""The job's live store: a ``TCPStore`` that no worker hosts, so that it outlives any of them.
+
+torchft keeps its quorum in a lighthouse beside the replica groups for the same reason: the
+default rendezvous store lives in rank 0, and rank 0 may be the worker that dies. The local
+launcher serves it (``dptrain run --nproc N`` with ``live.enabled``); on several machines
+whoever starts the job serves it (``python -m dptrain.live.store --port P`` on a machine
+every worker reaches), and each worker finds it in ``DPTRAIN_LIVE_STORE=HOST:PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+
+__all__ = ["LIVE_STORE_ENV", "connect_store", "serve_store", "store_address"]
+
+LIVE_STORE_ENV = "DPTRAIN_LIVE_STORE"
+
+
+def store_address(environ: dict[str, str] | None = None) -> tuple[str, int]:
+    """``DPTRAIN_LIVE_STORE`` as (host, port); a ValueError naming the variable and the fix otherwise."""
+    value = (os.environ if environ is None else environ).get(LIVE_STORE_ENV, "")
+    host, _, port = value.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"live.enabled needs the job's live store in {LIVE_STORE_ENV}=HOST:PORT (got {value!r}): "
+                         "dptrain run --nproc N serves one itself; on several machines start python -m "
+                         "dptrain.live.store --port PORT where every worker reaches it")
+    return host, int(port)
+
+
+def connect_store(address: tuple[str, int], timeout_s: float) -> dist.TCPStore:
+    """A client of the live store at ``address`` (each thread that blocks on it takes its own)."""
+    host, port = address
+    return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def serve_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:
+    """The live store, served by this process on ``host:port`` only (port 0: a free one; ``.port`` tells which).
+
+    ``TCPStore(is_master=True)`` listens on every interface whatever host it is given; handed a
+    socket already bound (``master_listen_fd``) it listens there instead.
+    """
+    listener = socket.socket(socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        listener.bind((host, port))
+    except OSError as e:
+        listener.close()
+        raise ValueError(f"the live store cannot listen on {host}:{port} ({e.strerror}); choose another port") \
+            from None
+    listener.listen(128)
+    port = listener.getsockname()[1]
+    return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s), wait_for_workers=False,
+                         master_listen_fd=listener.detach())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dptrain.live.store",
+                                     description="Serve a live-recovery job's store until interrupted.")
+    parser.add_argument("--host", default="0.0.0.0", help="the address to listen on (default: every interface)")
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    store = serve_store(args.host, args.port)
+    print(f"live store at {args.host}:{store.port}: set {LIVE_STORE_ENV}=<this host>:{store.port} for the workers",
+          flush=True)
+    signal.sigwait({signal.SIGINT, signal.SIGTERM})
+    return 0
+
+
+if __name__ == "__main__":
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    sys.exit(main())

@@ -1,0 +1,268 @@
+"""Live recovery: quorums, the commit vote, heals, the data stream, and whole runs with a worker killed, stopped or
+raising at a random step (dptrain.live, dptrain.runner.live_loop, dptrain.launch.live)."""
+
+from __future__ import annotations
+
+import io
+import json
+import random
+import threading
+import time
+from fractions import Fraction
+from pathlib import Path
+
+import pytest
+import torch
+from _cli import dptrain, tiny_gpt_config
+
+from dptrain.config import ConfigError, load_config
+from dptrain.data.stream import SampleStream
+from dptrain.live.group import RoundGroup
+from dptrain.live.heal import HealError, pack, recv_state, send_state, state_hash, unpack
+from dptrain.live.liveness import Liveness
+from dptrain.live.quorum import Member, Quorum, TooFewWorkers, form_quorum, latest_round
+from dptrain.live.store import connect_store, serve_store
+from dptrain.live.vote import commit_vote
+from dptrain.runner.validate import validate_run
+
+TIMEOUT = 0.4  # heartbeat timeout of the in-process tests (beats every 0.05 s)
+
+
+@pytest.fixture
+def address():
+    server = serve_store("127.0.0.1", 0)
+    yield ("127.0.0.1", server.port)
+    del server
+
+
+def _liveness(address, replica: int, replicas: int) -> Liveness:
+    live = Liveness(lambda: connect_store(address, 10), replica, replicas, 0.05, TIMEOUT)
+    live.start()
+    return live
+
+
+def _quorum(address, replica: int, replicas: int, round_: int, step: int = 0, out: dict | None = None, **kw):
+    live = _liveness(address, replica, replicas)
+    try:
+        settings = dict(min_workers=1, on_too_few="stop", start_timeout_s=5.0, join_timeout_s=5.0, wait_timeout_s=5.0,
+                        absent=set())
+        settings.update(kw)
+        result = form_quorum(connect_store(address, 10), live, Member(replica, step), round_, replicas, **settings)
+    except Exception as e:  # noqa: BLE001 - handed to the test
+        result = e
+    finally:
+        live.stop()
+    if out is not None:
+        out[replica] = result
+    return result
+
+
+def _together(address, replicas, *args, **kw) -> dict:
+    """:func:`_quorum` of each of ``replicas`` at once, in threads; what each returned or raised, by replica."""
+    out: dict = {}
+    threads = [threading.Thread(target=_quorum, args=(address, r, *args), kwargs=dict(kw, out=out))
+               for r in replicas]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_every_worker_reads_the_same_quorum(address):
+    out = _together(address, range(3), 3, 0)
+    assert {q.replicas for q in out.values()} == {(0, 1, 2)}
+    assert [out[r].index for r in range(3)] == [0, 1, 2]
+    assert all(q.new_group for q in out.values())  # nobody holds a group yet
+    assert latest_round(connect_store(address, 10)) == 0  # advanced once, by the one worker that closed it
+
+
+def test_a_round_closes_without_a_replica_that_never_beats(address):
+    t0 = time.monotonic()
+    out = _together(address, range(2), 3, 1)  # replica 2 of 3 never starts
+    assert {q.replicas for q in out.values()} == {(0, 1)}
+    assert time.monotonic() - t0 < 5.0  # its staleness closed the round, not the join timeout
+
+
+def test_too_few_workers_stop_with_the_missing_named(address):
+    out = _together(address, range(2), 3, 1, min_workers=3)
+    assert all(isinstance(e, TooFewWorkers) for e in out.values())
+    assert "gone: [2]" in str(out[0]) and "live.min_workers = 3" in str(out[0])
+
+
+def test_a_late_worker_takes_the_next_round(address):
+    first = _together(address, range(2), 3, 1)
+    assert {q.replicas for q in first.values()} == {(0, 1)}
+    assert _quorum(address, 2, 3, 1) is None  # round 1 closed without it
+    out = _together(address, range(3), 3, 2)
+    assert {q.replicas for q in out.values()} == {(0, 1, 2)}
+
+
+def test_heal_plan_and_group_reuse():
+    members = (Member(0, 5, 3, 3), Member(1, -1, -1, 0), Member(2, 5, 3, 3), Member(3, 4, 3, 3))
+    q = Quorum(7, members, 0)
+    assert q.step == 5
+    assert q.heal_plan() == [(0, 1), (2, 3)]  # round robin over the up-to-date members
+    assert q.new_group  # a joiner holds no group
+    same = Quorum(8, (Member(0, 5, 3, 2), Member(2, 5, 3, 2)), 1)
+    assert not same.new_group and same.heal_plan() == []
+    assert Quorum(8, (Member(0, 5, 3, 2), Member(2, 5, 3, 2, ok=False)), 1).new_group  # an error: a new group
+
+
+def _vote(address, index: int, replicas: tuple[int, ...], ok: dict, out: dict, round_: int = 0):
+    live = _liveness(address, replicas[index], max(replicas) + 1)
+    try:
+        out[index] = commit_vote(connect_store(address, 10), round_, index, replicas, ok[index], live, 5.0)
+    finally:
+        live.stop()
+
+
+@pytest.mark.parametrize("oks, expected", [((True, True, True), True), ((True, False, True), False)])
+def test_the_vote_is_the_same_for_every_member(address, oks, expected):
+    out: dict = {}
+    threads = [threading.Thread(target=_vote, args=(address, i, (0, 1, 2), dict(enumerate(oks)), out))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: expected, 1: expected, 2: expected}
+
+
+def test_a_member_gone_before_voting_aborts_the_step_for_every_survivor(address):
+    dead = Liveness(lambda: connect_store(address, 10), 2, 3, 0.05, TIMEOUT)
+    dead.start()  # it beats, then dies before its vote (the failure between the all-reduce and the vote)
+    dead.stop()
+    out: dict = {}
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=_vote, args=(address, i, (0, 1, 2), {0: True, 1: True}, out)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert out == {0: False, 1: False}
+    assert time.monotonic() - t0 < 3.0  # its staleness decided, within the heartbeat timeout (not the vote's 5 s)
+
+
+def test_a_vote_in_after_the_decision_reads_it(address):
+    store = connect_store(address, 10)
+    store.set("q/3/decision", "commit")
+    live = _liveness(address, 0, 1)
+    try:
+        assert commit_vote(store, 3, 0, (0, 1), False, live, 1.0)  # decided before it voted: it follows
+    finally:
+        live.stop()
+
+
+def test_heal_payload_checked_and_never_runs_code(address):
+    state = {"model": {"w": torch.randn(3, 4)}, "position": 96}
+    assert torch.equal(unpack(pack(state))["model"]["w"], state["model"]["w"])
+    assert state_hash([torch.ones(3)]) != state_hash([torch.ones(3, 1)])  # the shape counts
+    buffer = io.BytesIO()
+    torch.save({"x": Fraction(1, 3)}, buffer)
+    with pytest.raises(Exception, match="[Ww]eights only"):
+        unpack(buffer.getvalue())
+
+    out: dict = {}
+
+    def member(rank: int):
+        store = connect_store(address, 10)
+        group = RoundGroup(store, 5.0)
+        group.configure(0, rank, 2)
+        if rank == 0:
+            header = torch.zeros(72, dtype=torch.uint8)
+            header[:8] = torch.tensor([4], dtype=torch.int64).view(torch.uint8)  # a digest of zeros: wrong
+            group.pg.send([header], 1, 17).wait()
+            group.pg.send([torch.ones(4, dtype=torch.uint8)], 1, 18).wait()
+            send_state(group.pg, 1, pack(state), b"h" * 32)
+        else:
+            with pytest.raises(HealError, match="digest"):
+                recv_state(group.pg, 0)
+            out["payload"], out["hash"] = recv_state(group.pg, 0)
+
+    threads = [threading.Thread(target=member, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert unpack(out["payload"])["position"] == 96 and out["hash"] == b"h" * 32
+
+
+def test_sample_stream_slices_take_each_sample_once_per_epoch():
+    stream = SampleStream(list(range(10)), seed=3, collate_fn=list)
+    taken = [x for b in stream.micro_batches(0, 2, 5) for x in b]
+    assert sorted(taken) == list(range(10))
+    # the same positions read as two members' slices of a step, then the next: the same samples in the same order
+    again = SampleStream(list(range(10)), seed=3, collate_fn=list)
+    assert [x for start in (0, 4, 8) for b in again.micro_batches(start, 2, 1 if start == 8 else 2) for x in b] == taken
+    crossing = [e for e, _ in stream.indices(8, 4)]
+    assert crossing == [0, 0, 1, 1]
+
+
+@pytest.mark.parametrize("setting, message", [
+    ("ddp.strategy=\"zero2\"", "strategy 'zero2' cannot"),
+    ("ddp.compression=\"fp16\"", "ddp.compression would claim"),
+    ("live.min_workers=3", "more than the job's 2 worker"),
+])
+def test_what_live_recovery_cannot_run_with(tmp_path, setting, message):
+    cfg = load_config(tiny_gpt_config(tmp_path), ["live.enabled=true", setting])
+    with pytest.raises(ConfigError, match=message):
+        validate_run(cfg, 2, check_forward=False)
+
+
+def _logs(run_dir: Path) -> dict[int, list[dict]]:
+    logs = {}
+    for path in sorted((run_dir / "logs").glob("live*.jsonl")):
+        logs[int(path.stem[4:])] = [json.loads(line) for line in path.read_text().splitlines()]
+    return logs
+
+
+def _check_survivors(run_dir: Path, steps: int, victim: int, fault_step: int, healed: bool) -> dict:
+    """After every committed step all members hold the same state (hash); every round's decision is the same for
+    every member that logged it; each step 1..steps is committed once per worker's life; the victim was healed (or,
+    ``healed`` False, dropped: some steps committed without it). The logs, by replica."""
+    logs = _logs(run_dir)
+    hashes, decisions = {}, {}
+    for replica, records in logs.items():
+        committed = [r["step"] for r in records if r.get("commit")]
+        assert committed == sorted(set(committed)), f"replica {replica} committed a step twice"
+        for r in records:
+            if "round" in r:
+                decisions.setdefault(r["round"], set()).add(r["commit"])
+            if "hash" in r:
+                hashes.setdefault(r["step"], set()).add(r["hash"])
+    where = f"(fault at step {fault_step})"
+    assert set(hashes) == set(range(1, steps + 1)), where
+    assert all(len(h) == 1 for h in hashes.values()), \
+        f"replicas differ at steps {[s for s, h in hashes.items() if len(h) > 1]} {where}"
+    assert all(len(d) == 1 for d in decisions.values()), f"a round committed on some members and not others {where}"
+    assert any(r.get("commit") is False for records in logs.values() for r in records), f"no attempt failed {where}"
+    if healed:
+        assert any(r.get("heal_received") for r in logs[victim]), f"replica {victim} was not healed {where}"
+    else:
+        assert any(victim not in r["members"] for r in logs[0] if r.get("commit")), where
+    return logs
+
+
+LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
+
+
+@pytest.mark.parametrize("nproc, victim, kind", [(3, 1, "kill"), (3, 0, "raise"), (4, 2, "stop"),
+                                                 (4, 3, "kill-before-vote")])
+def test_survivors_go_on_and_the_victim_is_healed(tmp_path, nproc, victim, kind):
+    """A worker killed, raising, stopped (SIGSTOP) or killed between its all-reduce and its vote, at a random step;
+    the launcher restarts it (a stopped one once its heartbeat is stale: the run is over by then)."""
+    step = random.Random().randrange(3, 12)
+    steps = 16
+    run_dir = tmp_path / "run"
+    proc = dptrain("run", "--nproc", str(nproc), "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir",
+                   str(run_dir), "--set", f"train.steps={steps}", "--set", f"train.global_batch_size={2 * nproc}",
+                   "--set", "log.trace_steps=0", "--set", "log.eval_every=0", cwd=tmp_path,
+                   env={"DPTRAIN_FAULT": f"{victim}:{step}:{kind}"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if kind != "stop":
+        assert f"worker {victim} exited" in proc.stderr and "the others go on" in proc.stderr
+    _check_survivors(run_dir, steps, victim, step, healed=kind != "stop")
+    assert (run_dir / "model.safetensors").is_file()
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m][-1] == steps
