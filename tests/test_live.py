@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from _cli import dptrain, tiny_gpt_config
 
+from _cli import dptrain, tiny_gpt_config
 from dptrain.config import ConfigError, load_config
 from dptrain.data.stream import SampleStream
 from dptrain.live.group import RoundGroup
