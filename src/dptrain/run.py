@@ -9,7 +9,7 @@ Exit codes: 0 done; 2 bad input (config, batch sizes, model factory, checkpoint)
 before anything is written, or a run directory another run holds (rank 0 takes its lock,
 ``launch.run_lock``, unless this worker's launcher holds it, which the worker proves by
 the lock's inherited descriptor or, under torchrun's agent, by its token); 130
-interrupted; 1 anything else, with the traceback in ``logs/rank<r>.error.json`` for the
+interrupted; 3 live recovery cannot go on (too few workers: ``live.min_workers``); 1 anything else, with the traceback in ``logs/rank<r>.error.json`` for the
 launcher to show (and torchrun's error file).
 """
 
@@ -37,9 +37,11 @@ from dptrain.launch.rendezvous import (
     init_alone,
     init_distributed,
     leave_process_groups,
+    replica_env,
 )
 from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
 from dptrain.launch.threads import omp_threads, threads_per_worker
+from dptrain.live import GIVE_UP_EXIT, TooFewWorkers
 from dptrain.runner.skips import NonFiniteRun
 from dptrain.runner.validate import default_run_dir, validate_run
 from dptrain.utils.files import UnsafePath
@@ -62,7 +64,11 @@ def main(argv: list[str] | None = None) -> int:
     orphan_guard(os.environ)  # started by a local launcher as a fresh interpreter: end with it
     keep_inherited(os.environ)
     args = parse_args(argv)
-    env = detect_worker_env()
+    try:
+        env = replica_env(detect_worker_env())  # live recovery's replica, where its launcher is one per replica
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     local = os.environ.get("DPTRAIN_LAUNCHER") == "local"  # a claim: the lock's descriptor proves it (below)
     run_dir = None
     try:
@@ -71,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         run_dir = default_run_dir(cfg).resolve()
         local = local and inherited(run_dir, os.environ) is not None
         rp = validate_run(cfg, env.world_size, check_forward=not local)  # `dptrain run` traced the forward already
+        if rp.cfg.live.enabled:
+            _check_live_store()
     except BAD_INPUT as e:
         if env.rank == 0 or not local:  # the local launcher already reported it once
             print(f"error: {e}", file=sys.stderr)
@@ -108,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TooFewWorkers as e:  # live recovery cannot go on: one message; its launcher does not restart it
+        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
+        print(f"error: {e}", file=sys.stderr)
+        return GIVE_UP_EXIT
     except NonFiniteRun as e:  # every rank stops at the same step: one message, no traceback
         write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
         if env.rank == 0 and not local:
@@ -129,6 +141,16 @@ def main(argv: list[str] | None = None) -> int:
         if lock is not None:
             lock.release()
         leave_process_groups()
+
+
+def _check_live_store() -> None:
+    """Live recovery's store must be named (``DPTRAIN_LIVE_STORE``): bad input, before anything starts."""
+    from dptrain.live.store import store_address
+
+    try:
+        store_address()
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _write_pages(rp, facts) -> None:

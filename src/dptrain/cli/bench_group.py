@@ -27,7 +27,8 @@ BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator"
               "compression": "dptrain.bench.compression", "async": "dptrain.bench.async_study",
               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
               "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader",
-              "ddp-timeline": "dptrain.bench.ddp_timeline", "diloco": "dptrain.bench.diloco"}
+              "ddp-timeline": "dptrain.bench.ddp_timeline", "diloco": "dptrain.bench.diloco",
+              "live": "dptrain.bench.live"}
 
 
 def summary(doc: str | None) -> str:

@@ -8,7 +8,8 @@ outlives every worker. A worker that is stopped as a whole (SIGSTOP, or stuck wh
 heartbeat thread cannot run) is killed once its heartbeat file is stale, then restarted
 like any other failure. The job ends when replica 0, which writes the run's records, has
 finished: the others are given ``finish_grace_s`` to finish too, then stopped. It fails
-when a worker reports bad input (exit 2), or when replica 0 fails past its restarts.
+when a worker reports bad input (exit 2), when one finds too few workers left to go on
+(exit 3, ``live.min_workers``), or when replica 0 fails past its restarts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dptrain.launch.local import (
     free_port,
 )
 from dptrain.launch.workers import start_worker
+from dptrain.live.quorum import GIVE_UP_EXIT
 from dptrain.live.store import LIVE_STORE_ENV, serve_store
 
 __all__ = ["launch_live"]
@@ -97,6 +99,9 @@ def _supervise(procs: list, start, restarts: list[int], run_dir: Path, max_resta
         if 2 in codes:  # bad input: every worker said why, or will
             _stop(procs, grace=GRACE_S)
             return 2
+        if GIVE_UP_EXIT in codes:  # too few workers to go on: the worker said why; a restart would not help
+            _stop(procs, grace=GRACE_S)
+            return 1
         if codes[0] == 0 and finished_at is None:
             finished_at = time.monotonic()
         if all(c == 0 for c in codes):

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
 
-__all__ = ["WorkerEnv", "PortInUse", "detect_worker_env", "init_distributed", "leave_process_groups", "init_alone", "free_port",
+__all__ = ["WorkerEnv", "PortInUse", "detect_worker_env", "init_distributed", "leave_process_groups", "init_alone", "replica_env", "free_port",
            "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
 
 
@@ -61,6 +61,21 @@ def detect_worker_env(environ: Mapping[str, str] | None = None) -> WorkerEnv:
         return WorkerEnv(int(env["SLURM_PROCID"]), world, int(env.get("SLURM_LOCALID", 0)), int(per_node),
                          addr, port, "slurm")
     return WorkerEnv(0, 1, 0, 1, "127.0.0.1", free_port(), "single")
+
+
+def replica_env(env: WorkerEnv, environ: Mapping[str, str] | None = None) -> WorkerEnv:
+    """Live recovery with one launcher per replica (torchrun ``--standalone`` on each machine, as torchft runs one
+    per replica group): ``DPTRAIN_REPLICA_ID`` and ``DPTRAIN_REPLICAS`` name this worker's replica and how many the
+    job has, in place of the launcher's rank and world size; ``env`` as it is without them."""
+    environ = os.environ if environ is None else environ
+    if "DPTRAIN_REPLICA_ID" not in environ:
+        return env
+    replica, replicas = environ["DPTRAIN_REPLICA_ID"], environ.get("DPTRAIN_REPLICAS", "")
+    if not (replica.isdigit() and replicas.isdigit() and int(replica) < int(replicas)):
+        raise ValueError(f"DPTRAIN_REPLICA_ID={replica!r} and DPTRAIN_REPLICAS={replicas!r}: expected 0 <= id < "
+                         "replicas, both whole numbers")
+    return WorkerEnv(int(replica), int(replicas), env.local_rank, env.local_world_size, env.master_addr,
+                     env.master_port, env.launcher)
 
 
 def restart_count(environ: Mapping[str, str] | None = None) -> int:

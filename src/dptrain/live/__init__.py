@@ -11,6 +11,7 @@ recovery", tells the whole story and the runner's loop (``dptrain.runner.live_lo
 """
 
 from dptrain.live.manager import LiveManager, LiveSettings, TooFewWorkers
+from dptrain.live.quorum import GIVE_UP_EXIT
 from dptrain.live.store import LIVE_STORE_ENV, connect_store, serve_store
 
-__all__ = ["LiveManager", "LiveSettings", "TooFewWorkers", "LIVE_STORE_ENV", "connect_store", "serve_store"]
+__all__ = ["LiveManager", "LiveSettings", "TooFewWorkers", "GIVE_UP_EXIT", "LIVE_STORE_ENV", "connect_store", "serve_store"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -24,6 +24,7 @@ __all__ = ["state_hash", "pack", "unpack", "send_state", "recv_state", "HealErro
 
 DIGEST = 32
 HEADER_TAG, PAYLOAD_TAG = 17, 18
+CHUNK = 16 << 20  # bytes per message: each within the group's timeout on any link of a few MB/s or more
 
 
 class HealError(RuntimeError):
@@ -51,25 +52,31 @@ def unpack(payload: bytes) -> dict:
     return torch.load(io.BytesIO(payload), weights_only=True)
 
 
-def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes) -> int:
-    """Send ``payload`` (and the sender's state hash) to rank ``dst`` of ``pg``; the bytes sent."""
+def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes,
+               progress: Callable[[], None] = lambda: None) -> int:
+    """Send ``payload`` (and the sender's state hash) to rank ``dst`` of ``pg``, in :data:`CHUNK` pieces (the group's
+    timeout bounds each message, not the whole state); the bytes sent. ``progress``: called after each piece."""
     header = torch.zeros(8 + 2 * DIGEST, dtype=torch.uint8)
     header[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
     header[8:8 + DIGEST] = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8)
     header[8 + DIGEST:] = torch.frombuffer(bytearray(held_hash), dtype=torch.uint8)
     pg.send([header], dst, HEADER_TAG).wait()
     body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    pg.send([body], dst, PAYLOAD_TAG).wait()
+    for piece in body.split(CHUNK):
+        pg.send([piece], dst, PAYLOAD_TAG).wait()
+        progress()
     return header.numel() + body.numel()
 
 
-def recv_state(pg: dist.ProcessGroup, src: int) -> tuple[bytes, bytes]:
+def recv_state(pg: dist.ProcessGroup, src: int, progress: Callable[[], None] = lambda: None) -> tuple[bytes, bytes]:
     """The payload and the sender's state hash, from rank ``src`` of ``pg``; HealError on a damaged payload."""
     header = torch.zeros(8 + 2 * DIGEST, dtype=torch.uint8)
     pg.recv([header], src, HEADER_TAG).wait()
     length = int(header[:8].view(torch.int64).item())
     body = torch.empty(length, dtype=torch.uint8)
-    pg.recv([body], src, PAYLOAD_TAG).wait()
+    for piece in body.split(CHUNK):
+        pg.recv([piece], src, PAYLOAD_TAG).wait()
+        progress()
     payload = body.numpy().tobytes()
     if hashlib.sha256(payload).digest() != bytes(header[8:8 + DIGEST].tolist()):
         raise HealError(f"the state received from rank {src} of the round ({length} bytes) does not match its "

@@ -46,7 +46,7 @@ class LiveSettings:
 
     @property
     def heartbeat_interval_s(self) -> float:
-        return max(0.05, self.heartbeat_timeout_s / 10)
+        return max(0.05, self.heartbeat_timeout_s / 25)
 
 
 @dataclass
@@ -133,9 +133,9 @@ class LiveManager:
         t0 = time.monotonic()
         for src, dst in plan:
             if quorum.index == src:
-                attempt.heal_sent += send_state(self.group.pg, dst, pack(held()), held_hash())
+                attempt.heal_sent += send_state(self.group.pg, dst, pack(held()), held_hash(), self.progress)
             elif quorum.index == dst:
-                payload, expected = recv_state(self.group.pg, src)
+                payload, expected = recv_state(self.group.pg, src, self.progress)
                 attempt.heal_received += len(payload)
                 got = load(unpack(payload))
                 if got != expected:

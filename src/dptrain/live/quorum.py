@@ -34,13 +34,17 @@ from dataclasses import asdict, dataclass
 
 from dptrain.live.liveness import Liveness
 
-__all__ = ["Member", "Quorum", "TooFewWorkers", "form_quorum", "latest_round"]
+__all__ = ["Member", "Quorum", "TooFewWorkers", "GIVE_UP_EXIT", "form_quorum", "latest_round"]
 
 POLL_S = 0.002  # between two looks at the store while a round is open
 
 
 class TooFewWorkers(RuntimeError):
-    """Fewer workers than ``live.min_workers`` remain, and the policy says stop (or the wait ran out)."""
+    """Fewer workers than ``live.min_workers`` remain, and the policy says stop (or the wait ran out); or no member
+    holds the state. The worker exits with :data:`GIVE_UP_EXIT`, which its launcher does not restart."""
+
+
+GIVE_UP_EXIT = 3  # live recovery cannot go on: a launcher that restarts failed workers ends the job instead
 
 
 @dataclass(frozen=True)

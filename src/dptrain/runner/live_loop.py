@@ -32,6 +32,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -91,12 +92,15 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
     cfg, plan = rp.cfg, rp.plan
     seed_everything(cfg.train.seed)
     engine, _, n_params = build_engine(rp, env, device)
-    joining = restart_count() > 0  # restarted by its launcher: healed by a peer, not resumed
-    start_step, position, note = (-1, 0, None) if joining else _resume(rp, env, engine)
     address = store_address()
     manager = LiveManager(lambda: connect_store(address, cfg.live.heartbeat_timeout_s * 4 + 30), env.rank,
-                          env.world_size, live_settings(cfg), start_step,
+                          env.world_size, live_settings(cfg), -1,
                           progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"))
+    # restarted by its launcher, or started once rounds were under way (added, or back under torchrun or Slurm):
+    # healed by a peer, not resumed
+    joining = restart_count() > 0 or manager.round > 0
+    start_step, position, note = (-1, 0, None) if joining else _resume(rp, env, engine)
+    manager.step = start_step
     engine.model.register_comm_hook(None, manager.hook)  # the registry's comm_hooks: checked by validate
     log = _open_log(rp, env, device, n_params, max(start_step, 0), note)
     log.info(f"live recovery: replica {env.rank} of {env.world_size}"
@@ -127,7 +131,7 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
 
     live_log = open_file(rp.run_dir / "logs" / f"live{env.rank}.jsonl", "a")
     _write(live_log, {"event": "start", "replica": env.rank, "restart": restart_count(), "step": start_step,
-                      "time": time.time()})
+                      "time": time.time(), "process_start": _process_start()})
     held_hash = lambda: state_hash(replica_tensors(engine, state["position"]))  # noqa: E731
     took_last = False
     if manager.store.check([DONE_KEY]):  # restarted after the run finished (it was stopped near the end)
@@ -176,6 +180,7 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
     finally:
         hooks.close()
         live_log.close()
+        manager.liveness.stop()
     facts = _save_final_weights(run, wall0) if writer else None
     if writer:
         manager.store.set(DONE_KEY, "1")
@@ -275,6 +280,16 @@ def _serve_until_writer_done(manager: LiveManager, held, held_hash, load, live) 
         if attempt is not None:
             manager.end(attempt, False, counted=False)
         time.sleep(FINISH_POLL_S)
+
+
+def _process_start() -> float | None:
+    """When this process started (wall clock), from /proc: a restarted worker's rejoin is timed from it."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _write(f, record: dict) -> None:

@@ -1,0 +1,312 @@
+"""Benchmark: live recovery against restarts from checkpoints, with a worker killed every ``--kill-every`` seconds.
+
+Four emulated hosts (``dptrain cluster``'s network namespaces, every link limited to
+``--rate`` Gbit/s), one worker each, train the built-in character GPT for ``--steps``
+committed steps in four variants, one after another:
+
+- ``live-kills``: ``live.enabled``; each host runs its worker under its own torchrun
+  (``--standalone --max-restarts``, one launcher per replica, as torchft runs one per
+  replica group) with ``DPTRAIN_REPLICA_ID``; the live store is served on host 0 by a
+  process of its own (``python -m dptrain.live.store``). Every ``--kill-every`` seconds one
+  worker is SIGKILLed (hosts 1, 2, 3, 0 in turn); its torchrun restarts it, and it is
+  healed by a peer;
+- ``restart-kills``: the same training without live recovery, one torchrun job across
+  the hosts (``--max-restarts``), a checkpoint every ``--checkpoint-every`` steps; every
+  kill restarts every worker, which resumes from the newest checkpoint;
+- ``live``, ``ddp``: both without failures (the reference loss, and live recovery's cost).
+
+The kill clock starts at each variant's launch. Reported per variant: its wall time, the
+kills, the attempted and committed steps (live: the rounds that attempted a step;
+restarts: the committed steps plus the steps redone after each restart, the step each
+kill interrupted less the step resumed from), the final validation loss, and for live
+recovery, per kill: the seconds from the kill to the survivors' next commit, and from the
+restarted worker's process start to its first commit, with the bytes its heal received.
+The step time without failures (``live`` against ``ddp``) is measured separately by
+``--overhead-pairs`` pairs of short runs, alternated (ABBA), each the median step time of
+replica 0's metrics after its first 10 steps.
+
+Needs root.
+
+    python -m dptrain.bench.live --rate 1 --steps 1000 --kill-every 60 --out bench_results/live
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import click
+
+from dptrain.cli.bench_group import bench_command
+from dptrain.cluster import Network, check_root, run_on_cluster
+
+__all__ = ["main", "summarize"]
+
+STORE_PORT = 29611
+VICTIMS = (1, 2, 3, 0)
+
+
+def _worker_pid(network: Network, host: int) -> int | None:
+    """The training worker's pid on ``host`` (not its torchrun agent, not the live store)."""
+    out = subprocess.run(["ip", "netns", "pids", network.host(host)], capture_output=True, text=True).stdout
+    for pid in out.split():
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"dptrain.run" in cmd and b"torch.distributed.run" not in cmd:
+            return int(pid)
+    return None
+
+
+class Killer(threading.Thread):
+    """SIGKILLs one worker every ``every_s`` seconds, hosts in turn, recording each kill (time, host, step reached)."""
+
+    def __init__(self, network: Network, every_s: float, run_dir: Path, out: Path):
+        super().__init__(daemon=True)
+        self.network, self.every_s, self.run_dir, self.out = network, every_s, run_dir, out
+        self.stopped = threading.Event()
+        self.kills: list[dict] = []
+
+    def run(self) -> None:
+        n = 0
+        while not self.stopped.wait(self.every_s):
+            host = VICTIMS[n % len(VICTIMS)] % self.network.hosts
+            pid = _worker_pid(self.network, host)
+            if pid is None:
+                continue
+            step = _step_reached(self.run_dir)
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            kill = {"time": time.time(), "host": host, "pid": pid, "step": step}
+            self.kills.append(kill)
+            with open(self.out, "a") as f:
+                f.write(json.dumps(kill) + "\n")
+            n += 1
+
+
+def _step_reached(run_dir: Path) -> int | None:
+    """The most steps any rank's heartbeat says it has begun (a restart redoes those since the checkpoint)."""
+    steps = []
+    for path in (run_dir / "logs").glob("rank*.heartbeat"):
+        try:
+            steps.append(int(json.loads(path.read_bytes().rstrip(b"\0 \n")).get("step", 0)))
+        except (OSError, ValueError, TypeError):
+            pass
+    return max(steps) if steps else None
+
+
+def _live_job(network: Network, args: list[str], env: dict, timeout: float, logs: Path) -> int:
+    """Each host's worker under its own torchrun (``--standalone``, restarts), replica ids set, the live store on host
+    0; the job's exit code (0 when every host's torchrun exited 0)."""
+    store = subprocess.Popen(network.exec_prefix(0) + [sys.executable, "-m", "dptrain.live.store", "--host",
+                                                       network.address(0), "--port", str(STORE_PORT)],
+                             stdout=open(logs / "store.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    time.sleep(1.0)
+    procs = []
+    try:
+        for i in range(network.hosts):
+            host_env = {**os.environ, **env, "GLOO_SOCKET_IFNAME": network.interface(i),
+                        "DPTRAIN_REPLICA_ID": str(i), "DPTRAIN_REPLICAS": str(network.hosts),
+                        "DPTRAIN_LIVE_STORE": f"{network.address(0)}:{STORE_PORT}",
+                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            cmd = network.exec_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                             "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "1000",
+                                             "--monitor-interval", "0.1", *args]
+            procs.append(subprocess.Popen(cmd, env=host_env, stdout=open(logs / f"host{i}.out", "w"),
+                                          stderr=subprocess.STDOUT, start_new_session=True))
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        return max((p.poll() if p.poll() is not None else 124) for p in procs)
+    finally:
+        for p in [*procs, store]:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            p.wait()
+
+
+def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, kill_every: float | None,
+                checkpoint_every: int, settings: list[str], timeout: float) -> dict:
+    """One variant's run (see the module docstring); its row."""
+    run_dir = out / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    live = name.startswith("live")
+    sets = [*settings, f"train.steps={steps}", f"checkpoint.every={checkpoint_every}",
+            f"live.enabled={'true' if live else 'false'}"]
+    args = ["-m", "dptrain.run", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    with Network(hosts, rate * 1000) as network:
+        killer = Killer(network, kill_every, run_dir, out / f"{name}.kills.jsonl") if kill_every else None
+        t0 = time.time()
+        if killer is not None:
+            killer.start()
+        try:
+            if live:
+                code = _live_job(network, args, {}, timeout, run_dir)
+            else:
+                restarts = ["--max-restarts", "1000"] if kill_every else []
+                with open(run_dir / "job.out", "w") as f:
+                    code = run_on_cluster(network, 1, [*restarts, *args], timeout=timeout, stdout=f, stderr=f)
+        finally:
+            if killer is not None:
+                killer.stopped.set()
+        wall = time.time() - t0
+    row = {"variant": name, "exit": code, "wall_s": wall, "kills": killer.kills if killer else [], "t0": t0}
+    row.update(_outcome(run_dir, steps, live, row["kills"]))
+    return row
+
+
+def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict]) -> dict:
+    """Final validation loss, attempted and committed steps, and (live) per-kill recovery and rejoin times."""
+    metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
+        if (run_dir / "metrics.jsonl").is_file() else []
+    evals = [m for m in metrics if m.get("kind") == "eval" and m.get("step") == steps]
+    row: dict = {"val_loss": evals[-1]["val_loss"] if evals else None}
+    if not live:
+        resumed = _resumed_steps(run_dir)
+        redone = sum(max(0, (k["step"] or 0) - r) for k, r in zip(kills, resumed, strict=False))
+        row.update(committed=steps, attempted=steps + redone, resumed_from=resumed)
+        return row
+    logs = {int(p.stem[4:]): [json.loads(x) for x in p.read_text().splitlines() if x.strip()]
+            for p in (run_dir / "logs").glob("live*.jsonl")}
+    rounds = {}
+    for records in logs.values():
+        for r in records:
+            if "round" in r:
+                rounds.setdefault(r["round"], r["commit"])
+    row.update(committed=sum(rounds.values()), attempted=len(rounds))
+    per_kill = []
+    for k in kills:
+        others = [r for host, records in logs.items() if host != k["host"] for r in records
+                  if r.get("commit") and r["time"] > k["time"]]
+        next_commit = min((r["time"] for r in others), default=None)
+        starts = [r for r in logs.get(k["host"], []) if r.get("event") == "start" and r["time"] > k["time"]]
+        rejoin = None
+        if starts:
+            start = starts[0]
+            later = [r for r in logs[k["host"]] if r.get("commit") and r["time"] > start["time"]]
+            healed = [r for r in logs[k["host"]] if r.get("heal_received") and r["time"] > start["time"]]
+            if later:
+                rejoin = {"process_to_commit_s": later[0]["time"] - start["process_start"],
+                          "built_to_commit_s": later[0]["time"] - start["time"],
+                          "heal_bytes": healed[0]["heal_received"] if healed else 0,
+                          "heal_s": healed[0].get("heal_s") if healed else None,
+                          "kill_to_process_s": start["process_start"] - k["time"]}
+        sizes = [len(r["members"]) for r in others if r["time"] <= (next_commit or 0)]
+        per_kill.append({"host": k["host"], "kill_to_next_commit_s": None if next_commit is None
+                         else next_commit - k["time"], "first_quorum": sizes[0] if sizes else None,
+                         "rejoin": rejoin})
+    row["per_kill"] = per_kill
+    return row
+
+
+def _resumed_steps(run_dir: Path) -> list[int]:
+    """The steps each restart resumed from, in order (rank 0's log)."""
+    out = []
+    for path in sorted((run_dir / "logs").glob("rank0.log")):
+        for line in path.read_text().splitlines():
+            if "resumed from" in line and " at step " in line:
+                out.append(int(line.rsplit(" at step ", 1)[1].split()[0]))
+    return out
+
+
+def measure_overhead(out: Path, pairs: int, *, hosts: int, rate: float, steps: int, settings: list[str],
+                   timeout: float) -> list[dict]:
+    """``pairs`` pairs of short failure-free runs, live and not, alternated ABBA; each run's median step time."""
+    rows = []
+    for i in range(pairs):
+        order = ("live", "ddp") if i % 2 == 0 else ("ddp", "live")
+        pair = {}
+        for name in order:
+            row = run_variant(f"overhead{i}-{name}", out, hosts=hosts, rate=rate, steps=steps, kill_every=None,
+                              checkpoint_every=0, settings=settings, timeout=timeout)
+            metrics = [json.loads(x) for x in (out / f"overhead{i}-{name}" / "metrics.jsonl").read_text()
+                       .splitlines() if x.strip()]
+            step_ms = [m["step_ms"] for m in metrics if m.get("kind") == "train" and m["step"] > 10]
+            pair[name] = {"median_step_ms": statistics.median(step_ms), "wall_s": row["wall_s"], "exit": row["exit"]}
+        pair["ratio"] = pair["live"]["median_step_ms"] / pair["ddp"]["median_step_ms"]
+        rows.append(pair)
+    return rows
+
+
+def summarize(result: dict) -> str:
+    """The study's tables, as docs/reliability.md shows them."""
+    lines = ["| variant | exit | wall s | kills | attempted | committed | committed % | final val loss |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["variants"]:
+        pct = 100 * row["committed"] / row["attempted"] if row.get("attempted") else float("nan")
+        loss = f"{row['val_loss']:.4f}" if row.get("val_loss") is not None else "-"
+        lines.append(f"| {row['variant']} | {row['exit']} | {row['wall_s']:.0f} | {len(row['kills'])} | "
+                     f"{row.get('attempted')} | {row.get('committed')} | {pct:.1f} | {loss} |")
+    for row in result["variants"]:
+        if row.get("per_kill"):
+            lines += ["", f"{row['variant']}: per kill", "",
+                      "| host | kill to next commit s | first quorum | kill to restart s | restart to first commit s "
+                      "| of which after the model was built s | heal MB | heal s |", "|---|---|---|---|---|---|---|---|"]
+            for k in row["per_kill"]:
+                j = k["rejoin"] or {}
+                nxt = k["kill_to_next_commit_s"]
+                lines.append(f"| {k['host']} | {'-' if nxt is None else f'{nxt:.2f}'} | {k['first_quorum']} | "
+                             f"{j.get('kill_to_process_s', float('nan')):.2f} | "
+                             f"{j.get('process_to_commit_s', float('nan')):.2f} | "
+                             f"{j.get('built_to_commit_s', float('nan')):.2f} | "
+                             f"{j.get('heal_bytes', 0) / 1e6:.2f} | {j.get('heal_s') or float('nan'):.3f} |")
+    if result.get("overhead"):
+        lines += ["", "| pair | live median step ms | ddp median step ms | live / ddp |", "|---|---|---|---|"]
+        for i, p in enumerate(result["overhead"]):
+            lines.append(f"| {i} | {p['live']['median_step_ms']:.1f} | {p['ddp']['median_step_ms']:.1f} | "
+                         f"{p['ratio']:.3f} |")
+        ratios = sorted(p["ratio"] for p in result["overhead"])
+        lines.append(f"\nmedian live / ddp: {statistics.median(ratios):.3f} (range {ratios[0]:.3f}-{ratios[-1]:.3f})")
+    return "\n".join(lines)
+
+
+@bench_command(__doc__)
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="where the runs and results go")
+@click.option("--rate", type=float, default=1.0, help="each link's rate, Gbit/s")
+@click.option("--hosts", type=int, default=4)
+@click.option("--steps", type=int, default=1000, help="committed steps of each variant")
+@click.option("--kill-every", type=float, default=60.0, help="seconds between two kills")
+@click.option("--checkpoint-every", type=int, default=100, help="the restart variant's checkpoint interval")
+@click.option("--variants", default="live-kills,restart-kills,live,ddp", help="which, comma-separated, in order")
+@click.option("--overhead-pairs", type=int, default=0, help="pairs of failure-free runs for the step-time ratio")
+@click.option("--overhead-steps", type=int, default=150)
+@click.option("--set", "settings", multiple=True, help="config overrides for every run (KEY=VALUE)")
+@click.option("--timeout", type=float, default=3600.0, help="a run's limit, seconds")
+def main(out: Path, rate: float, hosts: int, steps: int, kill_every: float, checkpoint_every: int, variants: str,
+         overhead_pairs: int, overhead_steps: int, settings: tuple[str, ...], timeout: float) -> None:
+    check_root()
+    out.mkdir(parents=True, exist_ok=True)
+    settings = ["log.trace_steps=0", "log.plots=false", "log.progress=lines", *settings]
+    result: dict = {"rate_gbit": rate, "hosts": hosts, "steps": steps, "kill_every_s": kill_every,
+                    "checkpoint_every": checkpoint_every, "settings": settings, "variants": []}
+    for name in [v for v in variants.split(",") if v]:
+        kills = kill_every if name.endswith("-kills") else None
+        row = run_variant(name, out, hosts=hosts, rate=rate, steps=steps, kill_every=kills,
+                          checkpoint_every=checkpoint_every if name.startswith("restart") else 0,
+                          settings=settings, timeout=timeout)
+        result["variants"].append(row)
+        (out / "live_study.json").write_text(json.dumps(result, indent=1))
+        print(f"{name}: exit {row['exit']}, {row['wall_s']:.0f} s", flush=True)
+    if overhead_pairs:
+        result["overhead"] = measure_overhead(out, overhead_pairs, hosts=hosts, rate=rate, steps=overhead_steps,
+                                            settings=settings, timeout=timeout)
+        (out / "live_study.json").write_text(json.dumps(result, indent=1))
+    (out / "live_study.md").write_text(summarize(result) + "\n")
+    print(summarize(result))
+
+
+if __name__ == "__main__":
+    main()
