@@ -13,7 +13,10 @@ committed steps in four variants, one after another:
 - ``restart-kills``: the same training without live recovery, one torchrun job across
   the hosts (``--max-restarts``), a checkpoint every ``--checkpoint-every`` steps; every
   kill restarts every worker, which resumes from the newest checkpoint;
-- ``live``, ``ddp``: both without failures (the reference loss, and live recovery's cost).
+- ``live``, ``ddp``: both without failures (the reference loss, and live recovery's cost);
+- ``local-live-kills``: ``dptrain run --nproc 4`` on this machine (loopback, no link
+  limit), its launcher serving the store and restarting a killed worker from its fork
+  server (the pid each worker's heartbeat file names is killed).
 
 The kill clock starts at each variant's launch. Reported per variant: its wall time, the
 kills, the attempted and committed steps (live: the rounds that attempted a step;
@@ -22,8 +25,8 @@ kill interrupted less the step resumed from), the final validation loss, and for
 recovery, per kill: the seconds from the kill to the survivors' next commit, and from the
 restarted worker's process start to its first commit, with the bytes its heal received.
 The step time without failures (``live`` against ``ddp``) is measured separately by
-``--overhead-pairs`` pairs of short runs, alternated (ABBA), each the median step time of
-replica 0's metrics after its first 10 steps.
+``--overhead-pairs`` pairs of short runs, alternated (ABBA), each the median wall time per
+step between rank 0's metrics records after its first 10 steps.
 
 Needs root.
 
@@ -53,8 +56,15 @@ STORE_PORT = 29611
 VICTIMS = (1, 2, 3, 0)
 
 
-def _worker_pid(network: Network, host: int) -> int | None:
-    """The training worker's pid on ``host`` (not its torchrun agent, not the live store)."""
+def _worker_pid(network: Network | None, host: int, run_dir: Path) -> int | None:
+    """The training worker's pid on ``host`` (not its torchrun agent, not the live store); without a network (one
+    machine, ``dptrain run``'s forked workers), the pid worker ``host``'s heartbeat file names."""
+    if network is None:
+        try:
+            pid = int(json.loads((run_dir / "logs" / f"rank{host}.heartbeat").read_bytes().rstrip(b"\0 \n"))["pid"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return pid if Path(f"/proc/{pid}").exists() else None
     out = subprocess.run(["ip", "netns", "pids", network.host(host)], capture_output=True, text=True).stdout
     for pid in out.split():
         try:
@@ -69,17 +79,17 @@ def _worker_pid(network: Network, host: int) -> int | None:
 class Killer(threading.Thread):
     """SIGKILLs one worker every ``every_s`` seconds, hosts in turn, recording each kill (time, host, step reached)."""
 
-    def __init__(self, network: Network, every_s: float, run_dir: Path, out: Path):
+    def __init__(self, network: Network | None, hosts: int, every_s: float, run_dir: Path, out: Path):
         super().__init__(daemon=True)
-        self.network, self.every_s, self.run_dir, self.out = network, every_s, run_dir, out
+        self.network, self.hosts, self.every_s, self.run_dir, self.out = network, hosts, every_s, run_dir, out
         self.stopped = threading.Event()
         self.kills: list[dict] = []
 
     def run(self) -> None:
         n = 0
         while not self.stopped.wait(self.every_s):
-            host = VICTIMS[n % len(VICTIMS)] % self.network.hosts
-            pid = _worker_pid(self.network, host)
+            host = VICTIMS[n % len(VICTIMS)] % self.hosts
+            pid = _worker_pid(self.network, host, self.run_dir)
             if pid is None:
                 continue
             step = _step_reached(self.run_dir)
@@ -143,12 +153,14 @@ def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, ki
     """One variant's run (see the module docstring); its row."""
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    live = name.startswith("live")
+    live = name.startswith(("live", "local-live"))
     sets = [*settings, f"train.steps={steps}", f"checkpoint.every={checkpoint_every}",
             f"live.enabled={'true' if live else 'false'}"]
+    if name.startswith("local-"):  # one machine, `dptrain run --nproc N`: workers restarted from its fork server
+        return _local_variant(name, out, run_dir, hosts, sets, kill_every, timeout, steps)
     args = ["-m", "dptrain.run", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
     with Network(hosts, rate * 1000) as network:
-        killer = Killer(network, kill_every, run_dir, out / f"{name}.kills.jsonl") if kill_every else None
+        killer = Killer(network, hosts, kill_every, run_dir, out / f"{name}.kills.jsonl") if kill_every else None
         t0 = time.time()
         if killer is not None:
             killer.start()
@@ -168,12 +180,52 @@ def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, ki
     return row
 
 
-def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict]) -> dict:
+def _local_variant(name: str, out: Path, run_dir: Path, nproc: int, sets: list[str], kill_every: float | None,
+                   timeout: float, steps: int) -> dict:
+    """``dptrain run --nproc N`` with live recovery on this machine (loopback, no link limit), kills as above."""
+    killer = Killer(None, nproc, kill_every, run_dir, out / f"{name}.kills.jsonl") if kill_every else None
+    t0 = time.time()
+    if killer is not None:
+        killer.start()
+    try:
+        with open(run_dir.parent / f"{name}.out", "w") as f:
+            code = subprocess.run([sys.executable, "-m", "dptrain.cli", "run", "--nproc", str(nproc), "--run-dir",
+                                   str(run_dir), *[a for s in sets for a in ("--set", s)]], stdout=f,
+                                  stderr=subprocess.STDOUT, timeout=timeout).returncode
+    finally:
+        if killer is not None:
+            killer.stopped.set()
+    row = {"variant": name, "exit": code, "wall_s": time.time() - t0, "kills": killer.kills if killer else [],
+           "t0": t0}
+    row.update(_outcome(run_dir, steps, True, row["kills"], nproc))
+    return row
+
+
+def final_val_loss(run_dir: Path, replicas: int) -> float | None:
+    """The run's final weights (``model.safetensors``) evaluated on the validation samples a run of ``replicas``
+    ranks evaluates (``log.eval_batches`` micro-batches each): every variant on the same samples."""
+    from dptrain.config import load_config
+    from dptrain.models.hf import load_weights_file
+    from dptrain.runner.outputs import val_metrics, val_sums
+    from dptrain.runner.validate import validate_run
+
+    if not (run_dir / "model.safetensors").is_file():
+        return None
+    cfg = load_config(run_dir / "config.toml", [])
+    rp = validate_run(cfg, replicas, check_forward=False)
+    model = rp.task.build_model()
+    load_weights_file(model, run_dir / "model.safetensors")
+    sums = val_sums(model, rp.task, rp.plan.micro_batch_size, cfg.log.eval_batches * replicas)
+    return val_metrics(sums)["val_loss"]
+
+
+def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict], replicas: int = 4) -> dict:
     """Final validation loss, attempted and committed steps, and (live) per-kill recovery and rejoin times."""
     metrics = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines() if x.strip()] \
         if (run_dir / "metrics.jsonl").is_file() else []
     evals = [m for m in metrics if m.get("kind") == "eval" and m.get("step") == steps]
-    row: dict = {"val_loss": evals[-1]["val_loss"] if evals else None}
+    row: dict = {"val_loss": evals[-1]["val_loss"] if evals else None,
+                 "val_loss_same_samples": final_val_loss(run_dir, replicas)}
     if not live:
         resumed = _resumed_steps(run_dir)
         redone = sum(max(0, (k["step"] or 0) - r) for k, r in zip(kills, resumed, strict=False))
@@ -234,8 +286,12 @@ def measure_overhead(out: Path, pairs: int, *, hosts: int, rate: float, steps: i
                               checkpoint_every=0, settings=settings, timeout=timeout)
             metrics = [json.loads(x) for x in (out / f"overhead{i}-{name}" / "metrics.jsonl").read_text()
                        .splitlines() if x.strip()]
-            step_ms = [m["step_ms"] for m in metrics if m.get("kind") == "train" and m["step"] > 10]
-            pair[name] = {"median_step_ms": statistics.median(step_ms), "wall_s": row["wall_s"], "exit": row["exit"]}
+            train = [m for m in metrics if m.get("kind") == "train" and m["step"] > 10]
+            # wall seconds per step between two records of rank 0 (a record's step_ms is the slowest rank's under
+            # DDP and replica 0's own under live recovery: not the same measure)
+            per_step = [(b["time"] - a["time"]) / (b["step"] - a["step"]) * 1000
+                        for a, b in zip(train, train[1:], strict=False)]
+            pair[name] = {"median_step_ms": statistics.median(per_step), "wall_s": row["wall_s"], "exit": row["exit"]}
         pair["ratio"] = pair["live"]["median_step_ms"] / pair["ddp"]["median_step_ms"]
         rows.append(pair)
     return rows
@@ -243,13 +299,13 @@ def measure_overhead(out: Path, pairs: int, *, hosts: int, rate: float, steps: i
 
 def summarize(result: dict) -> str:
     """The study's tables, as docs/reliability.md shows them."""
-    lines = ["| variant | exit | wall s | kills | attempted | committed | committed % | final val loss |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | exit | wall s | kills | attempted | committed | committed % | final val loss (the run's "
+             "evaluation) | on the same samples |", "|---|---|---|---|---|---|---|---|---|"]
     for row in result["variants"]:
         pct = 100 * row["committed"] / row["attempted"] if row.get("attempted") else float("nan")
-        loss = f"{row['val_loss']:.4f}" if row.get("val_loss") is not None else "-"
+        loss, same = (f"{row[k]:.4f}" if row.get(k) is not None else "-" for k in ("val_loss", "val_loss_same_samples"))
         lines.append(f"| {row['variant']} | {row['exit']} | {row['wall_s']:.0f} | {len(row['kills'])} | "
-                     f"{row.get('attempted')} | {row.get('committed')} | {pct:.1f} | {loss} |")
+                     f"{row.get('attempted')} | {row.get('committed')} | {pct:.1f} | {loss} | {same} |")
     for row in result["variants"]:
         if row.get("per_kill"):
             lines += ["", f"{row['variant']}: per kill", "",

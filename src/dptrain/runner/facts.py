@@ -37,6 +37,7 @@ class RunFacts:
     layout: str = ""  # how the ranks were used, where "N rank(s)" does not say it
     strategy_rows: tuple[tuple[str, str], ...] = ()  # the strategy's own lines of the summary
     strategy_report: dict[str, Any] = field(default_factory=dict)  # kept in summary.json under the strategy's name
+    live: dict[str, Any] = field(default_factory=dict)  # live recovery's totals (dptrain.live.records), if it ran
 
     def to_summary(self) -> dict[str, Any]:
         """The fields as ``summary.json`` keeps them: the strategy's report under its name."""

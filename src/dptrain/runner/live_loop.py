@@ -28,6 +28,7 @@ bytes and seconds of a heal, the seconds from a failure to the next commit.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
@@ -43,6 +44,7 @@ from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.live import LiveManager, LiveSettings, connect_store
 from dptrain.live.heal import state_hash
+from dptrain.live.records import live_totals, read_live_logs
 from dptrain.live.store import store_address
 from dptrain.runner.build import build_engine
 from dptrain.runner.facts import RunFacts
@@ -104,7 +106,10 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
     engine.model.register_comm_hook(None, manager.hook)  # the registry's comm_hooks: checked by validate
     log = _open_log(rp, env, device, n_params, max(start_step, 0), note)
     log.info(f"live recovery: replica {env.rank} of {env.world_size}"
-             + (f", restarted ({restart_count()}): to be healed by a peer" if joining else ""))
+             + (f", restarted ({restart_count()}): to be healed by a peer" if joining else "")
+             + f"; a step with k of {env.world_size} workers takes k/{env.world_size} of the global batch, its "
+             + ("learning rate scaled by k/N (live.lr_scaling = linear)" if cfg.live.lr_scaling == "linear" else
+                "learning rate kept (live.lr_scaling = none)"))
     writer = env.rank == 0
     # a restarted replica 0 keeps every record (none past the step it is healed to exists); a torn last line goes
     sink = open_sink(rp, env.rank, cfg.train.steps if joining else start_step, log) if writer else None
@@ -129,7 +134,7 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
         state["position"] = received["position"]
         return state_hash(replica_tensors(engine, state["position"]))
 
-    live_log = open_file(rp.run_dir / "logs" / f"live{env.rank}.jsonl", "a")
+    live_log = _open_live_log(rp.run_dir / "logs" / f"live{env.rank}.jsonl")
     _write(live_log, {"event": "start", "replica": env.rank, "restart": restart_count(), "step": start_step,
                       "time": time.time(), "process_start": _process_start()})
     held_hash = lambda: state_hash(replica_tensors(engine, state["position"]))  # noqa: E731
@@ -144,6 +149,12 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
         while manager.step < cfg.train.steps:
             attempt = manager.begin(held, held_hash, load)
             quorum = attempt.quorum
+            if quorum.step >= cfg.train.steps:  # joined the others after their last step: healed to the end
+                manager.end(attempt, False, counted=False)
+                _write(live_log, {"event": "healed at the end", "members": list(quorum.replicas), "step": quorum.step,
+                                  "heal_received": attempt.heal_received, "heal_s": round(attempt.heal_s, 4),
+                                  "time": time.time()})
+                continue
             step = quorum.step + 1
             ok, times = attempt.ok, None
             if ok:
@@ -162,6 +173,8 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
                 state["position"] += quorum.size * per
                 manager.global_batch = quorum.size * per
                 took_last = step == cfg.train.steps
+                if took_last and writer:  # the final state is here: the others need not stay to heal it
+                    manager.store.set(FINAL_KEY, "1")
             recovery = manager.end(attempt, committed)
             _write(live_log, _attempt_record(attempt, step, committed, recovery, manager,
                                              held_hash if committed and check_every and step % check_every == 0
@@ -169,7 +182,7 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
             if committed:
                 hooks.after_step(step, info, times)
         if writer:
-            manager.store.set(FINAL_KEY, "1")  # the others need not stay to heal it
+            manager.store.set(FINAL_KEY, "1")
             if not took_last:  # healed past the last step: its checkpoint and evaluation, which its hooks would make
                 for hook in hooks.hooks:
                     if isinstance(hook, EvalCheckpointHook):
@@ -182,6 +195,8 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
         live_log.close()
         manager.liveness.stop()
     facts = _save_final_weights(run, wall0) if writer else None
+    if facts is not None:
+        facts = dataclasses.replace(facts, live=live_totals(read_live_logs(rp.run_dir)))
     if writer:
         manager.store.set(DONE_KEY, "1")
     manager.close()
@@ -280,6 +295,18 @@ def _serve_until_writer_done(manager: LiveManager, held, held_hash, load, live) 
         if attempt is not None:
             manager.end(attempt, False, counted=False)
         time.sleep(FINISH_POLL_S)
+
+
+def _open_live_log(path: Path):
+    """This worker's ``live<r>.jsonl``, appended to; an earlier life's torn last line (it was killed while writing) is
+    ended first, so that it does not swallow this life's first line."""
+    f = open_file(path, "a")
+    if f.tell() > 0:
+        with open_file(path, "rb") as previous:
+            previous.seek(-1, 2)
+            if previous.read(1) != b"\n":
+                f.write("\n")
+    return f
 
 
 def _process_start() -> float | None:

@@ -18,6 +18,7 @@ from typing import Any, TextIO
 
 from tqdm import tqdm
 
+from dptrain.live.records import live_rows
 from dptrain.runner.facts import RunFacts
 from dptrain.runner.metrics import format_line, has_tokens
 from dptrain.utils.atomic import write_text_atomic
@@ -253,6 +254,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                                 "median compute ms per rank (before the collective): "
                                 + ", ".join(f"{i}: {m:.1f}" for i, m in enumerate(st["compute_ms_per_rank"])))]
     rows += [tuple(row) for row in summary.get("strategy_rows", [])]  # the strategy's own lines
+    rows += live_rows(summary.get("live") or {})
     return rows
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.distributed as dist
 
 from dptrain.api.engine import StepInfo
 from dptrain.checkpoint.save import save_run_checkpoint
@@ -51,7 +52,9 @@ class EvalCheckpointHook(StepHook):
 
     def _evaluate(self, step: int) -> None:
         self.run.beat.mark(step, "eval")
-        ev = evaluate(self.run.engine, self.run.rp.task, self.run.rp.cfg.log.eval_batches,
+        # the samples every data rank of the plan would take, whatever the process group (live recovery: one each)
+        batches = self.run.rp.cfg.log.eval_batches * max(1, self.run.rp.plan.world_size // dist.get_world_size())
+        ev = evaluate(self.run.engine, self.run.rp.task, batches,
                       progress=lambda: self.run.beat.mark(step, "eval"))  # each batch: a long evaluation is no hang
         ev = {"kind": "eval", "step": step, **ev, "time": time.time()}
         if self.run.sink is not None:
