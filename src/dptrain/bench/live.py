@@ -49,6 +49,7 @@ import click
 
 from dptrain.cli.bench_group import bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
+from dptrain.cluster.launch import kill_groups
 
 __all__ = ["main", "summarize"]
 
@@ -139,13 +140,7 @@ def _live_job(network: Network, args: list[str], env: dict, timeout: float, logs
             time.sleep(0.5)
         return max((p.poll() if p.poll() is not None else 124) for p in procs)
     finally:
-        for p in [*procs, store]:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
+        kill_groups([*procs, store])
 
 
 def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, kill_every: float | None,

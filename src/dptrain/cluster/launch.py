@@ -22,7 +22,19 @@ import time
 
 from dptrain.cluster.netns import Network
 
-__all__ = ["run_on_cluster"]
+__all__ = ["run_on_cluster", "kill_groups"]
+
+
+def kill_groups(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the process group of each of ``procs`` still running (each started with ``start_new_session``), and
+    reap them."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        p.wait()
 
 
 def run_on_cluster(network: Network, per_host: int, args: list[str], port: int = 29400,
@@ -68,12 +80,6 @@ def run_on_cluster(network: Network, per_host: int, args: list[str], port: int =
                 return 124
             time.sleep(0.2)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            p.wait()
+        kill_groups(procs)
         for s, handler in previous.items():
             signal.signal(s, handler)

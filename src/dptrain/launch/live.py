@@ -26,11 +26,10 @@ from dptrain.launch.local import (
     GRACE_S,
     _describe,
     _report_failure,
-    _sigterm_raises,
     _stop,
     _stopped_ranks,
-    _Terminated,
     free_port,
+    interruptible,
 )
 from dptrain.launch.workers import start_worker
 from dptrain.live.quorum import GIVE_UP_EXIT
@@ -70,16 +69,8 @@ def launch_live(nproc: int, worker_args: list[str], run_dir: Path, *, heartbeat_
     try:
         for rank in range(nproc):
             procs.append(start(rank))
-        with _sigterm_raises():
-            return _supervise(procs, start, restarts, run_dir, max_restarts, finish_grace_s, stall_timeout_s)
-    except KeyboardInterrupt:
-        _stop(procs, grace=GRACE_S * 2)
-        print("\ninterrupted: workers stopped", file=sys.stderr)
-        return 130
-    except _Terminated:
-        _stop(procs, grace=GRACE_S * 2)
-        print("terminated (SIGTERM): workers stopped", file=sys.stderr)
-        return 143
+        return interruptible(procs, lambda: _supervise(procs, start, restarts, run_dir, max_restarts, finish_grace_s,
+                                                       stall_timeout_s))
     finally:
         _stop(procs, grace=GRACE_S)
         with contextlib.suppress(Exception):

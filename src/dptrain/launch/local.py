@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from dptrain.launch.errors import error_file, error_summary, read_error_record, write_error_record
@@ -38,7 +39,7 @@ from dptrain.launch.output import PrefixedOutput
 from dptrain.launch.threads import threads_per_worker
 from dptrain.launch.workers import start_worker
 
-__all__ = ["launch_local", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT",
+__all__ = ["launch_local", "interruptible", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT",
            "read_error_record"]
 
 GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
@@ -108,11 +109,22 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
     exit_times = [0.0] * nproc
     for rank, proc in enumerate(procs):  # exact exit times, to order failures
         threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
+    terminal = frozenset({0} if shown is None else shown)  # the ranks whose output the terminal shows
+    try:
+        return interruptible(procs, lambda: _supervise(procs, exit_times, run_dir,
+                                                       min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable,
+                                                       timeout_s, terminal))
+    finally:
+        _stop(procs, grace=GRACE_S)  # a no-op when they have ended
+        for relay in relays:
+            relay.close()
+
+
+def interruptible(procs: list, supervise: Callable[[], int]) -> int:
+    """``supervise()``'s exit code; on Ctrl-C (130) or SIGTERM (143) the workers in ``procs`` are stopped first."""
     try:
         with _sigterm_raises():
-            terminal = frozenset({0} if shown is None else shown)  # the ranks whose output the terminal shows
-            return _supervise(procs, exit_times, run_dir, min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable,
-                              timeout_s, terminal)
+            return supervise()
     except KeyboardInterrupt:
         _stop(procs, grace=GRACE_S * 2)
         print("\ninterrupted: workers stopped", file=sys.stderr)
@@ -121,10 +133,6 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         _stop(procs, grace=GRACE_S * 2)
         print("terminated (SIGTERM): workers stopped", file=sys.stderr)
         return 128 + signal.SIGTERM
-    finally:
-        _stop(procs, grace=GRACE_S)  # a no-op when they have ended
-        for relay in relays:
-            relay.close()
 
 
 class _Terminated(Exception):
