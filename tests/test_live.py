@@ -110,10 +110,12 @@ def test_heal_plan_and_group_reuse():
     assert Quorum(8, (Member(0, 5, 3, 2), Member(2, 5, 3, 2, ok=False)), 1).new_group  # an error: a new group
 
 
-def _vote(address, index: int, replicas: tuple[int, ...], ok: dict, out: dict, round_: int = 0):
+def _vote(address, index: int, replicas: tuple[int, ...], ok: dict, out: dict, round_: int = 0,
+          incarnations: tuple[int, ...] | None = None):
     live = _liveness(address, replicas[index], max(replicas) + 1)
+    members = tuple(Member(r, 0, incarnation=incarnations[i] if incarnations else 0) for i, r in enumerate(replicas))
     try:
-        out[index] = commit_vote(connect_store(address, 10), round_, index, replicas, ok[index], live, 5.0)
+        out[index] = commit_vote(connect_store(address, 10), round_, index, members, ok[index], live, 5.0)
     finally:
         live.stop()
 
@@ -145,12 +147,35 @@ def test_a_member_gone_before_voting_aborts_the_step_for_every_survivor(address)
     assert time.monotonic() - t0 < 3.0  # its staleness decided, within the heartbeat timeout (not the vote's 5 s)
 
 
+def test_a_member_started_again_aborts_the_step_at_once(address):
+    """Replica 2 was killed and its launcher started it again at once: it beats (fresh), but as a new incarnation,
+    so the round formed with the old one aborts without waiting for the heartbeat timeout."""
+    old = Liveness(lambda: connect_store(address, 10), 2, 3, 0.05, 5.0)
+    old.start()
+    old.stop()  # incarnation 1, killed
+    new = Liveness(lambda: connect_store(address, 10), 2, 3, 0.05, 5.0)
+    new.start()  # incarnation 2, beating
+    out: dict = {}
+    t0 = time.monotonic()
+    try:
+        threads = [threading.Thread(target=_vote, args=(address, i, (0, 1, 2), {0: True, 1: True}, out),
+                                    kwargs={"incarnations": (1, 1, old.incarnation)}) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+    finally:
+        new.stop()
+    assert out == {0: False, 1: False}
+    assert time.monotonic() - t0 < 2.0  # not the 5 s timeout
+
+
 def test_a_vote_in_after_the_decision_reads_it(address):
     store = connect_store(address, 10)
     store.set("q/3/decision", "commit")
     live = _liveness(address, 0, 1)
     try:
-        assert commit_vote(store, 3, 0, (0, 1), False, live, 1.0)  # decided before it voted: it follows
+        assert commit_vote(store, 3, 0, (Member(0, 0), Member(1, 0)), False, live, 1.0)  # decided before it voted
     finally:
         live.stop()
 

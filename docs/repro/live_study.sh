@@ -9,6 +9,8 @@ export OMP_NUM_THREADS=1
 # then the step time without failures, live against not, 2 alternated pairs of 200 steps
 python -m dptrain.bench.live --out "$OUT/cluster" --rate 1 --steps 1000 --kill-every 60 \
     --variants live-kills,restart-kills,ddp --overhead-pairs 2 --overhead-steps 200 --set log.every=5
+# the live run without failures (the same data order and seeds as live-kills), added to the same results
+python -m dptrain.bench.live --out "$OUT/cluster" --rate 1 --steps 1000 --variants live --set log.every=5
 # the same kills under `dptrain run --nproc 4` on one machine: a killed worker restarted from the fork server
 python -m dptrain.bench.live --out "$OUT/local" --hosts 4 --steps 1000 --kill-every 60 \
     --variants local-live-kills --set log.every=5

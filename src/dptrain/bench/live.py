@@ -343,6 +343,12 @@ def main(out: Path, rate: float, hosts: int, steps: int, kill_every: float, chec
     settings = ["log.trace_steps=0", "log.plots=false", "log.progress=lines", *settings]
     result: dict = {"rate_gbit": rate, "hosts": hosts, "steps": steps, "kill_every_s": kill_every,
                     "checkpoint_every": checkpoint_every, "settings": settings, "variants": []}
+    earlier = out / "live_study.json"  # a run into the same --out adds its variants (a same name replaces one)
+    if earlier.is_file():
+        kept = json.loads(earlier.read_text())
+        names = {v for v in variants.split(",") if v}
+        result["variants"] = [row for row in kept.get("variants", []) if row["variant"] not in names]
+        result["overhead"] = kept.get("overhead", [])
     for name in [v for v in variants.split(",") if v]:
         kills = kill_every if name.endswith("-kills") else None
         row = run_variant(name, out, hosts=hosts, rate=rate, steps=steps, kill_every=kills,
@@ -352,7 +358,7 @@ def main(out: Path, rate: float, hosts: int, steps: int, kill_every: float, chec
         (out / "live_study.json").write_text(json.dumps(result, indent=1))
         print(f"{name}: exit {row['exit']}, {row['wall_s']:.0f} s", flush=True)
     if overhead_pairs:
-        result["overhead"] = measure_overhead(out, overhead_pairs, hosts=hosts, rate=rate, steps=overhead_steps,
+        result["overhead"] = result.get("overhead", []) + measure_overhead(out, overhead_pairs, hosts=hosts, rate=rate, steps=overhead_steps,
                                             settings=settings, timeout=timeout)
         (out / "live_study.json").write_text(json.dumps(result, indent=1))
     (out / "live_study.md").write_text(summarize(result) + "\n")

@@ -11,6 +11,11 @@ launcher has just restarted does not make the others wait while it imports torch
 this observer has not yet seen move counts as fresh from the moment it first reads it
 (optimistic: a quorum waits at most ``timeout_s`` for a replica that is in fact gone).
 
+Each start of a worker is an *incarnation*: ``inc/<replica>`` counts them, and the thread
+reads every replica's. A worker restarted under the same id beats again at once, so it
+looks fresh; its new incarnation says that the member a round was formed with is gone
+(the commit vote then aborts at once instead of waiting for a vote that will not come).
+
 The thread has its own client of the store: the main thread's store calls would otherwise
 queue it behind them.
 """
@@ -21,11 +26,15 @@ import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["Liveness", "beat_key"]
+__all__ = ["Liveness", "beat_key", "incarnation_key"]
 
 
 def beat_key(replica: int) -> str:
     return f"hb/{replica}"
+
+
+def incarnation_key(replica: int) -> str:
+    return f"inc/{replica}"
 
 
 class Liveness:
@@ -40,6 +49,8 @@ class Liveness:
         self.connect, self.replica, self.replicas = connect, replica, replicas
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._seen: dict[int, tuple[int, float]] = {}  # replica -> (counter, when it last moved)
+        self._incarnations: dict[int, int] = {}
+        self.incarnation = 0  # this worker's, once started
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -49,6 +60,7 @@ class Liveness:
         """Beat from now on (idempotent)."""
         if self._thread is None:
             store = self.connect()
+            self.incarnation = store.add(incarnation_key(self.replica), 1)
             self._beat(store)  # before returning: this worker is fresh to the others from its first quorum on
             self._thread = threading.Thread(target=self._run, args=(store,), name="dptrain-live-beat", daemon=True)
             self._thread.start()
@@ -71,6 +83,11 @@ class Liveness:
             seen = self._seen.get(replica)
         return seen is not None and time.monotonic() - seen[1] > self.timeout_s
 
+    def incarnation_of(self, replica: int) -> int:
+        """``replica``'s incarnation as last read (0: none seen)."""
+        with self._lock:
+            return self._incarnations.get(replica, 0)
+
     def _run(self, store) -> None:
         while not self._stop.wait(self.interval_s):
             try:
@@ -83,7 +100,9 @@ class Liveness:
         store.add(beat_key(self.replica), 1)
         now = time.monotonic()
         counts = [store.add(beat_key(r), 0) for r in range(self.replicas)]
+        incarnations = [store.add(incarnation_key(r), 0) for r in range(self.replicas)]
         with self._lock:
+            self._incarnations = dict(enumerate(incarnations))
             for r, count in enumerate(counts):
                 old = self._seen.get(r)
                 if old is None or old[0] != count:

@@ -101,7 +101,7 @@ class LiveManager:
         began = time.monotonic()
         while True:
             me = Member(self.replica, self.step, self.group.round if self.group.pg is not None or
-                        self.group.size == 1 else -1, self.group.size, self._group_ok)
+                        self.group.size == 1 else -1, self.group.size, self._group_ok, self.liveness.incarnation)
             s = self.settings
             quorum = form_quorum(self.store, self.liveness, me, self.round, self.replicas,
                                  min_workers=s.min_workers, on_too_few=s.on_too_few,
@@ -152,7 +152,7 @@ class LiveManager:
         """The round's decision: True when every member's step went well (this one's: ``ok``)."""
         ok = ok and attempt.ok and self.group.error is None
         quorum = attempt.quorum
-        return commit_vote(self.store, quorum.round, quorum.index, quorum.replicas, ok, self.liveness,
+        return commit_vote(self.store, quorum.round, quorum.index, quorum.members, ok, self.liveness,
                            self.settings.heartbeat_timeout_s, self.progress)
 
     def end(self, attempt: Attempt, committed: bool, counted: bool = True) -> float | None:

@@ -54,6 +54,7 @@ class Member:
     group: int = -1   # the round whose process group it holds (-1: none)
     group_size: int = 0
     ok: bool = True   # its last attempt saw no error in that group
+    incarnation: int = 0  # which start of this replica (dptrain.live.liveness)
 
 
 @dataclass(frozen=True)
