@@ -17,12 +17,16 @@ more collectives this step; the vote then aborts the step (:mod:`~dptrain.live.v
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 __all__ = ["RoundGroup", "AveragingHook"]
+
+SPIN_S = 0.0005  # between two looks at a pending collective
+DECIDED_POLL_S = 0.05  # between two looks at the round's decision while waiting
 
 
 class RoundGroup:
@@ -33,6 +37,7 @@ class RoundGroup:
         self.pg: dist.ProcessGroup | None = None
         self.round, self.size, self.rank = -1, 1, 0
         self.error: BaseException | None = None  # the first failure of a collective this step
+        self.attempt_round = -1  # the round of the attempt under way (the group may be an earlier round's)
 
     def configure(self, round_: int, rank: int, size: int) -> None:
         """A new group for ``round_``'s ``size`` members, this worker at ``rank``; raises if a member never connects."""
@@ -46,8 +51,9 @@ class RoundGroup:
                              else dist.ProcessGroupGloo.create_default_device()]
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{round_}/", self.store), rank, size, opts)
 
-    def begin_step(self) -> None:
-        self.error = None
+    def begin_step(self, round_: int) -> None:
+        """A new attempt, in round ``round_`` (whose decision a waiting member watches)."""
+        self.error, self.attempt_round = None, round_
 
     def fail(self, error: BaseException) -> None:
         if self.error is None:
@@ -64,10 +70,19 @@ class RoundGroup:
             return None
 
     def wait(self, work: dist.Work | None) -> bool:
-        """Wait for ``work``; False (the error recorded) if it failed."""
+        """Wait for ``work``; False (the error recorded) if it failed, or if the round was decided meanwhile."""
         if work is None:
             return self.error is None
         try:
+            looked = time.monotonic()
+            while not work.is_completed():
+                if time.monotonic() - looked > DECIDED_POLL_S:
+                    if self.store.check([f"q/{self.attempt_round}/decision"]):  # voted down: a member's wait failed
+                        self.fail(RuntimeError(f"round {self.attempt_round} was decided while this member waited for "
+                                               "its all-reduce (a member's collective failed)"))
+                        return False
+                    looked = time.monotonic()
+                time.sleep(SPIN_S)
             work.wait()
             return True
         except Exception as e:

@@ -114,7 +114,7 @@ class LiveManager:
                 break
             self.round += 1
         attempt = Attempt(quorum, began=began)
-        self.group.begin_step()
+        self.group.begin_step(quorum.round)
         try:
             if quorum.new_group:
                 self.group.configure(quorum.round, quorum.index, quorum.size)
