@@ -95,8 +95,8 @@ def _supervise(procs: list, start, restarts: list[int], run_dir: Path, max_resta
             return 1
         if codes[0] == 0 and finished_at is None:
             finished_at = time.monotonic()
-        if all(c == 0 for c in codes):
-            return 0
+        if all(c == 0 for c in codes) or (finished_at is not None and None not in codes):
+            return 0  # every worker done; after replica 0 finished, a worker that failed no longer matters
         for r, code in enumerate(codes):
             if code in (None, 0) or finished_at is not None:
                 continue

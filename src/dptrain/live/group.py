@@ -17,6 +17,7 @@ more collectives this step; the vote then aborts the step (:mod:`~dptrain.live.v
 from __future__ import annotations
 
 import os
+import threading
 import time
 from datetime import timedelta
 
@@ -25,7 +26,6 @@ import torch.distributed as dist
 
 __all__ = ["RoundGroup", "AveragingHook"]
 
-SPIN_S = 0.0005  # between two looks at a pending collective
 DECIDED_POLL_S = 0.05  # between two looks at the round's decision while waiting
 
 
@@ -38,10 +38,13 @@ class RoundGroup:
         self.round, self.size, self.rank = -1, 1, 0
         self.error: BaseException | None = None  # the first failure of a collective this step
         self.attempt_round = -1  # the round of the attempt under way (the group may be an earlier round's)
+        # groups given up on with a collective still pending (a member stopped waiting for it): kept until it ends,
+        # since a gloo group destroyed under a pending collective can end the process when that collective fails
+        self._abandoned: list[tuple[dist.ProcessGroup, dist.Work]] = []
 
     def configure(self, round_: int, rank: int, size: int) -> None:
         """A new group for ``round_``'s ``size`` members, this worker at ``rank``; raises if a member never connects."""
-        self.pg = None  # the old one's connections close
+        self.drop()
         self.round, self.size, self.rank = round_, size, rank
         if size > 1:
             opts = dist.ProcessGroupGloo._Options()
@@ -50,6 +53,19 @@ class RoundGroup:
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface
                              else dist.ProcessGroupGloo.create_default_device()]
             self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{round_}/", self.store), rank, size, opts)
+
+    def drop(self) -> None:
+        """Let the current group go (its connections close), unless a collective given up on is pending in it."""
+        self._abandoned = [(pg, work) for pg, work in self._abandoned if not work.is_completed()]
+        self.pg = None
+
+    def close(self, timeout_s: float) -> None:
+        """The end: wait (up to ``timeout_s``) for collectives given up on to end, so that none fails in a group being
+        destroyed at exit."""
+        deadline = time.monotonic() + timeout_s
+        while any(not work.is_completed() for _, work in self._abandoned) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._abandoned, self.pg = [], None
 
     def begin_step(self, round_: int) -> None:
         """A new attempt, in round ``round_`` (whose decision a waiting member watches)."""
@@ -70,19 +86,25 @@ class RoundGroup:
             return None
 
     def wait(self, work: dist.Work | None) -> bool:
-        """Wait for ``work``; False (the error recorded) if it failed, or if the round was decided meanwhile."""
+        """Wait for ``work``; False (the error recorded) if it failed, or if the round was decided meanwhile.
+
+        The wait blocks on an event the work's completion sets (gloo's thread runs the
+        callback), waking every :data:`DECIDED_POLL_S` to look at the decision: no spinning,
+        which on a machine whose cores the workers share would take their time."""
         if work is None:
             return self.error is None
         try:
-            looked = time.monotonic()
-            while not work.is_completed():
-                if time.monotonic() - looked > DECIDED_POLL_S:
-                    if self.store.check([f"q/{self.attempt_round}/decision"]):  # voted down: a member's wait failed
-                        self.fail(RuntimeError(f"round {self.attempt_round} was decided while this member waited for "
-                                               "its all-reduce (a member's collective failed)"))
-                        return False
-                    looked = time.monotonic()
-                time.sleep(SPIN_S)
+            done = threading.Event()
+            try:
+                work.get_future().add_done_callback(lambda _: done.set())
+            except RuntimeError:  # a work without a future: waited for as it is
+                done.set()
+            while not done.wait(DECIDED_POLL_S):
+                if self.store.check([f"q/{self.attempt_round}/decision"]):  # voted down: a member's wait failed
+                    self.fail(RuntimeError(f"round {self.attempt_round} was decided while this member waited for "
+                                           "its all-reduce (a member's collective failed)"))
+                    self._abandoned.append((self.pg, work))
+                    return False
             work.wait()
             return True
         except Exception as e:

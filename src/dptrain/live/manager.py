@@ -87,7 +87,7 @@ class LiveManager:
 
     def close(self) -> None:
         self.liveness.stop()
-        self.group.pg = None
+        self.group.close(self.settings.heartbeat_timeout_s + 1.0)
 
     def begin(self, held: Callable[[], dict], held_hash: Callable[[], bytes],
               load: Callable[[dict], bytes], abandon: Callable[[], bool] | None = None) -> Attempt | None:
@@ -160,7 +160,7 @@ class LiveManager:
         commit ends one. ``counted``: False for a round with no step in it (the end of a run)."""
         self._group_ok = self.group.error is None
         if self.group.error is not None:
-            self.group.pg = None  # broken: the next round makes a new one
+            self.group.drop()  # broken: the next round makes a new one
         if committed:
             self.step = attempt.quorum.step + 1
         self.round = attempt.quorum.round + 1
