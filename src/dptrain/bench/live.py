@@ -22,8 +22,9 @@ The kill clock starts at each variant's launch. Reported per variant: its wall t
 kills, the attempted and committed steps (live: the rounds that attempted a step;
 restarts: the committed steps plus the steps redone after each restart, the step each
 kill interrupted less the step resumed from), the final validation loss, and for live
-recovery, per kill: the seconds from the kill to the survivors' next commit, and from the
-restarted worker's process start to its first commit, with the bytes its heal received.
+recovery, per kill: the seconds from the kill to the survivors' next commit in a round
+formed after it (the round in flight may still commit, if the victim had voted), and from
+the restarted worker's process start to its first commit, with the bytes its heal received.
 The step time without failures (``live`` against ``ddp``) is measured separately by
 ``--overhead-pairs`` pairs of short runs, alternated (ABBA), each the median wall time per
 step between rank 0's metrics records after its first 10 steps.
@@ -236,8 +237,11 @@ def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict], replicas:
     row.update(committed=sum(rounds.values()), attempted=len(rounds))
     per_kill = []
     for k in kills:
+        # the round in flight at the kill may commit (the victim had voted): count from the first round after it
+        before = max((r["round"] for records in logs.values() for r in records
+                      if "round" in r and r["time"] < k["time"]), default=-1)
         others = [r for host, records in logs.items() if host != k["host"] for r in records
-                  if r.get("commit") and r["time"] > k["time"]]
+                  if r.get("commit") and r["round"] > before + 1]
         next_commit = min((r["time"] for r in others), default=None)
         starts = [r for r in logs.get(k["host"], []) if r.get("event") == "start" and r["time"] > k["time"]]
         rejoin = None
