@@ -51,6 +51,7 @@ import click
 from dptrain.cli.bench_group import bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
 from dptrain.cluster.launch import kill_groups
+from dptrain.launch.heartbeat import read_heartbeats
 
 __all__ = ["main", "summarize"]
 
@@ -62,11 +63,8 @@ def _worker_pid(network: Network | None, host: int, run_dir: Path) -> int | None
     """The training worker's pid on ``host`` (not its torchrun agent, not the live store); without a network (one
     machine, ``dptrain run``'s forked workers), the pid worker ``host``'s heartbeat file names."""
     if network is None:
-        try:
-            pid = int(json.loads((run_dir / "logs" / f"rank{host}.heartbeat").read_bytes().rstrip(b"\0 \n"))["pid"])
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
-        return pid if Path(f"/proc/{pid}").exists() else None
+        pid = read_heartbeats(run_dir, host + 1).get(host, {}).get("pid")
+        return pid if isinstance(pid, int) and Path(f"/proc/{pid}").exists() else None
     out = subprocess.run(["ip", "netns", "pids", network.host(host)], capture_output=True, text=True).stdout
     for pid in out.split():
         try:
@@ -94,7 +92,7 @@ class Killer(threading.Thread):
             pid = _worker_pid(self.network, host, self.run_dir)
             if pid is None:
                 continue
-            step = _step_reached(self.run_dir)
+            step = _step_reached(self.run_dir, self.hosts)
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -106,14 +104,9 @@ class Killer(threading.Thread):
             n += 1
 
 
-def _step_reached(run_dir: Path) -> int | None:
+def _step_reached(run_dir: Path, ranks: int) -> int | None:
     """The most steps any rank's heartbeat says it has begun (a restart redoes those since the checkpoint)."""
-    steps = []
-    for path in (run_dir / "logs").glob("rank*.heartbeat"):
-        try:
-            steps.append(int(json.loads(path.read_bytes().rstrip(b"\0 \n")).get("step", 0)))
-        except (OSError, ValueError, TypeError):
-            pass
+    steps = [b["step"] for b in read_heartbeats(run_dir, ranks).values() if isinstance(b.get("step"), int)]
     return max(steps) if steps else None
 
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
 from torch.utils.data import Dataset, default_collate
 
 from dptrain.data.loader import set_epoch
+from dptrain.data.sampler import DistributedSampler
 
 __all__ = ["SampleStream"]
 
@@ -52,7 +52,8 @@ class SampleStream:
         return batches
 
     def _permutation(self, epoch: int) -> list[int]:
-        if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._order = epoch, torch.randperm(self.size, generator=generator).tolist()
+        if epoch != self._epoch:  # the sampler's epoch order, over the whole set
+            sampler = DistributedSampler(self.size, num_replicas=1, rank=0, seed=self.seed)
+            sampler.set_epoch(epoch)
+            self._epoch, self._order = epoch, sampler.permutation()
         return self._order

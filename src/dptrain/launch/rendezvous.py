@@ -106,14 +106,7 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
     ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process).
     """
     env = detect_worker_env() if env is None else env
-    devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    backend = choose_backend(backend, env.local_world_size, devices)
-    if backend == "nccl" and torch.cuda.device_count() <= env.local_rank:
-        raise RuntimeError(f"backend nccl needs a CUDA device for local rank {env.local_rank}; "
-                           f"found {torch.cuda.device_count()}. Use ddp.backend = \"gloo\" on CPU.")
-    device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+    backend, device = _take_device(env, backend)
     timeout = timedelta(seconds=timeout_s)
     store = loopback_store(env, timeout) if use_loopback(env) else None
     init_method = None if store is not None else \
@@ -126,13 +119,22 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
 def init_alone(env: WorkerEnv, backend: str = "auto") -> torch.device:
     """A default process group of this worker alone (live recovery: the workers meet in rounds of their own, so no
     group spans a fixed set of processes that one death would break); this worker's device."""
+    _, device = _take_device(env, backend)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return device
+
+
+def _take_device(env: WorkerEnv, backend: str) -> tuple[str, torch.device]:
+    """The backend ``backend`` resolves to, and this worker's device (cuda:LOCAL_RANK with NCCL, made current)."""
     devices = torch.cuda.device_count() if torch.cuda.is_available() else 0
     backend = choose_backend(backend, env.local_world_size, devices)
+    if backend == "nccl" and devices <= env.local_rank:
+        raise RuntimeError(f"backend nccl needs a CUDA device for local rank {env.local_rank}; "
+                           f"found {devices}. Use ddp.backend = \"gloo\" on CPU.")
     device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    return device
+    return backend, device
 
 
 def is_loopback_job(env: WorkerEnv) -> bool:
