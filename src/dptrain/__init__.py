@@ -41,6 +41,11 @@ _EXPORTS = {
     "StepInfo": "dptrain.api.engine",
     "prepare": "dptrain.api.prepare",
     "scheduler_steps_per_epoch": "dptrain.api.prepare",
+    "PreparedModel": "dptrain.api.prepared_model",
+    "get_state_dict": "dptrain.api.full_state",
+    "set_state_dict": "dptrain.api.full_state",
+    "unwrap_model": "dptrain.api.full_state",
+    "end_training": "dptrain.api.full_state",
     "ShardedLoader": "dptrain.data.loader",
     "init_distributed": "dptrain.launch.rendezvous",
     "leave_process_groups": "dptrain.launch.rendezvous",
@@ -70,7 +75,9 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported eagerly
     from dptrain.allocator import tune_cpu_allocator
     from dptrain.api.engine import Engine, StepInfo
+    from dptrain.api.full_state import end_training, get_state_dict, set_state_dict, unwrap_model
     from dptrain.api.prepare import prepare, scheduler_steps_per_epoch
+    from dptrain.api.prepared_model import PreparedModel
     from dptrain.batching import BatchPlan, BatchSizeError
     from dptrain.data.loader import ShardedLoader
     from dptrain.data.sampler import DistributedSampler

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import difflib
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,7 +40,8 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import BatchSampler, DataLoader, Dataset, IterableDataset, RandomSampler, SequentialSampler
 from torch.utils.data.distributed import DistributedSampler as TorchDistributedSampler
 
-from dptrain.api.loss_check import check_loss_not_divided
+from dptrain.api.accumulation import AccumulationState
+from dptrain.api.prepared_model import PreparedModel
 from dptrain.api.scheduler import SCHEDULER_STEPS, PreparedScheduler, steps_per_optimizer_step
 from dptrain.api.step import OptimizerStep
 from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
@@ -57,26 +57,6 @@ __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer",
 
 STRATEGIES = strategy_names(lambda s: s.wrap is not None)  # those whose wrapper the registry builds (not ps)
 PRECISIONS = ("fp32", "bf16")
-
-
-@dataclass
-class AccumulationState:
-    """Where the loop is in the current accumulation window; one per ``prepare()`` call, shared by its wrappers."""
-
-    grad_accum_steps: int
-    window: int = 0               # windows opened so far; the current one is number ``window``
-    micro_step: int = 0           # micro-steps (training forwards) in the current window
-    sync_gradients: bool = True   # the current micro-step closes its window: reduce, step, zero
-    end_of_data: bool = False     # a prepared loader is yielding the last batch of its pass
-
-    def begin_micro_step(self) -> bool:
-        """Count a training forward; return whether it closes its window."""
-        if self.sync_gradients:  # the previous window closed: this micro-step opens the next
-            self.window += 1
-            self.micro_step = 0
-        self.micro_step += 1
-        self.sync_gradients = self.micro_step == self.grad_accum_steps or self.end_of_data
-        return self.sync_gradients
 
 
 def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_accum_steps: int = 1,
@@ -150,53 +130,6 @@ def prepare(*objects: Any, strategy: str = "ddp", precision: str = "fp32", grad_
 # ----------------------------------------------------------------------------- the model
 
 
-class PreparedModel(nn.Module):
-    """The strategy's wrapper (``.wrapper``), with the accumulation's sync switch and autocast around its forward.
-
-    A forward with autograd on is one micro-step (:meth:`AccumulationState.begin_micro_step`);
-    it sets the wrapper's ``set_requires_gradient_sync`` to whether it closes its window, and
-    the switch stays so through its backward (ZeRO reads it during backward, DDP at forward)
-    until the next forward. Forwards under ``torch.no_grad()`` (evaluation) are
-    not counted. ``.module`` (and ``unwrap()``) is the model as it was passed, as torch DDP's
-    ``.module`` and Accelerate's ``unwrap_model`` give it, so ``model.module.estimate_mfu()`` works (under ZeRO
-    its parameters live in the shards: save with
-    ``dptrain.zero.checkpoint.save_sharded(path, model.wrapper, optimizer.optimizer)``). The loss is not to be
-    divided by ``grad_accum_steps``: ``optimizer.step()`` divides the window's summed gradients
-    (:func:`check_loss_not_divided`).
-    """
-
-    def __init__(self, wrapped: nn.Module, state: AccumulationState, autocast_dtype: torch.dtype | None,
-                 device: torch.device):
-        super().__init__()
-        self.wrapper, self.accumulation, self.device = wrapped, state, device
-        self._autocast_dtype = autocast_dtype
-        self._loss_checked = state.grad_accum_steps == 1  # nothing to check without accumulation
-
-    @property
-    def module(self) -> nn.Module:
-        """The model as it was passed to ``prepare()`` (on the device); the strategy's wrapper is ``.wrapper``."""
-        return self.wrapper.module
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if torch.is_grad_enabled():
-            self.wrapper.set_requires_gradient_sync(self.accumulation.begin_micro_step())
-        if self._autocast_dtype is None:
-            out = self.wrapper(*args, **kwargs)
-        else:
-            with torch.autocast(self.device.type, dtype=self._autocast_dtype):
-                out = self.wrapper(*args, **kwargs)
-            # the loss is computed outside, after the forward: in fp32, as Accelerate's convert_outputs_to_fp32
-            out = map_tensors(out, lambda t: t.float() if t.dtype in (torch.bfloat16, torch.float16) else t)
-        if not self._loss_checked and torch.is_grad_enabled():
-            self._loss_checked = True  # the first micro-step: a loop divides every micro-step's loss alike
-            check_loss_not_divided(out, self.accumulation)
-        return out
-
-    def unwrap(self) -> nn.Module:
-        """The model as it was passed to ``prepare()`` (on the device): ``.module``."""
-        return self.module
-
-
 def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], entry: Strategy, precision: str,
                    device: torch.device, group: dist.ProcessGroup | None, state: AccumulationState,
                    options: dict | None) -> PreparedModel:
@@ -205,7 +138,7 @@ def _prepare_model(model: nn.Module, optimizers: list[torch.optim.Optimizer], en
         wrapped = _wrap_sharded(entry, model, optimizers, precision, group, options)
     else:
         wrapped = wrap_model(entry, model, precision=precision, process_group=group, options=options)
-    return PreparedModel(wrapped, state, autocast_dtype(entry, precision), device)
+    return PreparedModel(wrapped, entry, state, autocast_dtype(entry, precision), device)
 
 
 def _wrap_sharded(entry: Strategy, model: nn.Module, optimizers: list[torch.optim.Optimizer], precision: str,

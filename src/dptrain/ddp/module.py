@@ -400,6 +400,13 @@ class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
         """The bare module: an evaluation needs no gradient hooks and no buffer broadcast."""
         return self.module
 
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict (the replicas are equal: no communication)."""
+        return self.module.state_dict()
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
     def export_weights(self, path) -> Any:
         """Rank 0 writes the module's state dict (:mod:`dptrain.utils.weights_file`); the others nothing."""
         from dptrain.utils.weights_file import save_replica_weights

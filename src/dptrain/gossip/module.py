@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["GossipDataParallel", "TOPOLOGIES", "mixing_peers"]
@@ -109,8 +110,17 @@ class GossipDataParallel(nn.Module):
                 "comm_sent_bytes_per_step": self.bytes_per_mix, "gossip_mix_ms": 1e3 * self.last_mix_s}
 
     def finish(self) -> None:
-        """Collective: the replicas averaged exactly, the model to evaluate and keep."""
+        """Collective: the replicas averaged exactly, the model to evaluate and keep (buffers: rank 0's)."""
         self.average_()
+        broadcast_buffers_(self.module, self.process_group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the replicas' mean, as :meth:`finish` would leave them, on a copy."""
+        return consensus_state_dict(self.module, self.process_group)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Every rank loads the same state: the replicas are equal again."""
+        self.module.load_state_dict(state)  # copies into the flat buffer's views
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """Each rank's own replica (they differ by design), its optimizer state and its mixing step."""

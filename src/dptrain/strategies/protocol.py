@@ -29,6 +29,8 @@ sync`` / ``no_sync()``      forward          end of backward                    
                                                                                                     optimizer
 ``evaluation_module``       ``module``       the wrapper         ``module``       ``module``        ``module``
 ``export_weights(path)``    rank 0 writes    gathered, rank 0    rank 0 writes    rank 0 writes     rank 0 writes
+``full_state_dict()``       ``module``'s     gathered (all-      replicas' mean   replicas' mean    global weights
+                            state dict       gather per unit)    (all-reduce)     (all-reduce)
 ==========================  ===============  ==================  ===============  ================  ================
 
 - ``after_optimizer_step()`` is called by every rank after every optimizer step, skipped
@@ -37,6 +39,11 @@ sync`` / ``no_sync()``      forward          end of backward                    
 - ``step_metrics()`` is called by every rank at a logging step (it may be a collective);
   its fields go into the metrics record, replacing the engine's where they name the same
   thing (the bytes a step sent).
+- ``full_state_dict()`` is *the* model, whatever the strategy holds where: under the bare
+  model's key names (what ``model.state_dict()`` gave before wrapping), full tensors, the
+  same on every rank; every rank calls it (ZeRO gathers its shards; the strategies whose
+  replicas differ by design answer with the parameters' mean, or DiLoCo's global weights,
+  and rank 0's buffers, computed on a copy). ``dptrain.get_state_dict`` returns it.
 - ``finish()``: every rank, after the last step's checkpoint and before the final
   evaluation and weights: the replicas made one model where they differ by design.
 - ``checkpoint_state(optimizer)`` returns ``{"shared": ..., "rank": ...}`` (either part may
@@ -121,6 +128,12 @@ class DataParallelWrapper(Protocol):
 
     def export_weights(self, path: Path) -> Path | None:
         """Collective: the trained model's state dict as one safetensors file, written by rank 0 (its path there)."""
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the model's whole state dict under the bare model's names, the same on every rank."""
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Every rank: load a whole state dict under the bare model's names (as :meth:`full_state_dict` gives)."""
 
 
 @runtime_checkable

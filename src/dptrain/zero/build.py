@@ -25,6 +25,7 @@ from dptrain.zero.policy import CommPolicy, UnitPolicy, ZeROPolicies
 from dptrain.zero.reduction import CommContext
 from dptrain.zero.replaced import mark_replaced
 from dptrain.zero.unit import FlatUnit, ParamRef
+from dptrain.zero.visible import placeholder
 
 __all__ = ["check_policies", "verify_same_model", "build_units", "default_device"]
 
@@ -90,7 +91,8 @@ def _key(u: UnitPolicy, ref: ParamRef) -> Hashable:
 def _flatten(members: list[ParamRef], device: torch.device, init_fn, group: dist.ProcessGroup | None) -> torch.Tensor:
     """The unit's full flat buffer on ``device``, identical on every rank (rank 0's values).
 
-    The modules' own Parameters are removed: from now on the unit sets views in their place.
+    The modules' own Parameters stay registered with placeholder data (``visible.py``): from now on
+    the unit sets views of the buffer in front of them.
     """
     if any(r.tensor.is_meta for r in members):
         materialize_meta(members, device, init_fn)
@@ -99,10 +101,8 @@ def _flatten(members: list[ParamRef], device: torch.device, init_fn, group: dist
         if dist.get_world_size(group) > 1:
             dist.broadcast(full, src=dist.get_global_rank(group, 0) if group else 0, group=group)
     for ref in members:
-        for holder, attr in ref.holders:
-            del holder._parameters[attr]
         mark_replaced(ref.tensor)  # an optimizer holding it raises (zero/replaced.py)
-        ref.tensor.data = torch.empty(0, dtype=ref.tensor.dtype, device=ref.tensor.device)
+        ref.tensor.data = placeholder(ref.tensor)
     return full
 
 

@@ -78,23 +78,14 @@ from dptrain.zero.redistribute import chunk_intervals, chunk_rows, redistribute,
 from dptrain.zero.unit import FlatUnit, ParamRef
 
 __all__ = ["ShardedCheckpointError", "save_sharded", "load_sharded", "load_full_state", "consolidated_state",
-           "export_safetensors", "checkpoint_shapes", "layout_differences", "local_read", "MODEL", "OPTIM"]
+           "export_safetensors", "parameter_names", "checkpoint_shapes", "layout_differences", "local_read", "MODEL", "OPTIM"]
 
 # --------------------------------------------------------------------- names and layout
 
 
-def _aliases(model) -> dict[str, list[str]]:
+def parameter_names(model) -> dict[str, list[str]]:
     """Every name of each trainable parameter (tied ones have several), the first being ``ref.name``."""
-    prefixes: dict[int, list[str]] = {}
-    for prefix, sub in model.module.named_modules(remove_duplicate=False):
-        prefixes.setdefault(id(sub), []).append(prefix)
-    out = {}
-    for ref in _refs(model):
-        names = [ref.name]
-        for holder, attr in ref.holders:
-            names += [f"{p}.{attr}" if p else attr for p in prefixes.get(id(holder), [])]
-        out[ref.name] = list(dict.fromkeys(names))
-    return out
+    return model.parameter_names
 
 
 def _refs(model) -> Iterator[ParamRef]:
@@ -204,9 +195,9 @@ def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, A
     so it has stepped them all.
     """
     mesh, hybrid = _mesh(model)
-    names = _aliases(model)
+    names = parameter_names(model)
     lead = model.world_size == 1 or dist.get_rank(model.group) == 0
-    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()} if lead else {}
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module_state().items()} if lead else {}
     kinds = _state_kinds(model, optimizer) if optimizer is not None else {}
     for unit in model.units:
         tensors = _dtensors(unit, _to_chunks(unit, unit.shard.detach()), mesh, hybrid)
@@ -233,9 +224,9 @@ def _save_entries(model, optimizer: torch.optim.Optimizer | None) -> dict[str, A
 
 
 def _model_shapes(model) -> dict[str, list[int]]:
-    names = _aliases(model)
+    names = parameter_names(model)
     shapes = {name: list(ref.shape) for ref in _refs(model) for name in names[ref.name]}
-    shapes.update({k: list(v.shape) for k, v in model.module.state_dict().items()})
+    shapes.update({k: list(v.shape) for k, v in model.module_state().items()})
     return shapes
 
 
@@ -275,7 +266,7 @@ def load_sharded(path: str | os.PathLike, model, optimizer: torch.optim.Optimize
     refuse_old_format(path, meta)
     _check_layout(path, model, shapes_of(meta))
     mesh, hybrid = _mesh(model)
-    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module.state_dict().items()}  # buffers: in place
+    sd: dict[str, Any] = {MODEL + k: v for k, v in model.module_state().items()}  # buffers: in place
     element = _element_keys(meta, {r.name: r.shape for r in _refs(model)}) if optimizer is not None else set()
     chunks: dict[tuple[int, str], torch.Tensor] = {}  # (unit, "" for the parameters or a state key) -> row chunks
 
@@ -350,7 +341,7 @@ def load_full_state(model, optimizer: torch.optim.Optimizer | None, model_state:
         raise ShardedCheckpointError(f"checkpoint {source} does not fit this model ({'; '.join(parts)}). Build the "
                                      "model with the configuration the checkpoint was saved with")
     with torch.no_grad():
-        for name, tensor in model.module.state_dict().items():  # buffers, frozen parameters
+        for name, tensor in model.module_state().items():  # buffers, frozen parameters
             tensor.copy_(model_state[name])
         for unit in model.units:
             unit.shard.copy_(_slice_shard(unit, lambda ref: model_state[ref.name], unit.shard.dtype))
@@ -397,12 +388,9 @@ def export_safetensors(model, path: str | os.PathLike) -> Path | None:
     as the DDP engine's ``model.safetensors`` and ``dptrain consolidate`` write them
     (:mod:`dptrain.utils.weights_file`).
     """
-    gathered = model.gathered_state()
+    state = model.full_state_dict()
     path = Path(path)
     if dist.get_rank() == 0:
-        state = dict(model.module.state_dict())  # buffers and frozen parameters: the trained ones live in the units
-        for first, names in _aliases(model).items():
-            state.update(dict.fromkeys(names, gathered[first]))
         save_state_file(state, path)
     dist.barrier()
     return path if dist.get_rank() == 0 else None

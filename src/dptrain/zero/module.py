@@ -65,6 +65,7 @@ from dptrain.zero.saved import pack_weight, unpack_weight
 from dptrain.zero.skipped import check_every_unit_reduced, reduce_in_order
 from dptrain.zero.timing import ShardedStepComm
 from dptrain.zero.unit import FlatUnit
+from dptrain.zero.visible import StateDictGuard, parameter_names
 
 __all__ = ["ZeRO"]
 
@@ -124,6 +125,13 @@ class ZeRO(nn.Module):
         self.units: list[FlatUnit] = build_units(module, refs, stage=stage, policies=policies, groups=groups,
                                                  context=self._context, device=self.device, group=process_group)
         self._shards = nn.ParameterList([u.shard for u in self.units])
+        self._guard = StateDictGuard(module)  # its parameters are placeholders now (visible.py)
+        # each sharded parameter's names (tied ones have several), and the other way
+        self.parameter_names = parameter_names(module, [ref for unit in self.units for ref in unit.refs])
+        self._sharded_names = {alias: first for first, names in self.parameter_names.items() for alias in names}
+        if stage < 3:  # module.weight reads the full buffer between steps, as it does after a forward
+            for unit in self.units:
+                unit.materialize(differentiable=False)
         self._sync_buffers_once(module)
         self._install_hooks()
         self._init_forward_state()
@@ -198,6 +206,25 @@ class ZeRO(nn.Module):
             for ref, (a, b) in zip(unit.refs, unit.offsets(), strict=True):
                 out[ref.name] = full[a:b].view(ref.shape).clone()
         return out
+
+    def module_state(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's state dict without its sharded parameters: buffers and frozen parameters, in place."""
+        with self._guard.open():
+            state = self.module.state_dict()
+        return {k: v for k, v in state.items() if k not in self._sharded_names}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the module's whole state dict in its own order, every parameter gathered (each rank a copy)."""
+        gathered = self.gathered_state()
+        with self._guard.open():
+            state = self.module.state_dict()
+        return {k: gathered[self._sharded_names[k]] if k in self._sharded_names else v for k, v in state.items()}
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Every rank, no collective: the shards cut from a full state dict (as :meth:`full_state_dict` gives it)."""
+        from dptrain.zero.checkpoint import load_full_state
+
+        load_full_state(self, None, state, None, "the state dict given")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Scale the gradient shards so that the norm of the *whole* gradient is at most ``max_norm``.
@@ -313,13 +340,12 @@ class ZeRO(nn.Module):
 
         Inside the forward the unit is gathered and kept until the end of forward;
         backward gathers it again through the saved-tensor hooks like any unit, and its
-        gradient from both uses is summed. Outside the forward it is an error.
+        gradient from both uses is summed. Outside the forward the read gets the parameter's
+        placeholder (``visible.py``), as ``module.parameters()`` does: torch's state-dict helpers
+        walk the module by name; the values are ``full_state_dict()``'s.
         """
         if not self._in_forward:
-            raise AttributeError(
-                f"ZeRO stage 3: parameter {name!r} ({type(module).__name__}.{attr}) is sharded across ranks "
-                "outside the forward, so it cannot be read here. Read full parameters with "
-                "model.gathered_state() (every rank must call it), or the shards with model.parameters()")
+            return module._parameters[attr]
         unit.materialize()
         if unit.reshard_after_forward:
             self._live[id(unit.full)] = unit

@@ -51,6 +51,7 @@ from dptrain.zero.policy import CommPolicy, ShardingPolicy
 from dptrain.zero.precision import MixedPrecision
 from dptrain.zero.reduction import CommContext, UnitReduction
 from dptrain.zero.timing import start_timing
+from dptrain.zero.visible import drop_view, set_view
 
 __all__ = ["ParamRef", "FlatUnit"]
 
@@ -227,7 +228,7 @@ class FlatUnit:
         for ref, view in zip(self.refs, parts, strict=True):
             view = view.view(ref.shape)
             for module, attr in ref.holders:
-                setattr(module, attr, view)
+                set_view(module, attr, view)
         return out
 
     def _before_concat(self, grad_outputs):
@@ -252,7 +253,7 @@ class FlatUnit:
             leaf.grad = grad.view(ref.shape)
             leaf.register_post_accumulate_grad_hook(self._arrived)
             for module, attr in ref.holders:
-                setattr(module, attr, leaf)
+                set_view(module, attr, leaf)
         self._accumulated = True
         self._waiting += len(self.refs)
         self._forwards += 1
@@ -297,8 +298,7 @@ class FlatUnit:
             return
         for ref in self.refs:
             for module, attr in ref.holders:
-                if attr in module.__dict__:
-                    delattr(module, attr)
+                drop_view(module, attr)
         self.full = None
 
     # ------------------------------------------------------------------ gradients
