@@ -10,10 +10,12 @@ submodule, ``module``, so ``named_parameters()`` and ``state_dict()`` are keyed
 ``module.<name>`` (torch's helpers give and take the bare names); ``state_dict()`` is the
 full model under every strategy (:meth:`~dptrain.strategies.protocol.DataParallelWrapper.full_state_dict`:
 ZeRO gathers its shards, so every rank calls it, as with FSDP's full state dict);
-``no_sync()`` is the strategy's. torch's ``__init__`` is not run (the strategy's wrapper is
-the engine, ``.wrapper``), so its reducer internals (``reducer``, ``logger``,
-``_get_ddp_logging_data()``) are absent; to ask which strategy runs, read
-``model.strategy`` (its registry entry), never the class.
+``no_sync()``, ``register_comm_hook()`` and ``join()`` are the strategy's (or refused by its
+name). torch's ``__init__`` is not run (the strategy's wrapper is the engine, ``.wrapper``), so
+every other name of torch's class is refused by name, default deny, as dptrain's own DDP class
+does ([Note: a subclass of torch's DDP that never runs torch's __init__],
+``dptrain/utils/subclass.py``). To ask which strategy runs, read ``model.strategy`` (its registry
+entry), never the class.
 """
 
 from __future__ import annotations
@@ -29,11 +31,17 @@ from torch.nn.modules.module import _IncompatibleKeys
 from dptrain.api.accumulation import AccumulationState
 from dptrain.api.loss_check import check_loss_not_divided
 from dptrain.strategies.registry import Strategy
+from dptrain.utils.subclass import refuse_unreviewed
 from dptrain.utils.tensors import map_tensors
 
 __all__ = ["PreparedModel"]
 
 _PREFIX = "module."
+# torch's names kept: they read only what this class sets (the dynamo hook reads a class attribute)
+_INHERITED = {"_active_ddp_module": "class attribute, never set here", "_get_active_ddp_module": "classmethod",
+              "_set_params_and_buffers_to_ignore_for_model": "static: marks names on a bare module",
+              "_get_data_parallel_params": "static: a module's parameters not marked ignored"}
+_INSTEAD = "the strategy's wrapper does the work (model.wrapper); ask its registry entry, model.strategy"
 
 
 class PreparedModel(nn.parallel.DistributedDataParallel):
@@ -127,3 +135,7 @@ class PreparedModel(nn.parallel.DistributedDataParallel):
         bare = {k[len(_PREFIX):] if k.startswith(_PREFIX) else k: v for k, v in state_dict.items()}
         self.wrapper.load_full_state_dict(bare)
         return _IncompatibleKeys([], [])
+
+
+refuse_unreviewed(PreparedModel, nn.parallel.DistributedDataParallel, owner="dptrain's prepared model",
+                  base_name="torch's DistributedDataParallel", inherited=_INHERITED, refused={}, default=_INSTEAD)

@@ -30,13 +30,13 @@ use instead (:func:`check_arguments`).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch.distributed as dist
 
 from dptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB
 from dptrain.ddp.compiled import TorchDDP
 from dptrain.ddp.errors import NotInitialisedError
+from dptrain.utils.subclass import Refused, own_names, refuse_unreviewed
+from dptrain.utils.subclass import overridden as overridden_before
 
 __all__ = ["INHERITED", "REFUSED", "refuse_the_rest", "refusal", "torch_names", "overridden", "check_arguments"]
 
@@ -84,54 +84,34 @@ _ONLY_VALUE = {
 }
 
 
-# Class plumbing of torch's class that is not DDP behaviour.
-_PLUMBING = {"__module__", "__doc__", "__annotations__", "__dict__", "__weakref__", "__abstractmethods__",
-             "_abc_impl", "__firstlineno__", "__static_attributes__", "__qualname__", "__parameters__",
-             "__orig_bases__", "__annotate__", "__annotate_func__", "__annotations_cache__"}
-
-
-class _Refused:
-    """A name of torch's class that dptrain's does not offer: reading it from an instance raises AttributeError."""
-
-    def __init__(self, name: str, instead: str):
-        self.name, self.instead = name, instead
-
-    def __get__(self, obj: Any, objtype: type | None = None) -> Any:
-        if obj is None:
-            return self
-        raise AttributeError(refusal_message(self.name, self.instead))
+_OWNER, _BASE = "dptrain's DistributedDataParallel", "torch"
 
 
 def refusal_message(name: str, instead: str) -> str:
-    return f"dptrain's DistributedDataParallel does not offer torch's {name!r}: {instead}"
+    return Refused(_OWNER, _BASE, name, instead).message
 
 
 def torch_names() -> list[str]:
     """Every name torch's class defines itself, less class plumbing."""
-    return [name for name in vars(TorchDDP) if name not in _PLUMBING]
+    return own_names(TorchDDP)
 
 
 def refuse_the_rest(cls: type) -> type:
     """Class decorator: every name of torch's class that ``cls`` neither overrides nor inherits on purpose
     (:data:`INHERITED`) is refused (:data:`REFUSED`, else as driving torch's reducer)."""
-    for name in torch_names():
-        if name in overridden(cls) or name in INHERITED:
-            continue
-        setattr(cls, name, _Refused(name, REFUSED.get(name, _NO_REDUCER)))
-    return cls
+    return refuse_unreviewed(cls, TorchDDP, owner=_OWNER, base_name=_BASE, inherited=INHERITED, refused=REFUSED,
+                             default=_NO_REDUCER)
 
 
 def overridden(cls: type) -> set[str]:
     """The names ``cls`` or a class before torch's in its MRO (a mixin such as ``GradSyncSwitch``) defines."""
-    mro = cls.__mro__
-    return {name for c in mro[:mro.index(TorchDDP)] for name, value in vars(c).items()
-            if not isinstance(value, _Refused)}
+    return overridden_before(cls, TorchDDP)
 
 
 def refusal(cls: type, name: str) -> str | None:
     """The message for a refused name of ``cls`` (nn.Module's ``__getattr__`` would replace it with its own)."""
     found = getattr(cls, name, None)
-    return refusal_message(found.name, found.instead) if isinstance(found, _Refused) else None
+    return found.message if isinstance(found, Refused) else None
 
 
 def check_arguments(unsupported: dict, bucket_cap_mb: float | None, device_ids) -> None:
