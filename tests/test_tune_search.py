@@ -103,8 +103,7 @@ def test_the_search_refuses_repeated_candidates_and_nonsense_budgets() -> None:
 
 
 def test_the_space_keeps_the_global_batch_and_gives_each_strategy_its_options() -> None:
-    stages = {"ddp": 0, "zero1": 1, "zero3": 3}
-    space = candidates(4, 32, ["ddp", "zero1", "zero3"], stages, buckets=[1.0, 25.0], codecs=["none", "bf16"])
+    space = candidates(4, 32, ["ddp", "zero1", "zero3"], buckets=[1.0, 25.0], codecs=["none", "bf16"])
     assert all(4 * c.micro_batch * c.accum == 32 for c in space)
     assert {c.micro_batch for c in space} == {1, 2, 4, 8}
     per_micro = [c for c in space if c.micro_batch == 8]
@@ -115,11 +114,11 @@ def test_the_space_keeps_the_global_batch_and_gives_each_strategy_its_options() 
     assert per_micro[-1].overrides() == ['ddp.strategy="zero3"', "train.micro_batch_size=8",
                                          "train.grad_accum_steps=1", "zero.shard_size=2"]
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
-        candidates(3, 32, ["ddp"], stages)
+        candidates(3, 32, ["ddp"])
     with pytest.raises(ValueError, match=r"micro-batches \[3\] do not divide"):
-        candidates(2, 32, ["ddp"], stages, micro_batches=[3])
+        candidates(2, 32, ["ddp"], micro_batches=[3])
     with pytest.raises(ValueError, match="keep the loss"):
-        candidates(2, 32, ["ddp"], stages, codecs=["topk"])
+        candidates(2, 32, ["ddp"], codecs=["topk"])
 
 
 def test_the_overheads_fit_recovers_known_terms_and_never_goes_negative() -> None:

@@ -39,7 +39,7 @@ from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.config import load_config
 from dptrain.optim.build import build_optimizer
 from dptrain.planner.from_config import plan_config
-from dptrain.strategies import get_strategy
+from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tasks import build_task
 from dptrain.testing import run_on_ranks
 from dptrain.zero.memory import state_bytes, storage_bytes
@@ -156,8 +156,8 @@ def table(result: dict) -> str:
 
 @bench_command(__doc__)
 @click.option("--world-size", type=int, default=2, help="ranks (processes on this machine)")
-@click.option("--strategies", cls=Variadic, type=click.Choice(["ddp", "zero1", "zero2", "zero3"]),
-              default=("ddp", "zero1", "zero2", "zero3"), help="the strategies to plan and measure")
+@click.option("--strategies", cls=Variadic, type=click.Choice(strategy_names(lambda s: s.planned)),
+              default=strategy_names(lambda s: s.planned), help="the strategies to plan and measure")
 @click.option("--precisions", cls=Variadic, type=click.Choice(["fp32", "bf16"]), default=("fp32", "bf16"),
               help="the precisions to plan and measure")
 @click.option("--steps", type=int, default=4, help="steps per measurement (the first reported apart)")

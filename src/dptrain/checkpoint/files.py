@@ -11,14 +11,14 @@ Layout of a run directory's ``checkpoints/``::
                         identity and its hash, and a sha256 of each file above
     step_00000200/ ...
 
-A ZeRO run (``ddp.strategy = "zero1" | "zero2" | "zero3"``) writes ``sharded/`` (every
+A run whose strategy's checkpoint layout is ``sharded`` (ZeRO's stages) writes ``sharded/`` (every
 rank's row chunks of the parameters and optimizer state as DTensors, in
 ``torch.distributed.checkpoint``'s format, loadable on any world size:
 :mod:`dptrain.zero.checkpoint`) instead of ``model.pt`` and ``optimizer.pt``;
 ``meta.json`` then says ``"format": "sharded"`` and holds a checksum of every file
 under ``sharded/`` too. Both use the same names for the same state, so a run may
-change between ddp and any ZeRO stage when it resumes (:mod:`dptrain.checkpoint.state`).
-A parameter-server run (``ddp.strategy = "ps"``) writes ``ps/`` instead: each server's
+change between a replicated and a sharded strategy when it resumes (:mod:`dptrain.checkpoint.state`).
+A parameter-server run (layout ``ps``) writes ``ps/`` instead: each server's
 shard and the workers' positions, ``"format": "ps"`` (:mod:`dptrain.ps.checkpoint`).
 
 **Atomic**: rank 0 writes into ``.step_00000200.tmp/`` and renames it to
@@ -58,7 +58,7 @@ import os
 import random
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -73,13 +73,12 @@ from dptrain.utils.files import UnsafePath, describe, inside, open_file, read_by
 
 __all__ = ["SHARDED", "CheckpointError", "save_checkpoint", "load_checkpoint", "find_latest", "scan_checkpoints",
            "verify_checkpoint", "verify_files", "prune_checkpoints", "reading", "remove_partial", "rng_state",
-           "set_rng_state", "fresh_dir", "check_readable"]
+           "set_rng_state", "fresh_dir", "check_readable", "layout_mismatch"]
 
 _NAME = re.compile(r"^step_([0-9]{8})$", re.ASCII)  # ASCII digits: \d would take other scripts' digits too
 META_LIMIT = 64 << 20  # bytes a meta.json may hold: a few KB in practice
 _FILES = ("model.pt", "optimizer.pt", "trainer.pt")
-_WRITTEN_BY = {"replicated": "ddp or gossip", "sharded": "zero1, zero2 or zero3", "ps": "ps"}  # format -> strategies
-_INTERCHANGEABLE = ("replicated", "sharded")  # the same names in two containers (strategies/state.py)
+_INTERCHANGEABLE = ("replicated", "sharded")  # the same names in two containers (checkpoint/state.py)
 
 
 class CheckpointError(ValueError):
@@ -198,17 +197,16 @@ def _staged_files(tmp: Path) -> list[str]:
     return sorted(names)
 
 
-def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
-                      global_batch_size: int, layout: str = "replicated") -> dict[str, Any]:
-    """``meta.json`` of the checkpoint at ``path`` once it is known to be intact and compatible."""
+def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str, global_batch_size: int,
+                      layout: str = "replicated", writers: Mapping[str, Sequence[str]] | None = None
+                      ) -> dict[str, Any]:
+    """``meta.json`` of the checkpoint at ``path`` once it is known to be intact and compatible with a run whose
+    strategy writes ``layout``. ``writers``: each layout's strategies, for the message on another layout (the
+    registry's ``checkpoint_writers()``, passed down: checkpoints sit below the strategies and know no name)."""
     meta = verify_files(path)
     saved_layout = meta.get("format", "replicated")
     if saved_layout != layout and {saved_layout, layout} != set(_INTERCHANGEABLE):
-        raise CheckpointError(
-            f"checkpoint {path} is {saved_layout} (written with ddp.strategy "
-            f"{_WRITTEN_BY.get(saved_layout, saved_layout)}) and this run's strategy "
-            f"writes {layout} checkpoints; resume with a strategy that reads it (ddp, gossip and zero1-3 read "
-            "each other's; ps only its own), or start afresh with another run_dir")
+        raise CheckpointError(layout_mismatch(path, saved_layout, layout, writers or {}))
     stored = meta.get("identity")
     saved = normalize_identity(stored if isinstance(stored, dict) else {})  # as computed now (older ones kept more)
     if meta.get("identity_hash") != identity_hash and hash_identity(saved) != identity_hash:
@@ -230,6 +228,25 @@ def verify_checkpoint(path: Path, identity: dict[str, Any], identity_hash: str,
             f"resolves to {global_batch_size}; the data position and learning rate would not continue. "
             "Keep the global batch (micro batch and accumulation may change with the world size)")
     return meta
+
+
+def layout_mismatch(path: Path, saved_layout: str, layout: str, writers: Mapping[str, Sequence[str]]) -> str:
+    """Why a run writing ``layout`` cannot resume the checkpoint at ``path`` of ``saved_layout``, and which strategies
+    can: those writing it, or either of the two interchangeable layouts (the same names in two containers)."""
+    readable = _INTERCHANGEABLE if saved_layout in _INTERCHANGEABLE else (saved_layout,)
+    readers = [name for kind in readable for name in writers.get(kind, ())]
+    by = writers.get(saved_layout)
+    written = f" (written with ddp.strategy {_listed(by, 'or')})" if by else ""
+    fix = (f"a strategy that reads it ({_listed(readers, 'or')})" if readers else
+           f"a strategy that writes {_listed(readable, 'or')} checkpoints")
+    return (f"checkpoint {path} is {saved_layout}{written} and this run's strategy writes {layout} checkpoints; "
+            f"resume with {fix}, or start afresh with another run_dir")
+
+
+def _listed(items: Sequence[str], conjunction: str) -> str:
+    """``a, b or c``."""
+    items = list(items)
+    return items[0] if len(items) == 1 else f"{', '.join(items[:-1])} {conjunction} {items[-1]}"
 
 
 def verify_files(path: Path, fix: str | None = None) -> dict[str, Any]:

@@ -1,7 +1,10 @@
 """The planning commands: ``dptrain plan``, ``simulate`` and ``explore`` (memory, step time, the interactive page).
 
-Each imports the planner inside its body, so ``dptrain --help`` stays free of torch.
-``dptrain.cli`` registers them on the ``dptrain`` group.
+Each imports the planner inside its body, so ``dptrain --help`` stays free of torch; for
+the same reason the strategies they take are not listed in the help but checked in the
+body against the planner's (``dptrain.planner.STRATEGIES``, the registry's planned
+entries), an unknown one named with a did-you-mean. ``dptrain.cli`` registers them on
+the ``dptrain`` group.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ __all__ = ["plan", "simulate", "explore", "check_params"]
 @click.option("--params", type=float, help="plan a bare parameter count instead of the config's model "
               "(model states and communication only)")
 @click.option("--world-sizes", default="1,2,4,8", show_default=True, help="data-parallel degrees, comma-separated")
-@click.option("--strategies", default="ddp,zero1,zero2,zero3", show_default=True,
-              help="strategies to plan, comma-separated: ddp, zero1, zero2, zero3 (ZeRO stages, docs/zero.md)")
+@click.option("--strategies", help="strategies to plan, comma-separated (default: every strategy the planner models; "
+              "docs/planner.md)")
 @click.option("--precisions", default="fp32,bf16", show_default=True,
               help="precisions to plan, comma-separated: fp32, bf16 (mixed precision: DDP under autocast, ZeRO "
                    "with bf16 parameters and fp32 master copies)")
@@ -37,8 +40,8 @@ __all__ = ["plan", "simulate", "explore", "check_params"]
 @click.option("--json", "json_path", type=click.Path(path_type=Path), help="write the plan as JSON here")
 @click.option("--plot", "plot_path", type=click.Path(path_type=Path), help="write a PNG of memory per rank here")
 def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | None, world_sizes: str,
-         strategies: str, precisions: str, device_memory: str | None, headroom: float | None, json_path: Path | None,
-         plot_path: Path | None) -> None:
+         strategies: str | None, precisions: str, device_memory: str | None, headroom: float | None,
+         json_path: Path | None, plot_path: Path | None) -> None:
     """Predict per-rank memory and bytes sent per step, before launch.
 
     \b
@@ -62,14 +65,16 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     from dptrain.planner.report import batch_rule, table, to_json
     from dptrain.planner.report import plot as plot_rows
     from dptrain.planner.target import plan_target
+    from dptrain.strategies.registry import did_you_mean
 
     sizes = int_list(world_sizes, "--world-sizes")
-    chosen = [s.strip() for s in strategies.split(",") if s.strip()]
+    chosen = list(STRATEGIES) if strategies is None else [s.strip() for s in strategies.split(",") if s.strip()]
     precs = [p.strip() for p in precisions.split(",") if p.strip()]
     for value, allowed, what in ((chosen, STRATEGIES, "--strategies"), (precs, PRECISIONS, "--precisions")):
         unknown = [v for v in value if v not in allowed]
         if unknown or not value:
-            raise click.BadParameter(f"{what}: unknown {unknown or value}; choose from {', '.join(allowed)}")
+            hint = did_you_mean(unknown[0], allowed) if unknown else ""
+            raise click.BadParameter(f"{what}: unknown {unknown or value}{hint}; choose from {', '.join(allowed)}")
     headroom = DEFAULT_HEADROOM if headroom is None else headroom
     try:
         budget = device_bytes(device_memory) if device_memory is not None else None
@@ -125,7 +130,8 @@ def check_params(params: float) -> None:
 @click.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config of the run to simulate")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (repeatable)")
-@click.option("--strategy", type=click.Choice(["ddp", "zero1", "zero2", "zero3"]), help="default: the config's")
+@click.option("--strategy", help="a strategy the planner models (default: the config's ddp.strategy; an unknown one "
+              "lists them)")
 @click.option("--networks", default="loopback,eth-10,eth-100,nvlink4+ib-ndr", show_default=True,
               help="network presets, comma-separated (dptrain simulate --list-networks)")
 @click.option("--bandwidth-gbit", type=float, help="a custom network instead: Gbit/s between hosts")
@@ -172,9 +178,11 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     give --profile flops --device-flops. See docs/simulator.md.
     """
     from dptrain.config import load_config
+    from dptrain.planner import STRATEGIES
     from dptrain.planner.from_config import simulate_config
     from dptrain.planner.network import PRESETS, Network, custom_link, network
     from dptrain.planner.report import batch_rule, plot_scaling, scaling_table, skip_lines
+    from dptrain.strategies import get_strategy
 
     if list_networks:
         for net in PRESETS.values():
@@ -201,7 +209,9 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
         else:
             nets = [network(name.strip()) for name in networks.split(",") if name.strip()]
         cfg = load_config(config_path, overrides)
-        result = simulate_config(cfg, sizes, strategy or cfg.ddp.strategy, nets, algorithm, profile, micro_batch,
+        strategy = strategy or cfg.ddp.strategy
+        get_strategy(strategy, among=STRATEGIES)  # before the model is built and timed
+        result = simulate_config(cfg, sizes, strategy, nets, algorithm, profile, micro_batch,
                                  device_flops, overlap=not no_overlap, compression=compression, overheads=overheads)
     except (ValueError, *bad_input()) as e:
         click.echo(f"dptrain simulate: {e}", err=True)

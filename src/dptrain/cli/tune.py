@@ -27,14 +27,15 @@ __all__ = ["tune"]
               "--rdzv-endpoint HOST:29500'); with --hosts and --per-host; files in --out must be shared")
 @click.option("--hosts", type=int, help="with --launcher: hosts")
 @click.option("--per-host", type=int, help="with --launcher: ranks per host")
-@click.option("--strategies", default="ddp,zero1,zero2,zero3", show_default=True,
-              help="strategies to consider (those the simulator models)")
+@click.option("--strategies", help="strategies to consider, comma-separated (default: every strategy the planner and "
+              "the simulator model)")
 @click.option("--micro-batches", help="micro-batch sizes per rank to consider, comma-separated (default: every "
               "divisor of the samples per rank)")
 @click.option("--buckets", default="1,4,25", show_default=True,
-              help="bucket sizes (MiB) for ddp and zero1-2, comma-separated")
+              help="bucket sizes (MiB) for the strategies with buckets, comma-separated")
 @click.option("--codecs", default="none", show_default=True,
-              help="ddp's gradient codecs to consider: none, fp16, bf16 (those that keep the loss)")
+              help="gradient codecs to consider where the strategy all-reduces whole gradients: none, fp16, bf16 "
+                   "(those that keep the loss)")
 @click.option("--shard-sizes", help="hybrid ZeRO shard sizes to consider (default: every proper divisor of the "
               "world size above 1; 0 for none)")
 @click.option("--memory-gib", type=float, help="memory budget per rank: candidates planned above it are not run")
@@ -52,7 +53,7 @@ __all__ = ["tune"]
               help="directory for the table, best.toml, the calibration and the trials (must not exist)")
 def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int | None, nproc: int | None,
          cluster_shape: str | None, bandwidth_gbit: float, launcher: str | None, hosts: int | None,
-         per_host: int | None, strategies: str, micro_batches: str | None, buckets: str, codecs: str,
+         per_host: int | None, strategies: str | None, micro_batches: str | None, buckets: str, codecs: str,
          shard_sizes: str | None, memory_gib: float | None, trials: int, rounds: int, exhaustive: bool, steps: int,
          warmup: int, trial_timeout: float, calibration_path: Path | None, out: Path) -> None:
     """Choose the configuration of a job: predicted by the calibrated simulator, confirmed by short runs.
@@ -63,16 +64,16 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
     dptrain tune --cluster 2x2 --bandwidth-gbit 1 --set gpt.n_layer=8   # the emulated cluster (root)
     dptrain tune --nproc 2 --exhaustive                     # measure every candidate
 
-    It enumerates strategy (ddp, zero1-3, hybrid ZeRO), micro-batch x accumulation at
-    the global batch, bucket size and codec; drops what the planner says does not fit
-    --memory-gib; ranks the rest by the simulator's step time on this machine's
+    It enumerates strategy (those the simulator models, and hybrid ZeRO), micro-batch x
+    accumulation at the global batch, bucket size and codec; drops what the planner says
+    does not fit --memory-gib; ranks the rest by the simulator's step time on this machine's
     calibrated links and overheads; runs the first --trials for --steps steps each; and
     writes OUT/best.toml (for dptrain run --config), the command, and OUT/tune.md, the
     table of every candidate. See docs/tune.md.
     """
     from dptrain.config import load_config
     from dptrain.planner.calibration import Calibration, CalibrationError
-    from dptrain.strategies import get_strategy
+    from dptrain.strategies import get_strategy, strategy_names
     from dptrain.tune.machine import Emulated, Launcher, Local
     from dptrain.tune.space import candidates
 
@@ -101,15 +102,14 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
         cfg = load_config(config_path, extra)
         batch = global_batch or cfg.train.global_batch_size or 32
         extra = [*extra, f"train.global_batch_size={batch}"]
-        names = [s.strip() for s in strategies.split(",") if s.strip()]
-        stages = {}
+        planned = strategy_names(lambda s: s.planned)
+        names = list(planned) if strategies is None else [s.strip() for s in strategies.split(",") if s.strip()]
         for name in names:
-            stage = get_strategy(name).zero_stage
-            if stage is None:
+            if not get_strategy(name).planned:
                 raise click.BadParameter(f"--strategies: {name!r} is not modelled by the simulator; choose among "
-                                         "ddp, zero1, zero2, zero3")
-            stages[name] = stage
-        space = candidates(machine.world_size, batch, names, stages,
+                                         f"{', '.join(planned)}")
+        options["strategies"] = ",".join(names)
+        space = candidates(machine.world_size, batch, names,
                            int_list(micro_batches, "--micro-batches") if micro_batches else None,
                            [float(b) for b in buckets.split(",") if b.strip()],
                            None if shard_sizes is None else [k for k in int_list(shard_sizes, "--shard-sizes") if k],

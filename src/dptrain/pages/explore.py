@@ -74,6 +74,13 @@ def _try(panel: str) -> str:
     return "".join(f'<div class="try"><b>Try this.</b> {html.escape(q)} {a}</div>' for q, a in TRY_THIS[panel])
 
 
+def _hybrids(data: dict) -> str:
+    """What each of the page's hybrid strategies is, in the registry's words (``HSDP is ZeRO-3 sharded over ...``)."""
+    labels = data["labels"]
+    return " ".join(f'{labels[name]} is {labels[h["of"]]} sharded over hosts of {h["shard"]} and replicated across '
+                    "them." for name, h in data["hybrid"].items())
+
+
 def _custom(prefix: str) -> str:
     return (f'<span id="{prefix}-custom" style="display:none" class="controls">'
             f'<label>latency α (µs)<input id="{prefix}-alpha" type="number" value="10" min="0" step="any"></label>'
@@ -112,7 +119,7 @@ by the DP degree, while activations stay per rank whatever the stage. {_docs_lin
 <div id="mem-lines" style="flex:1 1 480px"></div></div>
 <p class="small">Rank 0's bytes (it holds the largest shards). Parameters, gradients and optimizer state are exact, from
 the engines' own layout code; activations from a traced forward of one micro-batch; communication buffers are those
-alive in backward. HSDP is ZeRO-3 sharded over hosts of {data["hsdp_shard"]} and replicated across them. A total fits
+alive in backward. {_hybrids(data)} A total fits
 when it is at most the device's memory less the headroom, kept for what the plan does not count (the CUDA context,
 NCCL's buffers, the allocator's fragmentation), as <code>dptrain plan --device-memory --headroom</code> decides.</p>
 {_try("memory")}

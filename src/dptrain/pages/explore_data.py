@@ -3,7 +3,8 @@
 The page computes nothing of its own that could drift from dptrain's models:
 
 - **Memory** (the planner, :func:`~dptrain.planner.plan.plan_row`): for every model,
-  strategy (DDP, ZeRO-1/2/3, HSDP with one shard group per host of 8), precision,
+  strategy (the registry's planned ones: DDP, ZeRO-1/2/3 today; and HSDP, the one that
+  shards the most with one shard group per host of 8), precision,
   optimizer, micro-batch and DP degree on the grid, rank 0's parameters, gradients,
   optimizer state, buffers and communication buffers, and the activations (with and
   without checkpointing) of each way the forward computes. The page adds them up as
@@ -43,14 +44,22 @@ from dptrain.planner.layout import Setup, units
 from dptrain.planner.network import PRESETS
 from dptrain.planner.plan import plan_row
 from dptrain.planner.simulate import flops_profile
+from dptrain.strategies import get_strategy, strategy_names
 
 __all__ = ["Target", "PRESET_MODELS", "preset_target", "config_target", "DP_DEGREES", "explore_data",
            "setup_of", "optimizer_config"]
 
 DP_DEGREES = tuple(2 ** k for k in range(11))  # 1 .. 1024
-STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "hsdp")
+PLANNED = strategy_names(lambda s: s.planned)  # the registry's strategies the planner models
+# the DDP engine: the planned strategy that neither shards nor gives up buckets, whose timeline the scaling panel
+# replays and whose traffic the memory readout compares with
+BASELINE = next(n for n in PLANNED if not get_strategy(n).shards_parameters and get_strategy(n).buckets)
 HSDP_SHARD = 8  # one shard group per host of 8 devices
-HYBRID = {"hsdp": ("zero3", HSDP_SHARD)}  # the page's hybrid strategies: a registry strategy and its shard group
+# the page's hybrid strategies, a registry strategy and its shard group: HSDP is the one that shards the most
+HYBRID = {"hsdp": (max((n for n in PLANNED if get_strategy(n).shards_parameters),
+                       key=lambda n: get_strategy(n).zero_stage), HSDP_SHARD)}
+STRATEGIES = (*PLANNED, *HYBRID)
+LABELS = {**{n: get_strategy(n).label or n for n in PLANNED}, **{h: h.upper() for h in HYBRID}}  # as people write them
 PRECISIONS = ("fp32", "bf16")
 OPTIMIZERS = ("adamw", "sgd")
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -188,7 +197,7 @@ def _memory(target: Target, model: nn.Module, mode: FakeTensorMode, dp: tuple[in
                                   row.traffic.total])
                 states.setdefault(strategy, {}).setdefault(precision, {})[opt] = cells
     return {"activations": activations, "states": states,
-            "compute": {f"{s}/{p}": compute_mode("zero3" if s == "hsdp" else s, p) for s in STRATEGIES
+            "compute": {f"{s}/{p}": compute_mode(HYBRID.get(s, (s,))[0], p) for s in STRATEGIES
                         for p in PRECISIONS}}
 
 
@@ -213,7 +222,7 @@ def _scaling(target: Target, model: nn.Module, mode: FakeTensorMode, dp: tuple[i
         flops = flops_profile(model, batch, target.loss, 1.0)  # one sample's FLOPs: forward_s at 1 FLOP/s
     buckets: dict[str, list[list]] = {}
     for cap in BUCKET_CAPS:
-        setup = Setup("ddp", 1, "fp32", bucket_cap_mb=cap if cap else 1e-9)  # 1 byte: a bucket per parameter
+        setup = Setup(BASELINE, 1, "fp32", bucket_cap_mb=cap if cap else 1e-9)  # 1 byte: a bucket per parameter
         shown = []
         for unit in units(model, setup):
             ready = max((flops.ready.get(name, 1.0) for name in unit.names), default=1.0)
@@ -278,8 +287,10 @@ def explore_data(targets: list[Target], dp: tuple[int, ...] = DP_DEGREES,
                        "memory": _memory(target, model, mode, dp, micro_batches, notes),
                        "scaling": _scaling(target, model, mode, dp, costs)})
     progress("all-reduce costs")
-    return {"dp": list(dp), "strategies": list(STRATEGIES), "precisions": list(PRECISIONS),
-            "optimizers": list(OPTIMIZERS), "micro_batches": list(micro_batches), "hsdp_shard": HSDP_SHARD,
+    return {"dp": list(dp), "strategies": list(STRATEGIES), "labels": LABELS, "baseline": BASELINE,
+            "first": next(n for n in PLANNED if get_strategy(n).shards_parameters),  # the page opens on it
+            "hybrid": {name: {"of": base, "shard": shard} for name, (base, shard) in HYBRID.items()},
+            "precisions": list(PRECISIONS), "optimizers": list(OPTIMIZERS), "micro_batches": list(micro_batches),
             "bucket_caps": list(BUCKET_CAPS), "compression": list(COMPRESSION), "models": models,
             "costs": costs, "networks": _networks(), "all_reduce": _all_reduce_table(dp), "notes": notes,
             "devices": [{"name": d.name, "label": d.label, "bytes": d.bytes} for d in DEVICES.values()],

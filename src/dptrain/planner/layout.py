@@ -5,11 +5,14 @@ grouping code the engines run (the DDP engine's :func:`~dptrain.ddp.buckets.assi
 ZeRO's :func:`~dptrain.zero.grouping.bucket_groups` / :func:`~dptrain.zero.grouping.module_groups`
 and :func:`~dptrain.comm.topology.shard_range`) on a model built on the meta device, so
 a 70B model is laid out in seconds and the bytes come out exact, uneven shards included.
+It reaches that code through the registry (each planned entry's ``units``), never by
+importing a strategy's package.
 
-A :class:`Setup` names the strategy (``ddp``, ``zero1``, ``zero2``, ``zero3``), the
-world size, the precision and the engine options that change the layout.
-:func:`units` gives the strategy's communication units: the DDP engine's buckets, or
-ZeRO's flat units (stages 1-2: buckets; stage 3: one per unit module plus the root).
+A :class:`Setup` names a strategy the planner models (:data:`STRATEGIES`: the registry's
+``planned`` entries), the world size, the precision and the engine options that change
+the layout. :func:`units` gives the strategy's communication units: the DDP engine's
+buckets, or ZeRO's flat units (stages 1-2: buckets; stage 3: one per unit module plus
+the root).
 """
 
 from __future__ import annotations
@@ -21,16 +24,13 @@ import torch
 from torch import nn
 
 from dptrain.comm.topology import shard_range
-from dptrain.ddp.buckets import ParamInfo, ddp_bucket_layout
 from dptrain.strategies import get_strategy, strategy_names
-from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
-from dptrain.zero.hybrid import check_shard_size
+from dptrain.strategies.requirements import listed
 
 __all__ = ["STRATEGIES", "PRECISIONS", "Setup", "Unit", "units"]
 
-STRATEGIES = strategy_names(lambda s: s.zero_stage is not None)  # those the memory and traffic model covers
+STRATEGIES = strategy_names(lambda s: s.planned)  # those the memory and traffic model covers
 PRECISIONS = ("fp32", "bf16")
-ZERO_BUCKET_CAP_MB = 4.0  # ZeRO stages 1-2's default
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,7 @@ class Setup:
     reduces in ``reduce_dtype`` (fp32 by default, as ``dptrain run``'s ``zero.reduce_dtype``).
     The other fields are the engines' options that change the layout, with the engines'
     defaults (``bucket_cap_mb=None``: 25 MiB for DDP with a 1 MiB first bucket, 4 MiB
-    for ZeRO stages 1-2).
+    for ZeRO stages 1-2); each strategy's ``units`` takes those that apply to it.
     """
 
     strategy: str
@@ -67,9 +67,12 @@ class Setup:
         if self.bucket_cap_mb is not None and self.bucket_cap_mb <= 0:
             raise ValueError(f"bucket_cap_mb must be positive, got {self.bucket_cap_mb}")
         if self.shard_size is not None:
-            if self.stage == 0:
-                raise ValueError(f"shard_size {self.shard_size} (hybrid sharding) needs a ZeRO strategy")
-            check_shard_size(self.shard_size, self.world_size)
+            entry = get_strategy(self.strategy)
+            if not entry.shards_parameters:
+                sharding = listed(strategy_names(lambda s: s.planned and s.shards_parameters), "or")
+                raise ValueError(f"shard_size {self.shard_size} (hybrid sharding) needs a ZeRO strategy, one that "
+                                 f"shards: {sharding}, not {self.strategy!r}")
+            entry.check_shards(self.shard_size, self.world_size)
 
     @property
     def shards(self) -> int:
@@ -83,6 +86,7 @@ class Setup:
 
     @property
     def stage(self) -> int:
+        """What the memory and traffic formulas take the strategy to shard, as ZeRO's stages count (0: nothing)."""
         return get_strategy(self.strategy).zero_stage
 
     @property
@@ -111,24 +115,8 @@ class Unit:
 
 def units(model: nn.Module, setup: Setup) -> list[Unit]:
     """The strategy's units for ``model`` (any device, meta included), as the engine would build them."""
-    if setup.stage == 0:
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        params = [p for _, p in named]
-        infos = [ParamInfo(p.numel(), p.element_size(), p.dtype, p.device) for p in params]
-        buckets = ddp_bucket_layout(infos, setup.bucket_cap_mb, setup.last_bucket_cap_mb)
-        return [Unit(sum(params[i].numel() for i in b), params[b[0]].dtype, names=tuple(named[i][0] for i in b))
-                for b in buckets]
-    refs, _ = collect_params(model)
-
-    def key(ref):
-        return setup.split_by(ref.name, ref.tensor) if setup.split_by is not None else None
-
-    if setup.stage < 3:
-        cap = ZERO_BUCKET_CAP_MB if setup.bucket_cap_mb is None else setup.bucket_cap_mb
-        groups = bucket_groups(refs, cap, torch.device("meta"), key)
-    else:
-        groups = module_groups(model, refs, tuple(setup.unit_classes), setup.min_unit_numel, key)
-    return [Unit(sum(r.numel for r in members), members[0].tensor.dtype,
-                 resharded=setup.stage == 3 and setup.reshard_after_forward and owner is not None,
-                 names=tuple(r.name for r in members))
-            for owner, members in groups]
+    laid_out = get_strategy(setup.strategy).units(
+        model, bucket_cap_mb=setup.bucket_cap_mb, last_bucket_cap_mb=setup.last_bucket_cap_mb,
+        unit_classes=tuple(setup.unit_classes), min_unit_numel=setup.min_unit_numel,
+        reshard_after_forward=setup.reshard_after_forward, split_by=setup.split_by)
+    return [Unit(u.numel, u.dtype, resharded=u.resharded, names=u.names) for u in laid_out]

@@ -28,6 +28,7 @@ from dptrain.optim.onebit_freeze import onebit_notes
 from dptrain.optim.schedule import schedule_warnings
 from dptrain.runner.plan import RunPlan
 from dptrain.strategies import Strategy, get_strategy
+from dptrain.strategies.registry import checkpoint_writers
 from dptrain.strategies.requirements import check_features, check_optimizer_in_backward
 from dptrain.tasks import Task, architecture, build_task, run_name
 
@@ -89,7 +90,8 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     latest = found[-1][1] if found else None
     if latest is not None and cfg.checkpoint.resume:
         resume_from = latest
-        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, entry.checkpoint_layout)
+        meta = verify_checkpoint(resume_from, ident, ident_hash, plan.global_batch_size, entry.checkpoint_layout,
+                                 writers=checkpoint_writers())
         check_readable(resume_from, meta)
         _check_resume(entry, resume_from, meta, cfg, world_size)
     elif latest is not None:

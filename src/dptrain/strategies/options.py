@@ -5,13 +5,16 @@ the planner and the benchmarks turn a config into those arguments here (``*_opti
 so a setting means the same thing wherever it is read. Beside them, what each of these
 strategies alone checks and applies: ZeRO's hybrid shard size and its compressed
 reduce-scatter, the DDP engine's compression hook, the parameter server's layout, model,
-checkpoints and expendable workers. (A newer strategy keeps these with its entry:
+checkpoints and expendable workers. And the planner's view of the DDP engine and ZeRO
+(``*_units``): their communication units laid out by the engines' own grouping code, so
+the planner imports no strategy's package. (A newer strategy keeps these with its entry:
 ``registry.py``.)
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -21,8 +24,8 @@ from dptrain.compress.remedies import Remedies
 from dptrain.optim.build import decays
 
 __all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedies", "ddp_compression",
-           "zero_compression", "zero_check", "ps_check", "ps_check_model", "ps_check_resume", "ps_expendable",
-           "ps_program"]
+           "zero_compression", "zero_check", "zero_check_shards", "ps_check", "ps_check_model", "ps_check_resume",
+           "ps_expendable", "ps_program", "LaidOut", "ddp_units", "zero_units"]
 
 
 def ddp_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
@@ -106,13 +109,67 @@ def zero_compression(cfg, wrapper: nn.Module) -> Any:
 def zero_check(cfg, world_size: int) -> int:
     """``zero.shard_size`` (hybrid sharding) divides the world; every rank takes data."""
     if cfg.zero.shard_size:
-        from dptrain.zero.hybrid import check_shard_size
-
         try:
-            check_shard_size(cfg.zero.shard_size, world_size)
+            zero_check_shards(cfg.zero.shard_size, world_size)
         except ValueError as e:
             raise ValueError(f"zero.{e}, or 0 to shard over all ranks") from None
     return world_size
+
+
+def zero_check_shards(shard_size: int, world_size: int) -> None:
+    """Hybrid sharding's groups of ``shard_size`` ranks tile the world
+    (:func:`dptrain.zero.hybrid.check_shard_size`)."""
+    from dptrain.zero.hybrid import check_shard_size
+
+    check_shard_size(shard_size, world_size)
+
+
+class LaidOut(NamedTuple):
+    """One communication unit as the engine would build it, for the planner (its ``Unit``, field for field)."""
+
+    numel: int
+    dtype: torch.dtype
+    resharded: bool  # freed after forward and gathered again in backward (ZeRO-3's unit modules)
+    names: tuple[str, ...]  # its parameters' qualified names
+
+
+def ddp_units(model: nn.Module, *, bucket_cap_mb: float | None = None, last_bucket_cap_mb: float | None = None,
+              **others: Any) -> list[LaidOut]:
+    """The DDP engine's buckets for ``model`` (any device, meta included), by its own rule
+    (:func:`dptrain.ddp.buckets.ddp_bucket_layout`). ``others``: the other engines' options, which do not apply."""
+    from dptrain.ddp.buckets import ParamInfo, ddp_bucket_layout
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    infos = [ParamInfo(p.numel(), p.element_size(), p.dtype, p.device) for _, p in named]
+    return [LaidOut(sum(named[i][1].numel() for i in b), named[b[0]][1].dtype, False, tuple(named[i][0] for i in b))
+            for b in ddp_bucket_layout(infos, bucket_cap_mb, last_bucket_cap_mb)]
+
+
+def zero_units(stage: int) -> Callable[..., list[LaidOut]]:
+    """ZeRO's flat units for ``model`` at ``stage``, by its own grouping (:mod:`dptrain.zero.grouping`): stages
+    1-2 bucket the parameters (``bucket_cap_mb``; None: ZeRO's default), stage 3 makes a unit per unit module
+    (``unit_classes`` or ``min_unit_numel``) plus the root; ``split_by(name, tensor)`` keeps keys apart;
+    ``others``: the other engines' options, which do not apply."""
+    def units(model: nn.Module, *, bucket_cap_mb: float | None = None, unit_classes: tuple[type, ...] = (),
+              min_unit_numel: int | None = None, reshard_after_forward: bool = True,
+              split_by: Callable[[str, torch.Tensor], Hashable] | None = None, **others: Any) -> list[LaidOut]:
+        from dptrain.zero.grouping import bucket_groups, collect_params, module_groups
+        from dptrain.zero.policy import UnitPolicy
+
+        refs, _ = collect_params(model)
+
+        def key(ref):
+            return split_by(ref.name, ref.tensor) if split_by is not None else None
+
+        if stage < 3:
+            cap = UnitPolicy.bucket_cap_mb if bucket_cap_mb is None else bucket_cap_mb
+            groups = bucket_groups(refs, cap, torch.device("meta"), key)
+        else:
+            groups = module_groups(model, refs, tuple(unit_classes), min_unit_numel, key)
+        return [LaidOut(sum(r.numel for r in members), members[0].tensor.dtype,
+                        stage == 3 and reshard_after_forward and owner is not None, tuple(r.name for r in members))
+                for owner, members in groups]
+    return units
 
 
 def ps_check(cfg, world_size: int) -> int:

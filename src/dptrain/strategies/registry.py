@@ -24,6 +24,7 @@ from dptrain.compress.zero import ZERO_CODECS  # ZeRO's reduce-scatter runs thes
 from dptrain.strategies.options import (
     ddp_compression,
     ddp_options,
+    ddp_units,
     gossip_options,
     ps_check,
     ps_check_model,
@@ -31,11 +32,13 @@ from dptrain.strategies.options import (
     ps_expendable,
     ps_program,
     zero_check,
+    zero_check_shards,
     zero_compression,
     zero_options,
+    zero_units,
 )
 
-__all__ = ["Strategy", "REGISTRY", "get_strategy", "strategy_names"]
+__all__ = ["Strategy", "REGISTRY", "get_strategy", "strategy_names", "did_you_mean", "checkpoint_writers"]
 
 
 @dataclass(frozen=True)
@@ -44,8 +47,12 @@ class Strategy:
 
     Facts (each a capability, never a stand-in for a name):
 
-    - ``zero_stage``: 0 for replicated DDP, 1-3 for ZeRO, None where the planner's memory and
-      traffic model does not apply;
+    - ``zero_stage``: what the planner's memory and traffic formulas take it to shard, as ZeRO's
+      stages count: 0 nothing (every rank holds everything), 1 the optimizer state, 2 and the
+      gradients, 3 and the parameters; None where the planner has no model of it;
+    - ``planned``: the planner's memory and traffic model covers it (a property: its entry lays
+      out its communication units, ``units``, and has a ``zero_stage``), so ``dptrain plan``,
+      ``simulate``, ``tune`` and the pages can show it;
     - ``shards_parameters``: the wrapper replaces the parameters with shards, so an optimizer
       is built after wrapping and the gradient's norm is the wrapper's to take;
     - ``casts_itself``: the wrapper applies mixed precision itself (its own master weights),
@@ -79,10 +86,17 @@ class Strategy:
       built wrapper (a comm hook, or its own compressed reduce-scatter);
     - ``expendable(cfg, world_size) -> set[int]``: ranks whose death the run survives;
     - ``program(ctx)``: its own program (``own_loop``), given the runner's lifecycle
-      (:class:`~dptrain.runner.lifecycle.ProgramContext`); rank 0 returns the run's facts.
+      (:class:`~dptrain.runner.lifecycle.ProgramContext`); rank 0 returns the run's facts;
+    - ``units(model, *, bucket_cap_mb, last_bucket_cap_mb, unit_classes, min_unit_numel,
+      reshard_after_forward, split_by)``: its communication units for ``model`` (any device, meta
+      included) as its wrapper would build them, for the planner (None: not ``planned``); each takes
+      the options that apply to it and ignores the others;
+    - ``check_shards(shard_size, world_size)``: hybrid sharding's groups of ``shard_size`` ranks
+      checked against the world (a ValueError naming the divisors), for a strategy that shards.
 
     ``options_argument``: the keyword ``Engine`` and ``prepare()`` took its options by before
-    ``options=`` (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``), still accepted.
+    ``options=`` (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``), still accepted. ``label``:
+    its name as people write it (``DDP``, ``ZeRO-3``), for pages and tables; the name where empty.
     """
 
     name: str
@@ -101,6 +115,7 @@ class Strategy:
     optimizer_in_backward: bool = False
     roles: tuple[str, str] = ("ranks", "other ranks")  # what its ranks that take data, and the others, are called
     options_argument: str = ""
+    label: str = ""
     wrap: Callable[..., nn.Module] | None = None
     options: Callable[..., Any] | None = None
     check: Callable[[Any, int], int] | None = None
@@ -109,6 +124,18 @@ class Strategy:
     compression: Callable[[Any, nn.Module], Any] | None = None
     expendable: Callable[[Any, int], set[int]] | None = None
     program: Callable[[Any], Any] | None = None
+    units: Callable[..., list] | None = None
+    check_shards: Callable[[int, int], None] | None = None
+
+    def __post_init__(self):
+        if (self.units is not None) != (self.zero_stage is not None):
+            raise ValueError(f"strategy {self.name!r}: the planner needs both its units and its zero_stage, or "
+                             f"neither (units {'given' if self.units else 'none'}, zero_stage {self.zero_stage})")
+
+    @property
+    def planned(self) -> bool:
+        """The planner's memory and traffic model covers it (``dptrain plan``, ``simulate``, ``tune``, the pages)."""
+        return self.units is not None
 
     def accepts_codec(self, codec: str) -> bool:
         return codec == "none" or codec in self.codecs
@@ -118,21 +145,25 @@ class Strategy:
         return self.check(cfg, world_size) if self.check is not None else world_size
 
 
-def _keywords(options: Any) -> dict[str, Any]:
-    """A user's options: a dict of keyword arguments (what ``ddp_kwargs=`` carried), or none."""
+def _keywords(options: Any, name: str, takes: str) -> dict[str, Any]:
+    """A user's options as keyword arguments: a dict (what ``ddp_kwargs=`` carried), or none; anything else is a
+    TypeError naming the strategy ``name`` and what it ``takes``."""
     if options is None:
         return {}
     if isinstance(options, dict):
         return dict(options)
-    raise TypeError(f"options for this strategy are a dict of its wrapper's keyword arguments, got "
-                    f"{type(options).__name__}")
+    raise TypeError(f"strategy {name!r} takes {takes}, got {type(options).__name__}")
 
 
-def _wrap_ddp(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
-              output_dtype: torch.dtype | None = None) -> nn.Module:
-    from dptrain.ddp import DistributedDataParallel
+def _keywords_wrapper(name: str, module: str, wrapper: str) -> Callable[..., nn.Module]:
+    """``wrap`` for a wrapper taking its options as keyword arguments (``module:wrapper``), for strategy ``name``."""
+    def wrap(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
+             output_dtype: torch.dtype | None = None) -> nn.Module:
+        import importlib
 
-    return DistributedDataParallel(model, process_group=process_group, **_keywords(options))
+        keywords = _keywords(options, name, f"a dict of {wrapper}'s keyword arguments")
+        return getattr(importlib.import_module(module), wrapper)(model, process_group=process_group, **keywords)
+    return wrap
 
 
 def _zero_wrapper(stage: int) -> Callable[..., nn.Module]:
@@ -140,7 +171,7 @@ def _zero_wrapper(stage: int) -> Callable[..., nn.Module]:
              output_dtype: torch.dtype | None = None) -> nn.Module:
         from dptrain.zero import MixedPrecision, ZeRO
 
-        keywords = _keywords(options)
+        keywords = _keywords(options, f"zero{stage}", "a dict of ZeRO's keyword arguments (its policies among them)")
         reduce_dtype = keywords.pop("reduce_dtype", torch.float32)  # [zero] reduce_dtype: bf16's reductions
         if precision == "fp16":
             raise ValueError(f"precision fp16 is not supported with strategy zero{stage} (it needs a loss scaler "
@@ -154,16 +185,9 @@ def _zero_wrapper(stage: int) -> Callable[..., nn.Module]:
     return wrap
 
 
-def _wrap_gossip(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
-                 output_dtype: torch.dtype | None = None) -> nn.Module:
-    from dptrain.gossip.module import GossipDataParallel
-
-    return GossipDataParallel(model, process_group=process_group, **_keywords(options))
-
-
-def _policy_wrapper(module: str, wrapper: str, policy: str) -> Callable[..., nn.Module]:
-    """``wrap`` for a wrapper taking one options policy (``module:wrapper``, its policy class ``policy``), or its
-    fields as keywords."""
+def _policy_wrapper(name: str, module: str, wrapper: str, policy: str) -> Callable[..., nn.Module]:
+    """``wrap`` for strategy ``name``'s wrapper taking one options policy (``module:wrapper``, its policy class
+    ``policy``), or its fields as keywords."""
     def wrap(model: nn.Module, process_group=None, options: Any = None, precision: str = "fp32",
              output_dtype: torch.dtype | None = None) -> nn.Module:
         import importlib
@@ -171,7 +195,8 @@ def _policy_wrapper(module: str, wrapper: str, policy: str) -> Callable[..., nn.
         package = importlib.import_module(module)
         if isinstance(options, getattr(package, policy)):
             return getattr(package, wrapper)(model, options, process_group=process_group)
-        return getattr(package, wrapper)(model, process_group=process_group, **_keywords(options))
+        keywords = _keywords(options, name, f"a {policy} or a dict of {wrapper}'s keyword arguments")
+        return getattr(package, wrapper)(model, process_group=process_group, **keywords)
     return wrap
 
 
@@ -190,23 +215,25 @@ def _diloco_options(cfg, model: nn.Module, nodes: int) -> Any:
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
                     checkpoint_layout="sharded", casts_itself=True, codecs=ZERO_CODECS, buckets=stage < 3,
-                    options_argument="zero_kwargs", wrap=_zero_wrapper(stage),
+                    options_argument="zero_kwargs", label=f"ZeRO-{stage}", wrap=_zero_wrapper(stage),
                     options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage), check=zero_check,
-                    compression=zero_compression)
+                    compression=zero_compression, units=zero_units(stage), check_shards=zero_check_shards)
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("ddp", "replicated model, gradients all-reduced in buckets (the DDP engine)", zero_stage=0,
              shards_parameters=False, replicated_state=True, checkpoint_layout="replicated", codecs=CODECS,
              dynamic_batching=True, comm_hooks=True, optimizer_in_backward=True, options_argument="ddp_kwargs",
-             wrap=_wrap_ddp, options=ddp_options, compression=ddp_compression),
+             label="DDP", wrap=_keywords_wrapper("ddp", "dptrain.ddp", "DistributedDataParallel"),
+             options=ddp_options, compression=ddp_compression, units=ddp_units),
     _zero(1, "ZeRO-1: optimizer state sharded"),
     _zero(2, "ZeRO-2: optimizer state and gradients sharded"),
     _zero(3, "ZeRO-3: optimizer state, gradients and parameters sharded (FSDP)"),
     Strategy("gossip", "decentralized SGD: parameters mixed with neighbours, no global all-reduce (D-PSGD)",
              zero_stage=None, shards_parameters=False, replicated_state=False, checkpoint_layout="replicated",
              uncompressed="has none (it exchanges parameters with neighbours, not gradients)", buckets=False,
-             options_argument="gossip_kwargs", wrap=_wrap_gossip, options=gossip_options),
+             options_argument="gossip_kwargs",
+             wrap=_keywords_wrapper("gossip", "dptrain.gossip.module", "GossipDataParallel"), options=gossip_options),
     Strategy("ps", "parameter server: workers push gradients to server ranks and pull parameters (sync, async, "
              "SSP, backup workers)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="ps", uncompressed="sends fp32 gradients to its servers", own_loop=True, buckets=False,
@@ -215,13 +242,13 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("localsgd", "post-local SGD: the DDP engine for a warm-up, then local steps with the models averaged "
              "every H steps (Lin et al. 2020)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="replicated", uncompressed="averages the models uncompressed, every localsgd.period "
-             "steps", wrap=_policy_wrapper("dptrain.localsgd", "LocalSGD", "LocalSGDOptions"),
+             "steps", wrap=_policy_wrapper("localsgd", "dptrain.localsgd", "LocalSGD", "LocalSGDOptions"),
              options=_localsgd_options),
     Strategy("diloco", "DiLoCo: H local steps of the run's optimizer, then an outer Nesterov step on the averaged "
              "pseudo-gradients (Douillard et al. 2023)", zero_stage=None, shards_parameters=False,
              replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
              "all-reduce itself (diloco.compression)",
-             wrap=_policy_wrapper("dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options),
+             wrap=_policy_wrapper("diloco", "dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options),
 ]}
 
 
@@ -235,6 +262,18 @@ def get_strategy(name: str, among: tuple[str, ...] | None = None) -> Strategy:
     choices = among if among is not None else tuple(REGISTRY)
     if name in choices:
         return REGISTRY[name]
-    close = difflib.get_close_matches(str(name), choices, n=1)
-    hint = f" (did you mean {close[0]!r}?)" if close else ""
-    raise ValueError(f"unknown strategy {name!r}{hint}; choose one of {', '.join(choices)}")
+    raise ValueError(f"unknown strategy {name!r}{did_you_mean(name, choices)}; choose one of {', '.join(choices)}")
+
+
+def did_you_mean(name: str, choices: tuple[str, ...]) -> str:
+    """`` (did you mean 'zero3'?)`` for the choice closest to ``name``, case ignored (``DDP``, ``ZeRO-3``), or ''."""
+    lowered = {choice.lower(): choice for choice in choices}
+    close = difflib.get_close_matches(str(name).lower(), list(lowered), n=1)
+    return f" (did you mean {lowered[close[0]]!r}?)" if close else ""
+
+
+def checkpoint_writers() -> dict[str, tuple[str, ...]]:
+    """Each checkpoint layout and the strategies that write it, for the checkpoint layer's messages (it sits below
+    the registry and knows no strategy's name: its caller passes this down)."""
+    return {layout: strategy_names(lambda s, layout=layout: s.checkpoint_layout == layout)
+            for layout in dict.fromkeys(s.checkpoint_layout for s in REGISTRY.values())}

@@ -6,8 +6,9 @@
    and bytes (:func:`fit_probe`). On one host the two are the same link.
 2. **Overheads.** Short ``dptrain run`` jobs of three probe models (the built-in
    character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
-   is used for) under DDP with small and large buckets, ZeRO-1, ZeRO-3 and, where the world
-   allows, hybrid ZeRO-3; each probe's compute is timed on all ranks at once
+   is used for) under one planned strategy of each kind of step (:func:`probe_variants`:
+   DDP with small and large buckets, ZeRO-1, ZeRO-3 and, where the world allows, hybrid
+   ZeRO-3); each probe's compute is timed on all ranks at once
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
    fits the seven terms to what the timeline misses. Each probe runs ``rounds`` times,
@@ -32,6 +33,7 @@ from dptrain.planner.calibration import Calibration, ProbeRun, fit_overheads
 from dptrain.planner.from_config import setup_for
 from dptrain.planner.simulate import ComputeProfile, simulate_step
 from dptrain.planner.target import plan_target
+from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import Machine
 from dptrain.tune.trials import run_trial, write_config
@@ -44,13 +46,25 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
 
 
 def probe_variants(world_size: int, per_host: int) -> dict[str, list[str]]:
-    """The strategies each probe model runs under: many and few DDP buckets, ZeRO-1, ZeRO-3, hybrid ZeRO-3."""
-    out = {"ddp 0.25MiB": ['ddp.strategy="ddp"', "ddp.bucket_cap_mb=0.25"],
-           "ddp 25MiB": ['ddp.strategy="ddp"', "ddp.bucket_cap_mb=25"],
-           "zero1": ['ddp.strategy="zero1"'], "zero3": ['ddp.strategy="zero3"']}
+    """The strategies each probe model runs under: the first planned strategy of each kind of step the simulator
+    times apart (replicated or sharded, bucketed or per unit: DDP, ZeRO-1 and ZeRO-3 today), a replicated bucketed
+    one at many and at few buckets (the per-bucket overhead), a sharded one per unit also hybrid where the world
+    allows (a shard group per host)."""
+    kinds: dict[tuple[bool, bool], str] = {}
+    for name in strategy_names(lambda s: s.planned):
+        entry = get_strategy(name)
+        kinds.setdefault((entry.shards_parameters, entry.buckets), name)
     shard = per_host if 1 < per_host < world_size else None
-    if shard is not None:
-        out[f"zero3/hybrid{shard}"] = ['ddp.strategy="zero3"', f"zero.shard_size={shard}"]
+    out = {}
+    for (sharded, bucketed), name in kinds.items():
+        strategy = [f'ddp.strategy="{name}"']
+        if bucketed and not sharded:
+            out[f"{name} 0.25MiB"] = [*strategy, "ddp.bucket_cap_mb=0.25"]
+            out[f"{name} 25MiB"] = [*strategy, "ddp.bucket_cap_mb=25"]
+        else:
+            out[name] = strategy
+        if sharded and not bucketed and shard is not None:
+            out[f"{name}/hybrid{shard}"] = [*strategy, f"zero.shard_size={shard}"]
     return out
 
 

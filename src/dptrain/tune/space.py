@@ -4,13 +4,15 @@ At a fixed global batch B on N ranks, each rank processes B / N samples per step
 m samples per micro-step and B / (N m) micro-steps (every divisor m of B / N is a
 candidate, or those given). For each:
 
-- the strategies the planner and the simulator model (registry entries with a ZeRO
-  stage: ``ddp``, ``zero1``-``zero3``), each with the options that change its step:
-  DDP's and ZeRO-1/2's bucket size; ZeRO's hybrid sharding over groups of k ranks, for
+- the strategies the planner and the simulator model (the registry's ``planned``
+  entries: ``ddp``, ``zero1``-``zero3`` today), each with the options that change its
+  step, as its entry's facts say: the bucket size where it has buckets (``buckets``);
+  hybrid sharding over groups of k ranks where it shards (``shards_parameters``), for
   each proper divisor k of N (k = a host's ranks is the usual choice, docs/zero.md);
-- with ``ddp``, the gradient codecs given (``none`` by default): the codecs whose
-  convergence study kept the loss are ``fp16`` and ``bf16`` (docs/compression.md),
-  whose all-reduce is the uncompressed one at half the bytes.
+- where it all-reduces whole gradients (it does not shard) and takes the codec, the
+  gradient codecs given (``none`` by default): the codecs whose convergence study kept
+  the loss are ``fp16`` and ``bf16`` (docs/compression.md), whose all-reduce is the
+  uncompressed one at half the bytes (the simulator models a codec that way only).
 
 Strategies that change what is computed (local SGD, DiLoCo, the parameter server,
 gossip) are not candidates: the simulator has no model of them and their loss differs
@@ -21,6 +23,8 @@ win. Lossy codecs (int8, top-k, PowerSGD) are left out for the same reason.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from dptrain.strategies import get_strategy
 
 __all__ = ["Candidate", "candidates", "LOSS_KEEPING_CODECS", "divisors"]
 
@@ -66,12 +70,12 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(world_size: int, global_batch: int, strategies: list[str], stages: dict[str, int],
-               micro_batches: list[int] | None = None, buckets: list[float | None] = (None,),
-               shard_sizes: list[int] | None = None, codecs: list[str] = ("none",)) -> list[Candidate]:
+def candidates(world_size: int, global_batch: int, strategies: list[str], micro_batches: list[int] | None = None,
+               buckets: list[float | None] = (None,), shard_sizes: list[int] | None = None,
+               codecs: list[str] = ("none",)) -> list[Candidate]:
     """Every :class:`Candidate` of the space (the module's docstring), in a fixed order.
 
-    ``stages``: each strategy's ZeRO stage (0 for DDP), from the registry. ``shard_sizes``:
+    ``strategies``: registered names; what varies with each is its entry's facts. ``shard_sizes``:
     the hybrid shard sizes to try (None: every proper divisor of ``world_size`` above 1).
     A ValueError names what cannot be split.
     """
@@ -91,11 +95,11 @@ def candidates(world_size: int, global_batch: int, strategies: list[str], stages
     out: list[Candidate] = []
     for m in sorted(micros, reverse=True):
         for strategy in strategies:
-            stage = stages[strategy]
-            sized = buckets if stage in (0, 1, 2) else (None,)
-            for bucket in sized:
-                for codec in (codecs if stage == 0 else ("none",)):
+            entry = get_strategy(strategy)
+            coded = ("none",) if entry.shards_parameters else [c for c in codecs if entry.accepts_codec(c)]
+            for bucket in (buckets if entry.buckets else (None,)):
+                for codec in coded:
                     out.append(Candidate(strategy, m, per_rank // m, bucket, None, codec))
-                for k in (hybrid if stage else ()):
+                for k in (hybrid if entry.shards_parameters else ()):
                     out.append(Candidate(strategy, m, per_rank // m, bucket, k))
     return list(dict.fromkeys(out))

@@ -15,7 +15,8 @@
   const fmtRate = (x) => x >= 1e9 ? (x / 1e9).toFixed(2) + " G" : x >= 1e6 ? (x / 1e6).toFixed(2) + " M" : Math.round(x).toLocaleString("en-US");
   const fmtTime = (s) => s >= 1 ? s.toFixed(2) + " s" : s >= 1e-3 ? (s * 1e3).toFixed(2) + " ms" : (s * 1e6).toFixed(1) + " µs";
   const fmtCount = (n) => n >= 1e9 ? (n / 1e9).toFixed(2) + "B" : n >= 1e6 ? (n / 1e6).toFixed(1) + "M" : n >= 1e3 ? (n / 1e3).toFixed(1) + "K" : String(n);
-  const STRATEGY_LABEL = { ddp: "DDP", zero1: "ZeRO-1", zero2: "ZeRO-2", zero3: "ZeRO-3", hsdp: "HSDP" };
+  // the strategies, their labels, the hybrid ones and the baseline are the registry's, through explore_data.py
+  const label = (s) => D.labels[s];
   const plotConfig = { displaylogo: false, responsive: true };
   // plotly's toolbar stands upright in a right margin of its own, clear of the titles and legends
   const MODEBAR_MARGIN = 40;
@@ -28,7 +29,7 @@
   function memory(model, strategy, precision, optimizer, dp, microBatch, checkpointed) {
     const m = byName(model);
     const cell = m.memory.states[strategy][precision][optimizer][dpIndex(dp)];
-    if (cell == null) return null; // HSDP on one host
+    if (cell == null) return null; // a hybrid strategy on one host
     const compute = m.memory.compute[strategy + "/" + precision];
     const acts = m.memory.activations[String(microBatch)][compute];
     const activations = checkpointed ? acts[1] : acts[0];
@@ -159,7 +160,7 @@
     $("mem-dp-out").textContent = q.dp;
     $("mem-device-gib").style.display = $("mem-device").value === "custom" ? "" : "none";
     const rows = D.strategies.map((s) => memory(q.model, s, q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed));
-    const x = D.strategies.map((s) => STRATEGY_LABEL[s]);
+    const x = D.strategies.map(label);
     const traces = PARTS.map(([key, name, color]) => ({
       type: "bar", name, x, marker: { color, opacity: D.strategies.map((s) => s === q.strategy ? 1 : 0.45) },
       y: rows.map((r) => r == null ? null : (key === "other" ? r.buffers + (r.comm_buffers || 0) : r[key] || 0) / GiB),
@@ -167,10 +168,10 @@
     const tallest = Math.max(0, ...rows.map((r) => r == null ? 0 : (r.total != null ? r.total : r.model_states) / GiB));
     const offScale = q.device > 3 * tallest;  // a small model: draw the bars, say where the device's line is
     const line = offScale ? [] : [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }];
-    // a strategy without a bar (HSDP on one host) says why in its place
+    // a strategy without a bar (a hybrid one on one host) says why in its place
     const absent = D.strategies.filter((s, i) => rows[i] == null).map((s) => ({
-      x: STRATEGY_LABEL[s], xref: "x", y: 0.03, yref: "paper", yanchor: "bottom", showarrow: false,
-      text: STRATEGY_LABEL[s] + " needs DP ≥ " + 2 * D.hsdp_shard + "<br>(2 hosts of " + D.hsdp_shard + ")",
+      x: label(s), xref: "x", y: 0.03, yref: "paper", yanchor: "bottom", showarrow: false,
+      text: label(s) + " needs DP ≥ " + 2 * D.hybrid[s].shard + "<br>(2 hosts of " + D.hybrid[s].shard + ")",
       font: { size: 11, color: "#555" } }));
     const usableText = "usable: " + q.device.toFixed(2) + " GiB (" + (100 * q.headroom).toFixed(0) + "% headroom)";
     Plotly.react("mem-bars", traces, frame({
@@ -179,7 +180,7 @@
       title: { text: "memory per rank at DP " + q.dp, font: { size: 14 } }, shapes: line,
       annotations: [{ xref: "paper", x: 1, y: offScale ? 1.15 * tallest : q.device, text: usableText + (offScale ? " (above the scale)" : ""),
                       showarrow: false, xanchor: "right", yanchor: offScale ? "top" : "bottom", font: { color: "#b00" } }].concat(absent) }), plotConfig);
-    const lines = D.strategies.map((s) => ({ type: "scatter", mode: "lines+markers", name: STRATEGY_LABEL[s], x: D.dp,
+    const lines = D.strategies.map((s) => ({ type: "scatter", mode: "lines+markers", name: label(s), x: D.dp,
       y: D.dp.map((n) => { const r = memory(q.model, s, q.precision, q.optimizer, n, q.microBatch, q.checkpointed);
                            return r == null || r.total == null ? null : r.total / GiB; }),
       line: { width: s === q.strategy ? 3.5 : 1.5 } }));
@@ -189,22 +190,23 @@
       shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: q.device, y1: q.device, line: { dash: "dash", color: "#b00" } }],
       legend: { orientation: "h", y: -0.3 } }), plotConfig);
     const r = memory(q.model, q.strategy, q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed);
-    const ddp = memory(q.model, "ddp", q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed);
+    const base = memory(q.model, D.baseline, q.precision, q.optimizer, q.dp, q.microBatch, q.checkpointed);
     const out = $("mem-readout");
     if (r == null) {
-      out.innerHTML = "HSDP shards over hosts of " + D.hsdp_shard + " ranks and replicates across hosts: it needs more than " +
-        D.hsdp_shard + " ranks. Move DP above " + D.hsdp_shard + ".";
+      const shard = D.hybrid[q.strategy].shard;
+      out.innerHTML = label(q.strategy) + " shards over hosts of " + shard + " ranks and replicates across hosts: it needs more than " +
+        shard + " ranks. Move DP above " + shard + ".";
       return;
     }
     const budget = " " + fmtBytes(usable(q.deviceBytes, q.headroom)) + " (" + q.deviceLabel + ": " + fmtBytes(q.deviceBytes) +
       " less " + (100 * q.headroom).toFixed(0) + "% headroom for the CUDA context, NCCL's buffers and fragmentation)";
     const fit = r.total == null ? "" : fits(r.total, q.deviceBytes, q.headroom) ? " <b class=fits>fits</b> in" + budget
       : " <b class=nofit>does not fit</b> in" + budget;
-    out.innerHTML = "<b>" + STRATEGY_LABEL[q.strategy] + "</b> at DP <b>" + q.dp + "</b>: model states <b id=mem-states>" +
+    out.innerHTML = "<b>" + label(q.strategy) + "</b> at DP <b>" + q.dp + "</b>: model states <b id=mem-states>" +
       fmtBytes(r.model_states) + "</b> (parameters " + fmtBytes(r.parameters) + ", gradients " + fmtBytes(r.gradients) +
       ", optimizer " + fmtBytes(r.optimizer) + "), activations " + fmtBytes(r.activations) + ", total <b id=mem-total>" +
-      fmtBytes(r.total) + "</b> per rank;" + fit + ". Sends <b>" + fmtBytes(r.sent) + "</b> per step per rank (DDP: " +
-      fmtBytes(ddp.sent) + ").";
+      fmtBytes(r.total) + "</b> per rank;" + fit + ". Sends <b>" + fmtBytes(r.sent) + "</b> per step per rank (" + label(D.baseline) + ": " +
+      fmtBytes(base.sent) + ").";
     $("mem-model-note").textContent = byName(q.model).note + "; " + fmtCount(byName(q.model).params) + " parameters.";
   }
 
@@ -364,7 +366,7 @@
     const start = names.includes("7b") ? "7b" : names[names.length - 1];
     fill($("mem-model"), names, modelLabel, start);
     fill($("sc-model"), names, modelLabel, names.includes("gpt2-124m") ? "gpt2-124m" : names[0]);
-    fill($("mem-strategy"), D.strategies, (s) => STRATEGY_LABEL[s], "zero1");
+    fill($("mem-strategy"), D.strategies, label, D.first);
     fill($("mem-precision"), D.precisions, null, "bf16");
     fill($("mem-optimizer"), D.optimizers, null, "adamw");
     fill($("mem-mb"), D.micro_batches, null, D.micro_batches[0]);
