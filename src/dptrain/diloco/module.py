@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
 from dptrain.diloco.options import DiLoCoOptions
@@ -157,21 +158,57 @@ class DiLoCo(nn.Module):
         self.syncs += 1
         self.last_sync_s = time.perf_counter() - t0
 
-    def step_metrics(self) -> dict[str, float]:
+    def step_metrics(self) -> dict[str, Any]:
         """After the warm-up: bytes per inner step since the last call (what the outer steps sent, spread over the
-        steps), the steps since the last outer step, and the last one's time. Not a collective."""
+        steps), the steps since the last outer step, and the last one's time; and the fields every strategy that
+        meets every few steps reports (``dptrain.runner.metrics``): what its meetings are called, H, how many, and
+        DDP's bytes per step to compare with (its all-reduce of the gradients, in the parameters' dtype, by the
+        same ring as the outer step's fp32 one). Not a collective."""
         if self.steps <= self.options.warmup_steps:
             return {}
         m, self._metered = self._metered, {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
         steps = max(1, m["steps"])
+        gradient_bytes = sum(p.numel() * p.element_size() for p in self._params())
         return {"comm_bytes_per_step": m["raw"] / steps, "comm_compressed_bytes_per_step": m["payload"] / steps,
                 "comm_sent_bytes_per_step": m["sent"] / steps, "steps_since_sync": self.steps_since_sync,
-                "outer_steps": self.syncs, "sync_ms": 1e3 * self.last_sync_s}
+                "outer_steps": self.syncs, "sync_ms": 1e3 * self.last_sync_s,
+                "sync_name": "outer step", "sync_period": self.options.period, "syncs": self.syncs,
+                "gradient_bytes": gradient_bytes,
+                "gradient_sent_bytes": self.outer.sent_bytes * gradient_bytes // max(1, 4 * self.outer.weights.numel())}
 
-    def finish(self) -> None:
-        """Collective, after the last step: an incomplete last round ends with its outer step."""
-        if self.steps_since_sync:
+    def finish(self) -> str | None:
+        """Collective, after the last step: an incomplete last round ends with its outer step, so every replica holds
+        the global weights; buffers are rank 0's on every rank. Says so when it took that outer step."""
+        inner = self.steps_since_sync
+        if inner:
             self.sync()
+        if not self.in_warmup:
+            broadcast_buffers_(self.module, self.process_group)
+        if not inner:
+            return None
+        return (f"DiLoCo closed its last round with an outer step over its {inner} inner step(s): the weights kept "
+                "(model.safetensors) are the global weights after it; the last checkpoint holds those before it, "
+                "so that a longer run resumed from it continues exactly")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The global weights (as of the last outer step: an inner step since then is not the model yet), with rank
+        0's buffers; in the warm-up, the replicas' state (equal)."""
+        if self.in_warmup:
+            return self.module.state_dict()
+        state = consensus_state_dict(self.module, self.process_group)  # rank 0's buffers, every rank alike
+        weights = self.outer.weights.split(self.outer.sizes)
+        global_of = {id(p): w.view_as(p) for p, w in zip(self._params(), weights, strict=True)}
+        for key, live in self.module.state_dict(keep_vars=True).items():
+            if id(live) in global_of:
+                state[key] = global_of[id(live)].to(device=live.device, dtype=live.dtype, copy=True)
+        return state
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Every rank: the replicas and the global weights become ``state`` (the outer momentum is kept)."""
+        self.module.load_state_dict(state)
+        if not self.in_warmup:
+            self.outer.weights.copy_(torch.cat([p.detach().reshape(-1) for p in self._params()]).to(
+                self.outer.weights))
 
     @property
     def evaluation_module(self) -> nn.Module:

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain import comm
+from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
 from dptrain.localsgd.average import average_parameters
@@ -135,21 +136,39 @@ class LocalSGD(nn.Module):
         self._metered_averages += 1
         self.last_average_s = time.perf_counter() - t0
 
-    def step_metrics(self) -> dict[str, float]:
+    def step_metrics(self) -> dict[str, Any]:
         """After the warm-up: the averages' bytes per step since the last call (the step's communication), the
-        local steps since the last average, and the last average's time. Not a collective."""
+        local steps since the last average, and the last average's time; and the fields every strategy that meets
+        every few steps reports (``dptrain.runner.metrics``): what its meetings are called, H, how many, and DDP's
+        bytes per step to compare with (its all-reduce of the gradients: the parameters' bytes, by the same ring as
+        an average's). Not a collective."""
         if self.steps <= self.options.warmup_steps:
             return {}
         steps, self._metered_steps = max(1, self._metered_steps), 0
         (raw, averages), self._bytes, self._metered_averages = (self._bytes, self._metered_averages), 0, 0
         return {"comm_bytes_per_step": raw / steps, "comm_sent_bytes_per_step": averages * self._sent_per_average
                 / steps, "comm_compressed_bytes_per_step": 0, "local_steps": self.local_steps,
-                "average_ms": 1e3 * self.last_average_s}
+                "average_ms": 1e3 * self.last_average_s,
+                "sync_name": "averaging round", "sync_period": self.options.period, "syncs": self.averages,
+                "steps_since_sync": self.local_steps,
+                "gradient_bytes": sum(p.numel() * p.element_size() for p in self._params()),
+                "gradient_sent_bytes": self._sent_per_average}
 
     def finish(self) -> None:
-        """Collective, after the last step: the replicas averaged if they differ (the model to evaluate and keep)."""
+        """Collective, after the last step: the replicas averaged if they differ (the model to evaluate and keep);
+        after the warm-up, buffers are rank 0's on every rank."""
         if self.local_steps:
             self.average()
+        if self.steps > self.options.warmup_steps:
+            broadcast_buffers_(self.module, self.process_group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Collective: the replicas' mean, as :meth:`finish` would leave them, on a copy."""
+        return consensus_state_dict(self.module, self.process_group)
+
+    def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Every rank loads the same state: the replicas are equal again."""
+        self.module.load_state_dict(state)
 
     @property
     def evaluation_module(self) -> nn.Module:

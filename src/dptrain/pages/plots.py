@@ -1,5 +1,8 @@
 """Plots of a run: loss (and LR), throughput and step-time breakdown from ``metrics.jsonl``,
-and a timeline of the traced steps from ``trace.json`` (the picture of overlap).
+and a timeline of the traced steps from ``trace.json`` (the picture of overlap). The loss is
+marked where the strategy met (local SGD's averages, DiLoCo's outer steps: the loss jumps
+there) and, under live recovery, where a round failed and where a worker was healed
+(:func:`step_marks`, which report.html draws as well).
 
 Drawn with matplotlib's file-only Agg backend, so they work on machines without a display.
 ``python -m dptrain.pages.plots RUN_DIR`` redraws them from a finished or running run.
@@ -11,10 +14,15 @@ import json
 import sys
 from pathlib import Path
 
-from dptrain.runner.metrics import has_tokens
+from dptrain.live.records import read_live_logs
+from dptrain.runner.metrics import has_tokens, run_sync_steps
 from dptrain.utils.atomic import replacing
 
-__all__ = ["read_metrics", "plot_run", "plot_timeline", "spans_a_decade"]
+__all__ = ["read_metrics", "plot_run", "plot_timeline", "spans_a_decade", "step_marks", "MARK_STYLES"]
+
+# Each kind of mark: its legend entry, colour and line style, the same in loss.png and report.html.
+MARK_STYLES = {"sync": ("#7f7f7f", "dot"), "failure": ("#d62728", "dash"), "heal": ("#2ca02c", "dashdot")}
+MAX_MARKS = 100  # of one kind: more would hide the curve (local SGD averaging every step); the legend says so
 
 
 def read_metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -46,6 +54,7 @@ def plot_run(run_dir: Path, title: str = "") -> list[Path]:
     written = []
 
     fig, (ax, ax_lr) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True, height_ratios=[3, 1])
+    _draw_marks(ax, step_marks(run_dir, train))
     _draw_loss(ax, train, evals)
     ax.set_title(title or f"{run_dir.name}: loss")
     ax_lr.plot(steps, [r["lr"] for r in train], color="tab:green")
@@ -103,6 +112,59 @@ def _draw_loss(ax, train: list[dict], evals: list[dict]) -> None:
         more = ax_acc.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
     ax.legend(handles, labels)
+
+
+def step_marks(run_dir: Path, train: list[dict]) -> dict[str, dict]:
+    """Steps worth a vertical line, by kind: ``sync`` where the strategy met (the records' ``sync_`` fields,
+    :func:`dptrain.runner.metrics.run_sync_steps`), ``failure`` where a live round was aborted after a commit (the
+    first of a failure's rounds) and ``heal`` where a live worker was healed (``logs/live<r>.jsonl``). Each kind:
+    its ``name`` (the legend's), ``steps``, a hover ``text`` per step, and how many there were in all
+    (``count``: at most :data:`MAX_MARKS` are kept)."""
+    noun = next((r["sync_name"] for r in reversed(train) if "sync_name" in r), "sync")
+    syncs = [(s, f"{noun} at step {s}") for s in run_sync_steps(train)]
+    name = f"{noun}s"
+    failures, heals = _live_marks(run_dir)
+    marks = {}
+    for kind, label, found in (("sync", name, syncs), ("failure", "live: failed rounds", failures),
+                               ("heal", "live: heals", heals)):
+        if found:
+            kept = found[:MAX_MARKS]
+            marks[kind] = {"name": label if len(found) == len(kept) else f"{label} (the first {len(kept)} of "
+                           f"{len(found)})", "steps": [s for s, _ in kept], "text": [t for _, t in kept],
+                           "count": len(found)}
+    return marks
+
+
+def _live_marks(run_dir: Path) -> tuple[list[tuple[int, str]], list[tuple[int, str]]]:
+    """(failures, heals) of a live run's logs, as (step, text): a failure is the first aborted round after a
+    commit, at the step it attempted; a heal, where a worker received the state, at the step it then took."""
+    rounds: dict[int, dict] = {}
+    heals = []
+    for replica, records in sorted(read_live_logs(run_dir).items()):
+        for r in records:
+            if isinstance(r.get("round"), int):
+                rounds.setdefault(r["round"], r)
+            if r.get("heal_received") and isinstance(r.get("step"), int):
+                heals.append((r["step"], f"replica {replica} healed before step {r['step']}: "
+                                         f"{r['heal_received'] / 2**20:.1f} MiB in {r.get('heal_s', 0):.2f} s"))
+    failures, failing = [], False
+    for _, r in sorted(rounds.items()):
+        if not r.get("commit") and not failing:
+            why = f": {r['error'][:120]}" if r.get("error") else ""
+            failures.append((r["step"], f"round {r['round']} aborted at step {r['step']} "
+                                        f"(members {', '.join(map(str, r.get('members', [])))}){why}"))
+        failing = not r.get("commit")
+    return failures, sorted(heals)
+
+
+def _draw_marks(ax, marks: dict[str, dict]) -> None:
+    """Each mark a thin vertical line, one legend entry per kind."""
+    dashes = {"dot": ":", "dash": "--", "dashdot": "-."}
+    for kind, mark in marks.items():
+        color, dash = MARK_STYLES[kind]
+        for i, step in enumerate(mark["steps"]):
+            ax.axvline(step, color=color, linestyle=dashes[dash], linewidth=0.8, alpha=0.7,
+                       label=mark["name"] if i == 0 else None)
 
 
 def spans_a_decade(values: list[float]) -> bool:

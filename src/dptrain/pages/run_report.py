@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from dptrain.pages.html import asset, document, json_script, plotly_script, write_page
+from dptrain.pages.plots import MARK_STYLES
 from dptrain.pages.run_report_data import MiB, loss_spans_decades, report_data
 
 __all__ = ["write_run_report", "try_write_run_report", "render", "figures", "main"]
@@ -66,8 +67,9 @@ def _title(run_dir: Path, summary: dict | None) -> tuple[str, str]:
     """The page's heading and the line under it."""
     if summary is None:
         return f"run report: {run_dir.name}", "unfinished: no summary.json yet"
+    strategy = f", strategy {summary['strategy']}" if summary.get("strategy") else ""
     return (f"run report: {run_dir.name}",
-            f"{summary['task']} on {summary['world_size']} x {summary['device']}, {summary['steps']} steps")
+            f"{summary['task']} on {summary['world_size']} x {summary['device']}{strategy}, {summary['steps']} steps")
 
 
 def render(data: dict[str, dict], title: tuple[str, str], plotly_tag: str | None = None) -> str:
@@ -114,7 +116,7 @@ def _memory_tables(m: dict) -> str:
     intro = (f'<p class="notice">dptrain plan for this run: {m["strategy"]} on {m["world_size"]} ranks, '
              f'{m["precision"]}, micro-batch {m["micro_batch"]}; the plan is rank 0\'s (it holds the largest '
              "shards). Measured: each rank's peak of live tensors, and its resident set (libraries and "
-             "allocator slack included).</p>")
+             f"allocator slack included). {html.escape(m.get('note', ''))}</p>")
     parts = "".join(f"<tr><td>{label}</td><td>{_mib(m['bytes'][key] / MiB)}</td></tr>" for key, label in PLAN_PARTS)
     plan = (f'<table class="data" id="memory-plan"><tr><th>planned, rank 0</th><th>MiB</th></tr>{parts}'
             f'<tr class="total"><td>total</td><td>{_mib(m["total_mb"])}</td></tr></table>')
@@ -195,6 +197,8 @@ def _loss_figure(s: dict, log_loss: bool):
                                  line_color="#ff7f0e"), row=1, col=1)
     fig.add_trace(go.Scatter(x=s["step"], y=s["lr"], name="learning rate", mode=mode, line_color="#2ca02c"),
                   row=2, col=1)
+    for trace in _mark_traces(s.get("marks", {}), s["loss"] + s["val_loss"]):
+        fig.add_trace(trace, row=1, col=1)
     fig.update_yaxes(title_text="loss", type="log" if log_loss else "linear", row=1, col=1)
     fig.update_yaxes(title_text="learning rate", exponentformat="e", row=2, col=1)
     return fig
@@ -211,9 +215,31 @@ def _throughput_figure(s: dict):
                              "#d62728"), ("other_ms", "other (data, logging)", "#7f7f7f")):
         fig.add_trace(go.Scatter(x=s["step"], y=s[key], name=f"{name} ms", mode="lines", stackgroup="ms",
                                  line_color=color), row=2, col=1)
+    for trace in _mark_traces(s.get("marks", {}), s["rate"], legend=False):  # named in the loss plot's legend
+        fig.add_trace(trace, row=1, col=1)
     fig.update_yaxes(title_text=f"{unit} (global)", rangemode="tozero", row=1, col=1)
     fig.update_yaxes(title_text="ms per step (slowest rank)", row=2, col=1)
     return fig
+
+
+def _mark_traces(marks: dict[str, dict], values: list[float | None], legend: bool = True) -> list:
+    """Each kind of :func:`~dptrain.pages.plots.step_marks` as one trace of vertical lines over ``values``' range (a
+    strategy's meetings, live recovery's failures and heals), the mark's text on hover."""
+    import plotly.graph_objects as go
+
+    finite = [v for v in values if v is not None]
+    if not finite:
+        return []
+    low, high = min(finite), max(finite)
+    traces = []
+    for kind, mark in marks.items():
+        color, dash = MARK_STYLES[kind]
+        ends = list(zip(mark["steps"], mark["text"], strict=True))
+        traces.append(go.Scatter(
+            x=[x for step, _ in ends for x in (step, step, None)], y=[y for _ in ends for y in (low, high, None)],
+            hovertext=[t for _, text in ends for t in (text, text, None)], hoverinfo="text", mode="lines",
+            name=mark["name"], legendgroup=kind, showlegend=legend, line=dict(color=color, dash=dash, width=1)))
+    return traces
 
 
 def _memory_figure(m: dict):

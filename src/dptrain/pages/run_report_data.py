@@ -1,9 +1,10 @@
 """What a run's ``report.html`` shows, as plain data read from the run's own files.
 
 Four sections, each computed on its own so that a missing or broken input costs its
-section only, never the page or the run: the per-step series of ``metrics.jsonl``, the
-traced spans of ``trace.json``, the summary's headline numbers, and the planner's
-prediction for the run's own config beside the measured peaks. A section that cannot be
+section only, never the page or the run: the per-step series of ``metrics.jsonl`` (with
+the steps to mark on the charts: the strategy's meetings, live recovery's failures and
+heals), the traced spans of ``trace.json``, the summary's headline numbers, and the
+planner's prediction for the run's own config beside the measured peaks. A section that cannot be
 had is replaced by the one line that says why (:class:`Unavailable`, or the error).
 """
 
@@ -15,13 +16,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dptrain.pages.plots import read_metrics
+from dptrain.pages.plots import read_metrics, step_marks
 from dptrain.planner import PRECISIONS, STRATEGIES
 from dptrain.runner.report import summary_rows
 from dptrain.strategies import get_strategy
 
 __all__ = ["Unavailable", "report_data", "metric_series", "loss_spans_decades", "timeline_spans", "summary_rows",
-           "plan_vs_measured"]
+           "plan_vs_measured", "no_trace_why"]
 
 MiB = 2**20
 
@@ -37,10 +38,9 @@ def report_data(run_dir: Path, summary: dict | None, cfg) -> dict[str, dict]:
     not finished); ``cfg``: the run's resolved config, planned at the run's world size.
     """
     run_dir = Path(run_dir)
-    metrics = run_dir / "metrics.jsonl"
     return {
-        "series": _section(lambda: metric_series(*_metrics(metrics))),
-        "timeline": _section(lambda: timeline_spans(run_dir / "trace.json")),
+        "series": _section(lambda: _series(run_dir)),
+        "timeline": _section(lambda: timeline_spans(run_dir / "trace.json", no_trace_why(cfg, summary))),
         "summary": _section(lambda: summary_rows(_finished(summary))),
         "memory": _section(lambda: plan_vs_measured(cfg, _finished(summary))),
     }
@@ -54,6 +54,24 @@ def _section(build: Callable[[], Any]) -> dict:
     except Exception as e:  # the page shows what went wrong in its place; the other sections still render
         first = (str(e).strip().splitlines() or [""])[0]
         return {"why": f"{type(e).__name__}: {first}"}
+
+
+def _series(run_dir: Path) -> dict[str, Any]:
+    train, evals = _metrics(run_dir / "metrics.jsonl")
+    return {**metric_series(train, evals), "marks": step_marks(run_dir, train)}
+
+
+def no_trace_why(cfg, summary: dict | None) -> str:
+    """Why a run left no ``trace.json``, from its config (and where it started, for a resumed run)."""
+    log, steps, start = cfg.log, cfg.train.steps, (summary or {}).get("start_step", 0)
+    first = log.trace_start + start
+    if not log.trace_steps:
+        return "no timeline: the run traced no step (log.trace_steps = 0)"
+    if first > steps:
+        resumed = f" (log.trace_start = {log.trace_start}, counted from step {start}, where it resumed)" if start \
+            else f" (log.trace_start = {log.trace_start})"
+        return f"no timeline: the run ended at step {steps}, before its first traced step {first}{resumed}"
+    return f"no timeline: steps {first}-{first + log.trace_steps - 1} were to be traced; the run wrote no trace.json"
 
 
 def _metrics(path: Path) -> tuple[list[dict], list[dict]]:
@@ -103,17 +121,16 @@ def loss_spans_decades(losses: list[float | None]) -> bool:
     return bool(positive) and max(positive) > 10 * min(positive)
 
 
-def timeline_spans(trace_path: Path) -> dict[str, list]:
+def timeline_spans(trace_path: Path, missing: str = "no timeline: the run wrote no trace.json") -> dict[str, list]:
     """The traced steps' spans, one row per (rank, track) in Perfetto's order, times in ms since the first span.
 
     Each span: its ``row`` label ("rank 0: compute", "rank 1: bucket 2 (0.03 MiB)"), ``name``, ``kind``
     (the legend entry: every bucket's all-reduce is one kind), ``start_ms``, ``dur_ms`` and ``detail``
     (the bucket's bytes, the micro-step). The step spans that enclose them are left out, as in
-    ``timeline.png``.
+    ``timeline.png``. ``missing``: what to say when there is no trace (:func:`no_trace_why`).
     """
     if not trace_path.is_file():
-        raise Unavailable("no timeline: no step was traced (log.trace_steps = 0, or the run ended before "
-                          "log.trace_start)")
+        raise Unavailable(missing)
     try:
         events = json.loads(trace_path.read_text())["traceEvents"]
     except (ValueError, KeyError, TypeError) as e:
@@ -161,7 +178,18 @@ def plan_vs_measured(cfg, summary: dict) -> dict[str, Any]:
     total_mb = plan["bytes"]["total"] / MiB
     ranks = [{"rank": r, "peak_tensor_mb": t, "peak_rss_mb": rss, "ratio": None if t is None else t / total_mb}
              for r, (t, rss) in enumerate(zip(summary["peak_tensor_mb_per_rank"], summary["peak_rss_mb_per_rank"], strict=True))]
-    return {**plan, "total_mb": total_mb, "ranks": ranks}
+    return {**plan, "total_mb": total_mb, "ranks": ranks, "note": _measured_where(summary, len(ranks))}
+
+
+def _measured_where(summary: dict, measured: int) -> str:
+    """Where fewer ranks were measured than ran: a live run's replica 0 alone, and why."""
+    if measured >= summary["world_size"] or not summary.get("live"):
+        return ""
+    rss = summary["live"].get("peak_rss_mb_by_replica") or []
+    others = (" Their peak resident MiB, from logs/live<r>.jsonl: " + ", ".join(
+        f"replica {r}: {'-' if m is None else f'{m:,.0f}'}" for r, m in enumerate(rss)) + ".") if rss else ""
+    return (f"Measured on replica 0 of {summary['world_size']} only: it keeps the run's records, and the replicas of "
+            f"a live run share no process group to gather the others' in.{others}")
 
 
 def planned_bytes(cfg, world_size: int) -> dict[str, Any]:
@@ -169,7 +197,7 @@ def planned_bytes(cfg, world_size: int) -> dict[str, Any]:
     from dptrain.planner.from_config import plan_config  # here: a report without a plan does not pay for it
 
     strategy, precision = cfg.ddp.strategy, cfg.train.precision
-    if get_strategy(strategy).zero_stage is None:  # the planner's memory and traffic model does not cover it
+    if not get_strategy(strategy).planned:  # the planner's memory and traffic model does not cover it
         raise Unavailable(f"no plan: dptrain plan covers the strategies {', '.join(STRATEGIES)}; "
                           f"this run's is {strategy}")
     if precision not in PRECISIONS:

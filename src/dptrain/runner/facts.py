@@ -4,7 +4,10 @@ Every strategy's run is described by the same fields; where one has more to say 
 parameter server's roles and its servers' reports), it says it in ``layout`` (how the
 ranks were used, one line), ``strategy_rows`` (its own lines of the summary) and
 ``strategy_report`` (its raw report, kept in ``summary.json`` under the strategy's name).
-Nothing that reads the record asks which strategy wrote it.
+A strategy that meets every few steps (local SGD, DiLoCo) says it in its metrics records
+instead, and the summary adds its rows from them (:func:`dptrain.runner.report.sync_rows`:
+its period, its meetings, its bytes against DDP's). Nothing that reads the record asks which
+strategy wrote it.
 """
 
 from __future__ import annotations

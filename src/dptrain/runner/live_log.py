@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 from dptrain.live.manager import Attempt, LiveManager
+from dptrain.runner.metrics import peak_rss_mb
 from dptrain.utils.files import open_file
 
 __all__ = ["LiveLog", "process_start"]
@@ -47,9 +48,11 @@ class LiveLog:
     def attempt(self, attempt: Attempt, step: int, committed: bool, recovery: float | None, manager: LiveManager,
                 held_hash: bytes | None) -> None:
         """The attempt, its round and decision, a heal's bytes and seconds, the error that aborted it, the recovery
-        it ended, and (every ``live.check_every`` steps) the state's hash."""
+        it ended, (every ``live.check_every`` steps) the state's hash, and this worker's peak resident MiB so far
+        (the summary's memory of every replica: they share no process group to gather it in)."""
         quorum = attempt.quorum
-        record = {"round": quorum.round, "step": step, "members": list(quorum.replicas), "commit": committed}
+        record = {"round": quorum.round, "step": step, "members": list(quorum.replicas), "commit": committed,
+                  "peak_rss_mb": round(peak_rss_mb(), 1)}
         if attempt.heal_sent or attempt.heal_received:
             record.update(heal_sent=attempt.heal_sent, heal_received=attempt.heal_received,
                           heal_s=round(attempt.heal_s, 4))

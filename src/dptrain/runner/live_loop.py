@@ -28,6 +28,7 @@ bytes and seconds of a heal, the seconds from a failure to the next commit.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -48,7 +49,7 @@ from dptrain.runner.facts import RunFacts
 from dptrain.runner.hooks import Hooks, RunContext, StepHook
 from dptrain.runner.hooks.checkpoint import EvalCheckpointHook
 from dptrain.runner.hooks.guard import FaultHook, HeartbeatHook, SkipHook
-from dptrain.runner.hooks.metrics import MetricsHook, strategy_record
+from dptrain.runner.hooks.metrics import MetricsHook, TraceHook, strategy_record
 from dptrain.runner.lifecycle import open_sink, run_fault
 from dptrain.runner.live_log import LiveLog
 from dptrain.runner.live_state import ReplicaState, step_seed
@@ -117,7 +118,9 @@ def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbea
         manager.liveness.stop()
     facts = None
     if writer:
-        facts = dataclasses.replace(_save_final_weights(run, wall0), live=live_totals(read_live_logs(rp.run_dir)))
+        logs = read_live_logs(rp.run_dir)
+        live = {**live_totals(logs), "peak_rss_mb_by_replica": _peak_rss(logs, env.world_size)}
+        facts = dataclasses.replace(_save_final_weights(run, wall0), live=live)
         manager.store.set(DONE_KEY, "1")
     manager.close()
     log.close()
@@ -136,16 +139,18 @@ def _rounds(run: RunContext, manager: LiveManager, replica: ReplicaState, hooks:
             live_log.healed_at_end(attempt)
             continue
         step, times = quorum.step + 1, None
-        if attempt.ok:
-            seed_everything(step_seed(cfg.train.seed, run.env.rank, step))
-            batches = replica.enter(quorum)
-            hooks.begin_step(step)
-            times = timed_backward(engine, run.rp.task, iter(batches))
-            if times.comm is not None:  # a ring all-reduce's share: each member sends 2 (k - 1) / k of a bucket
-                times.comm.sent_bytes = manager.hook.bytes * 2 * (quorum.size - 1) // quorum.size
-            _fault_before_vote(run, step)
-        committed = manager.vote(attempt, attempt.ok)
-        info = _apply(engine, times) if committed else engine.drop_window()
+        with contextlib.ExitStack() as measuring:  # the step's backward and optimizer (replica 0's tensor peak)
+            if attempt.ok:
+                seed_everything(step_seed(cfg.train.seed, run.env.rank, step))
+                batches = replica.enter(quorum)
+                hooks.begin_step(step)
+                measuring.enter_context(hooks.measuring(step))
+                times = timed_backward(engine, run.rp.task, iter(batches))
+                if times.comm is not None:  # a ring all-reduce's share: each member sends 2 (k - 1) / k of a bucket
+                    times.comm.sent_bytes = manager.hook.bytes * 2 * (quorum.size - 1) // quorum.size
+                _fault_before_vote(run, step)
+            committed = manager.vote(attempt, attempt.ok)
+            info = _apply(engine, times) if committed else engine.drop_window()
         if committed:
             manager.global_batch = replica.committed(quorum)
             took_last = step == cfg.train.steps
@@ -180,8 +185,9 @@ def _apply(engine: Engine, times):
 
 def _hooks(run: RunContext, manager: LiveManager) -> Hooks:
     """The loop's hooks: the watchdog's marks, the injected fault, the skipped-steps bound on every worker; on
-    replica 0 also the metrics (with the live counts: round size, attempts, commits, heal bytes, the step's global
-    batch), evaluation and checkpoints."""
+    replica 0 also the trace of its own steps (the replicas share no process group to merge theirs in), the
+    metrics (with the live counts: round size, attempts, commits, heal bytes, the step's global batch),
+    evaluation and checkpoints."""
     fault = run_fault()
     hooks: list[StepHook | None] = [
         HeartbeatHook(run.beat),
@@ -191,8 +197,15 @@ def _hooks(run: RunContext, manager: LiveManager) -> Hooks:
     if run.env.rank == 0:
         def live_record() -> dict:
             return {**manager.stats.record(manager.group.size), "live_global_batch": manager.global_batch}
-        hooks += [MetricsHook.from_config(run, [strategy_record(run.engine), live_record]), EvalCheckpointHook(run)]
+        hooks += [TraceHook.from_config(run),  # "collective" over this worker's own group: no other waits
+                  MetricsHook.from_config(run, [strategy_record(run.engine), live_record]), EvalCheckpointHook(run)]
     return Hooks([h for h in hooks if h is not None])
+
+
+def _peak_rss(logs: dict[int, list[dict]], replicas: int) -> list[float | None]:
+    """Each replica's peak resident MiB so far, from its live log's attempts (None: it logged none)."""
+    return [max((r["peak_rss_mb"] for r in logs.get(i, []) if "peak_rss_mb" in r), default=None)
+            for i in range(replicas)]
 
 
 def _fault_before_vote(run: RunContext, step: int) -> None:

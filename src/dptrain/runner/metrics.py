@@ -29,7 +29,22 @@ memory, two ways: the process's peak resident set (``peak_rss_mb``: libraries an
 allocator's cache included) and the peak of live tensor bytes (``peak_tensor_mb``, what
 ``dptrain plan`` predicts: ``max_memory_allocated`` on CUDA; on CPU one step measured by
 :class:`~dptrain.runner.tensor_peak.TensorPeak`, null until then). Between logging steps
-nothing extra is communicated.
+nothing extra is communicated. A record's means are over the steps since the previous record.
+
+A strategy that meets every few steps instead of every step (local SGD's averages,
+DiLoCo's outer steps) reports what it sent in its wrapper's ``step_metrics()``, per step
+over the record's steps (so a line without a meeting says 0, the next one H times the
+average), and describes its meetings in fields every such strategy shares, so that the
+lines and the report say what it did without asking which strategy ran:
+
+- ``sync_name``: what one meeting is called ("outer step", "averaging round");
+- ``sync_period``: H, the steps from one to the next; ``syncs``: how many the run has taken
+  so far; ``steps_since_sync``: the steps since the last;
+- ``gradient_bytes``: what DDP's all-reduce of the gradients would reduce every step (the
+  trainable parameters' bytes), and ``gradient_sent_bytes``: what a rank would send for it.
+
+:func:`run_comm_per_step` is the run's bytes per step (each record standing for the steps
+since the previous one), :func:`run_sync_steps` the steps its meetings were at.
 """
 
 from __future__ import annotations
@@ -45,7 +60,10 @@ import torch.distributed as dist
 
 from dptrain.comm.step_stats import InStepComm, StepCommStats
 
-__all__ = ["StepTimes", "StepRecorder", "peak_rss_mb", "peak_tensor_mb", "format_line"]
+__all__ = ["StepTimes", "StepRecorder", "peak_rss_mb", "peak_tensor_mb", "format_line", "run_comm_per_step",
+           "sync_steps", "run_sync_steps"]
+
+COMM_KEYS = ("comm_bytes_per_step", "comm_compressed_bytes_per_step", "comm_sent_bytes_per_step")
 
 # Per-rank values exchanged at a logging step, in this order.
 _GATHERED = ("loss", "step_ms", "compute_ms", "exposed_comm_ms", "tail_comm_ms", "comm_busy_ms", "overlap",
@@ -212,8 +230,44 @@ def has_tokens(tokens_per_s: float | None, samples_per_s: float | None) -> bool:
     return tokens_per_s is not None and samples_per_s is not None and tokens_per_s != samples_per_s
 
 
-def format_line(rec: dict, total_steps: int) -> str:
-    """One human-readable line for a train record (tokens/s only for a task with tokens)."""
+def run_comm_per_step(records: list[dict]) -> dict[str, float | None]:
+    """Bytes per step over the run's steps up to its last record (:data:`COMM_KEYS`; None where no record has one),
+    and ``steps``: each record's per-step mean stands for the steps since the previous record, so that a strategy
+    that sends once every H steps is counted at what it sent over the run, not at its last record's share. (Steps
+    no record measured, a crashed session's after its checkpoint, count at the next record's mean.)"""
+    steps, previous = 0, 0
+    totals: dict[str, float | None] = dict.fromkeys(COMM_KEYS)
+    for rec in records:
+        n = max(1, rec["step"] - previous)
+        for key in COMM_KEYS:
+            if rec.get(key) is not None:
+                totals[key] = (totals[key] or 0.0) + n * rec[key]
+        steps, previous = steps + n, rec["step"]
+    return {"steps": steps, **{k: None if v is None else v / steps for k, v in totals.items()}}
+
+
+def sync_steps(rec: dict, previous_step: int) -> list[int]:
+    """The steps after ``previous_step`` (the previous record's) up to a record's at which its strategy met (the
+    module docstring's ``sync_`` fields; none for a strategy that has none), earliest first: the last at ``step -
+    steps_since_sync``, the others every ``sync_period`` before it, at most ``syncs`` (none before a warm-up's end)."""
+    if "sync_period" not in rec or not rec["syncs"]:
+        return []
+    period, since, span = rec["sync_period"], rec["steps_since_sync"], rec["step"] - previous_step
+    if since >= span:
+        return []
+    count = min(rec["syncs"], -(-(span - since) // period))
+    return [rec["step"] - since - k * period for k in reversed(range(count))]
+
+
+def run_sync_steps(records: list[dict]) -> list[int]:
+    """Every step at which the run's strategy met, from its train records (:func:`sync_steps`)."""
+    return [s for i, rec in enumerate(records) for s in sync_steps(rec, records[i - 1]["step"] if i else 0)]
+
+
+def format_line(rec: dict, total_steps: int, previous_step: int | None = None) -> str:
+    """One human-readable line for a train record (tokens/s only for a task with tokens); ``previous_step``: the
+    previous record's (or where the session started), for a strategy that meets every few steps: which steps its
+    bytes per step are the mean of, and its meetings among them."""
     mem = "/".join(f"{m:.0f}" for m in rec["peak_rss_mb"]) + " MiB resident"
     if all(m is not None for m in rec["peak_tensor_mb"]):
         mem += ", " + "/".join(f"{m:.1f}" for m in rec["peak_tensor_mb"]) + " MiB tensors"
@@ -222,7 +276,24 @@ def format_line(rec: dict, total_steps: int) -> str:
             f"lr {rec['lr']:.2e} | gnorm {rec['grad_norm']:.3f} | {tokens}"
             f"{rec['samples_per_s']:.0f} samples/s | compute {rec['compute_ms']:.1f} ms | comm "
             f"{rec['exposed_comm_ms']:.1f} ms exposed, {rec['overlap_pct']:.0f}% overlapped | "
-            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_sent(rec)} | peak mem {mem}")
+            f"{rec['comm_bytes_per_step'] / 2**20:.2f} MiB/step{_sync(rec, previous_step)} | peak mem {mem}")
+
+
+def _sync(rec: dict, previous_step: int | None) -> str:
+    """The bytes sent; for a strategy that meets every few steps, which steps the bytes per step are the mean of,
+    the meetings among them and how often it meets."""
+    if "sync_period" not in rec or previous_step is None:
+        return _sent(rec)
+    period, name, steps = rec["sync_period"], rec["sync_name"], sync_steps(rec, previous_step)
+    over = f", mean of steps {previous_step + 1}-{rec['step']}" if previous_step + 1 < rec["step"] else ""
+    every = "every step" if period == 1 else f"every {period} steps"
+    if not steps:
+        since = f" since step {rec['step'] - rec['steps_since_sync']}" if rec["syncs"] else " yet"
+        return f"{over}{_sent(rec)} | no {name}{since} ({every})"
+    first = rec["syncs"] - len(steps) + 1
+    numbers = f"{name} {first}" if len(steps) == 1 else f"{name}s {first}-{rec['syncs']}"
+    at = ", ".join(map(str, steps)) if len(steps) <= 4 else f"{steps[0]}, ..., {steps[-1]}"
+    return f"{over}{_sent(rec)} | {numbers} at step{'s' if len(steps) > 1 else ''} {at} ({every})"
 
 
 def _sent(rec: dict) -> str:

@@ -20,11 +20,13 @@ from tqdm import tqdm
 
 from dptrain.live.records import live_rows
 from dptrain.runner.facts import RunFacts
-from dptrain.runner.metrics import format_line, has_tokens
+from dptrain.runner.metrics import format_line, has_tokens, run_comm_per_step, run_sync_steps
+from dptrain.strategies import REGISTRY
 from dptrain.utils.atomic import write_text_atomic
 from dptrain.utils.files import open_file
 
-__all__ = ["RunLog", "summarize", "step_breakdown", "print_summary", "summary_rows", "truncate_metrics"]
+__all__ = ["RunLog", "summarize", "step_breakdown", "print_summary", "summary_rows", "truncate_metrics", "sync_rows",
+           "strategy_line"]
 
 
 class RunLog:
@@ -53,8 +55,9 @@ class RunLog:
         if self._bar is not None:
             self._bar.update(1)
 
-    def train_record(self, rec: dict) -> None:
-        line = format_line(rec, self.total_steps)
+    def train_record(self, rec: dict, previous_step: int | None = None) -> None:
+        """A record's line; ``previous_step``: the previous record's (:func:`~dptrain.runner.metrics.format_line`)."""
+        line = format_line(rec, self.total_steps, previous_step)
         if self._bar is not None:
             self._file.write(f"{time.strftime('%H:%M:%S')} {line}\n")
             rate = ({"tok_s": f"{rec['tokens_per_s']:.0f}"} if has_tokens(rec.get("tokens_per_s"), rec["samples_per_s"])
@@ -108,9 +111,13 @@ def summarize(run_dir: Path, facts: RunFacts | dict[str, Any], train: list[dict]
     """The run's headline numbers: medians over this session's logged steps after the first.
 
     A resumed run's ``metrics.jsonl`` also holds the earlier sessions' records (perhaps on
-    another world size); loss comes from the last record, speed and memory from this session.
-    Each median is taken on its own (of values that are each the largest over the ranks), so
-    they need not add up; ``step_breakdown`` is one record's step time in parts that do.
+    another world size); loss comes from the last record, speed and memory from this session,
+    the bytes per step from the whole run (:func:`~dptrain.runner.metrics.run_comm_per_step`:
+    what a strategy that meets every H steps sent, over all the steps). Each median is taken on
+    its own (of values that are each the largest over the ranks), so they need not add up;
+    ``step_breakdown`` is one record's step time in parts that do. The strategy's own rows
+    (``strategy_rows``) are the facts' (the parameter server's) and, for a strategy that meets
+    every few steps, :func:`sync_rows`.
     """
     info = facts.to_summary() if isinstance(facts, RunFacts) else dict(facts)  # a dict: the fields already
     session = [r for r in train if r["step"] > info["start_step"]] or train
@@ -118,6 +125,7 @@ def summarize(run_dir: Path, facts: RunFacts | dict[str, Any], train: list[dict]
     med = (lambda key: statistics.median(r[key] for r in steady) if steady else None)
     summary = dict(info)
     if train:
+        comm = run_comm_per_step(train)
         summary.update({
             "final_train_loss": train[-1]["loss"],
             "median_tokens_per_s": med("tokens_per_s"),
@@ -129,8 +137,10 @@ def summarize(run_dir: Path, facts: RunFacts | dict[str, Any], train: list[dict]
             # the DDP engine's (metrics.py): the cost model's floor on the exposed time
             "median_tail_comm_ms": statistics.median(r.get("tail_comm_ms", 0.0) for r in steady) if steady else None,
             "median_overlap_pct": med("overlap_pct"),
-            "comm_bytes_per_step": session[-1]["comm_bytes_per_step"],
-            "comm_sent_bytes_per_step": session[-1].get("comm_sent_bytes_per_step"),
+            "comm_bytes_per_step": comm["comm_bytes_per_step"],  # over the whole run, per step
+            "comm_compressed_bytes_per_step": comm["comm_compressed_bytes_per_step"],
+            "comm_sent_bytes_per_step": comm["comm_sent_bytes_per_step"],
+            "comm_steps": comm["steps"],
             "peak_rss_mb_per_rank": _peak_per_rank(session, "peak_rss_mb"),
             "peak_tensor_mb_per_rank": _peak_per_rank(session, "peak_tensor_mb"),
             "skipped_steps": train[-1]["skipped_steps"],
@@ -139,6 +149,7 @@ def summarize(run_dir: Path, facts: RunFacts | dict[str, Any], train: list[dict]
     per_rank = [r["compute_ms_per_rank"] for r in steady if "compute_ms_per_rank" in r]
     if per_rank and len(per_rank[0]) > 1:
         summary["stragglers"] = straggler_report(per_rank)
+    summary["strategy_rows"] = [*summary.get("strategy_rows", []), *sync_rows(train, summary)]
     if evals:
         summary.update({k: v for k, v in evals[-1].items() if k.startswith("val_")})
     summary["files"] = _listing(run_dir)
@@ -179,9 +190,22 @@ def _memory(summary: dict) -> str:
     rss = "/".join(f"{m:.0f}" for m in summary["peak_rss_mb_per_rank"])
     tensors = summary["peak_tensor_mb_per_rank"]
     if any(m is None for m in tensors):
-        return f"{rss} MiB resident (ranks 0-{len(tensors) - 1})"
+        return f"{rss} MiB resident ({_whose(summary, len(tensors))})"
     return (f"{rss} MiB resident, " + "/".join(f"{m:.1f}" for m in tensors) + " MiB live tensors "
-            f"(ranks 0-{len(tensors) - 1})")
+            f"({_whose(summary, len(tensors))})")
+
+
+def _whose(summary: dict, measured: int) -> str:
+    """Whose memory the records hold: every rank's; or, under live recovery (its replicas share no process group
+    to gather it in), replica 0's, which keeps the records, with every replica's resident peak from its live log."""
+    live = summary.get("live") or {}
+    if not live or measured >= summary.get("world_size", measured):
+        return "rank 0" if measured == 1 else f"ranks 0-{measured - 1}"
+    by_replica = ", ".join(f"{r}: {'?' if m is None else f'{m:.0f}'}"
+                           for r, m in enumerate(live.get("peak_rss_mb_by_replica") or []))
+    others = f"; peak resident by replica, from logs/live<r>.jsonl: {by_replica} MiB" if by_replica else ""
+    return (f"replica 0 of {summary['world_size']}, which keeps the records: the replicas of a live run share no "
+            f"process group to gather theirs in{others}")
 
 
 def straggler_report(per_rank: list[list[float]]) -> dict[str, Any]:
@@ -224,6 +248,7 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     """The run summary's (label, value) rows, as the console prints them and report.html shows them."""
     rows = [("task", f"{summary['task']} ({summary['parameters']:,} parameters)"),
             ("workers", f"{summary['world_size']} x {summary['device']} ({summary['backend']})"),
+            *([("strategy", strategy_line(summary["strategy"]))] if summary.get("strategy") else []),
             ("batch", f"global {summary['global_batch_size']} = micro {summary['micro_batch_size']} x "
                       f"{summary.get('data_ranks') or summary['world_size']} ranks x "
                       f"{summary['grad_accum_steps']} accum"),
@@ -243,8 +268,9 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
                   if has_tokens(summary.get("median_tokens_per_s"), summary["median_samples_per_s"]) else "")
         rows += [("throughput", f"{tokens}{summary['median_samples_per_s']:,.1f} samples/s (median)"),
                  *_step_time_rows(summary),
-                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank{_sent(summary)}, "
-                                   f"{_busy(summary)}{summary['median_overlap_pct']:.0f}% overlapped with computation"),
+                 ("communication", f"{summary['comm_bytes_per_step'] / 2**20:.2f} MiB/step per rank{_over(summary)}"
+                                   f"{_sent(summary)}, {_busy(summary)}{summary['median_overlap_pct']:.0f}% "
+                                   "overlapped with computation"),
                  ("peak memory", _memory(summary))]
         if summary["skipped_steps"]:
             rows += [("skipped steps", f"{summary['skipped_steps']} (non-finite gradients)")]
@@ -256,6 +282,60 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
     rows += [tuple(row) for row in summary.get("strategy_rows", [])]  # the strategy's own lines
     rows += live_rows(summary.get("live") or {})
     return rows
+
+
+def strategy_line(name: str) -> str:
+    """The strategy as the run names it: its registry entry's name and one-line summary."""
+    entry = REGISTRY.get(name)
+    return f"{name}: {entry.summary}" if entry is not None else name
+
+
+def sync_rows(train: list[dict], summary: dict[str, Any]) -> list[list[str]]:
+    """The summary's rows of a strategy that meets every few steps, from the fields its records share
+    (:mod:`dptrain.runner.metrics`): its period H, the meetings it took and where, and its bytes per step over the
+    run against DDP's (an all-reduce of the gradients every step). None for a strategy without such fields."""
+    synced = [r for r in train if "sync_period" in r]
+    if not synced or "comm_bytes_per_step" not in summary:
+        return []
+    last = synced[-1]
+    name = last["sync_name"]
+    rows = [["period", f"H = {last['sync_period']} steps from one {name} to the next"],
+            [f"{name}s", _syncs_taken(last, run_sync_steps(train), summary)]]
+    if last.get("gradient_bytes"):
+        rows.append(["bytes vs DDP", _against_ddp(last, summary)])
+    return rows
+
+
+def _syncs_taken(last: dict, steps: list[int], summary: dict[str, Any]) -> str:
+    """How many meetings the logged steps hold, at which steps, and the one that closes an incomplete last round."""
+    at = ", ".join(map(str, steps)) if len(steps) <= 8 else f"{', '.join(map(str, steps[:3]))}, ..., {steps[-1]}"
+    text = f"{last['syncs']} in steps 1-{last['step']}" + (f" (at step{'s' if len(steps) > 1 else ''} {at})"
+                                                           if steps else "")
+    since = last["steps_since_sync"]
+    if since and last["step"] == summary["steps"]:
+        text += (f"; then 1 more at the end, closing the last round's {since} step(s) (its bytes are not in the "
+                 "bytes per step: it follows the last record)")
+    return text
+
+
+def _against_ddp(last: dict, summary: dict[str, Any]) -> str:
+    """The run's bytes per step against DDP's: its all-reduce of the gradients, every step, said how it is counted."""
+    ddp, ddp_sent = last["gradient_bytes"], last.get("gradient_sent_bytes")
+    run, sent = summary["comm_bytes_per_step"], summary.get("comm_sent_bytes_per_step")
+    by_sent = sent is not None and bool(ddp_sent)  # what goes on the wire, where both are counted
+    mine, theirs, what = (sent, ddp_sent, "sent") if by_sent else (run, ddp, "reduced")
+    ratio = f"{mine / theirs:.3g}x DDP's" + (f", {theirs / mine:.1f}x fewer" if mine else "")
+    per_param = ddp / summary["parameters"] if summary.get("parameters") else 0
+    how = (f"{summary['parameters']:,} parameters x {per_param:g} bytes" if per_param == int(per_param) and per_param
+           else "the trainable parameters' bytes")
+    return (f"{mine / 2**20:.3f} MiB/step {what} per rank over the run's {summary.get('comm_steps', '?')} steps, "
+            f"against DDP's {theirs / 2**20:.3f} MiB/step: {ratio} (DDP all-reduces the gradients every step: "
+            f"{how} = {ddp / 2**20:.2f} MiB, {(ddp_sent or ddp) / 2**20:.2f} MiB sent per rank)")
+
+
+def _over(summary: dict[str, Any]) -> str:
+    """Over which steps the bytes per step are the mean (a summary.json written before it was recorded: none)."""
+    return f" over the run's {summary['comm_steps']} steps" if summary.get("comm_steps") else ""
 
 
 def _sent(summary: dict[str, Any]) -> str:

@@ -42,7 +42,9 @@ class EvalCheckpointHook(StepHook):
         if step == self.last:
             checkpoint(self.run, step)
             self.run.beat.mark(step, "finish")
-            self.run.engine.model.finish()
+            note = self.run.engine.model.finish()
+            if note:  # what finishing changed that the last checkpoint does not hold
+                self.run.log.info(f"end of training: {note}")
             self._evaluate(step)
             return
         if self.eval_every and step % self.eval_every == 0:

@@ -19,6 +19,7 @@ from dptrain.compress.base import Compressor
 from dptrain.data.balance import DynamicBatcher
 from dptrain.runner.hooks import RunContext, StepHook
 from dptrain.runner.metrics import StepRecorder, StepTimes
+from dptrain.runner.report import strategy_line
 from dptrain.runner.tensor_peak import TensorPeak, data_tensors
 from dptrain.runner.trace import TraceRecorder, trace_zero
 
@@ -42,10 +43,14 @@ class MetricsHook(StepHook):
         self.every, self.last = run.rp.cfg.log.every, steps
         self.peak_step = run.start_step + min(2, max(1, steps - run.start_step))
         self.peak: TensorPeak | None = None
+        self.previous = run.start_step  # the previous record's step: a line's bytes per step are the mean since
 
     @classmethod
     def from_config(cls, run: RunContext, extras: list[Extra]) -> MetricsHook:
+        """The hook of ``run``'s config; says, under the run's header, which strategy runs and what a line shows."""
         task = run.rp.task
+        run.log.info(f"strategy {strategy_line(run.rp.cfg.ddp.strategy)}; a line every {run.rp.cfg.log.every} "
+                     "step(s), its MiB/step the bytes a rank reduced per step, the mean of the line's steps")
         return cls(run, StepRecorder(run.device, run.rp.plan.global_batch_size, task.tokens_per_sample), extras)
 
     def measuring(self, step: int) -> AbstractContextManager | None:
@@ -72,7 +77,8 @@ class MetricsHook(StepHook):
             rec.update(extra())
         if self.run.sink is not None:
             self.run.sink.log(rec, step)
-        self.run.log.train_record(rec)
+        self.run.log.train_record(rec, self.previous)
+        self.previous = step
         if not math.isfinite(rec["loss"]):
             self.run.log.info(f"warning: loss is {rec['loss']} at step {step}")
 
