@@ -24,3 +24,8 @@ class _DataDependent(nn.Module):
 
 def data_dependent(**kwargs) -> nn.Module:
     return _DataDependent(**kwargs)
+
+
+def with_buffers(features: int = 16, classes: int = 8, width: int = 24) -> nn.Module:
+    """The conformance matrix's plain model: a BatchNorm between two layers (running statistics as buffers)."""
+    return nn.Sequential(nn.Linear(features, width), nn.BatchNorm1d(width), nn.ReLU(), nn.Linear(width, classes))

@@ -50,11 +50,11 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from dptrain.api.step import OptimizerStep, clip_by_global_norm
-from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
+from dptrain.api.wrap import autocast_dtype, options_for, user_api_entry, wrap_model
 from dptrain.batching import BatchPlan
 from dptrain.data.loader import ShardedLoader
 from dptrain.launch.heartbeat import mark_progress
-from dptrain.strategies.registry import get_strategy, strategy_names
+from dptrain.strategies.registry import strategy_names
 from dptrain.utils.tensors import map_tensors
 
 __all__ = ["Engine", "StepInfo", "clip_by_global_norm"]
@@ -82,7 +82,7 @@ class Engine:
                  ddp_kwargs: dict | None = None, process_group: dist.ProcessGroup | None = None,
                  strategy: str = "ddp", zero_kwargs: dict | None = None, gossip_kwargs: dict | None = None,
                  options: Any = None):
-        self.strategy = get_strategy(strategy, among=strategy_names(lambda s: s.wrap is not None))
+        self.strategy = user_api_entry(strategy, "Engine")
         options = options_for(self.strategy, options, ddp_kwargs=ddp_kwargs, zero_kwargs=zero_kwargs,
                               gossip_kwargs=gossip_kwargs)
         self.model: nn.Module = wrap_model(self.strategy, model, precision=precision, process_group=process_group,

@@ -44,11 +44,11 @@ from dptrain.api.accumulation import AccumulationState
 from dptrain.api.prepared_model import PreparedModel
 from dptrain.api.scheduler import SCHEDULER_STEPS, PreparedScheduler, steps_per_optimizer_step
 from dptrain.api.step import OptimizerStep
-from dptrain.api.wrap import autocast_dtype, options_for, wrap_model
+from dptrain.api.wrap import autocast_dtype, options_for, user_api_entry, wrap_model
 from dptrain.data.loader import set_epoch
 from dptrain.data.sampler import DistributedSampler
 from dptrain.strategies.protocol import DataParallelWrapper
-from dptrain.strategies.registry import Strategy, get_strategy, strategy_names
+from dptrain.strategies.registry import Strategy, strategy_names
 from dptrain.utils.tensors import map_tensors
 
 __all__ = ["prepare", "AccumulationState", "PreparedModel", "PreparedOptimizer", "PreparedScheduler",
@@ -397,7 +397,7 @@ def _kind(obj: Any) -> str:
 
 def _check_settings(strategy: str, precision: str, grad_accum_steps: int, grad_clip: float) -> Strategy:
     """The registry entry for ``strategy``, once every setting is known to be valid."""
-    entry = get_strategy(strategy, among=STRATEGIES)  # a ValueError with a did-you-mean
+    entry = user_api_entry(strategy, "prepare()")  # a ValueError: unknown (did you mean), or runs its own loop
     if precision == "fp16":
         raise ValueError("precision fp16 needs a loss scaler, which a plain loss.backward() cannot apply; use bf16 "
                          "(no scaler needed), or dptrain.Engine(precision='fp16') on CUDA")

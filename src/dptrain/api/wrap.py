@@ -22,11 +22,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dptrain.strategies.registry import Strategy
+from dptrain.strategies.registry import Strategy, get_strategy
 
-__all__ = ["wrap_model", "autocast_dtype", "options_for"]
+__all__ = ["wrap_model", "autocast_dtype", "options_for", "user_api_entry"]
 
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def user_api_entry(name: str, api: str) -> Strategy:
+    """The registry entry for ``name`` as ``Engine`` and ``prepare()`` (``api``) take it: one whose wrapper the
+    registry builds; a strategy that runs its own program is refused, saying why (a ValueError, one line)."""
+    entry = get_strategy(name)  # unknown: a ValueError with a did-you-mean
+    if entry.wrap is None:
+        raise ValueError(f"strategy {entry.name!r} cannot run inside {api}: its ranks run different programs (its "
+                         "own loop): dptrain run only")
+    return entry
 
 
 def wrap_model(entry: Strategy, model: nn.Module, *, precision: str, process_group: dist.ProcessGroup | None,

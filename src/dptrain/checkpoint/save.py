@@ -51,12 +51,14 @@ def save_run_checkpoint(run_dir: Path, step: int, engine: Any, *, strategy: str,
         parts[COMPRESSION] = compressor.state_dict()
     if own.get("rank"):
         parts[strategy] = own["rank"]
+    # the model as the strategy defines it (the replicas' mean, DiLoCo's global weights): a collective
+    model_state = None if sharded else engine.model.full_state_dict()
     staged = sharded or bool(parts) or bool(own.get("shared"))
     if staged:
         _stage(staging_dir(run_dir, step), engine, rank, sharded, parts, progress)
     result = None
     if rank == 0:
-        files = _rank0_files(engine, states, world_size, sharded)
+        files = _rank0_files(engine, states, world_size, model_state)
         if own.get("shared"):
             files[f"{strategy}/{SHARED}"] = own["shared"]
         path = save_checkpoint(run_dir, step, files, dict(meta, world_size=world_size,
@@ -84,13 +86,14 @@ def _stage(staged: Path, engine: Any, rank: int, sharded: bool, parts: dict[str,
     dist.barrier()
 
 
-def _rank0_files(engine: Any, states: list, world_size: int, sharded: bool) -> dict[str, Any]:
-    """trainer.pt (step, skips, every rank's RNG, the loss scaler) and, when replicated, model.pt and optimizer.pt."""
+def _rank0_files(engine: Any, states: list, world_size: int, model_state: dict | None) -> dict[str, Any]:
+    """trainer.pt (step, skips, every rank's RNG, the loss scaler) and, when replicated, model.pt (``model_state``:
+    the wrapper's ``full_state_dict()``, so a checkpoint's model is the model, not one replica) and optimizer.pt."""
     trainer = {"step": engine.step_count, "skipped_steps": engine.skipped_steps, "rng": states,
                "world_size": world_size}
     if engine.scaler is not None:
         trainer["scaler"] = engine.scaler.state_dict()
-    if sharded:
+    if model_state is None:  # sharded: every rank wrote its shards
         return {"trainer.pt": trainer}
-    model_state, optim_state = replicated_state(engine.model.module, engine.optimizer)
+    _, optim_state = replicated_state(engine.model.module, engine.optimizer)
     return {"model.pt": model_state, "optimizer.pt": optim_state, "trainer.pt": trainer}

@@ -102,6 +102,11 @@ def full_state(path: Path, optimizer: bool = False) -> tuple[dict[str, torch.Ten
     if (path / SHARDED).is_dir():
         return (consolidated_state(path / SHARDED, MODEL),
                 consolidated_state(path / SHARDED, OPTIM) if optimizer else {})
+    if (path / "ps").is_dir() and not (path / "model.pt").exists():
+        raise ShardedCheckpointError(
+            f"checkpoint {path} is a parameter server's (format ps): each server saved its flat shard with no "
+            "parameter names, which only the job that wrote it can lay out again. The run's weights are its "
+            "model.safetensors; resume the run to read the checkpoint")
     model_state, optim_state = replicated_files(path)
     if optimizer and index_keyed(optim_state):
         raise ShardedCheckpointError(_index_keyed_message(path))

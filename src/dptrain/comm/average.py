@@ -1,11 +1,14 @@
-"""The replicas' consensus state dict: what a strategy whose replicas differ by design calls its model.
+"""One model out of a group's replicas: the state dict a strategy calls *the* model, the same on every rank.
 
-Gossip, local SGD and DiLoCo let each rank's copy of the model drift between their
-synchronisations. Asked for *the* model (``dptrain.get_state_dict``), each answers as its
-``finish()`` would leave the replicas, on a copy so that training goes on untouched: every
-trained parameter is its mean over the ranks (one flat all-reduce); everything else in
-the state dict (buffers such as BatchNorm's running statistics, frozen parameters) is rank
-0's (one flat broadcast), which is what the run exports.
+Asked for the model (``dptrain.get_state_dict``), every strategy answers with one state dict
+that is the same on every rank, computed on copies so that training goes on untouched:
+
+- gossip, local SGD and DiLoCo let each rank's replica drift between synchronisations: the
+  trained parameters are their mean over the ranks (one flat all-reduce), as ``finish()``
+  leaves them (``average=True``);
+- every strategy's buffers (BatchNorm's running statistics) are rank 0's (one flat
+  broadcast): the DDP engine and ZeRO broadcast rank 0's before each forward, and each rank's
+  own forward then moves them apart again, as in torch's DDP. Rank 0's are what a run exports.
 """
 
 from __future__ import annotations
@@ -18,20 +21,24 @@ __all__ = ["consensus_state_dict", "broadcast_buffers_"]
 
 
 @torch.no_grad()
-def consensus_state_dict(module: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Collective: a copy of ``module.state_dict()``, trained parameters averaged over ``group``, the rest rank 0's."""
+def consensus_state_dict(module: nn.Module, group: dist.ProcessGroup | None = None, *,
+                         average: bool = True) -> dict[str, torch.Tensor]:
+    """Collective: ``module.state_dict()``, trained parameters averaged over ``group`` (or kept, ``average=False``),
+    every other floating tensor rank 0's. Changed entries are copies; the module is left as it is."""
     live = module.state_dict(keep_vars=True)
     trained = {id(p) for p in module.parameters() if p.requires_grad}
-    out = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in live.items()}
     first: dict[int, str] = {}  # one key per tensor: a tied weight is reduced once, its aliases share the result
     for k, v in live.items():
         if torch.is_tensor(v) and v.is_floating_point():
             first.setdefault(id(v), k)
-    if dist.get_world_size(group) > 1:
-        mean = [k for k in first.values() if id(live[k]) in trained]
-        rest = [k for k in first.values() if id(live[k]) not in trained]
-        _flat(out, mean, lambda flat: _mean_(flat, group))
-        _flat(out, rest, lambda flat: _from_rank0_(flat, group))
+    mean = [k for k in first.values() if id(live[k]) in trained] if average else []
+    rest = [k for k in first.values() if id(live[k]) not in trained]
+    out = {k: v.detach() if torch.is_tensor(v) else v for k, v in live.items()}
+    if dist.get_world_size(group) == 1:
+        return {k: v.clone() if torch.is_tensor(v) and k in rest + mean else v for k, v in out.items()}
+    out.update({k: out[k].clone() for k in mean + rest})
+    _flat(out, mean, lambda flat: _mean_(flat, group))
+    _flat(out, rest, lambda flat: _from_rank0_(flat, group))
     for k, v in live.items():
         if torch.is_tensor(v) and first.get(id(v), k) != k:
             out[k] = out[first[id(v)]]

@@ -40,6 +40,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from dptrain.comm import check_algorithm
+from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.comm.fingerprint import collective_check
 from dptrain.ddp.autograd import on_backward_reaching
 from dptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB, ParamInfo, ddp_bucket_layout
@@ -387,7 +388,10 @@ class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
         return {}  # its buckets' statistics are last_step_comm's
 
     def finish(self) -> None:
-        """Nothing: the replicas are equal."""
+        """Collective: rank 0's buffers on every rank (each rank's last forward moved its own), unless they are
+        rank-local by choice (``broadcast_buffers=False``); the parameters are equal already."""
+        if self.forward_sync_buffers:
+            broadcast_buffers_(self.module, self.process_group)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         return {}  # the replicated model and optimizer are everything it holds
@@ -401,8 +405,9 @@ class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
         return self.module
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """The module's state dict (the replicas are equal: no communication)."""
-        return self.module.state_dict()
+        """Collective: the module's state dict (the parameters are equal on every rank), with rank 0's buffers (each
+        rank's last forward moved its own: ``comm/average.py``)."""
+        return consensus_state_dict(self.module, self.process_group, average=False)
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state)

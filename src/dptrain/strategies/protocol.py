@@ -44,7 +44,8 @@ sync`` / ``no_sync()``      forward          end of backward                    
   same on every rank; every rank calls it (ZeRO gathers its shards; the strategies whose
   replicas differ by design answer with the parameters' mean, or DiLoCo's global weights,
   and rank 0's buffers, computed on a copy). ``dptrain.get_state_dict`` returns it.
-- ``finish()``: every rank, after the last step's checkpoint and before the final
+- ``finish()``: every rank, after the last step's checkpoint (whose model is ``full_state_dict()``:
+  where ``finish()`` changes more than that, it says so, and the run logs it) and before the final
   evaluation and weights: the replicas made one model where they differ by design.
 - ``checkpoint_state(optimizer)`` returns ``{"shared": ..., "rank": ...}`` (either part may
   be missing): what the strategy keeps beyond the model and the optimizer under its layout,
@@ -113,8 +114,9 @@ class DataParallelWrapper(Protocol):
     def step_metrics(self) -> dict[str, float]:
         """This strategy's fields for a metrics record; every rank calls it at a logging step."""
 
-    def finish(self) -> None:
-        """Collective, after the last step: make the replicas one model where they differ by design."""
+    def finish(self) -> str | None:
+        """Collective, after the last step: make the replicas one model where they differ by design; returns what
+        it changed that the last checkpoint does not hold (a sentence), or None."""
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """The strategy's own state beyond the model and optimizer: ``{"shared": ..., "rank": ...}``."""

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain import comm
+from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.comm.fingerprint import collective_check
 from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp.autograd import on_backward_reaching, queue_on_current_backward
@@ -126,12 +127,10 @@ class ZeRO(nn.Module):
                                                  context=self._context, device=self.device, group=process_group)
         self._shards = nn.ParameterList([u.shard for u in self.units])
         self._guard = StateDictGuard(module)  # its parameters are placeholders now (visible.py)
-        # each sharded parameter's names (tied ones have several), and the other way
-        self.parameter_names = parameter_names(module, [ref for unit in self.units for ref in unit.refs])
+        self.parameter_names = parameter_names(module, [r for u in self.units for r in u.refs])  # tied: several
         self._sharded_names = {alias: first for first, names in self.parameter_names.items() for alias in names}
-        if stage < 3:  # module.weight reads the full buffer between steps, as it does after a forward
-            for unit in self.units:
-                unit.materialize(differentiable=False)
+        for unit in self.units if stage < 3 else []:  # module.weight reads the full buffer between steps
+            unit.materialize(differentiable=False)
         self._sync_buffers_once(module)
         self._install_hooks()
         self._init_forward_state()
@@ -216,14 +215,13 @@ class ZeRO(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: the module's whole state dict in its own order, every parameter gathered (each rank a copy)."""
         gathered = self.gathered_state()
-        with self._guard.open():
-            state = self.module.state_dict()
+        with self._guard.open():  # buffers: rank 0's, as the DDP engine's (comm/average.py)
+            state = consensus_state_dict(self.module, self.group, average=False)
         return {k: gathered[self._sharded_names[k]] if k in self._sharded_names else v for k, v in state.items()}
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         """Every rank, no collective: the shards cut from a full state dict (as :meth:`full_state_dict` gives it)."""
         from dptrain.zero.checkpoint import load_full_state
-
         load_full_state(self, None, state, None, "the state dict given")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -455,7 +453,9 @@ class ZeRO(nn.Module):
         return {}  # its collectives' statistics are last_step_comm's
 
     def finish(self) -> None:
-        """Nothing: the replicas (the shards' groups) never differ."""
+        """Collective: rank 0's buffers on every rank, as the DDP engine's ``finish``; the shards never differ."""
+        if self.broadcast_buffers:
+            broadcast_buffers_(self.module, self.group)
 
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         return {}  # everything it holds is in its shards (save_sharded)
