@@ -31,19 +31,21 @@ MODEL_KINDS = {
 # obligation -> (surfaces it applies to, what it checks)
 OBLIGATIONS = {
     "trains": (("run", "Engine", "prepare"), "the loss falls, measured on the weights that are exported"),
-    "evaluates": (("run", "Engine", "prepare"), "an evaluation runs on the weights that are exported"),
+    "evaluates": (("run", "Engine", "prepare"), "an evaluation runs at the end (Engine, prepare: through the "
+                                                "surface's model, equal to the exported weights' loss)"),
     "module": (("Engine", "prepare"), "model.module is your model, its parameters visible (count, device, dtype)"),
     "usual save": (("Engine", "prepare"), "model.module.state_dict() is the full weights, or a one-line error "
                                           "naming dptrain.get_state_dict: never empty or partial"),
-    "full state": (("Engine", "prepare"), "dptrain.get_state_dict / set_state_dict give and take the bare "
-                                          "model's keys and values"),
+    "full state": (("Engine", "prepare"), "dptrain.get_state_dict gives the bare model's keys, the same on every "
+                                          "rank; set_state_dict takes them back"),
     "torch helpers": (("prepare",), "isinstance(model, torch DDP); torch's get_model_state_dict / "
                                     "set_model_state_dict give and take the bare model's keys"),
-    "same weights": (("run", "Engine", "prepare"), "after the end of training every rank holds the same weights "
-                                                   "(DiLoCo: the global weights)"),
+    "same weights": (("Engine", "prepare"), "after dptrain.end_training every rank holds the same weights "
+                                            "(DiLoCo: the global weights)"),
     "exported": (("run",), "model.safetensors equals dptrain consolidate of the last checkpoint"),
-    "resume": (("run", "prepare"), "resumes on the same and on another number of ranks"),
-    "report": (("run",), "the summary names the strategy and its bytes per step over the whole run"),
+    "resume": (("run", "prepare"), "run: continues on 3 ranks, then on 2 again, each from the step it stopped (or "
+                                   "a one-line refusal, exit 2); prepare: the full state saved on 2 ranks loads on 1"),
+    "report": (("run",), "the summary names the strategy; its bytes per step are the records' over the whole run"),
 }
 
 
@@ -90,6 +92,7 @@ def build(kind: str) -> nn.Module:
     if kind == "hf":
         import transformers
 
+        transformers.logging.set_verbosity_error()  # its notes on a tiny config's token ids, in every rank's output
         config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=BLOCK, n_embd=48, n_layer=2, n_head=2,
                                          bos_token_id=0, eos_token_id=0)
         return transformers.GPT2LMHeadModel(config)

@@ -60,7 +60,9 @@ def _check(results: dict, name: str, ok: bool, detail: str = "") -> None:
 def _common(kind: str, handle, module, bare_keys: list[str], results: dict) -> dict:
     """The obligations both user APIs share, after training: ``handle`` is what the user holds."""
     full = dp.get_state_dict(handle)
-    _check(results, "full state", list(full) == bare_keys, f"keys {list(full)[:3]} vs {bare_keys[:3]}")
+    dp.set_state_dict(handle, full)  # loads back: the same state
+    _check(results, "full state", list(full) == bare_keys and _digest(dp.get_state_dict(handle)) == _digest(full),
+           f"keys {list(full)[:3]} vs {bare_keys[:3]}, or set_state_dict did not give it back")
     _check(results, "trains", _bare_loss(kind, full) < _bare_loss(kind, None) - 0.05,
            f"{_bare_loss(kind, None):.3f} -> {_bare_loss(kind, full):.3f}")
     try:  # the usual way: rank 0 saves model.module.state_dict()
@@ -244,6 +246,10 @@ def _run_cell(root: Path, run_dir: Path, kind: str, strategy: str, steps: int) -
     elif _digest(load_file(consolidated)) != _digest(exported) and "end of training:" not in proc.stdout:
         bad.append(f"{kind}: exported: model.safetensors differs from dptrain consolidate of the last checkpoint, "
                    "and the run did not say why")
+    sent = sum(r["comm_bytes_per_step"] * (r["step"] - p["step"]) for p, r in zip([{"step": 0}, *train[:-1]], train, strict=True))
+    if abs(summary["comm_bytes_per_step"] - sent / train[-1]["step"]) > 1e-6 * max(1.0, sent):
+        bad.append(f"{kind}: report: {summary['comm_bytes_per_step']:.0f} bytes/step in the summary, the records "
+                   f"sent {sent / train[-1]['step']:.0f} per step over the run")
     if summary.get("strategy") != strategy or not re.search(rf"^\s+strategy\s+{strategy}: ", proc.stdout, re.M):
         bad.append(f"{kind}: report: the summary does not name strategy {strategy}")
     return bad
