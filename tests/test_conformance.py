@@ -79,7 +79,8 @@ def _common(kind: str, handle, module, bare_keys: list[str], results: dict) -> d
            and next(module.parameters()).device.type == "cpu", f"{counted} parameters visible")
     if kind == "hf":
         _check(results, "module", module.num_parameters() == build(kind).num_parameters()
-               and module.dtype == torch.float32, "transformers' num_parameters() or dtype")
+               and module.dtype == torch.float32 and module.device.type == "cpu",
+               "transformers' num_parameters(), dtype or device")
     return full
 
 
@@ -152,6 +153,32 @@ def _user_api(rank: int, world_size: int, strategy: str, surface: str) -> dict:
     for kind in MODEL_KINDS:
         out[kind] = cell(strategy, kind)
     return out
+
+
+def _zero_hf(rank: int, world_size: int, stage: int) -> tuple:
+    """A Hugging Face model under ZeRO asked what transformers asks (device, dtype, parameter count, train()/eval())
+    after a step, and saved the usual way."""
+    bare = build("hf")
+    count = bare.num_parameters()
+    model = dp.ZeRO(bare, stage=stage)
+    x, _ = dataset("hf").tensors
+    loss_of("hf", model, x[:4], None).backward()
+    model.module.eval()
+    model.module.train()
+    try:
+        saved = f"{len(model.module.state_dict())} keys"
+    except RuntimeError as e:
+        saved = str(e)
+    return model.module.device.type, model.module.dtype, model.module.num_parameters() == count, saved
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_hugging_face_model_under_zero_answers_transformers_and_refuses_an_empty_save(stage: int) -> None:
+    """transformers reads model.device (next(parameters())) in train() and generate(): under ZeRO the module had no
+    parameters left (StopIteration), and its state_dict() was silently empty."""
+    for device, dtype, same_count, saved in run_on_ranks(_zero_hf, 2, stage, timeout=90):
+        assert (device, dtype, same_count) == ("cpu", torch.float32, True)
+        assert "dptrain.get_state_dict(model) on every rank" in saved and "\n" not in saved, saved
 
 
 def _refused(rank: int, world_size: int, strategy: str, surface: str) -> str:
