@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dptrain.utils.modules import outermost
+
 __all__ = ["Activations", "ActivationTraceError", "trace_activations"]
 
 
@@ -52,20 +54,6 @@ def _key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def _outermost(root: nn.Module, classes: tuple) -> list[nn.Module]:
-    """The instances of ``classes`` under ``root`` that no other instance contains: a checkpointed module inside
-    another is recomputed with it, not on its own. (ZeRO-3 picks its unit modules by the same rule,
-    ``zero/grouping.py``; the planner imports no strategy's package, and the rule is checkpointing's as much.)"""
-    found, inside = [], set()
-    for module in root.modules():
-        if id(module) in inside or module is root:
-            continue
-        if isinstance(module, classes):
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
-    return found
-
-
 def trace_activations(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, Any], torch.Tensor],
                       checkpoint_classes: tuple[type, ...] = ()) -> Activations:
     """Trace ``loss_fn(model, batch)`` on the meta device and count the saved tensors' bytes."""
@@ -74,7 +62,7 @@ def trace_activations(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module
     sizes: dict[int, int] = {}
     inputs: dict[int, int] = {}  # storages entering checkpointed modules
     stack: list[int] = []
-    modules = _outermost(model, checkpoint_classes) if checkpoint_classes else []
+    modules = outermost(model, checkpoint_classes) if checkpoint_classes else []
     handles = []
     for index, module in enumerate(modules):
         def pre(mod, args, index=index):

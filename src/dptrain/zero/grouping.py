@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dptrain.ddp.buckets import MiB, ParamInfo, assign_buckets
+from dptrain.utils.modules import outermost
 from dptrain.zero.unit import ParamRef
 
 __all__ = ["collect_params", "bucket_groups", "module_groups", "materialize_meta", "outermost"]
@@ -89,18 +90,6 @@ def _split(members: list[ParamRef], key: KeyFn) -> list[list[ParamRef]]:
     for ref in members:
         parts.setdefault(key(ref), []).append(ref)
     return list(parts.values())
-
-
-def outermost(root: nn.Module, classes: tuple) -> list[nn.Module]:
-    """The instances of ``classes`` under ``root`` (not ``root`` itself) that no other instance contains."""
-    found, inside = [], set()
-    for module in root.modules():
-        if id(module) in inside or module is root:
-            continue
-        if isinstance(module, classes):
-            found.append(module)
-            inside.update(id(m) for m in module.modules())
-    return found
 
 
 def _unit_modules(root: nn.Module, classes: tuple, min_numel: int | None) -> list[nn.Module]:
