@@ -195,7 +195,7 @@ class DiLoCo(nn.Module):
         0's buffers; in the warm-up, the replicas' state (equal)."""
         if self.in_warmup:
             return self.module.state_dict()
-        state = consensus_state_dict(self.module, self.process_group)  # rank 0's buffers, every rank alike
+        state = consensus_state_dict(self.module, self.process_group, average=False)  # rank 0's buffers
         weights = self.outer.weights.split(self.outer.sizes)
         global_of = {id(p): w.view_as(p) for p, w in zip(self._params(), weights, strict=True)}
         for key, live in self.module.state_dict(keep_vars=True).items():
