@@ -19,6 +19,7 @@ import importlib.util
 import multiprocessing
 import multiprocessing.forkserver
 import os
+import sys
 
 import pytest
 
@@ -113,3 +114,72 @@ def pytest_terminal_summary(terminalreporter) -> None:
     terminalreporter.section("time per test tier (docs/testing.md)")
     for tier, (n, seconds) in totals.items():
         terminalreporter.write_line(f"{TIERS[tier]:48s} {n:4d} tests {seconds:8.1f} s")
+
+
+# ----------------------------------------------------------------------------- the checkout's runs/ and data/
+#
+# A newcomer runs the README's first command (which leaves runs/ and data/ in the checkout) and
+# then its test command in the same checkout: a test that resolves a default path against the
+# working directory would read the newcomer's run, or write into it. Python's audit hook sees
+# every open, listing, directory creation, rename and removal this process makes; one under the
+# checkout's runs/ or data/ fails the test that made it, naming the path. What a process the test
+# started wrote there (a fresh interpreter, a launcher's workers) is caught by comparing the two
+# trees' files before and after the test.
+
+_CHECKOUT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_GUARDED = tuple(os.path.join(_CHECKOUT, name) for name in ("runs", "data"))
+_touched: list[str] = []
+_watching = [True]  # off while the fixture itself lists the trees
+_EVENTS = {"open", "os.listdir", "os.scandir", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
+           "os.chmod", "os.symlink"}
+
+
+def _guard(event: str, args) -> None:
+    if event not in _EVENTS or not args or not _watching[0]:
+        return
+    path = args[0]
+    if isinstance(path, int) or path is None:
+        return
+    try:
+        full = os.path.abspath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return
+    if any(full == root or full.startswith(root + os.sep) for root in _GUARDED):
+        _touched.append(f"{event} {full}")
+
+
+sys.addaudithook(_guard)
+
+
+def _files() -> set[tuple[str, int, int]]:
+    """(path, size, mtime) of every file under the checkout's runs/ and data/."""
+    watching, _watching[0] = _watching[0], False
+    try:
+        out = set()
+        for root in _GUARDED:
+            for folder, _, names in os.walk(root):
+                for name in names:
+                    path = os.path.join(folder, name)
+                    try:
+                        st = os.lstat(path)
+                    except OSError:
+                        continue
+                    out.add((path, st.st_size, st.st_mtime_ns))
+        return out
+    finally:
+        _watching[0] = watching
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_checkouts_runs_alone():
+    """Fails a test that read or wrote the checkout's runs/ or data/ (resolve its paths under tmp_path)."""
+    del _touched[:]
+    before = _files()
+    yield
+    _touched.extend(f"changed {path}" for path, _, _ in sorted(_files() ^ before))
+    if _touched:
+        seen = sorted(set(_touched))
+        del _touched[:]
+        pytest.fail(f"this test touched the checkout's runs/ or data/ ({'; '.join(seen[:3])}): tests never read or "
+                    "write them (a newcomer's first run lives there); give it a run_dir / data.dir under tmp_path",
+                    pytrace=False)

@@ -104,12 +104,13 @@ def test_an_unset_lr_is_the_optimizers_default_and_a_set_one_is_kept(tmp_path, o
     assert resolved.train.lr == lr
 
 
-def test_a_warmup_as_long_as_the_run_is_a_warning_before_launch():
+def test_a_warmup_as_long_as_the_run_is_a_warning_before_launch(tmp_path):
     from dptrain.optim.schedule import schedule_warnings
     from dptrain.runner.validate import validate_run
 
     tiny = ["gpt.n_layer=1", "gpt.n_embd=16", "gpt.n_head=2", "gpt.block_size=8", "gpt.corpus_bytes=20000"]
-    [warning] = [w for w in validate_run(load_config(None, [*tiny, "train.steps=20"]), 1).warnings
+    config = load_config(None, [*tiny, "train.steps=20", f'run_dir="{tmp_path / "run"}"'])
+    [warning] = [w for w in validate_run(config, 1).warnings
                  if "warmup" in w]  # the default warm-up, 30 steps, in a 20-step run
     assert warning.startswith("warning: train.warmup_steps 30 is not below train.steps 20")
     assert "20/30 = 67% of its peak at the last step" in warning and "e.g. 2" in warning

@@ -14,9 +14,9 @@ EXAMPLES = Path(__file__).parent.parent / "examples"
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launcher, ranks, accum", [([], 1, 4), (["-m", "dptrain.cli", "launch", "--nproc", "2"], 2, 2)],
                          ids=["python", "dptrain-launch"])
-def test_custom_loop_example_trains(launcher, ranks, accum):
+def test_custom_loop_example_trains(launcher, ranks, accum, tmp_path):
     proc = subprocess.run([sys.executable, *launcher, str(EXAMPLES / "custom_loop.py")], capture_output=True,
-                          text=True, timeout=120)
+                          text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     losses = [float(x) for x in re.findall(r"loss (\d+\.\d+)", proc.stdout)]
     assert len(losses) == 6 and losses[-1] < 0.5 * losses[0]
