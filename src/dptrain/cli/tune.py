@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import sys
+import tempfile
 from pathlib import Path
 
 import click
@@ -76,6 +78,7 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
     from dptrain.strategies import get_strategy, strategy_names
     from dptrain.tune.machine import Emulated, Launcher, Local
     from dptrain.tune.space import candidates
+    from dptrain.tune.tuner import TuneOptions
 
     options = {k: str(v) if isinstance(v, Path) else v for k, v in click.get_current_context().params.items()}
     try:
@@ -95,9 +98,11 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
             if not hosts or not per_host or hosts < 1 or per_host < 1:
                 raise click.UsageError("--launcher needs --hosts and --per-host (positive)")
             machine = Launcher(launcher, hosts, per_host)
-        if out.exists():
-            raise click.BadParameter(f"--out {out} exists; give a new directory (a tune's files are never mixed "
-                                     "with another's)")
+        if global_batch is not None and global_batch < 1:
+            raise click.BadParameter(f"--global-batch must be at least 1 sample, got {global_batch}; leave it out "
+                                     "for the config's (else 32)")
+        tune_options = TuneOptions(trials, rounds, exhaustive, steps, warmup, trial_timeout, _budget(memory_gib))
+        _check_out(out)
         extra = list(overrides)
         cfg = load_config(config_path, extra)
         batch = global_batch or cfg.train.global_batch_size or 32
@@ -111,31 +116,72 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
         options["strategies"] = ",".join(names)
         space = candidates(machine.world_size, batch, names,
                            int_list(micro_batches, "--micro-batches") if micro_batches else None,
-                           [float(b) for b in buckets.split(",") if b.strip()],
+                           _sizes(buckets, "--buckets"),
                            None if shard_sizes is None else [k for k in int_list(shard_sizes, "--shard-sizes") if k],
                            [c.strip() for c in codecs.split(",") if c.strip()])
         calibration = Calibration.load(calibration_path) if calibration_path is not None else None
         if calibration is not None and (calibration.hosts, calibration.per_host) != (machine.hosts, machine.per_host):
             raise click.BadParameter(f"--calibration was measured on {calibration.hosts} x {calibration.per_host} "
                                      f"ranks, this job is {machine.hosts} x {machine.per_host}: measure a new one")
-        if steps <= warmup or warmup < 0:
-            raise click.BadParameter(f"--steps ({steps}) must exceed --warmup ({warmup})")
+    except click.ClickException as e:  # one line, as the other bad input (docs/tune.md), not click's usage block
+        click.echo(f"dptrain tune: {e.message}", err=True)
+        sys.exit(2)
     except (CalibrationError, ValueError, *bad_input()) as e:
         click.echo(f"dptrain tune: {e}", err=True)
         sys.exit(2)
-    _run(machine, config_path, extra, space, calibration, out, options, trials, rounds, exhaustive, steps, warmup,
-         trial_timeout, None if memory_gib is None else int(memory_gib * 2**30))
+    _run(machine, config_path, extra, space, calibration, out, options, tune_options)
 
 
-def _run(machine, config_path, extra, space, calibration, out: Path, options, trials, rounds, exhaustive, steps, warmup,
-         timeout, budget) -> None:
+def _budget(memory_gib: float | None) -> int | None:
+    """``--memory-gib`` in bytes (None: no budget); a positive, finite number of GiB or a usage error."""
+    if memory_gib is None:
+        return None
+    if not 0 < memory_gib < math.inf:
+        raise click.BadParameter(f"--memory-gib must be a positive number of GiB per rank, got {memory_gib:g}; "
+                                 "e.g. --memory-gib 20, or leave it out for no budget")
+    return int(memory_gib * 2**30)
+
+
+def _sizes(text: str, what: str) -> list[float]:
+    """``"1,4,25"`` as positive, finite sizes in MiB, or a usage error naming ``what``."""
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{what} must be comma-separated sizes in MiB, got {text!r}; e.g. {what} 1,4,25") \
+            from None
+    if not values or not all(0 < v < math.inf for v in values):
+        raise click.BadParameter(f"{what} must be positive sizes in MiB, got {text!r}; e.g. {what} 1,4,25")
+    return values
+
+
+def _check_out(out: Path) -> None:
+    """``--out`` is new and can be created: its nearest existing parent is a directory this process can write in
+    (tried, as ``dptrain run`` tries its run directory: permission bits do not tell, for root or a read-only mount)."""
+    if out.exists():
+        raise click.BadParameter(f"--out {out} exists; give a new directory (a tune's files are never mixed "
+                                 "with another's)")
+    existing = out.absolute()
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise click.BadParameter(f"--out {out} cannot be created: {existing} is a file, not a directory; give "
+                                 "another --out")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as e:
+        raise click.BadParameter(f"--out {out} cannot be created in {existing} ({e.strerror}); give another "
+                                 "--out") from None
+
+
+def _run(machine, config_path, extra, space, calibration, out: Path, options, opts) -> None:
     import time
 
     from tqdm import tqdm
 
     from dptrain.tune.calibrate import calibrate
     from dptrain.tune.report import command, table, write_outputs
-    from dptrain.tune.tuner import TuneOptions, tune
+    from dptrain.tune.tuner import tune
 
     out.mkdir(parents=True)
     click.echo(f"dptrain tune: {len(space)} candidates on {machine.where}", err=True)
@@ -143,7 +189,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, tr
     with machine:
         if calibration is None:
             click.echo("calibrating the simulator on this machine (links, then probe runs)...", err=True)
-            calibration = calibrate(machine, out / "calibration", steps, warmup, timeout,
+            calibration = calibrate(machine, out / "calibration", opts.steps, opts.warmup, opts.timeout,
                                     log=lambda line: click.echo("  " + line, err=True))
         calibration.save(out / "calibration.json")
         calibrated = time.perf_counter() - t0
@@ -155,8 +201,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, tr
                                 + (f" {row.measured_s * 1e3:.0f} ms" if row.measured_s else ""))
             bar.update(done - bar.n)
 
-        tuned = tune(machine, config_path, extra, space, calibration, out,
-                     TuneOptions(trials, rounds, exhaustive, steps, warmup, timeout, budget), progress)
+        tuned = tune(machine, config_path, extra, space, calibration, out, opts, progress)
         bar.close()
     tuned.seconds["calibration"] = calibrated
     best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, options)

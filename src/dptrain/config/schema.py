@@ -266,6 +266,18 @@ class ZeROConfig:
                           "across groups, all-reducing gradient shards between replicas (hybrid sharding, HSDP); "
                           "0: shard over all ranks")
 
+    def check(self) -> None:
+        """This section's own values (the shard size against the world: the strategy's entry, zero_check)."""
+        if not all(isinstance(name, str) for name in self.unit_classes):
+            raise ConfigError(f"zero.unit_classes must be module class names, got {self.unit_classes}; e.g. "
+                              "--set 'zero.unit_classes=[\"Block\"]'")
+        if self.min_unit_numel < 0:
+            raise ConfigError(f"zero.min_unit_numel must be a parameter count >= 0, got {self.min_unit_numel}; "
+                              "0 lets zero.unit_classes choose the units")
+        if self.shard_size < 0:
+            raise ConfigError(f"zero.shard_size must be >= 0, got {self.shard_size}; 0 shards over all ranks, or "
+                              "give the ranks per host for hybrid sharding")
+
 
 @dataclass
 class PSConfig:
@@ -292,6 +304,15 @@ class LocalSGDConfig:
     warmup_steps: int = opt(0, "strategy localsgd: the first steps are the DDP engine's, gradients all-reduced every "
                             "step (post-local SGD)")
 
+    def check(self) -> None:
+        """This section's own values, named by key before launch (LocalSGDOptions checks the same for the API)."""
+        if self.period < 1:
+            raise ConfigError(f"localsgd.period must be a whole number of steps >= 1, got {self.period}; 1 averages "
+                              "after every step (synchronous SGD), e.g. --set localsgd.period=8")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"localsgd.warmup_steps must be >= 0, got {self.warmup_steps}; 0 takes local steps "
+                              "from the first, e.g. --set localsgd.warmup_steps=0")
+
 
 @dataclass
 class DiLoCoConfig:
@@ -308,6 +329,21 @@ class DiLoCoConfig:
     warmup_steps: int = opt(0, "strategy diloco: the first steps are the DDP engine's, gradients all-reduced every "
                                "step; the global weights start where they end (the paper starts from a model "
                                "trained synchronously)")
+
+    def check(self) -> None:
+        """This section's own values, named by key before launch (DiLoCoOptions checks the same for the API)."""
+        if self.period < 1:
+            raise ConfigError(f"diloco.period must be a whole number of inner steps >= 1, got {self.period}; the "
+                              "paper uses 500 from a pretrained model, e.g. --set diloco.period=50 from scratch")
+        if not self.outer_lr > 0:
+            raise ConfigError(f"diloco.outer_lr must be above 0, got {self.outer_lr}; the paper's is 0.7 (1 with no "
+                              "momentum takes the average of the ranks' weights): --set diloco.outer_lr=0.7")
+        if not 0 <= self.outer_momentum < 1:
+            raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}; the paper's is "
+                              "0.9: --set diloco.outer_momentum=0.9")
+        if self.warmup_steps < 0:
+            raise ConfigError(f"diloco.warmup_steps must be >= 0, got {self.warmup_steps}; 0 starts the outer "
+                              "steps from the first, e.g. --set diloco.warmup_steps=0")
 
 
 @dataclass
@@ -448,7 +484,9 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
     def check(self) -> None:
-        """Every section's own values, each by its ``check()`` (a strategy's section: its registry entry's check)."""
+        """Every section's own values, each by its ``check()``, whichever strategy runs: a strategy's section refuses
+        a value no run could use ([diloco] period 0) before launch; what it asks of the world and the model is its
+        registry entry's ``check``."""
         for section in fields(self):
             check = getattr(getattr(self, section.name), "check", None)
             if check is not None:

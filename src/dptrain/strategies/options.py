@@ -24,7 +24,7 @@ from dptrain.compress.remedies import Remedies
 from dptrain.optim.build import decays
 
 __all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedies", "ddp_compression",
-           "zero_compression", "zero_check", "zero_check_shards", "ps_check", "ps_check_model", "ps_check_resume",
+           "zero_compression", "zero_check", "zero_check_shards", "zero_check_model", "ps_check", "ps_check_model", "ps_check_resume",
            "ps_expendable", "ps_program", "LaidOut", "ddp_units", "zero_units"]
 
 
@@ -61,13 +61,8 @@ def zero_options(cfg, model: nn.Module, nodes: int, stage: int) -> dict[str, Any
             kwargs["bucket_cap_mb"] = cfg.ddp.bucket_cap_mb
         return kwargs
     kwargs.update(reshard_after_forward=z.reshard_after_forward, prefetch=z.prefetch)
-    classes = {type(m).__name__: type(m) for m in model.modules()}
     if z.unit_classes:
-        unknown = [name for name in z.unit_classes if name not in classes]
-        if unknown:
-            raise ValueError(f"zero.unit_classes {unknown} do not occur in the model; its module classes are "
-                             f"{sorted(classes)}")
-        kwargs["unit_classes"] = tuple(classes[name] for name in z.unit_classes)
+        kwargs["unit_classes"] = _unit_classes(z.unit_classes, model)
     elif z.min_unit_numel:
         kwargs["min_unit_numel"] = z.min_unit_numel
     else:  # the blocks of the first ModuleList (a transformer's layers), else about 8 units by size
@@ -77,6 +72,22 @@ def zero_options(cfg, model: nn.Module, nodes: int, stage: int) -> dict[str, Any
         else:
             kwargs["min_unit_numel"] = max(1, sum(p.numel() for p in model.parameters()) // 8)
     return kwargs
+
+
+def _unit_classes(names: list[str], model: nn.Module) -> tuple[type, ...]:
+    """``zero.unit_classes``: the model's module classes of these names; a ValueError naming the ones it has."""
+    classes = {type(m).__name__: type(m) for m in model.modules()}
+    unknown = [name for name in names if name not in classes]
+    if unknown:
+        raise ValueError(f"zero.unit_classes {unknown} do not occur in the model; its module classes are "
+                         f"{sorted(classes)}")
+    return tuple(classes[name] for name in names)
+
+
+def zero_check_model(cfg, model: nn.Module) -> None:
+    """Before launch: ``zero.unit_classes`` name module classes of the model (stage 3 gathers by them)."""
+    if cfg.zero.unit_classes:
+        _unit_classes(cfg.zero.unit_classes, model)
 
 
 def compression_remedies(cfg) -> Remedies:

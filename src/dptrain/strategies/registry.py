@@ -32,6 +32,7 @@ from dptrain.strategies.options import (
     ps_expendable,
     ps_program,
     zero_check,
+    zero_check_model,
     zero_check_shards,
     zero_compression,
     zero_options,
@@ -217,7 +218,8 @@ def _zero(stage: int, summary: str) -> Strategy:
                     checkpoint_layout="sharded", casts_itself=True, codecs=ZERO_CODECS, buckets=stage < 3,
                     options_argument="zero_kwargs", label=f"ZeRO-{stage}", wrap=_zero_wrapper(stage),
                     options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage), check=zero_check,
-                    compression=zero_compression, units=zero_units(stage), check_shards=zero_check_shards)
+                    compression=zero_compression, units=zero_units(stage), check_shards=zero_check_shards,
+                    check_model=zero_check_model)
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in [

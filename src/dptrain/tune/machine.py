@@ -16,6 +16,7 @@ on the ranks that will train:
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import signal
@@ -96,6 +97,9 @@ class Emulated(Machine):
     """``hosts`` emulated hosts of ``per_host`` ranks, each host's link at ``rate_gbit`` (``dptrain cluster``)."""
 
     def __init__(self, hosts: int, per_host: int, rate_gbit: float):
+        if not 0 < rate_gbit < math.inf:
+            raise ValueError(f"--bandwidth-gbit must be a positive link rate in Gbit/s, got {rate_gbit:g}; e.g. "
+                             "--bandwidth-gbit 1")
         super().__init__(hosts, per_host, shared_net=True)
         self.rate_gbit, self._network = rate_gbit, None
 

@@ -19,6 +19,7 @@ winner's config (``best.toml``), which ``dptrain run --config`` takes.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,23 @@ class TuneOptions:
     warmup: int = 4
     timeout: float = 600.0
     budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        """Each value named by its ``dptrain tune`` option, so bad ones stop it before anything runs (docs/tune.md)."""
+        if self.trials < 1:
+            raise ValueError(f"--trials must be at least 1 (the candidates measured by real runs), got {self.trials}; "
+                             "e.g. --trials 3")
+        if self.rounds < 1:
+            raise ValueError(f"--rounds must be at least 1 (runs of each measured candidate), got {self.rounds}; "
+                             "e.g. --rounds 1")
+        if self.steps <= self.warmup or self.warmup < 0:
+            raise ValueError(f"--steps ({self.steps}) must exceed --warmup ({self.warmup}), which must be >= 0; "
+                             "e.g. --steps 12 --warmup 4")
+        if not 0 < self.timeout < math.inf:
+            raise ValueError(f"--trial-timeout must be a positive number of seconds, got {self.timeout:g}; e.g. "
+                             "--trial-timeout 600")
+        if self.budget_bytes is not None and self.budget_bytes <= 0:
+            raise ValueError(f"the memory budget must be positive, got {self.budget_bytes} bytes")
 
 
 @dataclass
