@@ -6,9 +6,10 @@ that is the same on every rank, computed on copies so that training goes on unto
 - gossip, local SGD and DiLoCo let each rank's replica drift between synchronisations: the
   trained parameters are their mean over the ranks (one flat all-reduce), as ``finish()``
   leaves them (``average=True``);
-- every strategy's buffers (BatchNorm's running statistics) are rank 0's (one flat
-  broadcast): the DDP engine and ZeRO broadcast rank 0's before each forward, and each rank's
-  own forward then moves them apart again, as in torch's DDP. Rank 0's are what a run exports.
+- the buffers (BatchNorm's running statistics) are rank 0's (one flat broadcast): ZeRO and the
+  DDP engine broadcast rank 0's before each forward, and each rank's own forward then moves
+  them apart again, as in torch's DDP; at the end of training (``finish()``) every strategy
+  broadcasts rank 0's (``broadcast_buffers_``). Rank 0's are what a run exports.
 """
 
 from __future__ import annotations

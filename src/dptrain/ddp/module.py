@@ -40,7 +40,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 from torch.nn.parallel.scatter_gather import gather, scatter_kwargs
 
 from dptrain.comm import check_algorithm
-from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
+from dptrain.comm.average import broadcast_buffers_
 from dptrain.comm.fingerprint import collective_check
 from dptrain.ddp.autograd import on_backward_reaching
 from dptrain.ddp.buckets import DEFAULT_BUCKET_CAP_MB, ParamInfo, ddp_bucket_layout
@@ -405,9 +405,9 @@ class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
         return self.module
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Collective: the module's state dict (the parameters are equal on every rank), with rank 0's buffers (each
-        rank's last forward moved its own: ``comm/average.py``)."""
-        return consensus_state_dict(self.module, self.process_group, average=False)
+        """The module's state dict, no communication (as torch's DDP, so a rank-0-only call cannot hang): the
+        parameters are equal on every rank; the buffers are this rank's, rank 0's on every rank after :meth:`finish`."""
+        return self.module.state_dict()
 
     def load_full_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.module.load_state_dict(state)

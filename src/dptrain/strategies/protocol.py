@@ -30,7 +30,7 @@ sync`` / ``no_sync()``      forward          end of backward                    
 ``evaluation_module``       ``module``       the wrapper         ``module``       ``module``        ``module``
 ``export_weights(path)``    rank 0 writes    gathered, rank 0    rank 0 writes    rank 0 writes     rank 0 writes
 ``full_state_dict()``       ``module``'s     gathered (all-      replicas' mean   replicas' mean    global weights
-                            state dict       gather per unit)    (all-reduce)     (all-reduce)
+                            (no comm)        gather per unit)    (all-reduce)     (all-reduce)
 ==========================  ===============  ==================  ===============  ================  ================
 
 - ``after_optimizer_step()`` is called by every rank after every optimizer step, skipped
