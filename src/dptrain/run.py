@@ -33,6 +33,7 @@ from dptrain.launch.heartbeat import end_stopped_peers
 from dptrain.launch.orphans import orphan_guard
 from dptrain.launch.rendezvous import (
     PortInUse,
+    RendezvousTimeout,
     detect_worker_env,
     init_alone,
     init_distributed,
@@ -116,6 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     except BAD_INPUT as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except RendezvousTimeout as e:  # one line names the address and what to check, on every rank that waited
+        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
+        if not local:  # the local launcher shows the record itself
+            print(f"error: {e}", file=sys.stderr)
+        return 1
     except TooFewWorkers as e:  # live recovery cannot go on: one message; its launcher does not restart it
         write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
         print(f"error: {e}", file=sys.stderr)

@@ -122,7 +122,7 @@ def _start(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
         from dptrain.launch.elastic import launch_elastic
 
         return launch_elastic(nproc, worker_args, run_dir, max_restarts, "dptrain.launch.script", nodes, env,
-                              shown=shown, lock_fd=lock_fd)
+                              shown=shown, lock_fd=lock_fd, timeout_s=timeout_s)
     from dptrain.launch.local import launch_local
 
     return launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,

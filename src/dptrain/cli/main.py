@@ -159,7 +159,7 @@ def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str,
         from dptrain.launch.elastic import launch_elastic
 
         return launch_elastic(nproc, worker_args, rp.run_dir, max_restarts, env={TOKEN_ENV: lock.token},
-                              lock_fd=lock.fd)
+                              lock_fd=lock.fd, timeout_s=cfg.ddp.timeout_s)
     return launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
                         start_method=start_method, roll_call_s=cfg.ddp.roll_call_s, preload=preload,
                         lock_fd=lock.fd)

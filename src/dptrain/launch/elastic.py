@@ -25,6 +25,14 @@ are not "local" (they report their own errors), so rank 0 would take the lock it
 launcher passes its token in ``env`` (``DPTRAIN_RUN_LOCK``), by which rank 0 knows the lock
 for its own launcher's.
 
+[Note: judging the agent] The workers' heartbeats are judged by the workers' watchdogs, but nothing judged
+the agent: stopped (SIGSTOP), it reaped no worker and restarted none, and the job hung with its finished
+workers as zombies (a rank killed meanwhile: both ranks sat 45 s, silent, until the agent was continued).
+So the launcher watches it as the local launcher watches a rank's heartbeat: an agent that is stopped, or
+that leaves an ended worker unreaped (it polls them every 0.5 s), for longer than the timeout (the workers'
+``ddp.timeout_s``, at least ``STALE_MIN_S``) is killed with its workers, and the job ends with one line
+naming it (exit 1).
+
 ``dptrain launch --nnodes N`` (or inside a Slurm job of several nodes) hands its job to
 torchrun the same way, with a c10d rendezvous (:class:`Nodes`): torchrun's agent is the
 multi-node launcher; dptrain brings none of its own.
@@ -37,17 +45,24 @@ The same job under plain torchrun behaves the same:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from dptrain.launch.heartbeat import STALE_MIN_S, process_state, read_heartbeats
 from dptrain.launch.slurm import first_slurm_host, job_port
 from dptrain.launch.threads import threads_per_worker
 
-__all__ = ["launch_elastic", "torchrun_command", "Nodes", "slurm_nodes"]
+__all__ = ["launch_elastic", "torchrun_command", "Nodes", "slurm_nodes", "agent_trouble", "children"]
+
+POLL_S = 0.5  # between two looks at the agent
+STOP_GRACE_S = 10.0  # after Ctrl-C, the agent's time to stop its workers before it is killed with them
 
 
 @dataclass(frozen=True)
@@ -89,9 +104,12 @@ def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], modu
 
 def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
                    module: str = "dptrain.run", nodes: Nodes | None = None, env: Mapping[str, str] = (),
-                   shown: frozenset[int] | None = None, lock_fd: int | None = None) -> int:
+                   shown: frozenset[int] | None = None, lock_fd: int | None = None,
+                   timeout_s: float | None = None) -> int:
     """Run the job under torchrun with ``max_restarts``; return its exit code. ``env``: added to the workers'.
-    ``lock_fd``: the locked run directory's descriptor, held by the agent too."""
+    ``lock_fd``: the locked run directory's descriptor, held by the agent too. ``timeout_s``: how long the agent
+    may stay stopped or unresponsive ([Note: judging the agent]); None: the ``timeout_s`` its workers'
+    heartbeats record (their ``ddp.timeout_s``, or ``dptrain launch --timeout``), and until one does, unjudged."""
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -101,8 +119,79 @@ def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restar
     env.pop("DPTRAIN_LAUNCHER", None)  # the workers print their own errors, as under torchrun
     guard = [sys.executable, "-m", "dptrain.launch.orphans", str(os.getpid()), "--"]  # the agent ends with us
     command = guard + torchrun_command(nproc, max_restarts, worker_args, module, nodes, shown)
+    agent = subprocess.Popen(command, env=env, pass_fds=() if lock_fd is None else (lock_fd,))
+    world = nproc * (nodes.nnodes if nodes else 1)
     try:
-        return subprocess.run(command, env=env, pass_fds=() if lock_fd is None else (lock_fd,)).returncode
-    except KeyboardInterrupt:
+        return _watch_agent(agent, run_dir, world, timeout_s)
+    except KeyboardInterrupt:  # the agent got it too (same process group) and stops its workers
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            agent.wait(STOP_GRACE_S)
         print("\ninterrupted", file=sys.stderr)
         return 130
+    finally:
+        if agent.poll() is None:  # whatever ends us first (an exception): nothing of the job goes on
+            _kill_agent(agent)
+
+
+def _watch_agent(agent: subprocess.Popen, run_dir: Path, world: int, timeout_s: float | None) -> int:
+    """The agent's exit code, or 1 once it has been stopped or unresponsive for longer than the timeout."""
+    since, limit = None, timeout_s
+    while True:
+        try:
+            return agent.wait(POLL_S)
+        except subprocess.TimeoutExpired:
+            pass
+        trouble = agent_trouble(agent.pid)
+        since = None if trouble is None else since or time.monotonic()
+        if since is not None and limit is None:  # read once a worker has recorded it
+            limit = _workers_timeout(run_dir, world, agent.pid)
+        if since is None or limit is None or time.monotonic() - since <= max(limit, STALE_MIN_S):
+            continue
+        workers = _kill_agent(agent)
+        print(f"error: torchrun's agent (pid {agent.pid}) {trouble} for over {max(limit, STALE_MIN_S):g} s: it "
+              f"was killed with its workers (pids {', '.join(map(str, workers)) or 'none'}), and the job ends; "
+              f"their logs: {run_dir / 'logs'}", file=sys.stderr)
+        return 1
+
+
+def agent_trouble(pid: int) -> str | None:
+    """Why the agent ``pid`` cannot be doing its work now (stopped, or leaving an ended worker unreaped), or None."""
+    state = process_state(pid)
+    if state in ("T", "t"):
+        return "was stopped (SIGSTOP)"
+    ended = [c for c in children(pid) if process_state(c) == "Z"]
+    return f"did not reap its ended worker(s) {ended} (unresponsive)" if ended else None
+
+
+def children(pid: int) -> list[int]:
+    """The processes whose parent is ``pid`` (Linux's /proc; elsewhere none)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    with open(f"/proc/{entry.name}/stat", "rb") as f:
+                        if int(f.read().rsplit(b")", 1)[1].split()[1]) == pid:
+                            found.append(int(entry.name))
+    return found
+
+
+def _workers_timeout(run_dir: Path, world: int, agent: int) -> float | None:
+    """The timeout the agent's own workers' heartbeats record (left-over heartbeats of other processes aside)."""
+    mine = set(children(agent))
+    limits = [b["timeout_s"] for b in read_heartbeats(run_dir, world).values()
+              if b.get("pid") in mine and isinstance(b.get("timeout_s"), (int, float))]
+    return max(limits) if limits else None
+
+
+def _kill_agent(agent: subprocess.Popen) -> list[int]:
+    """SIGKILL the agent and its workers (each a session of its own, so each process group); their pids."""
+    workers = children(agent.pid)
+    agent.kill()
+    for pid in workers:
+        with contextlib.suppress(OSError):
+            os.killpg(pid, signal.SIGKILL)  # torch starts each worker in a new session: its group is its pid
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    agent.wait()
+    return workers

@@ -9,7 +9,10 @@ It covers:
 - workers started as fresh interpreters (``--start-method exec``): the launcher names itself
   in :data:`PARENT_ENV`, and the worker's entry point calls :func:`die_with_parent`;
 - forked workers: their parent is the fork server, which ends with the launcher
-  (``launch.workers``);
+  (``launch.workers``), but only after its interpreter's exit, which took 2-3 s with torch
+  imported (a killed launcher's workers trained on for about 150 steps). So a forked worker
+  also watches a pipe whose only writer is its launcher (:func:`die_with_pipe`): the kernel
+  closes it when the launcher dies, and the worker ends at once;
 - torchrun's agent under ``--max-restarts``: started through ``python -m dptrain.launch.orphans
   PID -- COMMAND...``, which asks for the signal and then becomes COMMAND (the request survives
   ``exec``); the agent, on SIGTERM, stops its own workers.
@@ -23,8 +26,9 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
 
-__all__ = ["PARENT_ENV", "die_with_parent", "orphan_guard", "main"]
+__all__ = ["PARENT_ENV", "die_with_parent", "die_with_pipe", "orphan_guard", "main"]
 
 PARENT_ENV = "DPTRAIN_PARENT_PID"  # the launcher's pid, for a worker it started as a fresh interpreter
 _PR_SET_NAME, _PR_SET_PDEATHSIG = 15, 1
@@ -48,6 +52,21 @@ def die_with_parent(parent: int, name: str | None = None) -> None:
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if os.getppid() != parent:  # the parent ended before the signal was armed
         os.kill(os.getpid(), signal.SIGTERM)
+
+
+def die_with_pipe(fd: int) -> None:
+    """SIGTERM this process when every writer of the pipe whose read end is ``fd`` has closed it (its launcher, the
+    only writer, exited, however it ended); a daemon thread waits for that end of file."""
+    def watch() -> None:
+        try:
+            while os.read(fd, 1):  # nothing is ever written: only the end of file returns
+                pass
+        except OSError:  # the descriptor is bad: nothing to watch, the fork server's end still holds
+            return
+        os.kill(os.getpid(), signal.SIGTERM)  # as PR_SET_PDEATHSIG would
+
+    os.set_inheritable(fd, False)  # nothing this worker starts holds it
+    threading.Thread(target=watch, daemon=True, name="dptrain-launcher-watch").start()
 
 
 def orphan_guard(environ: dict[str, str]) -> None:

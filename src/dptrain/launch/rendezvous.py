@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import threading
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -30,8 +31,8 @@ import torch.distributed as dist
 from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
 
-__all__ = ["WorkerEnv", "PortInUse", "detect_worker_env", "init_distributed", "leave_process_groups", "init_alone", "replica_env", "free_port",
-           "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
+__all__ = ["WorkerEnv", "PortInUse", "RendezvousTimeout", "CONNECT_SLACK_S", "detect_worker_env", "init_distributed",
+           "join_store", "leave_process_groups", "init_alone", "replica_env", "free_port", "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
 
 
 
@@ -100,20 +101,77 @@ def choose_backend(requested: str, local_world_size: int, cuda_devices: int) -> 
     return "nccl" if cuda_devices else "gloo"
 
 
+CONNECT_SLACK_S = 2.0  # past ddp.timeout_s, so that torch's own timeout (a refused connection) speaks first
+
+
+class RendezvousTimeout(RuntimeError):
+    """The job's store did not answer within the deadline: one line naming the address, exit 1."""
+
+
 def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
     """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU).
 
-    ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process).
+    ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process). Joining the job's
+    store has a deadline of ``timeout_s`` (+ :data:`CONNECT_SLACK_S`): :func:`join_store`.
     """
     env = detect_worker_env() if env is None else env
     backend, device = _take_device(env, backend)
     timeout = timedelta(seconds=timeout_s)
-    store = loopback_store(env, timeout) if use_loopback(env) else None
-    init_method = None if store is not None else \
-        "env://" if env.launcher == "torchrun" else f"tcp://{env.master_addr}:{env.master_port}"
-    dist.init_process_group(backend, init_method=init_method, store=store, rank=env.rank, world_size=env.world_size,
+    store = join_store(env, timeout)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if device.type == "cuda" else None)
     return device
+
+
+def join_store(env: WorkerEnv, timeout: timedelta) -> dist.Store:
+    """The job's store (this machine's loopback store, or torch's ``env://`` or ``tcp://`` rendezvous), joined
+    within ``timeout`` + :data:`CONNECT_SLACK_S` or :class:`RendezvousTimeout`.
+
+    [Note: a store that never answers] torch's TCPStore client gives up on a refused connection after its
+    timeout, but not on a listener that accepts and never answers (another program on ``MASTER_PORT``, a
+    stopped rank 0): its handshake waited past 200 s with a 10 s timeout. No torch argument bounds it, so
+    the store is made in a thread that the caller stops waiting for; the thread, blocked outside Python,
+    is left behind and ends with the process.
+    """
+    address = f"{env.master_addr}:{env.master_port}"
+    if use_loopback(env):
+        return _within(lambda: loopback_store(env, timeout), timeout, env, address)
+    url = "env://" if env.launcher == "torchrun" else f"tcp://{address}"
+    return _within(lambda: _rendezvous_store(url, env, timeout), timeout, env, address)
+
+
+def _rendezvous_store(url: str, env: WorkerEnv, timeout: timedelta) -> dist.Store:
+    """The store ``init_process_group(init_method=url)`` would make, prefixed as it prefixes it."""
+    store, _, _ = next(dist.rendezvous(url, env.rank, env.world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    return dist.PrefixStore("default_pg", store)
+
+
+def _within(make, timeout: timedelta, env: WorkerEnv, address: str):
+    """``make()``'s store, or its exception; :class:`RendezvousTimeout` when it has not returned in time."""
+    done: list = []
+
+    def run() -> None:
+        try:
+            done.append((True, make()))
+        except BaseException as e:  # handed to the caller's thread
+            done.append((False, e))
+
+    thread = threading.Thread(target=run, daemon=True, name="dptrain-store-connect")
+    thread.start()
+    thread.join(timeout.total_seconds() + CONNECT_SLACK_S)
+    if not done:  # [Note: a store that never answers]
+        role = "host" if env.rank == 0 else "join"
+        raise RendezvousTimeout(
+            f"rank {env.rank} could not {role} the job's store at {address} within "
+            f"{timeout.total_seconds() + CONNECT_SLACK_S:g} s (ddp.timeout_s {timeout.total_seconds():g} s + "
+            f"{CONNECT_SLACK_S:g}): something there accepts connections but never answers. Check that "
+            f"MASTER_ADDR:MASTER_PORT ({address}) is where rank 0 hosts the store, that rank 0 runs and is not "
+            f"stopped, and that no other program listens on port {env.master_port} (ss -ltnp)")
+    ok, value = done[0]
+    if not ok:
+        raise value
+    return value
 
 
 def init_alone(env: WorkerEnv, backend: str = "auto") -> torch.device:

@@ -41,7 +41,7 @@ import sys
 import threading
 from pathlib import Path
 
-from dptrain.launch.orphans import PARENT_ENV, die_with_parent
+from dptrain.launch.orphans import PARENT_ENV, die_with_parent, die_with_pipe
 from dptrain.launch.run_lock import FD_ENV
 from dptrain.launch.threads import omp_threads
 from dptrain.utils.files import open_fd, open_file
@@ -91,10 +91,28 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     fds = console if isinstance(console, tuple) else (1, 2)
     output = ("path", str(console)) if isinstance(console, Path) else ("fds", _Fd(fds[0]), _Fd(fds[1]))
     lock = None if lock_fd is None else _Fd(lock_fd)
-    proc = ctx.Process(target=_forked_worker, args=(module, argv, env, os.getcwd(), output, lock),
-                       name="dptrain-worker")
+    proc = ctx.Process(target=_forked_worker, args=(module, argv, env, os.getcwd(), output, lock,
+                                                    _Fd(_launcher_alive())), name="dptrain-worker")
     proc.start()
     return _Forked(proc)
+
+
+_ALIVE: list[int] = []  # this launcher's pipe: [read end, write end]; [Note: a forked worker's launcher]
+
+
+def _launcher_alive() -> int:
+    """The read end of a pipe whose only writer is this process, made once and held for its life."""
+    if not _ALIVE:
+        _ALIVE.extend(os.pipe())  # not inheritable: no process this one starts holds the write end
+    return _ALIVE[0]
+
+
+# [Note: a forked worker's launcher] A forked worker's parent is the fork server, not the launcher, so
+# PR_SET_PDEATHSIG names the server, which ends only after its interpreter's exit (2-3 s with torch loaded; a
+# killed launcher's workers trained about 150 steps more). Each worker therefore also holds the read end of
+# a pipe that only the launcher can write to: when the launcher dies, however it dies, the kernel closes the
+# write end and the worker's watch thread sees the end of file at once (``launch.orphans.die_with_pipe``).
+# The pipe is the process's, not one run's: a later run in the same process (a test suite) reuses it.
 
 
 class _Forked:
@@ -149,7 +167,7 @@ class _Fd:
 
 
 def _forked_worker(module: str, argv: list[str], env: dict[str, str], cwd: str, output: tuple,
-                   lock: _Fd | None) -> None:
+                   lock: _Fd | None, launcher: _Fd) -> None:
     """In the fork: become the worker ``python -m MODULE ARGV`` would have been, and run it."""
     _leave_the_fork_server()
     os.environ.clear()
@@ -177,6 +195,7 @@ def _forked_worker(module: str, argv: list[str], env: dict[str, str], cwd: str, 
     _settings_read_at_import()
     # the parent is the fork server, which ends with the launcher (_leave_the_fork_server)
     die_with_parent(os.getppid(), f"dptrain-rank{env.get('RANK', '?')}")
+    die_with_pipe(launcher.fd)  # the launcher's own death, at once: [Note: a forked worker's launcher]
 
     code = importlib.import_module(module).main(argv)
     sys.stdout.flush()
