@@ -32,7 +32,8 @@ from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launche
 from dptrain.launch.slurm import first_slurm_host, job_port
 
 __all__ = ["WorkerEnv", "PortInUse", "RendezvousTimeout", "CONNECT_SLACK_S", "detect_worker_env", "init_distributed",
-           "join_store", "leave_process_groups", "init_alone", "replica_env", "free_port", "first_slurm_host", "is_loopback_job", "loopback_store", "use_loopback"]
+           "join_store", "leave_process_groups", "init_alone", "replica_env", "free_port", "first_slurm_host",
+           "is_loopback_job", "loopback_store", "use_loopback"]
 
 
 
