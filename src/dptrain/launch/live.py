@@ -8,8 +8,9 @@ outlives every worker. A worker that is stopped as a whole (SIGSTOP, or stuck wh
 heartbeat thread cannot run) is killed once its heartbeat file is stale, then restarted
 like any other failure. The job ends when replica 0, which writes the run's records, has
 finished: the others are given ``finish_grace_s`` to finish too, then stopped. It fails
-when a worker reports bad input (exit 2), when one finds too few workers left to go on
-(exit 3, ``live.min_workers``), or when replica 0 fails past its restarts.
+when a worker reports bad input (exit 2), when one finds that live recovery cannot go on
+(exit 3: too few workers left, ``live.min_workers``, or none holding the training state;
+its reason printed once), or when replica 0 fails past its restarts.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from dptrain.launch.errors import error_file
+from dptrain.launch.errors import error_file, read_error_record
 from dptrain.launch.heartbeat import heartbeat_file
 from dptrain.launch.local import (
     GRACE_S,
@@ -90,8 +91,11 @@ def _supervise(procs: list, start, restarts: list[int], run_dir: Path, max_resta
         if 2 in codes:  # bad input: every worker said why, or will
             _stop(procs, grace=GRACE_S)
             return 2
-        if GIVE_UP_EXIT in codes:  # too few workers to go on: the worker said why; a restart would not help
+        if GIVE_UP_EXIT in codes:  # live recovery cannot go on: a restart would not help; the worker's reason, once
             _stop(procs, grace=GRACE_S)
+            first = codes.index(GIVE_UP_EXIT)
+            if first != 0 or restarts[0] > 0:  # replica 0's first console is this one: it has said it already
+                _say_why(run_dir, first)
             return 1
         if codes[0] == 0 and finished_at is None:
             finished_at = time.monotonic()
@@ -119,3 +123,11 @@ def _supervise(procs: list, start, restarts: list[int], run_dir: Path, max_resta
                       "and were stopped", file=sys.stderr)
             return 0
         time.sleep(POLL_S)
+
+
+def _say_why(run_dir: Path, rank: int) -> None:
+    """A worker's one line on why live recovery cannot go on, on the console (a restarted worker's own console is a
+    file under logs/, and replica 0's first one the only one shown)."""
+    record = read_error_record(run_dir, rank) or {}
+    text = str(record.get("traceback", "")).strip().removeprefix("error: ")
+    print(f"error: worker {rank}: {text or 'live recovery cannot go on'}", file=sys.stderr)

@@ -28,9 +28,10 @@ from dptrain.live.heal import HealError, pack, recv_state, send_state, unpack
 from dptrain.live.liveness import Liveness
 from dptrain.live.quorum import Member, Quorum, TooFewWorkers, form_quorum, latest_round
 from dptrain.live.stats import LiveStats
+from dptrain.live.trust import JobMismatch, publish, vet
 from dptrain.live.vote import commit_vote
 
-__all__ = ["LiveSettings", "LiveManager", "TooFewWorkers", "Attempt"]
+__all__ = ["LiveSettings", "LiveManager", "TooFewWorkers", "JobMismatch", "Attempt"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class Attempt:
     heal_received: int = 0
     heal_s: float = 0.0
     began: float = 0.0
+    notes: tuple[str, ...] = ()       # members left out of the round when it was vetted, and why (live.trust)
 
 
 class LiveManager:
@@ -71,7 +73,7 @@ class LiveManager:
     """
 
     def __init__(self, connect: Callable[[], object], replica: int, replicas: int, settings: LiveSettings,
-                 step: int, progress: Callable[[], None] = lambda: None):
+                 step: int, progress: Callable[[], None] = lambda: None, identity: dict | None = None):
         self.replica, self.replicas, self.settings, self.progress = replica, replicas, settings, progress
         self.store = connect()
         self.liveness = Liveness(connect, replica, replicas, settings.heartbeat_interval_s,
@@ -84,6 +86,11 @@ class LiveManager:
         self.absent: set[int] = set()
         self._group_ok = True
         self.global_batch = 0  # samples in the last committed step (the round's share of the global batch)
+        self.identity = identity  # what job this worker runs (live.trust.identity_record); None: not checked
+        self.check = ""  # the state hash after the last live.check_every step, for the next round (live.trust)
+        self._published = False
+        self._vetted: set[tuple[int, int]] = set()
+        self._job: list = []  # the job's identity, once read
 
     def close(self) -> None:
         self.liveness.stop()
@@ -98,10 +105,16 @@ class LiveManager:
         while the round is open; True leaves it (None returned: the end of a run).
         """
         self.liveness.start()
+        if not self._published and self.identity is not None:  # once per start, before its first round
+            publish(self.store, self.replica, self.liveness.incarnation, self.identity, self.step,
+                    held_hash() if self.step >= 0 else None)
+            self._published = True
         began = time.monotonic()
+        notes: list[str] = []
         while True:
             me = Member(self.replica, self.step, self.group.round if self.group.pg is not None or
-                        self.group.size == 1 else -1, self.group.size, self._group_ok, self.liveness.incarnation)
+                        self.group.size == 1 else -1, self.group.size, self._group_ok, self.liveness.incarnation,
+                        self.check)
             s = self.settings
             quorum = form_quorum(self.store, self.liveness, me, self.round, self.replicas,
                                  min_workers=s.min_workers, on_too_few=s.on_too_few,
@@ -110,10 +123,15 @@ class LiveManager:
                                  abandon=abandon)
             if abandon is not None and abandon():
                 return None
+            if quorum is not None and self.identity is not None:
+                quorum = self._vet(quorum, notes)
             if quorum is not None:
                 break
             self.round += 1
-        attempt = Attempt(quorum, began=began)
+        if quorum.step < 0:  # raised here, not in the try below: a round cannot heal it, so it must not be retried
+            raise TooFewWorkers(f"no member of round {quorum.round} (replicas {list(quorum.replicas)}) holds the "
+                                "training state (every one was restarted): resume the run from its last checkpoint")
+        attempt = Attempt(quorum, began=began, notes=tuple(notes))
         self.group.begin_step(quorum.round)
         try:
             if quorum.new_group:
@@ -124,11 +142,24 @@ class LiveManager:
             attempt.ok, attempt.error = False, f"{type(e).__name__}: {e}"
         return attempt
 
+    def _vet(self, quorum: Quorum, notes: list[str]) -> Quorum | None:
+        """The round without the members :func:`~dptrain.live.trust.vet` leaves out; None when this worker is one of
+        them and is to be healed (its state diverged); JobMismatch when it runs another job."""
+        verdict = vet(self.store, quorum, self._vetted, self._job)
+        self.check = ""  # compared: the next round need not see it again
+        if self.replica in verdict.refused:
+            raise JobMismatch(f"{verdict.refused[self.replica]}: this worker may not join the job; start it with the "
+                              "others' config (their config.toml)")
+        self.absent.update(verdict.refused)  # not waited for in later rounds until it arrives again
+        notes += [f"{why}: refused" for why in verdict.refused.values()]
+        notes += [f"{why}: left out, to be healed" for why in verdict.diverged.values()]
+        if verdict.quorum is None:  # diverged: drop the state; the next round heals it
+            self.step = -1
+            self.group.drop()
+        return verdict.quorum
+
     def _heal(self, attempt: Attempt, held, held_hash, load) -> None:
         quorum = attempt.quorum
-        if quorum.step < 0:
-            raise TooFewWorkers(f"no member of round {quorum.round} (replicas {list(quorum.replicas)}) holds the "
-                                "training state (every one was restarted): resume the run from its last checkpoint")
         plan = quorum.heal_plan()
         t0 = time.monotonic()
         for src, dst in plan:

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 from dptrain.live.liveness import Liveness
 
-__all__ = ["Member", "Quorum", "TooFewWorkers", "GIVE_UP_EXIT", "form_quorum", "latest_round"]
+__all__ = ["Member", "Quorum", "TooFewWorkers", "StoreGone", "GIVE_UP_EXIT", "form_quorum", "latest_round"]
 
 POLL_S = 0.002  # between two looks at the store while a round is open
 
@@ -42,6 +42,11 @@ POLL_S = 0.002  # between two looks at the store while a round is open
 class TooFewWorkers(RuntimeError):
     """Fewer workers than ``live.min_workers`` remain, and the policy says stop (or the wait ran out); or no member
     holds the state. The worker exits with :data:`GIVE_UP_EXIT`, which its launcher does not restart."""
+
+
+class StoreGone(TooFewWorkers):
+    """The job's live store cannot be reached: its rounds are gone with it, so no worker can go on (exit
+    :data:`GIVE_UP_EXIT` too: a restart would meet the same dead address)."""
 
 
 GIVE_UP_EXIT = 3  # live recovery cannot go on: a launcher that restarts failed workers ends the job instead
@@ -55,6 +60,7 @@ class Member:
     group_size: int = 0
     ok: bool = True   # its last attempt saw no error in that group
     incarnation: int = 0  # which start of this replica (dptrain.live.liveness)
+    check: str = ""   # "<step>:<state hash>" after a live.check_every step, compared in the next round (live.trust)
 
 
 @dataclass(frozen=True)

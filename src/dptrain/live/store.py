@@ -14,11 +14,15 @@ import os
 import signal
 import socket
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
-__all__ = ["LIVE_STORE_ENV", "connect_store", "serve_store", "store_address"]
+__all__ = ["LIVE_STORE_ENV", "connect_store", "serve_store", "store_address", "unreachable"]
+
+RETRY_S = 0.1
+ANSWER_S = 0.05  # how long a connection to a dying store takes to be reset (microseconds, once its RST is seen)
 
 LIVE_STORE_ENV = "DPTRAIN_LIVE_STORE"
 
@@ -38,6 +42,37 @@ def connect_store(address: tuple[str, int], timeout_s: float) -> dist.TCPStore:
     """A client of the live store at ``address`` (each thread that blocks on it takes its own)."""
     host, port = address
     return dist.TCPStore(host, port, None, False, timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def unreachable(address: tuple[str, int], timeout_s: float) -> str:
+    """Why the live store at ``address`` cannot be reached within ``timeout_s`` (a TCP connection, retried), or ""
+    when it can. ``TCPStore``'s own client retries for its whole timeout, with a traceback at the end: a worker
+    asks this first, so that a store that is gone ends it in one line within ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection(address, timeout=max(RETRY_S, deadline - time.monotonic())) as s:
+                _answers(s)
+            return ""
+        except OSError as e:
+            if time.monotonic() >= deadline:
+                return e.strerror or type(e).__name__
+        time.sleep(RETRY_S)
+
+
+def _answers(s: socket.socket) -> None:
+    """Raise unless the connection ``s`` reached a store that is serving. A process being killed still completes a
+    connection in its listening socket's backlog until the kernel closes it (then resets it), and a connect to a free
+    local port can meet itself (TCP's simultaneous open); a serving store sends nothing unasked, so a read that times
+    out says it is there."""
+    if s.getsockname() == s.getpeername():
+        raise ConnectionRefusedError(111, "Connection refused")
+    s.settimeout(ANSWER_S)
+    try:
+        data = s.recv(1)
+    except TimeoutError:
+        return
+    raise ConnectionResetError(104, "Connection reset by peer") if not data else OSError(0, "unexpected bytes")
 
 
 def serve_store(host: str, port: int, timeout_s: float = 60.0) -> dist.TCPStore:

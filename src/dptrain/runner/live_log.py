@@ -60,6 +60,8 @@ class LiveLog:
                                   if manager.group.error is not None else "")
         if error:
             record["error"] = error[:300]
+        if attempt.notes:
+            record["left_out"] = list(attempt.notes)
         if recovery is not None:
             record["recovery_s"] = round(recovery, 4)
         if held_hash is not None:

@@ -38,12 +38,15 @@ import torch
 
 from dptrain.api.engine import Engine
 from dptrain.checkpoint.resume import seed_everything
+from dptrain.config import ConfigError
 from dptrain.data.stream import SampleStream
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
-from dptrain.live import LiveManager, LiveSettings, connect_store
+from dptrain.live import JobMismatch, LiveManager, LiveSettings, TooFewWorkers, connect_store
+from dptrain.live.quorum import StoreGone
 from dptrain.live.records import live_totals, read_live_logs
-from dptrain.live.store import store_address
+from dptrain.live.store import store_address, unreachable
+from dptrain.live.trust import identity_record
 from dptrain.runner.build import build_engine
 from dptrain.runner.facts import RunFacts
 from dptrain.runner.hooks import Hooks, RunContext, StepHook
@@ -60,6 +63,7 @@ from dptrain.tasks import collate
 __all__ = ["train_live", "live_settings"]
 
 FINISH_POLL_S = 0.1
+GONE_PROBE_S = 1.0  # how long a worker whose store call failed looks for the store before it says it is gone
 FINAL_KEY, DONE_KEY = "final/0", "done"  # replica 0 holds the final state; it has written it
 
 
@@ -71,15 +75,45 @@ def live_settings(cfg) -> LiveSettings:
 
 
 def train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> RunFacts | None:
-    """This worker's run under live recovery (see the module docstring); replica 0 returns the run's facts."""
+    """This worker's run under live recovery (see the module docstring); replica 0 returns the run's facts.
+
+    Raises ConfigError (exit 2) when the others run another job (``dptrain.live.trust``), and StoreGone (exit 3)
+    when the live store cannot be reached within ``live.heartbeat_timeout_s``: at the start, or once a store call
+    failed during the run."""
+    address, patience = store_address(), rp.cfg.live.heartbeat_timeout_s
+    _store_reachable(address, patience)  # before building anything: a restart into a store that is gone ends here
+    try:
+        return _train_live(rp, env, device, beat, address)
+    except JobMismatch as e:
+        raise ConfigError(str(e)) from None
+    except (TooFewWorkers, ConfigError):
+        raise
+    except Exception:
+        # a store call failed: if the store is gone, say that in one line. One short look, not the start's patience:
+        # a store that died took the job's rounds with it, so one that answers again later is of no use to this job
+        _store_reachable(address, min(patience, GONE_PROBE_S))
+        raise
+
+
+def _store_reachable(address: tuple[str, int], timeout_s: float) -> None:
+    why = unreachable(address, timeout_s)
+    if why:
+        raise StoreGone(f"the live store at {address[0]}:{address[1]} cannot be reached ({why}, {timeout_s:g} s): it "
+                        "is gone, and the job's rounds with it; start it again, then every worker: the run resumes "
+                        "from its last checkpoint")
+
+
+def _train_live(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat,
+                address: tuple[str, int]) -> RunFacts | None:
     wall0 = time.perf_counter()
     cfg = rp.cfg
     seed_everything(cfg.train.seed)
     engine, _, n_params = build_engine(rp, env, device)
-    address = store_address()
+    parameters = [(name, tuple(p.shape)) for name, p in engine.model.module.named_parameters()]
     manager = LiveManager(lambda: connect_store(address, cfg.live.heartbeat_timeout_s * 4 + 30), env.rank,
                           env.world_size, live_settings(cfg), -1,
-                          progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"))
+                          progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"),
+                          identity=identity_record(rp.identity, parameters, env.world_size))
     # restarted by its launcher, or started once rounds were under way (added, or back under torchrun or Slurm):
     # healed by a peer, not resumed
     joining = restart_count() > 0 or manager.round > 0
@@ -134,6 +168,8 @@ def _rounds(run: RunContext, manager: LiveManager, replica: ReplicaState, hooks:
     while manager.step < cfg.train.steps:
         attempt = manager.begin(replica.held, replica.hash, replica.load)
         quorum = attempt.quorum
+        for note in attempt.notes:  # a member of another job refused, or one whose state diverged left out
+            run.log.info(f"live recovery: {note}")
         if quorum.step >= cfg.train.steps:  # joined the others after their last step: healed to the end
             manager.end(attempt, False, counted=False)
             live_log.healed_at_end(attempt)
@@ -158,7 +194,10 @@ def _rounds(run: RunContext, manager: LiveManager, replica: ReplicaState, hooks:
                 manager.store.set(FINAL_KEY, "1")
         recovery = manager.end(attempt, committed)
         check = committed and cfg.live.check_every and step % cfg.live.check_every == 0
-        live_log.attempt(attempt, step, committed, recovery, manager, replica.hash() if check else None)
+        held_hash = replica.hash() if check else None
+        if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
+            manager.check = f"{step}:{held_hash.hex()}"
+        live_log.attempt(attempt, step, committed, recovery, manager, held_hash)
         if committed:
             hooks.after_step(step, info, times)
     return took_last
