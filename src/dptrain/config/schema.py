@@ -13,22 +13,8 @@ from typing import Any
 
 from dptrain.comm.collectives import ALGORITHMS
 from dptrain.config.errors import ConfigError
-
-
-def _at_least(section: str, values: object, lows: dict[str, float]) -> None:
-    """Each named field of ``values`` at least its low bound, else a ConfigError naming ``section.field``."""
-    for name, low in lows.items():
-        value = getattr(values, name)
-        if value < low:
-            raise ConfigError(f"{section}.{name} must be at least {low}, got {value}")
-
-
-def opt(default: Any, help: str, choices: tuple | None = None) -> Any:
-    """A config field: its default, what it means, and (optionally) its allowed values."""
-    metadata = {"help": help, "choices": choices}
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata=metadata)
-    return field(default=default, metadata=metadata)
+from dptrain.config.fields import at_least, opt
+from dptrain.config.strategy_sections import DiLoCoConfig, GossipConfig, LocalSGDConfig, PSConfig, ZeROConfig
 
 
 @dataclass
@@ -159,7 +145,7 @@ class TrainConfig:
 
     def check(self) -> None:
         """This section's own values (the rules across sections: dptrain.strategies.requirements)."""
-        _at_least("train", self, {"steps": 1, "base_batch_size": 1, "warmup_steps": 0, "grad_clip": 0.0,
+        at_least("train", self, {"steps": 1, "base_batch_size": 1, "warmup_steps": 0, "grad_clip": 0.0,
                                   "weight_decay": 0.0, "momentum": 0.0})
         if not self.lr > 0:  # the loader refuses nan and inf already
             raise ConfigError(f"train.lr must be a positive learning rate, got {self.lr}; e.g. --set train.lr=3e-4")
@@ -232,7 +218,7 @@ class DDPConfig:
 
     def check(self) -> None:
         """This section's own values (what the strategy and the other sections ask: dptrain.strategies.requirements)."""
-        _at_least("ddp", self, {"timeout_s": 1.0, "roll_call_s": 0.0})
+        at_least("ddp", self, {"timeout_s": 1.0, "roll_call_s": 0.0})
         for name in ("bucket_cap_mb", "last_bucket_cap_mb"):
             value = getattr(self, name)
             if value is not None and not value > 0:
@@ -249,101 +235,6 @@ class DDPConfig:
         if self.momentum_correction and not self.error_feedback:
             raise ConfigError("ddp.momentum_correction accumulates the velocity that was not sent, which is error "
                               "feedback: set ddp.error_feedback = true")
-
-
-@dataclass
-class ZeROConfig:
-    unit_classes: list = opt([], "zero3: names of the module classes that are gathered and freed as one unit "
-                             "(e.g. ['Block']); empty: the blocks of the model's first ModuleList, or min_unit_numel")
-    min_unit_numel: int = opt(0, "zero3: make every module with at least this many parameters a unit instead "
-                              "(0: only when no unit class is given or found)")
-    reshard_after_forward: bool = opt(True, "zero3: free a unit's gathered parameters after its forward (and "
-                                      "gather again in backward); false keeps them until backward is done")
-    prefetch: bool = opt(True, "zero3: start gathering the next unit while the current one computes")
-    reduce_dtype: str = opt("fp32", "with precision bf16: the dtype gradients are reduce-scattered in (bf16 halves "
-                            "the bytes)", choices=("fp32", "bf16"))
-    shard_size: int = opt(0, "zero1-3: shard over groups of this many consecutive ranks (a host's) and replicate "
-                          "across groups, all-reducing gradient shards between replicas (hybrid sharding, HSDP); "
-                          "0: shard over all ranks")
-
-    def check(self) -> None:
-        """This section's own values (the shard size against the world: the strategy's entry, zero_check)."""
-        if not all(isinstance(name, str) for name in self.unit_classes):
-            raise ConfigError(f"zero.unit_classes must be module class names, got {self.unit_classes}; e.g. "
-                              "--set 'zero.unit_classes=[\"Block\"]'")
-        if self.min_unit_numel < 0:
-            raise ConfigError(f"zero.min_unit_numel must be a parameter count >= 0, got {self.min_unit_numel}; "
-                              "0 lets zero.unit_classes choose the units")
-        if self.shard_size < 0:
-            raise ConfigError(f"zero.shard_size must be >= 0, got {self.shard_size}; 0 shards over all ranks, or "
-                              "give the ranks per host for hybrid sharding")
-
-
-@dataclass
-class PSConfig:
-    servers: int = opt(1, "strategy ps: parameter-server ranks (the last ones); the other ranks are workers")
-    mode: str = opt("sync", "strategy ps: sync (a round averages every worker's gradient), async (apply each on "
-                    "arrival), ssp (async with a staleness bound) or backup (a round takes the first "
-                    "workers - backups gradients)", choices=("sync", "async", "ssp", "backup"))
-    staleness: int = opt(2, "mode ssp: how many steps a worker may run ahead of the slowest")
-    backups: int = opt(1, "mode backup: the slowest gradients of each round that are not waited for")
-    lookahead: bool = opt(False, "modes async and ssp: answer each worker with the parameters predicted for when its "
-                          "gradient will be applied (delay compensation after DANA; adamw, adam or sgd)")
-
-
-@dataclass
-class GossipConfig:
-    topology: str = opt("ring", "strategy gossip: whom each rank averages with: ring (both neighbours) or "
-                        "exponential (one peer per step at distance 1, 2, 4, ...)", choices=("ring", "exponential"))
-
-
-@dataclass
-class LocalSGDConfig:
-    period: int = opt(8, "strategy localsgd: optimizer steps between two averages of the replicas (H); 1 is "
-                      "synchronous SGD")
-    warmup_steps: int = opt(0, "strategy localsgd: the first steps are the DDP engine's, gradients all-reduced every "
-                            "step (post-local SGD)")
-
-    def check(self) -> None:
-        """This section's own values, named by key before launch (LocalSGDOptions checks the same for the API)."""
-        if self.period < 1:
-            raise ConfigError(f"localsgd.period must be a whole number of steps >= 1, got {self.period}; 1 averages "
-                              "after every step (synchronous SGD), e.g. --set localsgd.period=8")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"localsgd.warmup_steps must be >= 0, got {self.warmup_steps}; 0 takes local steps "
-                              "from the first, e.g. --set localsgd.warmup_steps=0")
-
-
-@dataclass
-class DiLoCoConfig:
-    period: int = opt(50, "strategy diloco: inner steps of train.optimizer between two outer steps (H)")
-    outer_lr: float = opt(0.7, "strategy diloco: the outer optimizer's learning rate (SGD on the averaged "
-                          "pseudo-gradient)")
-    outer_momentum: float = opt(0.9, "strategy diloco: the outer optimizer's momentum")
-    nesterov: bool = opt(True, "strategy diloco: Nesterov momentum for the outer step")
-    compression: str = opt("none", "strategy diloco: the pseudo-gradient's all-reduce in bf16 or int8 (with "
-                           "error_feedback)", choices=("none", "bf16", "int8"))
-    error_feedback: bool = opt(True, "strategy diloco: add what a rank's compressed pseudo-gradient lost to its next "
-                               "one")
-    offload: bool = opt(True, "strategy diloco: keep the global weights and the outer momentum on the CPU")
-    warmup_steps: int = opt(0, "strategy diloco: the first steps are the DDP engine's, gradients all-reduced every "
-                               "step; the global weights start where they end (the paper starts from a model "
-                               "trained synchronously)")
-
-    def check(self) -> None:
-        """This section's own values, named by key before launch (DiLoCoOptions checks the same for the API)."""
-        if self.period < 1:
-            raise ConfigError(f"diloco.period must be a whole number of inner steps >= 1, got {self.period}; the "
-                              "paper uses 500 from a pretrained model, e.g. --set diloco.period=50 from scratch")
-        if not self.outer_lr > 0:
-            raise ConfigError(f"diloco.outer_lr must be above 0, got {self.outer_lr}; the paper's is 0.7 (1 with no "
-                              "momentum takes the average of the ranks' weights): --set diloco.outer_lr=0.7")
-        if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}; the paper's is "
-                              "0.9: --set diloco.outer_momentum=0.9")
-        if self.warmup_steps < 0:
-            raise ConfigError(f"diloco.warmup_steps must be >= 0, got {self.warmup_steps}; 0 starts the outer "
-                              "steps from the first, e.g. --set diloco.warmup_steps=0")
 
 
 @dataclass
@@ -414,7 +305,7 @@ class LiveConfig:
         """This section's own values (what the strategy and the rest must be: dptrain.strategies.requirements)."""
         if not self.enabled:
             return
-        _at_least("live", self, {"heartbeat_timeout_s": 0.2, "join_timeout_s": 0.0, "start_timeout_s": 1.0,
+        at_least("live", self, {"heartbeat_timeout_s": 0.2, "join_timeout_s": 0.0, "start_timeout_s": 1.0,
                                  "min_workers": 1, "wait_timeout_s": 0.0, "max_restarts": 0,
                                  "check_every": 0})
 
@@ -427,7 +318,7 @@ class CheckpointConfig:
 
     def check(self) -> None:
         """This section's own values."""
-        _at_least("checkpoint", self, {"every": 0, "keep_last": 1})
+        at_least("checkpoint", self, {"every": 0, "keep_last": 1})
 
 
 @dataclass
@@ -458,7 +349,7 @@ class LogConfig:
 
     def check(self) -> None:
         """This section's own values (the backends' libraries: the run's validation)."""
-        _at_least("log", self, {"every": 1, "eval_every": 0, "eval_batches": 1, "trace_start": 1, "trace_steps": 0})
+        at_least("log", self, {"every": 1, "eval_every": 0, "eval_batches": 1, "trace_start": 1, "trace_steps": 0})
 
 
 @dataclass
