@@ -43,8 +43,9 @@ OBLIGATIONS = {
     "same weights": (("Engine", "prepare"), "after dptrain.end_training every rank holds the same weights "
                                             "(DiLoCo: the global weights)"),
     "exported": (("run",), "model.safetensors equals dptrain consolidate of the last checkpoint"),
-    "resume": (("run", "prepare"), "run: continues on 3 ranks, then on 2 again, each from the step it stopped (or "
-                                   "a one-line refusal, exit 2); prepare: the full state saved on 2 ranks loads on 1"),
+    "resume": (("run", "prepare"), "on another number of ranks: run: continues on 3 ranks from the step it stopped "
+                                   "(or a one-line refusal, exit 2); prepare: the full state saved on 2 ranks loads "
+                                   "on 1"),
     "report": (("run",), "the summary names the strategy; its bytes per step are the records' over the whole run"),
 }
 

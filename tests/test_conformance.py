@@ -240,8 +240,8 @@ def run_root(tmp_path_factory) -> Path:
 def _run(root: Path, run_dir: Path, kind: str, strategy: str, nproc: int, steps: int):
     settings = [s.format(root=root) for s in RUN_KINDS[kind]]
     settings += [f"ddp.strategy={strategy}", f"train.steps={steps}", "train.global_batch_size=12", "train.lr=1e-2",
-                 "train.warmup_steps=0", "checkpoint.every=3", "checkpoint.keep_last=2", "log.every=1",
-                 "log.eval_every=3", "log.eval_batches=1", "log.plots=false", "log.progress=lines"]
+                 "train.warmup_steps=0", "checkpoint.every=0", "log.every=1", "log.eval_every=0",
+                 "log.eval_batches=1", "log.plots=false", "log.progress=lines"]  # the last step checkpoints, evaluates
     return dptrain("run", "--nproc", str(nproc), "--run-dir", str(run_dir), *[a for s in settings for a in ("--set", s)],
                    cwd=root)
 
@@ -283,10 +283,11 @@ def _run_cell(root: Path, run_dir: Path, kind: str, strategy: str, steps: int) -
 
 
 def _resumes(root: Path, run_dir: Path, strategy: str) -> list[str]:
-    """The gpt run continued on another number of ranks, then on the same number: each picks up where it stopped,
-    or is refused before training in one line (exit 2)."""
+    """The gpt run continued on another number of ranks: it picks up where it stopped, or is refused before training
+    in one line (exit 2). (On the same number, bit for bit: tests/test_strategy_resume.py, test_cli_run.py,
+    test_localsgd_diloco_run.py, test_ps_restart.py, each strategy's own.)"""
     bad = []
-    for nproc, steps in ((3, 8), (2, 10)):
+    for nproc, steps in ((3, 8),):
         start = json.loads((run_dir / "summary.json").read_text())["steps"]
         proc = _run(root, run_dir, "gpt", strategy, nproc, steps)
         if proc.returncode == 2 and proc.stderr.strip().count("\n") == 0:
