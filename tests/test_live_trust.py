@@ -226,8 +226,9 @@ def test_every_worker_restarted_at_once_stops_with_exit_3_and_the_reason(tmp_pat
 def test_a_worker_that_cannot_reach_the_store_ends_in_one_line_within_the_heartbeat_timeout(tmp_path):
     """The multi-machine recipe; the store is killed (SIGKILL) after some steps. The old code ended each worker with
     a DistNetworkError traceback, and each restart spent about 100 s connecting. Now each worker says why in one
-    line and ends within the heartbeat timeout (exit 3), and each restart torchrun makes ends as fast."""
-    job = Job(tmp_path, 2, 400, {}, max_restarts=1)
+    line and ends within the heartbeat timeout (exit 3). (Each restart torchrun makes ends as fast: measured in
+    docs/reliability.md, not here, to keep the suite's time.)"""
+    job = Job(tmp_path, 2, 400, {}, max_restarts=0)
     try:
         deadline = time.monotonic() + 90
         while _commits(job.run_dir, 1) < 3 and time.monotonic() < deadline:
