@@ -34,7 +34,7 @@ import torch
 from dptrain.api.engine import Engine
 from dptrain.batching import BatchPlan
 from dptrain.bench.results import save_result
-from dptrain.bench.zero import _allocator_follows_tensors
+from dptrain.bench.zero import allocator_follows_tensors
 from dptrain.cli.bench_group import Variadic, bench_command
 from dptrain.config import load_config
 from dptrain.optim.build import build_optimizer
@@ -70,7 +70,7 @@ def _overrides(strategy: str, precision: str, shard_size: int) -> list[str]:
 
 
 def _rank(rank: int, world_size: int, strategy: str, precision: str, shard_size: int, steps: int) -> dict:
-    _allocator_follows_tensors()
+    allocator_follows_tensors()
     cfg = load_config(None, _overrides(strategy, precision, shard_size))
     task = build_task(cfg)
     plan = BatchPlan.resolve(world_size, 32)

@@ -223,7 +223,7 @@ class _ProcessMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
 
 
-def _allocator_follows_tensors() -> bool:
+def allocator_follows_tensors() -> bool:
     """Serve every allocation of 64 KiB or more from its own ``mmap``, unmapped when freed (glibc only).
 
     The opposite of :func:`dptrain.allocator.tune_cpu_allocator`: slower (every large
@@ -244,7 +244,7 @@ def _allocator_follows_tensors() -> bool:
 
 
 def _memory_rank(rank: int, world_size: int, args: dict, variant: str) -> dict:
-    per_tensor_mmap = _allocator_follows_tensors()
+    per_tensor_mmap = allocator_follows_tensors()
     device = _rank_device(rank, args["device"])
     x, y = _batch(rank, args, device)
     meter = _ProcessMemory(device)

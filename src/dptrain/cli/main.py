@@ -20,7 +20,7 @@ import click
 
 from dptrain.cli.bench_group import BenchGroup  # no torch: the benchmarks load when run
 from dptrain.cli.checkpoint import consolidate
-from dptrain.cli.input import bad_input as _bad_input
+from dptrain.cli.input import bad_input
 from dptrain.cli.launch import launch
 from dptrain.cli.planning import explore, plan, simulate
 from dptrain.cli.tune import tune
@@ -108,7 +108,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             prepare(e.recipe, progress=sys.stderr.isatty(), log=_note)
             rp = validate_run(cfg, nproc)
         lock = lock or acquire(rp.run_dir, "dptrain run", log=_note)  # a new one: once the input is known good
-    except (*_bad_input(), RunDirError) as e:
+    except (*bad_input(), RunDirError) as e:
         _release(lock, undo=True)  # nothing written: the lock file as it was
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
@@ -237,7 +237,7 @@ def prepare_data(inputs: tuple[str, ...], out: Path | None, tokenizer: str, val_
                        f"{done.tokens('val.bin'):,} validation tokens, vocabulary {done.vocab_size:,})")
             return
         prepare(recipe, progress=sys.stderr.isatty(), log=click.echo)
-    except _bad_input() as e:
+    except bad_input() as e:
         click.echo(f"error: {e}", err=True)
         sys.exit(2)
 

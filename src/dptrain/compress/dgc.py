@@ -34,7 +34,7 @@ from collections.abc import Hashable
 import torch
 
 from dptrain.compress.codecs import Codec, Encoded, TopK
-from dptrain.compress.feedback import ErrorFeedback, _key, finite_or_zero
+from dptrain.compress.feedback import ErrorFeedback, finite_or_zero, state_key
 
 __all__ = ["MomentumCorrection", "Velocity", "clip_local", "warmup_fraction"]
 
@@ -63,7 +63,7 @@ class Velocity:
         return {"velocity": {str(k): t.clone() for k, t in self.velocity.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.velocity = {_key(k): t.clone() for k, t in state["velocity"].items()}
+        self.velocity = {state_key(k): t.clone() for k, t in state["velocity"].items()}
 
 
 class MomentumCorrection:

@@ -22,7 +22,7 @@ import torch
 
 from dptrain.compress.codecs import Codec, Encoded
 
-__all__ = ["ErrorFeedback", "finite_or_zero"]
+__all__ = ["ErrorFeedback", "finite_or_zero", "state_key"]
 
 
 def finite_or_zero(residual: torch.Tensor) -> torch.Tensor:
@@ -75,8 +75,9 @@ class ErrorFeedback:
         return {"residuals": {str(k): v.clone() for k, v in self.residuals.items()}}
 
     def load_state_dict(self, state: dict) -> None:
-        self.residuals = {_key(k): v.clone() for k, v in state["residuals"].items()}
+        self.residuals = {state_key(k): v.clone() for k, v in state["residuals"].items()}
 
 
-def _key(text: str) -> Hashable:
+def state_key(text: str) -> Hashable:
+    """A per-bucket state key as a checkpoint spells it (a string) back to the key it was: an int index, or the name."""
     return int(text) if text.lstrip("-").isdigit() else text
