@@ -41,6 +41,7 @@ global_batch_size = 8
 warmup_steps = 4
 [ddp]
 bucket_cap_mb = 0.02
+[distributed]
 roll_call_s = 1.0
 [log]
 every = 1

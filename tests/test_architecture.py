@@ -114,7 +114,7 @@ def test_the_name_checks_catch_a_name_branch():
     literal = _registered_literal()
     assert literal.search('if name == "ddp":') and literal.search('x in ("ddp", "zero1")')
     assert literal.search('"zero3" == strategy') and NAME_BRANCH.search('if strategy == name:')
-    assert literal.search('ddp.strategy = "zero3" writes shards') is None  # a name in prose is not a branch
+    assert literal.search('distributed.strategy = "zero3" writes shards') is None  # a name in prose is not a branch
 
 
 def test_no_module_is_past_500_lines():

@@ -30,7 +30,7 @@ def refused(proc, *texts):
     (["--set", "train.weight_decay=-inf"], "'train.weight_decay' in --set train.weight_decay=-inf must be a finite"),
     (["--set", "train.weight_decay=-0.1"], "train.weight_decay must be at least 0.0, got -0.1"),
     (["--set", "train.min_lr_ratio=nan"], "'train.min_lr_ratio' in --set train.min_lr_ratio=nan must be a finite"),
-    (["--set", "ddp.timeout_s=inf"], "'ddp.timeout_s' in --set ddp.timeout_s=inf must be a finite number"),
+    (["--set", "distributed.timeout_s=inf"], "'distributed.timeout_s' in --set distributed.timeout_s=inf must be a finite number"),
     (["--set", "train.betas=[nan, 0.99]"], "train.betas must be two numbers in [0, 1), got [nan, 0.99]"),
 ])
 def test_a_bad_config_or_value_is_refused_before_the_run_directory_exists(tmp_path, args, message):

@@ -23,18 +23,18 @@ def test_inconsistent_sizes_show_the_arithmetic_and_fixes():
     with pytest.raises(BatchSizeError) as error:
         BatchPlan.resolve(world_size=4, global_batch_size=64, micro_batch_size=6, grad_accum_steps=1)
     assert str(error.value) == ("global batch 64 != micro 6 x accum 1 x world 4 = 24; "
-                                "choose micro 16 or global 24")
+                                "choose micro_batch_size 16, or global_batch_size 24")
 
 
 def test_global_not_a_multiple_of_micro_times_world():
     with pytest.raises(BatchSizeError, match=r"64 is not a multiple of micro 6 x world 4 = 24.*"
-                                             r"choose global 48 or 72, or micro 4 or 8"):
+                                             r"choose global_batch_size 48 or 72, or micro_batch_size 4 or 8"):
         BatchPlan.resolve(world_size=4, global_batch_size=64, micro_batch_size=6)
 
 
 def test_global_not_divisible_by_world():
     with pytest.raises(BatchSizeError, match=r"global batch 10 is not divisible by accum 1 x world 4 = 4.*"
-                                             r"choose global 8 or 12"):
+                                             r"choose global_batch_size 8 or 12"):
         BatchPlan.resolve(world_size=4, global_batch_size=10)
 
 

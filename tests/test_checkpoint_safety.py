@@ -152,7 +152,7 @@ def test_a_crafted_metadata_or_entry_runs_no_code_through_consolidate(tmp_path: 
 @pytest.mark.timeout(300)
 def test_a_crafted_metadata_runs_no_code_when_a_run_resumes(tmp_path: Path) -> None:
     config = tiny_gpt_config(tmp_path)
-    common = ["--nproc", "1", "--config", str(config), "--run-dir", "run", "--set", 'ddp.strategy="zero2"']
+    common = ["--nproc", "1", "--config", str(config), "--run-dir", "run", "--set", 'distributed.strategy="zero2"']
     first = dptrain("run", *common, "--set", "train.steps=10", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     checkpoint = find_latest(tmp_path / "run")

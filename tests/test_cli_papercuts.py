@@ -56,10 +56,10 @@ DOCUMENTED_BENCH = [
     "dptrain bench comm --world-size 4 --nodes 2 --max-size 4M --reps 8",
     "dptrain bench compression --steps 150",
     'dptrain bench compression --steps 600 --variants none "powersgd r4"',
-    'dptrain bench compression --steps 150 --variants "powersgd r4" --set ddp.powersgd_rank=8',
+    'dptrain bench compression --steps 150 --variants "powersgd r4" --set compression.powersgd_rank=8',
     'dptrain bench compression --steps 150 --variants none "topk 1%" "topk 1%+EF" --set train.optimizer=sgd '
     "--set train.lr=0.5 --set train.weight_decay=0",
-    'dptrain bench compression --steps 150 --variants "topk 1%" "topk 1%+EF" --set ddp.topk_fraction=0.1',
+    'dptrain bench compression --steps 150 --variants "topk 1%" "topk 1%+EF" --set compression.topk_fraction=0.1',
     "dptrain bench compression --steps 150 --out bench_results/compression_remedies_adamw.json --variants none "
     '"topk 1%+EF" "topk 1%+EF +warmup" "topk 1%+EF +clip" "topk 1%+EF +warmup +clip" "powersgd r4" '
     '"powersgd r4 +30 uncompressed" "powersgd r4 +r16 for 50" "powersgd r4 +30 uncompressed +r16 for 50"',

@@ -11,7 +11,7 @@ from _cli import TINY_GPT_SETTINGS, dptrain
 
 pytestmark = pytest.mark.timeout(240)
 
-SMALL = ["--set", "ddp.strategy=ps", "--set", "task.name=classifier", "--set", "train.steps=12",
+SMALL = ["--set", "distributed.strategy=ps", "--set", "task.name=classifier", "--set", "train.steps=12",
          "--set", "train.global_batch_size=48", "--set", "log.every=4", "--set", "log.progress=lines",
          "--set", "log.plots=false"]
 
@@ -30,7 +30,7 @@ def test_sync_ps_logs_the_mean_loss_over_workers_as_ddp_does(tmp_path):
     losses = {}
     for strategy, nproc in (("ddp", "2"), ("ps", "3")):  # ps: 2 workers and a server
         done = dptrain("run", "--nproc", nproc, "--run-dir", str(tmp_path / strategy), *common,
-                       "--set", f"ddp.strategy={strategy}", cwd=tmp_path)
+                       "--set", f"distributed.strategy={strategy}", cwd=tmp_path)
         assert done.returncode == 0, done.stderr
         losses[strategy] = [(r["step"], r["loss"]) for r in map(json.loads, (tmp_path / strategy / "metrics.jsonl")
                                                                  .read_text().splitlines()) if r["kind"] == "train"]
@@ -104,12 +104,12 @@ def test_a_killed_server_ends_an_async_run_with_its_name_on_every_worker(tmp_pat
      "ps.servers=9: 9 servers for a model of 6 parameter tensors"),
     (["--nproc", "3", "--set", "straggler.rank=2"], "straggler.rank 2 is a parameter server"),
     (["--nproc", "3", "--set", "straggler.factor=0.5"], "straggler.factor must be at least 1"),
-    (["--nproc", "3", "--set", "ddp.compression=int8"], "strategy ps sends fp32 gradients"),
+    (["--nproc", "3", "--set", "compression.method=int8"], "strategy ps sends fp32 gradients"),
     (["--nproc", "3", "--set", "ps.lookahead=true"], "ps.lookahead is for modes async and ssp; in mode 'sync'"),
     (["--nproc", "3", "--set", "ps.mode=async", "--set", "ps.lookahead=true", "--set", "train.optimizer=lamb"],
      "ps.lookahead predicts the optimizer's next step, which dptrain does for adamw, adam and sgd, not 'lamb'"),
     (["--nproc", "4"], "global batch 32 is not divisible by accum 1 x world 3 = 3, so the micro batch would not be "
-                       "whole; choose global 30 or 33 (strategy ps: the world here is the 3 workers"),
+                       "whole; set train.global_batch_size to 30 or 33 (--set train.global_batch_size=30) (strategy ps: the world here is the 3 workers"),
 ])
 def test_bad_ps_input_is_refused_before_start(tmp_path, args, message):
     done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL, "--set", "train.global_batch_size=32", *args,

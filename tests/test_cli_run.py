@@ -245,7 +245,7 @@ def test_training_with_dptrains_ring_matches_the_native_all_reduce(tmp_path):
 def test_training_with_int8_compression_reports_its_bytes(tmp_path):
     run_dir = tmp_path / "int8"
     proc = dptrain("run", "--nproc", "2", "--run-dir", str(run_dir), "--set", "task.name=classifier",
-                   "--set", "train.steps=6", "--set", "log.every=2", "--set", 'ddp.compression="int8"',
+                   "--set", "train.steps=6", "--set", "log.every=2", "--set", 'compression.method="int8"',
                    "--set", "log.progress=lines", "--set", "log.plots=false", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     records = train_records(run_dir)
@@ -277,7 +277,7 @@ def _steps(records: list[dict]) -> list[tuple]:
 
 
 def test_zero2_with_int8_compression_reduces_shards_compressed_and_resumes_exactly(tmp_path):
-    a, b = _straight_and_resumed(tmp_path, ["--set", "ddp.strategy=zero2", "--set", "ddp.compression=int8"])
+    a, b = _straight_and_resumed(tmp_path, ["--set", "distributed.strategy=zero2", "--set", "compression.method=int8"])
     params = 16 * 64 + 64 + 64 * 64 + 64 + 64 * 8 + 8  # the default classifier
     payload = a[-1]["comm_compressed_bytes_per_step"]
     assert params <= payload < 1.1 * params  # one byte per element, plus the scales
@@ -290,6 +290,6 @@ def test_resume_with_compression_restores_the_residuals_and_continues_exactly(tm
         assert sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003" / "compression").iterdir()) \
             == ["rank0.pt", "rank1.pt"]
 
-    a, b = _straight_and_resumed(tmp_path, ["--set", "ddp.compression=topk", "--set", "ddp.topk_fraction=0.05"],
+    a, b = _straight_and_resumed(tmp_path, ["--set", "compression.method=topk", "--set", "compression.topk_fraction=0.05"],
                                  saved_per_rank)
     assert _steps(a) == _steps(b)  # the residuals carried over: top-k sends the same elements after the resume

@@ -32,7 +32,7 @@ def _losses(run_dir) -> dict[int, float]:
 def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3_and_as_hsdp_on_4(tmp_path):
     config = str(tiny_gpt_config(tmp_path, ZERO))
     common = ["--config", config, "--set", "gpt.dropout=0.0", "--set", "train.global_batch_size=12",
-              "--set", "train.steps=8", "--set", "checkpoint.every=4", "--set", 'ddp.strategy="zero3"']
+              "--set", "train.steps=8", "--set", "checkpoint.every=4", "--set", 'distributed.strategy="zero3"']
     straight = dptrain("run", "--nproc", "2", *common, "--run-dir", str(tmp_path / "a"), cwd=tmp_path)
     assert straight.returncode == 0, straight.stderr
     failed = dptrain("run", "--nproc", "2", *common, "--run-dir", str(tmp_path / "b"), cwd=tmp_path,
@@ -73,7 +73,7 @@ def test_zero3_checkpoint_saved_on_2_workers_resumes_on_1_and_3_and_as_hsdp_on_4
 
 def test_zero2_bf16_with_lamb_trains(tmp_path):
     config = str(tiny_gpt_config(tmp_path))
-    proc = dptrain("run", "--nproc", "2", "--config", config, "--set", 'ddp.strategy="zero2"', "--set",
+    proc = dptrain("run", "--nproc", "2", "--config", config, "--set", 'distributed.strategy="zero2"', "--set",
                    'train.precision="bf16"', "--set", 'train.optimizer="lamb"', "--set", "train.lr=0.05",
                    "--set", "train.steps=20", "--set", 'zero.reduce_dtype="bf16"', "--run-dir",
                    str(tmp_path / "run"), cwd=tmp_path)

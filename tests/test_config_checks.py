@@ -22,7 +22,7 @@ from dptrain.strategies.requirements import check_divergence, check_dynamic_batc
     ("train.min_lr_ratio=2.0", "train.min_lr_ratio must be within [0, 1]"),
     ("log.eval_batches=0", "log.eval_batches must be at least 1, got 0"),
     ("checkpoint.keep_last=0", "checkpoint.keep_last must be at least 1, got 0"),
-    ("ddp.topk_fraction=0.0", "ddp.topk_fraction must be in (0, 1]"),
+    ("compression.topk_fraction=0.0", "compression.topk_fraction must be in (0, 1]"),
     ("straggler.factor=0.5", "straggler.factor must be at least 1"),
     ("divergence.every=-1", "divergence.every must be >= 0"),
 ])

@@ -239,11 +239,10 @@ def run_root(tmp_path_factory) -> Path:
 
 def _run(root: Path, run_dir: Path, kind: str, strategy: str, nproc: int, steps: int):
     settings = [s.format(root=root) for s in RUN_KINDS[kind]]
-    settings += [f"ddp.strategy={strategy}", f"train.steps={steps}", "train.global_batch_size=12", "train.lr=1e-2",
-                 "train.warmup_steps=0", "checkpoint.every=0", "log.every=1", "log.eval_every=0",
+    settings += [f"train.steps={steps}", "train.global_batch_size=12", "train.lr=1e-2", "train.warmup_steps=0", "checkpoint.every=0", "log.every=1", "log.eval_every=0",
                  "log.eval_batches=1", "log.plots=false", "log.progress=lines"]  # the last step checkpoints, evaluates
-    return dptrain("run", "--nproc", str(nproc), "--run-dir", str(run_dir), *[a for s in settings for a in ("--set", s)],
-                   cwd=root)
+    return dptrain("run", "--nproc", str(nproc), "--strategy", strategy, "--run-dir", str(run_dir),
+                   *[a for s in settings for a in ("--set", s)], cwd=root)
 
 
 def _records(run_dir: Path, kind: str) -> list[dict]:

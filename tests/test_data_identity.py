@@ -139,7 +139,7 @@ def test_a_real_checkpoint_records_its_data_and_refuses_a_resume_on_other_data(t
     nproc = "2" if strategy == "ps" else "1"
     args = ["run", "--nproc", nproc, "--config", str(tiny_gpt_config(tmp_path)), "--run-dir", "run",
             "--set", "data.source=tokens", "--set", f"data.dir={data}", "--set", "gpt.vocab_size=256",
-            "--set", f"ddp.strategy={strategy}", "--set", "train.steps=4", "--set", "checkpoint.every=2"]
+            "--set", f"distributed.strategy={strategy}", "--set", "train.steps=4", "--set", "checkpoint.every=2"]
     assert (proc := dptrain(*args, cwd=tmp_path)).returncode == 0, proc.stderr
     meta = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/meta.json")).read_text())
     assert meta["data"]["train.bin"]["tokens"] == 100_000

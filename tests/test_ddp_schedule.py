@@ -142,7 +142,7 @@ def test_parameters_ddp_does_not_reduce_are_stepped_by_opt_step() -> None:
 @pytest.mark.parametrize("settings, needs", [
     ([], "train.grad_clip = 0"),
     (["train.grad_clip=0", "train.global_batch_size=32", "train.grad_accum_steps=2"], "one micro-step per step"),
-    (["train.grad_clip=0", "ddp.strategy=\"zero2\""], "the DDP engine"),
+    (["train.grad_clip=0", "distributed.strategy=\"zero2\""], "the DDP engine"),
 ])
 def test_dptrain_run_refuses_optimizer_in_backward_where_it_is_not_exact(tmp_path, settings, needs) -> None:
     from dptrain.config import ConfigError, load_config

@@ -71,7 +71,7 @@ def test_repair_copies_a_healthy_rank_and_equal_replicas_pass():
 
 
 SMALL = ["--nproc", "2", "--set", "task.name=classifier", "--set", "train.steps=10", "--set", "log.every=1",
-         "--set", "log.progress=lines", "--set", "log.plots=false", "--set", "ddp.roll_call_s=1",
+         "--set", "log.progress=lines", "--set", "log.plots=false", "--set", "distributed.roll_call_s=1",
          "--set", "divergence.every=2"]
 
 
@@ -96,7 +96,7 @@ def test_a_nan_gradient_on_one_rank_skips_the_step_everywhere(tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     (["--set", "divergence.every=-1"], "divergence.every must be >= 0 (0: off), got -1"),
-    (["--set", "divergence.every=5", "--set", "ddp.strategy=gossip"], "strategy 'gossip' does not keep"),
+    (["--set", "divergence.every=5", "--set", "distributed.strategy=gossip"], "strategy 'gossip' does not keep"),
 ])
 def test_bad_divergence_input_is_refused(tmp_path, args, message):
     done = dptrain("run", "--run-dir", str(tmp_path / "run"), "--set", "task.name=classifier", *args, cwd=tmp_path)
@@ -105,7 +105,7 @@ def test_bad_divergence_input_is_refused(tmp_path, args, message):
 
 def test_a_hung_rank_ends_the_job_with_a_timeout_that_names_it(tmp_path):
     """Rank 1 stops calling collectives: rank 0 times out in its all-reduce, and the launcher names rank 1."""
-    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", "ddp.timeout_s=3",
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", "distributed.timeout_s=3",
                    env={"DPTRAIN_FAULT": "1:3:hang"}, cwd=tmp_path)
     assert done.returncode == 1
     assert "error: rank 0 failed first" in done.stderr and "Timed out waiting 3000ms" in done.stderr, done.stderr
@@ -116,7 +116,7 @@ def test_a_hung_rank_ends_the_job_with_a_timeout_that_names_it(tmp_path):
 
 def test_a_rank_calling_another_collective_is_named_on_every_rank(tmp_path):
     """Rank 1 makes one extra all-reduce at step 3; with every call checked, both ranks stop at once, naming it."""
-    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", 'ddp.check_collectives="every"',
+    done = dptrain("run", "--run-dir", str(tmp_path / "run"), *SMALL[:-2], "--set", 'distributed.check_collectives="every"',
                    "--fault", "1:3:mismatch", cwd=tmp_path)
     assert done.returncode == 1
     for rank in (0, 1):

@@ -145,7 +145,7 @@ def test_prepare_with_gossip_mixes_once_per_window_and_trains_as_one_process():
 
 def test_gossip_run_reports_consensus_distance_and_bytes(tmp_path):
     run_dir = tmp_path / "run"
-    done = dptrain("run", "--nproc", "3", "--run-dir", str(run_dir), "--set", "ddp.strategy=gossip",
+    done = dptrain("run", "--nproc", "3", "--run-dir", str(run_dir), "--set", "distributed.strategy=gossip",
                    "--set", "task.name=classifier", "--set", "train.steps=10", "--set", "train.global_batch_size=48",
                    "--set", "log.every=5", "--set", "log.progress=lines", "--set", "log.plots=false", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -158,8 +158,8 @@ def test_gossip_run_reports_consensus_distance_and_bytes(tmp_path):
 
 
 def test_gossip_refuses_compression(tmp_path):
-    done = dptrain("run", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--set", "ddp.strategy=gossip",
-                   "--set", "ddp.compression=int8", "--set", "task.name=classifier", cwd=tmp_path)
+    done = dptrain("run", "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--set", "distributed.strategy=gossip",
+                   "--set", "compression.method=int8", "--set", "task.name=classifier", cwd=tmp_path)
     assert done.returncode == 2 and "strategy gossip has none" in done.stderr
 
 
@@ -171,7 +171,7 @@ def test_a_resumed_gossip_run_continues_exactly(tmp_path):
         assert sorted(p.name for p in (run_dir / "checkpoints" / "step_00000003" / "gossip").iterdir()) \
             == ["rank0.pt", "rank1.pt"]
 
-    a, b = _straight_and_resumed(tmp_path, ["--set", "ddp.strategy=gossip", "--set", "gossip.topology=exponential"],
+    a, b = _straight_and_resumed(tmp_path, ["--set", "distributed.strategy=gossip", "--set", "gossip.topology=exponential"],
                                  saved_per_rank)
     assert _steps(a) == _steps(b)
     assert [r["consensus_distance"] for r in a] == [r["consensus_distance"] for r in b]

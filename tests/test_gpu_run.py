@@ -33,8 +33,8 @@ def _sets(settings: list[str]) -> list[str]:
 
 
 def _run(tmp_path: Path, run_dir: str, settings: list[str], backend: str = BACKEND) -> dict:
-    """``dptrain run --nproc 1`` with ``ddp.backend`` named (nccl: fail rather than fall back to gloo); its summary."""
-    proc = dptrain("run", "--nproc", "1", *_sets([*QUICK, f"ddp.backend={backend}", *settings]), "--run-dir",
+    """``dptrain run --nproc 1`` with ``distributed.backend`` named (nccl: fail rather than fall back to gloo); its summary."""
+    proc = dptrain("run", "--nproc", "1", *_sets([*QUICK, f"distributed.backend={backend}", *settings]), "--run-dir",
                    str(tmp_path / run_dir), cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     return json.loads((tmp_path / run_dir / "summary.json").read_text())
@@ -45,7 +45,7 @@ def _losses(run_dir: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
 
 
-@pytest.mark.parametrize("settings", [[], ["ddp.strategy=zero3"], ["train.precision=bf16"]],
+@pytest.mark.parametrize("settings", [[], ["distributed.strategy=zero3"], ["train.precision=bf16"]],
                          ids=["default", "zero3", "bf16"])
 def test_dptrain_run_nproc_1_trains_on_the_device(tmp_path: Path, settings: list[str]) -> None:
     """The default task (the character GPT; its tiny sizes in the dry run), 20 steps."""

@@ -1,9 +1,9 @@
 """Trusting nothing the launcher does not watch (issue 56): torchrun's agent, the job's store, the launcher itself.
 
 - ``dptrain run --max-restarts``: torchrun's agent stopped (SIGSTOP) is named and killed with its workers within
-  ``ddp.timeout_s`` and a few seconds (it hung: finished workers sat as zombies until the agent was continued);
+  ``distributed.timeout_s`` and a few seconds (it hung: finished workers sat as zombies until the agent was continued);
 - a squatted ``MASTER_PORT`` (accepts, never answers): every rank started as torchrun starts it ends with one
-  line naming the address (rank 1 hung past 200 s with ``ddp.timeout_s=10``);
+  line naming the address (rank 1 hung past 200 s with ``distributed.timeout_s=10``);
 - kill -9 of ``dptrain run``'s launcher: its forked workers end within a step or so (they trained 2-3 s more).
 """
 
@@ -79,8 +79,8 @@ def _descendants(pid: int) -> list[int]:
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("then_kill_a_rank", [False, True], ids=["stopped", "stopped-and-a-rank-killed"])
 def test_a_stopped_torchrun_agent_is_named_and_killed_with_its_workers(tmp_path: Path, then_kill_a_rank: bool):
-    """Agent SIGSTOPped (and a rank killed meanwhile): exit 1 within ddp.timeout_s + a few s, one line naming it."""
-    launcher, _ = _start_run(tmp_path, "--max-restarts", "1", "--set", "ddp.timeout_s=5")
+    """Agent SIGSTOPped (and a rank killed meanwhile): exit 1 within distributed.timeout_s + a few s, one line naming it."""
+    launcher, _ = _start_run(tmp_path, "--max-restarts", "1", "--set", "distributed.timeout_s=5")
     try:
         [agent] = children(launcher.pid)
         workers = children(agent)
@@ -177,14 +177,14 @@ def test_an_agent_stopped_or_leaving_a_worker_unreaped_is_in_trouble():
 @pytest.mark.timeout(120)
 def test_a_squatted_master_port_ends_every_rank_with_one_line_naming_it(tmp_path: Path):
     """Ranks as torchrun or Slurm start them, MASTER_PORT held by a squatter: rank 0 cannot host (exit 2), rank 1
-    cannot join (exit 1), each within ddp.timeout_s + a few s of starting to meet, with one line naming the address."""
+    cannot join (exit 1), each within distributed.timeout_s + a few s of starting to meet, with one line naming the address."""
     squatter = _Squatter()
     ranks = []
     for rank in range(2):
         env = dict(_env(), RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                    GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(squatter.port))
         ranks.append(subprocess.Popen([sys.executable, "-m", "dptrain.run", "--run-dir", str(tmp_path / "run"),
-                                       "--set", "task.name=classifier", "--set", "ddp.timeout_s=3"],
+                                       "--set", "task.name=classifier", "--set", "distributed.timeout_s=3"],
                                       cwd=tmp_path, env=env, text=True, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE))
     try:

@@ -226,8 +226,8 @@ def test_sample_stream_slices_take_each_sample_once_per_epoch():
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("ddp.strategy=\"zero2\"", "strategy 'zero2' cannot"),
-    ("ddp.compression=\"fp16\"", "ddp.compression would claim"),
+    ("distributed.strategy=\"zero2\"", "strategy 'zero2' cannot"),
+    ("compression.method=\"fp16\"", "compression.method would claim"),
     ("live.min_workers=3", "more than the job's 2 worker"),
 ])
 def test_what_live_recovery_cannot_run_with(tmp_path, setting, message):

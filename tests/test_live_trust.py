@@ -21,7 +21,7 @@ from dptrain.live.quorum import Member, Quorum
 from dptrain.live.store import connect_store, serve_store
 
 TINY = ["task.name=chargpt", "gpt.n_layer=1", "gpt.n_head=2", "gpt.n_embd=48", "gpt.block_size=8",
-        "gpt.corpus_bytes=20000", "train.global_batch_size=12", "ddp.timeout_s=10", "live.enabled=true",
+        "gpt.corpus_bytes=20000", "train.global_batch_size=12", "distributed.timeout_s=10", "live.enabled=true",
         "live.heartbeat_timeout_s=2", "live.check_every=1", "log.eval_every=0", "log.plots=false",
         "log.trace_steps=0", "checkpoint.every=0"]
 

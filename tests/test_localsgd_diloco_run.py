@@ -14,9 +14,9 @@ from test_cli_run import _steps, _straight_and_resumed
 
 pytestmark = pytest.mark.timeout(240)
 
-SETTINGS = {"localsgd": ["--set", "ddp.strategy=localsgd", "--set", "localsgd.period=4", "--set",
+SETTINGS = {"localsgd": ["--set", "distributed.strategy=localsgd", "--set", "localsgd.period=4", "--set",
                          "localsgd.warmup_steps=1"],
-            "diloco": ["--set", "ddp.strategy=diloco", "--set", "diloco.period=4", "--set", "diloco.compression=int8",
+            "diloco": ["--set", "distributed.strategy=diloco", "--set", "diloco.period=4", "--set", "diloco.compression=int8",
                        "--set", "diloco.warmup_steps=1"]}
 
 

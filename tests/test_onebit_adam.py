@@ -247,7 +247,7 @@ def _refusals(rank: int, world_size: int) -> list[str]:
 def test_refused_without_the_ddp_engine_with_a_hook_already_set_or_without_warmup() -> None:
     plain, hooked, no_warmup = run_on_ranks(_refusals, 2)[0]
     assert "Sequential" in plain and "dptrain.DistributedDataParallel" in plain
-    assert "can only be called once" in hooked and 'ddp.compression = "none"' in hooked
+    assert "can only be called once" in hooked and 'compression.method = "none"' in hooked
     assert "freeze_step=0" in no_warmup
 
 
@@ -306,8 +306,8 @@ def _check_bytes(records: list[dict], numel: int, freeze: int, stdout: str) -> N
 
 
 @pytest.mark.parametrize("setting, message", [
-    ("ddp.strategy=zero2", "strategy 'zero2' has none: set ddp.strategy = \"ddp\""),
-    ("ddp.compression=int8", "ddp.compression 'int8'"),
+    ("distributed.strategy=zero2", "strategy 'zero2' has none: set distributed.strategy = \"ddp\""),
+    ("compression.method=int8", "compression.method 'int8'"),
     ("train.onebit_freeze_step=-1", "at least one uncompressed step"),
 ])
 def test_dptrain_run_refuses_onebit_adam_where_it_cannot_apply(tmp_path, setting: str, message: str) -> None:

@@ -238,7 +238,7 @@ def test_a_checkpoint_in_the_older_sharded_format_is_refused_before_launch(tmp_p
     _checkpoint(tmp_path, "sharded", {"trainer.pt": {}}, lambda p: write_old_format(p, {"w": torch.ones(2, 3)}))
     with pytest.raises(CheckpointError, match="in the sharded format dptrain wrote before DTensor checkpoints.*"
                                               "dptrain consolidate"):
-        validate_run(load_config(None, ["task.name=classifier", f'run_dir="{tmp_path}"', f"ddp.strategy={strategy}"]), 2)
+        validate_run(load_config(None, ["task.name=classifier", f'run_dir="{tmp_path}"', f"distributed.strategy={strategy}"]), 2)
 
 
 def test_an_index_keyed_optimizer_resumes_ddp_and_is_refused_by_zero_before_launch(tmp_path):
@@ -248,5 +248,5 @@ def test_an_index_keyed_optimizer_resumes_ddp_and_is_refused_by_zero_before_laun
     settings = ["task.name=classifier", f'run_dir="{tmp_path}"']
     assert validate_run(load_config(None, settings), 2).resume_from is not None
     with pytest.raises(CheckpointError, match=r"keyed by parameter index.*Resume it once with "
-                                              r"ddp.strategy=\"ddp\" until it saves a checkpoint"):
-        validate_run(load_config(None, [*settings, "ddp.strategy=zero3"]), 2)
+                                              r"distributed.strategy=\"ddp\" until it saves a checkpoint"):
+        validate_run(load_config(None, [*settings, "distributed.strategy=zero3"]), 2)

@@ -24,7 +24,7 @@ from dptrain.ps.wire import Kind, Message
 
 pytestmark = pytest.mark.timeout(240)
 
-SETTINGS = ["--set", "ddp.strategy=ps", "--set", "train.steps=10", "--set", "checkpoint.every=4"]
+SETTINGS = ["--set", "distributed.strategy=ps", "--set", "train.steps=10", "--set", "checkpoint.every=4"]
 SYNC = ["--nproc", "3", *SETTINGS]
 
 
@@ -77,7 +77,7 @@ def test_an_async_run_with_a_killed_server_restarts_and_finishes(tmp_path):
     heard of it, and in plain async mode on 2 loaded cores one worker once pushed 13 gradients to the other's 3
     before the kill, so no cut had completed and the run restarted from scratch (3 runs in 10)."""
     run_dir = tmp_path / "run"
-    done = _run(tmp_path, run_dir, "--nproc", "4", "--set", "ddp.strategy=ps", "--set", "ps.servers=2",
+    done = _run(tmp_path, run_dir, "--nproc", "4", "--set", "distributed.strategy=ps", "--set", "ps.servers=2",
                 "--set", "ps.mode=ssp", "--set", "ps.staleness=1", "--set", "train.steps=10",
                 "--set", "checkpoint.every=4", "--max-restarts", "1", "--fault", "2:9:kill")
     assert done.returncode == 0, done.stderr
@@ -97,7 +97,7 @@ def test_every_shard_of_an_async_cut_holds_the_same_gradients(tmp_path):
     on every server. A straggler makes the servers' snapshots fall at different moments, with gradients in flight.
     (The last cut is the run's end: each async server stops at its budget, so it is left out.)"""
     run_dir = tmp_path / "run"
-    done = dptrain("run", "--nproc", "5", "--run-dir", str(run_dir), "--set", "ddp.strategy=ps", "--set",
+    done = dptrain("run", "--nproc", "5", "--run-dir", str(run_dir), "--set", "distributed.strategy=ps", "--set",
                    "ps.servers=2", "--set", "ps.mode=async", "--set", "task.name=classifier", "--set",
                    "train.steps=16", "--set", "train.global_batch_size=15", "--set", "checkpoint.every=3", "--set",
                    "checkpoint.keep_last=10", "--set", "straggler.rank=1", "--set", "straggler.factor=20", "--set",
@@ -194,7 +194,7 @@ def test_cuts_record_in_flight_gradients_until_each_mark_and_close_oldest_first(
                        "run has 5 ranks with ps.servers=1 and ps.mode='sync'"),
     (["--nproc", "4", "--set", "ps.servers=2"], "this run has 4 ranks with ps.servers=2"),
     (["--nproc", "3", "--set", "ps.mode=async"], "this run has 3 ranks with ps.servers=1 and ps.mode='async'"),
-    (["--nproc", "2", "--set", "ddp.strategy=ddp"], "is ps (written with ddp.strategy ps) and this run's strategy "
+    (["--nproc", "2", "--set", "distributed.strategy=ddp"], "is ps (written with distributed.strategy ps) and this run's strategy "
                                                      "writes replicated checkpoints"),
 ])
 def test_a_resume_on_another_layout_is_refused_before_start(straight, args, message):
@@ -203,6 +203,6 @@ def test_a_resume_on_another_layout_is_refused_before_start(straight, args, mess
     done = _run(straight.parent, straight, *SETTINGS, *args)
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
-    if "ddp.strategy=ddp" not in args:  # the fix, with the values to use
+    if "distributed.strategy=ddp" not in args:  # the fix, with the values to use
         assert "run with --nproc 3 --set ps.servers=1 --set ps.mode=sync, or start afresh" in done.stderr
     assert sorted(p.name for p in straight.rglob("*")) == before  # nothing written

@@ -82,7 +82,7 @@ def test_a_new_entry_joins_the_tuners_space_and_probes(monkeypatch) -> None:
     # the calibration probes one strategy of each kind of step: a new kind (replicated, no buckets) joins them
     before = probe_variants(4, 2)
     monkeypatch.setitem(REGISTRY, "flat", _fake("flat", "ddp", buckets=False))
-    assert probe_variants(4, 2) == {**before, "flat": ['ddp.strategy="flat"']}
+    assert probe_variants(4, 2) == {**before, "flat": ['distributed.strategy="flat"']}
 
 
 def test_the_tuner_refuses_a_strategy_the_simulator_does_not_model_naming_those_it_does(tmp_path) -> None:
@@ -162,7 +162,7 @@ def test_checkpoint_writers_are_every_entry_by_its_layout(monkeypatch) -> None:
 def test_a_checkpoint_of_another_layout_lists_every_strategy_that_writes_and_reads_it(tmp_path) -> None:
     writers = checkpoint_writers()
     message = layout_mismatch(tmp_path, "replicated", "ps", writers)
-    written = message.split("(written with ddp.strategy ")[1].split(")")[0]
+    written = message.split("(written with distributed.strategy ")[1].split(")")[0]
     readers = message.split("reads it (")[1].split(")")[0]
     for name in writers["replicated"]:  # localsgd and diloco among them
         assert name in written and name in readers
@@ -175,7 +175,7 @@ def test_verify_checkpoint_passes_the_callers_names_into_its_message(tmp_path) -
     ident, digest = {"train.lr": 0.1}, "abc"
     path = save_checkpoint(tmp_path, 1, {"trainer.pt": {"step": 1}},
                            {"identity": ident, "identity_hash": digest, "global_batch_size": 8, "format": "ps"})
-    with pytest.raises(CheckpointError, match=r"is ps \(written with ddp.strategy ps\) and this run's strategy "
+    with pytest.raises(CheckpointError, match=r"is ps \(written with distributed.strategy ps\) and this run's strategy "
                                               r"writes replicated checkpoints; resume with a strategy that reads "
                                               r"it \(ps\)"):
         verify_checkpoint(path, ident, digest, 8, "replicated", writers=checkpoint_writers())

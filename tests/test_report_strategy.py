@@ -41,7 +41,7 @@ def test_a_strategy_that_meets_every_few_steps_reports_the_bytes_it_sent_over_th
     of a meeting's bytes per step), and it names the strategy, H, the meetings and the ratio to DDP's."""
     period, settings, at, noun = STRATEGIES[strategy]
     run_dir = tmp_path / "run"
-    sets = [f"ddp.strategy={strategy}", *settings, "task.name=classifier", f"train.steps={STEPS}",
+    sets = [f"distributed.strategy={strategy}", *settings, "task.name=classifier", f"train.steps={STEPS}",
             f"log.every={EVERY}", "log.progress=lines", "log.plots=false", "log.trace_steps=0", "checkpoint.every=0"]
     proc = dptrain("run", "--nproc", "2", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)],
                    cwd=tmp_path)

@@ -110,7 +110,7 @@ def test_dptrain_run_resumes_a_ddp_run_as_zero2(tmp_path: Path) -> None:
     assert straight.returncode == 0, straight.stderr
     first = dptrain("run", *common, "--set", "train.steps=3", "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    resumed = dptrain("run", *common, "--set", "train.steps=6", "--set", "ddp.strategy=zero2",
+    resumed = dptrain("run", *common, "--set", "train.steps=6", "--set", "distributed.strategy=zero2",
                       "--run-dir", str(tmp_path / "b"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr
     assert "step_00000003 at step 3" in resumed.stdout

@@ -45,7 +45,7 @@ def assert_one_line(proc, *words: str) -> None:
     ("zero3", "zero.unit_classes=[3]", "zero.unit_classes=[\"Block\"]"),
 ])
 def test_a_strategy_value_is_refused_before_launch(tmp_path, strategy, setting, fix):
-    proc = dptrain("run", *SMALL, "--run-dir", "out", "--set", f"ddp.strategy={strategy}", "--set", setting,
+    proc = dptrain("run", *SMALL, "--run-dir", "out", "--set", f"distributed.strategy={strategy}", "--set", setting,
                    cwd=tmp_path)
     key, value = setting.split("=")
     assert_one_line(proc, f"error: {key} must", f"got {value}", fix)

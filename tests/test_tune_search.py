@@ -111,7 +111,7 @@ def test_the_space_keeps_the_global_batch_and_gives_each_strategy_its_options() 
     assert labels == ["ddp 8x1 1MiB", "ddp 8x1 1MiB bf16", "ddp 8x1 25MiB", "ddp 8x1 25MiB bf16",
                       "zero1 8x1 1MiB", "zero1/hybrid2 8x1 1MiB", "zero1 8x1 25MiB", "zero1/hybrid2 8x1 25MiB",
                       "zero3 8x1", "zero3/hybrid2 8x1"]
-    assert per_micro[-1].overrides() == ['ddp.strategy="zero3"', "train.micro_batch_size=8",
+    assert per_micro[-1].overrides() == ['distributed.strategy="zero3"', "train.micro_batch_size=8",
                                          "train.grad_accum_steps=1", "zero.shard_size=2"]
     with pytest.raises(ValueError, match="cannot be split over 3 ranks"):
         candidates(3, 32, ["ddp"])

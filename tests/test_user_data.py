@@ -325,7 +325,7 @@ def test_a_hugging_face_gpt2_trains_with_ddp_and_zero3_and_fine_tunes_from_save_
 
     ddp = hf_run(hf_setup, tmp_path / "ddp")
     assert ddp.returncode == 0, ddp.stderr
-    zero3 = hf_run(hf_setup, tmp_path / "zero3", "ddp.strategy=zero3")
+    zero3 = hf_run(hf_setup, tmp_path / "zero3", "distributed.strategy=zero3")
     assert zero3.returncode == 0, zero3.stderr
     a, b = train_records(tmp_path / "ddp"), train_records(tmp_path / "zero3")
     assert a[0]["loss"] == pytest.approx(math.log(256), rel=0.05)
@@ -369,9 +369,9 @@ def test_a_hugging_face_model_resumes_after_a_kill_exactly_with_random_windows(h
     assert losses(tmp_path / "a") == losses(tmp_path / "b")
 
 
-STRATEGIES = {"zero1": ["ddp.strategy=zero1"], "zero2 int8": ["ddp.strategy=zero2", "ddp.compression=int8"],
-              "powersgd": ["ddp.compression=powersgd"], "bf16": ["train.precision=bf16"],
-              "ps": ["ddp.strategy=ps"], "gossip": ["ddp.strategy=gossip"]}
+STRATEGIES = {"zero1": ["distributed.strategy=zero1"], "zero2 int8": ["distributed.strategy=zero2", "compression.method=int8"],
+              "powersgd": ["compression.method=powersgd"], "bf16": ["train.precision=bf16"],
+              "ps": ["distributed.strategy=ps"], "gossip": ["distributed.strategy=gossip"]}
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES))

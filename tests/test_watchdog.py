@@ -34,7 +34,7 @@ corpus_bytes = 50000
 [train]
 steps = 1000000
 global_batch_size = 8
-[ddp]
+[distributed]
 timeout_s = 3
 roll_call_s = 1.0
 [log]
@@ -154,7 +154,7 @@ def test_a_stopped_rank_0_store_host_ends_the_job_naming_it(tmp_path):
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("rank", [2, 1], ids=["server", "worker"])
 def test_a_stopped_parameter_server_rank_ends_the_job_naming_it(tmp_path, rank):
-    out = _stop_rank_and_wait(tmp_path, rank, "--nproc", "3", "--set", "ddp.strategy=ps")
+    out = _stop_rank_and_wait(tmp_path, rank, "--nproc", "3", "--set", "distributed.strategy=ps")
     assert f"rank {rank} failed first" in out and "sent no heartbeat" in out
 
 

@@ -34,7 +34,7 @@ def test_every_strategy_and_consolidate_write_the_models_state_dict_that_loads_s
         run = tmp_path / strategy
         proc = dptrain("run", "--nproc", "2", "--config", config, *settings, "--set", "train.steps=2",
                        "--set", "checkpoint.every=2", "--set", "log.eval_every=0", "--set",
-                       f'ddp.strategy="{strategy}"', "--run-dir", str(run), cwd=tmp_path)
+                       f'distributed.strategy="{strategy}"', "--run-dir", str(run), cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr
         files[strategy] = load_file(run / "model.safetensors")
         result = CliRunner().invoke(consolidate, [str(run), "-o", str(tmp_path / f"{strategy}.safetensors")])

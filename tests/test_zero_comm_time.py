@@ -35,7 +35,7 @@ def test_no_waits_is_fully_hidden_and_no_collectives_is_no_overlap():
 def test_a_zero_run_reports_its_collectives_busy_and_exposed(tmp_path, strategy):
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir", str(run_dir),
-                   "--set", f"ddp.strategy={strategy}", "--set", "train.steps=6", "--set", "checkpoint.every=0",
+                   "--set", f"distributed.strategy={strategy}", "--set", "train.steps=6", "--set", "checkpoint.every=0",
                    "--set", "log.eval_every=0", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     summary = json.loads((run_dir / "summary.json").read_text())

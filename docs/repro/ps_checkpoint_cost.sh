@@ -9,7 +9,7 @@ out=$(mktemp -d)
 for r in $(seq 1 "$rounds"); do
   order="0 5"; [ $((r % 2)) -eq 0 ] && order="5 0"  # alternate which goes first
   for every in $order; do
-    dptrain run --nproc 3 --set ddp.strategy=ps --set ps.mode=async --set train.steps=40 \
+    dptrain run --nproc 3 --set distributed.strategy=ps --set ps.mode=async --set train.steps=40 \
       --set train.global_batch_size=32 --set checkpoint.every=$every --set log.every=5 --set log.eval_every=0 \
       --set log.progress=lines --set log.plots=false --run-dir "$out/e$every-r$r" > "$out/e$every-r$r.log" 2>&1
     python - "$out/e$every-r$r/summary.json" "$every" "$r" <<'PY'

@@ -10,7 +10,7 @@ every=${2:-3}
 out=$(mktemp -d)
 hung=0
 for i in $(seq 1 "$runs"); do
-  timeout 120 dptrain run --nproc 5 --set ddp.strategy=ps --set ps.servers=2 --set ps.mode=backup --set ps.backups=1 \
+  timeout 120 dptrain run --nproc 5 --set distributed.strategy=ps --set ps.servers=2 --set ps.mode=backup --set ps.backups=1 \
     --set task.name=classifier --set train.steps=24 --set train.global_batch_size=15 --set straggler.rank=1 \
     --set straggler.factor=20 --set checkpoint.every="$every" --set log.plots=false --set log.progress=lines \
     --run-dir "$out/r$i" > "$out/r$i.log" 2>&1

@@ -6,7 +6,7 @@
 set -eu
 n=${1:-5}
 out=$(mktemp -d)
-common=(--nproc 3 --set ddp.strategy=ps --set ps.mode=async --set task.name=chargpt --set gpt.n_layer=2
+common=(--nproc 3 --set distributed.strategy=ps --set ps.mode=async --set task.name=chargpt --set gpt.n_layer=2
         --set gpt.n_head=2 --set gpt.n_embd=32 --set gpt.block_size=16 --set gpt.dropout=0.1
         --set gpt.corpus_bytes=100000 --set train.steps=60 --set train.global_batch_size=16
         --set train.warmup_steps=6 --set checkpoint.every=20 --set log.every=10 --set log.eval_batches=8

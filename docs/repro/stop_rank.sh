@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start a tiny GPT job, SIGSTOP one rank once it trains, and time how long the job takes to end.
-# usage: bash docs/repro/stop_rank.sh RUN_DIR RANK NPROC [dptrain run options, e.g. --set ddp.strategy=ps]
-# (docs/reliability.md, "Every hang ends"; ddp.timeout_s = 10 in docs/repro/tiny_hang.toml)
+# usage: bash docs/repro/stop_rank.sh RUN_DIR RANK NPROC [dptrain run options, e.g. --set distributed.strategy=ps]
+# (docs/reliability.md, "Every hang ends"; distributed.timeout_s = 10 in docs/repro/tiny_hang.toml)
 set -u
 rd=$1; r=$2; n=$3; shift 3
 cfg=$(dirname "$0")/tiny_hang.toml

@@ -26,19 +26,19 @@ from pathlib import Path
 
 HERE = Path(__file__).parent
 CFG = HERE / "tiny_hang.toml"
-COMMON = ["log.every=4", "log.plots=false", "ddp.timeout_s=60"]
+COMMON = ["log.every=4", "log.plots=false", "distributed.timeout_s=60"]
 CASES = {
-    "ddp": (2, ["ddp.strategy=\"ddp\""]),
-    "ddp-accum": (2, ["ddp.strategy=\"ddp\"", "train.grad_accum_steps=2"]),
-    "zero1": (2, ["ddp.strategy=\"zero1\""]),
-    "zero2": (2, ["ddp.strategy=\"zero2\""]),
-    "zero3": (2, ["ddp.strategy=\"zero3\""]),
-    "gossip": (2, ["ddp.strategy=\"gossip\""]),
-    "ps-sync": (3, ["ddp.strategy=\"ps\""]),
-    "powersgd": (2, ["ddp.strategy=\"ddp\"", "ddp.compression=\"powersgd\""]),
-    "int8-zero2": (2, ["ddp.strategy=\"zero2\"", "ddp.compression=\"int8\""]),
-    "onebit-adam": (2, ["ddp.strategy=\"ddp\"", "train.optimizer=\"onebit_adam\"", "train.onebit_freeze_step=4"]),
-    "lamb": (2, ["ddp.strategy=\"ddp\"", "train.optimizer=\"lamb\"", "train.lr=0.01"]),
+    "ddp": (2, ["distributed.strategy=\"ddp\""]),
+    "ddp-accum": (2, ["distributed.strategy=\"ddp\"", "train.grad_accum_steps=2"]),
+    "zero1": (2, ["distributed.strategy=\"zero1\""]),
+    "zero2": (2, ["distributed.strategy=\"zero2\""]),
+    "zero3": (2, ["distributed.strategy=\"zero3\""]),
+    "gossip": (2, ["distributed.strategy=\"gossip\""]),
+    "ps-sync": (3, ["distributed.strategy=\"ps\""]),
+    "powersgd": (2, ["distributed.strategy=\"ddp\"", "compression.method=\"powersgd\""]),
+    "int8-zero2": (2, ["distributed.strategy=\"zero2\"", "compression.method=\"int8\""]),
+    "onebit-adam": (2, ["distributed.strategy=\"ddp\"", "train.optimizer=\"onebit_adam\"", "train.onebit_freeze_step=4"]),
+    "lamb": (2, ["distributed.strategy=\"ddp\"", "train.optimizer=\"lamb\"", "train.lr=0.01"]),
 }
 
 

@@ -92,7 +92,7 @@ def _runs(directory: Path, steps: int, r: int) -> dict[str, float]:
     out["  of which a checkpoint save (its files written again)"] = _checkpoint_s(directory / f"inproc{r}")
     for wait in (3, 1):  # rank 1 raises at step 2: rank 0's all-reduce loses its peer, and it calls the roll
         t0 = time.perf_counter()
-        done = run_cli([*_run_args(directory, f"fail{wait}-{r}", steps), "--set", f"ddp.roll_call_s={wait}"],
+        done = run_cli([*_run_args(directory, f"fail{wait}-{r}", steps), "--set", f"distributed.roll_call_s={wait}"],
                        directory, dict(env, DPTRAIN_FAULT="1:2:raise"))
         out[f"a run whose rank 1 fails, roll call {wait} s (in process)"] = time.perf_counter() - t0
         assert done.returncode == 1, done.stderr[-2000:]

@@ -335,7 +335,7 @@ def torchrun_stop(c: Case) -> str:
     except subprocess.TimeoutExpired:
         job.kill()
         return "still running 180 s after the SIGSTOP"
-    return f"exit {code}, {time.monotonic() - t0:.1f} s after the SIGSTOP (ddp.timeout_s 10, roll call 1 s)"
+    return f"exit {code}, {time.monotonic() - t0:.1f} s after the SIGSTOP (distributed.timeout_s 10, roll call 1 s)"
 
 
 CASES = {

@@ -39,10 +39,13 @@ class BatchPlan:
         global_batch_size: int | None = None,
         micro_batch_size: int | None = None,
         grad_accum_steps: int | None = None,
+        section: str = "",
     ) -> BatchPlan:
         """Complete and check a batch plan from any two of the three sizes.
 
-        With only ``global_batch_size`` or only ``micro_batch_size``, accumulation is 1.
+        With only ``global_batch_size`` or only ``micro_batch_size``, accumulation is 1. An error suggests the values
+        that would multiply out by their argument names, or, with ``section`` (``"train"``), as the config keys and the
+        ``--set`` that sets them.
         """
         _check_positive(world_size=world_size, global_batch_size=global_batch_size,
                         micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps)
@@ -58,18 +61,21 @@ class BatchPlan:
             if g % (a * w):
                 raise BatchSizeError(
                     f"global batch {g} is not divisible by accum {a} x world {w} = {a * w}, so "
-                    f"the micro batch would not be whole; {_fixes_for_global(g, a, w)}")
+                    f"the micro batch would not be whole; {_fixes([_global(g, a * w)], section)}")
             return cls(g, g // (a * w), a, w)
         if a is None:
             if g % (m * w):
+                micro = [("micro_batch_size", _divisors_near(g // w, m))] if g % w == 0 else []
                 raise BatchSizeError(
                     f"global batch {g} is not a multiple of micro {m} x world {w} = {m * w}, so "
-                    f"grad_accum_steps would not be whole; {_fixes_for_micro(g, m, w)}")
+                    f"grad_accum_steps would not be whole; {_fixes([_global(g, m * w), *micro], section)}")
             return cls(g, m, g // (m * w), w)
         if g != m * a * w:
+            options = ([("micro_batch_size", str(g // (a * w)))] if g % (a * w) == 0 else []) + \
+                [("global_batch_size", str(m * a * w))] + \
+                ([("grad_accum_steps", str(g // (m * w)))] if g % (m * w) == 0 else [])
             raise BatchSizeError(
-                f"global batch {g} != micro {m} x accum {a} x world {w} = {m * a * w}; "
-                f"{_fixes_for_all(g, m, a, w)}")
+                f"global batch {g} != micro {m} x accum {a} x world {w} = {m * a * w}; {_fixes(options, section)}")
         return cls(g, m, a, w)
 
 
@@ -79,25 +85,16 @@ def _check_positive(**values: int | None) -> None:
             raise BatchSizeError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _fixes_for_all(g: int, m: int, a: int, w: int) -> str:
-    options = []
-    if g % (a * w) == 0:
-        options.append(f"micro {g // (a * w)}")
-    options.append(f"global {m * a * w}")
-    if g % (m * w) == 0:
-        options.append(f"accum {g // (m * w)}")
-    return "choose " + " or ".join(options)
+def _global(g: int, step: int) -> tuple[str, str]:
+    return "global_batch_size", _nearest_multiples(g, step)
 
 
-def _fixes_for_micro(g: int, m: int, w: int) -> str:
-    fix = f"choose global {_nearest_multiples(g, m * w)}"
-    if g % w == 0:
-        fix += f", or micro {_divisors_near(g // w, m)}"
-    return fix
-
-
-def _fixes_for_global(g: int, a: int, w: int) -> str:
-    return f"choose global {_nearest_multiples(g, a * w)}"
+def _fixes(options: list[tuple[str, str]], section: str) -> str:
+    """``choose global_batch_size 30 or 33``; with a section, the config key and a ``--set`` for the first value."""
+    if not section:
+        return "choose " + ", or ".join(f"{name} {values}" for name, values in options)
+    return "set " + ", or ".join(f"{section}.{name} to {values} (--set {section}.{name}={values.split()[0]})"
+                                 for name, values in options)
 
 
 def _nearest_multiples(value: int, step: int) -> str:

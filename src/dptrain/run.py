@@ -74,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = None
     try:
         overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
-        cfg = load_config(args.config, overrides)
+        notes: list[str] = []  # old keys' deprecation lines, printed with the warnings below
+        cfg = load_config(args.config, overrides, notes)
         run_dir = default_run_dir(cfg).resolve()
         local = local and inherited(run_dir, os.environ) is not None
         rp = validate_run(cfg, env.world_size, check_forward=not local)  # `dptrain run` traced the forward already
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {e}", file=sys.stderr)
         return 2
     if env.rank == 0 and not local:  # under torchrun or Slurm no launcher printed them
-        for line in rp.warnings:
+        for line in [*notes, *rp.warnings]:
             print(line, file=sys.stderr)
     if omp_threads(os.environ) is None:  # unset, or not a thread count (torch ignores such a value too)
         torch.set_num_threads(threads_per_worker(env.local_world_size))
@@ -94,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     lock = None
     try:
         live = rp.cfg.live.enabled  # each worker a process group of its own; the rounds span the job (dptrain.live)
-        device = init_alone(env, rp.cfg.ddp.backend) if live else init_distributed(env, rp.cfg.ddp.backend,
-                                                                                   rp.cfg.ddp.timeout_s)
+        device = init_alone(env, rp.cfg.distributed.backend) if live else init_distributed(env, rp.cfg.distributed.backend,
+                                                                                   rp.cfg.distributed.timeout_s)
         lock = None if local else _lock_run_dir(env, rp.run_dir)  # `dptrain run` holds it for its workers
         from dptrain.runner.loop import train  # after init: keeps `--help` and bad-input paths fast
 

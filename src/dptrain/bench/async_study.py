@@ -36,7 +36,7 @@ from dptrain.cli.bench_group import Variadic, bench_command
 
 __all__ = ["VARIANTS", "run", "table", "main"]
 
-PS = {"ddp.strategy": "ps", "ps.servers": 1}
+PS = {"distributed.strategy": "ps", "ps.servers": 1}
 ASYNC_GOAL = 1.5  # async's speed over DDP's with the straggler, in every round (issues 8 and 24)
 # (name, settings, extra ranks beyond the workers, with the straggler)
 VARIANTS = [
@@ -50,7 +50,7 @@ VARIANTS = [
     ("SSP s=1", {**PS, "ps.mode": "ssp", "ps.staleness": 1}, 1, True),
     ("SSP s=4", {**PS, "ps.mode": "ssp", "ps.staleness": 4}, 1, True),
     ("backup b=1", {**PS, "ps.mode": "backup", "ps.backups": 1}, 1, True),
-    ("gossip ring", {"ddp.strategy": "gossip"}, 0, True),
+    ("gossip ring", {"distributed.strategy": "gossip"}, 0, True),
 ]
 
 

@@ -56,8 +56,8 @@ from dptrain.tasks import build_task
 __all__ = ["VARIANTS", "run", "table", "main"]
 
 HOSTS, PER_HOST = 2, 2
-VARIANTS = {"ddp": ['ddp.strategy="ddp"'], "zero3": ['ddp.strategy="zero3"'],
-            "hsdp": ['ddp.strategy="zero3"', f"zero.shard_size={PER_HOST}"]}
+VARIANTS = {"ddp": ['distributed.strategy="ddp"'], "zero3": ['distributed.strategy="zero3"'],
+            "hsdp": ['distributed.strategy="zero3"', f"zero.shard_size={PER_HOST}"]}
 
 
 def run(rate_gbit: float, rounds: int, steps: int, warmup: int, micro: int) -> dict:

@@ -1,8 +1,8 @@
 """Study: what each gradient codec costs in loss and saves in bytes, with and without error feedback.
 
 Every variant is one ``dptrain run`` of the default task (the character GPT on 2
-workers, same seed, same data order, same steps), differing only in ``[ddp]
-compression`` settings. Reported per variant: the bytes a rank's buckets would take
+workers, same seed, same data order, same steps), differing only in
+``[compression]`` settings. Reported per variant: the bytes a rank's buckets would take
 uncompressed and the bytes its payloads take (per step, from the run's metrics: the
 last step's, and the mean over the logged steps, which differ under a warm-up), their
 ratio, the final validation loss (``dptrain run``'s end-of-run evaluation), its ratio to
@@ -29,7 +29,7 @@ from dptrain.cli.bench_group import Variadic, bench_command
 
 __all__ = ["VARIANTS", "REMEDIES", "GOALS", "run", "main"]
 
-# (name, [ddp] settings)
+# (name, [compression] settings; "compression" is compression.method, a dotted key a setting of its own)
 VARIANTS = [
     ("none", {"compression": "none"}),
     ("fp16", {"compression": "fp16", "error_feedback": False}),
@@ -73,9 +73,15 @@ VARIANTS += REMEDIES + ONEBIT
 GOALS = {"int8": 1.01, "topk": 1.03, "powersgd": 1.03, "onebit_adam": 1.03}
 
 
+def _key(name: str) -> str:
+    """A variant's setting as a config key: ``compression`` is ``compression.method``, a bare name is in
+    ``[compression]``, a dotted one is itself."""
+    return name if "." in name else "compression.method" if name == "compression" else f"compression.{name}"
+
+
 def _one(settings: dict, steps: int, nproc: int, directory: Path, overrides: list[str]) -> dict:
     base = {"train.steps": steps, "log.every": max(1, steps // 10), "log.progress": "lines", "log.plots": False,
-            "checkpoint.every": 0, **{k if "." in k else f"ddp.{k}": v for k, v in settings.items()}}
+            "checkpoint.every": 0, **{_key(k): v for k, v in settings.items()}}
     done = dptrain_run(nproc, with_overrides(base, overrides), directory / "run")
     summary, last = done["summary"], done["train"][-1]
     payloads = [r.get("comm_compressed_bytes_per_step") or r["comm_bytes_per_step"] for r in done["train"]]

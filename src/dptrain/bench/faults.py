@@ -8,11 +8,11 @@ beside a fault-free run of the same job:
 - ``delay`` (3 s): the others wait, and the job goes on unchanged;
 - ``kill`` (also inside the gradient all-reduces), ``raise``, ``hang`` without
   restarts: the job must end, on every rank, with
-  an error that names the cause (``hang`` within ``ddp.timeout_s`` = 10 s);
+  an error that names the cause (``hang`` within ``distributed.timeout_s`` = 10 s);
 - ``flip`` (one bit of a parameter on rank 1) with ``divergence.every = 5``: stopped, or
   repaired with ``divergence.repair``;
 - ``nan`` (one rank's gradient): the step is skipped on every rank;
-- ``mismatch`` (rank 1 makes one extra all-reduce): with ``ddp.check_collectives`` every,
+- ``mismatch`` (rank 1 makes one extra all-reduce): with ``distributed.check_collectives`` every,
   first (the default) and off: a named error on every rank, a named timeout, or gloo's
   SIGABRT;
 - resize: a checkpoint of N ranks resumed on M, against the uninterrupted run on N.
@@ -47,7 +47,7 @@ from dptrain.cli.bench_group import bench_command
 __all__ = ["SCENARIOS", "run", "table", "main"]
 
 BASE = {"task.name": "classifier", "train.steps": 20, "checkpoint.every": 5, "log.every": 1,
-        "log.progress": "lines", "log.plots": False, "ddp.timeout_s": 10}
+        "log.progress": "lines", "log.plots": False, "distributed.timeout_s": 10}
 # (name, fault, extra settings, max restarts)
 SCENARIOS = [
     ("kill rank 1 at step 12, --max-restarts 1", "1:12:kill", {}, 1),
@@ -60,9 +60,9 @@ SCENARIOS = [
     ("the same, with repair", "1:12:flip", {"divergence.every": 5, "divergence.repair": True}, 0),
     ("NaN gradient on rank 0 at step 12", "0:12:nan", {}, 0),
     ("rank 1 calls an extra all-reduce at step 12, check every call", "1:12:mismatch",
-     {"ddp.check_collectives": "every"}, 0),
+     {"distributed.check_collectives": "every"}, 0),
     ("the same, check first calls (default)", "1:12:mismatch", {}, 0),
-    ("the same, check off", "1:12:mismatch", {"ddp.check_collectives": "off"}, 0),
+    ("the same, check off", "1:12:mismatch", {"distributed.check_collectives": "off"}, 0),
 ]
 RESIZES = [(2, 1), (1, 2), (4, 2)]
 

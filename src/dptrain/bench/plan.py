@@ -66,7 +66,7 @@ def _reset_peak() -> None:
 
 def _overrides(strategy: str, precision: str, shard_size: int) -> list[str]:
     hybrid = [f"zero.shard_size={shard_size}"] if shard_size and get_strategy(strategy).shards_parameters else []
-    return [f"ddp.strategy={strategy}", f"train.precision={precision}", *hybrid]
+    return [f"distributed.strategy={strategy}", f"train.precision={precision}", *hybrid]
 
 
 def _rank(rank: int, world_size: int, strategy: str, precision: str, shard_size: int, steps: int) -> dict:

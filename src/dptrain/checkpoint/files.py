@@ -236,7 +236,7 @@ def layout_mismatch(path: Path, saved_layout: str, layout: str, writers: Mapping
     readable = _INTERCHANGEABLE if saved_layout in _INTERCHANGEABLE else (saved_layout,)
     readers = [name for kind in readable for name in writers.get(kind, ())]
     by = writers.get(saved_layout)
-    written = f" (written with ddp.strategy {_listed(by, 'or')})" if by else ""
+    written = f" (written with distributed.strategy {_listed(by, 'or')})" if by else ""
     fix = (f"a strategy that reads it ({_listed(readers, 'or')})" if readers else
            f"a strategy that writes {_listed(readable, 'or')} checkpoints")
     return (f"checkpoint {path} is {saved_layout}{written} and this run's strategy writes {layout} checkpoints; "

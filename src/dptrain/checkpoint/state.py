@@ -116,7 +116,7 @@ def full_state(path: Path, optimizer: bool = False) -> tuple[dict[str, torch.Ten
 def _index_keyed_message(path: Path) -> str:
     return (f"checkpoint {path} has an optimizer.pt keyed by parameter index (written by a dptrain before "
             "checkpoints named the parameters), which only strategy ddp reads. Resume it once with "
-            "ddp.strategy=\"ddp\" until it saves a checkpoint (checkpoint.every), then switch strategy")
+            "distributed.strategy=\"ddp\" until it saves a checkpoint (checkpoint.every), then switch strategy")
 
 
 def check_strategy_resume(path: Path, saved_format: str, layout: str) -> None:

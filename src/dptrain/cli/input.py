@@ -1,10 +1,11 @@
-"""What the ``dptrain`` commands share about their input: the errors that mean bad input, integer lists."""
+"""What the ``dptrain`` commands share about their input: the errors that mean bad input, the run config, integer
+lists."""
 
 from __future__ import annotations
 
 import click
 
-__all__ = ["bad_input", "int_list"]
+__all__ = ["bad_input", "int_list", "read_config"]
 
 
 def bad_input() -> tuple[type[Exception], ...]:
@@ -14,6 +15,18 @@ def bad_input() -> tuple[type[Exception], ...]:
     from dptrain.config import ConfigError
 
     return ConfigError, BatchSizeError, CheckpointError
+
+
+def read_config(path, overrides):
+    """The run config of ``--config`` and ``--set`` (``dptrain.config.load_config``), each old key's deprecation line
+    printed once, to stderr."""
+    from dptrain.config import load_config
+
+    notes: list[str] = []
+    cfg = load_config(path, list(overrides), notes)
+    for line in notes:
+        click.echo(line, err=True)
+    return cfg
 
 
 def int_list(text: str, what: str) -> list[int]:

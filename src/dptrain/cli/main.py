@@ -20,7 +20,7 @@ import click
 
 from dptrain.cli.bench_group import BenchGroup  # no torch: the benchmarks load when run
 from dptrain.cli.checkpoint import consolidate
-from dptrain.cli.input import bad_input
+from dptrain.cli.input import bad_input, read_config
 from dptrain.cli.launch import launch
 from dptrain.cli.planning import explore, plan, simulate
 from dptrain.cli.tune import tune
@@ -40,6 +40,8 @@ def main() -> None:
 @main.command()
 @click.option("--nproc", type=int, default=1, show_default=True, help="worker processes on this machine")
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config file")
+@click.option("--strategy", metavar="NAME", help="the data-parallel strategy: ddp, zero1, zero2, zero3, localsgd, "
+              "diloco, ps, gossip (--config-reference lists them); the same as --set distributed.strategy=NAME")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE",
               help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
 @click.option("--run-dir", type=click.Path(path_type=Path), help="run directory (default runs/<task>)")
@@ -56,13 +58,14 @@ def main() -> None:
                    "fresh `python -m dptrain.run` each, as torchrun starts them (exec)")
 @click.option("--show-config", is_flag=True, help="print the resolved config as TOML and exit")
 @click.option("--config-reference", is_flag=True, help="print every config key, default and meaning (Markdown)")
-def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_dir: Path | None,
+def run(nproc: int, config_path: Path | None, strategy: str | None, overrides: tuple[str, ...], run_dir: Path | None,
         max_restarts: int, fault: str | None, start_method: str, show_config: bool, config_reference: bool) -> None:
     """Train on NPROC local workers (gloo on CPU, NCCL on GPUs).
 
     \b
     dptrain run --nproc 2                                  # byte-level GPT on stdlib source
     dptrain run --nproc 2 --set task.name=classifier       # smoke run, about 20 s
+    dptrain run --nproc 2 --strategy zero2                 # ZeRO stage 2
     dptrain run --nproc 4 --config job.toml --set train.lr=1e-3
 
     A run resumes from its newest checkpoint when started again with the same run
@@ -70,7 +73,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     torchrun's elastic agent. On a cluster, start the workers with torchrun instead:
     torchrun --nnodes N --nproc-per-node G ... -m dptrain.run --config job.toml
     """
-    from dptrain.config import ConfigError, load_config, to_toml
+    from dptrain.config import ConfigError, to_toml
     from dptrain.data.prepare import prepare, prepare_command
     from dptrain.launch.run_lock import RunDirError, acquire
     from dptrain.runner.validate import default_run_dir, validate_run
@@ -81,7 +84,7 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
         from dptrain.strategies import REGISTRY
 
         click.echo(reference_markdown())
-        click.echo("\n**ddp.strategy**, the registered strategies\n\n| name | what it is |\n|---|---|")
+        click.echo("\n**distributed.strategy** (`--strategy`), the registered strategies\n\n| name | what it is |\n|---|---|")
         for name, entry in REGISTRY.items():
             click.echo(f"| `{name}` | {entry.summary} |")
         return
@@ -92,10 +95,11 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
             raise ConfigError(f"--nproc must be at least 1, got {nproc}")
         if max_restarts < 0:
             raise ConfigError(f"--max-restarts must be >= 0, got {max_restarts}")
+        overrides = _with_strategy(strategy, overrides)
         if fault:
             _check_fault(fault, nproc)
             os.environ["DPTRAIN_FAULT"] = fault  # the workers inherit it, under either launcher
-        cfg = load_config(config_path, list(overrides) + extra)
+        cfg = read_config(config_path, list(overrides) + extra)
         if show_config:
             click.echo(to_toml(cfg), nl=False)
             return
@@ -120,6 +124,20 @@ def run(nproc: int, config_path: Path | None, overrides: tuple[str, ...], run_di
     finally:
         lock.release()  # the workers have exited (a test suite runs many runs in one process)
     sys.exit(code)
+
+
+def _with_strategy(strategy: str | None, overrides: tuple[str, ...]) -> tuple[str, ...]:
+    """``--strategy NAME`` as the override it stands for (the workers get it so too); both ways at once is an error."""
+    from dptrain.config import ConfigError
+    from dptrain.config.loader import parse_override
+    from dptrain.config.renamed import renamed_key
+
+    if strategy is None:
+        return overrides
+    given = [o for o in overrides if renamed_key(parse_override(o)[0], "")[0] == "distributed.strategy"]
+    if given:
+        raise ConfigError(f"--strategy {strategy} and --set {given[0]} both choose the strategy: give one")
+    return (f"distributed.strategy={json.dumps(strategy)}", *overrides)
 
 
 def _note(line: str) -> None:
@@ -159,9 +177,9 @@ def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str,
         from dptrain.launch.elastic import launch_elastic
 
         return launch_elastic(nproc, worker_args, rp.run_dir, max_restarts, env={TOKEN_ENV: lock.token},
-                              lock_fd=lock.fd, timeout_s=cfg.ddp.timeout_s)
-    return launch_local(nproc, worker_args, rp.run_dir, cfg.ddp.timeout_s, expendable=_expendable(cfg, nproc),
-                        start_method=start_method, roll_call_s=cfg.ddp.roll_call_s, preload=preload,
+                              lock_fd=lock.fd, timeout_s=cfg.distributed.timeout_s)
+    return launch_local(nproc, worker_args, rp.run_dir, cfg.distributed.timeout_s, expendable=_expendable(cfg, nproc),
+                        start_method=start_method, roll_call_s=cfg.distributed.roll_call_s, preload=preload,
                         lock_fd=lock.fd)
 
 
@@ -181,7 +199,7 @@ def _expendable(cfg, nproc: int) -> set[int]:
     """Ranks whose death the run survives, as the strategy says (the parameter server's workers, in its async modes)."""
     from dptrain.strategies import get_strategy
 
-    entry = get_strategy(cfg.ddp.strategy)
+    entry = get_strategy(cfg.distributed.strategy)
     return entry.expendable(cfg, nproc) if entry.expendable is not None else set()
 
 
@@ -216,14 +234,14 @@ def prepare_data(inputs: tuple[str, ...], out: Path | None, tokenizer: str, val_
     Then train on them: dptrain run --set data.source=tokens --set data.dir=<out>
     (docs/your-data.md). dptrain run on data.source text or hf prepares them itself.
     """
-    from dptrain.config import ConfigError, load_config
+    from dptrain.config import ConfigError
     from dptrain.data.prepare import Recipe, prepare, prepared
 
     try:
         if config_path is not None or overrides:
             if inputs:
                 raise ConfigError("give INPUTS or --config, not both")
-            cfg = load_config(config_path, list(overrides))
+            cfg = read_config(config_path, list(overrides))
             if cfg.data.source not in ("text", "hf"):
                 raise ConfigError(f"data.source is {cfg.data.source!r}: prepare-data prepares sources text and hf")
             recipe = Recipe.from_config(cfg.data)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from dptrain.cli.input import bad_input, int_list
+from dptrain.cli.input import bad_input, int_list, read_config
 
 __all__ = ["plan", "simulate", "explore", "check_params"]
 
@@ -58,7 +58,6 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
     communication buffers alive in backward. 'fits' keeps --headroom of the device free.
     See docs/planner.md.
     """
-    from dptrain.config import load_config
     from dptrain.planner import PRECISIONS, STRATEGIES
     from dptrain.planner.devices import DEFAULT_HEADROOM, budget_line, check_headroom, device_bytes
     from dptrain.planner.from_config import plan_config, plan_count
@@ -92,7 +91,7 @@ def plan(config_path: Path | None, overrides: tuple[str, ...], params: float | N
                          "a model for them); 'fits' compares the model states")
             head = [f"model: a bare parameter count, {int(params):,} parameters"]
         else:
-            cfg = load_config(config_path, overrides)
+            cfg = read_config(config_path, overrides)
             target = plan_target(cfg)
             rows = plan_config(cfg, sizes, chosen, precs, notes, target)
             notes = target.notes + notes
@@ -130,7 +129,7 @@ def check_params(params: float) -> None:
 @click.command()
 @click.option("--config", "config_path", type=click.Path(path_type=Path), help="TOML config of the run to simulate")
 @click.option("--set", "overrides", multiple=True, metavar="KEY=VALUE", help="override a config field (repeatable)")
-@click.option("--strategy", help="a strategy the planner models (default: the config's ddp.strategy; an unknown one "
+@click.option("--strategy", help="a strategy the planner models (default: the config's distributed.strategy; an unknown one "
               "lists them)")
 @click.option("--networks", default="loopback,eth-10,eth-100,nvlink4+ib-ndr", show_default=True,
               help="network presets, comma-separated (dptrain simulate --list-networks)")
@@ -177,7 +176,6 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
     collectives' cost model. --profile measured times this machine: for GPU networks
     give --profile flops --device-flops. See docs/simulator.md.
     """
-    from dptrain.config import load_config
     from dptrain.planner import STRATEGIES
     from dptrain.planner.from_config import simulate_config
     from dptrain.planner.network import PRESETS, Network, custom_link, network
@@ -208,8 +206,8 @@ def simulate(config_path, overrides, strategy, networks, bandwidth_gbit, latency
                             f"custom: {bandwidth_gbit:g} Gbit/s, {latency_us:g} us")]
         else:
             nets = [network(name.strip()) for name in networks.split(",") if name.strip()]
-        cfg = load_config(config_path, overrides)
-        strategy = strategy or cfg.ddp.strategy
+        cfg = read_config(config_path, overrides)
+        strategy = strategy or cfg.distributed.strategy
         get_strategy(strategy, among=STRATEGIES)  # before the model is built and timed
         result = simulate_config(cfg, sizes, strategy, nets, algorithm, profile, micro_batch,
                                  device_flops, overlap=not no_overlap, compression=compression, overheads=overheads)
@@ -305,7 +303,6 @@ def explore(config_path: Path | None, overrides: tuple[str, ...], out: Path, mod
     simulate and the collectives' cost model compute, over DP degrees 1 to 1024; the page
     needs no network and no server. See docs/explore.md.
     """
-    from dptrain.config import load_config
     from dptrain.pages.explore import write_explore
     from dptrain.pages.explore_data import PRESET_MODELS
 
@@ -316,7 +313,7 @@ def explore(config_path: Path | None, overrides: tuple[str, ...], out: Path, mod
                                  param_hint="--models")
     sizes = tuple(int_list(micro_batches, "--micro-batches"))
     try:
-        cfg = load_config(config_path, overrides)
+        cfg = read_config(config_path, overrides)
         path = write_explore(out, cfg=cfg, models=names, micro_batches=sizes,
                              progress=lambda line: click.echo(f"explore: {line}", err=True))
     except (ValueError, *bad_input()) as e:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from dptrain.cli.input import bad_input, int_list
+from dptrain.cli.input import bad_input, int_list, read_config
 
 __all__ = ["tune"]
 
@@ -73,7 +73,6 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
     writes OUT/best.toml (for dptrain run --config), the command, and OUT/tune.md, the
     table of every candidate. See docs/tune.md.
     """
-    from dptrain.config import load_config
     from dptrain.planner.calibration import Calibration, CalibrationError
     from dptrain.strategies import get_strategy, strategy_names
     from dptrain.tune.machine import Emulated, Launcher, Local
@@ -104,7 +103,7 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
         tune_options = TuneOptions(trials, rounds, exhaustive, steps, warmup, trial_timeout, _budget(memory_gib))
         _check_out(out)
         extra = list(overrides)
-        cfg = load_config(config_path, extra)
+        cfg = read_config(config_path, extra)
         batch = global_batch or cfg.train.global_batch_size or 32
         extra = [*extra, f"train.global_batch_size={batch}"]
         planned = strategy_names(lambda s: s.planned)
@@ -213,4 +212,4 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
     click.echo(f"\nchosen: {best.candidate.label}, {best.measured_s * 1e3:.1f} ms per step measured "
                f"({best.predicted_s * 1e3:.1f} predicted); {tuned.result.trials} trial(s), "
                f"{sum(tuned.seconds.values()):.0f} s")
-    click.echo(f"config: {best_toml}\nrun it: {command(machine, best_toml)}")
+    click.echo(f"config: {best_toml}\nrun it: {command(machine, best_toml, best.candidate.strategy)}")

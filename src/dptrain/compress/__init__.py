@@ -4,7 +4,7 @@ Layered like the rest of dptrain: codecs and error feedback at the bottom; the
 collectives that suit each codec (:mod:`~dptrain.compress.sharded`'s exchange of encoded
 shards, and those inside the hook); then the two users, the DDP engine's hook
 (:mod:`~dptrain.compress.hook`) and ZeRO's reduce-scatter (:mod:`~dptrain.compress.zero`).
-``dptrain run`` selects them with ``[ddp] compression`` (docs/compression.md).
+``dptrain run`` selects them with ``compression.method`` (docs/compression.md).
 """
 
 from dptrain.compress.codecs import CODECS, Codec, Encoded, Half, Int8, TopK, make_codec

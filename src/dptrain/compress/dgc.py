@@ -22,7 +22,7 @@ sent. DGC fixes this on the worker:
 (``encode(key, x, codec)``, state dicts), so the compression hook uses either. PowerSGD
 takes the velocity alone (:class:`Velocity`): its own error feedback is the accumulation,
 so the matrix it approximates is ``v_{t-1} + u_t`` (no masking: a low-rank update has no
-"sent coordinates"). ``dptrain run`` turns these on with ``[ddp] momentum_correction``,
+"sent coordinates"). ``dptrain run`` turns these on with ``[compression] momentum_correction``,
 ``momentum_masking``, ``local_clip`` and ``topk_warmup_steps`` (docs/compression.md).
 """
 

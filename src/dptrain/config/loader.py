@@ -23,6 +23,7 @@ from typing import Any
 import tomli_w
 
 from dptrain.config.errors import ConfigError
+from dptrain.config.renamed import move_renamed, renamed_key
 from dptrain.config.schema import ADDED_LATER, NOT_IDENTITY, RunConfig, section_fields
 
 if sys.version_info >= (3, 11):
@@ -34,12 +35,20 @@ __all__ = ["ConfigError", "load_config", "build", "to_dict", "to_toml", "identit
            "normalize_identity", "unused_fields", "unused_settings"]
 
 
-def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """The config in ``path`` (defaults if None) with ``overrides`` ("a.b=value") applied."""
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = (),
+                notes: list[str] | None = None) -> RunConfig:
+    """The config in ``path`` (defaults if None) with ``overrides`` ("a.b=value") applied.
+
+    Keys that moved (``config.renamed``: ``ddp.strategy`` is ``distributed.strategy``) are read at their new
+    place; a deprecation line for each is appended to ``notes`` (the command line prints them once)."""
+    notes = [] if notes is None else notes
     data = _read_toml(Path(path)) if path is not None else {}
+    notes += move_renamed(data, str(path)) if path is not None else []
     config = build(RunConfig, data, "", str(path) if path is not None else "the defaults")
     for text in overrides:  # one at a time, so an error names the override that caused it
         key, value = parse_override(text)
+        key, note = renamed_key(key, f"--set {text}")
+        notes += [note] if note else []
         _set_dotted(data, key, value, f"--set {text}")
         config = build(RunConfig, data, "", f"--set {text}")
     return config
@@ -159,9 +168,10 @@ _ALIASES = {"learning_rate": "lr", "max_lr": "lr", "batch_size": "global_batch_s
 def _did_you_mean(key: str, prefix: str, known: dict) -> str:
     if _ALIASES.get(key) in known:
         return f"; did you mean {prefix + _ALIASES[key]!r}?"
-    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+    lowered = {name.lower(): name for name in known}  # Train.LR, global_Batch_Size
+    close = difflib.get_close_matches(key.lower(), list(lowered), n=1, cutoff=0.6)
     if close:
-        return f"; did you mean {prefix + close[0]!r}?"
+        return f"; did you mean {prefix + lowered[close[0]]!r}?"
     alias = difflib.get_close_matches(key, list(_ALIASES), n=1, cutoff=0.75)
     if alias and _ALIASES[alias[0]] in known:
         return f"; did you mean {prefix + _ALIASES[alias[0]]!r}?"
@@ -172,8 +182,10 @@ def _did_you_mean(key: str, prefix: str, known: dict) -> str:
 
 
 def _closest(value: str, options: list[str]) -> str:
-    close = difflib.get_close_matches(value, options, n=1, cutoff=0.5)
-    return f"; did you mean {close[0]!r}?" if close else ""
+    """``; did you mean 'ring'?`` for the option closest to ``value``, case ignored (``RING``), or ''."""
+    lowered = {option.lower(): option for option in options}
+    close = difflib.get_close_matches(value.lower(), list(lowered), n=1, cutoff=0.5)
+    return f"; did you mean {lowered[close[0]]!r}?" if close else ""
 
 
 _SECTIONS = {name: typing.get_type_hints(RunConfig)[name] for name in section_fields(RunConfig)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from dptrain.comm.collectives import ALGORITHMS
+from dptrain.config.compression_section import CompressionConfig
 from dptrain.config.errors import ConfigError
 from dptrain.config.fields import at_least, opt
 from dptrain.config.strategy_sections import DiLoCoConfig, GossipConfig, LocalSGDConfig, PSConfig, ZeROConfig
@@ -160,13 +161,31 @@ class TrainConfig:
 
 
 @dataclass
-class DDPConfig:
+class DistributedConfig:
     strategy: str = opt("ddp", "data-parallel strategy, one of the registered ones (`dptrain run --config-reference` "
                         "lists them with what each is; docs/architecture.md): replicated (ddp), ZeRO stage 1, 2 or 3 "
                         "(zero1-3; [zero]), a parameter server (ps; [ps]), gossip ([gossip]), local SGD (localsgd; "
-                        "[localsgd]) or DiLoCo (diloco; [diloco])")
+                        "[localsgd]) or DiLoCo (diloco; [diloco]); `dptrain run --strategy NAME` sets it")
     backend: str = opt("auto", "process-group backend: nccl on CUDA, gloo on CPU (auto)",
                        choices=("auto", "gloo", "nccl"))
+    timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
+    roll_call_s: float = opt(3.0, "after a collective fails, how long each surviving rank waits for the others to "
+                             "report theirs; the ranks that report nothing (hung or dead) are named "
+                             "(docs/reliability.md)")
+    check_collectives: str = opt("first", "compare each gradient bucket's all-reduce (op, dtype, shape, comm hook; "
+                                 "with ZeRO each unit's all-gather and reduce-scatter) across ranks through the "
+                                 "job's store before calling it: on its first use (first), on every use (every: "
+                                 "names a rank that takes another path mid-run, at store round trips per call), "
+                                 "or off (docs/reliability.md)",
+                                 choices=("off", "first", "every"))
+
+    def check(self) -> None:
+        """This section's own values (what the strategy asks of the world: dptrain.strategies.requirements)."""
+        at_least("distributed", self, {"timeout_s": 1.0, "roll_call_s": 0.0})
+
+
+@dataclass
+class DDPConfig:
     bucket_cap_mb: float | None = opt(None, "gradient bucket size in MiB (default 25 with a 1 MiB first bucket)")
     last_bucket_cap_mb: float | None = opt(None, "ddp: give the gradients ready last a bucket of about this many MiB "
                                                  "of their own, so the all-reduce nothing overlaps is small "
@@ -178,63 +197,18 @@ class DDPConfig:
     find_unused_parameters: bool = opt(False, "allow parameters (DDP) or units (ZeRO) that get no gradient on "
                                               "some steps or ranks")
     static_graph: bool = opt(False, "the set of used parameters never changes")
-    timeout_s: float = opt(300.0, "collective timeout: a rank stuck this long fails the job")
-    roll_call_s: float = opt(3.0, "after a collective fails, how long each surviving rank waits for the others to "
-                             "report theirs; the ranks that report nothing (hung or dead) are named "
-                             "(docs/reliability.md)")
-    check_collectives: str = opt("first", "compare each gradient bucket's all-reduce (op, dtype, shape, comm hook; "
-                                 "with ZeRO each unit's all-gather and reduce-scatter) across ranks through the "
-                                 "job's store before calling it: on its first use (first), on every use (every: "
-                                 "names a rank that takes another path mid-run, at store round trips per call), "
-                                 "or off (docs/reliability.md)",
-                                 choices=("off", "first", "every"))
     algorithm: str = opt("native", "all-reduce algorithm for gradient buckets: the backend's (native) or "
                          "dptrain's own ring, tree, naive, hierarchical (docs/collectives.md)",
                          choices=ALGORITHMS)
     ranks_per_node: int = opt(0, "ranks per node for the hierarchical algorithm; 0 uses the local world size")
-    compression: str = opt("none", "gradient compression: none, fp16, bf16, int8 (per-chunk "
-                           "absmax), topk or powersgd with strategy ddp; fp16, bf16 or int8 with zero1-3 "
-                           "(docs/compression.md)",
-                           choices=("none", "fp16", "bf16", "int8", "topk", "powersgd"))
-    error_feedback: bool = opt(True, "with compression: add what compression dropped to the next step's gradient "
-                               "(with ZeRO: a full-size fp32 residual per unit)")
-    topk_fraction: float = opt(0.01, "with compression topk: the fraction of each bucket's elements sent, in (0, 1]")
-    powersgd_rank: int = opt(4, "with compression powersgd: the rank of each gradient matrix's approximation")
-    momentum_correction: bool = opt(False, "with compression topk or powersgd and optimizer sgd: each rank keeps its "
-                                    "own velocity (momentum train.momentum) and compresses the accumulated "
-                                    "velocity, and the optimizer runs without momentum (deep gradient compression; "
-                                    "docs/compression.md)")
-    momentum_masking: bool = opt(True, "with momentum_correction and topk: clear the coordinates sent from the "
-                                 "velocity too")
-    local_clip: float = opt(0.0, "with compression topk or powersgd: each rank clips each bucket of its own gradient "
-                            "to this L2 norm / sqrt(ranks) before compressing; 0 off")
-    topk_warmup_steps: int = opt(0, "with compression topk: send 25% at first, 4x less per stage, down to "
-                                 "topk_fraction over this many steps; 0 off")
-    powersgd_uncompressed_steps: int = opt(0, "with compression powersgd: all-reduce this many first steps "
-                                           "uncompressed in fp32")
-    powersgd_warmup_rank: int = opt(0, "with compression powersgd: the rank for the first powersgd_warmup_steps "
-                                    "steps (0: powersgd_rank throughout)")
-    powersgd_warmup_steps: int = opt(0, "with compression powersgd: how many first steps use powersgd_warmup_rank")
 
     def check(self) -> None:
         """This section's own values (what the strategy and the other sections ask: dptrain.strategies.requirements)."""
-        at_least("ddp", self, {"timeout_s": 1.0, "roll_call_s": 0.0})
         for name in ("bucket_cap_mb", "last_bucket_cap_mb"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"ddp.{name} must be a positive size in MiB, got {value}; leave it unset for the "
                                   "default")
-        if self.compression != "none" and self.algorithm != "native":
-            raise ConfigError(f"ddp.algorithm {self.algorithm!r} chooses how uncompressed buckets are all-reduced; "
-                              f"with ddp.compression {self.compression!r} the codec decides the collectives: leave "
-                              "algorithm native")
-        if self.powersgd_rank < 1:
-            raise ConfigError(f"ddp.powersgd_rank must be at least 1, got {self.powersgd_rank}")
-        if not 0.0 < self.topk_fraction <= 1.0:
-            raise ConfigError(f"ddp.topk_fraction must be in (0, 1], got {self.topk_fraction}")
-        if self.momentum_correction and not self.error_feedback:
-            raise ConfigError("ddp.momentum_correction accumulates the velocity that was not sent, which is error "
-                              "feedback: set ddp.error_feedback = true")
 
 
 @dataclass
@@ -361,7 +335,9 @@ class RunConfig:
     gpt: GPTConfig = field(default_factory=GPTConfig)
     classifier: ClassifierConfig = field(default_factory=ClassifierConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     ddp: DDPConfig = field(default_factory=DDPConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     zero: ZeROConfig = field(default_factory=ZeROConfig)
     ps: PSConfig = field(default_factory=PSConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
@@ -388,7 +364,7 @@ class RunConfig:
 # resumption is allowed. Everything else is part of the run's identity (checkpoint.py).
 NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_accum_steps", "data.allow_changed",
                 "train.max_skipped_steps",
-                "ddp", "zero", "ps", "gossip", "localsgd", "diloco", "straggler", "balance", "divergence",
+                "distributed", "ddp", "compression", "zero", "ps", "gossip", "localsgd", "diloco", "straggler", "balance", "divergence",
                 "live", "checkpoint", "log"}
 
 

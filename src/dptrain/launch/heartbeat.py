@@ -1,6 +1,6 @@
 """Heartbeats and the watchdog: every hang ends within the timeout, whichever rank stops and wherever.
 
-A collective's timeout (``ddp.timeout_s``) ends the wait of the ranks *inside* a collective.
+A collective's timeout (``distributed.timeout_s``) ends the wait of the ranks *inside* a collective.
 It does not end a wait elsewhere: a store access to a stopped store host (rank 0), a
 parameter server's point-to-point receive, a rank whose own main thread is stuck, or a rank
 that is stopped as a whole (SIGSTOP, a frozen machine). So every worker runs a daemon thread
@@ -157,7 +157,7 @@ class Heartbeat:
             who += (f"; rank(s) {ended} were stopped (SIGSTOP) on this host and were ended (SIGKILL), so that "
                     "the job can end at once")
         summary = (f"WatchdogTimeout: rank {self.rank} made no progress for {stalled_s:.0f} s at step {self.step} "
-                   f"({self.phase}), over ddp.timeout_s {self.timeout_s:g} s + {self.margin_s:g} s; {who}")
+                   f"({self.phase}), over distributed.timeout_s {self.timeout_s:g} s + {self.margin_s:g} s; {who}")
         text = (f"{summary}\nwhere each rank was: " + "; ".join(
             f"rank {r}: step {h.get('step')} ({h.get('phase')}), heartbeat {heartbeat_age(h):.0f} s ago"
             for r, h in sorted(others.items())) + "\n")

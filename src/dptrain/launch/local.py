@@ -54,7 +54,7 @@ PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited
                         r"ProcessGroup.*(aborted|terminated)", re.IGNORECASE)
 
 
-# What a rank reports when a collective waited past ddp.timeout_s.
+# What a rank reports when a collective waited past distributed.timeout_s.
 TIMED_OUT = re.compile(r"timed out|timeout|DistBackendError.*watchdog", re.IGNORECASE)
 
 

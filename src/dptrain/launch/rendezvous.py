@@ -102,7 +102,7 @@ def choose_backend(requested: str, local_world_size: int, cuda_devices: int) -> 
     return "nccl" if cuda_devices else "gloo"
 
 
-CONNECT_SLACK_S = 2.0  # past ddp.timeout_s, so that torch's own timeout (a refused connection) speaks first
+CONNECT_SLACK_S = 2.0  # past distributed.timeout_s, so that torch's own timeout (a refused connection) speaks first
 
 
 class RendezvousTimeout(RuntimeError):
@@ -165,7 +165,7 @@ def _within(make, timeout: timedelta, env: WorkerEnv, address: str):
         role = "host" if env.rank == 0 else "join"
         raise RendezvousTimeout(
             f"rank {env.rank} could not {role} the job's store at {address} within "
-            f"{timeout.total_seconds() + CONNECT_SLACK_S:g} s (ddp.timeout_s {timeout.total_seconds():g} s + "
+            f"{timeout.total_seconds() + CONNECT_SLACK_S:g} s (distributed.timeout_s {timeout.total_seconds():g} s + "
             f"{CONNECT_SLACK_S:g}): something there accepts connections but never answers. Check that "
             f"MASTER_ADDR:MASTER_PORT ({address}) is where rank 0 hosts the store, that rank 0 runs and is not "
             f"stopped, and that no other program listens on port {env.master_port} (ss -ltnp)")
@@ -189,7 +189,7 @@ def _take_device(env: WorkerEnv, backend: str) -> tuple[str, torch.device]:
     backend = choose_backend(backend, env.local_world_size, devices)
     if backend == "nccl" and devices <= env.local_rank:
         raise RuntimeError(f"backend nccl needs a CUDA device for local rank {env.local_rank}; "
-                           f"found {devices}. Use ddp.backend = \"gloo\" on CPU.")
+                           f"found {devices}. Use distributed.backend = \"gloo\" on CPU.")
     device = torch.device("cuda", env.local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)

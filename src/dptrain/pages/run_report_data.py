@@ -196,7 +196,7 @@ def planned_bytes(cfg, world_size: int) -> dict[str, Any]:
     """The planner's :class:`~dptrain.planner.Row` for this run, flattened: rank 0's bytes by part."""
     from dptrain.planner.from_config import plan_config  # here: a report without a plan does not pay for it
 
-    strategy, precision = cfg.ddp.strategy, cfg.train.precision
+    strategy, precision = cfg.distributed.strategy, cfg.train.precision
     if not get_strategy(strategy).planned:  # the planner's memory and traffic model does not cover it
         raise Unavailable(f"no plan: dptrain plan covers the strategies {', '.join(STRATEGIES)}; "
                           f"this run's is {strategy}")

@@ -87,7 +87,7 @@ def plan_config(cfg: RunConfig, world_sizes: list[int], strategies: list[str], p
     rows = []
     for world_size in world_sizes:
         try:  # the global batch is fixed: a world size it cannot be split over is skipped, not fatal
-            batch = BatchPlan.resolve(world_size, *sizes)
+            batch = BatchPlan.resolve(world_size, *sizes, section="train")
         except BatchSizeError as e:
             notes.append(f"N={world_size} skipped: {e} (set it with --set train.global_batch_size=..., or leave "
                          f"{world_size} out of --world-sizes)")
@@ -282,7 +282,7 @@ def simulate_config(cfg: RunConfig, world_sizes: list[int], strategy: str, netwo
     batches, skipped = {}, {}
     for n in world_sizes:
         try:
-            batches[n] = BatchPlan.resolve(n, *sizes)
+            batches[n] = BatchPlan.resolve(n, *sizes, section="train")
         except BatchSizeError as e:
             skipped[n] = f"{e} (set it with --set train.global_batch_size=..., or fix the samples per rank with " \
                          "--micro-batch)"

@@ -1,4 +1,4 @@
-"""Checkpoints of a parameter-server run (``ddp.strategy = "ps"``): the servers' files, their publication, resumption.
+"""Checkpoints of a parameter-server run (``distributed.strategy = "ps"``): the servers' files, their publication, resumption.
 
 The cut itself is the snapshot protocol of :mod:`dptrain.ps.snapshot`, taken while training
 goes on. This module puts it in the run directory's usual layout::

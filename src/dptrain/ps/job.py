@@ -42,7 +42,7 @@ def build_parameter_server(model: nn.Module, build_optimizer: Callable[[nn.Modul
     ``cuts``: this rank's part in checkpoints (:mod:`dptrain.ps.snapshot`); None takes none. A resumed
     server is restored (:meth:`ShardServer.restore`) before it serves; a resumed worker gets its clock here.
     ``timeout``: how long any wait on a link or the servers' group may last (None: torch's default for a new
-    group, 30 minutes with gloo; ``dptrain run`` passes ``ddp.timeout_s``).
+    group, 30 minutes with gloo; ``dptrain run`` passes ``distributed.timeout_s``).
     """
     rank = dist.get_rank()
     roles = Roles(dist.get_world_size(), num_servers)

@@ -1,4 +1,4 @@
-"""``dptrain run`` with ``ddp.strategy = "ps"``: the parameter-server job on every rank.
+"""``dptrain run`` with ``distributed.strategy = "ps"``: the parameter-server job on every rank.
 
 Servers (the last ``ps.servers`` ranks) serve until every worker has left. Workers
 (ranks ``0 .. W-1``) each draw their own shard of the data and loop: micro-steps of
@@ -75,7 +75,7 @@ def train_ps(ctx: Any) -> Any:
     role = build_parameter_server(
         model, ctx.optimizer, num_servers=p.servers, consistency=consistency, steps=t.steps, lr_at=ctx.lr_at,
         grad_clip=t.grad_clip, lookahead=p.lookahead, before_server_step=_server_step(ctx, rank), cuts=cuts,
-        timeout=timedelta(seconds=cfg.ddp.timeout_s))
+        timeout=timedelta(seconds=cfg.distributed.timeout_s))
     log = ctx.open_log(start_step)
     workers = plan.world_size
     log.info(f"dptrain run: task {task.name}, {sum(x.numel() for x in model.parameters()):,} parameters, "

@@ -45,13 +45,13 @@ def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Eng
     """The task's model wrapped by the run's strategy, its optimizer and schedule; the compression, if any (what
     keeps the residuals a checkpoint saves); and the model's parameter count (before a strategy shards them)."""
     cfg, t = rp.cfg, rp.cfg.train
-    strategy = get_strategy(cfg.ddp.strategy)
+    strategy = get_strategy(cfg.distributed.strategy)
     model = rp.task.build_model().to(device)
     n_params = sum(p.numel() for p in model.parameters())
     options = strategy.options(cfg, model, cfg.ddp.ranks_per_node or env.local_world_size)
     peak = peak_lr(rp)
     # under momentum correction the ranks keep the momentum (dptrain.compress.dgc): the optimizer has none
-    momentum = 0.0 if cfg.ddp.momentum_correction else t.momentum
+    momentum = 0.0 if cfg.compression.momentum_correction else t.momentum
     engine = Engine(model, lambda wrapped: build_optimizer(wrapped, t.optimizer, peak, t.weight_decay,
                                                            tuple(t.betas), momentum, *onebit_freeze(cfg)),
                     rp.plan, precision=t.precision, grad_clip=t.grad_clip,
@@ -65,7 +65,7 @@ def build_engine(rp: RunPlan, env: WorkerEnv, device: torch.device) -> tuple[Eng
 
 def _compression(cfg, strategy: Strategy, engine: Engine) -> Any:
     """What compresses the run's reductions, and keeps the residuals a checkpoint saves: 1-bit Adam's own (its
-    momentum's 1-bit all-reduce), or ``ddp.compression`` as the strategy applies it (None: uncompressed)."""
+    momentum's 1-bit all-reduce), or ``compression.method`` as the strategy applies it (None: uncompressed)."""
     own = getattr(engine.optimizer, "compressor", None)
     if own is not None:
         return own

@@ -13,19 +13,19 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
 - ``kill-before-vote``: under live recovery, SIGKILLs itself after the step's all-reduce and
   before the commit vote (elsewhere nothing happens);
 - ``hang``: stops, without exiting (a deadlock, a stuck device): the others wait in their
-  next collective until ``ddp.timeout_s``;
+  next collective until ``distributed.timeout_s``;
 - ``flip``: flips the lowest bit of its first parameter's first element (silent data
   corruption: the run goes on, and the replicas differ; ``[divergence]`` finds it);
 - ``nan``: makes this step's gradient of its first parameter NaN (a numerical blow-up on
   one rank: the all-reduce spreads it, and the step is skipped on every rank);
 - ``mismatch``: calls one extra all-reduce, of one element, before the step (a branch that
   depends on the rank: the others are in their gradient collectives). It goes through the
-  DDP or ZeRO engine's collective check when there is one (``ddp.check_collectives``): with
+  DDP or ZeRO engine's collective check when there is one (``distributed.check_collectives``): with
   ``every`` each rank raises a ``CollectiveMismatchError`` naming the call; with ``first``
   (after step 1) this rank waits at the check and the others in gloo, until the timeout;
   with ``off`` gloo sees sizes that differ and aborts the process (SIGABRT).
 
-A parameter server (``ddp.strategy = "ps"``: the last ``ps.servers`` ranks) has no steps of
+A parameter server (``distributed.strategy = "ps"``: the last ``ps.servers`` ranks) has no steps of
 its own: its STEP is the logged one, the rounds it applied in sync and backup, the
 gradients it applied divided by the number of workers in async and ssp. The fault fires
 once, before its first update of that step, and only kill, raise, hang and delay apply.

@@ -85,7 +85,7 @@ def base_facts(rp: RunPlan, env: WorkerEnv, device: torch.device, parameters: in
                     device=device.type, backend=dist.get_backend(), global_batch_size=plan.global_batch_size,
                     micro_batch_size=plan.micro_batch_size, grad_accum_steps=plan.grad_accum_steps, lr_rule=lr_rule,
                     peak_lr=peak_lr, start_step=start_step, steps=rp.cfg.train.steps, restarts=restart_count(),
-                    wall_s=wall_s, strategy=rp.cfg.ddp.strategy, **strategy)
+                    wall_s=wall_s, strategy=rp.cfg.distributed.strategy, **strategy)
 
 
 @dataclass

@@ -46,7 +46,7 @@ from dptrain.tasks import Task
 
 __all__ = ["train", "timed_step", "timed_backward", "evaluate"]
 
-WATCHDOG_MARGIN_S = 3.0  # the watchdog's wait beyond ddp.timeout_s and the roll call
+WATCHDOG_MARGIN_S = 3.0  # the watchdog's wait beyond distributed.timeout_s and the roll call
 
 
 def train(rp: RunPlan, env: WorkerEnv, device: torch.device,
@@ -58,12 +58,12 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device,
     recovery's is :func:`dptrain.runner.live_loop.train_live`).
 
     A heartbeat thread (``launch.heartbeat``) beats throughout; the loop's progress marks arm its
-    watchdog, which ends this rank when it makes no progress for ``ddp.timeout_s`` + the roll call's
+    watchdog, which ends this rank when it makes no progress for ``distributed.timeout_s`` + the roll call's
     wait + ``WATCHDOG_MARGIN_S`` (the collective's timeout and the roll call speak first).
     """
-    margin = rp.cfg.ddp.roll_call_s + WATCHDOG_MARGIN_S
-    entry = get_strategy(rp.cfg.ddp.strategy)
-    with Heartbeat(rp.run_dir, env.rank, env.world_size, rp.cfg.ddp.timeout_s, margin) as beat:
+    margin = rp.cfg.distributed.roll_call_s + WATCHDOG_MARGIN_S
+    entry = get_strategy(rp.cfg.distributed.strategy)
+    with Heartbeat(rp.run_dir, env.rank, env.world_size, rp.cfg.distributed.timeout_s, margin) as beat:
         open_run_dir(rp, env.rank)
         if entry.own_loop:  # its ranks run programs of their own (the parameter server's servers and workers)
             return entry.program(program_context(rp, env, device, beat))
@@ -91,7 +91,7 @@ def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -
             hooks.after_step(step, info, times)
         hooks.at_end(rp.cfg.train.steps)
     except Exception as e:
-        _name_silent_ranks(e, step, env.world_size, rp.cfg.ddp.roll_call_s)
+        _name_silent_ranks(e, step, env.world_size, rp.cfg.distributed.roll_call_s)
         raise
     finally:
         hooks.close()
@@ -145,7 +145,7 @@ def _resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) ->
     if rp.resume_from is None:
         seed_everything(rp.cfg.train.seed + 1 + env.rank)
         return 0, None
-    path, strategy = rp.resume_from, rp.cfg.ddp.strategy
+    path, strategy = rp.resume_from, rp.cfg.distributed.strategy
     start_step = resume(engine, path, env.rank, engine.device)
     notes = [resume_compression(compression, path, env.rank, env.world_size, strategy)
              if compression is not None else None,

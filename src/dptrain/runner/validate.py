@@ -57,12 +57,12 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
     check_features(cfg, entry, world_size, data_ranks)  # the rules across sections, each feature's own
     _check_log_backends(cfg)
     try:
-        plan = BatchPlan.resolve(data_ranks, *sizes)
+        plan = BatchPlan.resolve(data_ranks, *sizes, section="train")
     except BatchSizeError as e:
         if data_ranks == world_size:
             raise
         takers, others = entry.roles
-        raise BatchSizeError(f"{e} (strategy {cfg.ddp.strategy}: the world here is the {data_ranks} {takers}; the "
+        raise BatchSizeError(f"{e} (strategy {cfg.distributed.strategy}: the world here is the {data_ranks} {takers}; the "
                              f"{world_size - data_ranks} {others} take no data)") from None
     _check_nodes(cfg, world_size)
     check_optimizer_in_backward(cfg, entry, plan.grad_accum_steps)
@@ -113,9 +113,9 @@ def validate_run(cfg: RunConfig, world_size: int, check_forward: bool = True) ->
 def _strategy(cfg: RunConfig) -> Strategy:
     """The run's registry entry; an unknown name is a ConfigError with the registered ones."""
     try:
-        return get_strategy(cfg.ddp.strategy)
+        return get_strategy(cfg.distributed.strategy)
     except ValueError as e:
-        raise ConfigError(f"ddp.strategy: {e}") from None
+        raise ConfigError(f"distributed.strategy: {e}") from None
 
 
 def _own_check(entry: Strategy, cfg: RunConfig, world_size: int) -> int:
@@ -168,8 +168,8 @@ def _check_machine(cfg: RunConfig) -> None:
     """What the settings ask of this machine."""
     if cfg.train.precision == "fp16" and not torch.cuda.is_available():
         raise ConfigError("train.precision fp16 needs CUDA (it relies on a loss scaler); use bf16 on CPU")
-    if cfg.ddp.backend == "nccl" and not torch.cuda.is_available():
-        raise ConfigError('ddp.backend nccl needs CUDA devices; use "gloo" (or "auto") on CPU')
+    if cfg.distributed.backend == "nccl" and not torch.cuda.is_available():
+        raise ConfigError('distributed.backend nccl needs CUDA devices; use "gloo" (or "auto") on CPU')
 
 
 def _check_log_backends(cfg: RunConfig) -> None:

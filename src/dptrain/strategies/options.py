@@ -30,12 +30,12 @@ __all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedie
 
 def ddp_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
     """:class:`~dptrain.ddp.DistributedDataParallel`'s arguments from ``[ddp]``."""
-    d = cfg.ddp
+    d, job = cfg.ddp, cfg.distributed
     return dict(bucket_cap_mb=d.bucket_cap_mb, last_bucket_cap_mb=d.last_bucket_cap_mb,
                 gradient_as_bucket_view=d.gradient_as_bucket_view,
                 find_unused_parameters=d.find_unused_parameters, static_graph=d.static_graph,
-                algorithm=d.algorithm, nodes=nodes, check_collectives=d.check_collectives,
-                check_timeout_s=d.timeout_s)
+                algorithm=d.algorithm, nodes=nodes, check_collectives=job.check_collectives,
+                check_timeout_s=job.timeout_s)
 
 
 def gossip_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
@@ -44,18 +44,19 @@ def gossip_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
 
 
 def zero_options(cfg, model: nn.Module, nodes: int, stage: int) -> dict[str, Any]:
-    """:class:`~dptrain.zero.ZeRO`'s arguments from ``[ddp]`` and ``[zero]``; unit class names resolved
+    """:class:`~dptrain.zero.ZeRO`'s arguments from ``[ddp]``, ``[distributed]``, ``[compression]`` and ``[zero]``; unit class names resolved
     against ``model``. Stage 3 gathers parameters per unit, so it has units where 1-2 have buckets."""
     z = cfg.zero
     kwargs: dict[str, Any] = dict(algorithm=cfg.ddp.algorithm, nodes=nodes, split_by=decays,
                                   reduce_dtype=torch.bfloat16 if z.reduce_dtype == "bf16" else torch.float32,
-                                  check_collectives=cfg.ddp.check_collectives, check_timeout_s=cfg.ddp.timeout_s,
+                                  check_collectives=cfg.distributed.check_collectives,
+                                  check_timeout_s=cfg.distributed.timeout_s,
                                   find_unused_parameters=cfg.ddp.find_unused_parameters,
                                   shard_size=z.shard_size or None)
-    if cfg.ddp.compression != "none":  # its reduce-scatter compresses shard by shard
+    if cfg.compression.method != "none":  # its reduce-scatter compresses shard by shard
         from dptrain.compress.zero import ShardedCompression
 
-        kwargs["compression"] = ShardedCompression(make_codec(cfg.ddp.compression), cfg.ddp.error_feedback)
+        kwargs["compression"] = ShardedCompression(make_codec(cfg.compression.method), cfg.compression.error_feedback)
     if stage < 3:
         if cfg.ddp.bucket_cap_mb is not None:
             kwargs["bucket_cap_mb"] = cfg.ddp.bucket_cap_mb
@@ -91,8 +92,8 @@ def zero_check_model(cfg, model: nn.Module) -> None:
 
 
 def compression_remedies(cfg) -> Remedies:
-    """``[ddp]``'s corrections and schedules for top-k and PowerSGD (:mod:`dptrain.compress.remedies`)."""
-    d = cfg.ddp
+    """``[compression]``'s corrections and schedules for top-k and PowerSGD (:mod:`dptrain.compress.remedies`)."""
+    d = cfg.compression
     return Remedies(momentum=cfg.train.momentum if d.momentum_correction else None, masking=d.momentum_masking,
                     local_clip=d.local_clip, topk_warmup_steps=d.topk_warmup_steps,
                     powersgd_uncompressed_steps=d.powersgd_uncompressed_steps,
@@ -100,13 +101,13 @@ def compression_remedies(cfg) -> Remedies:
 
 
 def ddp_compression(cfg, wrapper: nn.Module) -> Any:
-    """``ddp.compression`` as a communication hook on the DDP engine's buckets (None: uncompressed)."""
-    d = cfg.ddp
-    if d.compression == "none":
+    """``compression.method`` as a communication hook on the DDP engine's buckets (None: uncompressed)."""
+    d = cfg.compression
+    if d.method == "none":
         return None
     from dptrain.compress.hook import CompressionHook
 
-    codec = make_codec(d.compression, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
+    codec = make_codec(d.method, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
     hook = CompressionHook(codec, error_feedback=d.error_feedback, remedies=compression_remedies(cfg))
     wrapper.register_comm_hook(None, hook)
     return hook
@@ -114,7 +115,7 @@ def ddp_compression(cfg, wrapper: nn.Module) -> Any:
 
 def zero_compression(cfg, wrapper: nn.Module) -> Any:
     """ZeRO's compressed reduce-scatter, built with the wrapper (:func:`zero_options`); None uncompressed."""
-    return wrapper.compression if cfg.ddp.compression != "none" else None
+    return wrapper.compression if cfg.compression.method != "none" else None
 
 
 def zero_check(cfg, world_size: int) -> int:

@@ -63,7 +63,7 @@ class Strategy:
     - ``checkpoint_layout``: ``replicated`` (rank 0 writes model.pt/optimizer.pt), ``sharded``
       (every rank writes its shards through DCP: the wrapper is a
       :class:`~dptrain.strategies.protocol.ShardedWrapper`), ``ps`` (the servers' shards);
-    - ``codecs``: the values of ``ddp.compression`` it accepts besides ``none``; where there
+    - ``codecs``: the values of ``compression.method`` it accepts besides ``none``; where there
       are none, ``uncompressed``: why, completing "strategy NAME ...";
     - ``own_loop``: the job runner runs its own program (``program``) instead of the SPMD
       loop (the parameter server: servers and workers run different programs);
@@ -83,7 +83,7 @@ class Strategy:
       values and the fix); returns the ranks that take data;
     - ``check_model(cfg, model)``, ``check_resume(path, meta, cfg, world_size)``: what only it
       can say about a model or a checkpoint, before launch;
-    - ``compression(cfg, wrapper) -> compressor | None``: ``ddp.compression`` applied to the
+    - ``compression(cfg, wrapper) -> compressor | None``: ``compression.method`` applied to the
       built wrapper (a comm hook, or its own compressed reduce-scatter);
     - ``expendable(cfg, world_size) -> set[int]``: ranks whose death the run survives;
     - ``program(ctx)``: its own program (``own_loop``), given the runner's lifecycle

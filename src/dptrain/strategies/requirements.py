@@ -33,15 +33,20 @@ def check_features(cfg: RunConfig, entry: Strategy, world_size: int, data_ranks:
 
 
 def check_compression(cfg: RunConfig, entry: Strategy) -> None:
-    """``ddp.compression`` against what the strategy's collectives can compress (its entry's ``codecs``), and the
-    remedies against the codec and the optimizer."""
-    d = cfg.ddp
-    codec = d.compression
+    """``compression.method`` against what the strategy's collectives can compress (its entry's ``codecs``), the
+    all-reduce algorithm, and the remedies against the codec and the optimizer."""
+    d = cfg.compression
+    codec = d.method
+    if codec != "none" and cfg.ddp.algorithm != "native":
+        raise ConfigError(f"ddp.algorithm {cfg.ddp.algorithm!r} chooses how uncompressed buckets are all-reduced; "
+                          f"with compression.method {codec!r} the codec decides the collectives: set "
+                          "ddp.algorithm = \"native\"")
     if not entry.accepts_codec(codec):
         takers = listed(strategy_names(lambda s: codec in s.codecs), "or")
         if not entry.codecs:
-            raise ConfigError(f"ddp.compression {codec!r} compresses the gradient collectives of strategy {takers}; "
-                              f"strategy {entry.name} {entry.uncompressed}: set compression = \"none\"")
+            raise ConfigError(f"compression.method {codec!r} compresses the gradient collectives of strategy "
+                              f"{takers}; strategy {entry.name} {entry.uncompressed}: set compression.method = "
+                              "\"none\"")
         by_codecs: dict[tuple[str, ...], list[str]] = {}
         for name in strategy_names(lambda s: bool(s.codecs)):
             by_codecs.setdefault(get_strategy(name).codecs, []).append(name)
@@ -51,14 +56,14 @@ def check_compression(cfg: RunConfig, entry: Strategy) -> None:
             + (" (their reduce-scatter, compressed shard by shard)" if get_strategy(names[0]).shards_parameters
                else "")
             for codecs, names in by_codecs.items())
-        raise ConfigError(f"ddp.compression {codec!r} works with strategy {takers} only, not {entry.name!r}; "
+        raise ConfigError(f"compression.method {codec!r} works with strategy {takers} only, not {entry.name!r}; "
                           f"supported: {supported}")
     try:
         compression_remedies(cfg).check(codec)
     except ValueError as e:
-        raise ConfigError(f"ddp: {e}") from None
+        raise ConfigError(f"compression: {e}") from None
     if d.momentum_correction and cfg.train.optimizer != "sgd":
-        raise ConfigError(f"ddp.momentum_correction moves SGD's momentum (train.momentum) onto each rank, before "
+        raise ConfigError(f"compression.momentum_correction moves SGD's momentum (train.momentum) onto each rank, before "
                           f"compression: it needs train.optimizer = \"sgd\", got {cfg.train.optimizer!r}")
 
 
@@ -70,13 +75,13 @@ def check_onebit_adam(cfg: RunConfig, entry: Strategy) -> None:
     if not entry.comm_hooks:
         hooked = listed([f'"{n}"' for n in strategy_names(lambda s: s.comm_hooks)], "or")
         raise ConfigError(f"train.optimizer onebit_adam averages the momentum through the DDP engine's comm hook; "
-                          f"strategy {entry.name!r} has none: set ddp.strategy = {hooked} or "
+                          f"strategy {entry.name!r} has none: set distributed.strategy = {hooked} or "
                           "train.optimizer = \"adamw\"")
-    if d.compression != "none" or d.algorithm != "native":
+    if cfg.compression.method != "none" or d.algorithm != "native":
         raise ConfigError(f"train.optimizer onebit_adam compresses the momentum itself (1 bit per element after the "
-                          f"warm-up) and all-reduces the warm-up's gradients natively; ddp.compression "
-                          f"{d.compression!r} and ddp.algorithm {d.algorithm!r} would claim the same gradients: set "
-                          "compression = \"none\" and algorithm = \"native\"")
+                          f"warm-up) and all-reduces the warm-up's gradients natively; compression.method "
+                          f"{cfg.compression.method!r} and ddp.algorithm {d.algorithm!r} would claim the same "
+                          "gradients: set compression.method = \"none\" and ddp.algorithm = \"native\"")
 
 
 def check_optimizer_in_backward(cfg: RunConfig, entry: Strategy, grad_accum_steps: int) -> None:
@@ -91,7 +96,7 @@ def check_optimizer_in_backward(cfg: RunConfig, entry: Strategy, grad_accum_step
              "train.precision other than fp16 (its loss scaler unscales and checks every gradient first)":
                  t.precision != "fp16",
              "an optimizer other than onebit_adam (it communicates in its own step)": t.optimizer != "onebit_adam",
-             "ddp.strategy " + listed([f"{n} ({get_strategy(n).summary})" for n in
+             "distributed.strategy " + listed([f"{n} ({get_strategy(n).summary})" for n in
                                         strategy_names(lambda s: s.optimizer_in_backward)], "or"):
                  entry.optimizer_in_backward}
     missing = [what for what, ok in needs.items() if not ok]
@@ -132,7 +137,7 @@ def check_straggler(cfg: RunConfig, world_size: int, data_ranks: int) -> None:
     if not -1 <= s.rank < world_size:
         raise ConfigError(f"straggler.rank must be -1 (none) or a rank in [0, {world_size - 1}], got {s.rank}")
     if s.rank >= data_ranks:
-        raise ConfigError(f"straggler.rank {s.rank} takes no data (strategy {cfg.ddp.strategy}: ranks "
+        raise ConfigError(f"straggler.rank {s.rank} takes no data (strategy {cfg.distributed.strategy}: ranks "
                           f"{data_ranks}-{world_size - 1} are its own, such as parameter servers); a straggler must "
                           f"compute, a rank below {data_ranks}")
 
@@ -148,9 +153,9 @@ def check_live(cfg: RunConfig, entry: Strategy, world_size: int) -> None:
                                                     and not s.shards_parameters and not s.own_loop)], "or")
     if not (entry.comm_hooks and entry.replicated_state) or entry.shards_parameters or entry.own_loop:
         raise ConfigError(f"live.enabled averages each round's gradients through a comm hook and heals a joining "
-                          f"worker with the replicated state; strategy {entry.name!r} cannot: set ddp.strategy = "
-                          f"{able}, or live.enabled = false")
-    claims = [name for name, on in (("ddp.compression", d.compression != "none"),
+                          f"worker with the replicated state; strategy {entry.name!r} cannot: set "
+                          f"distributed.strategy = {able}, or live.enabled = false")
+    claims = [name for name, on in (("compression.method", cfg.compression.method != "none"),
                                     ("train.optimizer onebit_adam", t.optimizer == "onebit_adam"),
                                     ("ddp.optimizer_in_backward", d.optimizer_in_backward),
                                     ("balance.dynamic_batching", cfg.balance.dynamic_batching),

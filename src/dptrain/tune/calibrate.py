@@ -57,7 +57,7 @@ def probe_variants(world_size: int, per_host: int) -> dict[str, list[str]]:
     shard = per_host if 1 < per_host < world_size else None
     out = {}
     for (sharded, bucketed), name in kinds.items():
-        strategy = [f'ddp.strategy="{name}"']
+        strategy = [f'distributed.strategy="{name}"']
         if bucketed and not sharded:
             out[f"{name} 0.25MiB"] = [*strategy, "ddp.bucket_cap_mb=0.25"]
             out[f"{name} 25MiB"] = [*strategy, "ddp.bucket_cap_mb=25"]
@@ -127,7 +127,7 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
         model = plan_target(load_config(base)).model
         for name, variant in probe_variants(world, machine.per_host).items():
             cfg = load_config(base, variant)
-            setup = setup_for(cfg, model, cfg.ddp.strategy, world, "fp32")
+            setup = setup_for(cfg, model, cfg.distributed.strategy, world, "fp32")
             label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
             runs.append((label, base, variant, simulate_step(model, setup, profile, network, "native")))
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}

@@ -50,10 +50,11 @@ def to_json(tuned: Tuned, machine: Machine, calibration: Calibration, options: d
                      for r in res.rows]}
 
 
-def command(machine: Machine, config: Path) -> str:
-    """The command that runs ``config`` on ``machine``."""
+def command(machine: Machine, config: Path, strategy: str) -> str:
+    """The command that runs ``config`` (which holds ``strategy``) on ``machine``; ``dptrain run`` names the strategy
+    on its command line too, where a reader sees it."""
     if isinstance(machine, Local):
-        return f"dptrain run --nproc {machine.per_host} --config {shlex.quote(str(config))}"
+        return f"dptrain run --nproc {machine.per_host} --strategy {strategy} --config {shlex.quote(str(config))}"
     if isinstance(machine, Emulated):
         return (f"dptrain cluster --hosts {machine.hosts} --per-host {machine.per_host} --bandwidth-gbit "
                 f"{machine.rate_gbit:g} -- -m dptrain.run --config {shlex.quote(str(config))}")

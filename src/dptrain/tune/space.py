@@ -55,14 +55,14 @@ class Candidate:
 
     def overrides(self) -> list[str]:
         """The candidate as ``--set`` overrides of the run config (the global batch stays the config's)."""
-        out = [f'ddp.strategy="{self.strategy}"', f"train.micro_batch_size={self.micro_batch}",
+        out = [f'distributed.strategy="{self.strategy}"', f"train.micro_batch_size={self.micro_batch}",
                f"train.grad_accum_steps={self.accum}"]
         if self.bucket_mb is not None:
             out.append(f"ddp.bucket_cap_mb={self.bucket_mb:g}")
         if self.shard_size is not None:
             out.append(f"zero.shard_size={self.shard_size}")
         if self.codec != "none":
-            out.append(f'ddp.compression="{self.codec}"')
+            out.append(f'compression.method="{self.codec}"')
         return out
 
 

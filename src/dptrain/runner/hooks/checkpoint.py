@@ -72,7 +72,7 @@ def checkpoint(run: RunContext, step: int) -> None:
     meta = {"identity": rp.identity, "identity_hash": rp.identity_hash, "global_batch_size": rp.plan.global_batch_size,
             "torch_version": torch.__version__, "data": rp.data_identity,
             **(run.checkpoint_meta() if run.checkpoint_meta is not None else {})}
-    saved = save_run_checkpoint(rp.run_dir, step, run.engine, strategy=rp.cfg.ddp.strategy, meta=meta,
+    saved = save_run_checkpoint(rp.run_dir, step, run.engine, strategy=rp.cfg.distributed.strategy, meta=meta,
                                 keep_last=rp.cfg.checkpoint.keep_last, compressor=run.compression,
                                 progress=lambda: run.beat.mark(step, "checkpoint"))
     if saved is not None:

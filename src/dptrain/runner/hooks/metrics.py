@@ -49,7 +49,7 @@ class MetricsHook(StepHook):
     def from_config(cls, run: RunContext, extras: list[Extra]) -> MetricsHook:
         """The hook of ``run``'s config; says, under the run's header, which strategy runs and what a line shows."""
         task = run.rp.task
-        run.log.info(f"strategy {strategy_line(run.rp.cfg.ddp.strategy)}; a line every {run.rp.cfg.log.every} "
+        run.log.info(f"strategy {strategy_line(run.rp.cfg.distributed.strategy)}; a line every {run.rp.cfg.log.every} "
                      "step(s), its MiB/step the bytes a rank reduced per step, the mean of the line's steps")
         return cls(run, StepRecorder(run.device, run.rp.plan.global_batch_size, task.tokens_per_sample), extras)
 
@@ -120,7 +120,7 @@ class TraceHook(StepHook):
 
 
 class CompressionStepHook(StepHook):
-    """``[ddp] compression``: the compressor's step counter (its schedules) and the bytes it sent in each step."""
+    """``compression.method``: the compressor's step counter (its schedules) and the bytes it sent in each step."""
 
     def __init__(self, compression: Compressor):
         self.compression = compression
