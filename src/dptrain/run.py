@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", help="TOML config file")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override a config field, e.g. --set train.lr=3e-4 (repeatable)")
+    parser.add_argument("--strategy", help="the data-parallel strategy (same as --set distributed.strategy=...)")
     parser.add_argument("--run-dir", help="the run directory (same as --set run_dir=...)")
     return parser.parse_args(argv)
 
@@ -73,7 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     local = os.environ.get("DPTRAIN_LAUNCHER") == "local"  # a claim: the lock's descriptor proves it (below)
     run_dir = None
     try:
-        overrides = list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
+        overrides = ([f"distributed.strategy={json.dumps(args.strategy)}"] if args.strategy else []) + \
+            list(args.overrides) + ([f"run_dir={json.dumps(args.run_dir)}"] if args.run_dir else [])
         notes: list[str] = []  # old keys' deprecation lines, printed with the warnings below
         cfg = load_config(args.config, overrides, notes)
         run_dir = default_run_dir(cfg).resolve()
