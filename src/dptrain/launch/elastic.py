@@ -30,7 +30,7 @@ the agent: stopped (SIGSTOP), it reaped no worker and restarted none, and the jo
 workers as zombies (a rank killed meanwhile: both ranks sat 45 s, silent, until the agent was continued).
 So the launcher watches it as the local launcher watches a rank's heartbeat: an agent that is stopped, or
 that leaves an ended worker unreaped (it polls them every 0.5 s), for longer than the timeout (the workers'
-``ddp.timeout_s``, at least ``STALE_MIN_S``) is killed with its workers, and the job ends with one line
+``distributed.timeout_s``, at least ``STALE_MIN_S``) is killed with its workers, and the job ends with one line
 naming it (exit 1).
 
 ``dptrain launch --nnodes N`` (or inside a Slurm job of several nodes) hands its job to
@@ -67,14 +67,16 @@ STOP_GRACE_S = 10.0  # after Ctrl-C, the agent's time to stop its workers before
 
 @dataclass(frozen=True)
 class Nodes:
-    """A job over several machines: torchrun's c10d rendezvous at ``endpoint`` (``host:port``), ``nnodes`` agents."""
+    """A job over several machines: torchrun's c10d rendezvous at ``endpoint`` (``host:port``), ``nnodes`` agents
+    (or its static one, ``torchrun --master-addr --master-port``, where each node gives its ``node_rank``)."""
     nnodes: int
     endpoint: str
     run_id: str = "dptrain"
-    node_rank: int | None = None  # None: the rendezvous assigns it
+    node_rank: int | None = None  # None: the rendezvous assigns it (c10d), or 0 (static)
+    backend: str = "c10d"
 
     def torchrun_args(self) -> list[str]:
-        args = [f"--nnodes={self.nnodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={self.endpoint}",
+        args = [f"--nnodes={self.nnodes}", f"--rdzv-backend={self.backend}", f"--rdzv-endpoint={self.endpoint}",
                 f"--rdzv-id={self.run_id}"]
         return args + ([f"--node-rank={self.node_rank}"] if self.node_rank is not None else [])
 
@@ -92,24 +94,29 @@ def slurm_nodes(environ: Mapping[str, str]) -> Nodes | None:
 
 
 def torchrun_command(nproc: int, max_restarts: int, worker_args: list[str], module: str = "dptrain.run",
-                     nodes: Nodes | None = None, shown: frozenset[int] | None = None) -> list[str]:
+                     nodes: Nodes | None = None, shown: frozenset[int] | None = None,
+                     agent_args: tuple[str, ...] = ()) -> list[str]:
     """torchrun running ``python -m MODULE WORKER_ARGS`` on ``nproc`` workers per node: on this machine alone (a
     standalone rendezvous on a free port) or on ``nodes``. ``shown``: the local ranks whose output the terminal
-    shows, prefixed (torchrun's ``--tee 3 --local-ranks-filter``); None: torchrun's default."""
+    shows, prefixed (torchrun's ``--tee 3 --local-ranks-filter``; none: ``--redirects 3``); None: torchrun's
+    default. ``agent_args``: more of torchrun's flags (``--role=...``), after ours, so they win."""
     where = nodes.torchrun_args() if nodes else ["--standalone"]
-    output = [] if shown is None else ["--tee=3", f"--local-ranks-filter={','.join(map(str, sorted(shown)))}"]
+    output = ([] if shown is None else ["--redirects=3"] if not shown else
+              ["--tee=3", f"--local-ranks-filter={','.join(map(str, sorted(shown)))}"])
     return [sys.executable, "-m", "torch.distributed.run", *where, f"--nproc-per-node={nproc}",
-            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *output, "-m", module, *worker_args]
+            f"--max-restarts={max_restarts}", "--monitor-interval=0.5", *output, *agent_args, "-m", module,
+            *worker_args]
 
 
 def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
                    module: str = "dptrain.run", nodes: Nodes | None = None, env: Mapping[str, str] = (),
                    shown: frozenset[int] | None = None, lock_fd: int | None = None,
-                   timeout_s: float | None = None) -> int:
+                   timeout_s: float | None = None, agent_args: tuple[str, ...] = ()) -> int:
     """Run the job under torchrun with ``max_restarts``; return its exit code. ``env``: added to the workers'.
     ``lock_fd``: the locked run directory's descriptor, held by the agent too. ``timeout_s``: how long the agent
     may stay stopped or unresponsive ([Note: judging the agent]); None: the ``timeout_s`` its workers'
-    heartbeats record (their ``ddp.timeout_s``, or ``dptrain launch --timeout``), and until one does, unjudged."""
+    heartbeats record (their ``distributed.timeout_s``, or ``dptrain launch --timeout``), and until one does, unjudged.
+    ``agent_args``: more of torchrun's flags for its agent (:func:`torchrun_command`)."""
     if max_restarts < 0:
         raise ValueError(f"--max-restarts must be >= 0, got {max_restarts}")
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
@@ -118,7 +125,7 @@ def launch_elastic(nproc: int, worker_args: list[str], run_dir: Path, max_restar
     env.setdefault("OMP_NUM_THREADS", str(threads_per_worker(nproc)))  # torchrun would say 1
     env.pop("DPTRAIN_LAUNCHER", None)  # the workers print their own errors, as under torchrun
     guard = [sys.executable, "-m", "dptrain.launch.orphans", str(os.getpid()), "--"]  # the agent ends with us
-    command = guard + torchrun_command(nproc, max_restarts, worker_args, module, nodes, shown)
+    command = guard + torchrun_command(nproc, max_restarts, worker_args, module, nodes, shown, agent_args)
     agent = subprocess.Popen(command, env=env, pass_fds=() if lock_fd is None else (lock_fd,))
     world = nproc * (nodes.nnodes if nodes else 1)
     try:

@@ -44,10 +44,12 @@ from dptrain.launch.local import AGENT_STORE, LOOPBACK
 from dptrain.launch.orphans import orphan_guard
 from dptrain.launch.run_lock import FD_ENV, TOKEN_ENV, keep_inherited
 
-__all__ = ["main", "torchrun_env_from_slurm", "RUN_DIR_ENV"]
+__all__ = ["main", "torchrun_env_from_slurm", "torchrun_env_from_local", "RUN_DIR_ENV"]
 
 RUN_DIR_ENV = "DPTRAIN_RUN_DIR"  # the launch's run directory: logs/ and the error records live there
 TIMEOUT_ENV = "DPTRAIN_TIMEOUT_S"  # dptrain launch --timeout
+MASTER_ADDR_ENV = "DPTRAIN_MASTER_ADDR"  # dptrain launch --master-addr (torchrun's flag): this job's MASTER_ADDR
+MASTER_PORT_ENV = "DPTRAIN_MASTER_PORT"  # ... and --master-port: its MASTER_PORT
 WATCHDOG_MARGIN_S = 5.0  # the watchdog's wait beyond the timeout: the collective's own error speaks first
 
 # [Note: how a worker ends] A torch DDP model holds its process group through its C++ reducer.
@@ -78,6 +80,19 @@ def torchrun_env_from_slurm(environ: Mapping[str, str]) -> dict[str, str]:
             "MASTER_PORT": str(env.master_port)}
 
 
+def torchrun_env_from_local(environ: dict[str, str]) -> dict[str, str]:
+    """The rest of torchrun's variables for a worker of the local launcher, which sets RANK, WORLD_SIZE, ... and
+    the per-job ones (ROLE_NAME, TORCHELASTIC_*): one node, one role, and the rendezvous of ``dptrain launch
+    --master-addr/--master-port`` when given (``MASTER_ADDR_ENV``, ``MASTER_PORT_ENV``, taken out of the script's
+    environment)."""
+    env = {"ROLE_RANK": environ.get("RANK", "0"), "ROLE_WORLD_SIZE": environ.get("WORLD_SIZE", "1"),
+           "GROUP_WORLD_SIZE": "1"}
+    for name, ours in (("MASTER_ADDR", MASTER_ADDR_ENV), ("MASTER_PORT", MASTER_PORT_ENV)):
+        if ours in environ:
+            env[name] = environ.pop(ours)
+    return env
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run ``argv`` (``SCRIPT ARGS...`` or ``-m MODULE ARGS...``) as this rank's program; return its exit code.
 
@@ -90,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     orphan_guard(os.environ)  # started by a local launcher as a fresh interpreter: end with it
     keep_inherited(os.environ)
     local = _launcher_only(os.environ)
-    os.environ.update(torchrun_env_from_slurm(os.environ))
+    os.environ.update(torchrun_env_from_local(os.environ) if local else torchrun_env_from_slurm(os.environ))
     rank = int(os.environ.get("RANK", "0"))
     try:
         _host_loopback_store(os.environ, rank, local)
