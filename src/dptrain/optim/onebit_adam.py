@@ -278,8 +278,8 @@ def _register(model: nn.Module, hook: PhaseHook) -> None:
         register(None, hook)
     except RuntimeError as e:
         raise ValueError(f"1-bit Adam could not register its comm hook on the model ({e}). It replaces the "
-                         "gradient all-reduce itself: register no other hook and no gradient compression (ddp."
-                         "compression = \"none\"), and build the optimizer before the model's first forward") from None
+                         "gradient all-reduce itself: register no other hook and no gradient compression "
+                         "(compression.method = \"none\"), and build the optimizer before the model's first forward") from None
 
 
 class PhaseHook:
