@@ -102,12 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         lock = None if local else _lock_run_dir(env, rp.run_dir)  # `dptrain run` holds it for its workers
         from dptrain.runner.loop import train  # after init: keeps `--help` and bad-input paths fast
 
-        if live:
-            from dptrain.runner.live_loop import train_live
-
-            facts = train(rp, env, device, train_live)
-        else:
-            facts = train(rp, env, device)
+        facts = train(rp, env, device)
         if facts is not None:  # rank 0
             _write_pages(rp, facts)
         return 0

@@ -8,7 +8,7 @@ survivors or by none), :mod:`~dptrain.live.heal` (a behind worker's state sent b
 peer, confirmed by a hash), :mod:`~dptrain.live.trust` (a replica of another job refused, a diverged
 one healed), :mod:`~dptrain.live.stats` (what was lost, counted) and
 :mod:`~dptrain.live.manager`, which runs them in a step's order. docs/reliability.md, "Live
-recovery", tells the whole story and the runner's loop (``dptrain.runner.live_loop``) uses it.
+recovery", tells the whole story and the runner's step gate (``dptrain.runner.live_gate``) uses it.
 """
 
 from dptrain.live.manager import JobMismatch, LiveManager, LiveSettings, TooFewWorkers

@@ -1,6 +1,6 @@
 """A worker's live recovery, step by step: quorum, process group, heal, (the step), vote.
 
-The runner's live loop (``dptrain.runner.live_loop``) calls, for every attempt at a step:
+Live recovery's step gate in the runner (``dptrain.runner.live_gate``) calls, for every attempt at a step:
 
 1. :meth:`LiveManager.begin` -- form the round's quorum (:mod:`~dptrain.live.quorum`), make
    its process group if the members changed (:mod:`~dptrain.live.group`), and heal the

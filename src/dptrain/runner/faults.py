@@ -78,7 +78,7 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
             f.write(json.dumps({"rank": rank, "step": step, "kind": kind, "time": time.time()}) + "\n")
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    if kind == "kill-before-vote":  # the live loop fires it at its moment (dptrain.runner.live_loop)
+    if kind == "kill-before-vote":  # the live loop fires it at its moment (dptrain.runner.live_gate)
         return
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)

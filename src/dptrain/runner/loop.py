@@ -1,25 +1,31 @@
-"""The worker's training run: what ``dptrain run`` executes on every rank.
+"""The worker's training run: what ``dptrain run`` executes on every rank, one loop for every way of keeping the job
+together.
 
 The order of things, nanoGPT's, in :func:`_train`:
 
 1. join the run directory, build the task's model from the seed (the same on every rank; the
    wrapper broadcasts rank 0's copy anyway), the :class:`Engine` with its strategy's wrapper
    (:mod:`dptrain.runner.build`, through the registry);
-2. resume from the newest checkpoint if there is one: model, optimizer, loss scaler, step, and
-   this rank's RNG states (:mod:`dptrain.checkpoint.resume`); the data position follows from the step;
-3. for each optimizer step: :func:`timed_step` (micro-steps of forward and backward, gradient
-   sync on the last; clip, learning rate, optimizer step), between the step hooks' moments
+2. start, as the step gate says (:mod:`dptrain.runner.gate`): resume from the newest checkpoint
+   if there is one (model, optimizer, loss scaler, step, this rank's RNG states, the data
+   position), else seed; under live recovery a worker that joins a job under way is healed by
+   a peer instead (:mod:`dptrain.runner.live_gate`);
+3. for each turn the gate grants: the micro-steps of forward and backward (:func:`timed_backward`,
+   gradients synchronised on the last), then, if the gate commits (always, but under live recovery's
+   vote), the optimizer's step (clip, learning rate, step), between the step hooks' moments
    (:mod:`dptrain.runner.hooks`: heartbeat, faults, straggler, skipped steps, dynamic batching,
    trace, divergence, metrics, evaluation, checkpoints, each configured from the config);
 4. at the end: the final weights as safetensors, and on rank 0 the run's facts, returned.
 
 The loop draws nothing: its caller (``dptrain.run``) makes the plots, ``summary.json`` and
 ``report.html`` from the run directory's files (:mod:`dptrain.pages.finish`). A strategy with a
-program of its own (the parameter server: see :mod:`dptrain.ps.program` for why) runs instead, with the same lifecycle (:mod:`dptrain.runner.lifecycle`).
+program of its own (the parameter server: see :mod:`dptrain.ps.program` for why) runs instead,
+with the same lifecycle (:mod:`dptrain.runner.lifecycle`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -28,19 +34,20 @@ import torch
 import torch.distributed as dist
 
 from dptrain.api.engine import Engine, StepInfo
-from dptrain.checkpoint.resume import resume, resume_compression, resume_strategy_state, seed_everything
+from dptrain.checkpoint.resume import seed_everything
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv
-from dptrain.runner.build import build_batches, build_engine, lr_rule, peak_lr
+from dptrain.runner.build import build_engine, lr_rule, peak_lr
 from dptrain.runner.facts import RunFacts
+from dptrain.runner.gate import StaticGate
 from dptrain.runner.hooks import RunContext
 from dptrain.runner.hooks.build import build_hooks
 from dptrain.runner.lifecycle import base_facts, open_run_dir, open_sink, program_context
+from dptrain.runner.live_gate import LiveGate
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.outputs import evaluate, save_hf_model
 from dptrain.runner.plan import RunPlan
 from dptrain.runner.report import RunLog
-from dptrain.runner.roll_call import is_collective_failure, roll_call
 from dptrain.strategies import get_strategy
 from dptrain.tasks import Task
 
@@ -49,13 +56,8 @@ __all__ = ["train", "timed_step", "timed_backward", "evaluate"]
 WATCHDOG_MARGIN_S = 3.0  # the watchdog's wait beyond distributed.timeout_s and the roll call
 
 
-def train(rp: RunPlan, env: WorkerEnv, device: torch.device,
-          body: Callable[[RunPlan, WorkerEnv, torch.device, Heartbeat], RunFacts | None] | None = None) \
-        -> RunFacts | None:
+def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> RunFacts | None:
     """Run the training described by ``rp`` on this rank; rank 0 returns the run's facts (the summary's input).
-
-    ``body``: the loop to run inside the heartbeat and the opened run directory (default this module's; live
-    recovery's is :func:`dptrain.runner.live_loop.train_live`).
 
     A heartbeat thread (``launch.heartbeat``) beats throughout; the loop's progress marks arm its
     watchdog, which ends this rank when it makes no progress for ``distributed.timeout_s`` + the roll call's
@@ -67,35 +69,59 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device,
         open_run_dir(rp, env.rank)
         if entry.own_loop:  # its ranks run programs of their own (the parameter server's servers and workers)
             return entry.program(program_context(rp, env, device, beat))
-        return (body or _train)(rp, env, device, beat)
+        gate = LiveGate if rp.cfg.live.enabled else StaticGate
+        with gate.guard(rp):
+            return _train(rp, env, device, beat, gate)
 
 
-def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat) -> RunFacts | None:
-    """Build, resume, step between the hooks, save the weights: this rank's run."""
+def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat, gate_type: type[StaticGate]) \
+        -> RunFacts | None:
+    """Build, start (resume, seed or join), step between the hooks as the gate grants, save the weights."""
     wall0 = time.perf_counter()
     seed_everything(rp.cfg.train.seed)
     engine, compression, n_params = build_engine(rp, env, device)
-    start_step, resume_note = _resume_or_seed(rp, env, engine, compression)
-    log = _open_log(rp, env, device, n_params, start_step, resume_note)
-    sink = open_sink(rp, env.rank, start_step, log)
-    batches, batcher = build_batches(rp, env.rank, engine, start_step)
-    run = RunContext(rp, env, device, engine, log, beat, sink, compression, start_step, n_params)
-    hooks = build_hooks(run, batcher)
-    step = start_step
+    gate = gate_type(rp, env, engine, compression, beat)
+    start = gate.start()
+    log = _open_log(rp, env, device, n_params, start.step, start.note)
+    for line in start.lines:
+        log.info(line)
+    if start.over:
+        log.info(start.over)
+        gate.stop()
+        log.close()
+        return None
+    sink = open_sink(rp, env.rank, start.records_from, log) if gate.outputs else None
+    run = RunContext(rp, env, device, engine, log, beat, sink, compression, start.step, n_params,
+                     checkpoint_meta=gate.checkpoint_meta)
+    hooks = build_hooks(run, gate)
+    step = start.step
     try:
-        for step in range(start_step + 1, rp.cfg.train.steps + 1):
-            hooks.begin_step(step)
-            with hooks.measuring(step):
-                info, times = timed_step(engine, rp.task, batches, weighted=batcher is not None,
-                                         after_first_forward=hooks.first_forward)
-            hooks.after_step(step, info, times)
+        for turn in gate.turns(log.info):
+            step = turn.step
+            times = info = None
+            with contextlib.ExitStack() as measuring:
+                if turn.batches is not None:
+                    hooks.begin_step(step)
+                    measuring.enter_context(hooks.measuring(step))
+                    times = timed_backward(engine, rp.task, turn.batches, weighted=turn.weighted,
+                                           after_first_forward=hooks.first_forward)
+                committed = gate.decide(turn, times)
+                if committed:
+                    info = _optimizer_step(engine, times)
+                else:
+                    engine.drop_window()
+            gate.settle(turn, committed)
+            if committed:
+                hooks.after_step(step, info, times)
+        gate.finish()
         hooks.at_end(rp.cfg.train.steps)
     except Exception as e:
-        _name_silent_ranks(e, step, env.world_size, rp.cfg.distributed.roll_call_s)
+        gate.failed(e, step)
         raise
     finally:
         hooks.close()
-    facts = _save_final_weights(run, wall0)
+        gate.stop()
+    facts = gate.done(_save_final_weights(run, wall0) if gate.outputs else None)
     log.close()
     dist.barrier()
     return facts
@@ -110,17 +136,22 @@ def timed_step(engine: Engine, task: Task, batches: Iterator[Any], *, weighted: 
     forward span (an injected straggler's sleep: compute, as a slow device's would be).
     """
     times = timed_backward(engine, task, batches, weighted=weighted, after_first_forward=after_first_forward)
+    return _optimizer_step(engine, times), times
+
+
+def _optimizer_step(engine: Engine, times: StepTimes) -> StepInfo:
+    """The step's optimizer part (clip, learning rate, step, zero), timed into ``times``."""
     o0 = time.perf_counter()
     info = engine.step()
     times.end = time.perf_counter()
     times.optimizer = (o0, times.end)
-    return info, times
+    return info
 
 
 def timed_backward(engine: Engine, task: Task, batches: Iterator[Any], *, weighted: bool = False,
                    after_first_forward: Callable[[], None] | None = None) -> StepTimes:
     """A step's micro-steps of forward and backward (the gradients synchronised in the last), timed; no optimizer
-    step (:func:`timed_step` takes it; live recovery takes it after the commit vote)."""
+    step (:func:`timed_step` takes it; the loop takes it once the gate commits)."""
     times = StepTimes(start=time.perf_counter())
     for item in engine.micro_steps(iter(next(batches)) if weighted else batches):
         batch, weight = item if weighted else (item, None)
@@ -135,23 +166,6 @@ def timed_backward(engine: Engine, task: Task, batches: Iterator[Any], *, weight
         times.backward.append((f1, time.perf_counter()))
     times.comm = engine.model.last_step_comm  # the wrapper protocol's: DDP's buckets, ZeRO's collectives (gossip: None)
     return times
-
-
-def _resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) -> tuple[int, str | None]:
-    """The step to start from, and what to say about the parts of the checkpoint this run cannot use.
-
-    Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
-    """
-    if rp.resume_from is None:
-        seed_everything(rp.cfg.train.seed + 1 + env.rank)
-        return 0, None
-    path, strategy = rp.resume_from, rp.cfg.distributed.strategy
-    start_step = resume(engine, path, env.rank, engine.device)
-    notes = [resume_compression(compression, path, env.rank, env.world_size, strategy)
-             if compression is not None else None,
-             resume_strategy_state(engine.model, engine.optimizer, path, strategy, env.rank, env.world_size,
-                                   engine.device)]
-    return start_step, "; ".join(n for n in notes if n) or None
 
 
 def _open_log(rp: RunPlan, env: WorkerEnv, device: torch.device, n_params: int, start_step: int,
@@ -171,14 +185,6 @@ def _open_log(rp: RunPlan, env: WorkerEnv, device: torch.device, n_params: int, 
     if start_step >= t.steps:
         log.info(f"nothing to do: the checkpoint is at step {start_step} and train.steps is {t.steps}")
     return log
-
-
-def _name_silent_ranks(e: Exception, step: int, world_size: int, roll_call_s: float) -> None:
-    """After a failed collective, ask which ranks still answer: the error's note names the silent ones."""
-    if world_size > 1 and is_collective_failure(e):
-        call = roll_call(step, roll_call_s)
-        e.add_note(call.note)
-        e.silent_ranks = call.silent  # recorded for the local launcher, which then stops them at once
 
 
 def _save_final_weights(run: RunContext, wall0: float) -> RunFacts | None:

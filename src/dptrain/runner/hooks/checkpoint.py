@@ -37,20 +37,31 @@ class EvalCheckpointHook(StepHook):
         self.run = run
         cfg = run.rp.cfg
         self.last, self.eval_every, self.save_every = cfg.train.steps, cfg.log.eval_every, cfg.checkpoint.every
+        self.took_last = False
 
     def after_step(self, step: int, info: StepInfo, times: StepTimes) -> None:
         if step == self.last:
-            checkpoint(self.run, step)
-            self.run.beat.mark(step, "finish")
-            note = self.run.engine.model.finish()
-            if note:  # what finishing changed that the last checkpoint does not hold
-                self.run.log.info(f"end of training: {note}")
-            self._evaluate(step)
+            self._last()
             return
         if self.eval_every and step % self.eval_every == 0:
             self._evaluate(step)
         if self.save_every and step % self.save_every == 0:
             checkpoint(self.run, step)
+
+    def at_end(self, step: int) -> None:
+        """The last step's outputs where this rank did not take that step but holds its state: a live recovery
+        worker healed past it (a run resumed at its end has them already)."""
+        if not self.took_last and self.run.start_step < self.last:
+            self._last()
+
+    def _last(self) -> None:
+        step, self.took_last = self.last, True
+        checkpoint(self.run, step)
+        self.run.beat.mark(step, "finish")
+        note = self.run.engine.model.finish()
+        if note:  # what finishing changed that the last checkpoint does not hold
+            self.run.log.info(f"end of training: {note}")
+        self._evaluate(step)
 
     def _evaluate(self, step: int) -> None:
         self.run.beat.mark(step, "eval")

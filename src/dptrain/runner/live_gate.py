@@ -1,0 +1,263 @@
+"""Live recovery's step gate (``live.enabled``): survivors go on, a restarted worker is healed.
+
+Each worker's default process group is itself alone (``dptrain.run``): nothing in the job
+spans a fixed set of processes, so no death can break it. The replicas meet in rounds
+instead (:mod:`dptrain.live`), and the one training loop (:mod:`dptrain.runner.loop`) asks
+this gate, for every attempt at a step:
+
+1. :meth:`LiveGate.turns`: the round's quorum, its process group, and a heal of the members
+   behind (:meth:`~dptrain.live.LiveManager.begin`); then this member's slice of the step's
+   samples: the data is one stream (:class:`~dptrain.data.stream.SampleStream`), member
+   ``i`` of ``k`` takes the ``i``-th ``micro x accum`` samples from the committed position;
+   the random generators are seeded from (seed, replica, step), so a healed worker draws
+   what it would have drawn;
+2. the loop's forward and backward, the wrapper's comm hook averaging each bucket over the
+   round (gradients divided by ``k``, the participants); the learning rate scaled by
+   ``k / N`` under ``live.lr_scaling = "linear"``;
+3. :meth:`LiveGate.decide`: the commit vote; on commit every member steps the optimizer and
+   (:meth:`settle`) the position moves on by ``k x micro x accum``; on abort every member
+   drops the window and the step is tried again in the next round, on the same samples.
+
+Replica 0 keeps the run's records: the metrics, evaluations, checkpoints (the replicated
+layout: every survivor holds the same state) and the final weights. When it is gone the
+others train on; restarted, it is healed and writes again (a gap in ``metrics.jsonl``
+says when it was away). At the end the others stay, answering rounds, until replica 0
+has the final state (or is gone past ``live.join_timeout_s``). Every worker writes
+``logs/live<r>.jsonl``, one line per attempt: the round, its members, the decision, the
+bytes and seconds of a heal, the seconds from a failure to the next commit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+
+from dptrain.api.engine import Engine
+from dptrain.checkpoint.resume import seed_everything
+from dptrain.config import ConfigError
+from dptrain.data.stream import SampleStream
+from dptrain.launch.heartbeat import Heartbeat
+from dptrain.launch.rendezvous import WorkerEnv, restart_count
+from dptrain.live import JobMismatch, LiveManager, LiveSettings, TooFewWorkers, connect_store
+from dptrain.live.quorum import StoreGone
+from dptrain.live.records import live_totals, read_live_logs
+from dptrain.live.store import store_address, unreachable
+from dptrain.live.trust import identity_record
+from dptrain.runner.facts import RunFacts
+from dptrain.runner.gate import Start, StaticGate, Turn, resume_or_seed
+from dptrain.runner.lifecycle import run_fault
+from dptrain.runner.live_log import LiveLog
+from dptrain.runner.live_state import ReplicaState, step_seed
+from dptrain.runner.metrics import StepTimes
+from dptrain.runner.plan import RunPlan
+from dptrain.tasks import collate
+
+__all__ = ["LiveGate", "live_settings"]
+
+FINISH_POLL_S = 0.1
+GONE_PROBE_S = 1.0  # how long a worker whose store call failed looks for the store before it says it is gone
+FINAL_KEY, DONE_KEY = "final/0", "done"  # replica 0 holds the final state; it has written it
+
+
+def live_settings(cfg) -> LiveSettings:
+    v = cfg.live
+    return LiveSettings(heartbeat_timeout_s=v.heartbeat_timeout_s, join_timeout_s=v.join_timeout_s,
+                        start_timeout_s=v.start_timeout_s, min_workers=v.min_workers, on_too_few=v.on_too_few,
+                        wait_timeout_s=v.wait_timeout_s)
+
+
+class LiveGate(StaticGate):
+    """A quorum, a heal and a vote around every step (see the module docstring)."""
+
+    replica_local = True  # each worker is a process group of its own: no hook may wait on another rank
+
+    def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat):
+        super().__init__(rp, env, engine, compression, beat)
+        cfg = rp.cfg
+        parameters = [(name, tuple(p.shape)) for name, p in engine.model.module.named_parameters()]
+        address = store_address()
+        self.manager = manager = LiveManager(
+            lambda: connect_store(address, cfg.live.heartbeat_timeout_s * 4 + 30), env.rank, env.world_size,
+            live_settings(cfg), -1, progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"),
+            identity=identity_record(rp.identity, parameters, env.world_size))
+        engine.model.register_comm_hook(None, manager.hook)  # the registry's comm_hooks: checked by validate
+        self.writer = env.rank == 0
+        self.replica: ReplicaState | None = None
+        self.live_log = LiveLog(rp.run_dir / "logs" / f"live{env.rank}.jsonl")
+
+    @classmethod
+    @contextlib.contextmanager
+    def guard(cls, rp: RunPlan):
+        """Raises ConfigError (exit 2) when the others run another job (``dptrain.live.trust``), and StoreGone (exit 3)
+        when the live store cannot be reached within ``live.heartbeat_timeout_s``: at the start, or once a store
+        call failed during the run."""
+        address, patience = store_address(), rp.cfg.live.heartbeat_timeout_s
+        _store_reachable(address, patience)  # before building anything: a restart into a store that is gone ends here
+        try:
+            yield
+        except JobMismatch as e:
+            raise ConfigError(str(e)) from None
+        except (TooFewWorkers, ConfigError):
+            raise
+        except Exception:
+            # a store call failed: if the store is gone, say that in one line. One short look, not the start's
+            # patience: a store that died took the job's rounds with it, so one that answers again later is of no
+            # use to this job
+            _store_reachable(address, min(patience, GONE_PROBE_S))
+            raise
+
+    @property
+    def outputs(self) -> bool:
+        return self.writer
+
+    def checkpoint_meta(self) -> dict:
+        return {"live_position": self.replica.position}
+
+    def record(self) -> dict:
+        """The live counts of a metrics record: round size, attempts, commits, heal bytes, the step's global batch."""
+        return {**self.manager.stats.record(self.manager.group.size), "live_global_batch": self.manager.global_batch}
+
+    def start(self) -> Start:
+        """Restarted by its launcher, or started once rounds were under way (added, or back under torchrun or Slurm):
+        healed by a peer, not resumed; else resumed from the run's checkpoint (the position its meta recorded, or the
+        step's share of a full-size run's samples for a checkpoint written without live recovery)."""
+        rp, env, cfg = self.rp, self.env, self.rp.cfg
+        self.joining = restart_count() > 0 or self.manager.round > 0
+        if self.joining:
+            step, position, note = -1, 0, None
+        else:
+            step, note = resume_or_seed(rp, env, self.engine, None)
+            position = int((rp.resume_meta or {}).get("live_position", step * rp.plan.global_batch_size))
+        self.manager.step = self.start_step = step
+        self.replica = ReplicaState(self.engine, SampleStream(rp.task.train_set, seed=cfg.train.seed,
+                                                             collate_fn=collate(rp.task)),
+                                    position, env.world_size, cfg.live.lr_scaling == "linear")
+        self.live_log.start(env.rank, restart_count(), step)
+        over = "live recovery: the run has finished; nothing to join" if self.manager.store.check([DONE_KEY]) else None
+        # a restarted replica 0 keeps every record (none past the step it is healed to exists); a torn last line goes
+        return Start(max(step, 0), note, records_from=cfg.train.steps if self.joining else step,
+                     lines=[self._line()], over=over)
+
+    def turns(self, say: Callable[[str], None]) -> Iterator[Turn]:
+        """Attempt steps, round after round, until the last is committed."""
+        manager, replica, steps = self.manager, self.replica, self.rp.cfg.train.steps
+        while manager.step < steps:
+            attempt = manager.begin(replica.held, replica.hash, replica.load)
+            quorum = attempt.quorum
+            for note in attempt.notes:  # a member of another job refused, or one whose state diverged left out
+                say(f"live recovery: {note}")
+            if quorum.step >= steps:  # joined the others after their last step: healed to the end
+                manager.end(attempt, False, counted=False)
+                self.live_log.healed_at_end(attempt)
+                continue
+            step = quorum.step + 1
+            batches = None
+            if attempt.ok:
+                seed_everything(step_seed(self.rp.cfg.train.seed, self.env.rank, step))
+                batches = iter(replica.enter(quorum))
+            yield Turn(step, batches, attempt=attempt)
+
+    def decide(self, turn: Turn, times: StepTimes | None) -> bool:
+        """The commit vote, after this member's backward (a member that sat the attempt out votes no)."""
+        attempt = turn.attempt
+        if times is not None and times.comm is not None:  # a ring all-reduce's share: 2 (k - 1) / k of a bucket
+            k = attempt.quorum.size
+            times.comm.sent_bytes = self.manager.hook.bytes * 2 * (k - 1) // k
+        if times is not None:
+            _fault_before_vote(self.env.rank, turn.step)
+        return self.manager.vote(attempt, attempt.ok)
+
+    def settle(self, turn: Turn, committed: bool) -> None:
+        """The round's end: the position on, the final state marked, the hash check, the live log's line."""
+        manager, attempt, step = self.manager, turn.attempt, turn.step
+        if committed:
+            manager.global_batch = self.replica.committed(attempt.quorum)
+            if step == self.rp.cfg.train.steps and self.writer:  # the final state is here: the others need not stay to heal it
+                manager.store.set(FINAL_KEY, "1")
+        recovery = manager.end(attempt, committed)
+        every = self.rp.cfg.live.check_every
+        held_hash = self.replica.hash() if committed and every and step % every == 0 else None
+        if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
+            manager.check = f"{step}:{held_hash.hex()}"
+        self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash)
+
+    def finish(self) -> None:
+        """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""
+        if self.writer:
+            self.manager.store.set(FINAL_KEY, "1")
+        else:
+            _serve_until_writer_done(self.manager, self.replica, self.rp.cfg.live)
+
+    def stop(self) -> None:
+        self.live_log.close()
+        self.manager.liveness.stop()
+
+    def done(self, facts: RunFacts | None) -> RunFacts | None:
+        """Replica 0's facts get the live totals; the run is marked done; the store connection closed."""
+        if facts is not None:
+            logs = read_live_logs(self.rp.run_dir)
+            facts = dataclasses.replace(facts, live={**live_totals(logs),
+                                                     "peak_rss_mb_by_replica": _peak_rss(logs, self.env.world_size)})
+        if self.writer:
+            self.manager.store.set(DONE_KEY, "1")
+        self.manager.close()
+        return facts
+
+    def failed(self, error: Exception, step: int) -> None:
+        pass  # no group spans the job: the quorum names who is gone
+
+    def _line(self) -> str:
+        """The log's line on live recovery: this replica, and the rule for a round of fewer workers."""
+        n, cfg = self.env.world_size, self.rp.cfg
+        rule = ("learning rate scaled by k/N (live.lr_scaling = linear)" if cfg.live.lr_scaling == "linear" else
+                "learning rate kept (live.lr_scaling = none)")
+        restarted = f", restarted ({restart_count()}): to be healed by a peer" if self.joining else ""
+        return f"live recovery: replica {self.env.rank} of {n}{restarted}; a step with k of {n} workers takes " \
+               f"k/{n} of the global batch, its {rule}"
+
+
+def _store_reachable(address: tuple[str, int], timeout_s: float) -> None:
+    why = unreachable(address, timeout_s)
+    if why:
+        raise StoreGone(f"the live store at {address[0]}:{address[1]} cannot be reached ({why}, {timeout_s:g} s): it "
+                        "is gone, and the job's rounds with it; start it again, then every worker: the run resumes "
+                        "from its last checkpoint")
+
+
+def _peak_rss(logs: dict[int, list[dict]], replicas: int) -> list[float | None]:
+    """Each replica's peak resident MiB so far, from its live log's attempts (None: it logged none)."""
+    return [max((r["peak_rss_mb"] for r in logs.get(i, []) if "peak_rss_mb" in r), default=None)
+            for i in range(replicas)]
+
+
+def _fault_before_vote(rank: int, step: int) -> None:
+    """The injected ``kill-before-vote`` fault: this rank dies after its all-reduce, before voting."""
+    fault = run_fault()
+    if fault is not None and fault[0] == rank and fault[1] == step and fault[2] == "kill-before-vote":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _serve_until_writer_done(manager: LiveManager, replica: ReplicaState, live) -> None:
+    """Stay, with nothing to step, until replica 0 has the final state: it marks it at once when it took the last
+    step; otherwise (it is away, or restarting) the others answer rounds, so that it is healed when it joins. They
+    leave once it has, or when it has been stale for ``live.join_timeout_s``."""
+    store, t0 = manager.store, time.monotonic()
+    finished = lambda: store.check([FINAL_KEY]) or store.check([DONE_KEY])  # noqa: E731
+    while not finished() and time.monotonic() - t0 < live.heartbeat_timeout_s:  # it took the last step with us
+        time.sleep(FINISH_POLL_S / 10)
+    gone_since = None
+    while not finished():
+        if manager.liveness.stale(0):
+            gone_since = gone_since or time.monotonic()
+            if time.monotonic() - gone_since > live.join_timeout_s:
+                return
+        else:
+            gone_since = None
+        attempt = manager.begin(replica.held, replica.hash, replica.load, abandon=finished)
+        if attempt is not None:
+            manager.end(attempt, False, counted=False)
+        time.sleep(FINISH_POLL_S)
