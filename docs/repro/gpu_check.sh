@@ -60,17 +60,19 @@ if [ "$DRY" = 1 ]; then
     BIG=(--rounds 2 --steps 2 --parity-steps 1 --n-layer 1 --n-embd 32 --batch 2 --block 16)
     SMALL=(--rounds 2 --steps 2 --parity-steps 1 --n-layer 1 --n-embd 32 --batch 1 --block 8)
     PROFILE=(--n-layer 1 --n-embd 32 --batch 2 --block 16 --steps 2)
+    PYTEST=(-n 0)  # one process: on a CPU the tests' own ranks share the cores, and two pytest workers cost 2 starts
     echo "install|skipped: dry run|0" >>"$STEPS"
 else
     DEVICE=(--device cuda)
     BIG=(--rounds 15)                                         # 12 layers x 768: 85.6M parameters, batch 16 x 512
     SMALL=(--rounds 15 --parity-steps 2 --batch 1 --block 128)  # the same GPT, too little work to hide launches
     PROFILE=()
+    PYTEST=()
     step install 45 install
 fi
 
 step "gpu tests" 150 "$PY" -m pytest -m gpu tests/test_gpu.py tests/test_gpu_run.py -q -p no:cacheprovider \
-    --junitxml="$JUNIT"
+    "${PYTEST[@]}" --junitxml="$JUNIT"
 # three runs on the device; one in the CPU rehearsal, which checks that the step works, not its spread
 for i in $(seq 1 "$( [ "$DRY" = 1 ] && echo 1 || echo 3 )"); do
     step "bench gpu $i" 60 "$PY" -m dptrain.cli bench gpu "${DEVICE[@]}" "${BIG[@]}" --out "$RESULTS/bench_$i.json"
