@@ -1,5 +1,5 @@
 """Live recovery: quorums, the commit vote, heals, the data stream, and whole runs with a worker killed, stopped or
-raising at a random step (dptrain.live, dptrain.runner.live_gate, dptrain.launch.live)."""
+raising at a random step (dptrain.live, dptrain.runner.live_gate, dptrain.launch.local)."""
 
 from __future__ import annotations
 

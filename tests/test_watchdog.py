@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from dptrain.launch.errors import error_file, read_error_record
 from dptrain.launch.heartbeat import Heartbeat, heartbeat_file, read_heartbeats, stale_ranks
-from dptrain.launch.local import error_file, read_error_record
 from dptrain.runner.skips import NonFiniteRun, SkipBound
 
 TINY = """
@@ -276,7 +276,7 @@ def _fill(directory: Path) -> None:
 
 
 def test_a_full_disk_silences_no_heartbeat_and_is_named_as_full(full_disk):
-    from dptrain.launch.local import disk_full_note
+    from dptrain.launch.supervise import disk_full_note
 
     with Heartbeat(full_disk, 0, 1, timeout_s=60) as beat:
         beat.mark(5)
@@ -325,7 +325,7 @@ def test_a_watchdog_ends_a_stopped_peer_on_its_host_so_the_job_ends_at_once(tmp_
 
 
 def test_a_failure_report_names_only_files_that_exist(tmp_path):
-    from dptrain.launch.local import _look
+    from dptrain.launch.supervise import look as _look
 
     (tmp_path / "logs").mkdir()
     (tmp_path / "logs" / "rank1.console").write_text("")

@@ -165,14 +165,16 @@ def _launch(rp, cfg, nproc: int, config_path: Path | None, overrides: tuple[str,
     if config_path is not None:
         worker_args = ["--config", str(config_path.resolve())] + worker_args
     preload = ("transformers.modeling_utils",) if cfg.hf.path else ()
-    if cfg.live.enabled:  # a failed worker is restarted alone; the others go on (dptrain.launch.live)
-        from dptrain.launch.live import launch_live
+    if cfg.live.enabled:  # a failed worker is restarted alone; the others go on, meeting at a store served here
+        from dptrain.launch.local import RestartFailed
+        from dptrain.live.store import LIVE_STORE_ENV, serve_store
 
         live = cfg.live
-        return launch_live(nproc, worker_args, rp.run_dir, heartbeat_timeout_s=live.heartbeat_timeout_s,
-                           max_restarts=live.max_restarts, finish_grace_s=2 * live.heartbeat_timeout_s + 5.0,
-                           start_method=start_method, preload=preload, lock_fd=lock.fd,
-                           stall_timeout_s=max(2 * live.heartbeat_timeout_s, 5.0))
+        store = serve_store("127.0.0.1", 0)  # held until the workers are done: it outlives every one of them
+        return launch_local(nproc, worker_args, rp.run_dir, max(2 * live.heartbeat_timeout_s, 5.0),
+                            start_method=start_method, preload=preload, lock_fd=lock.fd,
+                            env={LIVE_STORE_ENV: f"127.0.0.1:{store.port}"},
+                            restart=RestartFailed(live.max_restarts, 2 * live.heartbeat_timeout_s + 5.0))
     if max_restarts:  # torchrun's workers are not "local": they find this launcher's token and take no lock
         from dptrain.launch.elastic import launch_elastic
 

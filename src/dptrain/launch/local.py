@@ -1,61 +1,72 @@
-"""Run N workers on this machine: the default for ``dptrain run --nproc N``.
+"""Run N workers on this machine: ``dptrain run --nproc N`` and ``dptrain launch`` on one machine.
 
-Each worker runs ``dptrain.run`` with torchrun's environment variables set, so a worker
-cannot tell this launcher from torchrun: a fork of a process that has imported torch
-once, or a fresh ``python -m dptrain.run`` (``launch.workers``). The launcher owns the
-job's lifetime:
+Each worker runs ``dptrain.run`` (or ``dptrain.launch.script``) with torchrun's environment
+variables set, so a worker cannot tell this launcher from torchrun: a fork of a process that
+has imported torch once, or a fresh ``python -m dptrain.run`` (``launch.workers``). The
+launcher owns the job's lifetime, by one of two restart policies:
 
-- rank 0 writes to the terminal; every rank also logs to ``logs/rank<r>.log``;
-- when a rank fails, the others get a few seconds to fail too (a dead peer ends their
-  collectives quickly), then are terminated; the root cause's traceback is shown first:
-  failures that only report a lost peer ("Connection reset by peer") come after the
-  rest, and within each kind the earliest failure (its error record's time, or when its
-  process died) comes first;
-- a running rank whose heartbeat (``launch.heartbeat``) is older than the timeout is stopped
-  as a whole process (SIGSTOP, a frozen machine): the job ends, naming it;
-- Ctrl-C reaches every worker (same process group); they stop, and the launcher exits
-  130 after giving stragglers a few seconds. SIGTERM to the launcher stops its workers
-  the same way (exit 143).
+- **the whole job** (the default; torchrun's agent restarts the whole job with ``--max-restarts``,
+  ``launch.elastic``): when a rank fails, the others get a few seconds to fail too (a dead peer
+  ends their collectives quickly), then are terminated, and the root cause's traceback is shown
+  first (``launch.supervise``); a running rank whose heartbeat (``launch.heartbeat``) is older
+  than the timeout is stopped as a whole process (SIGSTOP, a frozen machine): the job ends,
+  naming it;
+- **the failed worker only** (:class:`RestartFailed`, live recovery: ``live.enabled``): the others go
+  on in rounds of their own (``dptrain.live``), and the launcher restarts only the worker that
+  failed (up to ``max_restarts`` times each), which joins the next round and is healed by a
+  peer; a stale worker is killed and restarted like any other failure. The job ends when
+  replica 0, which writes the run's records, has finished: the others are given
+  ``finish_grace_s`` to finish too, then stopped. It fails when a worker reports bad input (exit
+  2), when one finds that live recovery cannot go on (exit 3, ``GIVE_UP_EXIT``: too few workers
+  left, or none holding the training state; its reason printed once), or when replica 0 fails
+  past its restarts.
+
+Under either, rank 0 writes to the terminal and every rank also logs to ``logs/rank<r>.log``;
+Ctrl-C reaches every worker (same process group): they stop, and the launcher exits 130 after
+giving stragglers a few seconds; SIGTERM to the launcher stops its workers the same way (exit 143).
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import re
-import shutil
-import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-from dptrain.launch.errors import error_file, error_summary, read_error_record, write_error_record
-from dptrain.launch.heartbeat import STALE_MIN_S, heartbeat_file, process_state, read_heartbeats, stale_ranks
+from dptrain.launch.errors import error_file, read_error_record
+from dptrain.launch.heartbeat import heartbeat_file, process_state
 from dptrain.launch.output import PrefixedOutput
-from dptrain.launch.threads import threads_per_worker
+from dptrain.launch.supervise import (
+    GRACE_S,
+    describe,
+    interruptible,
+    report_failure,
+    stale_workers,
+    stop_workers,
+)
 from dptrain.launch.workers import start_worker
 
-__all__ = ["launch_local", "interruptible", "free_port", "threads_per_worker", "error_file", "write_error_record", "error_summary", "PEER_LOST", "TIMED_OUT",
-           "read_error_record"]
+__all__ = ["launch_local", "RestartFailed", "free_port", "LOOPBACK", "AGENT_STORE"]
 
-GRACE_S = 5.0  # from SIGTERM to SIGKILL when stopping workers
+POLL_S = 0.2
 FAIL_GRACE_S = 2.0  # after the first failure, the others' time to fail too, beyond their roll call
 SETTLE_S = 1.0  # [Note: settle before going on]
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")  # a MASTER_ADDR that keeps a job on this machine
 AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torch's: "True" makes every rank a client of the store at MASTER_*
 
-# What a rank reports when a *peer* died: a consequence, not a cause.
-PEER_LOST = re.compile(r"Connection (reset|closed) by peer|remote process exited|Broken pipe|"
-                        r"ProcessGroup.*(aborted|terminated)", re.IGNORECASE)
 
+@dataclass(frozen=True)
+class RestartFailed:
+    """The restart policy of live recovery: restart only the failed worker, up to ``max_restarts`` times each; the
+    others go on. ``finish_grace_s``: after replica 0 finished, the others' time to finish too."""
 
-# What a rank reports when a collective waited past distributed.timeout_s.
-TIMED_OUT = re.compile(r"timed out|timeout|DistBackendError.*watchdog", re.IGNORECASE)
+    max_restarts: int
+    finish_grace_s: float
 
 
 def free_port() -> int:
@@ -68,20 +79,22 @@ def free_port() -> int:
 def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: float,
                  expendable: set[int] = frozenset(), start_method: str = "forkserver", roll_call_s: float = 3.0,
                  preload: tuple[str, ...] = (), module: str = "dptrain.run", env: dict[str, str] | None = None,
-                 shown: frozenset[int] | None = None, lock_fd: int | None = None) -> int:
-    """Start ``nproc`` workers, wait for them, return the job's exit code.
+                 shown: frozenset[int] | None = None, lock_fd: int | None = None,
+                 restart: RestartFailed | None = None) -> int:
+    """Start ``nproc`` workers, supervise them by the restart policy, return the job's exit code.
 
-    The failure of an ``expendable`` rank (a worker of an async parameter-server job)
-    does not end the job: it is reported, and the job's exit code is that of the rest.
-    ``start_method``: ``forkserver`` or ``exec`` (see ``launch.workers``). After a rank
-    fails, the others get their roll call (``roll_call_s``, see ``train.roll_call``) and
-    ``FAIL_GRACE_S`` more to fail too before they are stopped. Workers never outlive the
-    launcher: whatever ends it (an exception, an interrupt, SIGTERM), they are stopped.
-    ``preload``: modules forked workers find imported (``start_worker``). ``module``: what each
-    worker runs, ``python -m MODULE WORKER_ARGS`` (``dptrain.launch.script`` for ``dptrain
-    launch``); ``env``: added to the workers' environment. ``shown``: the ranks whose output the
-    terminal shows, each line prefixed ``[rank r]`` (``launch.output``); None: rank 0's, as it is.
-    ``lock_fd``: the locked run directory's descriptor, which every worker holds too (``launch.run_lock``).
+    ``timeout_s``: a running worker whose heartbeat is older than this is stopped (the whole job fails, naming it;
+    under ``restart``, it is killed and restarted). The failure of an ``expendable`` rank (a worker of an async
+    parameter-server job) does not end the job: it is reported, and the job's exit code is that of the rest.
+    ``start_method``: ``forkserver`` or ``exec`` (see ``launch.workers``). After a rank fails, the others get their
+    roll call (``roll_call_s``, see ``runner.roll_call``) and ``FAIL_GRACE_S`` more to fail too before they are
+    stopped. Workers never outlive the launcher: whatever ends it (an exception, an interrupt, SIGTERM), they are
+    stopped. ``preload``: modules forked workers find imported (``start_worker``). ``module``: what each worker
+    runs, ``python -m MODULE WORKER_ARGS`` (``dptrain.launch.script`` for ``dptrain launch``); ``env``: added to
+    the workers' environment. ``shown``: the ranks whose output the terminal shows, each line prefixed ``[rank r]``
+    (``launch.output``); None: rank 0's, as it is. ``lock_fd``: the locked run directory's descriptor, which every
+    worker holds too (``launch.run_lock``). ``restart``: None restarts nothing (the whole job fails with a rank);
+    :class:`RestartFailed` restarts the failed worker only.
     """
     port = free_port()
     logs = run_dir / "logs"
@@ -91,69 +104,42 @@ def launch_local(nproc: int, worker_args: list[str], run_dir: Path, timeout_s: f
         error_file(run_dir, rank).unlink(missing_ok=True)  # from an earlier attempt in this directory
         heartbeat_file(run_dir, rank).unlink(missing_ok=True)
     loopback = {} if "GLOO_SOCKET_IFNAME" in os.environ else {"GLOO_SOCKET_IFNAME": "lo"}  # every rank is here
-    for rank in range(nproc):
-        worker_env = dict(os.environ, **loopback, **(env or {}), RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local")
-        console = logs / f"rank{rank}.console"
-        relay = PrefixedOutput(rank, console) if shown is not None and rank in shown else None
-        output = (relay.out_w, relay.err_w) if relay else None if shown is None and rank == 0 else console
-        try:
-            procs.append(start_worker(start_method, worker_args, worker_env, output, preload, module, lock_fd))
-        except BaseException:
-            _stop(procs, grace=GRACE_S)
-            raise
+    base = dict(os.environ, **loopback, **(env or {}), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), DPTRAIN_LAUNCHER="local")
+    restarts = [0] * nproc
+
+    def start(rank: int) -> subprocess.Popen:
+        """Worker ``rank``, started (again, after ``restarts[rank]`` failures)."""
+        again = restarts[rank]
+        worker_env = dict(base, RANK=str(rank), LOCAL_RANK=str(rank),
+                          **({"TORCHELASTIC_RESTART_COUNT": str(again)} if restart is not None else {}))
+        console = logs / (f"rank{rank}.console" if not again else f"rank{rank}.restart{again}.console")
+        relay = PrefixedOutput(rank, console) if shown is not None and rank in shown and not again else None
+        on_terminal = shown is None and rank == 0 and not again
+        output = (relay.out_w, relay.err_w) if relay else None if on_terminal else console
+        proc = start_worker(start_method, worker_args, worker_env, output, preload, module, lock_fd)
         if relay is not None:
             relay.start()
             relays.append(relay)
-    exit_times = [0.0] * nproc
-    for rank, proc in enumerate(procs):  # exact exit times, to order failures
-        threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
-    terminal = frozenset({0} if shown is None else shown)  # the ranks whose output the terminal shows
+        return proc
+
     try:
+        for rank in range(nproc):
+            procs.append(start(rank))
+        if restart is not None:
+            return interruptible(procs, lambda: _supervise_restarting(procs, start, restarts, run_dir, restart,
+                                                                      timeout_s))
+        exit_times = [0.0] * nproc
+        for rank, proc in enumerate(procs):  # exact exit times, to order failures
+            threading.Thread(target=_note_exit, args=(proc, exit_times, rank), daemon=True).start()
+        terminal = frozenset({0} if shown is None else shown)  # the ranks whose output the terminal shows
         return interruptible(procs, lambda: _supervise(procs, exit_times, run_dir,
                                                        min(FAIL_GRACE_S + roll_call_s, timeout_s), expendable,
                                                        timeout_s, terminal))
     finally:
-        _stop(procs, grace=GRACE_S)  # a no-op when they have ended
+        stop_workers(procs, grace=GRACE_S)  # a no-op when they have ended
         for relay in relays:
             relay.close()
-
-
-def interruptible(procs: list, supervise: Callable[[], int]) -> int:
-    """``supervise()``'s exit code; on Ctrl-C (130) or SIGTERM (143) the workers in ``procs`` are stopped first."""
-    try:
-        with _sigterm_raises():
-            return supervise()
-    except KeyboardInterrupt:
-        _stop(procs, grace=GRACE_S * 2)
-        print("\ninterrupted: workers stopped", file=sys.stderr)
-        return 130
-    except _Terminated:
-        _stop(procs, grace=GRACE_S * 2)
-        print("terminated (SIGTERM): workers stopped", file=sys.stderr)
-        return 128 + signal.SIGTERM
-
-
-class _Terminated(Exception):
-    """The launcher got SIGTERM (``kill``, a scheduler's cancel): its workers are stopped before it exits."""
-
-
-@contextlib.contextmanager
-def _sigterm_raises():
-    """While supervising, SIGTERM raises :class:`_Terminated` instead of ending the launcher on the spot
-    (which would leave its workers training). Signal handlers belong to the main thread: elsewhere, a no-op."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def raise_terminated(signum, frame):
-        raise _Terminated()
-    previous = signal.signal(signal.SIGTERM, raise_terminated)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def _note_exit(proc: subprocess.Popen, exit_times: list[float], rank: int) -> None:
@@ -167,7 +153,7 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
     while True:
         codes = [p.poll() for p in procs]
         now = time.monotonic()
-        for r in _stopped_ranks(procs, codes, run_dir, timeout_s, stopped_dead):
+        for r in stale_workers(procs, codes, run_dir, timeout_s, stopped_dead):
             stopped_dead[r] = process_state(procs[r].pid)
             procs[r].kill()  # a stopped process handles no SIGTERM: it is ended as a crash would end it
             codes[r] = procs[r].wait()
@@ -178,7 +164,7 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
                 if first_failure is None and now - since >= SETTLE_S:
                     survived.add(r)
                     del pending[r]
-                    print(f"warning: rank {r} exited with {_describe(codes[r])}; the run goes on without it "
+                    print(f"warning: rank {r} exited with {describe(codes[r])}; the run goes on without it "
                           f"(see {run_dir / 'logs'})", file=sys.stderr)
         if all(c == 0 or r in survived for r, c in enumerate(codes)):
             return 0
@@ -188,12 +174,70 @@ def _supervise(procs: list[subprocess.Popen], exit_times: list[float], run_dir: 
         running = {r for r, c in enumerate(codes) if c is None}
         if first_failure is not None and (not running or time.monotonic() - first_failure > grace_s
                                           or running <= _silent(run_dir, failed)):
-            stopped = _stop(procs, grace=GRACE_S)
+            stopped = stop_workers(procs, grace=GRACE_S)
             if _bad_input(procs, stopped):
                 return 2  # the workers printed the error themselves
-            _report_failure(procs, exit_times, stopped, run_dir, stopped_dead, timeout_s, terminal)
+            report_failure(procs, exit_times, stopped, run_dir, stopped_dead, timeout_s, terminal)
             return 1
-        time.sleep(0.2)
+        time.sleep(POLL_S)
+
+
+def _supervise_restarting(procs: list, start, restarts: list[int], run_dir: Path, policy: RestartFailed,
+                          stall_timeout_s: float) -> int:
+    """The failed-worker-only policy (:class:`RestartFailed`; see the module docstring)."""
+    from dptrain.live.quorum import GIVE_UP_EXIT  # live recovery's (it imports torch, which the launcher need not)
+
+    finished_at = None
+    while True:
+        codes = [p.poll() for p in procs]
+        for r in stale_workers(procs, codes, run_dir, stall_timeout_s, {}):
+            procs[r].kill()
+            codes[r] = procs[r].wait()
+            print(f"dptrain run: worker {r} sent no heartbeat for {stall_timeout_s:g} s (stopped or stuck) and was "
+                  "killed", file=sys.stderr)
+        if 2 in codes:  # bad input: every worker said why, or will
+            stop_workers(procs, grace=GRACE_S)
+            return 2
+        if GIVE_UP_EXIT in codes:  # live recovery cannot go on: a restart would not help; the worker's reason, once
+            stop_workers(procs, grace=GRACE_S)
+            first = codes.index(GIVE_UP_EXIT)
+            if first != 0 or restarts[0] > 0:  # replica 0's first console is this one: it has said it already
+                _say_why(run_dir, first)
+            return 1
+        if codes[0] == 0 and finished_at is None:
+            finished_at = time.monotonic()
+        if all(c == 0 for c in codes) or (finished_at is not None and None not in codes):
+            return 0  # every worker done; after replica 0 finished, a worker that failed no longer matters
+        for r, code in enumerate(codes):
+            if code in (None, 0) or finished_at is not None:
+                continue
+            if restarts[r] >= policy.max_restarts:
+                if r == 0 or all(c not in (None, 0) for c in codes):
+                    stop_workers(procs, grace=GRACE_S)
+                    report_failure(procs, [0.0] * len(procs), set(), run_dir)
+                    return 1
+                continue
+            restarts[r] += 1
+            print(f"dptrain run: worker {r} exited with {describe(code)}; restarting it ({restarts[r]} of "
+                  f"live.max_restarts = {policy.max_restarts}); the others go on", file=sys.stderr)
+            error_file(run_dir, r).unlink(missing_ok=True)
+            procs[r] = start(r)
+        if finished_at is not None and time.monotonic() - finished_at > policy.finish_grace_s:
+            late = [r for r, c in enumerate(codes) if c is None]
+            stop_workers(procs, grace=GRACE_S)
+            if late:
+                print(f"dptrain run: worker(s) {late} had not finished {policy.finish_grace_s:g} s after replica 0 "
+                      "did, and were stopped", file=sys.stderr)
+            return 0
+        time.sleep(POLL_S)
+
+
+def _say_why(run_dir: Path, rank: int) -> None:
+    """A worker's one line on why live recovery cannot go on, on the console (a restarted worker's own console is a
+    file under logs/, and replica 0's first one the only one shown)."""
+    record = read_error_record(run_dir, rank) or {}
+    text = str(record.get("traceback", "")).strip().removeprefix("error: ")
+    print(f"error: worker {rank}: {text or 'live recovery cannot go on'}", file=sys.stderr)
 
 
 def _bad_input(procs: list[subprocess.Popen], stopped: set[int]) -> bool:
@@ -201,15 +245,6 @@ def _bad_input(procs: list[subprocess.Popen], stopped: set[int]) -> bool:
     by us while it waited for that rank (a store it could not reach, a collective it never got)."""
     codes = [p.returncode for p in procs]
     return 2 in codes and all(c in (0, 2) or r in stopped for r, c in enumerate(codes))
-
-
-def _stopped_ranks(procs, codes: list[int | None], run_dir: Path, timeout_s: float, known: dict) -> list[int]:
-    """Running ranks whose heartbeat is older than the timeout: stopped as a whole (their heartbeat thread too)."""
-    if timeout_s == float("inf"):
-        return []
-    beats = read_heartbeats(run_dir, len(procs))
-    return [r for r in stale_ranks(beats, timeout_s) if codes[r] is None and r not in known
-            and beats[r].get("pid") == procs[r].pid]
 
 
 def _silent(run_dir: Path, failed: list[int]) -> set[int]:
@@ -229,98 +264,3 @@ def _silent(run_dir: Path, failed: list[int]) -> set[int]:
 # the job fails for the server's death.
 
 
-def _stop(procs: list[subprocess.Popen], grace: float) -> set[int]:
-    """SIGTERM the running workers, SIGKILL them after ``grace``; return the ranks we signalled.
-
-    (Which ranks we stopped is known exactly here; telling them apart afterwards by exit
-    times raced with the threads that note those times.)
-    """
-    signalled = set()
-    for rank, p in enumerate(procs):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-            p.send_signal(signal.SIGCONT)  # a stopped process (SIGSTOP) acts on the SIGTERM only once continued
-            signalled.add(rank)
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-    return signalled
-
-
-def _report_failure(procs: list[subprocess.Popen], exit_times: list[float], stopped: set[int],
-                    run_dir: Path, stopped_dead: dict | None = None, timeout_s: float = float("inf"),
-                    terminal: frozenset[int] = frozenset()) -> None:
-    records = []
-    for rank, p in enumerate(procs):
-        record = read_error_record(run_dir, rank)
-        if rank in (stopped_dead or {}):  # its heartbeat went stale: the root cause, whatever the others saw
-            how = ("was stopped (SIGSTOP, a frozen machine)" if stopped_dead[rank] in ("T", "t") else
-                   "was stuck where its heartbeat thread could not run (outside Python, holding the GIL)")
-            died = (f"sent no heartbeat for over {max(timeout_s, STALE_MIN_S):g} s while running: the process "
-                    f"{how}, and was killed{_look(run_dir, rank, rank in terminal)}")
-            records.append((False, 0.0, rank, died, died))
-        elif record is not None:
-            text = record["traceback"]
-            last = text.strip().splitlines()[-1] if text.strip() else "?"
-            when = record.get("time") if isinstance(record.get("time"), (int, float)) else exit_times[rank]
-            records.append((bool(PEER_LOST.search(text)), when, rank, text, str(record.get("summary", last))))
-        elif p.returncode not in (0, None) and not (p.returncode < 0 and rank in stopped):
-            # died on its own (a signal we did not send, or before it could record why)
-            unreadable = " (its error record is empty or unreadable)" if error_file(run_dir, rank).exists() else ""
-            died = (f"exited with {_describe(p.returncode)} without recording why{unreadable}"
-                    f"{_look(run_dir, rank, rank in terminal)}")
-            records.append((False, exit_times[rank] or float("inf"), rank, died, died))
-    records.sort()
-    full = disk_full_note(run_dir)
-    if not records:
-        print(f"error: a worker failed without reporting why{_look(run_dir, None, False)}", file=sys.stderr)
-    else:
-        _, _, rank, text, _ = records[0]
-        print(f"\nerror: rank {rank} failed first:\n{text.rstrip()}", file=sys.stderr)
-        for _, _, other, _, summary in records[1:]:
-            print(f"(rank {other} also failed: {summary})", file=sys.stderr)
-        failed = {r for _, _, r, _, _ in records}
-        running = sorted(r for r in stopped if r not in failed)
-        if running and any(TIMED_OUT.search(t) for _, _, _, t, _ in records):
-            print(f"rank(s) {running} were still running when the others timed out waiting for them, and were "
-                  f"stopped: the likely cause (a hang, or a rank that stopped calling collectives). Their logs: "
-                  f"{run_dir / 'logs'}", file=sys.stderr)
-    if full:
-        print(full, file=sys.stderr)
-
-
-def _look(run_dir: Path, rank: int | None, on_terminal: bool) -> str:
-    """Where a rank's own words are, naming only what exists: its output above, its console file, its log."""
-    logs = run_dir / "logs"
-    files = [] if rank is None else [logs / f"rank{rank}.console", logs / f"rank{rank}.log"]
-    places = (["its output above"] if on_terminal else []) + [str(f) for f in files if f.is_file()]
-    if rank is None and logs.is_dir():
-        places.append(f"the logs in {logs}")
-    return f"; see {' and '.join(places)}" if places else ""
-
-
-def disk_full_note(run_dir: Path, below: int = 1 << 20) -> str | None:
-    """What to say when the file system holding ``run_dir`` is full (less than ``below`` bytes free), or None."""
-    try:
-        usage = shutil.disk_usage(run_dir)
-    except OSError:
-        return None
-    if usage.free >= below:
-        return None
-    return (f"the file system holding {run_dir} is full ({usage.free:,} bytes free of {usage.total:,}): writes there "
-            "fail (No space left on device), so the workers could not save, log or record why they failed. Free "
-            "space there, or choose a --run-dir on another file system, and start again (the run resumes from its "
-            "newest complete checkpoint)")
-
-
-def _describe(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"

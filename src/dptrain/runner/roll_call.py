@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dptrain.launch.local import PEER_LOST
 from dptrain.launch.rendezvous import restart_count
+from dptrain.launch.supervise import PEER_LOST
 
 __all__ = ["roll_call", "RollCall", "is_collective_failure", "STORE_GRACE_S"]
 
