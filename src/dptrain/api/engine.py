@@ -128,14 +128,16 @@ class Engine:
         """``batch`` (tensors in any nesting of lists, tuples, dicts) on the engine's device."""
         return _to_device(batch, self.device)
 
-    def micro_steps(self, batches: Iterator[Any]) -> Iterator[Any]:
-        """The next ``grad_accum_steps`` micro-batches, all but the last under ``no_sync``.
+    def micro_steps(self, batches: Iterator[Any], count: int | None = None) -> Iterator[Any]:
+        """The next ``count`` (default ``grad_accum_steps``) micro-batches, all but the last under ``no_sync``.
 
         Run forward and backward for each inside the loop body: the context stays active
-        while the generator is suspended there.
+        while the generator is suspended there. Another count than the plan's comes with loss weights
+        (:meth:`backward`): live recovery's rounds of fewer workers that keep the global batch take more.
         """
-        for k in range(self.plan.grad_accum_steps):
-            last = k == self.plan.grad_accum_steps - 1
+        count = self.plan.grad_accum_steps if count is None else count
+        for k in range(count):
+            last = k == count - 1
             with contextlib.nullcontext() if last else self.model.no_sync():
                 yield _to_device(next(batches), self.device)
 

@@ -267,9 +267,11 @@ class LiveConfig:
     on_too_few: str = opt("stop", "live recovery: below min_workers, stop with an error naming the missing workers, "
                           "or wait for them (up to wait_timeout_s)", choices=("stop", "wait"))
     wait_timeout_s: float = opt(600.0, "live recovery: how long on_too_few = \"wait\" waits")
-    lr_scaling: str = opt("none", "live recovery: a step with k of N workers takes k/N of the global batch; "
-                          "\"linear\" scales its learning rate by k/N, \"none\" keeps it",
-                          choices=("none", "linear"))
+    global_batch: str = opt("shrink", "live recovery: a step with k of N workers takes k/N of the global batch "
+                            "(shrink), or the whole global batch, each of the k more micro-steps (constant: the same "
+                            "optimizer step as with N, k/N of the throughput)", choices=("shrink", "constant"))
+    lr_scaling: str = opt("none", "live recovery with global_batch = \"shrink\": \"linear\" scales a step's "
+                          "learning rate by k/N, \"none\" keeps it", choices=("none", "linear"))
     check_every: int = opt(0, "live recovery: every this many steps each worker records a hash of its whole state in "
                            "logs/live<r>.jsonl (survivors' hashes are equal); 0: only a heal is hashed")
     max_restarts: int = opt(100, "live recovery under dptrain run --nproc: how many times the launcher restarts "
@@ -282,6 +284,10 @@ class LiveConfig:
         at_least("live", self, {"heartbeat_timeout_s": 0.2, "join_timeout_s": 0.0, "start_timeout_s": 1.0,
                                  "min_workers": 1, "wait_timeout_s": 0.0, "max_restarts": 0,
                                  "check_every": 0})
+        if self.global_batch == "constant" and self.lr_scaling != "none":
+            raise ConfigError(f"live.global_batch = \"constant\" keeps the global batch with k of N workers, so "
+                              f"there is nothing to scale the learning rate for: live.lr_scaling = "
+                              f"{self.lr_scaling!r} is for global_batch = \"shrink\"; set one of the two back")
 
 
 @dataclass

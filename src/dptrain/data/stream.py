@@ -51,6 +51,16 @@ class SampleStream:
             batches.append(self.collate_fn(samples))
         return batches
 
+    def split(self, start: int, total: int, count: int) -> list[Any]:
+        """The ``total`` samples from stream position ``start`` as ``count`` micro-batches of near-equal sizes (the
+        first ``total % count`` one sample larger; ``count <= total``)."""
+        batches, at = [], start
+        for j in range(count):
+            size = total // count + (j < total % count)
+            batches.extend(self.micro_batches(at, size, 1))
+            at += size
+        return batches
+
     def _permutation(self, epoch: int) -> list[int]:
         if epoch != self._epoch:  # the sampler's epoch order, over the whole set
             sampler = DistributedSampler(self.size, num_replicas=1, rank=0, seed=self.seed)

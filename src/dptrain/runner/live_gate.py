@@ -135,7 +135,8 @@ class LiveGate(StaticGate):
         self.manager.step = self.start_step = step
         self.replica = ReplicaState(self.engine, SampleStream(rp.task.train_set, seed=cfg.train.seed,
                                                              collate_fn=collate(rp.task)),
-                                    position, env.world_size, cfg.live.lr_scaling == "linear")
+                                    position, env.world_size, cfg.live.lr_scaling == "linear",
+                                    cfg.live.global_batch == "constant")
         self.live_log.start(env.rank, restart_count(), step)
         over = "live recovery: the run has finished; nothing to join" if self.manager.store.check([DONE_KEY]) else None
         # a restarted replica 0 keeps every record (none past the step it is healed to exists); a torn last line goes
@@ -159,7 +160,7 @@ class LiveGate(StaticGate):
             if attempt.ok:
                 seed_everything(step_seed(self.rp.cfg.train.seed, self.env.rank, step))
                 batches = iter(replica.enter(quorum))
-            yield Turn(step, batches, attempt=attempt)
+            yield Turn(step, batches, weighted=replica.constant, attempt=attempt)
 
     def decide(self, turn: Turn, times: StepTimes | None) -> bool:
         """The commit vote, after this member's backward (a member that sat the attempt out votes no)."""
@@ -213,9 +214,13 @@ class LiveGate(StaticGate):
     def _line(self) -> str:
         """The log's line on live recovery: this replica, and the rule for a round of fewer workers."""
         n, cfg = self.env.world_size, self.rp.cfg
+        restarted = f", restarted ({restart_count()}): to be healed by a peer" if self.joining else ""
+        if cfg.live.global_batch == "constant":
+            return f"live recovery: replica {self.env.rank} of {n}{restarted}; a step with k of {n} workers takes the " \
+                   f"whole global batch, each of the k {n}/k times the micro-steps (global batch kept: " \
+                   "live.global_batch = constant)"
         rule = ("learning rate scaled by k/N (live.lr_scaling = linear)" if cfg.live.lr_scaling == "linear" else
                 "learning rate kept (live.lr_scaling = none)")
-        restarted = f", restarted ({restart_count()}): to be healed by a peer" if self.joining else ""
         return f"live recovery: replica {self.env.rank} of {n}{restarted}; a step with k of {n} workers takes " \
                f"k/{n} of the global batch, its {rule}"
 

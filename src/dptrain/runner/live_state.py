@@ -29,14 +29,15 @@ def held_tensors(engine: Engine, position: int) -> list[torch.Tensor]:
 class ReplicaState:
     """The engine and the committed data position of one replica (see the module docstring).
 
-    ``per``: samples a member takes per step (micro x accum); ``replicas``: the job's
-    workers; ``linear``: ``live.lr_scaling = "linear"`` (a round of k takes the learning rate
-    times k / replicas).
+    ``replicas``: the job's workers; ``linear``: ``live.lr_scaling = "linear"`` (a round of k takes the learning
+    rate times k / replicas); ``constant``: ``live.global_batch = "constant"`` (a round of k takes the whole global
+    batch, each member more micro-steps: :meth:`enter`).
     """
 
-    def __init__(self, engine: Engine, stream: SampleStream, position: int, replicas: int, linear: bool):
+    def __init__(self, engine: Engine, stream: SampleStream, position: int, replicas: int, linear: bool,
+                 constant: bool = False):
         self.engine, self.stream, self.position = engine, stream, position
-        self.replicas, self.linear = replicas, linear
+        self.replicas, self.linear, self.constant = replicas, linear, constant
         self.scale = 1.0
         schedule = engine.lr_at
         engine.lr_at = lambda s: schedule(s) * self.scale
@@ -58,16 +59,33 @@ class ReplicaState:
         return state_hash(held_tensors(self.engine, self.position))
 
     def enter(self, quorum: Quorum) -> list:
-        """This member's micro-batches of the round's step, the learning rate scaled for the round's size."""
+        """This member's micro-batches of the round's step, the learning rate scaled for the round's size.
+
+        Shrinking (the default): member ``i`` of ``k`` takes the ``i``-th ``micro x accum`` samples, so the step's
+        batch is ``k / replicas`` of the global one. Constant: the round takes the whole global batch ``B``, member
+        ``i`` its ``i``-th share (``B / k``, near-equal) in ``c = ceil(replicas x accum / k)`` micro-batches of at
+        most ``micro`` samples, each ``(micro-batch, weight)`` with ``weight = k c s / (accum B)`` for ``s``
+        samples: the engine scales a loss by ``weight x accum`` and the step divides by ``c``, the same on every
+        member, and the round's hook sums and divides by ``k``, so each sample counts ``1 / B``, as in a step of
+        every replica (the members' gradients bitwise equal; with ``k = replicas`` the weights are ``1 / accum``
+        and the step is the shrinking one's)."""
         self.scale = quorum.size / self.replicas if self.linear else 1.0
         plan = self.engine.plan
         per = plan.micro_batch_size * plan.grad_accum_steps
-        return self.stream.micro_batches(self.position + quorum.index * per, plan.micro_batch_size,
-                                         plan.grad_accum_steps)
+        if not self.constant:
+            return self.stream.micro_batches(self.position + quorum.index * per, plan.micro_batch_size,
+                                             plan.grad_accum_steps)
+        k, i, total = quorum.size, quorum.index, self.replicas * per
+        count = min(-(-self.replicas * plan.grad_accum_steps // k), total // k)  # every member's, none empty
+        start = self.position + i * (total // k) + min(i, total % k)
+        share = total // k + (i < total % k)
+        sizes = [share // count + (j < share % count) for j in range(count)]
+        batches = self.stream.split(start, share, count)
+        return [[(b, k * count * s / (plan.grad_accum_steps * total)) for b, s in zip(batches, sizes, strict=True)]]
 
     def committed(self, quorum: Quorum) -> int:
         """The round's step applied: the position moves past every member's samples; the step's global batch."""
         plan = self.engine.plan
-        batch = quorum.size * plan.micro_batch_size * plan.grad_accum_steps
+        batch = (self.replicas if self.constant else quorum.size) * plan.micro_batch_size * plan.grad_accum_steps
         self.position += batch
         return batch

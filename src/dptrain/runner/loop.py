@@ -153,7 +153,8 @@ def timed_backward(engine: Engine, task: Task, batches: Iterator[Any], *, weight
     """A step's micro-steps of forward and backward (the gradients synchronised in the last), timed; no optimizer
     step (:func:`timed_step` takes it; the loop takes it once the gate commits)."""
     times = StepTimes(start=time.perf_counter())
-    for item in engine.micro_steps(iter(next(batches)) if weighted else batches):
+    step = next(batches) if weighted else None  # a step's [(micro-batch, loss weight)], as many as it takes
+    for item in engine.micro_steps(iter(step) if weighted else batches, len(step) if weighted else None):
         batch, weight = item if weighted else (item, None)
         f0 = time.perf_counter()
         with engine.autocast():
