@@ -4,7 +4,8 @@ Epoch ``e`` is the permutation of the whole set drawn from ``seed + e`` (the one
 :class:`~dptrain.data.sampler.DistributedSampler` draws), and the stream is those
 permutations end to end; a *position* is how many samples of the stream the run has
 consumed. Under live recovery a step of a round of ``k`` workers consumes ``k x micro x
-accum`` samples, member ``i`` taking the ``i``-th slice, and the position moves on only when
+accum`` samples, member ``i`` taking the ``i``-th slice (or, with ``live.global_batch =
+"constant"``, the whole global batch, member ``i`` its ``i``-th share), and the position moves on only when
 the step commits: a step that aborts is attempted again on the same samples, so no sample
 is read twice by committed steps and none is skipped, whatever the rounds' sizes. The
 position is part of the state a joining worker is healed with.
