@@ -309,10 +309,15 @@ def test_survivors_go_on_and_the_victim_is_healed(tmp_path, nproc, victim, kind,
     assert proc.returncode == 0, proc.stderr[-3000:]
     if kind != "stop":
         assert f"worker {victim} exited" in proc.stderr and "the others go on" in proc.stderr
-    _check_survivors(run_dir, steps, victim, step, healed=kind != "stop")
+    logs = _check_survivors(run_dir, steps, victim, step, healed=kind != "stop")
     assert (run_dir / "model.safetensors").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics if "loss" in m][-1] == steps
+    # replica 0 writes the records: restarted after the others took the last steps, it is healed at the end, and the
+    # steps it missed are a gap at the end of metrics.jsonl (its final evaluation is still there)
+    at_end = any(r.get("event") == "healed at the end" for r in logs[0])
+    last = [m["step"] for m in metrics if "loss" in m][-1]
+    assert last == steps or (victim == 0 and at_end), f"metrics end at step {last} (fault at step {step})"
+    assert any(m.get("kind") == "eval" and m["step"] == steps for m in metrics)
     live = json.loads((run_dir / "summary.json").read_text())["live"]
     assert live["committed"] == steps and live["attempted"] > steps and live["failures"] >= 1
     assert "live recovery" in proc.stdout + proc.stderr
