@@ -85,3 +85,17 @@ def test_errors_suggest_values_by_the_key_that_sets_them_case_ignored(tmp_path, 
     done = _run(*args, tmp_path=tmp_path)
     assert done.exit_code == 2 and message in done.stderr, done.output
     assert not (tmp_path / "run").exists()
+
+
+def test_tunes_chosen_command_names_the_strategy_and_runs_as_written(tmp_path):
+    import shlex
+
+    from dptrain.tune.machine import Local
+    from dptrain.tune.report import command
+
+    best = tmp_path / "best.toml"
+    best.write_text('[distributed]\nstrategy = "zero2"\n[train]\nmicro_batch_size = 8\n')
+    line = command(Local(2), best, "zero2")
+    assert line.startswith("dptrain run --nproc 2 --strategy zero2 --config ")
+    done = CliRunner().invoke(main, [*shlex.split(line)[1:], "--run-dir", str(tmp_path / "run"), "--show-config"])
+    assert done.exit_code == 0 and '[distributed]\nstrategy = "zero2"' in done.stdout, done.output
