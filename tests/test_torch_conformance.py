@@ -10,10 +10,8 @@ them (gloo, world size 2). Two sets, 104 tests:
   four CUDA devices, 1 carries torch's disabled marker. torch passes 7, dptrain 6: the
   seventh reads torch-private APIs. 2 of the 28 construct no DDP.
 
-Each test forks its ranks from the pytest process, which imported torch once (as torch's
-test_distributed_fork.py did; ``DPTRAIN_CONFORMANCE_START=spawn`` spawns fresh interpreters as
-test_distributed_spawn.py does, about 4 s a test against 0.5). CI runs the CPU-runnable ones expected to
-pass, and not the 92 that skip for torch too (``EXCLUDED``, with the reason);
+Each test spawns fresh interpreters (about 4 s), so CI runs the CPU-runnable ones expected to
+pass, one spawn each, and not the 92 that skip for torch too (``EXCLUDED``, with the reason);
 ``python tests/conformance/torch_ddp_suite.py dptrain`` runs all 104 (about 10 minutes), and
 ``DPTRAIN_CONFORMANCE_FULL=1`` adds the test below that constructs no DDP to the CI list.
 The GPU-only ones that need GPUs only to place their models are ported to the CPU in

@@ -1,9 +1,8 @@
 """Run torch's own DDP tests (from the installed wheel) with dptrain's DistributedDataParallel patched in.
 
 Driven as torch's test/distributed/test_distributed_spawn.py drives them: BACKEND=gloo,
-WORLD_SIZE=2, a TEMP_DIR for the file store, one process per rank, forked from this one (as
-torch's test_distributed_fork.py ran them; ``DPTRAIN_CONFORMANCE_START=spawn``: fresh
-interpreters, about 4 s a test instead of 0.5). The class is patched in every rank (``torch.nn.parallel.DistributedDataParallel``,
+WORLD_SIZE=2, a TEMP_DIR for the file store, one spawned process per rank. The class is
+patched in every spawned rank (``torch.nn.parallel.DistributedDataParallel``,
 ``torch.nn.parallel.distributed.DistributedDataParallel`` and the test module's own name).
 
     python tests/conformance/torch_ddp_suite.py dptrain|torch [test names... | --named | --other]
@@ -47,8 +46,7 @@ from torch.testing._internal.distributed.distributed_test import DistributedTest
 
 
 class Conformance(TestDistBackend, DistributedTest._DistTestBase):
-    """torch's TestDistBackendWithSpawn (or WithFork), whose ranks patch the class named by DPTRAIN_CONFORMANCE in
-    first."""
+    """torch's TestDistBackendWithSpawn, whose spawned ranks patch the class named by DPTRAIN_CONFORMANCE in first."""
 
     @classmethod
     def _run(cls, rank, test_name, file_name, pipe, **kwargs):
@@ -57,12 +55,7 @@ class Conformance(TestDistBackend, DistributedTest._DistTestBase):
 
     def setUp(self):
         super().setUp()
-        if os.environ.get("DPTRAIN_CONFORMANCE_START", "fork") == "spawn":
-            self._spawn_processes()
-        else:  # forks of this process, which imported torch once: as torch's test_distributed_fork.py ran them
-            import torch.multiprocessing
-
-            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        self._spawn_processes()
 
 
 def ddp_test_names(cls) -> list[str]:
