@@ -1,8 +1,10 @@
 """Run torch's own DDP tests (from the installed wheel) with dptrain's DistributedDataParallel patched in.
 
 Driven as torch's test/distributed/test_distributed_spawn.py drives them: BACKEND=gloo,
-WORLD_SIZE=2, a TEMP_DIR for the file store, one spawned process per rank. The class is
-patched in every spawned rank (``torch.nn.parallel.DistributedDataParallel``,
+WORLD_SIZE=2, a TEMP_DIR for the file store, one spawned process per rank
+(``DPTRAIN_CONFORMANCE_START=fork``: forked from this process, as torch's
+test_distributed_fork.py ran them, about 0.5 s a test instead of 4; only from a plain
+process such as this script's, never from a pytest worker). The class is patched in every rank (``torch.nn.parallel.DistributedDataParallel``,
 ``torch.nn.parallel.distributed.DistributedDataParallel`` and the test module's own name).
 
     python tests/conformance/torch_ddp_suite.py dptrain|torch [test names... | --named | --other]
@@ -55,7 +57,12 @@ class Conformance(TestDistBackend, DistributedTest._DistTestBase):
 
     def setUp(self):
         super().setUp()
-        self._spawn_processes()
+        if os.environ.get("DPTRAIN_CONFORMANCE_START") == "fork":  # as torch's test_distributed_fork.py ran them
+            import torch.multiprocessing
+
+            self._start_processes(torch.multiprocessing.get_context("fork").Process)
+        else:
+            self._spawn_processes()
 
 
 def ddp_test_names(cls) -> list[str]:
