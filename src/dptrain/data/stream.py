@@ -52,12 +52,10 @@ class SampleStream:
             batches.append(self.collate_fn(samples))
         return batches
 
-    def split(self, start: int, total: int, count: int) -> list[Any]:
-        """The ``total`` samples from stream position ``start`` as ``count`` micro-batches of near-equal sizes (the
-        first ``total % count`` one sample larger; ``count <= total``)."""
+    def consecutive(self, start: int, sizes: list[int]) -> list[Any]:
+        """Micro-batches of ``sizes`` samples, one after the other, from stream position ``start``."""
         batches, at = [], start
-        for j in range(count):
-            size = total // count + (j < total % count)
+        for size in sizes:
             batches.extend(self.micro_batches(at, size, 1))
             at += size
         return batches

@@ -61,6 +61,8 @@ class StaticGate:
     """Every rank, every step, always committed (see the module docstring)."""
 
     replica_local = False  # the ranks share one process group: every rank's hooks meet in its collectives
+    checkpoint_meta: Callable[[], dict] | None = None  # more for a checkpoint's meta.json
+    record: Callable[[], dict] | None = None  # more for each metrics record
 
     def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat):
         self.rp, self.env, self.engine, self.compression = rp, env, engine, compression
@@ -77,9 +79,6 @@ class StaticGate:
     def outputs(self) -> bool:
         """Whether this rank takes part in the run's outputs: every rank (they are collectives)."""
         return True
-
-    checkpoint_meta: Callable[[], dict] | None = None
-    record: Callable[[], dict] | None = None  # more for each metrics record
 
     def start(self) -> Start:
         """Resume from the run's checkpoint or seed this rank; the data from the step it starts at."""

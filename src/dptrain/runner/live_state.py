@@ -79,8 +79,8 @@ class ReplicaState:
         count = min(-(-self.replicas * plan.grad_accum_steps // k), total // k)  # every member's, none empty
         start = self.position + i * (total // k) + min(i, total % k)
         share = total // k + (i < total % k)
-        sizes = [share // count + (j < share % count) for j in range(count)]
-        batches = self.stream.split(start, share, count)
+        sizes = [share // count + (j < share % count) for j in range(count)]  # near-equal, the first ones larger
+        batches = self.stream.consecutive(start, sizes)
         return [[(b, k * count * s / (plan.grad_accum_steps * total)) for b, s in zip(batches, sizes, strict=True)]]
 
     def committed(self, quorum: Quorum) -> int:
