@@ -225,13 +225,14 @@ def test_sample_stream_slices_take_each_sample_once_per_epoch():
     assert crossing == [0, 0, 1, 1]
 
 
-@pytest.mark.parametrize("setting, message", [
-    ("distributed.strategy=\"zero2\"", "strategy 'zero2' cannot"),
-    ("compression.method=\"fp16\"", "compression.method would claim"),
-    ("live.min_workers=3", "more than the job's 2 worker"),
+@pytest.mark.parametrize("settings, message", [
+    (['distributed.strategy="zero2"'], "strategy 'zero2' cannot"),
+    (['compression.method="fp16"'], "compression.method would claim"),
+    (["live.min_workers=3"], "more than the job's 2 worker"),
+    (['distributed.strategy="diloco"', "diloco.warmup_steps=5"], "diloco.warmup_steps = 5 asks for a synchronous"),
 ])
-def test_what_live_recovery_cannot_run_with(tmp_path, setting, message):
-    cfg = load_config(tiny_gpt_config(tmp_path), ["live.enabled=true", setting])
+def test_what_live_recovery_cannot_run_with(tmp_path, settings, message):
+    cfg = load_config(tiny_gpt_config(tmp_path), ["live.enabled=true", *settings])
     with pytest.raises(ConfigError, match=message):
         validate_run(cfg, 2, check_forward=False)
 
@@ -253,6 +254,13 @@ def test_live_totals_count_each_round_once_and_skip_a_torn_line(tmp_path):
     assert totals["steps_by_quorum_size"] == {"2": 2, "1": 1} and totals["joins"] == 1
     assert (totals["heals"], totals["heal_bytes"], totals["recovery_s"]) == (1, 800, [5.5])
     assert "3 of 4 attempted steps committed (75.0%); 1 failure(s)" in live_rows(totals)[0][1]
+    for records in (a, b):  # rounds held at meetings (local SGD, DiLoCo) are counted as meetings
+        for r in records:
+            if "round" in r:
+                r["meeting"] = True
+    (logs / "live0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in a))
+    (logs / "live1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in b))
+    assert "3 of 4 attempted meetings committed" in live_rows(live_totals(read_live_logs(tmp_path)))[0][1]
 
 
 def _logs(run_dir: Path) -> dict[int, list[dict]]:

@@ -45,7 +45,7 @@ def test_shards_parameters_is_what_each_wrapper_does():
 
 def _protocol_each(rank, world_size, names):
     """Each wrapper through the protocol only: skip a reduction, reduce again, and the pre-step hook."""
-    from dptrain.strategies.protocol import DataParallelWrapper
+    from dptrain.strategies.protocol import DataParallelWrapper, MeetingWrapper
 
     facts = {}
     for name in names:
@@ -63,7 +63,7 @@ def _protocol_each(rank, world_size, names):
         mixes_before = getattr(wrapped, "steps", 0)
         wrapped.before_optimizer_step()
         facts[name] = (isinstance(wrapped, DataParallelWrapper), synced is not None, skipped, reduced,
-                       getattr(wrapped, "steps", 0) - mixes_before)
+                       getattr(wrapped, "steps", 0) - mixes_before, isinstance(wrapped, MeetingWrapper))
     return facts
 
 
@@ -79,4 +79,6 @@ def test_every_wrapper_satisfies_the_protocol_through_its_switch_stats_and_pre_s
     assert set(names) == set(REDUCES), "a new strategy: say here what its backward does"
     facts = run_on_ranks(_protocol_each, 2, names)[0]
     for name in names:
-        assert facts[name] == (True, REDUCES[name], True, True, int(name in MIXES_BEFORE_STEP)), name
+        # live recovery holds the meetings of the wrappers whose entry says so, through their meeting protocol
+        assert facts[name] == (True, REDUCES[name], True, True, int(name in MIXES_BEFORE_STEP),
+                               REGISTRY[name].live == "meeting"), name

@@ -257,7 +257,8 @@ class DivergenceConfig:
 @dataclass
 class LiveConfig:
     enabled: bool = opt(False, "live recovery: survivors go on without a restart (a quorum each step, a commit vote, "
-                        "a restarted worker healed from a peer; docs/reliability.md, \"Live recovery\")")
+                        "a restarted worker healed from a peer; under local SGD and DiLoCo only where the replicas "
+                        "meet; docs/reliability.md, \"Live recovery\")")
     heartbeat_timeout_s: float = opt(5.0, "live recovery: a worker whose heartbeat has not moved for this long is "
                                      "dropped from the next quorum; also the timeout of a round's collectives")
     join_timeout_s: float = opt(30.0, "live recovery: how long a round waits for a worker that beats but does not "

@@ -42,7 +42,7 @@ from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
 from dptrain.diloco.options import DiLoCoOptions
-from dptrain.diloco.outer import OuterStep
+from dptrain.diloco.outer import OuterStep, RoundDelta
 from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["DiLoCo"]
@@ -72,6 +72,8 @@ class DiLoCo(nn.Module):
         self.outer = self._fresh_outer()
         self.steps = 0  # optimizer steps taken, skipped ones included: the same count on every rank
         self.syncs = 0
+        self.synced_steps = 0  # the step count at the last outer step
+        self.meets_itself = True  # False under live recovery, which holds the outer steps (the meeting protocol)
         self.last_sync_s = 0.0
         self._user_sync = True  # what the caller asked (no_sync for accumulation), in the warm-up
         self._synced = False    # whether the latest forward armed a gradient reduction
@@ -147,16 +149,53 @@ class DiLoCo(nn.Module):
                 self.outer = self._fresh_outer()
             return
         self._metered["steps"] += 1
-        if self.steps_since_sync == 0:
+        if self.meets_itself and self.meeting_due:
             self.sync()
 
     def sync(self) -> None:
         """Collective: the outer step; every replica then holds the new global weights."""
         t0 = time.perf_counter()
-        for key, value in self.outer(self._params()).items():
+        self._count(self.outer(self._params()), t0)
+
+    def _count(self, counted: dict[str, int], t0: float) -> None:
+        for key, value in counted.items():
             self._metered[key] += value
         self.syncs += 1
+        self.synced_steps = self.steps
         self.last_sync_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the meeting protocol (live recovery)
+
+    @property
+    def meeting_due(self) -> bool:
+        """Whether the schedule holds an outer step after the step just taken (every ``period`` inner steps)."""
+        return self.unmet_steps > 0 and self.steps_since_sync == 0
+
+    @property
+    def unmet_steps(self) -> int:
+        """Inner steps since the last outer step (0 in the warm-up)."""
+        return 0 if self.in_warmup else self.steps - max(self.synced_steps, self.options.warmup_steps)
+
+    def reduce_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool) -> RoundDelta:
+        """The outer step's reduction over a live round's ``group`` (:meth:`OuterStep.reduce_over`), not applied."""
+        self._meeting_t0 = time.perf_counter()
+        return self.outer.reduce_over(self._params(), group, participants, participating)
+
+    def apply_meeting(self, reduced: RoundDelta) -> None:
+        """The round committed: the outer step with its averaged pseudo-gradient."""
+        self.outer.apply(reduced.delta, self._params())
+        self._count(reduced.counted, self._meeting_t0)
+
+    def discard_meeting(self, reduced: RoundDelta) -> None:
+        """The round aborted: nothing changed but the residual, which goes back."""
+        self.outer.restore(reduced)
+
+    def met_tensors(self) -> list[torch.Tensor]:
+        """What every replica holds alike after an outer step: the weights (the global ones), the global weights
+        and the outer momentum (each rank's inner optimizer state and residual are its own)."""
+        momentum = [t for state in self.outer.optimizer.state.values() for t in state.values()
+                    if isinstance(t, torch.Tensor)]
+        return [*self._params(), self.outer.weights, *momentum]
 
     def step_metrics(self) -> dict[str, Any]:
         """After the warm-up: bytes per inner step since the last call (what the outer steps sent, spread over the
@@ -179,7 +218,7 @@ class DiLoCo(nn.Module):
     def finish(self) -> str | None:
         """Collective, after the last step: an incomplete last round ends with its outer step, so every replica holds
         the global weights; buffers are rank 0's on every rank. Says so when it took that outer step."""
-        inner = self.steps_since_sync
+        inner = self.unmet_steps
         if inner:
             self.sync()
         if not self.in_warmup:
@@ -221,7 +260,8 @@ class DiLoCo(nn.Module):
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the global weights, the outer momentum and the step count; ``rank``: this rank's replica,
         inner optimizer state and error-feedback residual (all differ between ranks)."""
-        return {"shared": {"outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs},
+        return {"shared": {"outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs,
+                           "synced_steps": self.synced_steps},
                 "rank": {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "residual": self.outer.residual()}}
 
@@ -234,6 +274,7 @@ class DiLoCo(nn.Module):
             return "DiLoCo's global weights start from the checkpoint's model, with no outer momentum yet"
         self.outer.load_state_dict(shared["outer"])
         self.steps, self.syncs = int(shared["steps"]), int(shared["syncs"])
+        self.synced_steps = int(shared.get("synced_steps", self.steps - self.steps_since_sync))
         mine = state.get("rank")
         if mine:
             self.module.load_state_dict(mine["model"])

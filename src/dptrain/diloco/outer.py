@@ -16,16 +16,28 @@ optimizer tensor); :func:`outer_step_naive` does the same per tensor, the oracle
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from dptrain import comm
+from dptrain.comm.cost import collective_cost
 from dptrain.compress import make_codec
 from dptrain.compress.hook import CompressionHook
 from dptrain.ddp.comm_hooks import GradBucket
 
-__all__ = ["OuterStep", "outer_step_naive", "outer_optimizer"]
+__all__ = ["OuterStep", "RoundDelta", "outer_step_naive", "outer_optimizer"]
+
+
+@dataclass
+class RoundDelta:
+    """A pseudo-gradient averaged over a live round, not applied yet: ``counted`` its bytes, ``residual`` the
+    error-feedback state from before it (restored if the round aborts)."""
+
+    delta: torch.Tensor
+    counted: dict[str, int]
+    residual: dict | None
 
 
 def outer_optimizer(params: Sequence[torch.Tensor], lr: float, momentum: float, nesterov: bool) -> torch.optim.SGD:
@@ -45,6 +57,7 @@ class OuterStep:
         self.sizes = [p.numel() for p in params]
         self.weights = torch.cat([p.detach().reshape(-1) for p in params]).to(home, torch.float32, copy=True)
         self.optimizer = outer_optimizer([self.weights], lr, momentum, nesterov)
+        self.codec = compression
         self.compressor = (CompressionHook(make_codec(compression), error_feedback=error_feedback,
                                            process_group=process_group) if compression != "none" else None)
         self.sent_bytes = comm.sent_bytes("all_reduce", self.weights.numel(), 4, group=process_group)
@@ -56,16 +69,63 @@ class OuterStep:
         Returns the bytes of the reduction: ``raw`` (the fp32 pseudo-gradient), ``payload`` (encoded; 0
         uncompressed) and ``sent`` (on the wire, by the cost model or the codec's count).
         """
-        local = torch.cat([p.detach().reshape(-1).float() for p in params])
-        delta = self.weights.to(local.device, copy=True).sub_(local)  # this rank's pseudo-gradient
+        delta = self.pseudo_gradient(params)
         counted = self._reduce(delta)
+        self.apply(delta, params)
+        return counted
+
+    @torch.no_grad()
+    def pseudo_gradient(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's pseudo-gradient, ``g - x_i``, in fp32 on ``params``' device."""
+        local = torch.cat([p.detach().reshape(-1).float() for p in params])
+        return self.weights.to(local.device, copy=True).sub_(local)
+
+    @torch.no_grad()
+    def apply(self, delta: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+        """The outer optimizer's step on the global weights with the averaged ``delta``; ``params`` restart from
+        them."""
         self.weights.grad = delta.to(self.weights.device)
         self.optimizer.step()
         self.weights.grad = None
         restart = self.weights.to(params[0].device)
         torch._foreach_copy_(list(params), [piece.view_as(p) for piece, p in
                                             zip(restart.split(self.sizes), params, strict=True)])
-        return counted
+
+    @torch.no_grad()
+    def reduce_over(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, participants: int,
+                    participating: bool) -> RoundDelta:
+        """Live recovery's reduction: the pseudo-gradient averaged over the ``participants`` members of a round's
+        ``group`` (a process group outside torch.distributed's world; None: a round of one), nothing applied.
+
+        A member healed in this round (``participating`` False) holds a peer's inner steps, not
+        its own: it adds zeros, with its error-feedback residual cleared first (it would send the
+        peer's twice). The residual as it was is kept in the result, for :meth:`restore` when the
+        round aborts.
+        """
+        delta = self.pseudo_gradient(params) if participating else \
+            torch.zeros(self.weights.numel(), device=params[0].device)
+        saved = self.compressor.state_dict() if self.compressor is not None else None  # copies
+        if saved is not None and not participating and self.compressor.feedback is not None:
+            self.compressor.feedback.residuals = {}
+        raw = delta.numel() * delta.element_size()
+        size = group.size() if group is not None else 1
+        if size == 1:
+            counted = {"raw": raw, "payload": 0, "sent": 0}
+        elif self.compressor is None:
+            group.allreduce([delta]).wait()
+            delta.div_(participants)
+            counted = {"raw": raw, "payload": 0, "sent": collective_cost("all_reduce", "ring", delta.numel(), 4,
+                                                                          size).bytes_sent[group.rank()]}
+        else:
+            hook = CompressionHook(make_codec(self.codec), error_feedback=self.compressor.feedback is not None,
+                                   channel=group)
+            hook.load_state_dict(self.compressor.state_dict())
+            mean = hook(None, GradBucket(0, delta, [delta], [], True)).wait()  # the mean over the group's size
+            delta.copy_(mean).mul_(size / participants)
+            self.compressor.load_state_dict(hook.state_dict())
+            stats = hook.stats.close_step()
+            counted = {"raw": raw, "payload": stats["payload_bytes"], "sent": stats["sent_bytes"]}
+        return RoundDelta(delta, counted, saved)
 
     def _reduce(self, delta: torch.Tensor) -> dict[str, int]:
         """``delta`` becomes the mean over the ranks (in place)."""
@@ -79,6 +139,11 @@ class OuterStep:
             delta.copy_(mean)
         stats = self.compressor.stats.close_step()
         return {"raw": raw, "payload": stats["payload_bytes"], "sent": stats["sent_bytes"]}
+
+    def restore(self, reduced: RoundDelta) -> None:
+        """A round that aborted: the error-feedback residual as it was before :meth:`reduce_over`."""
+        if self.compressor is not None and reduced.residual is not None:
+            self.compressor.load_state_dict(reduced.residual)
 
     def state_dict(self) -> dict:
         """The global weights and the outer optimizer: the same on every rank."""

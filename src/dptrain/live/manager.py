@@ -186,14 +186,15 @@ class LiveManager:
         return commit_vote(self.store, quorum.round, quorum.index, quorum.members, ok, self.liveness,
                            self.settings.heartbeat_timeout_s, self.progress)
 
-    def end(self, attempt: Attempt, committed: bool, counted: bool = True) -> float | None:
+    def end(self, attempt: Attempt, committed: bool, counted: bool = True, advance: int = 1) -> float | None:
         """After the decision (and the optimizer step on commit): on to the next round; a recovery's seconds, if this
-        commit ends one. ``counted``: False for a round with no step in it (the end of a run)."""
+        commit ends one. ``counted``: False for a round with no step in it (the end of a run). ``advance``: the
+        steps a commit completes (a round of the steps' own: 1; a meeting: the steps since the last)."""
         self._group_ok = self.group.error is None
         if self.group.error is not None:
             self.group.drop()  # broken: the next round makes a new one
         if committed:
-            self.step = attempt.quorum.step + 1
+            self.step = attempt.quorum.step + advance
         self.round = attempt.quorum.round + 1
         self.hook.bytes = 0
         return self.stats.attempt(committed, attempt.quorum.size, attempt.began) if counted else None

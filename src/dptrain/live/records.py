@@ -65,7 +65,8 @@ def live_totals(logs: dict[int, list[dict]]) -> dict:
     return {"attempted": len(ordered), "committed": len(committed), "aborted": len(ordered) - len(committed),
             "failures": failures, "joins": joins, "steps_by_quorum_size": {str(k): sizes[k] for k in sorted(sizes)},
             "recovery_s": sorted(recoveries), "heals": len(heals), "heal_bytes": sum(b for b, _ in heals),
-            "heal_s": sum(s for _, s in heals)}
+            "heal_s": sum(s for _, s in heals), "unit": "meetings" if any(r.get("meeting") for r in ordered) else
+            "steps"}
 
 
 def live_rows(totals: dict) -> list[tuple[str, str]]:
@@ -74,9 +75,10 @@ def live_rows(totals: dict) -> list[tuple[str, str]]:
         return []
     pct = 100 * totals["committed"] / totals["attempted"]
     sizes = ", ".join(f"{k}: {v:,}" for k, v in sorted(totals["steps_by_quorum_size"].items(), reverse=True))
-    rows = [("live recovery", f"{totals['committed']:,} of {totals['attempted']:,} attempted steps committed "
+    unit = totals.get("unit", "steps")  # a round per step, or per meeting (local SGD, DiLoCo)
+    rows = [("live recovery", f"{totals['committed']:,} of {totals['attempted']:,} attempted {unit} committed "
                               f"({pct:.1f}%); {totals['failures']} failure(s), {totals['joins']} worker(s) "
-                              f"rejoined; committed steps by workers taking part: {sizes}")]
+                              f"rejoined; committed {unit} by workers taking part: {sizes}")]
     if totals["recovery_s"]:
         rec = totals["recovery_s"]
         rows.append(("recovery", f"from a failed attempt to the next commit: median {statistics.median(rec):.2f} s, "

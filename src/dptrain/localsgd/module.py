@@ -61,6 +61,8 @@ class LocalSGD(nn.Module):
         self.process_group, self.device = process_group, self.ddp.device
         self.steps = 0  # optimizer steps taken, skipped ones included: the same count on every rank
         self.averages = 0
+        self.averaged_steps = 0  # the step count at the last average
+        self.meets_itself = True  # False under live recovery, which holds the averages (the meeting protocol)
         self.last_average_s = 0.0
         self._user_sync = True  # what the caller asked (no_sync for accumulation)
         self._synced = False    # whether the latest forward armed a gradient reduction
@@ -122,19 +124,65 @@ class LocalSGD(nn.Module):
 
     def after_optimizer_step(self) -> None:
         """Count the step; average the replicas when the schedule says so (collective then)."""
-        step, self.steps = self.steps, self.steps + 1
+        self.steps += 1
         self._metered_steps += 1
-        warmup = self.options.warmup_steps
-        if step >= warmup and (step - warmup) % self.options.period == 0:
+        if self.meets_itself and self.meeting_due:
             self.average()
 
     def average(self) -> None:
         """Collective: every replica becomes the mean of all of them."""
         t0 = time.perf_counter()
-        self._bytes += average_parameters(self._params(), self.process_group)
+        self._count(average_parameters(self._params(), self.process_group), t0)
+
+    def _count(self, reduced_bytes: int, t0: float) -> None:
+        self._bytes += reduced_bytes
         self.averages += 1
         self._metered_averages += 1
+        self.averaged_steps = self.steps
         self.last_average_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the meeting protocol (live recovery)
+
+    @property
+    def meeting_due(self) -> bool:
+        """Whether the schedule averages after the step just taken (the first local step, then every ``period``)."""
+        local = self.steps - 1 - self.options.warmup_steps
+        return self.unmet_steps > 0 and local >= 0 and local % self.options.period == 0
+
+    @property
+    def unmet_steps(self) -> int:
+        """Local steps since the replicas were last averaged (0 in the warm-up)."""
+        return max(0, self.steps - max(self.averaged_steps, self.options.warmup_steps))
+
+    @torch.no_grad()
+    def reduce_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool) \
+            -> torch.Tensor:
+        """The replicas' mean over a live round's ``group`` (a process group outside torch.distributed's world;
+        None: a round of one) and its ``participants`` (a member healed in this round adds zeros: it holds a peer's
+        replica), into a flat buffer; nothing applied."""
+        self._meeting_t0 = time.perf_counter()
+        params = self._params()
+        flat = torch.cat([p.detach().reshape(-1) for p in params]) if participating else \
+            torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        if group is not None and group.size() > 1:
+            group.allreduce([flat]).wait()
+        return flat.div_(participants)
+
+    @torch.no_grad()
+    def apply_meeting(self, mean: torch.Tensor) -> None:
+        """The round committed: every replica becomes the mean."""
+        params = self._params()
+        torch._foreach_copy_(params, [piece.view_as(p) for piece, p in
+                                      zip(mean.split([p.numel() for p in params]), params, strict=True)])
+        self._count(mean.numel() * mean.element_size(), self._meeting_t0)
+
+    def discard_meeting(self, mean: torch.Tensor) -> None:
+        """The round aborted: nothing was changed."""
+
+    def met_tensors(self) -> list[torch.Tensor]:
+        """What every replica holds alike after an average: the parameters (buffers and optimizer state are each
+        rank's own)."""
+        return self._params()
 
     def step_metrics(self) -> dict[str, Any]:
         """After the warm-up: the averages' bytes per step since the last call (the step's communication), the
@@ -157,7 +205,7 @@ class LocalSGD(nn.Module):
     def finish(self) -> None:
         """Collective, after the last step: the replicas averaged if they differ (the model to evaluate and keep);
         after the warm-up, buffers are rank 0's on every rank."""
-        if self.local_steps:
+        if self.unmet_steps:
             self.average()
         if self.steps > self.options.warmup_steps:
             broadcast_buffers_(self.module, self.process_group)
@@ -181,7 +229,8 @@ class LocalSGD(nn.Module):
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the step count (the schedule's position); ``rank``: once the warm-up is over, this rank's
         own replica and optimizer state (they differ between ranks from then on)."""
-        state: dict[str, dict] = {"shared": {"steps": self.steps, "averages": self.averages}}
+        state: dict[str, dict] = {"shared": {"steps": self.steps, "averages": self.averages,
+                                             "averaged_steps": self.averaged_steps}}
         if self.steps > self.options.warmup_steps:
             state["rank"] = {"model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
         return state
@@ -191,6 +240,7 @@ class LocalSGD(nn.Module):
         ranks). Returns what to tell the user when the replicas start from rank 0's instead."""
         shared = state.get("shared") or {}
         self.steps, self.averages = int(shared.get("steps", 0)), int(shared.get("averages", 0))
+        self.averaged_steps = int(shared.get("averaged_steps", self.steps - self.local_steps))
         mine = state.get("rank")
         if mine:
             self.module.load_state_dict(mine["model"])

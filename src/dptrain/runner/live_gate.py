@@ -56,7 +56,7 @@ from dptrain.runner.metrics import StepTimes
 from dptrain.runner.plan import RunPlan
 from dptrain.tasks import collate
 
-__all__ = ["LiveGate", "live_settings"]
+__all__ = ["LiveGate", "live_settings", "fault_before_vote", "FINAL_KEY"]
 
 FINISH_POLL_S = 0.1
 GONE_PROBE_S = 1.0  # how long a worker whose store call failed looks for the store before it says it is gone
@@ -74,6 +74,7 @@ class LiveGate(StaticGate):
     """A quorum, a heal and a vote around every step (see the module docstring)."""
 
     replica_local = True  # each worker is a process group of its own: no hook may wait on another rank
+    meeting = False  # a round every step (MeetingGate: only where the replicas meet)
 
     def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat):
         super().__init__(rp, env, engine, compression, beat)
@@ -84,10 +85,15 @@ class LiveGate(StaticGate):
             lambda: connect_store(address, cfg.live.heartbeat_timeout_s * 4 + 30), env.rank, env.world_size,
             live_settings(cfg), -1, progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"),
             identity=identity_record(rp.identity, parameters, env.world_size))
-        engine.model.register_comm_hook(None, manager.hook)  # the registry's comm_hooks: checked by validate
+        self._join_rounds(engine.model)
         self.writer = env.rank == 0
         self.replica: ReplicaState | None = None
         self.live_log = LiveLog(rp.run_dir / "logs" / f"live{env.rank}.jsonl")
+
+    def _join_rounds(self, model) -> None:
+        """Every step's gradients averaged over its round: the round's comm hook on the wrapper (registry ``live``
+        ``step``: it takes one)."""
+        model.register_comm_hook(None, self.manager.hook)
 
     @classmethod
     @contextlib.contextmanager
@@ -115,7 +121,7 @@ class LiveGate(StaticGate):
         return self.writer
 
     def checkpoint_meta(self) -> dict:
-        return {"live_position": self.replica.position}
+        return {"live_position": self.replica.read_to}
 
     def record(self) -> dict:
         """The live counts of a metrics record: round size, attempts, commits, heal bytes, the step's global batch."""
@@ -136,7 +142,7 @@ class LiveGate(StaticGate):
         self.replica = ReplicaState(self.engine, SampleStream(rp.task.train_set, seed=cfg.train.seed,
                                                              collate_fn=collate(rp.task)),
                                     position, env.world_size, cfg.live.lr_scaling == "linear",
-                                    cfg.live.global_batch == "constant")
+                                    cfg.live.global_batch == "constant", meeting=self.meeting)
         self.live_log.start(env.rank, restart_count(), step)
         over = "live recovery: the run has finished; nothing to join" if self.manager.store.check([DONE_KEY]) else None
         # a restarted replica 0 keeps every record (none past the step it is healed to exists); a torn last line goes
@@ -169,7 +175,7 @@ class LiveGate(StaticGate):
             k = attempt.quorum.size
             times.comm.sent_bytes = self.manager.hook.bytes * 2 * (k - 1) // k
         if times is not None:
-            _fault_before_vote(self.env.rank, turn.step)
+            fault_before_vote(self.env.rank, turn.step)
         return self.manager.vote(attempt, attempt.ok)
 
     def settle(self, turn: Turn, committed: bool) -> None:
@@ -239,7 +245,7 @@ def _peak_rss(logs: dict[int, list[dict]], replicas: int) -> list[float | None]:
             for i in range(replicas)]
 
 
-def _fault_before_vote(rank: int, step: int) -> None:
+def fault_before_vote(rank: int, step: int) -> None:
     """The injected ``kill-before-vote`` fault: this rank dies after its all-reduce, before voting."""
     fault = run_fault()
     if fault is not None and fault[0] == rank and fault[1] == step and fault[2] == "kill-before-vote":

@@ -46,7 +46,7 @@ class LiveLog:
                     "process_start": process_start()})
 
     def attempt(self, attempt: Attempt, step: int, committed: bool, recovery: float | None, manager: LiveManager,
-                held_hash: bytes | None) -> None:
+                held_hash: bytes | None, meeting: bool = False) -> None:
         """The attempt, its round and decision, a heal's bytes and seconds, the error that aborted it, the recovery
         it ended, (every ``live.check_every`` steps) the state's hash, and this worker's peak resident MiB so far
         (the summary's memory of every replica: they share no process group to gather it in)."""
@@ -66,6 +66,8 @@ class LiveLog:
             record["recovery_s"] = round(recovery, 4)
         if held_hash is not None:
             record["hash"] = held_hash.hex()
+        if meeting:  # a round at a meeting of replicas that step alone between (its step: the steps met)
+            record["meeting"] = True
         self.write(record)
 
     def healed_at_end(self, attempt: Attempt) -> None:

@@ -32,12 +32,21 @@ class ReplicaState:
     ``replicas``: the job's workers; ``linear``: ``live.lr_scaling = "linear"`` (a round of k takes the learning
     rate times k / replicas); ``constant``: ``live.global_batch = "constant"`` (a round of k takes the whole global
     batch, each member more micro-steps: :meth:`enter`).
+
+    Under a strategy whose replicas meet every few steps (``meeting``), a round is held only at a
+    meeting, and the steps between two take their slices by the last committed round's member
+    ``index`` of ``size``: the ``j``-th step since it reads from ``position + j x`` (the samples a
+    step of ``size`` members takes); the position moves past them all when the next meeting
+    commits (a member lost in between loses its steps' samples with its steps). The state hash
+    then covers only what the replicas hold alike after a meeting (the wrapper's
+    ``met_tensors()``): their optimizer states are their own.
     """
 
     def __init__(self, engine: Engine, stream: SampleStream, position: int, replicas: int, linear: bool,
-                 constant: bool = False):
+                 constant: bool = False, meeting: bool = False):
         self.engine, self.stream, self.position = engine, stream, position
-        self.replicas, self.linear, self.constant = replicas, linear, constant
+        self.replicas, self.linear, self.constant, self.meeting = replicas, linear, constant, meeting
+        self.index, self.size, self.since = 0, replicas, 0  # the last committed meeting's slice; steps since it
         self.scale = 1.0
         schedule = engine.lr_at
         engine.lr_at = lambda s: schedule(s) * self.scale
@@ -45,21 +54,47 @@ class ReplicaState:
     def held(self) -> dict:
         """The state a heal sends: the engine's (model, optimizer, step counts), the position, the strategy's own."""
         engine = self.engine
-        return {"engine": engine.state_dict(), "position": self.position,
+        return {"engine": engine.state_dict(), "position": self.position, "size": self.size, "since": self.since,
                 "strategy": engine.model.checkpoint_state(engine.optimizer)}
 
     def load(self, received: dict) -> bytes:
         """Take a healed state; the hash of what is now held."""
         self.engine.load_state_dict(received["engine"])
         self.engine.model.load_checkpoint_state(received["strategy"], self.engine.optimizer)
-        self.position = received["position"]
+        self.position, self.size, self.since = received["position"], received["size"], received["since"]
         return self.hash()
 
     def hash(self) -> bytes:
-        return state_hash(held_tensors(self.engine, self.position))
+        if not self.meeting:
+            return state_hash(held_tensors(self.engine, self.position))
+        counts = torch.tensor([self.engine.step_count, self.position, self.size, self.since], dtype=torch.int64)
+        return state_hash([*self.engine.model.met_tensors(), counts])
+
+    @property
+    def read_to(self) -> int:
+        """The data position after the steps taken (a checkpoint's): past the meeting's, the steps' since."""
+        return self.position + self.since * self.taken(self.size)
+
+    def taken(self, size: int) -> int:
+        """The samples a step of a round of ``size`` members takes."""
+        plan = self.engine.plan
+        return (self.replicas if self.constant else size) * plan.micro_batch_size * plan.grad_accum_steps
 
     def enter(self, quorum: Quorum) -> list:
-        """This member's micro-batches of the round's step, the learning rate scaled for the round's size.
+        """This member's micro-batches of the round's step, the learning rate scaled for the round's size."""
+        self.scale = quorum.size / self.replicas if self.linear else 1.0
+        return self._slice(self.position, quorum.index, quorum.size)
+
+    def next_step(self) -> list:
+        """Between meetings: this member's micro-batches of the next step, by the last meeting's slice."""
+        return self._slice(self.read_to, self.index, self.size)
+
+    def stepped(self) -> None:
+        """Between meetings: a step taken."""
+        self.since += 1
+
+    def _slice(self, at: int, i: int, k: int) -> list:
+        """Member ``i`` of ``k``'s micro-batches of a step whose samples start at ``at``.
 
         Shrinking (the default): member ``i`` of ``k`` takes the ``i``-th ``micro x accum`` samples, so the step's
         batch is ``k / replicas`` of the global one. Constant: the round takes the whole global batch ``B``, member
@@ -69,15 +104,13 @@ class ReplicaState:
         member, and the round's hook sums and divides by ``k``, so each sample counts ``1 / B``, as in a step of
         every replica (the members' gradients bitwise equal; with ``k = replicas`` the weights are ``1 / accum``
         and the step is the shrinking one's)."""
-        self.scale = quorum.size / self.replicas if self.linear else 1.0
         plan = self.engine.plan
         per = plan.micro_batch_size * plan.grad_accum_steps
         if not self.constant:
-            return self.stream.micro_batches(self.position + quorum.index * per, plan.micro_batch_size,
-                                             plan.grad_accum_steps)
-        k, i, total = quorum.size, quorum.index, self.replicas * per
+            return self.stream.micro_batches(at + i * per, plan.micro_batch_size, plan.grad_accum_steps)
+        total = self.replicas * per
         count = min(-(-self.replicas * plan.grad_accum_steps // k), total // k)  # every member's, none empty
-        start = self.position + i * (total // k) + min(i, total % k)
+        start = at + i * (total // k) + min(i, total % k)
         share = total // k + (i < total % k)
         sizes = [share // count + (j < share % count) for j in range(count)]  # near-equal, the first ones larger
         batches = self.stream.consecutive(start, sizes)
@@ -85,7 +118,14 @@ class ReplicaState:
 
     def committed(self, quorum: Quorum) -> int:
         """The round's step applied: the position moves past every member's samples; the step's global batch."""
-        plan = self.engine.plan
-        batch = (self.replicas if self.constant else quorum.size) * plan.micro_batch_size * plan.grad_accum_steps
+        batch = self.taken(quorum.size)
         self.position += batch
         return batch
+
+    def met(self, quorum: Quorum) -> int:
+        """A meeting committed: the position past the steps since the last; the next steps sliced by this round's
+        members (the learning rate scaled for their number); the global batch of each."""
+        self.position, self.since = self.read_to, 0
+        self.index, self.size = quorum.index, quorum.size
+        self.scale = quorum.size / self.replicas if self.linear else 1.0
+        return self.taken(self.size)

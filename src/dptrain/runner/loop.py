@@ -44,6 +44,7 @@ from dptrain.runner.hooks import RunContext
 from dptrain.runner.hooks.build import build_hooks
 from dptrain.runner.lifecycle import base_facts, open_run_dir, open_sink, program_context
 from dptrain.runner.live_gate import LiveGate
+from dptrain.runner.live_meetings import MeetingGate
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.outputs import evaluate, save_hf_model
 from dptrain.runner.plan import RunPlan
@@ -69,7 +70,7 @@ def train(rp: RunPlan, env: WorkerEnv, device: torch.device) -> RunFacts | None:
         open_run_dir(rp, env.rank)
         if entry.own_loop:  # its ranks run programs of their own (the parameter server's servers and workers)
             return entry.program(program_context(rp, env, device, beat))
-        gate = LiveGate if rp.cfg.live.enabled else StaticGate
+        gate = StaticGate if not rp.cfg.live.enabled else MeetingGate if entry.live == "meeting" else LiveGate
         with gate.guard(rp):
             return _train(rp, env, device, beat, gate)
 

@@ -63,6 +63,11 @@ optimizer steps, which the wrapper does not know (``prepare()`` accepts optimize
 parameters outside the model); the step core (:mod:`dptrain.api.step`) calls the
 wrapper's own ``clip_grad_norm_`` where the entry says the parameters are sharded.
 
+A strategy whose replicas step alone and meet every few steps (local SGD's averages,
+DiLoCo's outer steps; registry ``live = "meeting"``) also offers :class:`MeetingWrapper`'s
+members, through which live recovery holds its meetings: each over the round's group of
+the workers alive then, its result applied only once the round's vote commits it.
+
 The wrappers live below this package and do not import it (the layers point down): they
 satisfy the protocol by their shape, and ``tests/test_strategies.py`` checks each one.
 """
@@ -78,7 +83,7 @@ from torch import nn
 
 from dptrain.comm.step_stats import StepCommStats
 
-__all__ = ["DataParallelWrapper", "ShardedWrapper"]
+__all__ = ["DataParallelWrapper", "ShardedWrapper", "MeetingWrapper"]
 
 
 @runtime_checkable
@@ -154,3 +159,37 @@ class ShardedWrapper(DataParallelWrapper, Protocol):
 
     def sharded_parameters(self, key: Any) -> list[torch.Tensor]:
         """The flat shards holding the parameters its ``split_by`` mapped to ``key``."""
+
+
+@runtime_checkable
+class MeetingWrapper(DataParallelWrapper, Protocol):
+    """A wrapper whose replicas meet every few steps, its meetings held by live recovery (see the module docstring).
+
+    With ``meets_itself`` False, ``after_optimizer_step`` only counts; the caller, after a step
+    with ``meeting_due`` (or after the last, with ``unmet_steps``), forms a round and calls
+    ``reduce_meeting`` on every member, then ``apply_meeting`` where the round commits or
+    ``discard_meeting`` where it aborts (the meeting is then held again, in the next round).
+    """
+
+    meets_itself: bool
+
+    @property
+    def meeting_due(self) -> bool:
+        """Whether the schedule meets after the step just taken."""
+
+    @property
+    def unmet_steps(self) -> int:
+        """Steps since the replicas last met."""
+
+    def reduce_meeting(self, group: Any, participants: int, participating: bool) -> Any:
+        """The meeting's collective over ``group`` (a round's process group; None: a round of one), averaged over
+        its ``participants``; a member healed in this round does not participate (it adds zeros). Nothing applied."""
+
+    def apply_meeting(self, reduced: Any) -> None:
+        """The round committed: the meeting's result applied."""
+
+    def discard_meeting(self, reduced: Any) -> None:
+        """The round aborted: what the reduction changed undone."""
+
+    def met_tensors(self) -> list[torch.Tensor]:
+        """What every replica holds alike right after a meeting (live recovery's state hash)."""

@@ -71,7 +71,11 @@ class Strategy:
       shares of the global batch; ``comm_hooks``: the wrapper takes a communication hook
       (``register_comm_hook``), which 1-bit Adam replaces the gradient all-reduce with;
       ``optimizer_in_backward``: the wrapper can step the optimizer bucket by bucket inside
-      backward.
+      backward;
+    - ``live``: how live recovery (``live.enabled``) serves it: ``step`` (a round every step,
+      the gradients averaged over its members through the wrapper's comm hook), ``meeting`` (a
+      round only where the replicas meet: the wrapper is a
+      :class:`~dptrain.strategies.protocol.MeetingWrapper`), or empty (it cannot).
 
     Functions (called with the run's config; the library below never reads it):
 
@@ -92,6 +96,8 @@ class Strategy:
       reshard_after_forward, split_by)``: its communication units for ``model`` (any device, meta
       included) as its wrapper would build them, for the planner (None: not ``planned``); each takes
       the options that apply to it and ignores the others;
+    - ``check_live(cfg)``: its own settings checked against live recovery (a ValueError naming
+      the values and the fix);
     - ``check_shards(shard_size, world_size)``: hybrid sharding's groups of ``shard_size`` ranks
       checked against the world (a ValueError naming the divisors), for a strategy that shards.
 
@@ -114,6 +120,7 @@ class Strategy:
     dynamic_batching: bool = False
     comm_hooks: bool = False
     optimizer_in_backward: bool = False
+    live: str = ""
     roles: tuple[str, str] = ("ranks", "other ranks")  # what its ranks that take data, and the others, are called
     options_argument: str = ""
     label: str = ""
@@ -126,6 +133,7 @@ class Strategy:
     expendable: Callable[[Any, int], set[int]] | None = None
     program: Callable[[Any], Any] | None = None
     units: Callable[..., list] | None = None
+    check_live: Callable[[Any], None] | None = None
     check_shards: Callable[[int, int], None] | None = None
 
     def __post_init__(self):
@@ -213,6 +221,18 @@ def _diloco_options(cfg, model: nn.Module, nodes: int) -> Any:
     return DiLoCoOptions.from_section(cfg.diloco, ddp=ddp_options(cfg, model, nodes))
 
 
+def _meeting_check_live(section: str) -> Callable[[Any], None]:
+    """Live recovery holds a round only where the replicas meet: a warm-up of synchronous steps would need one every
+    step, which it does not serve for these strategies."""
+    def check(cfg) -> None:
+        warmup = getattr(cfg, section).warmup_steps
+        if warmup:
+            raise ValueError(f"live.enabled holds a round only where {section}'s replicas meet, and {section}."
+                             f"warmup_steps = {warmup} asks for a synchronous step (a round) every step of the "
+                             f"warm-up: set {section}.warmup_steps = 0, or live.enabled = false")
+    return check
+
+
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
                     checkpoint_layout="sharded", casts_itself=True, codecs=ZERO_CODECS, buckets=stage < 3,
@@ -226,7 +246,7 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
     Strategy("ddp", "replicated model, gradients all-reduced in buckets (the DDP engine)", zero_stage=0,
              shards_parameters=False, replicated_state=True, checkpoint_layout="replicated", codecs=CODECS,
              dynamic_batching=True, comm_hooks=True, optimizer_in_backward=True, options_argument="ddp_kwargs",
-             label="DDP", wrap=_keywords_wrapper("ddp", "dptrain.ddp", "DistributedDataParallel"),
+             live="step", label="DDP", wrap=_keywords_wrapper("ddp", "dptrain.ddp", "DistributedDataParallel"),
              options=ddp_options, compression=ddp_compression, units=ddp_units),
     _zero(1, "ZeRO-1: optimizer state sharded"),
     _zero(2, "ZeRO-2: optimizer state and gradients sharded"),
@@ -245,12 +265,13 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
              "every H steps (Lin et al. 2020)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="replicated", uncompressed="averages the models uncompressed, every localsgd.period "
              "steps", wrap=_policy_wrapper("localsgd", "dptrain.localsgd", "LocalSGD", "LocalSGDOptions"),
-             options=_localsgd_options),
+             options=_localsgd_options, live="meeting", check_live=_meeting_check_live("localsgd")),
     Strategy("diloco", "DiLoCo: H local steps of the run's optimizer, then an outer Nesterov step on the averaged "
              "pseudo-gradients (Douillard et al. 2023)", zero_stage=None, shards_parameters=False,
              replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
              "all-reduce itself (diloco.compression)",
-             wrap=_policy_wrapper("diloco", "dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options),
+             wrap=_policy_wrapper("diloco", "dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options,
+             live="meeting", check_live=_meeting_check_live("diloco")),
 ]}
 
 

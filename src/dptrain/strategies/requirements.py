@@ -143,26 +143,31 @@ def check_straggler(cfg: RunConfig, world_size: int, data_ranks: int) -> None:
 
 
 def check_live(cfg: RunConfig, entry: Strategy, world_size: int) -> None:
-    """Live recovery averages the replicas' gradients over each round's members through the wrapper's comm hook, and
-    heals a joiner with the replicated state: a strategy whose ranks hold the same state (``replicated_state``), not
-    shards, that takes a comm hook (``comm_hooks``); nothing else may claim that hook or step inside backward."""
+    """Live recovery holds rounds: every step for a strategy whose ranks hold the same state and take a comm hook
+    (``live = "step"``: the gradients averaged over each round's members), only where the replicas meet for one
+    whose replicas step alone (``live = "meeting"``); a joiner is healed with a peer's state. Nothing else may claim
+    the round's all-reduce or step inside backward."""
     live, d, t = cfg.live, cfg.ddp, cfg.train
     if not live.enabled:
         return
-    able = listed([f'"{n}"' for n in strategy_names(lambda s: s.comm_hooks and s.replicated_state
-                                                    and not s.shards_parameters and not s.own_loop)], "or")
-    if not (entry.comm_hooks and entry.replicated_state) or entry.shards_parameters or entry.own_loop:
-        raise ConfigError(f"live.enabled averages each round's gradients through a comm hook and heals a joining "
-                          f"worker with the replicated state; strategy {entry.name!r} cannot: set "
-                          f"distributed.strategy = {able}, or live.enabled = false")
+    able = listed([f'"{n}"' for n in strategy_names(lambda s: bool(s.live))], "or")
+    if not entry.live:
+        raise ConfigError(f"live.enabled averages each round over its members and heals a joining worker with a "
+                          f"peer's state; strategy {entry.name!r} cannot (its ranks hold shards, or run programs of "
+                          f"their own): set distributed.strategy = {able}, or live.enabled = false")
+    if entry.check_live is not None:
+        try:
+            entry.check_live(cfg)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     claims = [name for name, on in (("compression.method", cfg.compression.method != "none"),
                                     ("train.optimizer onebit_adam", t.optimizer == "onebit_adam"),
                                     ("ddp.optimizer_in_backward", d.optimizer_in_backward),
                                     ("balance.dynamic_batching", cfg.balance.dynamic_batching),
                                     ("ddp.algorithm " + repr(d.algorithm), d.algorithm != "native")) if on]
     if claims:
-        raise ConfigError(f"live.enabled averages the gradients over each round's members itself; {claims[0]} would "
-                          "claim the same all-reduce: turn it off, or live.enabled = false")
+        raise ConfigError(f"live.enabled averages over each round's members itself; {claims[0]} would claim the "
+                          "same all-reduce: turn it off, or live.enabled = false")
     if live.min_workers > world_size:
         raise ConfigError(f"live.min_workers = {live.min_workers} is more than the job's {world_size} worker(s): "
                           f"lower it to at most {world_size}")

@@ -1,0 +1,124 @@
+"""Live recovery for strategies whose replicas meet every few steps (local SGD, DiLoCo): a round only at a meeting,
+a healed member adding nothing to it, an aborted meeting leaving nothing changed (dptrain.runner.live_meetings)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _cli import dptrain, tiny_gpt_config
+from dptrain.diloco.outer import OuterStep, outer_optimizer
+from dptrain.localsgd import LocalSGD
+from dptrain.testing import run_on_ranks
+
+
+def _meetings(rank: int, world_size: int) -> dict:
+    """Ranks 0 and 1 took their own steps; rank 2 was healed from rank 0 (it holds rank 0's weights) and sits the
+    meeting out. What each meeting gives, beside what it should."""
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    start = [torch.randn(40, 3), torch.randn(50)]
+    local = [[t + 0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(r + 7)) for t in start]
+             for r in range(2)]
+    mine = [t.clone() for t in local[min(rank, 1) if rank < 2 else 0]]
+    participating = rank < 2
+    out = {}
+    # DiLoCo, uncompressed: the outer step from the two participants' mean pseudo-gradient
+    outer = OuterStep(start, lr=0.7, momentum=0.9, nesterov=True)
+    params = [t.clone() for t in mine]
+    outer.apply(outer.reduce_over(params, group, 2, participating).delta, params)
+    expected = [t.clone() for t in start]
+    optimizer = outer_optimizer(expected, 0.7, 0.9, True)
+    for g, a, b in zip(expected, *local, strict=True):
+        g.grad = g - (a + b) / 2
+    optimizer.step()
+    out["diloco"] = all(torch.allclose(p, e, atol=1e-6) for p, e in zip(params, expected, strict=True))
+    out["diloco_bits"] = torch.cat([p.reshape(-1) for p in params])
+    # DiLoCo, int8: the same within the codec's error; an aborted round leaves the residual as it was
+    compressed = OuterStep(start, lr=0.7, momentum=0.9, nesterov=True, compression="int8")
+    params = [t.clone() for t in mine]
+    before = compressed.residual()
+    reduced = compressed.reduce_over(params, group, 2, participating)
+    changed = compressed.residual()["feedback"]["residuals"]
+    compressed.restore(reduced)
+    restored = compressed.residual()["feedback"]["residuals"]
+    out["restored"] = bool(changed) and restored.keys() == before["feedback"]["residuals"].keys() and all(
+        torch.equal(restored[k], v) for k, v in before["feedback"]["residuals"].items())
+    reduced = compressed.reduce_over(params, group, 2, participating)
+    compressed.apply(reduced.delta, params)
+    out["int8"] = max((p - e).abs().max().item() for p, e in zip(params, expected, strict=True))
+    out["int8_bits"] = torch.cat([p.reshape(-1) for p in params])
+    out["int8_residual"] = sum(v.abs().sum().item() for v in compressed.residual()["feedback"]["residuals"].values())
+    # local SGD: the participants' mean
+    model = torch.nn.Linear(3, 2)
+    wrapper = LocalSGD(model, period=2)
+    with torch.no_grad():
+        for p, r in zip(wrapper.module.parameters(), (rank if rank < 2 else 0, 0), strict=False):
+            p.fill_(float(r + 1))
+    mean = wrapper.reduce_meeting(group, 2, participating)
+    wrapper.apply_meeting(mean)
+    out["localsgd"] = wrapper.module.weight.detach().clone()
+    return out
+
+
+def test_a_meeting_averages_its_participants_and_a_healed_member_adds_nothing():
+    results = run_on_ranks(_meetings, 3)
+    for r in results:
+        assert r["diloco"] and r["restored"]
+        assert r["int8"] < 0.05  # int8's rounding, not another mean (that would be off by ~0.1)
+        torch.testing.assert_close(r["localsgd"], torch.full((2, 3), 1.5))
+    for key in ("diloco_bits", "int8_bits"):
+        assert all(torch.equal(r[key], results[0][key]) for r in results)  # every member holds the same
+    assert results[2]["int8_residual"] == 0.0  # the healed member's residual was cleared, and it sent zeros
+    assert results[0]["int8_residual"] > 0.0
+
+
+def _live_logs(run_dir: Path) -> dict[int, list[dict]]:
+    logs = {}
+    for path in sorted((run_dir / "logs").glob("live*.jsonl")):
+        logs[int(path.stem[4:])] = [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+    return logs
+
+
+LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
+
+
+@pytest.mark.parametrize("strategy, period, fault, meetings", [
+    ("diloco", 4, "1:6:kill", [0, 4, 8, 12, 16]),                # between meetings: healed at the next, sits it out
+    ("localsgd", 3, "2:4:kill-before-vote", [0, 1, 4, 7, 10, 13, 16]),  # after the all-reduce: the meeting again
+])
+def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, period, fault, meetings):
+    """A worker killed between two meetings, or between a meeting's all-reduce and its vote: the launcher restarts
+    it; the others' steps are kept; every committed meeting leaves every member with the same state (hash); the
+    victim is healed at a meeting and the run ends with every meeting committed."""
+    run_dir = tmp_path / "run"
+    proc = dptrain("run", "--nproc", "3", "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir", str(run_dir),
+                   "--strategy", strategy, "--set", f"{strategy}.period={period}", "--set", "train.steps=16",
+                   "--set", "train.global_batch_size=6", "--set", "log.trace_steps=0", "--set", "log.eval_every=0",
+                   cwd=tmp_path, env={"DPTRAIN_FAULT": fault})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    victim = int(fault.split(":")[0])
+    assert f"worker {victim} exited" in proc.stderr
+    logs = _live_logs(run_dir)
+    hashes: dict[int, set] = {}
+    decisions: dict[int, set] = {}
+    for records in logs.values():
+        for r in records:
+            if "round" in r:
+                decisions.setdefault(r["round"], set()).add(r["commit"])
+            if "hash" in r:
+                hashes.setdefault(r["step"], set()).add(r["hash"])
+    assert sorted(hashes) == meetings  # a round only where the replicas meet
+    assert all(len(h) == 1 for h in hashes.values()), {s: len(h) for s, h in hashes.items()}
+    assert all(len(d) == 1 for d in decisions.values())
+    assert any(r.get("heal_received") for r in logs[victim])
+    if "before-vote" in fault:  # the meeting aborted, then held again (the survivors' steps kept)
+        step = int(fault.split(":")[1])
+        assert [r["commit"] for r in logs[0] if r.get("step") == step and "round" in r] == [False, True]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["live"]["committed"] == len(meetings)
+    assert (run_dir / "model.safetensors").is_file()
