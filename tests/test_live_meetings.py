@@ -16,10 +16,17 @@ from dptrain.localsgd import LocalSGD
 from dptrain.testing import run_on_ranks
 
 
-def _meetings(rank: int, world_size: int) -> dict:
+def _round_group(rank: int, world_size: int, path: str) -> dist.ProcessGroup:
+    """A gloo group made outside torch.distributed's world, as live recovery makes a round's."""
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_default_device()]
+    return dist.ProcessGroupGloo(dist.FileStore(path, world_size), rank, world_size, opts)
+
+
+def _meetings(rank: int, world_size: int, path: str) -> dict:
     """Ranks 0 and 1 took their own steps; rank 2 was healed from rank 0 (it holds rank 0's weights) and sits the
     meeting out. What each meeting gives, beside what it should."""
-    group = dist.group.WORLD
+    group = _round_group(rank, world_size, path)
     torch.manual_seed(0)
     start = [torch.randn(40, 3), torch.randn(50)]
     local = [[t + 0.1 * torch.randn(t.shape, generator=torch.Generator().manual_seed(r + 7)) for t in start]
@@ -38,21 +45,24 @@ def _meetings(rank: int, world_size: int) -> dict:
     optimizer.step()
     out["diloco"] = all(torch.allclose(p, e, atol=1e-6) for p, e in zip(params, expected, strict=True))
     out["diloco_bits"] = torch.cat([p.reshape(-1) for p in params])
-    # DiLoCo, int8: the same within the codec's error; an aborted round leaves the residual as it was
+    # DiLoCo, int8: the same within the codec's error, the same bits on every member
     compressed = OuterStep(start, lr=0.7, momentum=0.9, nesterov=True, compression="int8")
     params = [t.clone() for t in mine]
-    before = compressed.residual()
-    reduced = compressed.reduce_over(params, group, 2, participating)
-    changed = compressed.residual()["feedback"]["residuals"]
-    compressed.restore(reduced)
-    restored = compressed.residual()["feedback"]["residuals"]
-    out["restored"] = bool(changed) and restored.keys() == before["feedback"]["residuals"].keys() and all(
-        torch.equal(restored[k], v) for k, v in before["feedback"]["residuals"].items())
     reduced = compressed.reduce_over(params, group, 2, participating)
     compressed.apply(reduced.delta, params)
     out["int8"] = max((p - e).abs().max().item() for p, e in zip(params, expected, strict=True))
     out["int8_bits"] = torch.cat([p.reshape(-1) for p in params])
-    out["int8_residual"] = sum(v.abs().sum().item() for v in compressed.residual()["feedback"]["residuals"].values())
+    before = compressed.residual()["feedback"]["residuals"]
+    out["int8_residual"] = sum(v.abs().sum().item() for v in before.values())
+    # ... and a meeting that aborts leaves the residual as it was (its encoding changed it)
+    for p in params:
+        p.add_(0.01)
+    reduced = compressed.reduce_over(params, group, 2, participating)
+    changed = compressed.residual()["feedback"]["residuals"]
+    compressed.restore(reduced)
+    restored = compressed.residual()["feedback"]["residuals"]
+    out["changed"] = any(not torch.equal(changed[k], v) for k, v in before.items())
+    out["restored"] = restored.keys() == before.keys() and all(torch.equal(restored[k], v) for k, v in before.items())
     # local SGD: the participants' mean
     model = torch.nn.Linear(3, 2)
     wrapper = LocalSGD(model, period=2)
@@ -65,8 +75,9 @@ def _meetings(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_a_meeting_averages_its_participants_and_a_healed_member_adds_nothing():
-    results = run_on_ranks(_meetings, 3)
+def test_a_meeting_averages_its_participants_and_a_healed_member_adds_nothing(tmp_path):
+    results = run_on_ranks(_meetings, 3, str(tmp_path / "store"))
+    assert [r["changed"] for r in results] == [True, True, False]  # the healed member keeps no residual
     for r in results:
         assert r["diloco"] and r["restored"]
         assert r["int8"] < 0.05  # int8's rounding, not another mean (that would be off by ~0.1)
@@ -87,17 +98,19 @@ def _live_logs(run_dir: Path) -> dict[int, list[dict]]:
 LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
 
 
-@pytest.mark.parametrize("strategy, period, fault, meetings", [
-    ("diloco", 4, "1:6:kill", [0, 4, 8, 12, 16]),                # between meetings: healed at the next, sits it out
-    ("localsgd", 3, "2:4:kill-before-vote", [0, 1, 4, 7, 10, 13, 16]),  # after the all-reduce: the meeting again
+@pytest.mark.parametrize("strategy, settings, fault, meetings", [
+    # between meetings: healed at the next, which it sits out (int8 pseudo-gradients, error feedback)
+    ("diloco", ["diloco.period=4", 'diloco.compression="int8"'], "1:6:kill", [0, 4, 8, 12, 16]),
+    # after the meeting's all-reduce, before its vote: the meeting again, the survivors' steps kept
+    ("localsgd", ["localsgd.period=3"], "2:4:kill-before-vote", [0, 1, 4, 7, 10, 13, 16]),
 ])
-def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, period, fault, meetings):
+def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, settings, fault, meetings):
     """A worker killed between two meetings, or between a meeting's all-reduce and its vote: the launcher restarts
     it; the others' steps are kept; every committed meeting leaves every member with the same state (hash); the
     victim is healed at a meeting and the run ends with every meeting committed."""
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "3", "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir", str(run_dir),
-                   "--strategy", strategy, "--set", f"{strategy}.period={period}", "--set", "train.steps=16",
+                   "--strategy", strategy, *[a for x in settings for a in ("--set", x)], "--set", "train.steps=16",
                    "--set", "train.global_batch_size=6", "--set", "log.trace_steps=0", "--set", "log.eval_every=0",
                    cwd=tmp_path, env={"DPTRAIN_FAULT": fault})
     assert proc.returncode == 0, proc.stderr[-3000:]

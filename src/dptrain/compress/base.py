@@ -88,28 +88,16 @@ LAUNCH, RUN = "launch", "run"  # scratch shared by all buckets, see Compressor._
 
 
 class Compressor:
-    """A codec, optional error feedback, and the process group its collectives run on.
+    """A codec, optional error feedback, and the process group its collectives run on."""
 
-    ``channel``: a group to run the collectives on, inline on the caller's thread, where the
-    caller makes no other collective meanwhile (live recovery's round group, made outside
-    torch.distributed's world); by default a new group of ``process_group``'s ranks, on its
-    progress thread, so that they overlap and never meet the engine's own.
-    """
-
-    def __init__(self, codec: Codec, error_feedback: bool, process_group: dist.ProcessGroup | None,
-                 channel: dist.ProcessGroup | None = None):
+    def __init__(self, codec: Codec, error_feedback: bool, process_group: dist.ProcessGroup | None):
         self.codec = codec
         self.feedback = ErrorFeedback() if error_feedback else None
-        self.inline = channel is not None
-        if channel is not None:
-            self.world_size, self.rank, self.channel = channel.size(), channel.rank(), channel
-        else:
-            group = process_group if process_group is not None else dist.group.WORLD
-            self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
-            ranks = dist.get_process_group_ranks(group)
-            # a group of its own: the progress thread's collectives never meet the engine's
-            self.channel = dist.new_group(ranks=ranks, use_local_synchronization=True) \
-                if self.world_size > 1 else group
+        group = process_group if process_group is not None else dist.group.WORLD
+        self.world_size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        ranks = dist.get_process_group_ranks(group)
+        # a group of its own: the progress thread's collectives never meet the engine's
+        self.channel = dist.new_group(ranks=ranks, use_local_synchronization=True) if self.world_size > 1 else group
         self.stats = CompressionStats()
         self._spaces: dict = {}  # per bucket or unit: buffers reused from step to step
         self.step = 0
@@ -138,7 +126,7 @@ class Compressor:
         """
         if self.stats.timed:
             run, finish = self._timed_run(run), self._timed_finish(finish)
-        if self.world_size == 1 or self.inline:
+        if self.world_size == 1:
             run()
             return Work.completed(finish)
         return progress_thread(self.channel).submit(run, finish)

@@ -69,8 +69,7 @@ class CompressionHook(Compressor):
     """``hook(state, bucket)`` for the DDP engine: compress, reduce with the codec's collective, decode."""
 
     def __init__(self, codec: Codec | PowerSGD, error_feedback: bool = True,
-                 process_group: dist.ProcessGroup | None = None, remedies: Remedies | None = None,
-                 channel: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, remedies: Remedies | None = None):
         if not isinstance(codec, (Half, Int8, TopK, PowerSGD)):
             raise TypeError("CompressionHook supports the fp16, bf16, int8 and topk codecs and PowerSGD, "
                             f"got {codec!r}")
@@ -80,7 +79,7 @@ class CompressionHook(Compressor):
             raise ValueError("momentum correction accumulates what was not sent, which is error feedback: "
                              "turn error_feedback on with it")
         psgd = isinstance(codec, PowerSGD)
-        super().__init__(codec, error_feedback and not psgd, process_group, channel)
+        super().__init__(codec, error_feedback and not psgd, process_group)
         if psgd:  # its residuals are part of the algorithm
             codec.error_feedback = error_feedback
         self.remedies = remedies

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from dptrain import comm
 from dptrain.comm.cost import collective_cost
 from dptrain.compress import make_codec
+from dptrain.compress.codecs import Encoded
 from dptrain.compress.hook import CompressionHook
 from dptrain.ddp.comm_hooks import GradBucket
 
@@ -57,7 +58,6 @@ class OuterStep:
         self.sizes = [p.numel() for p in params]
         self.weights = torch.cat([p.detach().reshape(-1) for p in params]).to(home, torch.float32, copy=True)
         self.optimizer = outer_optimizer([self.weights], lr, momentum, nesterov)
-        self.codec = compression
         self.compressor = (CompressionHook(make_codec(compression), error_feedback=error_feedback,
                                            process_group=process_group) if compression != "none" else None)
         self.sent_bytes = comm.sent_bytes("all_reduce", self.weights.numel(), 4, group=process_group)
@@ -98,9 +98,9 @@ class OuterStep:
         ``group`` (a process group outside torch.distributed's world; None: a round of one), nothing applied.
 
         A member healed in this round (``participating`` False) holds a peer's inner steps, not
-        its own: it adds zeros, with its error-feedback residual cleared first (it would send the
-        peer's twice). The residual as it was is kept in the result, for :meth:`restore` when the
-        round aborts.
+        its own: it adds zeros, and its error-feedback residual (the peer's) is cleared. The
+        residual as it was is kept in the result, for :meth:`restore` when the round aborts.
+        Compressed, the payloads are all-gathered (:meth:`_gathered_mean`).
         """
         delta = self.pseudo_gradient(params) if participating else \
             torch.zeros(self.weights.numel(), device=params[0].device)
@@ -117,15 +117,30 @@ class OuterStep:
             counted = {"raw": raw, "payload": 0, "sent": collective_cost("all_reduce", "ring", delta.numel(), 4,
                                                                           size).bytes_sent[group.rank()]}
         else:
-            hook = CompressionHook(make_codec(self.codec), error_feedback=self.compressor.feedback is not None,
-                                   channel=group)
-            hook.load_state_dict(self.compressor.state_dict())
-            mean = hook(None, GradBucket(0, delta, [delta], [], True)).wait()  # the mean over the group's size
-            delta.copy_(mean).mul_(size / participants)
-            self.compressor.load_state_dict(hook.state_dict())
-            stats = hook.stats.close_step()
-            counted = {"raw": raw, "payload": stats["payload_bytes"], "sent": stats["sent_bytes"]}
+            counted = self._gathered_mean(delta, group, participants, participating)
         return RoundDelta(delta, counted, saved)
+
+    def _gathered_mean(self, delta: torch.Tensor, group: dist.ProcessGroup, participants: int,
+                       participating: bool) -> dict[str, int]:
+        """``delta`` becomes the participants' mean through the codec: each member's encoding (with its error
+        feedback; a member that sits out sends zeros and keeps no residual) all-gathered over ``group`` with the
+        group's own methods (a round's group is outside torch.distributed's world), every one decoded and summed in
+        fp32 in the members' order, so every member holds the same mean. (k - 1) payloads sent per member: twice a
+        ring's share, once every H steps."""
+        codec, k = self.compressor.codec, group.size()
+        payload = self.compressor.feedback.encode(0, delta, codec) if participating and \
+            self.compressor.feedback is not None else codec.encode(delta)
+        gathered = []
+        for t in payload.tensors:
+            pieces = [torch.empty_like(t) for _ in range(k)]
+            group.allgather([pieces], [t]).wait()
+            gathered.append(pieces)
+        delta.zero_()
+        for member in range(k):
+            delta.add_(codec.decode(Encoded(tuple(p[member] for p in gathered), payload.numel)))
+        delta.div_(participants)
+        return {"raw": delta.numel() * delta.element_size(), "payload": payload.nbytes,
+                "sent": (k - 1) * payload.nbytes}
 
     def _reduce(self, delta: torch.Tensor) -> dict[str, int]:
         """``delta`` becomes the mean over the ranks (in place)."""
