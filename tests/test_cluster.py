@@ -79,6 +79,33 @@ def test_a_failing_job_ends_the_others_and_tears_down(tmp_path) -> None:
     assert not [n for n in namespaces() if n.startswith(f"{PREFIX}{tag}")]
 
 
+@pytest.mark.slow
+@needs_root
+@pytest.mark.timeout(180)
+def test_a_live_job_restarts_the_failed_worker_alone(tmp_path) -> None:
+    """live_restarts: the live store on host 0, each host's worker under a torchrun of its own; host 1's worker
+    fails in its first life and is restarted alone while host 0's waits for it through the store."""
+    script = tmp_path / "live.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys, datetime, torch.distributed as dist
+        host, port = os.environ["DPTRAIN_LIVE_STORE"].rsplit(":", 1)
+        store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
+        replica, life = os.environ["DPTRAIN_REPLICA_ID"], os.environ["TORCHELASTIC_RESTART_COUNT"]
+        store.add(f"lives/{replica}", 1)
+        if replica == "1" and life == "0":
+            sys.exit(5)
+        store.wait([f"done/{1 - int(replica)}"] if replica == "0" else [])
+        store.set(f"done/{replica}", "1")
+        lives = store.add(f"lives/{replica}", 0)
+        open(os.path.join(sys.argv[1], f"replica{replica}"), "w").write(f"{os.environ['DPTRAIN_REPLICAS']} {lives}")
+    """))
+    with Network(2, rate_mbit=100) as net:
+        code = run_on_cluster(net, 1, [str(script), str(tmp_path)], timeout=150, env={"OMP_NUM_THREADS": "1"},
+                              live_restarts=1)
+    assert code == 0
+    assert (tmp_path / "replica0").read_text() == "2 1" and (tmp_path / "replica1").read_text() == "2 2"
+
+
 def test_cluster_command_without_a_job_or_without_root() -> None:
     out = CliRunner().invoke(main, ["cluster", "--hosts", "2"])
     assert out.exit_code == 2

@@ -4,10 +4,11 @@ Four emulated hosts (``dptrain cluster``'s network namespaces, every link limite
 ``--rate`` Gbit/s), one worker each, train the built-in character GPT for ``--steps``
 committed steps in four variants, one after another:
 
-- ``live-kills``: ``live.enabled``; each host runs its worker under its own torchrun
-  (``--standalone --max-restarts``, one launcher per replica, as torchft runs one per
-  replica group) with ``DPTRAIN_REPLICA_ID``; the live store is served on host 0 by a
-  process of its own (``python -m dptrain.live.store``). Every ``--kill-every`` seconds one
+- ``live-kills``: ``live.enabled``, started by the cluster launcher as a live-recovery job
+  (:func:`~dptrain.cluster.run_on_cluster` with ``live_restarts``): each host runs its worker
+  under its own torchrun (``--standalone --max-restarts``, one launcher per replica, as
+  torchft runs one per replica group) with ``DPTRAIN_REPLICA_ID``; the live store is served
+  on host 0 by a process of its own (``python -m dptrain.live.store``). Every ``--kill-every`` seconds one
   worker is SIGKILLed (hosts 1, 2, 3, 0 in turn); its torchrun restarts it, and it is
   healed by a peer;
 - ``restart-kills``: the same training without live recovery, one torchrun job across
@@ -50,12 +51,10 @@ import click
 
 from dptrain.cli.bench_group import bench_command
 from dptrain.cluster import Network, check_root, run_on_cluster
-from dptrain.cluster.launch import kill_groups
 from dptrain.launch.heartbeat import read_heartbeats
 
 __all__ = ["main", "summarize"]
 
-STORE_PORT = 29611
 VICTIMS = (1, 2, 3, 0)
 
 
@@ -110,33 +109,6 @@ def _step_reached(run_dir: Path, ranks: int) -> int | None:
     return max(steps) if steps else None
 
 
-def _live_job(network: Network, args: list[str], env: dict, timeout: float, logs: Path) -> int:
-    """Each host's worker under its own torchrun (``--standalone``, restarts), replica ids set, the live store on host
-    0; the job's exit code (0 when every host's torchrun exited 0)."""
-    store = subprocess.Popen(network.exec_prefix(0) + [sys.executable, "-m", "dptrain.live.store", "--host",
-                                                       network.address(0), "--port", str(STORE_PORT)],
-                             stdout=open(logs / "store.out", "w"), stderr=subprocess.STDOUT, start_new_session=True)
-    time.sleep(1.0)
-    procs = []
-    try:
-        for i in range(network.hosts):
-            host_env = {**os.environ, **env, "GLOO_SOCKET_IFNAME": network.interface(i),
-                        "DPTRAIN_REPLICA_ID": str(i), "DPTRAIN_REPLICAS": str(network.hosts),
-                        "DPTRAIN_LIVE_STORE": f"{network.address(0)}:{STORE_PORT}",
-                        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-            cmd = network.exec_prefix(i) + [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                             "--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "1000",
-                                             "--monitor-interval", "0.1", *args]
-            procs.append(subprocess.Popen(cmd, env=host_env, stdout=open(logs / f"host{i}.out", "w"),
-                                          stderr=subprocess.STDOUT, start_new_session=True))
-        deadline = time.monotonic() + timeout
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        return max((p.poll() if p.poll() is not None else 124) for p in procs)
-    finally:
-        kill_groups([*procs, store])
-
-
 def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, kill_every: float | None,
                 checkpoint_every: int, settings: list[str], timeout: float) -> dict:
     """One variant's run (see the module docstring); its row."""
@@ -154,12 +126,10 @@ def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, ki
         if killer is not None:
             killer.start()
         try:
-            if live:
-                code = _live_job(network, args, {}, timeout, run_dir)
-            else:
-                restarts = ["--max-restarts", "1000"] if kill_every else []
-                with open(run_dir / "job.out", "w") as f:
-                    code = run_on_cluster(network, 1, [*restarts, *args], timeout=timeout, stdout=f, stderr=f)
+            restarts = ["--max-restarts", "1000"] if kill_every and not live else []
+            with open(run_dir / "job.out", "w") as f:
+                code = run_on_cluster(network, 1, [*restarts, *args], timeout=timeout, stdout=f, stderr=f,
+                                      live_restarts=1000 if live else None)
         finally:
             if killer is not None:
                 killer.stopped.set()

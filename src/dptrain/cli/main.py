@@ -291,15 +291,19 @@ def env(as_json: bool) -> None:
               help="how long a packet may wait in a link's queue (tbf latency; not a propagation delay)")
 @click.option("--timeout", type=float, help="stop the job after this many seconds (exit 124)")
 @click.option("--port", type=int, default=29400, show_default=True, help="rendezvous port on host 0")
+@click.option("--live-restarts", type=int, default=None,
+              help="a live-recovery job (run it with --set live.enabled=true): the live store on host 0, each host's "
+                   "worker under a torchrun of its own, restarted alone up to this many times while the others go on")
 @click.option("--cleanup", is_flag=True, help="only remove namespaces left by a killed dptrain cluster")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
 def cluster(hosts: int, per_host: int, bandwidth_gbit: float, queue_latency_ms: float, timeout: float | None,
-            port: int, cleanup: bool, args: tuple[str, ...]) -> None:
+            port: int, live_restarts: int | None, cleanup: bool, args: tuple[str, ...]) -> None:
     """Run a torchrun job on an emulated multi-host cluster with rate-limited links (needs root).
 
     \b
     dptrain cluster --hosts 2 --bandwidth-gbit 1 -- -m dptrain.run --set train.steps=20
     dptrain cluster --hosts 4 --per-host 2 --bandwidth-gbit 5 -- my_train.py --lr 1e-3
+    dptrain cluster --hosts 4 --live-restarts 100 -- -m dptrain.run --strategy diloco --set live.enabled=true
 
     ARGS are what torchrun runs (a script or -m module, and its arguments). Each host is
     a network namespace on a bridge, its link limited by tc's token bucket in both
@@ -318,11 +322,15 @@ def cluster(hosts: int, per_host: int, bandwidth_gbit: float, queue_latency_ms: 
             raise click.UsageError("give the job to run after --, e.g. dptrain cluster -- -m dptrain.run")
         if per_host < 1:
             raise ValueError(f"--per-host must be at least 1, got {per_host}")
+        if live_restarts is not None and (live_restarts < 0 or per_host != 1):
+            raise ValueError(f"--live-restarts needs a count >= 0 (got {live_restarts}) and one worker per host "
+                             f"(--per-host 1, got {per_host}): each host's worker is a replica of its own")
         network = Network(hosts, rate_mbit=bandwidth_gbit * 1000, queue_latency_ms=queue_latency_ms)
         click.echo(f"dptrain cluster: {hosts} hosts x {per_host} workers, {bandwidth_gbit:g} Gbit/s links "
                    f"(namespaces {network.host(0)}..)", err=True)
         with network:
-            code = run_on_cluster(network, per_host, list(args), port=port, timeout=timeout)
+            code = run_on_cluster(network, per_host, list(args), port=port, timeout=timeout,
+                                  live_restarts=live_restarts)
     except (NetworkError, ValueError) as e:
         click.echo(f"dptrain cluster: {e}", err=True)
         sys.exit(2)
