@@ -56,7 +56,7 @@ from dptrain.runner.metrics import StepTimes
 from dptrain.runner.plan import RunPlan
 from dptrain.tasks import collate
 
-__all__ = ["LiveGate", "live_settings", "fault_before_vote", "FINAL_KEY"]
+__all__ = ["LiveGate", "live_settings", "fault_before_vote"]
 
 FINISH_POLL_S = 0.1
 GONE_PROBE_S = 1.0  # how long a worker whose store call failed looks for the store before it says it is gone
@@ -179,18 +179,24 @@ class LiveGate(StaticGate):
         return self.manager.vote(attempt, attempt.ok)
 
     def settle(self, turn: Turn, committed: bool) -> None:
-        """The round's end: the position on, the final state marked, the hash check, the live log's line."""
-        manager, attempt, step = self.manager, turn.attempt, turn.step
+        """The round's end: the position on (:meth:`close_round` does the rest)."""
         if committed:
-            manager.global_batch = self.replica.committed(attempt.quorum)
-            if step == self.rp.cfg.train.steps and self.writer:  # the final state is here: the others need not stay to heal it
-                manager.store.set(FINAL_KEY, "1")
-        recovery = manager.end(attempt, committed)
+            self.manager.global_batch = self.replica.committed(turn.attempt.quorum)
         every = self.rp.cfg.live.check_every
-        held_hash = self.replica.hash() if committed and every and step % every == 0 else None
+        self.close_round(turn.attempt, turn.step, committed, check=bool(every) and turn.step % every == 0)
+
+    def close_round(self, attempt, step: int, committed: bool, advance: int = 1, check: bool = False) -> None:
+        """After a round's decision, its result applied: the final state marked, on to the next round (``advance``:
+        the steps a commit completes), the state's hash for the next round's check (``check``), the live log's
+        line."""
+        manager = self.manager
+        if committed and step == self.rp.cfg.train.steps and self.writer:  # the others need not stay to heal it
+            manager.store.set(FINAL_KEY, "1")
+        recovery = manager.end(attempt, committed, advance=advance)
+        held_hash = self.replica.hash() if committed and check else None
         if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
             manager.check = f"{step}:{held_hash.hex()}"
-        self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash)
+        self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash, meeting=self.meeting)
 
     def finish(self) -> None:
         """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""

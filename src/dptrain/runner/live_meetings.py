@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 
 from dptrain.checkpoint.resume import seed_everything
 from dptrain.runner.gate import Turn
-from dptrain.runner.live_gate import FINAL_KEY, LiveGate, fault_before_vote
+from dptrain.runner.live_gate import LiveGate, fault_before_vote
 from dptrain.runner.live_state import step_seed
 from dptrain.runner.metrics import StepTimes
 
@@ -100,12 +100,6 @@ class MeetingGate(LiveGate):
             advance = replica.since
             if committed:
                 manager.global_batch = replica.met(quorum)
-                if step == steps and self.writer:
-                    manager.store.set(FINAL_KEY, "1")
-            recovery = manager.end(attempt, committed, advance=advance)
-            held_hash = replica.hash() if committed and self.rp.cfg.live.check_every else None
-            if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
-                manager.check = f"{step}:{held_hash.hex()}"
-            self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash, meeting=True)
+            self.close_round(attempt, step, committed, advance=advance, check=bool(self.rp.cfg.live.check_every))
             if committed:
                 return True
