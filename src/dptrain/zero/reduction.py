@@ -32,6 +32,7 @@ communication record, which ``ZeRO`` swaps for a fresh one after each step.
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass
 
 import torch
@@ -145,12 +146,13 @@ class UnitReduction:
         stats = context.step_comm
         stats.calls += 1
         stats.bytes += grad_full.numel() * grad_full.element_size()
+        launched = time.perf_counter()
         if self.compression is not None:  # encoded now; the exchange runs on the compression's own thread
             work = self.compression.reduce_scatter(self.index, out, grad_full)  # counts the bytes it sends
         else:
             stats.sent_bytes += self._sent_bytes
             work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
-        work = start_timing(work, stats, "reduce-scatter", self.index, grad_full)
+        work = start_timing(work, stats, "reduce-scatter", self.index, grad_full, launched)
         self.pending.append((work, out, grad_full, owned))  # the input stays alive until the reduction is done
         context.reductions.add(self)
 
@@ -176,8 +178,9 @@ class UnitReduction:
         """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
         if self.replicate_group is None:
             return None
+        launched = time.perf_counter()
         work = comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
-        return start_timing(work, self.context.step_comm, "all-reduce over replicas", self.index, out)
+        return start_timing(work, self.context.step_comm, "all-reduce over replicas", self.index, out, launched)
 
     def collect(self) -> torch.Tensor | None:
         """After backward: wait for every reduction and return their sum (this rank's shard), None if none ran."""

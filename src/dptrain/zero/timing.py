@@ -74,11 +74,17 @@ class Timed:
         return result
 
 
-def start_timing(work, stats: StepCommStats | None, collective: str, unit: int, tensor: torch.Tensor):
-    """``work`` wrapped in a :class:`Timed` whose span starts now; ``work`` itself when there are no stats."""
+def start_timing(work, stats: StepCommStats | None, collective: str, unit: int, tensor: torch.Tensor,
+                 launched: float):
+    """``work`` wrapped in a :class:`Timed` whose span starts at ``launched``; ``work`` itself when there are no stats.
+
+    ``launched`` is read before the collective is started: a small one can complete on the
+    backend's thread before its launch returns, and a span stamped after the launch would
+    then end before it begins (a negative busy time).
+    """
     if not isinstance(stats, ShardedStepComm):
         return work
-    span = [unit, time.perf_counter(), None]
+    span = [unit, launched, None]
     stats.bucket_spans.append(span)
     stats.bucket_bytes.append(tensor.numel() * tensor.element_size())
     stats.collectives.append(collective)

@@ -38,6 +38,7 @@ shards.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass
 
@@ -187,8 +188,9 @@ class FlatUnit:
             check = self.context.check
             if check is not None:  # the full buffer only: shards differ by one element where numel is uneven
                 check.verify_site(("gather", self.index), "all_gather", [self.full], f"unit {self.index}")
+            launched = time.perf_counter()
             work = comm.all_gather(self.full, source, async_op=True, **self._comm)
-        work = start_timing(work, self.context.step_comm, "all-gather", self.index, self.full)
+        work = start_timing(work, self.context.step_comm, "all-gather", self.index, self.full, launched)
         if async_op:
             self._gathering = work
         else:
