@@ -12,7 +12,8 @@ import torch
 from torch import nn
 
 from _cli import dptrain
-from dptrain.runner.divergence import DivergenceError, DivergenceMonitor, checksum, replica_tensors
+from dptrain.checkpoint.replicated import replica_tensors
+from dptrain.runner.divergence import DivergenceError, DivergenceMonitor, checksum
 from dptrain.testing import run_on_ranks
 
 pytestmark = pytest.mark.timeout(180)

@@ -12,6 +12,9 @@ The public surface a training script needs::
     # or an Accelerate-style loop: prepare(model, optimizer, loader, scheduler), see docs/api.md
     from dptrain import prepare
 
+    # live recovery in your own loop (dptrain launch --live-restarts N): for r in Live(model, optimizer, ...)
+    from dptrain import Live
+
 Every name is imported on first use (PEP 562 ``__getattr__``): ``import dptrain`` and the
 command line's ``--help`` do not import torch, which takes about a second.
 """
@@ -42,6 +45,8 @@ _EXPORTS = {
     "prepare": "dptrain.api.prepare",
     "scheduler_steps_per_epoch": "dptrain.api.prepare",
     "PreparedModel": "dptrain.api.prepared_model",
+    "Live": "dptrain.api.live",
+    "Round": "dptrain.api.live",
     "get_state_dict": "dptrain.api.full_state",
     "set_state_dict": "dptrain.api.full_state",
     "unwrap_model": "dptrain.api.full_state",
@@ -76,6 +81,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see: the same names, imported e
     from dptrain.allocator import tune_cpu_allocator
     from dptrain.api.engine import Engine, StepInfo
     from dptrain.api.full_state import end_training, get_state_dict, set_state_dict, unwrap_model
+    from dptrain.api.live import Live, Round
     from dptrain.api.prepare import prepare, scheduler_steps_per_epoch
     from dptrain.api.prepared_model import PreparedModel
     from dptrain.batching import BatchPlan, BatchSizeError

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-__all__ = ["replicated_state", "set_replicated_state", "index_keyed", "replicated_files", "FLAT"]
+__all__ = ["replicated_state", "set_replicated_state", "replica_tensors", "index_keyed", "replicated_files", "FLAT"]
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
@@ -33,6 +33,20 @@ FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 def replicated_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
     """(model, optimizer) state of a replicated model under the shared names (see the module docstring)."""
     return get_model_state_dict(module), get_optimizer_state_dict(module, optimizer, options=FLAT)
+
+
+def replica_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
+    """What must be equal on every rank: parameters, buffers and (when given) the optimizer's state, by name."""
+    named = [(f"parameter {n}", p) for n, p in model.named_parameters()]
+    named += [(f"buffer {n}", b) for n, b in model.named_buffers()]
+    if optimizer is not None:
+        names = {id(p): n for n, p in model.named_parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                for key, value in sorted(optimizer.state.get(p, {}).items()):
+                    if torch.is_tensor(value):
+                        named.append((f"optimizer state {names.get(id(p), '?')}.{key}", value))
+    return named
 
 
 def index_keyed(optim_state: dict[str, Any]) -> bool:

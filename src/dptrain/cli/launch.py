@@ -28,6 +28,7 @@ __all__ = ["launch"]
 
 
 NO_FLAGS = TorchrunFlags()  # none of torchrun's flags given
+LIVE_FINISH_GRACE_S = 60.0  # after replica 0 finished, the others' time to leave (they stay only to heal it)
 
 
 class LaunchError(ValueError):
@@ -64,6 +65,10 @@ class _TorchrunFlagsCommand(click.Command):
 @click.option("--max-restarts", type=int, default=0, show_default=True,
               help="restart every worker up to this many times after a failure (torchrun's elastic agent); your "
                    "script resumes from its own checkpoints ($TORCHELASTIC_RESTART_COUNT says which attempt)")
+@click.option("--live-restarts", type=int, metavar="N",
+              help="live recovery (your loop on dptrain.Live): a failed worker alone is restarted, up to N times, "
+                   "and healed by a peer while the others go on; the launcher serves the job's live store "
+                   "(docs/api.md, \"Live recovery in your own loop\")")
 @click.option("--nnodes", type=int, help="machines in the job, one `dptrain launch` on each (torchrun's c10d "
               "rendezvous); inside a Slurm job of several nodes this and the endpoint come from Slurm")
 @click.option("--rdzv-endpoint", metavar="HOST:PORT", help="with --nnodes: the rendezvous, on one of the machines")
@@ -84,7 +89,8 @@ class _TorchrunFlagsCommand(click.Command):
                    "unprefixed)")
 @click.argument("script")
 @click.argument("args", nargs=-1, type=click.UNPROCESSED)
-def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int, nnodes: int | None,
+def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int, live_restarts: int | None,
+           nnodes: int | None,
            rdzv_endpoint: str | None, node_rank: int | None, start_method: str, timeout_s: float | None,
            ranks_text: str | None, script: str, args: tuple[str, ...], torchrun: TorchrunFlags = NO_FLAGS) -> None:
     """Run your training script on NPROC workers, as torchrun would, with dptrain's failure report.
@@ -93,6 +99,7 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     dptrain launch --nproc 2 train.py --lr 1e-3          # a plain torch DDP script
     dptrain launch --nproc 4 -m mypkg.train              # a module
     dptrain launch --nproc 2 --max-restarts 3 train.py   # under torchrun's elastic agent
+    dptrain launch --nproc 4 --live-restarts 10 train.py # live recovery: dptrain.Live in train.py
     srun --ntasks-per-node=1 dptrain launch --nproc 8 train.py   # Slurm, one launch per node
 
     Each worker gets RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and
@@ -111,6 +118,11 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
         if timeout_s is not None and not 0 < timeout_s < float("inf"):
             raise LaunchError(f"--timeout must be a positive number of seconds, got {timeout_s}")
         nodes = _nodes(nnodes, rdzv_endpoint, node_rank, torchrun, max_restarts)
+        if live_restarts is not None and (live_restarts < 0 or max_restarts or nodes is not None):
+            raise LaunchError(f"--live-restarts restarts a failed worker alone on this machine (got "
+                              f"{live_restarts}, --max-restarts {max_restarts}, {nodes.nnodes if nodes else 1} "
+                              "node(s)): give a count >= 0 without --max-restarts or several nodes; on several "
+                              "machines run one launch per replica (docs/cluster.md, \"live recovery\")")
         shown = terminal_ranks(torchrun, nproc) if torchrun.output else _shown(ranks_text, nproc)
     except (LaunchError, TorchrunFlagError) as e:
         click.echo(f"error: {e}", err=True)
@@ -138,6 +150,9 @@ def launch(nproc: int, as_module: bool, run_dir: Path | None, max_restarts: int,
     alone = nodes is None or nodes.nnodes == 1
     try:
         with hold_run_dir(run_dir, "dptrain launch") if alone else contextlib.nullcontext() as lock:
+            if live_restarts is not None:
+                sys.exit(_start_live(nproc, worker_args, run_dir, live_restarts, env, timeout_s, start_method,
+                                     shown, lock.fd, torchrun))
             sys.exit(_start(nproc, worker_args, run_dir, max_restarts, nodes, env, timeout_s, start_method, shown,
                             None if lock is None else lock.fd, torchrun))
     except RunDirError as e:
@@ -162,6 +177,22 @@ def _start(nproc: int, worker_args: list[str], run_dir: Path, max_restarts: int,
     env = {**env, **_torchrun_env(torchrun)}
     return launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
                         roll_call_s=0.0, module="dptrain.launch.script", env=env, shown=shown, lock_fd=lock_fd)
+
+
+def _start_live(nproc: int, worker_args: list[str], run_dir: Path, live_restarts: int, env: dict[str, str],
+                timeout_s: float | None, start_method: str, shown: frozenset[int] | None, lock_fd: int,
+                torchrun: TorchrunFlags) -> int:
+    """A live-recovery job: the live store served here, held until every worker is done (it outlives each of
+    them), and a failed worker restarted alone (``launch.local``'s :class:`RestartFailed`)."""
+    from dptrain.launch.local import RestartFailed, launch_local
+    from dptrain.live.store import LIVE_STORE_ENV, serve_store
+
+    store = serve_store("127.0.0.1", 0)
+    env = {**env, **_torchrun_env(torchrun), LIVE_STORE_ENV: f"127.0.0.1:{store.port}"}
+    policy = RestartFailed(live_restarts, LIVE_FINISH_GRACE_S, limit="--live-restarts", who="dptrain launch")
+    return launch_local(nproc, worker_args, run_dir, timeout_s=timeout_s or float("inf"), start_method=start_method,
+                        roll_call_s=0.0, module="dptrain.launch.script", env=env, shown=shown, lock_fd=lock_fd,
+                        restart=policy)
 
 
 def _torchrun_env(torchrun: TorchrunFlags) -> dict[str, str]:

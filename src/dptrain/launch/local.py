@@ -67,6 +67,8 @@ class RestartFailed:
 
     max_restarts: int
     finish_grace_s: float
+    limit: str = "live.max_restarts"  # how the user set max_restarts, for the log's lines
+    who: str = "dptrain run"
 
 
 def free_port() -> int:
@@ -193,8 +195,8 @@ def _supervise_restarting(procs: list, start, restarts: list[int], run_dir: Path
         for r in stale_workers(procs, codes, run_dir, stall_timeout_s, {}):
             procs[r].kill()
             codes[r] = procs[r].wait()
-            print(f"dptrain run: worker {r} sent no heartbeat for {stall_timeout_s:g} s (stopped or stuck) and was "
-                  "killed", file=sys.stderr)
+            print(f"{policy.who}: worker {r} sent no heartbeat for {stall_timeout_s:g} s (stopped or stuck) and "
+                  "was killed", file=sys.stderr)
         if 2 in codes:  # bad input: every worker said why, or will
             stop_workers(procs, grace=GRACE_S)
             return 2
@@ -218,15 +220,15 @@ def _supervise_restarting(procs: list, start, restarts: list[int], run_dir: Path
                     return 1
                 continue
             restarts[r] += 1
-            print(f"dptrain run: worker {r} exited with {describe(code)}; restarting it ({restarts[r]} of "
-                  f"live.max_restarts = {policy.max_restarts}); the others go on", file=sys.stderr)
+            print(f"{policy.who}: worker {r} exited with {describe(code)}; restarting it ({restarts[r]} of "
+                  f"{policy.limit} = {policy.max_restarts}); the others go on", file=sys.stderr)
             error_file(run_dir, r).unlink(missing_ok=True)
             procs[r] = start(r)
         if finished_at is not None and time.monotonic() - finished_at > policy.finish_grace_s:
             late = [r for r, c in enumerate(codes) if c is None]
             stop_workers(procs, grace=GRACE_S)
             if late:
-                print(f"dptrain run: worker(s) {late} had not finished {policy.finish_grace_s:g} s after replica 0 "
+                print(f"{policy.who}: worker(s) {late} had not finished {policy.finish_grace_s:g} s after replica 0 "
                       "did, and were stopped", file=sys.stderr)
             return 0
         time.sleep(POLL_S)

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
+from dptrain.live.store import LIVE_STORE_ENV
 
 __all__ = ["WorkerEnv", "PortInUse", "RendezvousTimeout", "CONNECT_SLACK_S", "detect_worker_env", "init_distributed",
            "join_store", "leave_process_groups", "init_alone", "replica_env", "free_port", "first_slurm_host",
@@ -113,8 +114,13 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
     """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU).
 
     ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process). Joining the job's
-    store has a deadline of ``timeout_s`` (+ :data:`CONNECT_SLACK_S`): :func:`join_store`.
+    store has a deadline of ``timeout_s`` (+ :data:`CONNECT_SLACK_S`): :func:`join_store`. Under live recovery
+    (``dptrain launch --live-restarts N``, which names the job's live store in ``DPTRAIN_LIVE_STORE``) and no
+    ``env`` given, the default group is this worker alone (:func:`init_alone`): ``dptrain.Live``'s rounds span
+    the job.
     """
+    if env is None and os.environ.get(LIVE_STORE_ENV):
+        return init_alone(detect_worker_env(), backend)
     env = detect_worker_env() if env is None else env
     backend, device = _take_device(env, backend)
     timeout = timedelta(seconds=timeout_s)

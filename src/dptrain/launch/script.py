@@ -50,6 +50,7 @@ RUN_DIR_ENV = "DPTRAIN_RUN_DIR"  # the launch's run directory: logs/ and the err
 TIMEOUT_ENV = "DPTRAIN_TIMEOUT_S"  # dptrain launch --timeout
 MASTER_ADDR_ENV = "DPTRAIN_MASTER_ADDR"  # dptrain launch --master-addr (torchrun's flag): this job's MASTER_ADDR
 MASTER_PORT_ENV = "DPTRAIN_MASTER_PORT"  # ... and --master-port: its MASTER_PORT
+LIVE_STORE_ENV = "DPTRAIN_LIVE_STORE"  # dptrain.live.store's, read here without importing torch
 WATCHDOG_MARGIN_S = 5.0  # the watchdog's wait beyond the timeout: the collective's own error speaks first
 
 # [Note: how a worker ends] A torch DDP model holds its process group through its C++ reducer.
@@ -154,9 +155,9 @@ def _host_loopback_store(environ: dict[str, str], rank: int, local: bool) -> Non
     Rank 0 then imports torch before the script runs; the others do not. A script that
     brings its own store or meets elsewhere (another ``MASTER_ADDR``) is left alone.
     """
-    if (not local or environ.get(AGENT_STORE) == "True"
+    if (not local or environ.get(AGENT_STORE) == "True" or environ.get(LIVE_STORE_ENV)
             or environ.get("MASTER_ADDR") not in LOOPBACK or "MASTER_PORT" not in environ):
-        return
+        return  # (live recovery: each worker is a group of its own; the job meets at its live store)
     if rank == 0:
         from datetime import timedelta
 
@@ -203,11 +204,27 @@ def _run(argv: list[str], rank: int, local: bool) -> int:
         return 130
     except BaseException as e:  # noqa: BLE001 - every end of a worker is recorded for the launcher
         _KEPT.append(e)  # its traceback holds the script's frames and globals
+        code = _live_end(e)
+        if code is not None:  # live recovery cannot go on, or this worker may not join: one line, no traceback
+            record_error(rank, f"error: {e}", error_summary(e))
+            print(f"error: {e}", file=sys.stderr)
+            return code
         text = _user_traceback(e)
         record_error(rank, text, error_summary(e))
         if rank != 0 or not local:  # rank 0's terminal gets it from the local launcher, first failure first
             print(text, file=sys.stderr, end="")
         return 1
+
+
+def _live_end(error: BaseException) -> int | None:
+    """The exit code of a script's ``dptrain.Live`` error that a restart would not mend, as ``dptrain run``'s: 3
+    when live recovery cannot go on (too few workers), 2 when this worker runs another job than the others'."""
+    quorum, trust = sys.modules.get("dptrain.live.quorum"), sys.modules.get("dptrain.live.trust")
+    if quorum is not None and isinstance(error, quorum.TooFewWorkers):
+        return quorum.GIVE_UP_EXIT
+    if trust is not None and isinstance(error, trust.JobMismatch):
+        return 2
+    return None
 
 
 def _finish() -> None:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DivergenceError", "DivergenceMonitor", "Divergence", "checksum", "replica_tensors"]
+__all__ = ["DivergenceError", "DivergenceMonitor", "Divergence", "checksum"]
 
 
 class DivergenceError(RuntimeError):
@@ -55,20 +55,6 @@ def checksum(t: torch.Tensor) -> torch.Tensor:
     words = raw.view(torch.int32).to(torch.int64)
     weights = torch.arange(1, words.numel() + 1, dtype=torch.int64, device=words.device) % 65521 + 1
     return torch.stack([words.sum(), (words * weights).sum()])
-
-
-def replica_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> list[tuple[str, torch.Tensor]]:
-    """What must be equal on every rank: parameters, buffers and (when given) the optimizer's state, by name."""
-    named = [(f"parameter {n}", p) for n, p in model.named_parameters()]
-    named += [(f"buffer {n}", b) for n, b in model.named_buffers()]
-    if optimizer is not None:
-        names = {id(p): n for n, p in model.named_parameters()}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                for key, value in sorted(optimizer.state.get(p, {}).items()):
-                    if torch.is_tensor(value):
-                        named.append((f"optimizer state {names.get(id(p), '?')}.{key}", value))
-    return named
 
 
 class DivergenceMonitor:

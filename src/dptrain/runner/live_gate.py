@@ -33,7 +33,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 
 from dptrain.api.engine import Engine
@@ -43,6 +42,8 @@ from dptrain.data.stream import SampleStream
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.live import JobMismatch, LiveManager, LiveSettings, TooFewWorkers, connect_store
+from dptrain.live.finish import DONE_KEY, mark_final, serve_until_final
+from dptrain.live.log import LiveLog
 from dptrain.live.quorum import StoreGone
 from dptrain.live.records import live_totals, read_live_logs
 from dptrain.live.store import store_address, unreachable
@@ -50,7 +51,6 @@ from dptrain.live.trust import identity_record
 from dptrain.runner.facts import RunFacts
 from dptrain.runner.gate import Start, StaticGate, Turn, resume_or_seed
 from dptrain.runner.lifecycle import run_fault
-from dptrain.runner.live_log import LiveLog
 from dptrain.runner.live_state import ReplicaState, step_seed
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.plan import RunPlan
@@ -58,9 +58,7 @@ from dptrain.tasks import collate
 
 __all__ = ["LiveGate", "live_settings", "fault_before_vote"]
 
-FINISH_POLL_S = 0.1
 GONE_PROBE_S = 1.0  # how long a worker whose store call failed looks for the store before it says it is gone
-FINAL_KEY, DONE_KEY = "final/0", "done"  # replica 0 holds the final state; it has written it
 
 
 def live_settings(cfg) -> LiveSettings:
@@ -191,7 +189,7 @@ class LiveGate(StaticGate):
         line."""
         manager = self.manager
         if committed and step == self.rp.cfg.train.steps and self.writer:  # the others need not stay to heal it
-            manager.store.set(FINAL_KEY, "1")
+            mark_final(manager)
         recovery = manager.end(attempt, committed, advance=advance)
         held_hash = self.replica.hash() if committed and check else None
         if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
@@ -201,9 +199,9 @@ class LiveGate(StaticGate):
     def finish(self) -> None:
         """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""
         if self.writer:
-            self.manager.store.set(FINAL_KEY, "1")
+            mark_final(self.manager)
         else:
-            _serve_until_writer_done(self.manager, self.replica, self.rp.cfg.live)
+            serve_until_final(self.manager, self.replica.held, self.replica.hash, self.replica.load)
 
     def stop(self) -> None:
         self.live_log.close()
@@ -256,25 +254,3 @@ def fault_before_vote(rank: int, step: int) -> None:
     fault = run_fault()
     if fault is not None and fault[0] == rank and fault[1] == step and fault[2] == "kill-before-vote":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _serve_until_writer_done(manager: LiveManager, replica: ReplicaState, live) -> None:
-    """Stay, with nothing to step, until replica 0 has the final state: it marks it at once when it took the last
-    step; otherwise (it is away, or restarting) the others answer rounds, so that it is healed when it joins. They
-    leave once it has, or when it has been stale for ``live.join_timeout_s``."""
-    store, t0 = manager.store, time.monotonic()
-    finished = lambda: store.check([FINAL_KEY]) or store.check([DONE_KEY])  # noqa: E731
-    while not finished() and time.monotonic() - t0 < live.heartbeat_timeout_s:  # it took the last step with us
-        time.sleep(FINISH_POLL_S / 10)
-    gone_since = None
-    while not finished():
-        if manager.liveness.stale(0):
-            gone_since = gone_since or time.monotonic()
-            if time.monotonic() - gone_since > live.join_timeout_s:
-                return
-        else:
-            gone_since = None
-        attempt = manager.begin(replica.held, replica.hash, replica.load, abandon=finished)
-        if attempt is not None:
-            manager.end(attempt, False, counted=False)
-        time.sleep(FINISH_POLL_S)

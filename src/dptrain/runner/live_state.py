@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from dptrain.api.engine import Engine
+from dptrain.checkpoint.replicated import replica_tensors
 from dptrain.data.stream import SampleStream
 from dptrain.live.heal import state_hash
 from dptrain.live.quorum import Quorum
-from dptrain.runner.divergence import replica_tensors
 
 __all__ = ["ReplicaState", "held_tensors", "step_seed"]
 

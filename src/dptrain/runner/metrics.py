@@ -50,7 +50,6 @@ since the previous one), :func:`run_sync_steps` the steps its meetings were at.
 from __future__ import annotations
 
 import math
-import resource
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -59,6 +58,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.comm.step_stats import InStepComm, StepCommStats
+from dptrain.utils.process import peak_rss_mb
 
 __all__ = ["StepTimes", "StepRecorder", "peak_rss_mb", "peak_tensor_mb", "format_line", "run_comm_per_step",
            "sync_steps", "run_sync_steps"]
@@ -128,11 +128,6 @@ class StepTimes:
     def compute_s(self) -> float:
         spans = self.forward + self.backward + [self.optimizer]
         return sum(e - s for s, e in spans) - self.exposed_comm_s
-
-
-def peak_rss_mb() -> float:
-    """This process's peak resident set so far (MiB): tensors, libraries, the allocator's cache."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
 def peak_tensor_mb(device: torch.device, measured_bytes: int | None) -> float | None:

@@ -9,7 +9,8 @@ written; evaluation and checkpoints come last, on the step's final state.
 from __future__ import annotations
 
 from dptrain.api.engine import Engine
-from dptrain.runner.divergence import DivergenceMonitor, replica_tensors
+from dptrain.checkpoint.replicated import replica_tensors
+from dptrain.runner.divergence import DivergenceMonitor
 from dptrain.runner.gate import StaticGate
 from dptrain.runner.hooks import Hooks, RunContext, StepHook
 from dptrain.runner.hooks.checkpoint import EvalCheckpointHook

@@ -4,25 +4,14 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 from dptrain.live.manager import Attempt, LiveManager
-from dptrain.runner.metrics import peak_rss_mb
 from dptrain.utils.files import open_file
+from dptrain.utils.process import peak_rss_mb, process_start
 
-__all__ = ["LiveLog", "process_start"]
-
-
-def process_start() -> float | None:
-    """When this process started (wall clock), from /proc: a restarted worker's rejoin is timed from it."""
-    try:
-        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return time.time() - uptime + int(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return None
+__all__ = ["LiveLog"]
 
 
 class LiveLog:
