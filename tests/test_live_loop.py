@@ -16,6 +16,7 @@ import dptrain
 from _cli import dptrain as run_dptrain
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "live_loop.py"
+ENGINE_LOOP = Path(__file__).resolve().parent / "_live_engine.py"
 
 
 def _logs(run_dir: Path) -> dict[int, list[dict]]:
@@ -43,16 +44,37 @@ def test_a_user_loop_survives_a_worker_killed_before_its_vote(tmp_path):
     # every step committed once; every member of a committed round holds the same state after it
     committed = sorted({r["step"] for r in logs[0] if r.get("commit")})
     assert committed == list(range(1, steps + 1))
-    hashes: dict[int, set[str]] = {}
-    for records in logs.values():
-        for r in records:
-            if r.get("commit") and "hash" in r:
-                hashes.setdefault(r["step"], set()).add(r["hash"])
+    hashes = _committed_hashes(logs)
     assert set(hashes) == set(committed) and all(len(h) == 1 for h in hashes.values())
     rejoined = [r for r in logs[1] if r.get("commit") and r["step"] > 5]
     assert rejoined and all(r["members"] == [0, 1, 2] for r in rejoined[-2:])  # back in the last rounds
     assert f"{steps} of {steps + len(aborted)} attempted steps committed" in proc.stdout
     assert f"replica 0: {steps} steps" in proc.stdout
+
+
+def _committed_hashes(logs: dict[int, list[dict]]) -> dict[int, set[str]]:
+    """Step -> the state hashes its committed round's members logged."""
+    hashes: dict[int, set[str]] = {}
+    for records in logs.values():
+        for r in records:
+            if r.get("commit") and "hash" in r:
+                hashes.setdefault(r["step"], set()).add(r["hash"])
+    return hashes
+
+
+@pytest.mark.timeout(240)
+def test_an_engine_loop_heals_a_restarted_worker_with_its_step_count(tmp_path):
+    """The Engine path: a worker killed at the start of step 3 comes back healed with the engine's step count, so its
+    learning rate is the schedule's at the end, as on the others."""
+    run_dir = tmp_path / "run"
+    proc = run_dptrain("launch", "--nproc", "2", "--live-restarts", "1", "--start-method", "forkserver",
+                       "--run-dir", str(run_dir), "--ranks", "all", str(ENGINE_LOOP), "--kill", "1:3", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    hashes = _committed_hashes(_logs(run_dir))
+    assert sorted(hashes) == list(range(1, 9)) and all(len(h) == 1 for h in hashes.values())
+    restarted = (run_dir / "logs" / "rank1.restart1.console").read_text()
+    line = [x for x in proc.stdout.splitlines() if "replica 0:" in x][0].split("replica 0: ")[1]
+    assert line.startswith("step 8, engine 8, lr ") and f"replica 1: {line}" in restarted
 
 
 def test_live_refuses_a_strategy_whose_ranks_hold_shards_and_needs_the_store(monkeypatch):
