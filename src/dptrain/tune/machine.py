@@ -89,8 +89,11 @@ class Local(Machine):
         return f"this machine, {self.per_host} ranks"
 
     def job(self, args: list[str], timeout: float) -> tuple[int, str]:
-        return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                     str(self.per_host), *args], timeout)
+        """``python -m ARGS`` on every rank, under ``dptrain launch`` (its logs and lock in a directory of the job's
+        own, removed after): the rank that failed first is the one the tail names."""
+        with tempfile.TemporaryDirectory(prefix="dptrain-tune-") as launch_dir:
+            return _run([sys.executable, "-m", "dptrain.cli", "launch", "--nproc", str(self.per_host),
+                         "--run-dir", launch_dir, *args], timeout)
 
 
 class Emulated(Machine):
