@@ -227,7 +227,8 @@ def test_sample_stream_slices_take_each_sample_once_per_epoch():
 
 @pytest.mark.parametrize("settings, message", [
     (['distributed.strategy="zero2"'], "strategy 'zero2' cannot"),
-    (['compression.method="fp16"'], "compression.method would claim"),
+    (['compression.method="powersgd"'], "PowerSGD's Q is a warm start shared by a fixed set of ranks"),
+    (['train.optimizer="onebit_adam"'], "onebit_adam would claim"),
     (["live.min_workers=3"], "more than the job's 2 worker"),
     (['distributed.strategy="diloco"', "diloco.warmup_steps=5"], "diloco.warmup_steps = 5 asks for a synchronous"),
 ])

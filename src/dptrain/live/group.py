@@ -77,10 +77,18 @@ class RoundGroup:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> dist.Work | None:
         """Start ``tensor``'s sum over the round (in place); None when alone or after this step's first failure."""
+        return self._start(lambda pg: pg.allreduce([tensor]))
+
+    def all_gather(self, pieces: list[torch.Tensor], tensor: torch.Tensor) -> dist.Work | None:
+        """Start gathering every member's ``tensor`` into ``pieces`` (one per member, in the members' order); None
+        when alone or after this step's first failure."""
+        return self._start(lambda pg: pg.allgather([pieces], [tensor]))
+
+    def _start(self, collective) -> dist.Work | None:
         if self.pg is None or self.error is not None:
             return None
         try:
-            return self.pg.allreduce([tensor])
+            return collective(self.pg)
         except Exception as e:
             self.fail(e)
             return None
@@ -137,3 +145,14 @@ class AveragingHook:
         buffer = bucket.buffer()
         self.bytes += buffer.numel() * buffer.element_size()
         return _Averaged(self.group, self.group.all_reduce_sum(buffer), buffer)
+
+    def sent_bytes(self, k: int) -> int:
+        """What this member sent this step in a round of ``k``: a ring all-reduce's share, ``2 (k - 1) / k``."""
+        return self.bytes * 2 * (k - 1) // k
+
+    def settle(self, committed: bool) -> None:
+        """The round's decision (nothing kept across steps to undo)."""
+        self.bytes = 0
+
+    def reset(self) -> None:
+        """Healed from a peer: nothing of its own to drop."""

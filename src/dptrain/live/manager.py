@@ -169,6 +169,7 @@ class LiveManager:
                 payload, expected = recv_state(self.group.pg, src, self.progress)
                 attempt.heal_received += len(payload)
                 got = load(unpack(payload))
+                self.hook.reset()  # a compressing hook's residual is the worker's own: none yet
                 if got != expected:
                     raise HealError(f"after healing from replica {quorum.members[src].replica} the state's hash "
                                     f"differs from the sender's ({got.hex()[:12]} vs {expected.hex()[:12]})")
@@ -196,5 +197,5 @@ class LiveManager:
         if committed:
             self.step = attempt.quorum.step + advance
         self.round = attempt.quorum.round + 1
-        self.hook.bytes = 0
+        self.hook.settle(committed)
         return self.stats.attempt(committed, attempt.quorum.size, attempt.began) if counted else None

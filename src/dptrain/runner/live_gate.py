@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 
 from dptrain.api.engine import Engine
 from dptrain.checkpoint.resume import seed_everything
+from dptrain.compress.round_hook import RoundCompression
 from dptrain.config import ConfigError
 from dptrain.data.stream import SampleStream
 from dptrain.launch.heartbeat import Heartbeat
@@ -91,6 +92,8 @@ class LiveGate(StaticGate):
     def _join_rounds(self, model) -> None:
         """Every step's gradients averaged over its round: the round's comm hook on the wrapper (registry ``live``
         ``step``: it takes one)."""
+        if isinstance(self.compression, RoundCompression):  # compression.method: the round's compressed mean
+            self.manager.hook = self.compression.attach(self.manager.group)
         model.register_comm_hook(None, self.manager.hook)
 
     @classmethod
@@ -169,9 +172,8 @@ class LiveGate(StaticGate):
     def decide(self, turn: Turn, times: StepTimes | None) -> bool:
         """The commit vote, after this member's backward (a member that sat the attempt out votes no)."""
         attempt = turn.attempt
-        if times is not None and times.comm is not None:  # a ring all-reduce's share: 2 (k - 1) / k of a bucket
-            k = attempt.quorum.size
-            times.comm.sent_bytes = self.manager.hook.bytes * 2 * (k - 1) // k
+        if times is not None and times.comm is not None:  # the round's hook counts what it sent
+            times.comm.sent_bytes = self.manager.hook.sent_bytes(attempt.quorum.size)
         if times is not None:
             fault_before_vote(self.env.rank, turn.step)
         return self.manager.vote(attempt, attempt.ok)

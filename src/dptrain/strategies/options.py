@@ -101,13 +101,18 @@ def compression_remedies(cfg) -> Remedies:
 
 
 def ddp_compression(cfg, wrapper: nn.Module) -> Any:
-    """``compression.method`` as a communication hook on the DDP engine's buckets (None: uncompressed)."""
+    """``compression.method`` as a communication hook on the DDP engine's buckets (None: uncompressed); under live
+    recovery the round's compressed mean, which the live gate registers with the round's group."""
     d = cfg.compression
     if d.method == "none":
         return None
     from dptrain.compress.hook import CompressionHook
 
     codec = make_codec(d.method, topk_fraction=d.topk_fraction, powersgd_rank=d.powersgd_rank)
+    if cfg.live.enabled:
+        from dptrain.compress.round_hook import RoundCompression
+
+        return RoundCompression(codec, error_feedback=d.error_feedback)
     hook = CompressionHook(codec, error_feedback=d.error_feedback, remedies=compression_remedies(cfg))
     wrapper.register_comm_hook(None, hook)
     return hook

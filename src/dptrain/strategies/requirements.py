@@ -160,8 +160,8 @@ def check_live(cfg: RunConfig, entry: Strategy, world_size: int) -> None:
             entry.check_live(cfg)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-    claims = [name for name, on in (("compression.method", cfg.compression.method != "none"),
-                                    ("train.optimizer onebit_adam", t.optimizer == "onebit_adam"),
+    check_live_compression(cfg)
+    claims = [name for name, on in (("train.optimizer onebit_adam", t.optimizer == "onebit_adam"),
                                     ("ddp.optimizer_in_backward", d.optimizer_in_backward),
                                     ("balance.dynamic_batching", cfg.balance.dynamic_batching),
                                     ("ddp.algorithm " + repr(d.algorithm), d.algorithm != "native")) if on]
@@ -171,6 +171,28 @@ def check_live(cfg: RunConfig, entry: Strategy, world_size: int) -> None:
     if live.min_workers > world_size:
         raise ConfigError(f"live.min_workers = {live.min_workers} is more than the job's {world_size} worker(s): "
                           f"lower it to at most {world_size}")
+
+
+LIVE_CODECS = ("fp16", "bf16", "int8", "topk")  # compress.round_hook: encoded, all-gathered over the round, averaged
+
+
+def check_live_compression(cfg: RunConfig) -> None:
+    """``compression.method`` under live recovery: a codec whose state is each member's own residual (kept on an
+    abort, dropped on a heal: ``dptrain.compress.round_hook``). (Only the DDP engine takes the method and live
+    recovery both: the strategies' own checks refuse the others first.)"""
+    c = cfg.compression
+    if c.method == "none":
+        return
+    if c.method not in LIVE_CODECS:
+        raise ConfigError(f"live.enabled with compression.method = {c.method!r}: PowerSGD's Q is a warm start shared "
+                          "by a fixed set of ranks, which a round of changing members does not keep; use "
+                          f"{listed(LIVE_CODECS, 'or')}, or live.enabled = false")
+    remedies = [name for name, on in (("compression.momentum_correction", c.momentum_correction),
+                                      ("compression.local_clip", bool(c.local_clip)),
+                                      ("compression.topk_warmup_steps", bool(c.topk_warmup_steps))) if on]
+    if remedies:
+        raise ConfigError(f"live.enabled with {remedies[0]}: deep gradient compression's remedies are not applied "
+                          "over live recovery's rounds; turn it off, or live.enabled = false")
 
 
 def listed(items, conjunction: str) -> str:
