@@ -98,16 +98,20 @@ def _live_logs(run_dir: Path) -> dict[int, list[dict]]:
 LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
 
 
-@pytest.mark.parametrize("strategy, settings, fault, meetings", [
+@pytest.mark.parametrize("strategy, settings, fault, meetings, rounds", [
     # between meetings: healed at the next, which it sits out (int8 pseudo-gradients, error feedback)
-    ("diloco", ["diloco.period=4", 'diloco.compression="int8"'], "1:6:kill", [0, 4, 8, 12, 16]),
+    ("diloco", ["diloco.period=4", 'diloco.compression="int8"'], "1:6:kill", [0, 4, 8, 12, 16], 5),
     # after the meeting's all-reduce, before its vote: the meeting again, the survivors' steps kept
-    ("localsgd", ["localsgd.period=3"], "2:4:kill-before-vote", [0, 1, 4, 7, 10, 13, 16]),
+    ("localsgd", ["localsgd.period=3"], "2:4:kill-before-vote", [0, 1, 4, 7, 10, 13, 16], 7),
+    # a warm-up of 3 synchronous steps (a round each), killed before a step's vote; then a meeting to slice the
+    # steps between meetings (at step 3 too), and the meetings
+    ("diloco", ["diloco.period=4", "diloco.warmup_steps=3"], "1:2:kill-before-vote", [1, 2, 3, 7, 11, 15, 16], 8),
 ])
-def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, settings, fault, meetings):
-    """A worker killed between two meetings, or between a meeting's all-reduce and its vote: the launcher restarts
-    it; the others' steps are kept; every committed meeting leaves every member with the same state (hash); the
-    victim is healed at a meeting and the run ends with every meeting committed."""
+def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, settings, fault, meetings,
+                                                                    rounds):
+    """A worker killed between two meetings, between a meeting's all-reduce and its vote, or before the vote of a
+    warm-up's step: the launcher restarts it; the others' steps are kept; every committed round leaves every member
+    with the same state (hash); the victim is healed and the run ends with every round committed."""
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "3", "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir", str(run_dir),
                    "--strategy", strategy, *[a for x in settings for a in ("--set", x)], "--set", "train.steps=16",
@@ -133,5 +137,6 @@ def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, st
         step = int(fault.split(":")[1])
         assert [r["commit"] for r in logs[0] if r.get("step") == step and "round" in r] == [False, True]
     summary = json.loads((run_dir / "summary.json").read_text())
-    assert summary["live"]["committed"] == len(meetings)
+    assert summary["live"]["committed"] == rounds
+    assert summary["live"]["unit"] == ("rounds" if "warmup" in " ".join(settings) else "meetings")
     assert (run_dir / "model.safetensors").is_file()

@@ -167,6 +167,17 @@ class DiLoCo(nn.Module):
     # ------------------------------------------------------------------ the meeting protocol (live recovery)
 
     @property
+    def warmup_steps(self) -> int:
+        """Steps at the start taken as the DDP engine takes them, the gradients all-reduced (the meeting protocol)."""
+        return self.options.warmup_steps
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """The warm-up's comm hook (live recovery's round hook), on its DDP engine."""
+        if not self.options.warmup_steps:
+            raise RuntimeError("register_comm_hook: no warm-up (warmup_steps = 0), so no step all-reduces gradients")
+        self.ddp.register_comm_hook(state, hook)
+
+    @property
     def meeting_due(self) -> bool:
         """Whether the schedule holds an outer step after the step just taken (every ``period`` inner steps)."""
         return self.unmet_steps > 0 and self.steps_since_sync == 0

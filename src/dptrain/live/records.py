@@ -65,8 +65,15 @@ def live_totals(logs: dict[int, list[dict]]) -> dict:
     return {"attempted": len(ordered), "committed": len(committed), "aborted": len(ordered) - len(committed),
             "failures": failures, "joins": joins, "steps_by_quorum_size": {str(k): sizes[k] for k in sorted(sizes)},
             "recovery_s": sorted(recoveries), "heals": len(heals), "heal_bytes": sum(b for b, _ in heals),
-            "heal_s": sum(s for _, s in heals), "unit": "meetings" if any(r.get("meeting") for r in ordered) else
-            "steps"}
+            "heal_s": sum(s for _, s in heals), "unit": _unit([bool(r.get("meeting")) for r in ordered])}
+
+
+def _unit(meetings: list[bool]) -> str:
+    """What the rounds were: steps (a round each), meetings (local SGD's, DiLoCo's), or both (a warm-up's steps, then
+    meetings)."""
+    if all(meetings) and meetings:
+        return "meetings"
+    return "rounds" if any(meetings) else "steps"
 
 
 def live_rows(totals: dict) -> list[tuple[str, str]]:

@@ -144,6 +144,17 @@ class LocalSGD(nn.Module):
     # ------------------------------------------------------------------ the meeting protocol (live recovery)
 
     @property
+    def warmup_steps(self) -> int:
+        """Steps at the start taken as the DDP engine takes them, the gradients all-reduced (the meeting protocol)."""
+        return self.options.warmup_steps
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """The warm-up's comm hook (live recovery's round hook), on its DDP engine."""
+        if not self.options.warmup_steps:
+            raise RuntimeError("register_comm_hook: no warm-up (warmup_steps = 0), so no step all-reduces gradients")
+        self.ddp.register_comm_hook(state, hook)
+
+    @property
     def meeting_due(self) -> bool:
         """Whether the schedule averages after the step just taken (the first local step, then every ``period``)."""
         local = self.steps - 1 - self.options.warmup_steps

@@ -121,6 +121,10 @@ class LiveGate(StaticGate):
     def outputs(self) -> bool:
         return self.writer
 
+    def _warmup_steps(self) -> int:
+        """Steps at the start taken by every replica together (a round each), before they step alone: none here."""
+        return 0
+
     def checkpoint_meta(self) -> dict:
         return {"live_position": self.replica.read_to}
 
@@ -143,7 +147,8 @@ class LiveGate(StaticGate):
         self.replica = ReplicaState(self.engine, SampleStream(rp.task.train_set, seed=cfg.train.seed,
                                                              collate_fn=collate(rp.task)),
                                     position, env.world_size, cfg.live.lr_scaling == "linear",
-                                    cfg.live.global_batch == "constant", meeting=self.meeting)
+                                    cfg.live.global_batch == "constant", meeting=self.meeting,
+                                    warmup=self._warmup_steps())
         self.live_log.start(env.rank, restart_count(), step)
         over = "live recovery: the run has finished; nothing to join" if self.manager.store.check([DONE_KEY]) else None
         # a restarted replica 0 keeps every record (none past the step it is healed to exists); a torn last line goes
@@ -152,22 +157,34 @@ class LiveGate(StaticGate):
 
     def turns(self, say: Callable[[str], None]) -> Iterator[Turn]:
         """Attempt steps, round after round, until the last is committed."""
-        manager, replica, steps = self.manager, self.replica, self.rp.cfg.train.steps
+        manager, steps = self.manager, self.rp.cfg.train.steps
         while manager.step < steps:
-            attempt = manager.begin(replica.held, replica.hash, replica.load)
-            quorum = attempt.quorum
-            for note in attempt.notes:  # a member of another job refused, or one whose state diverged left out
-                say(f"live recovery: {note}")
-            if quorum.step >= steps:  # joined the others after their last step: healed to the end
+            attempt = self._begin(say)
+            if attempt.quorum.step >= steps:  # joined the others after their last step: healed to the end
                 manager.end(attempt, False, counted=False)
                 self.live_log.healed_at_end(attempt)
                 continue
-            step = quorum.step + 1
-            batches = None
-            if attempt.ok:
-                seed_everything(step_seed(self.rp.cfg.train.seed, self.env.rank, step))
-                batches = iter(replica.enter(quorum))
-            yield Turn(step, batches, weighted=replica.constant, attempt=attempt)
+            yield self._step_turn(attempt)
+
+    def _begin(self, say: Callable[[str], None] | None):
+        """The next round (its quorum, group and heal), its notes said: a member of another job refused, or one
+        whose state diverged left out."""
+        replica = self.replica
+        attempt = self.manager.begin(replica.held, replica.hash, replica.load)
+        for note in attempt.notes if say is not None else ():
+            say(f"live recovery: {note}")
+        return attempt
+
+    def _step_turn(self, attempt) -> Turn:
+        """A round's step: this member's slice of its samples, its generators seeded (None when the round failed
+        to form: the member sits it out and votes no)."""
+        quorum, replica = attempt.quorum, self.replica
+        step = quorum.step + 1
+        batches = None
+        if attempt.ok:
+            seed_everything(step_seed(self.rp.cfg.train.seed, self.env.rank, step))
+            batches = iter(replica.enter(quorum))
+        return Turn(step, batches, weighted=replica.constant, attempt=attempt)
 
     def decide(self, turn: Turn, times: StepTimes | None) -> bool:
         """The commit vote, after this member's backward (a member that sat the attempt out votes no)."""
@@ -185,7 +202,8 @@ class LiveGate(StaticGate):
         every = self.rp.cfg.live.check_every
         self.close_round(turn.attempt, turn.step, committed, check=bool(every) and turn.step % every == 0)
 
-    def close_round(self, attempt, step: int, committed: bool, advance: int = 1, check: bool = False) -> None:
+    def close_round(self, attempt, step: int, committed: bool, advance: int = 1, check: bool = False,
+                    meeting: bool = False) -> None:
         """After a round's decision, its result applied: the final state marked, on to the next round (``advance``:
         the steps a commit completes), the state's hash for the next round's check (``check``), the live log's
         line."""
@@ -196,7 +214,7 @@ class LiveGate(StaticGate):
         held_hash = self.replica.hash() if committed and check else None
         if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
             manager.check = f"{step}:{held_hash.hex()}"
-        self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash, meeting=self.meeting)
+        self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash, meeting=meeting)
 
     def finish(self) -> None:
         """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""

@@ -18,6 +18,13 @@ registry says ``live = "meeting"``):
    (``apply_meeting``: DiLoCo's outer step, local SGD's average); on abort nothing is
    applied and the meeting is held again in a new round, without the member that failed.
 
+With a warm-up (``warmup_steps``: the first steps synchronous, every replica's gradients
+averaged), each of those steps is a round of its own, as under the DDP engine
+(:class:`~dptrain.runner.live_gate.LiveGate`): the wrapper's warm-up engine takes the round's
+comm hook. A round's kind follows from its step, which every member agrees on: below the
+warm-up's end, a step; from it on, a meeting. So a worker restarted in either phase joins
+the round the others hold.
+
 So a worker lost between meetings costs its own steps (and their samples), not the others':
 they meet without it. One lost during a meeting's all-reduce or before its vote aborts that
 round only; the steps are kept and met again. After every committed meeting the members
@@ -30,6 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from dptrain.checkpoint.resume import seed_everything
+from dptrain.live.manager import Attempt
 from dptrain.runner.gate import Turn
 from dptrain.runner.live_gate import LiveGate, fault_before_vote
 from dptrain.runner.live_state import step_seed
@@ -39,67 +47,95 @@ __all__ = ["MeetingGate"]
 
 
 class MeetingGate(LiveGate):
-    """A round at each meeting of the replicas, none between (see the module docstring)."""
+    """A round at each meeting of the replicas, none between; one per step of a warm-up (see the module
+    docstring)."""
 
     meeting = True
     say: Callable[[str], None] | None = None  # a line for the log (turns() is given it)
 
     def _join_rounds(self, model) -> None:
-        """The wrapper's meetings are this gate's to hold (the meeting protocol); its steps take no hook."""
+        """The wrapper's meetings are this gate's to hold (the meeting protocol); a warm-up's steps average over
+        their round (its engine takes the round's hook), the steps after it take none."""
         model.meets_itself = False
+        if model.warmup_steps:
+            model.register_comm_hook(None, self.manager.hook)
+
+    def _warmup_steps(self) -> int:
+        return self.engine.model.warmup_steps
 
     def turns(self, say: Callable[[str], None]) -> Iterator[Turn]:
-        """A first round (the slices; a restarted worker healed), then every step up to the last, each this worker's
-        own; :meth:`settle` holds the meetings."""
+        """Rounds until one is a meeting that commits (the slices; a restarted worker healed), each a step of its own
+        while the round's step is in the warm-up; then every step up to the last, each this worker's own;
+        :meth:`settle` holds the meetings."""
         self.say = say
-        if not self._meet():
-            return
         manager, replica, steps = self.manager, self.replica, self.rp.cfg.train.steps
+        warmup = self.engine.model.warmup_steps
+        sliced = False  # a committed meeting has given this worker its slice of the steps between meetings
         while manager.step + replica.since < steps:
+            if not sliced:
+                before = manager.step
+                attempt = self._begin(say)
+                if self._healed_to_end(attempt, before):
+                    return
+                if attempt.quorum.step < warmup:  # a synchronous step of the warm-up: a round of its own
+                    yield self._step_turn(attempt)
+                    continue
+                sliced = self._meeting(attempt, before)
+                continue
             step = manager.step + replica.since + 1
             seed_everything(step_seed(self.rp.cfg.train.seed, self.env.rank, step))
             yield Turn(step, iter(replica.next_step()), weighted=replica.constant)
 
     def decide(self, turn: Turn, times: StepTimes | None) -> bool:
-        """A step between meetings is this worker's own: always taken."""
-        return True
+        """A warm-up step: the round's vote; a step between meetings is this worker's own: always taken."""
+        return super().decide(turn, times) if turn.attempt is not None else True
 
     def settle(self, turn: Turn, committed: bool) -> None:
-        """The step counted; a meeting where the wrapper's schedule holds one, and after the last step."""
+        """A warm-up step: the round's end. Else the step counted; a meeting where the wrapper's schedule holds one,
+        and after the last step."""
+        if turn.attempt is not None:
+            super().settle(turn, committed)
+            return
         self.replica.stepped()
         if self.engine.model.meeting_due or turn.step == self.rp.cfg.train.steps:
-            self._meet()
+            committed = False
+            while not committed:  # rounds until one commits the meeting
+                before = self.manager.step
+                attempt = self._begin(self.say)
+                if self._healed_to_end(attempt, before):
+                    return
+                committed = self._meeting(attempt, before)
 
-    def _meet(self) -> bool:
-        """Rounds until one commits a meeting; False when this worker joined after the others' last (healed to the
-        end: nothing is left to do)."""
-        manager, replica, model, steps = self.manager, self.replica, self.engine.model, self.rp.cfg.train.steps
-        while True:
-            before = manager.step
-            attempt = manager.begin(replica.held, replica.hash, replica.load)
-            quorum = attempt.quorum
-            for note in attempt.notes if self.say is not None else ():
-                self.say(f"live recovery: {note}")
-            if quorum.step >= steps and before < quorum.step:  # the others met after the last step: healed to it
-                manager.end(attempt, False, counted=False)
-                self.live_log.healed_at_end(attempt)
-                return False
-            step = quorum.step + replica.since  # the meeting's: the steps its members have taken
-            ok, reduced = attempt.ok, None
-            if ok and model.unmet_steps:
-                participants = sum(m.step == quorum.step for m in quorum.members)
-                try:
-                    reduced = model.reduce_meeting(manager.group.pg, participants, before == quorum.step)
-                except RuntimeError as e:  # a member gone during the reduction
-                    manager.group.fail(e)
-                    ok = False
-                fault_before_vote(self.env.rank, step)
-            committed = manager.vote(attempt, ok)
-            if reduced is not None:
-                (model.apply_meeting if committed else model.discard_meeting)(reduced)
-            advance = replica.since
-            if committed:
-                manager.global_batch = replica.met(quorum)
-            self.close_round(attempt, step, committed, advance=advance, check=bool(self.rp.cfg.live.check_every))
-            if committed:
-                return True
+    def _healed_to_end(self, attempt: Attempt, before: int) -> bool:
+        """Whether this worker joined the others after their last step (``before``: its committed step when the
+        round began): healed to the end, the round closed with nothing attempted, nothing left to do."""
+        if not (attempt.quorum.step >= self.rp.cfg.train.steps and before < attempt.quorum.step):
+            return False
+        self.manager.end(attempt, False, counted=False)
+        self.live_log.healed_at_end(attempt)
+        return True
+
+    def _meeting(self, attempt: Attempt, before: int) -> bool:
+        """The meeting in ``attempt``'s round (``before``: this worker's committed step when it began); whether it
+        committed."""
+        manager, replica, model = self.manager, self.replica, self.engine.model
+        quorum = attempt.quorum
+        step = quorum.step + replica.since  # the meeting's: the steps its members have taken
+        ok, reduced = attempt.ok, None
+        if ok and model.unmet_steps:
+            participants = sum(m.step == quorum.step for m in quorum.members)
+            try:
+                reduced = model.reduce_meeting(manager.group.pg, participants, before == quorum.step)
+            except RuntimeError as e:  # a member gone during the reduction
+                manager.group.fail(e)
+                ok = False
+            fault_before_vote(self.env.rank, step)
+        committed = manager.vote(attempt, ok)
+        if reduced is not None:
+            (model.apply_meeting if committed else model.discard_meeting)(reduced)
+        advance = replica.since
+        if committed:
+            manager.global_batch = replica.met(quorum)
+        self.close_round(attempt, step, committed, advance=advance, check=bool(self.rp.cfg.live.check_every),
+                         meeting=True)
+        return committed

@@ -39,13 +39,15 @@ class ReplicaState:
     step of ``size`` members takes); the position moves past them all when the next meeting
     commits (a member lost in between loses its steps' samples with its steps). The state hash
     then covers only what the replicas hold alike after a meeting (the wrapper's
-    ``met_tensors()``): their optimizer states are their own.
+    ``met_tensors()``): their optimizer states are their own. ``warmup``: the steps at the start the
+    replicas take together, a round each, as without meetings.
     """
 
     def __init__(self, engine: Engine, stream: SampleStream, position: int, replicas: int, linear: bool,
-                 constant: bool = False, meeting: bool = False):
+                 constant: bool = False, meeting: bool = False, warmup: int = 0):
         self.engine, self.stream, self.position = engine, stream, position
         self.replicas, self.linear, self.constant, self.meeting = replicas, linear, constant, meeting
+        self.warmup = warmup  # meeting: the first steps, taken together (a round each), before they step alone
         self.index, self.size, self.since = 0, replicas, 0  # the last committed meeting's slice; steps since it
         self.scale = 1.0
         schedule = engine.lr_at
@@ -65,7 +67,10 @@ class ReplicaState:
         return self.hash()
 
     def hash(self) -> bytes:
-        if not self.meeting:
+        """The hash of what the replicas hold alike: everything (``held_tensors``) while they step together,
+        the wrapper's ``met_tensors()`` and the counts once they step alone between meetings (the step count
+        says which, so a sender and a healed receiver agree)."""
+        if not self.meeting or self.engine.step_count < self.warmup:
             return state_hash(held_tensors(self.engine, self.position))
         counts = torch.tensor([self.engine.step_count, self.position, self.size, self.since], dtype=torch.int64)
         return state_hash([*self.engine.model.met_tensors(), counts])

@@ -169,9 +169,18 @@ class MeetingWrapper(DataParallelWrapper, Protocol):
     with ``meeting_due`` (or after the last, with ``unmet_steps``), forms a round and calls
     ``reduce_meeting`` on every member, then ``apply_meeting`` where the round commits or
     ``discard_meeting`` where it aborts (the meeting is then held again, in the next round).
+    The first ``warmup_steps`` steps are synchronous: every replica's gradients averaged by its
+    warm-up engine, whose comm hook ``register_comm_hook`` replaces (live recovery's round hook).
     """
 
     meets_itself: bool
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps at the start with the gradients averaged every step, before the replicas step alone."""
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """The warm-up engine's comm hook (the DDP engine's protocol); only with ``warmup_steps``."""
 
     @property
     def meeting_due(self) -> bool:

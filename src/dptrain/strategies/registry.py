@@ -221,18 +221,6 @@ def _diloco_options(cfg, model: nn.Module, nodes: int) -> Any:
     return DiLoCoOptions.from_section(cfg.diloco, ddp=ddp_options(cfg, model, nodes))
 
 
-def _meeting_check_live(section: str) -> Callable[[Any], None]:
-    """Live recovery holds a round only where the replicas meet: a warm-up of synchronous steps would need one every
-    step, which it does not serve for these strategies."""
-    def check(cfg) -> None:
-        warmup = getattr(cfg, section).warmup_steps
-        if warmup:
-            raise ValueError(f"live.enabled holds a round only where {section}'s replicas meet, and {section}."
-                             f"warmup_steps = {warmup} asks for a synchronous step (a round) every step of the "
-                             f"warm-up: set {section}.warmup_steps = 0, or live.enabled = false")
-    return check
-
-
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
                     checkpoint_layout="sharded", casts_itself=True, codecs=ZERO_CODECS, buckets=stage < 3,
@@ -265,13 +253,13 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
              "every H steps (Lin et al. 2020)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="replicated", uncompressed="averages the models uncompressed, every localsgd.period "
              "steps", wrap=_policy_wrapper("localsgd", "dptrain.localsgd", "LocalSGD", "LocalSGDOptions"),
-             options=_localsgd_options, live="meeting", check_live=_meeting_check_live("localsgd")),
+             options=_localsgd_options, live="meeting"),
     Strategy("diloco", "DiLoCo: H local steps of the run's optimizer, then an outer Nesterov step on the averaged "
              "pseudo-gradients (Douillard et al. 2023)", zero_stage=None, shards_parameters=False,
              replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
              "all-reduce itself (diloco.compression)",
              wrap=_policy_wrapper("diloco", "dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options,
-             live="meeting", check_live=_meeting_check_live("diloco")),
+             live="meeting"),
 ]}
 
 
