@@ -2,10 +2,10 @@
 
 One collective, whatever the strategy: the ranks gather their RNG states; every rank
 writes what only it holds into the staging directory (a sharding wrapper's shards through
-its own ``save_sharded``; compression's residuals; the strategy's per-rank state, what its
-wrapper's ``checkpoint_state`` puts under ``rank``); rank 0 writes the rest (``trainer.pt``;
-``model.pt`` and ``optimizer.pt`` under the replicated layout; the strategy's ``shared``
-state) and publishes the directory with one rename (:func:`~dptrain.checkpoint.files.save_checkpoint`),
+its own ``save_sharded``; each part of the run's state (:mod:`dptrain.checkpoint.run_state`:
+the strategy's own, compression's residuals) that has a ``rank`` half, as
+``<part>/rank<r>.pt``); rank 0 writes the rest (``trainer.pt``; ``model.pt`` and
+``optimizer.pt`` under the replicated layout; each part's ``shared`` half) and publishes the directory with one rename (:func:`~dptrain.checkpoint.files.save_checkpoint`),
 so a crash never leaves a half-written checkpoint. Rotation follows
 (:func:`~dptrain.checkpoint.files.prune_checkpoints`), never deleting what was just written.
 Every file marks progress (``progress``): a long save is not a hang.
@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from dptrain.checkpoint.files import fresh_dir, prune_checkpoints, rng_state, save_checkpoint, staging_dir
 from dptrain.checkpoint.replicated import replicated_state
-from dptrain.checkpoint.resume import COMPRESSION, SHARED
+from dptrain.checkpoint.run_state import SHARED, Part
 from dptrain.checkpoint.sharded import SHARDED
 from dptrain.utils.files import open_file
 
@@ -30,37 +30,33 @@ __all__ = ["save_run_checkpoint"]
 
 
 def save_run_checkpoint(run_dir: Path, step: int, engine: Any, *, strategy: str, meta: dict, keep_last: int,
-                        compressor: Any = None, progress: Callable[[], None] = lambda: None,
+                        parts: list[Part] = (), progress: Callable[[], None] = lambda: None,
                         ) -> tuple[Path, list[Path]] | None:
     """Collective: checkpoint ``engine`` (its ``model`` wrapper, ``optimizer``, step counts, loss scaler and
-    layout, ``engine.sharded``) at ``step``.
+    layout, ``engine.sharded``) and the run's other ``parts`` (:func:`~dptrain.checkpoint.run_state.run_state`) at
+    ``step``.
 
-    ``strategy``: its name, the subdirectory of its own state; ``meta``: what ``meta.json``
-    records beside the step and the checksums; ``compressor``: the compression whose
-    residuals each rank keeps. Rank 0 returns the checkpoint and the ones rotation deleted;
-    the others None.
+    ``strategy``: its name, recorded in ``meta.json``; ``meta``: what ``meta.json`` records
+    beside the step and the checksums. Rank 0 returns the checkpoint and the ones rotation
+    deleted; the others None.
     """
     progress()
     sharded = engine.sharded
     rank, world_size = dist.get_rank(), dist.get_world_size()
     states: list = [None] * world_size
     dist.all_gather_object(states, rng_state(engine.device))
-    own = engine.model.checkpoint_state(engine.optimizer)
-    parts: dict[str, Any] = {}
-    if compressor is not None:
-        parts[COMPRESSION] = compressor.state_dict()
-    if own.get("rank"):
-        parts[strategy] = own["rank"]
+    halves = {part.name: part.state_dict() for part in parts}
+    own = {name: half["rank"] for name, half in halves.items() if half.get("rank")}
+    shared = {name: half["shared"] for name, half in halves.items() if half.get("shared")}
     # the model as the strategy defines it (the replicas' mean, DiLoCo's global weights): a collective
     model_state = None if sharded else engine.model.full_state_dict()
-    staged = sharded or bool(parts) or bool(own.get("shared"))
+    staged = sharded or bool(own) or bool(shared)
     if staged:
-        _stage(staging_dir(run_dir, step), engine, rank, sharded, parts, progress)
+        _stage(staging_dir(run_dir, step), engine, rank, sharded, own, progress)
     result = None
     if rank == 0:
         files = _rank0_files(engine, states, world_size, model_state)
-        if own.get("shared"):
-            files[f"{strategy}/{SHARED}"] = own["shared"]
+        files.update({f"{name}/{SHARED}": state for name, state in shared.items()})
         path = save_checkpoint(run_dir, step, files, dict(meta, world_size=world_size,
                                                            format="sharded" if sharded else "replicated",
                                                            strategy=strategy), staged=staged, progress=progress)

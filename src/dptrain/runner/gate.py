@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dptrain.api.engine import Engine
-from dptrain.checkpoint.resume import resume, resume_compression, resume_strategy_state, seed_everything
+from dptrain.checkpoint.resume import resume, seed_everything
+from dptrain.checkpoint.run_state import Part, resume_parts, run_state
 from dptrain.data.balance import DynamicBatcher
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv
@@ -66,6 +67,7 @@ class StaticGate:
 
     def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat):
         self.rp, self.env, self.engine, self.compression = rp, env, engine, compression
+        self.parts = run_state(engine, compression, rp.cfg.distributed.strategy)  # checkpoints, resume, the heal
         self.batches: Iterator[Any] | None = None
         self.batcher: DynamicBatcher | None = None
         self.start_step = 0
@@ -82,7 +84,7 @@ class StaticGate:
 
     def start(self) -> Start:
         """Resume from the run's checkpoint or seed this rank; the data from the step it starts at."""
-        step, note = resume_or_seed(self.rp, self.env, self.engine, self.compression)
+        step, note = resume_or_seed(self.rp, self.env, self.engine, self.parts)
         self.start_step = step
         self.batches, self.batcher = build_batches(self.rp, self.env.rank, self.engine, step)
         return Start(step, note, records_from=step)
@@ -117,7 +119,7 @@ class StaticGate:
         return facts
 
 
-def resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) -> tuple[int, str | None]:
+def resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, parts: list[Part]) -> tuple[int, str | None]:
     """The step to start from, and what to say about the parts of the checkpoint this run cannot use.
 
     Ranks draw different dropout masks; a resumed run continues its saved RNG streams.
@@ -127,9 +129,6 @@ def resume_or_seed(rp: RunPlan, env: WorkerEnv, engine: Engine, compression) -> 
         return 0, None
     path, strategy = rp.resume_from, rp.cfg.distributed.strategy
     start_step = resume(engine, path, env.rank, engine.device)
-    notes = [resume_compression(compression, path, env.rank, env.world_size, strategy)
-             if compression is not None else None,
-             resume_strategy_state(engine.model, engine.optimizer, path, strategy, env.rank, env.world_size,
-                                   engine.device)]
-    return start_step, "; ".join(n for n in notes if n) or None
+    notes = resume_parts(parts, path, env.rank, env.world_size, strategy, engine.device)
+    return start_step, "; ".join(notes) or None
 

@@ -141,14 +141,15 @@ class LiveGate(StaticGate):
         if self.joining:
             step, position, note = -1, 0, None
         else:
-            step, note = resume_or_seed(rp, env, self.engine, None)
+            # each worker's own parts (compression's residuals: replica 0's in its checkpoint) start afresh
+            step, note = resume_or_seed(rp, env, self.engine, [p for p in self.parts if p.heal])
             position = int((rp.resume_meta or {}).get("live_position", step * rp.plan.global_batch_size))
         self.manager.step = self.start_step = step
         self.replica = ReplicaState(self.engine, SampleStream(rp.task.train_set, seed=cfg.train.seed,
                                                              collate_fn=collate(rp.task)),
                                     position, env.world_size, cfg.live.lr_scaling == "linear",
                                     cfg.live.global_batch == "constant", meeting=self.meeting,
-                                    warmup=self._warmup_steps())
+                                    warmup=self._warmup_steps(), parts=self.parts)
         self.live_log.start(env.rank, restart_count(), step)
         over = "live recovery: the run has finished; nothing to join" if self.manager.store.check([DONE_KEY]) else None
         # a restarted replica 0 keeps every record (none past the step it is healed to exists); a torn last line goes

@@ -7,6 +7,7 @@ import torch
 
 from dptrain.api.engine import Engine
 from dptrain.checkpoint.replicated import replica_tensors
+from dptrain.checkpoint.run_state import Part
 from dptrain.data.stream import SampleStream
 from dptrain.live.heal import state_hash
 from dptrain.live.quorum import Quorum
@@ -44,8 +45,8 @@ class ReplicaState:
     """
 
     def __init__(self, engine: Engine, stream: SampleStream, position: int, replicas: int, linear: bool,
-                 constant: bool = False, meeting: bool = False, warmup: int = 0):
-        self.engine, self.stream, self.position = engine, stream, position
+                 constant: bool = False, meeting: bool = False, warmup: int = 0, parts: list[Part] = ()):
+        self.engine, self.stream, self.position, self.parts = engine, stream, position, list(parts)
         self.replicas, self.linear, self.constant, self.meeting = replicas, linear, constant, meeting
         self.warmup = warmup  # meeting: the first steps, taken together (a round each), before they step alone
         self.index, self.size, self.since = 0, replicas, 0  # the last committed meeting's slice; steps since it
@@ -54,15 +55,18 @@ class ReplicaState:
         engine.lr_at = lambda s: schedule(s) * self.scale
 
     def held(self) -> dict:
-        """The state a heal sends: the engine's (model, optimizer, step counts), the position, the strategy's own."""
-        engine = self.engine
-        return {"engine": engine.state_dict(), "position": self.position, "size": self.size, "since": self.since,
-                "strategy": engine.model.checkpoint_state(engine.optimizer)}
+        """The state a heal sends: the engine's (model, optimizer, step counts), the position, and the run's parts
+        that a heal sends (``parts``, :mod:`dptrain.checkpoint.run_state`: the strategy's own)."""
+        return {"engine": self.engine.state_dict(), "position": self.position, "size": self.size, "since": self.since,
+                "parts": {part.name: part.state_dict() for part in self.parts if part.heal}}
 
     def load(self, received: dict) -> bytes:
-        """Take a healed state; the hash of what is now held."""
+        """Take a healed state; the hash of what is now held. The parts a heal does not send (a worker's own, such as
+        compression's residuals) start afresh, as the run's other code that holds them says (the live hook)."""
         self.engine.load_state_dict(received["engine"])
-        self.engine.model.load_checkpoint_state(received["strategy"], self.engine.optimizer)
+        for part in self.parts:
+            if part.heal:
+                part.load_state_dict(received["parts"][part.name])
         self.position, self.size, self.since = received["position"], received["size"], received["since"]
         return self.hash()
 

@@ -93,7 +93,7 @@ def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat, g
         return None
     sink = open_sink(rp, env.rank, start.records_from, log) if gate.outputs else None
     run = RunContext(rp, env, device, engine, log, beat, sink, compression, start.step, n_params,
-                     checkpoint_meta=gate.checkpoint_meta)
+                     checkpoint_meta=gate.checkpoint_meta, parts=gate.parts)
     hooks = build_hooks(run, gate)
     step = start.step
     try:

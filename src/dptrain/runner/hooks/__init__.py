@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dptrain.api.engine import Engine, StepInfo
+from dptrain.checkpoint.run_state import Part
 from dptrain.compress.base import Compressor
 from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv
@@ -116,3 +117,4 @@ class RunContext:
     start_step: int
     parameters: int  # the model's, counted before a strategy sharded them
     checkpoint_meta: Callable[[], dict] | None = None  # more for a checkpoint's meta.json (live recovery's position)
+    parts: list[Part] = field(default_factory=list)  # the run's state beside the engine (checkpoint.run_state)

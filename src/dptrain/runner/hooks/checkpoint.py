@@ -84,7 +84,7 @@ def checkpoint(run: RunContext, step: int) -> None:
             "torch_version": torch.__version__, "data": rp.data_identity,
             **(run.checkpoint_meta() if run.checkpoint_meta is not None else {})}
     saved = save_run_checkpoint(rp.run_dir, step, run.engine, strategy=rp.cfg.distributed.strategy, meta=meta,
-                                keep_last=rp.cfg.checkpoint.keep_last, compressor=run.compression,
+                                keep_last=rp.cfg.checkpoint.keep_last, parts=run.parts,
                                 progress=lambda: run.beat.mark(step, "checkpoint"))
     if saved is not None:
         path, deleted = saved
