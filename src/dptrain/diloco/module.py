@@ -28,9 +28,7 @@ the middle of a round continues bit for bit.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +37,8 @@ import torch.distributed as dist
 from torch import nn
 
 from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
-from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
+from dptrain.ddp.warmup import SyncWarmup
 from dptrain.diloco.options import DiLoCoOptions
 from dptrain.diloco.outer import OuterStep, RoundDelta
 from dptrain.utils.weights_file import save_replica_weights
@@ -48,7 +46,7 @@ from dptrain.utils.weights_file import save_replica_weights
 __all__ = ["DiLoCo"]
 
 
-class DiLoCo(nn.Module):
+class DiLoCo(SyncWarmup, nn.Module):
     """``module`` trained by DiLoCo over ``process_group`` (see the module docstring).
 
     ``options``: a :class:`DiLoCoOptions`, or its fields as keywords (``period=``, ``outer_lr=``...).
@@ -75,8 +73,6 @@ class DiLoCo(nn.Module):
         self.synced_steps = 0  # the step count at the last outer step
         self.meets_itself = True  # False under live recovery, which holds the outer steps (the meeting protocol)
         self.last_sync_s = 0.0
-        self._user_sync = True  # what the caller asked (no_sync for accumulation), in the warm-up
-        self._synced = False    # whether the latest forward armed a gradient reduction
         self._metered = {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
 
     @property
@@ -94,16 +90,10 @@ class DiLoCo(nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.ddp is None:
             return self._module(*inputs, **kwargs)
-        self._synced = self._user_sync and self.in_warmup
-        self.ddp.set_requires_gradient_sync(self._synced)
-        return self.ddp(*inputs, **kwargs)
+        return self._warmup_forward(*inputs, **kwargs)
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
-
-    @property
-    def in_warmup(self) -> bool:
-        return self.steps < self.options.warmup_steps
 
     @property
     def steps_since_sync(self) -> int:
@@ -112,25 +102,6 @@ class DiLoCo(nn.Module):
         return 0 if local <= 0 else local % self.options.period
 
     # ------------------------------------------------------------------ the wrapper protocol
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """In the warm-up, whether the next backward all-reduces (accumulation); inner steps never do."""
-        self._user_sync = requires_gradient_sync
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        before = self._user_sync
-        self._user_sync = False
-        try:
-            yield
-        finally:
-            self._user_sync = before
-
-    @property
-    def last_step_comm(self) -> StepCommStats | None:
-        """The DDP engine's buckets for a warm-up step; None for an inner step (the outer steps' bytes are in
-        step_metrics())."""
-        return self.ddp.last_step_comm if self.ddp is not None and self._synced else None
 
     def record_comm_spans(self, on: bool) -> None:
         """The warm-up's buckets, as the DDP engine records them; an outer step is timed whole (``sync_ms``)."""
@@ -165,17 +136,6 @@ class DiLoCo(nn.Module):
         self.last_sync_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the meeting protocol (live recovery)
-
-    @property
-    def warmup_steps(self) -> int:
-        """Steps at the start taken as the DDP engine takes them, the gradients all-reduced (the meeting protocol)."""
-        return self.options.warmup_steps
-
-    def register_comm_hook(self, state: object, hook) -> None:
-        """The warm-up's comm hook (live recovery's round hook), on its DDP engine."""
-        if not self.options.warmup_steps:
-            raise RuntimeError("register_comm_hook: no warm-up (warmup_steps = 0), so no step all-reduces gradients")
-        self.ddp.register_comm_hook(state, hook)
 
     @property
     def meeting_due(self) -> bool:

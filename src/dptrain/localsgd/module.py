@@ -23,9 +23,7 @@ every optimizer step, skipped ones included, so the ranks' counts never part.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +33,8 @@ from torch import nn
 
 from dptrain import comm
 from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
-from dptrain.comm.step_stats import StepCommStats
 from dptrain.ddp import DistributedDataParallel
+from dptrain.ddp.warmup import SyncWarmup
 from dptrain.localsgd.average import average_parameters
 from dptrain.localsgd.options import LocalSGDOptions
 from dptrain.utils.weights_file import save_replica_weights
@@ -44,7 +42,7 @@ from dptrain.utils.weights_file import save_replica_weights
 __all__ = ["LocalSGD"]
 
 
-class LocalSGD(nn.Module):
+class LocalSGD(SyncWarmup, nn.Module):
     """``module`` trained by post-local SGD over ``process_group`` (see the module docstring).
 
     ``options``: a :class:`LocalSGDOptions`; or its fields as keywords (``period=``,
@@ -64,8 +62,6 @@ class LocalSGD(nn.Module):
         self.averaged_steps = 0  # the step count at the last average
         self.meets_itself = True  # False under live recovery, which holds the averages (the meeting protocol)
         self.last_average_s = 0.0
-        self._user_sync = True  # what the caller asked (no_sync for accumulation)
-        self._synced = False    # whether the latest forward armed a gradient reduction
         self._bytes = 0         # averaged since the last step_metrics()
         self._metered_steps = 0
         self._metered_averages = 0
@@ -79,42 +75,18 @@ class LocalSGD(nn.Module):
         return self.ddp.module
 
     @property
-    def in_warmup(self) -> bool:
-        return self.steps < self.options.warmup_steps
-
-    @property
     def local_steps(self) -> int:
         """Local steps since the replicas were last averaged (0: they are equal)."""
         local = self.steps - self.options.warmup_steps
         return 0 if local <= 0 else (local - 1) % self.options.period
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._synced = self._user_sync and self.in_warmup
-        self.ddp.set_requires_gradient_sync(self._synced)
-        return self.ddp(*inputs, **kwargs)
+        return self._warmup_forward(*inputs, **kwargs)
 
     def _params(self) -> list[nn.Parameter]:
         return [p for p in self.module.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------ the wrapper protocol
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
-        """During the warm-up, whether the next backward all-reduces (accumulation); after it, never."""
-        self._user_sync = requires_gradient_sync
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        before = self._user_sync
-        self._user_sync = False
-        try:
-            yield
-        finally:
-            self._user_sync = before
-
-    @property
-    def last_step_comm(self) -> StepCommStats | None:
-        """The DDP engine's buckets for a warm-up step; None for a local one (its averages are in step_metrics)."""
-        return self.ddp.last_step_comm if self._synced else None
 
     def record_comm_spans(self, on: bool) -> None:
         self.ddp.record_comm_spans(on)
@@ -142,17 +114,6 @@ class LocalSGD(nn.Module):
         self.last_average_s = time.perf_counter() - t0
 
     # ------------------------------------------------------------------ the meeting protocol (live recovery)
-
-    @property
-    def warmup_steps(self) -> int:
-        """Steps at the start taken as the DDP engine takes them, the gradients all-reduced (the meeting protocol)."""
-        return self.options.warmup_steps
-
-    def register_comm_hook(self, state: object, hook) -> None:
-        """The warm-up's comm hook (live recovery's round hook), on its DDP engine."""
-        if not self.options.warmup_steps:
-            raise RuntimeError("register_comm_hook: no warm-up (warmup_steps = 0), so no step all-reduces gradients")
-        self.ddp.register_comm_hook(state, hook)
 
     @property
     def meeting_due(self) -> bool:
