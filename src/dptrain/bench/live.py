@@ -200,11 +200,13 @@ def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict], replicas:
     row.update(committed=sum(rounds.values()), attempted=len(rounds))
     per_kill = []
     for k in kills:
-        # the round in flight at the kill may commit (the victim had voted): count from the first round after it
+        # the round in flight at the kill may commit (the victim had voted): count from the first round begun after
+        # it (its log says when it began; an older log: the round after the one in flight, a step's rule)
         before = max((r["round"] for records in logs.values() for r in records
                       if "round" in r and r["time"] < k["time"]), default=-1)
         others = [r for host, records in logs.items() if host != k["host"] for r in records
-                  if r.get("commit") and r["round"] > before + 1]
+                  if r.get("commit") and (r["time"] - r["round_s"] > k["time"] if "round_s" in r
+                                          else r["round"] > before + 1)]
         next_commit = min((r["time"] for r in others), default=None)
         starts = [r for r in logs.get(k["host"], []) if r.get("event") == "start" and r["time"] > k["time"]]
         rejoin = None

@@ -36,12 +36,13 @@ class LiveLog:
 
     def attempt(self, attempt: Attempt, step: int, committed: bool, recovery: float | None, manager: LiveManager,
                 held_hash: bytes | None, meeting: bool = False) -> None:
-        """The attempt, its round and decision, a heal's bytes and seconds, the error that aborted it, the recovery
+        """The attempt, its round and decision, its seconds from the round's begin (the quorum's wait included), a
+        heal's bytes and seconds, the error that aborted it, the recovery
         it ended, (every ``live.check_every`` steps) the state's hash, and this worker's peak resident MiB so far
         (the summary's memory of every replica: they share no process group to gather it in)."""
         quorum = attempt.quorum
         record = {"round": quorum.round, "step": step, "members": list(quorum.replicas), "commit": committed,
-                  "peak_rss_mb": round(peak_rss_mb(), 1)}
+                  "round_s": round(time.monotonic() - attempt.began, 4), "peak_rss_mb": round(peak_rss_mb(), 1)}
         if attempt.heal_sent or attempt.heal_received:
             record.update(heal_sent=attempt.heal_sent, heal_received=attempt.heal_received,
                           heal_s=round(attempt.heal_s, 4))
