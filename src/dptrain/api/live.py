@@ -166,8 +166,10 @@ class Live:
         self.position = 0 if joining else step * self.replicas * self.per_member
         run_dir = run_dir if run_dir is not None else os.environ.get("DPTRAIN_RUN_DIR")
         self.run_dir = Path(run_dir) if run_dir else None
-        self.log = LiveLog(self.run_dir / "logs" / f"live{self.replica}.jsonl") if self.run_dir else None
-        if self.log is not None:
+        self.log = None
+        if self.run_dir is not None:
+            (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            self.log = LiveLog(self.run_dir / "logs" / f"live{self.replica}.jsonl")
             self.log.start(self.replica, restart_count(), manager.step)
         self.over = manager.store.check([DONE_KEY])  # the job finished before this worker started: nothing to do
 
