@@ -96,6 +96,34 @@ def test_live_refuses_a_strategy_whose_ranks_hold_shards_and_needs_the_store(mon
         dist.destroy_process_group()
 
 
-def _prepared(strategy: str):
+def _prepared(strategy: str, grad_clip: float = 0.0):
     model = nn.Linear(4, 2)
-    return dptrain.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), strategy=strategy)
+    return dptrain.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0), strategy=strategy, grad_clip=grad_clip)
+
+
+def test_a_committed_round_steps_through_prepare_s_optimizer_which_clips(monkeypatch, tmp_path):
+    """One worker, rounds of one: the commit is prepare()'s step (here its clip bounds the update), the log is
+    written, and every step is committed once."""
+    from dptrain.live.store import serve_store
+
+    store = serve_store("127.0.0.1", 0)
+    monkeypatch.setenv("DPTRAIN_LIVE_STORE", f"127.0.0.1:{store.port}")
+    for name in ("RANK", "WORLD_SIZE", "DPTRAIN_REPLICA_ID", "TORCHELASTIC_RESTART_COUNT", "SLURM_PROCID"):
+        monkeypatch.delenv(name, raising=False)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        torch.manual_seed(0)
+        model, optimizer = _prepared("ddp", grad_clip=1e-3)
+        data = torch.utils.data.TensorDataset(torch.randn(16, 4) * 100, torch.randn(16, 2))
+        live = dptrain.Live(model, optimizer, steps=3, dataset=data, batch_size=4, run_dir=tmp_path,
+                            heartbeat_timeout_s=1.0)
+        for r in live:
+            before = [p.detach().clone() for p in model.parameters()]
+            for x, y in r.batches():
+                torch.nn.functional.mse_loss(model(x), y).backward()
+            assert r.commit()
+            moved = torch.cat([(p.detach() - b).reshape(-1) for p, b in zip(model.parameters(), before, strict=True)])
+            assert 0 < moved.norm().item() <= 1e-3 * 1.0001  # lr 1 x the clipped norm
+        assert live.step == 3 and live.totals()["committed"] == 3
+    finally:
+        dist.destroy_process_group()

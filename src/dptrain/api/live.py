@@ -128,6 +128,7 @@ class Live:
                  min_workers: int = 1, on_too_few: str = "stop", wait_timeout_s: float = 600.0,
                  check_every: int = 0, run_dir: str | Path | None = None):
         self.engine = model if isinstance(model, Engine) else None
+        self.prepared = optimizer  # prepare()'s: its step averages the window, clips and skips a non-finite one
         wrapper, self.module, self.optimizer, strategy, self.device, accum = _parts(model, optimizer)
         if not strategy.live == "step":
             able = ", ".join(strategy_names(lambda s: s.live == "step"))
@@ -230,13 +231,13 @@ class Live:
             if self.engine is not None:
                 self.engine.step()
             else:
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                self.prepared.step()
+                self.prepared.zero_grad(set_to_none=True)
             self.position += r.size * self.per_member
         elif self.engine is not None:
             self.engine.drop_window()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
+            self.prepared.zero_grad(set_to_none=True)
         self._end(attempt, r.step, committed)
         return committed
 
