@@ -116,7 +116,7 @@ class Live:
     gives it), ``collate_fn``, ``seed``: the sample stream :meth:`Round.batches` reads (epoch ``e`` shuffled by
     ``seed + e``); ``state``: more to heal a joining worker with, by name (objects with ``state_dict`` and
     ``load_state_dict``: an LR scheduler, a loss scaler); ``step``: steps already taken (a loop resumed from its
-    own checkpoint; the position then starts at ``step`` full steps). The rest are the ``[live]`` section's keys
+    own checkpoint; the position then starts at ``step`` full steps; an Engine's ``step_count`` by default). The rest are the ``[live]`` section's keys
     of ``dptrain run`` (docs/run.md). ``run_dir``: where ``logs/live<r>.jsonl`` goes (default: the launch's,
     ``$DPTRAIN_RUN_DIR``; none: no log).
     """
@@ -139,6 +139,8 @@ class Live:
         if steps < 1 or batch_size < 1 or step < 0 or check_every < 0:
             raise ValueError(f"Live needs steps >= 1, batch_size >= 1, step >= 0 and check_every >= 0 (got steps "
                              f"{steps}, batch_size {batch_size}, step {step}, check_every {check_every})")
+        if self.engine is not None and not step:  # an Engine knows the steps it has taken (a resumed one)
+            step = self.engine.step_count
         self.steps, self.check_every, self.state = steps, check_every, dict(state or {})
         self.micro = self.engine.plan.micro_batch_size if self.engine is not None else batch_size
         self.accum = accum
