@@ -15,6 +15,8 @@ committed steps in four variants, one after another:
   the hosts (``--max-restarts``), a checkpoint every ``--checkpoint-every`` steps; every
   kill restarts every worker, which resumes from the newest checkpoint;
 - ``live``, ``ddp``: both without failures (the reference loss, and live recovery's cost);
+- ``loop-kills``, ``loop``: live recovery in a user's own loop (:mod:`dptrain.bench.live_loop`: ``prepare()``
+  and ``dptrain.Live`` over the same GPT and data), started and killed as ``live-kills`` is;
 - ``local-live-kills``: ``dptrain run --nproc 4`` on this machine (loopback, no link
   limit), its launcher serving the store and restarting a killed worker from its fork
   server (the pid each worker's heartbeat file names is killed).
@@ -56,11 +58,13 @@ from dptrain.launch.heartbeat import read_heartbeats
 __all__ = ["main", "summarize"]
 
 VICTIMS = (1, 2, 3, 0)
+LOOP = "dptrain.bench.live_loop"  # the loop variants' worker: a user's loop on prepare() and dptrain.Live
 
 
-def _worker_pid(network: Network | None, host: int, run_dir: Path) -> int | None:
-    """The training worker's pid on ``host`` (not its torchrun agent, not the live store); without a network (one
-    machine, ``dptrain run``'s forked workers), the pid worker ``host``'s heartbeat file names."""
+def _worker_pid(network: Network | None, host: int, run_dir: Path, marker: bytes = b"dptrain.run") -> int | None:
+    """The training worker's pid on ``host`` (not its torchrun agent, not the live store; its command line holds
+    ``marker``: ``dptrain.run``, or the loop variants' module); without a network (one machine, ``dptrain run``'s
+    forked workers), the pid worker ``host``'s heartbeat file names."""
     if network is None:
         pid = read_heartbeats(run_dir, host + 1).get(host, {}).get("pid")
         return pid if isinstance(pid, int) and Path(f"/proc/{pid}").exists() else None
@@ -70,7 +74,7 @@ def _worker_pid(network: Network | None, host: int, run_dir: Path) -> int | None
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"dptrain.run" in cmd and b"torch.distributed.run" not in cmd:
+        if marker in cmd and b"torch.distributed.run" not in cmd:
             return int(pid)
     return None
 
@@ -78,9 +82,11 @@ def _worker_pid(network: Network | None, host: int, run_dir: Path) -> int | None
 class Killer(threading.Thread):
     """SIGKILLs one worker every ``every_s`` seconds, hosts in turn, recording each kill (time, host, step reached)."""
 
-    def __init__(self, network: Network | None, hosts: int, every_s: float, run_dir: Path, out: Path):
+    def __init__(self, network: Network | None, hosts: int, every_s: float, run_dir: Path, out: Path,
+                 marker: bytes = b"dptrain.run"):
         super().__init__(daemon=True)
         self.network, self.hosts, self.every_s, self.run_dir, self.out = network, hosts, every_s, run_dir, out
+        self.marker = marker
         self.stopped = threading.Event()
         self.kills: list[dict] = []
 
@@ -88,7 +94,7 @@ class Killer(threading.Thread):
         n = 0
         while not self.stopped.wait(self.every_s):
             host = VICTIMS[n % len(VICTIMS)] % self.hosts
-            pid = _worker_pid(self.network, host, self.run_dir)
+            pid = _worker_pid(self.network, host, self.run_dir, self.marker)
             if pid is None:
                 continue
             step = _step_reached(self.run_dir, self.hosts)
@@ -114,14 +120,18 @@ def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, ki
     """One variant's run (see the module docstring); its row."""
     run_dir = out / name
     run_dir.mkdir(parents=True, exist_ok=True)
-    live = name.startswith(("live", "local-live"))
+    live = name.startswith(("live", "local-live", "loop"))
     sets = [*settings, f"train.steps={steps}", f"checkpoint.every={checkpoint_every}",
             f"live.enabled={'true' if live else 'false'}"]
     if name.startswith("local-"):  # one machine, `dptrain run --nproc N`: workers restarted from its fork server
         return _local_variant(name, out, run_dir, hosts, sets, kill_every, timeout, steps)
     args = ["-m", "dptrain.run", "--run-dir", str(run_dir), *[a for s in sets for a in ("--set", s)]]
+    marker, env = b"dptrain.run", None
+    if name.startswith("loop"):  # a user's own loop on prepare() and dptrain.Live (dptrain.bench.live_loop)
+        args, marker, env = ["-m", LOOP, "--steps", str(steps)], LOOP.encode(), {"DPTRAIN_RUN_DIR": str(run_dir)}
     with Network(hosts, rate * 1000) as network:
-        killer = Killer(network, hosts, kill_every, run_dir, out / f"{name}.kills.jsonl") if kill_every else None
+        killer = Killer(network, hosts, kill_every, run_dir, out / f"{name}.kills.jsonl", marker) \
+            if kill_every else None
         t0 = time.time()
         if killer is not None:
             killer.start()
@@ -129,7 +139,7 @@ def run_variant(name: str, out: Path, *, hosts: int, rate: float, steps: int, ki
             restarts = ["--max-restarts", "1000"] if kill_every and not live else []
             with open(run_dir / "job.out", "w") as f:
                 code = run_on_cluster(network, 1, [*restarts, *args], timeout=timeout, stdout=f, stderr=f,
-                                      live_restarts=1000 if live else None)
+                                      env=env, live_restarts=1000 if live else None)
         finally:
             if killer is not None:
                 killer.stopped.set()
@@ -185,6 +195,8 @@ def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict], replicas:
     evals = [m for m in metrics if m.get("kind") == "eval" and m.get("step") == steps]
     row: dict = {"val_loss": evals[-1]["val_loss"] if evals else None,
                  "val_loss_same_samples": final_val_loss(run_dir, replicas)}
+    if (run_dir / "final.json").is_file():  # a loop variant's replica 0: the loss on the study's samples
+        row["val_loss"] = row["val_loss_same_samples"] = json.loads((run_dir / "final.json").read_text())["val_loss"]
     if not live:
         resumed = _resumed_steps(run_dir)
         redone = sum(max(0, (k["step"] or 0) - r) for k, r in zip(kills, resumed, strict=False))
