@@ -9,3 +9,7 @@ export OMP_NUM_THREADS=1
 DILOCO=(--set distributed.strategy=diloco --set diloco.period=30 --set diloco.compression=int8 --set log.every=5)
 python -m dptrain.bench.live --out "$OUT" --rate 0.1 --steps 1000 --kill-every 60 \
     --variants live-kills,restart-kills,live "${DILOCO[@]}"
+# A user's own loop on prepare() and dptrain.Live (dptrain.bench.live_loop), the default GPT at 1 Gbit/s, with the
+# same kills, and without them (docs/reliability.md, "Live recovery in your own loop: the study")
+python -m dptrain.bench.live --out "${OUT_LOOP:-bench_results/live_loop}" --rate 1 --steps 1000 --kill-every 60 \
+    --variants loop-kills,loop
