@@ -228,7 +228,10 @@ class _WorkerLoop:
             if self.publisher is not None:
                 self.publisher.advance(min(self.role.saved))
             if out is not None and (step % self.every == 0 or stop):
-                now, version = time.perf_counter(), min(self.role.version)
+                # the servers' progress as this worker last heard it; at the end, the budget a server said it spent
+                # (with several servers one may answer a step before the others' last update reaches it: every
+                # server gets the same pushes, so each ends at the budget)
+                now, version = time.perf_counter(), max(self.role.version) if stop else min(self.role.version)
                 rec = self._record(version, step, window,
                                    (version - last[1]) * self.samples_per_update / (now - last[0]))
                 out.log(rec, rec["step"])
