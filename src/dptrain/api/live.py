@@ -60,6 +60,7 @@ from dptrain.live.heal import state_hash
 from dptrain.live.log import LiveLog
 from dptrain.live.manager import Attempt
 from dptrain.live.records import live_totals, read_live_logs
+from dptrain.live.rounds import close_round
 from dptrain.live.store import store_address
 from dptrain.live.trust import identity_record
 from dptrain.strategies import strategy_names
@@ -244,16 +245,9 @@ class Live:
         return committed
 
     def _end(self, attempt: Attempt, step: int, committed: bool) -> None:
-        manager = self.manager
-        if committed and step == self.steps and self.replica == 0:
-            mark_final(manager)  # the others need not stay to heal it
-        recovery = manager.end(attempt, committed)
-        check = committed and self.check_every and step % self.check_every == 0
-        held_hash = self._hash() if check else None
-        if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
-            manager.check = f"{step}:{held_hash.hex()}"
-        if self.log is not None:
-            self.log.attempt(attempt, step, committed, recovery, manager, held_hash)
+        due = self.check_every and step % self.check_every == 0
+        close_round(self.manager, self.log, attempt, step, committed, last=self.replica == 0 and step == self.steps,
+                    held_hash=self._hash if due else None)
 
     def _finish(self) -> None:
         if self.replica == 0:

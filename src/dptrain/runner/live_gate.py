@@ -47,6 +47,7 @@ from dptrain.live.finish import DONE_KEY, mark_final, serve_until_final
 from dptrain.live.log import LiveLog
 from dptrain.live.quorum import StoreGone
 from dptrain.live.records import live_totals, read_live_logs
+from dptrain.live.rounds import close_round
 from dptrain.live.store import store_address, unreachable
 from dptrain.live.trust import identity_record
 from dptrain.runner.facts import RunFacts
@@ -205,17 +206,10 @@ class LiveGate(StaticGate):
 
     def close_round(self, attempt, step: int, committed: bool, advance: int = 1, check: bool = False,
                     meeting: bool = False) -> None:
-        """After a round's decision, its result applied: the final state marked, on to the next round (``advance``:
-        the steps a commit completes), the state's hash for the next round's check (``check``), the live log's
-        line."""
-        manager = self.manager
-        if committed and step == self.rp.cfg.train.steps and self.writer:  # the others need not stay to heal it
-            mark_final(manager)
-        recovery = manager.end(attempt, committed, advance=advance)
-        held_hash = self.replica.hash() if committed and check else None
-        if held_hash is not None:  # compared with the others' in the next round (dptrain.live.trust)
-            manager.check = f"{step}:{held_hash.hex()}"
-        self.live_log.attempt(attempt, step, committed, recovery, manager, held_hash, meeting=meeting)
+        """After a round's decision, its result applied (:func:`dptrain.live.rounds.close_round`; ``advance``: the
+        steps a commit completes; ``check``: the state's hash kept for the next round's check)."""
+        close_round(self.manager, self.live_log, attempt, step, committed, advance=advance, meeting=meeting,
+                    last=self.writer and step == self.rp.cfg.train.steps, held_hash=self.replica.hash if check else None)
 
     def finish(self) -> None:
         """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""
