@@ -254,17 +254,24 @@ class MLflowBackend:
         client.log_batch(self.run_id, params=params)
         self.where = f"run {self.run_id} at {tracking_uri} (mlflow ui --backend-store-uri {tracking_uri})"
         self._metric = Metric  # imported here: mlflow is optional
-        self._pending: list = []  # the queued batches, waited for at close
+        self._pending = None  # the batch in flight, waited for before the next and at close
 
     def log(self, record: dict, step: int) -> None:
         ms = int(1000 * record.get("time", time.time()))
         metrics = [self._metric(k, v, ms, step) for k, v in scalars(record).items()]
-        # queued for MLflow's writer thread: a synchronous batch into SQLite costs ~20 ms, a step's worth
-        self._pending.append(self._client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        # Queued for MLflow's writer, one batch in flight: a synchronous batch into SQLite costs ~20 ms, a step's
+        # worth, but MLflow writes queued batches on a pool of threads, and two at once race in a file store
+        # (both create a new metric's directory: "[Errno 17] File exists").
+        self._wait()
+        self._pending = self._client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
 
     def close(self) -> None:
-        for operation in self._pending:
-            operation.wait()
+        self._wait()
         self._client.set_terminated(self.run_id)
 
 
