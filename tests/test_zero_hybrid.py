@@ -101,3 +101,60 @@ def _bad_shard_size(rank: int, world_size: int) -> None:
 def test_a_shard_size_that_does_not_divide_the_world_is_refused() -> None:
     with pytest.raises(RankFailedError, match=r"shard_size=3 does not divide the world size 4; choose one of \[1, 2, 4\]"):
         run_on_ranks(_bad_shard_size, 4, timeout=60)
+
+
+class _SumThenHalve:
+    """A replica hook as live recovery's is: the shard summed over the replica group, then divided by its size."""
+
+    def __init__(self, group):
+        self.group, self.calls = group, 0
+
+    def __call__(self, state, shard):
+        self.calls += 1
+        buffer = shard.buffer()
+        work = torch.distributed.all_reduce(buffer, group=self.group, async_op=True)
+        return _Halved(work, buffer, torch.distributed.get_world_size(self.group))
+
+
+class _Halved:
+    def __init__(self, work, buffer, size):
+        self.work, self.buffer, self.size = work, buffer, size
+
+    def wait(self):
+        self.work.wait()
+        return self.buffer.div_(self.size)
+
+
+def _hooked_against_hybrid(rank: int, world_size: int) -> tuple[float, int]:
+    """ZeRO-3 over a shard group of 2 with the replicas' all-reduce by a comm hook, against shard_size = 2 over all 4:
+    the largest parameter difference after 3 Adam steps, and the hook's calls."""
+    dist = torch.distributed
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    hook = _SumThenHalve(replicas[rank % 2])
+    results = []
+    for kw in ({"process_group": shards[rank // 2]}, {"shard_size": 2}):
+        torch.manual_seed(0)
+        model = ZeRO(build("stack13"), stage=3, unit_classes=(Layer,), **kw)
+        if "process_group" in kw:
+            model.register_comm_hook(None, hook)
+        else:  # a fixed replicate group already: refused
+            with pytest.raises(ValueError, match=r"already replicates over a fixed group \(shard_size=2 of 4 ranks\)"):
+                model.register_comm_hook(None, hook)
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        for step in range(3):
+            x, y = global_batch("stack13", step, 2 * world_size)
+            opt.zero_grad()
+            loss_fn("stack13", model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]).backward()
+            opt.step()
+        results.append(model.gathered_state())
+    got, ref = results
+    return max((got[k] - ref[k]).abs().max().item() for k in ref), hook.calls
+
+
+def test_a_comm_hook_is_the_replica_dimension_as_a_fixed_group_is() -> None:
+    # live recovery's hybrid sharding: the replicas change from round to round, so their all-reduce is a hook
+    results = run_on_ranks(_hooked_against_hybrid, 4, timeout=120)
+    assert all(gap <= 1e-6 for gap, _ in results), results
+    assert all(calls >= 3 for _, calls in results), results  # the hook ran (every unit, every step)
+

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -439,6 +439,23 @@ class ZeRO(nn.Module):
         """Whether backward reduce-scatters (read when backward ends); False accumulates locally, as ``no_sync``."""
         for unit in self.units:
             unit.require_sync = requires_gradient_sync
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """Average each reduced shard over its replicas by ``hook(state, shard)`` rather than a fixed replicate group.
+
+        Hybrid sharding where the replicas change from step to step (live recovery: a round's
+        members; torchft's fault-tolerant HSDP puts the same all-reduce behind its manager):
+        after a unit's reduce-scatter over the shard group, ``hook`` is called with the reduced
+        shard (``shard.buffer()``, the DDP engine's bucket protocol) and returns a handle whose
+        ``wait()`` leaves it averaged over the replicas. The model must shard over its whole group
+        (no ``shard_size`` below it): the hook is then the only replica dimension.
+        """
+        if self.replicate_group is not None:
+            raise ValueError(f"this model already replicates over a fixed group (shard_size={self.shard_size} of "
+                             f"{self.world_size} ranks): a comm hook replaces that group, so build it over the shard "
+                             "group alone (shard_size = its world size)")
+        for unit in self.units:
+            unit.reduction.replicate_hook = (state, hook)
 
     def record_comm_spans(self, on: bool) -> None:
         """Nothing to switch: every collective's span is recorded already (zero/timing.py)."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -97,6 +98,8 @@ class UnitReduction:
         self.dtype, self.device, self.context = dtype, device, context
         self.compression = policy.compression
         self.replicate_group = groups.replicate
+        # the replicas' all-reduce by a hook instead of a group (ZeRO.register_comm_hook: live recovery's round)
+        self.replicate_hook: tuple[object, Callable] | None = None
         self._comm = dict(algorithm=policy.algorithm, group=groups.shard, nodes=policy.nodes, validate=False,
                           traffic=policy.traffic)
         self._replicate_comm = dict(algorithm=policy.algorithm, group=groups.replicate, validate=False,
@@ -121,7 +124,7 @@ class UnitReduction:
 
     def expect_piece(self) -> None:
         """Hybrid sharding: a synchronising forward used the unit once more, so one more reduction will come."""
-        if self.replicate_group is not None:
+        if self.replicated:
             self._pieces_due += 1
 
     def launch(self, grad_full: torch.Tensor, home: torch.Tensor | None = None, *, owned: bool = True) -> None:
@@ -168,18 +171,27 @@ class UnitReduction:
         work.wait()
         if owned:
             free_storage(grad_full)  # [Note: a finished collective's input]
-        if self.replicate_group is not None and (self._pieces_due or len(self.pending) > 1):
+        if self.replicated and (self._pieces_due or len(self.pending) > 1):
             self._held.append(out)  # a unit used twice (a tied weight): its pieces cross hosts once, summed
             self.pending[i] = (None, out, None, False)
         else:
             self.pending[i] = (self._replicate(out), out, None, False)
 
+    @property
+    def replicated(self) -> bool:
+        """Whether each reduced shard is averaged over replicas (hybrid sharding: a group, or a hook)."""
+        return self.replicate_group is not None or self.replicate_hook is not None
+
     def _replicate(self, out: torch.Tensor) -> comm.Work | None:
-        """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group."""
-        if self.replicate_group is None:
+        """Hybrid sharding: start averaging the reduced shard ``out`` over the replicate group (or the hook's)."""
+        if not self.replicated:
             return None
         launched = time.perf_counter()
-        work = comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
+        if self.replicate_hook is not None:
+            state, hook = self.replicate_hook
+            work = hook(state, ReducedShard(out))
+        else:
+            work = comm.all_reduce(out, "avg", async_op=True, **self._replicate_comm)
         return start_timing(work, self.context.step_comm, "all-reduce over replicas", self.index, out, launched)
 
     def collect(self) -> torch.Tensor | None:
@@ -211,6 +223,18 @@ class UnitReduction:
         self._replicate(held).wait()
         self._held = []
         return held
+
+
+class ReducedShard:
+    """What a replicate hook is given: the DDP engine's bucket protocol (``buffer()``), over a reduced shard."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: torch.Tensor):
+        self._tensor = tensor
+
+    def buffer(self) -> torch.Tensor:
+        return self._tensor
 
 
 def free_storage(tensor: torch.Tensor) -> None:
