@@ -43,6 +43,7 @@ from dptrain.launch.rendezvous import (
 from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
 from dptrain.launch.threads import omp_threads, threads_per_worker
 from dptrain.live import GIVE_UP_EXIT, TooFewWorkers
+from dptrain.live.layout import ShardGroupLost
 from dptrain.runner.skips import NonFiniteRun
 from dptrain.runner.validate import default_run_dir, validate_run
 from dptrain.utils.files import UnsafePath
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
         write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
         if not local:  # the local launcher shows the record itself
             print(f"error: {e}", file=sys.stderr)
+        return 1
+    except ShardGroupLost as e:  # live recovery: its shard group broke; one message, and its launcher restarts it
+        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except TooFewWorkers as e:  # live recovery cannot go on: one message; its launcher does not restart it
         write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))

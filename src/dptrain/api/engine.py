@@ -226,6 +226,25 @@ class Engine:
             state["scaler"] = self.scaler.state_dict()
         return state
 
+    def local_state_dict(self) -> dict[str, Any]:
+        """No collective: what this rank holds itself, to give a peer holding the same (live recovery's heal): the
+        whole :meth:`state_dict` of a replicated model; a sharded one's shards, buffers and optimizer state (its
+        ``local_state``), as the rank at the same position of another replica holds them."""
+        if not self.sharded:
+            return self.state_dict()
+        return {"model": self.model.local_state(self.optimizer), "step": self.step_count,
+                "skipped_steps": self.skipped_steps,
+                **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
+
+    def load_local_state_dict(self, state: dict[str, Any]) -> None:
+        """Load :meth:`local_state_dict`'s output of a peer."""
+        if not self.sharded:
+            return self.load_state_dict(state)
+        self.model.load_local_state(state["model"], self.optimizer)
+        self.step_count, self.skipped_steps = state["step"], state["skipped_steps"]
+        if self.scaler is not None and "scaler" in state:
+            self.scaler.load_state_dict(state["scaler"])
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`state_dict`'s output (or an older one, whose optimizer state is keyed by parameter index)."""
         from dptrain.checkpoint.replicated import set_replicated_state

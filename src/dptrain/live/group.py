@@ -42,8 +42,9 @@ class RoundGroup:
         # since a gloo group destroyed under a pending collective can end the process when that collective fails
         self._abandoned: list[tuple[dist.ProcessGroup, dist.Work]] = []
 
-    def configure(self, round_: int, rank: int, size: int) -> None:
-        """A new group for ``round_``'s ``size`` members, this worker at ``rank``; raises if a member never connects."""
+    def configure(self, round_: int, rank: int, size: int, prefix: str = "") -> None:
+        """A new group for ``round_``'s ``size`` members, this worker at ``rank``, its keys under ``prefix`` (default
+        ``pg/<round>/``); raises if a member never connects."""
         self.drop()
         self.round, self.size, self.rank = round_, size, rank
         if size > 1:
@@ -52,7 +53,7 @@ class RoundGroup:
             interface = os.environ.get("GLOO_SOCKET_IFNAME")
             opts._devices = [dist.ProcessGroupGloo.create_device(interface=interface) if interface
                              else dist.ProcessGroupGloo.create_default_device()]
-            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(f"pg/{round_}/", self.store), rank, size, opts)
+            self.pg = dist.ProcessGroupGloo(dist.PrefixStore(prefix or f"pg/{round_}/", self.store), rank, size, opts)
 
     def drop(self) -> None:
         """Let the current group go (its connections close), unless a collective given up on is pending in it."""

@@ -45,12 +45,12 @@ class Liveness:
     """
 
     def __init__(self, connect: Callable[[], object], replica: int, replicas: int, interval_s: float,
-                 timeout_s: float):
+                 timeout_s: float, incarnation: int = 0):
         self.connect, self.replica, self.replicas = connect, replica, replicas
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self._seen: dict[int, tuple[int, float]] = {}  # replica -> (counter, when it last moved)
         self._incarnations: dict[int, int] = {}
-        self.incarnation = 0  # this worker's, once started
+        self.incarnation = incarnation  # this worker's, once started (given: taken already, by a shard group's start)
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -60,7 +60,8 @@ class Liveness:
         """Beat from now on (idempotent)."""
         if self._thread is None:
             store = self.connect()
-            self.incarnation = store.add(incarnation_key(self.replica), 1)
+            if not self.incarnation:
+                self.incarnation = store.add(incarnation_key(self.replica), 1)
             self._beat(store)  # before returning: this worker is fresh to the others from its first quorum on
             self._thread = threading.Thread(target=self._run, args=(store,), name="dptrain-live-beat", daemon=True)
             self._thread.start()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from dptrain.live.group import AveragingHook, RoundGroup
 from dptrain.live.heal import HealError, pack, recv_state, send_state, unpack
+from dptrain.live.layout import WholeReplicas
 from dptrain.live.liveness import Liveness
 from dptrain.live.quorum import Member, Quorum, TooFewWorkers, form_quorum, latest_round
 from dptrain.live.stats import LiveStats
@@ -54,7 +55,8 @@ class LiveSettings:
 class Attempt:
     """One attempt at a step, as the live log records it."""
 
-    quorum: Quorum
+    quorum: Quorum                    # the round's workers: the vote, the data, the records
+    peers: Quorum | None = None       # those this worker averages with and heals (live.layout; None: the quorum)
     ok: bool = True                   # the group was made and the heal done: the step may run
     error: str = ""
     heal_sent: int = 0
@@ -69,15 +71,19 @@ class LiveManager:
 
     ``connect()``: a new client of the job's live store; ``replica``: this worker's id (its
     launch rank); ``replicas``: how many the job has; ``step``: steps this worker has
-    committed (-1: none known, it must be healed: a restarted worker).
+    committed (-1: none known, it must be healed: a restarted worker). ``layout``: how the workers hold the model
+    (:mod:`~dptrain.live.layout`: each a whole replica, or groups sharding one); ``incarnation``: this start's,
+    where the layout took it already (a shard group is formed before the model is built).
     """
 
     def __init__(self, connect: Callable[[], object], replica: int, replicas: int, settings: LiveSettings,
-                 step: int, progress: Callable[[], None] = lambda: None, identity: dict | None = None):
+                 step: int, progress: Callable[[], None] = lambda: None, identity: dict | None = None,
+                 layout=None, incarnation: int = 0):
         self.replica, self.replicas, self.settings, self.progress = replica, replicas, settings, progress
+        self.layout = layout if layout is not None else WholeReplicas()
         self.store = connect()
         self.liveness = Liveness(connect, replica, replicas, settings.heartbeat_interval_s,
-                                 settings.heartbeat_timeout_s)
+                                 settings.heartbeat_timeout_s, incarnation=incarnation)
         self.group = RoundGroup(self.store, settings.heartbeat_timeout_s)
         self.hook = AveragingHook(self.group)
         self.step = step
@@ -107,7 +113,7 @@ class LiveManager:
         self.liveness.start()
         if not self._published and self.identity is not None:  # once per start, before its first round
             publish(self.store, self.replica, self.liveness.incarnation, self.identity, self.step,
-                    held_hash() if self.step >= 0 else None)
+                    held_hash() if self.step >= 0 else None, self.layout.part)
             self._published = True
         began = time.monotonic()
         notes: list[str] = []
@@ -125,17 +131,20 @@ class LiveManager:
                 return None
             if quorum is not None and self.identity is not None:
                 quorum = self._vet(quorum, notes)
-            if quorum is not None:
+            split = self.layout.split(quorum, self.liveness) if quorum is not None else None
+            if split is not None:  # None: not in the round, or (shard groups) its group is not whole in it
                 break
             self.round += 1
+        quorum = split.voters
         if quorum.step < 0:  # raised here, not in the try below: a round cannot heal it, so it must not be retried
             raise TooFewWorkers(f"no member of round {quorum.round} (replicas {list(quorum.replicas)}) holds the "
                                 "training state (every one was restarted): resume the run from its last checkpoint")
-        attempt = Attempt(quorum, began=began, notes=tuple(notes))
+        attempt = Attempt(quorum, split.peers, began=began, notes=tuple(notes))
         self.group.begin_step(quorum.round)
         try:
-            if quorum.new_group:
-                self.group.configure(quorum.round, quorum.index, quorum.size)
+            if split.peers.new_group:
+                self.group.configure(quorum.round, split.peers.index, split.peers.size,
+                                     self.layout.group_prefix(quorum.round))
             self._heal(attempt, held, held_hash, load)
         except (RuntimeError, HealError) as e:  # a member gone while connecting or healing: this round aborts
             self.group.fail(e)
@@ -159,7 +168,7 @@ class LiveManager:
         return verdict.quorum
 
     def _heal(self, attempt: Attempt, held, held_hash, load) -> None:
-        quorum = attempt.quorum
+        quorum = attempt.peers
         plan = quorum.heal_plan()
         t0 = time.monotonic()
         for src, dst in plan:

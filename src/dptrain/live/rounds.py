@@ -27,6 +27,6 @@ def close_round(manager: LiveManager, log: LiveLog | None, attempt: Attempt, ste
     recovery = manager.end(attempt, committed, advance=advance)
     digest = held_hash() if committed and held_hash is not None else None
     if digest is not None:
-        manager.check = f"{step}:{digest.hex()}"
+        manager.check = f"{step}:{manager.layout.part}{digest.hex()}"
     if log is not None:
         log.attempt(attempt, step, committed, recovery, manager, digest, meeting=meeting)

@@ -50,11 +50,12 @@ def identity_record(config: dict, parameters: list[tuple[str, tuple[int, ...]]],
             "replicas": replicas}
 
 
-def publish(store, replica: int, incarnation: int, identity: dict, step: int, state: bytes | None) -> None:
-    """This start's identity (and, when it holds state of its own, the step and hash of it), before its first
-    round."""
+def publish(store, replica: int, incarnation: int, identity: dict, step: int, state: bytes | None,
+            part: str = "") -> None:
+    """This start's identity (and, when it holds state of its own, the step and hash of it, after ``part``: which
+    part of a replica it holds, where workers hold parts, :mod:`~dptrain.live.layout`), before its first round."""
     store.set(f"id/{replica}", json.dumps({"incarnation": incarnation, "identity": identity, "step": step,
-                                          "state": state.hex() if state is not None else None}))
+                                          "state": part + state.hex() if state is not None else None}))
 
 
 @dataclass(frozen=True)
@@ -123,22 +124,35 @@ def _differs(replica: int, record: dict, job: dict) -> str:
         what = (f"parameter {name} has shape {tuple(shape)} vs {tuple(theirs[name])}" if name in theirs else
                 f"parameter {name} is not the job's" if name else "it lacks some of the job's parameters")
         return f"replica {replica}'s model differs: {what}"
-    if record["state"] is not None and job["state"] is not None and record["step"] == job["step"] \
-            and record["state"] != job["state"]:
-        return (f"replica {replica}'s state at step {record['step']} differs (hash {record['state'][:12]} vs "
-                f"{job['state'][:12]}): another seed, checkpoint or code")
+    mine, ours = record["state"], job["state"]
+    if mine is not None and ours is not None and record["step"] == job["step"] and mine != ours \
+            and mine.rpartition("/")[0] == ours.rpartition("/")[0]:  # the same part (a hybrid group's position)
+        return (f"replica {replica}'s state at step {record['step']} differs (hash {_digest(mine)[:12]} vs "
+                f"{_digest(ours)[:12]}): another seed, checkpoint or code")
     return ""
 
 
 def _diverged(members: list[Member], step: int) -> dict[int, str]:
-    """The members whose state hash after ``step`` is not the one most members hold (a tie: the lowest replica's)."""
+    """The members whose state hash after ``step`` is not the one most members holding the same part hold (a tie:
+    the lowest replica's). A check reads ``<step>:<hash>``, or ``<step>:<part>/<hash>`` where workers hold parts
+    of a replica (hybrid sharding's positions, :mod:`~dptrain.live.layout`): only equal parts are compared."""
     tag = f"{step}:"
-    checked = [m for m in members if m.step == step and m.check.startswith(tag)]
-    if len(checked) < 2 or len({m.check for m in checked}) == 1:
-        return {}
-    counts = Counter(m.check for m in checked)
-    top = max(counts.values())
-    keep = next(m for m in checked if counts[m.check] == top)
-    return {m.replica: (f"replica {m.replica}'s state after step {step} differs from replica {keep.replica}'s "
-                        f"(hash {m.check[len(tag):len(tag) + 12]} vs {keep.check[len(tag):len(tag) + 12]})")
-            for m in checked if m.check != keep.check}
+    parts: dict[str, list[Member]] = {}
+    for m in members:
+        if m.step == step and m.check.startswith(tag):
+            parts.setdefault(m.check.rpartition("/")[0], []).append(m)
+    out: dict[int, str] = {}
+    for checked in parts.values():
+        if len(checked) < 2 or len({m.check for m in checked}) == 1:
+            continue
+        counts = Counter(m.check for m in checked)
+        top = max(counts.values())
+        keep = next(m for m in checked if counts[m.check] == top)
+        out.update({m.replica: (f"replica {m.replica}'s state after step {step} differs from replica "
+                                f"{keep.replica}'s (hash {_digest(m.check)[:12]} vs {_digest(keep.check)[:12]})")
+                    for m in checked if m.check != keep.check})
+    return out
+
+
+def _digest(check: str) -> str:
+    return check.rpartition(":")[2].rpartition("/")[2]

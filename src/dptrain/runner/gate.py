@@ -65,12 +65,18 @@ class StaticGate:
     checkpoint_meta: Callable[[], dict] | None = None  # more for a checkpoint's meta.json
     record: Callable[[], dict] | None = None  # more for each metrics record
 
-    def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat):
+    def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat,
+                 prepared: object = None):
         self.rp, self.env, self.engine, self.compression = rp, env, engine, compression
         self.parts = run_state(engine, compression, rp.cfg.distributed.strategy)  # checkpoints, resume, the heal
         self.batches: Iterator[Any] | None = None
         self.batcher: DynamicBatcher | None = None
         self.start_step = 0
+
+    @classmethod
+    def prepare(cls, rp: RunPlan, env: WorkerEnv) -> object:
+        """Before the engine is built: what the gate must set up first, given to its constructor (nothing here)."""
+        return None
 
     @classmethod
     def guard(cls, rp: RunPlan) -> contextlib.AbstractContextManager:

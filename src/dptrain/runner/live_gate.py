@@ -44,10 +44,12 @@ from dptrain.launch.heartbeat import Heartbeat
 from dptrain.launch.rendezvous import WorkerEnv, restart_count
 from dptrain.live import JobMismatch, LiveManager, LiveSettings, TooFewWorkers, connect_store
 from dptrain.live.finish import DONE_KEY, mark_final, serve_until_final
+from dptrain.live.layout import ShardGroupLost, ShardGroups, WholeReplicas
 from dptrain.live.log import LiveLog
 from dptrain.live.quorum import StoreGone
 from dptrain.live.records import live_totals, read_live_logs
 from dptrain.live.rounds import close_round
+from dptrain.live.shard_group import join_shard_group
 from dptrain.live.store import store_address, unreachable
 from dptrain.live.trust import identity_record
 from dptrain.runner.facts import RunFacts
@@ -56,6 +58,8 @@ from dptrain.runner.lifecycle import run_fault
 from dptrain.runner.live_state import ReplicaState, step_seed
 from dptrain.runner.metrics import StepTimes
 from dptrain.runner.plan import RunPlan
+from dptrain.runner.roll_call import is_collective_failure
+from dptrain.strategies import get_strategy
 from dptrain.tasks import collate
 
 __all__ = ["LiveGate", "live_settings", "fault_before_vote"]
@@ -76,17 +80,22 @@ class LiveGate(StaticGate):
     replica_local = True  # each worker is a process group of its own: no hook may wait on another rank
     meeting = False  # a round every step (MeetingGate: only where the replicas meet)
 
-    def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat):
+    def __init__(self, rp: RunPlan, env: WorkerEnv, engine: Engine, compression, beat: Heartbeat,
+                 prepared: tuple[ShardGroups, int] | None = None):
         super().__init__(rp, env, engine, compression, beat)
         cfg = rp.cfg
         parameters = [(name, tuple(p.shape)) for name, p in engine.model.module.named_parameters()]
-        address = store_address()
+        layout, incarnation = prepared if prepared is not None else (WholeReplicas(), 0)
         self.manager = manager = LiveManager(
-            lambda: connect_store(address, cfg.live.heartbeat_timeout_s * 4 + 30), env.rank, env.world_size,
+            _connect(cfg), env.rank, env.world_size,
             live_settings(cfg), -1, progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"),
-            identity=identity_record(rp.identity, parameters, env.world_size))
+            identity=identity_record(rp.identity, parameters, env.world_size), layout=layout,
+            incarnation=incarnation)
         self._join_rounds(engine.model)
-        self.writer = env.rank == 0
+        self.writer = env.rank == 0  # the records, the final mark
+        # the run's outputs are collectives of the writer's shard group (its evaluation, its sharded checkpoint)
+        self.output_group = env.rank // layout.group_size == 0
+        self._round_size = env.world_size
         self.replica: ReplicaState | None = None
         self.live_log = LiveLog(rp.run_dir / "logs" / f"live{env.rank}.jsonl")
 
@@ -96,6 +105,19 @@ class LiveGate(StaticGate):
         if isinstance(self.compression, RoundCompression):  # compression.method: the round's compressed mean
             self.manager.hook = self.compression.attach(self.manager.group)
         model.register_comm_hook(None, self.manager.hook)
+
+    @classmethod
+    def prepare(cls, rp: RunPlan, env: WorkerEnv) -> tuple[ShardGroups, int] | None:
+        """Where workers hold a replica between them (hybrid sharding: the strategy's ``live_group``), this worker's
+        shard group, formed over the live store and made its default process group (:mod:`dptrain.live.shard_group`);
+        the layout and this worker's incarnation. None: each worker a whole replica."""
+        cfg = rp.cfg
+        group = get_strategy(cfg.distributed.strategy).live_group
+        size = group(cfg) if group is not None else 1
+        if size <= 1:
+            return None
+        return join_shard_group(_connect(cfg)(), env.rank, size, start_timeout_s=cfg.live.start_timeout_s,
+                                timeout_s=cfg.live.join_timeout_s)
 
     @classmethod
     @contextlib.contextmanager
@@ -120,7 +142,7 @@ class LiveGate(StaticGate):
 
     @property
     def outputs(self) -> bool:
-        return self.writer
+        return self.output_group
 
     def _warmup_steps(self) -> int:
         """Steps at the start taken by every replica together (a round each), before they step alone: none here."""
@@ -131,7 +153,7 @@ class LiveGate(StaticGate):
 
     def record(self) -> dict:
         """The live counts of a metrics record: round size, attempts, commits, heal bytes, the step's global batch."""
-        return {**self.manager.stats.record(self.manager.group.size), "live_global_batch": self.manager.global_batch}
+        return {**self.manager.stats.record(self._round_size), "live_global_batch": self.manager.global_batch}
 
     def start(self) -> Start:
         """Restarted by its launcher, or started once rounds were under way (added, or back under torchrun or Slurm):
@@ -191,8 +213,9 @@ class LiveGate(StaticGate):
     def decide(self, turn: Turn, times: StepTimes | None) -> bool:
         """The commit vote, after this member's backward (a member that sat the attempt out votes no)."""
         attempt = turn.attempt
+        self._round_size = attempt.quorum.size
         if times is not None and times.comm is not None:  # the round's hook counts what it sent
-            times.comm.sent_bytes = self.manager.hook.sent_bytes(attempt.quorum.size)
+            times.comm.sent_bytes += self.manager.hook.sent_bytes(attempt.peers.size)
         if times is not None:
             fault_before_vote(self.env.rank, turn.step)
         return self.manager.vote(attempt, attempt.ok)
@@ -215,8 +238,11 @@ class LiveGate(StaticGate):
         """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""
         if self.writer:
             mark_final(self.manager)
-        else:
-            serve_until_final(self.manager, self.replica.held, self.replica.hash, self.replica.load)
+        elif not self.output_group:  # (the writer's shard group ends with it: its shards are the final state)
+            try:
+                serve_until_final(self.manager, self.replica.held, self.replica.hash, self.replica.load)
+            except ShardGroupLost:  # a worker of this group finished or is gone: its shards can heal no one
+                pass
 
     def stop(self) -> None:
         self.live_log.close()
@@ -234,7 +260,13 @@ class LiveGate(StaticGate):
         return facts
 
     def failed(self, error: Exception, step: int) -> None:
-        pass  # no group spans the job: the quorum names who is gone
+        """No group spans the job: the quorum names who is gone. A shard group's collective that failed (a worker of
+        it died) leaves this worker's shards with no group: it ends, to be started again (ShardGroupLost)."""
+        layout = self.manager.layout
+        if layout.group_size > 1 and is_collective_failure(error):
+            raise ShardGroupLost(f"a collective of shard group {layout.group} (workers {layout.siblings()}) failed at "
+                                 f"step {step}: a worker of it is gone, so this worker ends to be started again and "
+                                 f"healed ({type(error).__name__}: {str(error).splitlines()[0][:200]})") from None
 
     def _line(self) -> str:
         """The log's line on live recovery: this replica, and the rule for a round of fewer workers."""
@@ -248,6 +280,12 @@ class LiveGate(StaticGate):
                 "learning rate kept (live.lr_scaling = none)")
         return f"live recovery: replica {self.env.rank} of {n}{restarted}; a step with k of {n} workers takes " \
                f"k/{n} of the global batch, its {rule}"
+
+
+def _connect(cfg) -> Callable[[], object]:
+    """A new client of the job's live store, each time called."""
+    address = store_address()
+    return lambda: connect_store(address, cfg.live.heartbeat_timeout_s * 4 + 30)
 
 
 def _store_reachable(address: tuple[str, int], timeout_s: float) -> None:

@@ -23,7 +23,8 @@ def step_seed(seed: int, replica: int, step: int) -> int:
 def held_tensors(engine: Engine, position: int) -> list[torch.Tensor]:
     """Everything a replica holds that must be equal on every survivor: parameters, buffers and the optimizer's
     state (the divergence monitor's list), the step counts and the data position."""
-    tensors = [t for _, t in replica_tensors(engine.model.module, engine.optimizer)]
+    model = engine.model if engine.sharded else engine.model.module  # sharded: its shards (this position's part)
+    tensors = [t for _, t in replica_tensors(model, engine.optimizer)]
     return tensors + [torch.tensor([engine.step_count, engine.skipped_steps, position], dtype=torch.int64)]
 
 
@@ -57,13 +58,13 @@ class ReplicaState:
     def held(self) -> dict:
         """The state a heal sends: the engine's (model, optimizer, step counts), the position, and the run's parts
         that a heal sends (``parts``, :mod:`dptrain.checkpoint.run_state`: the strategy's own)."""
-        return {"engine": self.engine.state_dict(), "position": self.position, "size": self.size, "since": self.since,
+        return {"engine": self.engine.local_state_dict(), "position": self.position, "size": self.size, "since": self.since,
                 "parts": {part.name: part.state_dict() for part in self.parts if part.heal}}
 
     def load(self, received: dict) -> bytes:
         """Take a healed state; the hash of what is now held. The parts a heal does not send (a worker's own, such as
         compression's residuals) start afresh, as the run's other code that holds them says (the live hook)."""
-        self.engine.load_state_dict(received["engine"])
+        self.engine.load_local_state_dict(received["engine"])
         for part in self.parts:
             if part.heal:
                 part.load_state_dict(received["parts"][part.name])

@@ -79,9 +79,10 @@ def _train(rp: RunPlan, env: WorkerEnv, device: torch.device, beat: Heartbeat, g
         -> RunFacts | None:
     """Build, start (resume, seed or join), step between the hooks as the gate grants, save the weights."""
     wall0 = time.perf_counter()
+    prepared = gate_type.prepare(rp, env)  # live recovery's shard group, made before the model is sharded over it
     seed_everything(rp.cfg.train.seed)
     engine, compression, n_params = build_engine(rp, env, device)
-    gate = gate_type(rp, env, engine, compression, beat)
+    gate = gate_type(rp, env, engine, compression, beat, prepared)
     start = gate.start()
     log = _open_log(rp, env, device, n_params, start.step, start.note)
     for line in start.lines:

@@ -255,7 +255,8 @@ def summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
             ("learning rate", summary["lr_rule"]),
             ("steps", (f"{summary['start_step']} -> {summary['steps']}" if summary["start_step"]
                        else str(summary["steps"]))
-             + (f" (after {summary['restarts']} restart(s), resumed from the newest checkpoint)"
+             + (f" (after {summary['restarts']} restart(s), "
+                + ("healed by a peer)" if summary.get("live") else "resumed from the newest checkpoint)")
                 if summary.get("restarts") else "")),
             ("wall time", f"{summary['wall_s']:.1f} s")]
     if "final_train_loss" in summary:

@@ -24,7 +24,7 @@ from dptrain.compress.remedies import Remedies
 from dptrain.optim.build import decays
 
 __all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedies", "ddp_compression",
-           "zero_compression", "zero_check", "zero_check_shards", "zero_check_model", "ps_check", "ps_check_model", "ps_check_resume",
+           "zero_compression", "zero_check", "zero_check_live", "zero_check_shards", "zero_check_model", "ps_check", "ps_check_model", "ps_check_resume",
            "ps_expendable", "ps_program", "LaidOut", "ddp_units", "zero_units"]
 
 
@@ -131,6 +131,21 @@ def zero_check(cfg, world_size: int) -> int:
         except ValueError as e:
             raise ValueError(f"zero.{e}, or 0 to shard over all ranks") from None
     return world_size
+
+
+def zero_check_live(cfg, world_size: int) -> None:
+    """Live recovery serves ZeRO's replica dimension: hybrid sharding's groups of ``zero.shard_size`` workers, each
+    group one replica (:mod:`dptrain.live.layout`); a round averages each shard over the whole groups in it."""
+    shard = cfg.zero.shard_size
+    if not shard or shard >= world_size:
+        raise ValueError(f"live.enabled with zero.shard_size = {shard} over {world_size} workers: sharded over every "
+                         "worker, the model has no replica to go on with when one is lost. Set zero.shard_size to "
+                         f"the workers per host (a divisor of {world_size} below it: hybrid sharding, each group a "
+                         "replica that live recovery drops and heals whole), or live.enabled = false")
+    if cfg.compression.method != "none":
+        raise ValueError(f"live.enabled with strategy {cfg.distributed.strategy} and compression.method = "
+                         f"{cfg.compression.method!r}: ZeRO's compressed reduce-scatter is not run over live recovery's "
+                         "rounds; set compression.method = \"none\", or live.enabled = false")
 
 
 def zero_check_shards(shard_size: int, world_size: int) -> None:

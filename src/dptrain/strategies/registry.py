@@ -32,6 +32,7 @@ from dptrain.strategies.options import (
     ps_expendable,
     ps_program,
     zero_check,
+    zero_check_live,
     zero_check_model,
     zero_check_shards,
     zero_compression,
@@ -96,8 +97,11 @@ class Strategy:
       reshard_after_forward, split_by)``: its communication units for ``model`` (any device, meta
       included) as its wrapper would build them, for the planner (None: not ``planned``); each takes
       the options that apply to it and ignores the others;
-    - ``check_live(cfg)``: its own settings checked against live recovery (a ValueError naming
-      the values and the fix);
+    - ``check_live(cfg, world_size)``: its own settings checked against live recovery (a ValueError
+      naming the values and the fix);
+    - ``live_group(cfg) -> int``: how many consecutive workers hold one replica between them under
+      live recovery (hybrid sharding's shard group, :mod:`dptrain.live.layout`); None: each worker
+      a whole replica;
     - ``check_shards(shard_size, world_size)``: hybrid sharding's groups of ``shard_size`` ranks
       checked against the world (a ValueError naming the divisors), for a strategy that shards.
 
@@ -133,7 +137,8 @@ class Strategy:
     expendable: Callable[[Any, int], set[int]] | None = None
     program: Callable[[Any], Any] | None = None
     units: Callable[..., list] | None = None
-    check_live: Callable[[Any], None] | None = None
+    check_live: Callable[[Any, int], None] | None = None
+    live_group: Callable[[Any], int] | None = None
     check_shards: Callable[[int, int], None] | None = None
 
     def __post_init__(self):
@@ -227,7 +232,8 @@ def _zero(stage: int, summary: str) -> Strategy:
                     options_argument="zero_kwargs", label=f"ZeRO-{stage}", wrap=_zero_wrapper(stage),
                     options=lambda cfg, model, nodes: zero_options(cfg, model, nodes, stage), check=zero_check,
                     compression=zero_compression, units=zero_units(stage), check_shards=zero_check_shards,
-                    check_model=zero_check_model)
+                    check_model=zero_check_model, live="step", check_live=zero_check_live,
+                    live_group=lambda cfg: cfg.zero.shard_size)
 
 
 REGISTRY: dict[str, Strategy] = {s.name: s for s in [

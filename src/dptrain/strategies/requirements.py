@@ -157,7 +157,7 @@ def check_live(cfg: RunConfig, entry: Strategy, world_size: int) -> None:
                           f"their own): set distributed.strategy = {able}, or live.enabled = false")
     if entry.check_live is not None:
         try:
-            entry.check_live(cfg)
+            entry.check_live(cfg, world_size)
         except ValueError as e:
             raise ConfigError(str(e)) from None
     check_live_compression(cfg)

@@ -512,6 +512,29 @@ class ZeRO(nn.Module):
 
         load_full_state(self, optimizer, model_state, optim_state, source)
 
+    def local_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """No collective: what this rank holds itself (its shards, the module's buffers and frozen parameters, its
+        optimizer's state), as the rank at the same position of another replica holds it too (hybrid sharding).
+        Live recovery heals a replica's rank from that peer with it."""
+        return {"shards": [unit.shard.detach().clone() for unit in self.units],
+                "module": {k: v.clone() for k, v in self.module_state().items()},
+                "optimizer": optimizer.state_dict()}
+
+    def load_local_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """No collective: :meth:`local_state`'s output of a rank at this rank's position; the next forward gathers the
+        loaded shards."""
+        shards = state["shards"]
+        if [s.numel() for s in shards] != [u.shard.numel() for u in self.units]:
+            raise ValueError(f"the state's shards ({[s.numel() for s in shards]} elements) are not this rank's "
+                             f"({[u.shard.numel() for u in self.units]}): it was taken at another position or model")
+        with torch.no_grad():
+            for unit, shard in zip(self.units, shards, strict=True):
+                unit.shard.copy_(shard)
+                unit.stale = True
+            for name, tensor in self.module_state().items():
+                tensor.copy_(state["module"][name])
+        optimizer.load_state_dict(state["optimizer"])
+
     def sharded_parameters(self, key: Any) -> list[torch.Tensor]:
         """The flat shards of the units whose parameters ``split_by`` mapped to ``key``."""
         return [unit.shard for unit in self.units if unit.key == key]
