@@ -226,7 +226,11 @@ def test_sample_stream_slices_take_each_sample_once_per_epoch():
 
 
 @pytest.mark.parametrize("settings, message", [
-    (['distributed.strategy="zero2"'], "strategy 'zero2' cannot"),
+    (['distributed.strategy="gossip"'], "strategy 'gossip' cannot"),
+    # ZeRO: only hybrid sharding's groups, each a replica (dptrain.live.layout)
+    (['distributed.strategy="zero2"'], r"zero.shard_size = 0 over 2 workers: sharded over every worker"),
+    (['distributed.strategy="zero3"', "zero.shard_size=1", 'compression.method="int8"'],
+     "ZeRO's compressed reduce-scatter is not run over live recovery's rounds"),
     (['compression.method="powersgd"'], "PowerSGD's Q is a warm start shared by a fixed set of ranks"),
     (['train.optimizer="onebit_adam"'], "onebit_adam would claim"),
     (["live.min_workers=3"], "more than the job's 2 worker"),

@@ -131,11 +131,12 @@ class Live:
         self.engine = model if isinstance(model, Engine) else None
         self.prepared = optimizer  # prepare()'s: its step averages the window, clips and skips a non-finite one
         wrapper, self.module, self.optimizer, strategy, self.device, accum = _parts(model, optimizer)
-        if not strategy.live == "step":
-            able = ", ".join(strategy_names(lambda s: s.live == "step"))
+        if not strategy.live == "step" or strategy.live_group is not None:
+            able = ", ".join(strategy_names(lambda s: s.live == "step" and s.live_group is None))
             raise ValueError(f"dptrain.Live averages each step's gradients over its round and heals a joining worker "
                              f"with a peer's state; strategy {strategy.name!r} cannot in your own loop (its ranks "
-                             f"hold shards, or step alone between meetings: dptrain run serves those it can): "
+                             f"hold shards, or step alone between meetings: dptrain run serves those it can, hybrid ZeRO "
+                             f"among them, whose shard groups it forms before the model is built): "
                              f"prepare the model with strategy {able}")
         if steps < 1 or batch_size < 1 or step < 0 or check_every < 0:
             raise ValueError(f"Live needs steps >= 1, batch_size >= 1, step >= 0 and check_every >= 0 (got steps "
