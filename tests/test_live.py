@@ -306,9 +306,10 @@ LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
 
 @pytest.mark.parametrize("nproc, victim, kind, step", [(3, 1, "kill", None), (3, 0, "raise", None),
                                                        (4, 2, "stop", None), (4, 3, "kill-before-vote", None),
-                                                       (3, 0, "kill", 16)])
+                                                       (3, 0, "kill", 16), (3, 2, "kill-in-heal", None)])
 def test_survivors_go_on_and_the_victim_is_healed(tmp_path, nproc, victim, kind, step):
-    """A worker killed, raising, stopped (SIGSTOP) or killed between its all-reduce and its vote, at a random step
+    """A worker killed, raising, stopped (SIGSTOP), killed between its all-reduce and its vote, or killed and then
+    killed again in the middle of its heal, at a random step
     (and replica 0, which writes the run's files, killed at the last step: the others finish it, then heal it);
     the launcher restarts it (a stopped one once its heartbeat is stale: the run is over by then)."""
     step = step or random.Random().randrange(3, 12)
@@ -321,6 +322,8 @@ def test_survivors_go_on_and_the_victim_is_healed(tmp_path, nproc, victim, kind,
     assert proc.returncode == 0, proc.stderr[-3000:]
     if kind != "stop":
         assert f"worker {victim} exited" in proc.stderr and "the others go on" in proc.stderr
+    if kind == "kill-in-heal":  # killed again as its heal arrived: the round aborted, a third start was healed
+        assert "restarting it (2 of live.max_restarts" in proc.stderr
     logs = _check_survivors(run_dir, steps, victim, step, healed=kind != "stop")
     assert (run_dir / "model.safetensors").is_file()
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -70,21 +70,25 @@ def test_state_checks_compare_the_same_position_only():
 LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
 
 
-def test_a_group_killed_before_its_vote_is_started_again_whole_and_healed(tmp_path):
+@pytest.mark.parametrize("fault", ["1:5:kill-before-vote", "1:4:kill-in-heal"])
+def test_a_broken_group_is_started_again_whole_and_healed(tmp_path, fault):
     """ZeRO-3 over 2 groups of 2 workers; worker 1 (of the group that keeps the records) killed after its all-reduce,
-    before its vote at step 5: the round aborts, worker 0 ends with its group, the other group steps on alone, and
-    the group returns, healed shard by shard; after every committed step each position's shards hash alike in
-    every group, and every step is committed once."""
+    before its vote (or killed, and killed again as its heal arrives): the round aborts, worker 0 ends with its
+    group, the other group steps on alone, and the group returns (a generation later), healed shard by shard; after
+    every committed step each position's shards hash alike in every group, and every step is committed once."""
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "4", "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir", str(run_dir),
                    "--strategy", "zero3", "--set", "zero.shard_size=2", "--set", "train.steps=10",
                    "--set", "log.trace_steps=0", "--set", "log.eval_every=0", cwd=tmp_path,
-                   env={"DPTRAIN_FAULT": "1:5:kill-before-vote"})
+                   env={"DPTRAIN_FAULT": fault})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "worker 1 exited with signal SIGKILL" in proc.stderr
     assert "error: a collective of shard group 0 (workers [0, 1]) failed" in proc.stderr \
         or "worker 1 of this worker's shard group 0" in proc.stderr  # its sibling ends, in one line
     assert "worker 0 exited with exit code 1" in proc.stderr
+    if fault.endswith("kill-in-heal"):  # its group broke again in the heal: both ended once more
+        assert "worker 1 exited with signal SIGKILL; restarting it (2 of" in proc.stderr
+        assert "worker 0 exited with exit code 1; restarting it (2 of" in proc.stderr
     logs = {r: [json.loads(line) for line in (run_dir / "logs" / f"live{r}.jsonl").read_text().splitlines()
                 if line.endswith("}")] for r in range(4)}
     hashes: dict[tuple[int, int], set] = {}
@@ -95,7 +99,8 @@ def test_a_group_killed_before_its_vote_is_started_again_whole_and_healed(tmp_pa
     assert sorted({step for step, _ in hashes}) == list(range(1, 11))
     assert all(len(h) == 1 for h in hashes.values()), hashes
     assert all(any(r.get("heal_received") for r in logs[v]) for v in (0, 1))  # both healed, each its own shards
-    assert [r["members"] for r in logs[2] if r.get("step") == 5 and "round" in r][0] == [0, 1, 2, 3]  # aborted
+    step = int(fault.split(":")[1])
+    assert [r["members"] for r in logs[2] if r.get("step") == step and "round" in r][0] == [0, 1, 2, 3]  # aborted
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["live"]["committed"] == 10
     assert (run_dir / "model.safetensors").is_file()

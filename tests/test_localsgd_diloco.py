@@ -243,3 +243,39 @@ def _resume(rank: int, world_size: int, strategy: str) -> bool:
 @pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
 def test_a_round_resumed_from_the_checkpoint_state_continues_bit_for_bit(strategy):
     assert all(run_on_ranks(_resume, 2, strategy))
+
+
+def _engine_resume(rank: int, world_size: int, strategy: str) -> bool:
+    """The same through ``Engine``: ``engine.state_dict()`` in the middle of a round carries the strategy's own state
+    (its run-state part: DiLoCo's global weights, outer momentum and residual; local SGD's schedule)."""
+    from dptrain import BatchPlan, Engine
+
+    options = (LocalSGDOptions(period=4, warmup_steps=1) if strategy == "localsgd" else
+               DiLoCoOptions(period=4, compression="int8"))
+
+    def build():
+        return Engine(_model(), lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2),
+                      BatchPlan.resolve(world_size, micro_batch_size=8), strategy=strategy, options=options,
+                      lr_at=lambda step: 1e-2)
+
+    def steps(engine, which):
+        for step in which:
+            x, y = _batch(rank, step)
+            for xb, yb in engine.micro_steps(iter([(x, y)])):
+                engine.backward(nn.functional.mse_loss(engine.model(xb), yb))
+            engine.step()
+        return [p.detach().clone() for p in engine.model.module.parameters()]
+
+    expected = steps(build(), range(10))
+    first = build()
+    steps(first, range(6))  # stops in the middle of a round
+    saved = copy.deepcopy(first.state_dict())
+    second = build()
+    assert second.load_state_dict(saved) == [] and set(saved["parts"]) == {strategy}
+    resumed = steps(second, range(6, 10))
+    return all(torch.equal(a, b) for a, b in zip(expected, resumed, strict=True))
+
+
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+def test_an_engine_state_dict_resumes_the_strategy_bit_for_bit(strategy):
+    assert all(run_on_ranks(_engine_resume, 2, strategy))

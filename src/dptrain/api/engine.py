@@ -210,10 +210,21 @@ class Engine:
     # ----------------------------------------------------------- checkpoints
 
     def state_dict(self) -> dict[str, Any]:
-        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.checkpoint.replicated`).
+        """Replicated (DDP) state, under the names every strategy reads (:mod:`dptrain.checkpoint.replicated`), and
+        under ``parts`` the run-state parts of the strategy itself (:func:`dptrain.checkpoint.run_state.run_state`,
+        the list a checkpoint and a heal iterate: DiLoCo's global weights and outer momentum, local SGD's schedule,
+        gossip's own replica), so that loading it continues the strategy where it was.
 
         A sharded model saves with :func:`dptrain.zero.checkpoint.save_sharded` (every rank).
         """
+        from dptrain.checkpoint.run_state import run_state
+
+        state = self._replicated_state()
+        state["parts"] = {part.name: part.state_dict() for part in run_state(self, None, self.strategy.name)}
+        return state
+
+    def _replicated_state(self) -> dict[str, Any]:
+        """The model, optimizer, step counts and loss scaler (no strategy part)."""
         from dptrain.checkpoint.replicated import replicated_state  # torch.distributed.checkpoint: when saving
 
         if self.sharded:
@@ -230,8 +241,8 @@ class Engine:
         """No collective: what this rank holds itself, to give a peer holding the same (live recovery's heal): the
         whole :meth:`state_dict` of a replicated model; a sharded one's shards, buffers and optimizer state (its
         ``local_state``), as the rank at the same position of another replica holds them."""
-        if not self.sharded:
-            return self.state_dict()
+        if not self.sharded:  # (the strategy's parts: the heal sends them itself, as listed)
+            return self._replicated_state()
         return {"model": self.model.local_state(self.optimizer), "step": self.step_count,
                 "skipped_steps": self.skipped_steps,
                 **({"scaler": self.scaler.state_dict()} if self.scaler is not None else {})}
@@ -239,14 +250,24 @@ class Engine:
     def load_local_state_dict(self, state: dict[str, Any]) -> None:
         """Load :meth:`local_state_dict`'s output of a peer."""
         if not self.sharded:
-            return self.load_state_dict(state)
+            return self._load_replicated_state(state)
         self.model.load_local_state(state["model"], self.optimizer)
         self.step_count, self.skipped_steps = state["step"], state["skipped_steps"]
         if self.scaler is not None and "scaler" in state:
             self.scaler.load_state_dict(state["scaler"])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Load :meth:`state_dict`'s output (or an older one, whose optimizer state is keyed by parameter index)."""
+    def load_state_dict(self, state: dict[str, Any]) -> list[str]:
+        """Load :meth:`state_dict`'s output (or an older one, whose optimizer state is keyed by parameter index, or
+        without ``parts``); the strategy parts' notes on what starts afresh."""
+        from dptrain.checkpoint.run_state import run_state
+
+        self._load_replicated_state(state)
+        saved = state.get("parts", {})
+        notes = [part.load_state_dict(saved[part.name]) for part in run_state(self, None, self.strategy.name)
+                 if part.name in saved]
+        return [note for note in notes if note]
+
+    def _load_replicated_state(self, state: dict[str, Any]) -> None:
         from dptrain.checkpoint.replicated import set_replicated_state
 
         if self.sharded:

@@ -69,9 +69,11 @@ def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes
 
 
 def recv_state(pg: dist.ProcessGroup, src: int, progress: Callable[[], None] = lambda: None) -> tuple[bytes, bytes]:
-    """The payload and the sender's state hash, from rank ``src`` of ``pg``; HealError on a damaged payload."""
+    """The payload and the sender's state hash, from rank ``src`` of ``pg``; HealError on a damaged payload.
+    ``progress``: called after the header and after each piece."""
     header = torch.zeros(8 + 2 * DIGEST, dtype=torch.uint8)
     pg.recv([header], src, HEADER_TAG).wait()
+    progress()
     length = int(header[:8].view(torch.int64).item())
     body = torch.empty(length, dtype=torch.uint8)
     for piece in body.split(CHUNK):

@@ -22,6 +22,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+import torch.distributed as dist
+
 from dptrain.live.liveness import Liveness
 from dptrain.live.quorum import Quorum
 
@@ -54,6 +57,10 @@ class WholeReplicas:
     def group_prefix(self, round_: int) -> str:
         """The live store's prefix of the round's process group (``live.group.RoundGroup``)."""
         return f"pg/{round_}/"
+
+    def agree(self, ok: bool) -> bool:
+        """Whether this worker may take the round's step: its own view."""
+        return ok
 
 
 class ShardGroups:
@@ -95,6 +102,14 @@ class ShardGroups:
     def group_prefix(self, round_: int) -> str:
         """The live store's prefix of the round's process group at this worker's position."""
         return f"pg/{round_}/{self.position}/"
+
+    def agree(self, ok: bool) -> bool:
+        """Whether this group takes the round's step, agreed by its workers (collective over the group's own process
+        group): every one of them, or none, since each forward and backward is the group's collectives. One
+        position's heal can fail while another's succeeds (a peer died mid-heal): the group then sits it out."""
+        flag = torch.tensor([int(ok)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
 
 
 def _index(members, replica: int) -> int:

@@ -80,6 +80,7 @@ class LiveManager:
                  step: int, progress: Callable[[], None] = lambda: None, identity: dict | None = None,
                  layout=None, incarnation: int = 0):
         self.replica, self.replicas, self.settings, self.progress = replica, replicas, settings, progress
+        self.heal_progress = progress  # called as a heal arrives, piece by piece (the runner's injected fault too)
         self.layout = layout if layout is not None else WholeReplicas()
         self.store = connect()
         self.liveness = Liveness(connect, replica, replicas, settings.heartbeat_interval_s,
@@ -149,6 +150,9 @@ class LiveManager:
         except (RuntimeError, HealError) as e:  # a member gone while connecting or healing: this round aborts
             self.group.fail(e)
             attempt.ok, attempt.error = False, f"{type(e).__name__}: {e}"
+        if not self.layout.agree(attempt.ok) and attempt.ok:  # (shard groups: another position's heal failed)
+            attempt.ok, attempt.error = False, "a worker of this worker's shard group could not take the round"
+            self.group.fail(RuntimeError(attempt.error))
         return attempt
 
     def _vet(self, quorum: Quorum, notes: list[str]) -> Quorum | None:
@@ -175,7 +179,7 @@ class LiveManager:
             if quorum.index == src:
                 attempt.heal_sent += send_state(self.group.pg, dst, pack(held()), held_hash(), self.progress)
             elif quorum.index == dst:
-                payload, expected = recv_state(self.group.pg, src, self.progress)
+                payload, expected = recv_state(self.group.pg, src, self.heal_progress)
                 attempt.heal_received += len(payload)
                 got = load(unpack(payload))
                 self.hook.reset()  # a compressing hook's residual is the worker's own: none yet

@@ -12,6 +12,9 @@ At the start of that (1-based) step, in every strategy's loop, that rank:
   stop with it);
 - ``kill-before-vote``: under live recovery, SIGKILLs itself after the step's all-reduce and
   before the commit vote (elsewhere nothing happens);
+- ``kill-in-heal``: under live recovery, SIGKILLs itself (as ``kill``), and its restarted self
+  again as its heal arrives (the header read, the sender still sending): a worker lost in
+  the middle of a heal (elsewhere only the first kill happens);
 - ``hang``: stops, without exiting (a deadlock, a stuck device): the others wait in their
   next collective until ``distributed.timeout_s``;
 - ``flip``: flips the lowest bit of its first parameter's first element (silent data
@@ -30,9 +33,9 @@ its own: its STEP is the logged one, the rounds it applied in sync and backup, t
 gradients it applied divided by the number of workers in async and ssp. The fault fires
 once, before its first update of that step, and only kill, raise, hang and delay apply.
 
-A fault fires in a job's first attempt only: after a restart (torchrun's
-``TORCHELASTIC_RESTART_COUNT`` > 0) the resumed run goes past that step, as it would after
-a real, one-off failure. ``DPTRAIN_FAULT_EVERY_ATTEMPT=1`` makes it fire after every
+A fault fires in a job's first attempt only (``kill-in-heal``: its first two): after a
+restart (torchrun's ``TORCHELASTIC_RESTART_COUNT`` > 0) the resumed run goes past that
+step, as it would after a real, one-off failure. ``DPTRAIN_FAULT_EVERY_ATTEMPT=1`` makes it fire after every
 restart too (a permanent fault, to test running out of restarts).
 """
 
@@ -49,7 +52,8 @@ from dptrain.launch.rendezvous import restart_count
 
 __all__ = ["parse_fault", "fault_spec", "inject_fault", "KINDS"]
 
-KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch", "stop", "kill-before-vote")
+KINDS = ("kill", "kill-in-backward", "raise", "hang", "delay", "flip", "nan", "mismatch", "stop", "kill-before-vote",
+         "kill-in-heal")
 
 
 def fault_spec(spec: str) -> tuple[int, int, str]:
@@ -62,8 +66,9 @@ def fault_spec(spec: str) -> tuple[int, int, str]:
 
 def parse_fault(spec: str) -> tuple[int, int, str] | None:
     """The fault of ``DPTRAIN_FAULT`` for this attempt: None when unset, or after a restart (see above)."""
-    restarted = restart_count() > 0
-    if not spec or (restarted and not os.environ.get("DPTRAIN_FAULT_EVERY_ATTEMPT")):
+    restarts = restart_count()
+    again = restarts == 1 and spec.endswith(":kill-in-heal")  # its second part: the restarted worker's heal
+    if not spec or (restarts > 0 and not again and not os.environ.get("DPTRAIN_FAULT_EVERY_ATTEMPT")):
         return None
     try:
         return fault_spec(spec)
@@ -76,8 +81,10 @@ def inject_fault(kind: str, rank: int, step: int, model: torch.nn.Module | None 
     if record:
         with open(record, "a") as f:
             f.write(json.dumps({"rank": rank, "step": step, "kind": kind, "time": time.time()}) + "\n")
-    if kind == "kill":
+    if kind == "kill" or (kind == "kill-in-heal" and restart_count() == 0):
         os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "kill-in-heal":  # restarted: the live gate fires it as the heal arrives
+        return
     if kind == "kill-before-vote":  # the live loop fires it at its moment (dptrain.runner.live_gate)
         return
     if kind == "stop":

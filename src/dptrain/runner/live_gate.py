@@ -92,6 +92,7 @@ class LiveGate(StaticGate):
             identity=identity_record(rp.identity, parameters, env.world_size), layout=layout,
             incarnation=incarnation)
         self._join_rounds(engine.model)
+        manager.heal_progress = lambda: (manager.progress(), fault_in_heal(env.rank))
         self.writer = env.rank == 0  # the records, the final mark
         # the run's outputs are collectives of the writer's shard group (its evaluation, its sharded checkpoint)
         self.output_group = env.rank // layout.group_size == 0
@@ -300,6 +301,13 @@ def _peak_rss(logs: dict[int, list[dict]], replicas: int) -> list[float | None]:
     """Each replica's peak resident MiB so far, from its live log's attempts (None: it logged none)."""
     return [max((r["peak_rss_mb"] for r in logs.get(i, []) if "peak_rss_mb" in r), default=None)
             for i in range(replicas)]
+
+
+def fault_in_heal(rank: int) -> None:
+    """The injected ``kill-in-heal`` fault's second part: this rank, restarted, dies as its heal arrives."""
+    fault = run_fault()
+    if fault is not None and fault[0] == rank and fault[2] == "kill-in-heal" and restart_count() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fault_before_vote(rank: int, step: int) -> None:
