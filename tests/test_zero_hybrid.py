@@ -33,6 +33,16 @@ def test_hsdp_matches_ddp_after_every_adam_step(stage: int) -> None:
     assert max(worst) <= TOLERANCE, worst
 
 
+def _steps(model, opt, rank: int, world_size: int, steps: int, per: int) -> dict[str, torch.Tensor]:
+    """``steps`` steps, each on this rank's ``per`` samples of the step's global batch; the gathered state after."""
+    for step in range(steps):
+        x, y = global_batch("stack13", step, per * world_size)
+        opt.zero_grad()
+        loss_fn("stack13", model(x[per * rank:per * rank + per]), y[per * rank:per * rank + per]).backward()
+        opt.step()
+    return model.gathered_state()
+
+
 def _bf16_reduce_gap(rank: int, world_size: int, shard_size: int) -> float:
     """Parameters after 4 SGD steps with a bf16 reduce, against fp32 plain ZeRO-3: relative gap."""
     results = []
@@ -40,13 +50,7 @@ def _bf16_reduce_gap(rank: int, world_size: int, shard_size: int) -> float:
                                                                              reduce_dtype=torch.bfloat16)}, {}):
         torch.manual_seed(0)
         model = ZeRO(build("stack13"), stage=3, unit_classes=(Layer,), **kw)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for step in range(4):
-            x, y = global_batch("stack13", step, 3 * world_size)
-            opt.zero_grad()
-            loss_fn("stack13", model(x[3 * rank:3 * rank + 3]), y[3 * rank:3 * rank + 3]).backward()
-            opt.step()
-        results.append(model.gathered_state())
+        results.append(_steps(model, torch.optim.SGD(model.parameters(), lr=0.1), rank, world_size, 4, 3))
     got, ref = results
     return max(((got[k] - ref[k]).abs().max() / ref[k].abs().max()).item() for k in ref)
 
@@ -141,13 +145,7 @@ def _hooked_against_hybrid(rank: int, world_size: int) -> tuple[float, int]:
         else:  # a fixed replicate group already: refused
             with pytest.raises(ValueError, match=r"already replicates over a fixed group \(shard_size=2 of 4 ranks\)"):
                 model.register_comm_hook(None, hook)
-        opt = torch.optim.Adam(model.parameters(), lr=0.01)
-        for step in range(3):
-            x, y = global_batch("stack13", step, 2 * world_size)
-            opt.zero_grad()
-            loss_fn("stack13", model(x[2 * rank:2 * rank + 2]), y[2 * rank:2 * rank + 2]).backward()
-            opt.step()
-        results.append(model.gathered_state())
+        results.append(_steps(model, torch.optim.Adam(model.parameters(), lr=0.01), rank, world_size, 3, 2))
     got, ref = results
     return max((got[k] - ref[k]).abs().max().item() for k in ref), hook.calls
 

@@ -52,7 +52,7 @@ def main() -> None:
               # dptrain.runner.faults.KINDS, written out: importing it would import torch for --help
               # (tests/test_trust_values.py checks that this list and docs/run.md's name every kind)
               help="inject a fault for experiments (kill, kill-in-backward, raise, hang, delay, flip, nan, mismatch, "
-                   "stop, kill-before-vote); the same as DPTRAIN_FAULT (docs/reliability.md)")
+                   "stop, kill-before-vote, kill-in-heal); the same as DPTRAIN_FAULT (docs/reliability.md)")
 @click.option("--start-method", type=click.Choice(["forkserver", "exec"]), default="forkserver", show_default=True,
               help="how local workers start: forks of one process that imported torch once (forkserver), or a "
                    "fresh `python -m dptrain.run` each, as torchrun starts them (exec)")
