@@ -40,7 +40,8 @@ class Part:
     peer's replica is what the joiner continues from); else the joiner's own starts afresh.
     ``same_strategy``: its ``rank`` half fits only a run of the strategy that saved it.
     ``fresh``: the note when its ``rank`` half starts afresh (``{why}`` filled in), for a part
-    whose ``load_state_dict`` says nothing itself.
+    whose ``load_state_dict`` says nothing itself. ``heal_state``: what a heal sends of it, where
+    less than ``state_dict()`` (what the receiver would drop anyway); None: all of it.
     """
 
     name: str
@@ -49,6 +50,7 @@ class Part:
     heal: bool = True
     same_strategy: bool = False
     fresh: str = ""
+    heal_state: Callable[[], dict] | None = None
 
 
 def run_state(engine: Any, compressor: Any, strategy: str) -> list[Part]:
@@ -56,8 +58,10 @@ def run_state(engine: Any, compressor: Any, strategy: str) -> list[Part]:
     (the wrapper's ``checkpoint_state`` / ``load_checkpoint_state``, under the strategy's name), and ``compressor``'s
     residuals (each rank's own; a healed worker's start at zero)."""
     model, optimizer = engine.model, engine.optimizer
+    heal = getattr(model, "heal_state", None)  # a MeetingWrapper's: DiLoCo's residual is not sent
     parts = [Part(strategy, lambda: model.checkpoint_state(optimizer),
-                  lambda state: model.load_checkpoint_state(state, optimizer))]
+                  lambda state: model.load_checkpoint_state(state, optimizer),
+                  heal_state=(lambda: heal(optimizer)) if heal is not None else None)]
     if compressor is not None:
         parts.append(Part(COMPRESSION, lambda: {"shared": None, "rank": compressor.state_dict()},
                           lambda state: _load_rank(compressor, state), heal=False, same_strategy=True,

@@ -236,6 +236,13 @@ class DiLoCo(SyncWarmup, nn.Module):
                 "rank": {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
                          "residual": self.outer.residual()}}
 
+    def heal_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """:meth:`checkpoint_state` without the error-feedback residual: it is the sender's own, and a healed member's
+        is cleared at the meeting it joins (it adds zeros to it), so it is not sent (live recovery's heal)."""
+        state = self.checkpoint_state(optimizer)
+        state["rank"]["residual"] = None
+        return state
+
     def load_checkpoint_state(self, state: dict[str, dict | None], optimizer: torch.optim.Optimizer) -> str | None:
         """Continue the round where it was. Without this rank's own part (saved on another number of ranks), the
         rank starts a fresh round from the global weights, with rank 0's inner optimizer state; says so."""

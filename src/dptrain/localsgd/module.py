@@ -207,6 +207,10 @@ class LocalSGD(SyncWarmup, nn.Module):
             state["rank"] = {"model": self.module.state_dict(), "optimizer": optimizer.state_dict()}
         return state
 
+    def heal_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """All of :meth:`checkpoint_state` (nothing in it is dropped at a meeting)."""
+        return self.checkpoint_state(optimizer)
+
     def load_checkpoint_state(self, state: dict[str, dict | None], optimizer: torch.optim.Optimizer) -> str | None:
         """Continue the schedule where it was; take this rank's own replica back where it was saved (on as many
         ranks). Returns what to tell the user when the replicas start from rank 0's instead."""

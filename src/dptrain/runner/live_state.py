@@ -59,7 +59,7 @@ class ReplicaState:
         """The state a heal sends: the engine's (model, optimizer, step counts), the position, and the run's parts
         that a heal sends (``parts``, :mod:`dptrain.checkpoint.run_state`: the strategy's own)."""
         return {"engine": self.engine.local_state_dict(), "position": self.position, "size": self.size, "since": self.since,
-                "parts": {part.name: part.state_dict() for part in self.parts if part.heal}}
+                "parts": {part.name: (part.heal_state or part.state_dict)() for part in self.parts if part.heal}}
 
     def load(self, received: dict) -> bytes:
         """Take a healed state; the hash of what is now held. The parts a heal does not send (a worker's own, such as

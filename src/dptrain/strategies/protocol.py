@@ -202,3 +202,7 @@ class MeetingWrapper(DataParallelWrapper, Protocol):
 
     def met_tensors(self) -> list[torch.Tensor]:
         """What every replica holds alike right after a meeting (live recovery's state hash)."""
+
+    def heal_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
+        """What live recovery's heal sends a joining worker of :meth:`checkpoint_state`: all of it but what is each
+        rank's own and would be dropped at the meeting it joins."""
