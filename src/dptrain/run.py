@@ -121,14 +121,10 @@ def main(argv: list[str] | None = None) -> int:
         if not local:  # the local launcher shows the record itself
             print(f"error: {e}", file=sys.stderr)
         return 1
-    except ShardGroupLost as e:  # live recovery: its shard group broke; one message, and its launcher restarts it
-        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    except TooFewWorkers as e:  # live recovery cannot go on: one message; its launcher does not restart it
-        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
-        print(f"error: {e}", file=sys.stderr)
-        return GIVE_UP_EXIT
+    except (ShardGroupLost, TooFewWorkers) as e:  # live recovery: one message. Its shard group broke: exit 1, and
+        write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))  # its launcher restarts it; it cannot
+        print(f"error: {e}", file=sys.stderr)  # go on: GIVE_UP_EXIT, which its launcher does not restart
+        return 1 if isinstance(e, ShardGroupLost) else GIVE_UP_EXIT
     except NonFiniteRun as e:  # every rank stops at the same step: one message, no traceback
         write_error_record(run_dir, env.rank, f"error: {e}", error_summary(e))
         if env.rank == 0 and not local:

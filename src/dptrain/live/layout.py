@@ -39,7 +39,8 @@ class ShardGroupLost(RuntimeError):
 @dataclass(frozen=True)
 class Layout:
     """The round, split for this worker: ``voters`` (every worker of the round: the vote, the data, the records) and
-    ``peers`` (those this worker averages with and heals from or to); None when it sits the round out."""
+    ``peers`` (those this worker averages with and heals from or to). A split that leaves this worker out of the
+    round is None instead."""
 
     voters: Quorum
     peers: Quorum

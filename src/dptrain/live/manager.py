@@ -56,7 +56,7 @@ class Attempt:
     """One attempt at a step, as the live log records it."""
 
     quorum: Quorum                    # the round's workers: the vote, the data, the records
-    peers: Quorum | None = None       # those this worker averages with and heals (live.layout; None: the quorum)
+    peers: Quorum                     # those this worker averages with and heals (live.layout)
     ok: bool = True                   # the group was made and the heal done: the step may run
     error: str = ""
     heal_sent: int = 0
@@ -73,14 +73,15 @@ class LiveManager:
     launch rank); ``replicas``: how many the job has; ``step``: steps this worker has
     committed (-1: none known, it must be healed: a restarted worker). ``layout``: how the workers hold the model
     (:mod:`~dptrain.live.layout`: each a whole replica, or groups sharding one); ``incarnation``: this start's,
-    where the layout took it already (a shard group is formed before the model is built).
+    where the layout took it already (a shard group is formed before the model is built); ``heal_progress``: called
+    as a heal arrives (default ``progress``; the runner's injected fault too).
     """
 
     def __init__(self, connect: Callable[[], object], replica: int, replicas: int, settings: LiveSettings,
                  step: int, progress: Callable[[], None] = lambda: None, identity: dict | None = None,
-                 layout=None, incarnation: int = 0):
+                 layout=None, incarnation: int = 0, heal_progress: Callable[[], None] | None = None):
         self.replica, self.replicas, self.settings, self.progress = replica, replicas, settings, progress
-        self.heal_progress = progress  # called as a heal arrives, piece by piece (the runner's injected fault too)
+        self.heal_progress = heal_progress or progress  # called as a heal arrives, piece by piece
         self.layout = layout if layout is not None else WholeReplicas()
         self.store = connect()
         self.liveness = Liveness(connect, replica, replicas, settings.heartbeat_interval_s,

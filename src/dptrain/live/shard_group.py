@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -38,8 +37,8 @@ def formed_key(group: int) -> str:
     return f"sg/{group}/formed"
 
 
-def join_shard_group(store, replica: int, size: int, *, start_timeout_s: float, timeout_s: float,
-                     progress: Callable[[], None] = lambda: None) -> tuple[ShardGroups, int]:
+def join_shard_group(store, replica: int, size: int, *, start_timeout_s: float,
+                     timeout_s: float) -> tuple[ShardGroups, int]:
     """This worker's start: its incarnation taken, its group's generation awaited, the default process group made
     over it (``timeout_s``: its collectives' timeout); the layout, and this worker's incarnation."""
     group, position = divmod(replica, size)
@@ -56,7 +55,6 @@ def join_shard_group(store, replica: int, size: int, *, start_timeout_s: float, 
             raise TooFewWorkers(f"shard group {group} (workers {siblings}) could not be formed: worker(s) {late} did "
                                 f"not start again within live.start_timeout_s = {start_timeout_s:g} s; the other "
                                 "groups go on without it")
-        progress()
         time.sleep(POLL_S)
     key = "-".join(map(str, now))
     if dist.is_initialized():

@@ -90,9 +90,8 @@ class LiveGate(StaticGate):
             _connect(cfg), env.rank, env.world_size,
             live_settings(cfg), -1, progress=lambda: beat.mark(max(manager.step, 0) + 1, "quorum"),
             identity=identity_record(rp.identity, parameters, env.world_size), layout=layout,
-            incarnation=incarnation)
+            incarnation=incarnation, heal_progress=lambda: (manager.progress(), fault_in_heal(env.rank)))
         self._join_rounds(engine.model)
-        manager.heal_progress = lambda: (manager.progress(), fault_in_heal(env.rank))
         self.writer = env.rank == 0  # the records, the final mark
         # the run's outputs are collectives of the writer's shard group (its evaluation, its sharded checkpoint)
         self.output_group = env.rank // layout.group_size == 0
