@@ -233,9 +233,17 @@ def _outcome(run_dir: Path, steps: int, live: bool, kills: list[dict], replicas:
                           "heal_s": healed[0].get("heal_s") if healed else None,
                           "kill_to_process_s": start["process_start"] - k["time"]}
         sizes = [len(r["members"]) for r in others if r["time"] <= (next_commit or 0)]
+        first = min(others, key=lambda r: r["time"]) if others else None
+        # the survivors' seconds in that round, from its begin (its quorum's wait) to its close: what the kill cost
+        # them there, beside a round's usual (``round_s``); steps they took before it were their own, not a wait
+        wait = max((r.get("round_s", 0.0) for r in others if first is not None and r["round"] == first["round"]),
+                   default=None)
         per_kill.append({"host": k["host"], "kill_to_next_commit_s": None if next_commit is None
                          else next_commit - k["time"], "first_quorum": sizes[0] if sizes else None,
-                         "rejoin": rejoin})
+                         "next_round_s": wait, "rejoin": rejoin})
+    usual = sorted(r["round_s"] for records in logs.values() for r in records
+                   if r.get("commit") and "round_s" in r and not r.get("heal_sent") and not r.get("heal_received"))
+    row["round_s_median"] = usual[len(usual) // 2] if usual else None
     row["per_kill"] = per_kill
     return row
 
@@ -285,16 +293,22 @@ def summarize(result: dict) -> str:
     for row in result["variants"]:
         if row.get("per_kill"):
             lines += ["", f"{row['variant']}: per kill", "",
-                      "| host | kill to next commit s | first quorum | kill to restart s | restart to first commit s "
-                      "| of which after the model was built s | heal MB | heal s |", "|---|---|---|---|---|---|---|---|"]
+                      "| host | kill to next commit s | survivors' seconds in that round | first quorum | kill to restart "
+                      "s | restart to first commit s | of which after the model was built s | heal MB | heal s |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for k in row["per_kill"]:
                 j = k["rejoin"] or {}
                 nxt = k["kill_to_next_commit_s"]
-                lines.append(f"| {k['host']} | {'-' if nxt is None else f'{nxt:.2f}'} | {k['first_quorum']} | "
+                wait = k.get("next_round_s")
+                lines.append(f"| {k['host']} | {'-' if nxt is None else f'{nxt:.2f}'} | "
+                             f"{'-' if wait is None else f'{wait:.2f}'} | {k['first_quorum']} | "
                              f"{j.get('kill_to_process_s', float('nan')):.2f} | "
                              f"{j.get('process_to_commit_s', float('nan')):.2f} | "
                              f"{j.get('built_to_commit_s', float('nan')):.2f} | "
                              f"{j.get('heal_bytes', 0) / 1e6:.2f} | {j.get('heal_s') or float('nan'):.3f} |")
+            if row.get("round_s_median") is not None:
+                lines.append(f"\na committed round without a heal: median {row['round_s_median']:.2f} s from its "
+                             "begin to its close")
     if result.get("overhead"):
         lines += ["", "| pair | live median step ms | ddp median step ms | live / ddp |", "|---|---|---|---|"]
         for i, p in enumerate(result["overhead"]):

@@ -147,6 +147,11 @@ class DiLoCo(SyncWarmup, nn.Module):
         """Inner steps since the last outer step (0 in the warm-up)."""
         return 0 if self.in_warmup else self.steps - max(self.synced_steps, self.options.warmup_steps)
 
+    def skip_steps(self, steps: int) -> None:
+        """``steps`` inner steps counted, not taken: a member healed after the last meeting sits out the steps to the
+        next (the others take them), and meets adding nothing."""
+        self.steps += steps
+
     def reduce_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool) -> RoundDelta:
         """The outer step's reduction over a live round's ``group`` (:meth:`OuterStep.reduce_over`), not applied."""
         self._meeting_t0 = time.perf_counter()

@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-__all__ = ["state_hash", "pack", "unpack", "send_state", "recv_state", "HealError"]
+__all__ = ["state_hash", "pack", "unpack", "send_state", "start_send", "Sending", "recv_state", "HealError"]
 
 DIGEST = 32
 HEADER_TAG, PAYLOAD_TAG = 17, 18
@@ -52,20 +52,41 @@ def unpack(payload: bytes) -> dict:
     return torch.load(io.BytesIO(payload), weights_only=True)
 
 
-def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes,
-               progress: Callable[[], None] = lambda: None) -> int:
-    """Send ``payload`` (and the sender's state hash) to rank ``dst`` of ``pg``, in :data:`CHUNK` pieces (the group's
-    timeout bounds each message, not the whole state); the bytes sent. ``progress``: called after each piece."""
+class Sending:
+    """A heal's messages under way (:func:`start_send`): the sender goes on while gloo's threads send them."""
+
+    def __init__(self, works: list, buffers: list[torch.Tensor], nbytes: int):
+        self.works, self.buffers, self.nbytes = works, buffers, nbytes  # the buffers live until the sends end
+
+    def done(self) -> bool:
+        return all(work.is_completed() for work in self.works)
+
+    def wait(self, progress: Callable[[], None] = lambda: None) -> int:
+        """Wait for every message (raises where one failed: the receiver is gone); the bytes sent."""
+        for work in self.works:
+            work.wait()
+            progress()
+        self.works, self.buffers = [], []
+        return self.nbytes
+
+
+def start_send(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes) -> Sending:
+    """Start sending ``payload`` (and the sender's state hash) to rank ``dst`` of ``pg``: a header (length, digest,
+    hash), then :data:`CHUNK` pieces (the group's timeout bounds each message, not the whole state); not waited for."""
     header = torch.zeros(8 + 2 * DIGEST, dtype=torch.uint8)
     header[:8] = torch.tensor([len(payload)], dtype=torch.int64).view(torch.uint8)
     header[8:8 + DIGEST] = torch.frombuffer(bytearray(hashlib.sha256(payload).digest()), dtype=torch.uint8)
     header[8 + DIGEST:] = torch.frombuffer(bytearray(held_hash), dtype=torch.uint8)
-    pg.send([header], dst, HEADER_TAG).wait()
     body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-    for piece in body.split(CHUNK):
-        pg.send([piece], dst, PAYLOAD_TAG).wait()
-        progress()
-    return header.numel() + body.numel()
+    pieces = [header, *body.split(CHUNK)]
+    works = [pg.send([piece], dst, HEADER_TAG if i == 0 else PAYLOAD_TAG) for i, piece in enumerate(pieces)]
+    return Sending(works, [body, *pieces], header.numel() + body.numel())
+
+
+def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes,
+               progress: Callable[[], None] = lambda: None) -> int:
+    """:func:`start_send`, waited for; the bytes sent. ``progress``: called as each message ends."""
+    return start_send(pg, dst, payload, held_hash).wait(progress)
 
 
 def recv_state(pg: dist.ProcessGroup, src: int, progress: Callable[[], None] = lambda: None) -> tuple[bytes, bytes]:

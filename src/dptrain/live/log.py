@@ -46,6 +46,8 @@ class LiveLog:
         if attempt.heal_sent or attempt.heal_received:
             record.update(heal_sent=attempt.heal_sent, heal_received=attempt.heal_received,
                           heal_s=round(attempt.heal_s, 4))
+            if attempt.heal_after:  # after the vote, with the state it committed (a sender: its sends started)
+                record["healed_after_vote"] = True
         error = attempt.error or (f"{type(manager.group.error).__name__}: {manager.group.error}"
                                   if manager.group.error is not None else "")
         if error:

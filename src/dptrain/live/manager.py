@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from dptrain.live.group import AveragingHook, RoundGroup
-from dptrain.live.heal import HealError, pack, recv_state, send_state, unpack
+from dptrain.live.heal import HealError, Sending, pack, recv_state, start_send, unpack
 from dptrain.live.layout import WholeReplicas
 from dptrain.live.liveness import Liveness
 from dptrain.live.quorum import Member, Quorum, TooFewWorkers, form_quorum, latest_round
@@ -64,6 +64,7 @@ class Attempt:
     heal_s: float = 0.0
     began: float = 0.0
     notes: tuple[str, ...] = ()       # members left out of the round when it was vetted, and why (live.trust)
+    heal_after: bool = False          # the members behind are healed after the vote (LiveManager.heal_after)
 
 
 class LiveManager:
@@ -99,30 +100,37 @@ class LiveManager:
         self._published = False
         self._vetted: set[tuple[int, int]] = set()
         self._job: list = []  # the job's identity, once read
+        self._sending: list[Sending] = []  # heals this worker sent after a vote, still under way
 
     def close(self) -> None:
         self.liveness.stop()
+        self._sent()
         self.group.close(self.settings.heartbeat_timeout_s + 1.0)
 
     def begin(self, held: Callable[[], dict], held_hash: Callable[[], bytes],
-              load: Callable[[dict], bytes], abandon: Callable[[], bool] | None = None) -> Attempt | None:
+              load: Callable[[dict], bytes], abandon: Callable[[], bool] | None = None, since: int = 0,
+              heal_after: Callable[[Quorum], bool] | None = None) -> Attempt | None:
         """Form the next round this worker is a member of, its group, and heal; the attempt (``ok``: step it).
 
         ``held()``: this worker's state to send; ``held_hash()``: its hash; ``load(state)``:
         take a received state and return the hash of what is now held. ``abandon()``: checked
-        while the round is open; True leaves it (None returned: the end of a run).
+        while the round is open; True leaves it (None returned: the end of a run). ``since``: steps this worker has
+        taken since its last committed meeting (the meeting gate's; the others see it in its record).
+        ``heal_after(quorum)``: True where the round's members behind are healed after its vote, with the state it
+        commits (:meth:`heal_after`), not before its step: a meeting, to which they add nothing anyway.
         """
         self.liveness.start()
         if not self._published and self.identity is not None:  # once per start, before its first round
             publish(self.store, self.replica, self.liveness.incarnation, self.identity, self.step,
                     held_hash() if self.step >= 0 else None, self.layout.part)
             self._published = True
+        self._sent()
         began = time.monotonic()
         notes: list[str] = []
         while True:
             me = Member(self.replica, self.step, self.group.round if self.group.pg is not None or
                         self.group.size == 1 else -1, self.group.size, self._group_ok, self.liveness.incarnation,
-                        self.check)
+                        self.check, since)
             s = self.settings
             quorum = form_quorum(self.store, self.liveness, me, self.round, self.replicas,
                                  min_workers=s.min_workers, on_too_few=s.on_too_few,
@@ -147,7 +155,9 @@ class LiveManager:
             if split.peers.new_group:
                 self.group.configure(quorum.round, split.peers.index, split.peers.size,
                                      self.layout.group_prefix(quorum.round))
-            self._heal(attempt, held, held_hash, load)
+            attempt.heal_after = heal_after is not None and heal_after(quorum) and bool(split.peers.heal_plan())
+            if not attempt.heal_after:
+                self._heal(attempt, held, held_hash, load)
         except (RuntimeError, HealError) as e:  # a member gone while connecting or healing: this round aborts
             self.group.fail(e)
             attempt.ok, attempt.error = False, f"{type(e).__name__}: {e}"
@@ -172,13 +182,19 @@ class LiveManager:
             self.group.drop()
         return verdict.quorum
 
-    def _heal(self, attempt: Attempt, held, held_hash, load) -> None:
+    def _heal(self, attempt: Attempt, held, held_hash, load, wait: bool = True, step: int | None = None) -> None:
+        """Heal the round's members behind from up-to-date ones (``attempt.peers.heal_plan()``); a sender waits for
+        its sends unless ``wait`` is False (they end while it steps on: :meth:`_sent`). ``step``: the committed step a
+        healed member holds (default the round's)."""
         quorum = attempt.peers
         plan = quorum.heal_plan()
         t0 = time.monotonic()
         for src, dst in plan:
             if quorum.index == src:
-                attempt.heal_sent += send_state(self.group.pg, dst, pack(held()), held_hash(), self.progress)
+                sending = start_send(self.group.pg, dst, pack(held()), held_hash())
+                attempt.heal_sent += sending.wait(self.progress) if wait else sending.nbytes
+                if not wait:
+                    self._sending.append(sending)
             elif quorum.index == dst:
                 payload, expected = recv_state(self.group.pg, src, self.heal_progress)
                 attempt.heal_received += len(payload)
@@ -187,12 +203,36 @@ class LiveManager:
                 if got != expected:
                     raise HealError(f"after healing from replica {quorum.members[src].replica} the state's hash "
                                     f"differs from the sender's ({got.hex()[:12]} vs {expected.hex()[:12]})")
-                self.step = quorum.step
+                self.step = quorum.step if step is None else step
         if attempt.heal_sent or attempt.heal_received:
             attempt.heal_s = time.monotonic() - t0
             self.stats.heal_bytes_sent += attempt.heal_sent
             self.stats.heal_bytes_received += attempt.heal_received
             self.stats.heal_s += attempt.heal_s
+
+    def heal_after(self, attempt: Attempt, held, held_hash, load, step: int) -> bool:
+        """After a committed vote in a round begun with ``heal_after``: each member behind gets the state the round
+        committed (``step``: its committed step), from an up-to-date member that sends it without waiting (it goes
+        on to its next steps while the bytes travel). Whether this worker holds the round's state: False where its
+        own heal failed (it is healed again in a later round)."""
+        try:
+            self._heal(attempt, held, held_hash, load, wait=False, step=step)
+            return True
+        except (RuntimeError, HealError) as e:  # the sender gone: this worker holds nothing the round committed
+            self.group.fail(e)
+            attempt.ok, attempt.error = False, f"{type(e).__name__}: {e}"
+            return attempt.peers.members[attempt.peers.index].step == attempt.peers.step
+
+    def _sent(self) -> None:
+        """The heals sent without waiting, waited for: a receiver gone meanwhile leaves the group broken (the next
+        round makes a new one)."""
+        sending, self._sending = self._sending, []
+        for s in sending:
+            try:
+                s.wait(self.progress)
+            except RuntimeError:
+                self._group_ok = False
+                self.group.drop()
 
     def vote(self, attempt: Attempt, ok: bool) -> bool:
         """The round's decision: True when every member's step went well (this one's: ``ok``)."""

@@ -61,6 +61,7 @@ class Member:
     ok: bool = True   # its last attempt saw no error in that group
     incarnation: int = 0  # which start of this replica (dptrain.live.liveness)
     check: str = ""   # "<step>:<state hash>" after a live.check_every step, compared in the next round (live.trust)
+    since: int = 0    # steps taken since its last committed meeting (strategies that meet every few steps)
 
 
 @dataclass(frozen=True)

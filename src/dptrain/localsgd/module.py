@@ -126,6 +126,11 @@ class LocalSGD(SyncWarmup, nn.Module):
         """Local steps since the replicas were last averaged (0 in the warm-up)."""
         return max(0, self.steps - max(self.averaged_steps, self.options.warmup_steps))
 
+    def skip_steps(self, steps: int) -> None:
+        """``steps`` local steps counted, not taken: a member healed after the last meeting sits out the steps to the
+        next (the others take them), and meets adding nothing."""
+        self.steps += steps
+
     @torch.no_grad()
     def reduce_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool) \
             -> torch.Tensor:

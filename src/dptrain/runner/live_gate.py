@@ -194,10 +194,16 @@ class LiveGate(StaticGate):
         """The next round (its quorum, group and heal), its notes said: a member of another job refused, or one
         whose state diverged left out."""
         replica = self.replica
-        attempt = self.manager.begin(replica.held, replica.hash, replica.load)
+        attempt = self.manager.begin(replica.held, replica.hash, replica.load, since=replica.own_steps,
+                                     heal_after=self._heals_after)
         for note in attempt.notes if say is not None else ():
             say(f"live recovery: {note}")
         return attempt
+
+    def _heals_after(self, quorum) -> bool:
+        """Whether the round's members behind are healed after its vote rather than before its step: never here (a
+        member steps with the state it is healed to)."""
+        return False
 
     def _step_turn(self, attempt) -> Turn:
         """A round's step: this member's slice of its samples, its generators seeded (None when the round failed

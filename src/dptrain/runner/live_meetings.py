@@ -115,27 +115,51 @@ class MeetingGate(LiveGate):
         self.live_log.healed_at_end(attempt)
         return True
 
+    def _heals_after(self, quorum) -> bool:
+        """A meeting's members behind are healed after its vote, with the state it commits: they add nothing to it,
+        and their senders step on while the bytes travel (as torchft heals a DiLoCo replica during the others' inner
+        steps). A warm-up's step heals before (the member steps with the state), as does a round after the last step."""
+        return self._warmup_steps() <= quorum.step < self.rp.cfg.train.steps
+
     def _meeting(self, attempt: Attempt, before: int) -> bool:
-        """The meeting in ``attempt``'s round (``before``: this worker's committed step when it began); whether it
-        committed."""
+        """The meeting in ``attempt``'s round (``before``: this worker's committed step when it began); whether this
+        worker takes the steps to the next meeting: the meeting committed, and this worker held what it started from
+        (a member healed after it sits those steps out: the others took its share of the samples)."""
         manager, replica, model = self.manager, self.replica, self.engine.model
         quorum = attempt.quorum
-        step = quorum.step + replica.since  # the meeting's: the steps its members have taken
+        current = [m for m in quorum.members if m.step == quorum.step]  # those holding what the meeting starts from
+        advance = max(m.since for m in current)  # the steps since the last meeting
+        took = [m for m in current if m.since == advance]  # the members who took them: the meeting's participants
+        mine = quorum.members[quorum.index]
+        if mine in current and replica.since < advance:  # healed after the last meeting: the others took its steps
+            self._skip(advance - replica.since)
+        step = quorum.step + advance  # the meeting's
         ok, reduced = attempt.ok, None
-        if ok and model.unmet_steps:
-            participants = sum(m.step == quorum.step for m in quorum.members)
+        if ok and advance:  # every member takes part (one behind, or that sat the steps out, adding zeros)
             try:
-                reduced = model.reduce_meeting(manager.group.pg, participants, before == quorum.step)
+                reduced = model.reduce_meeting(manager.group.pg, len(took), mine in took)
             except RuntimeError as e:  # a member gone during the reduction
                 manager.group.fail(e)
                 ok = False
             fault_before_vote(self.env.rank, step)
         committed = manager.vote(attempt, ok)
+        holds = mine in current  # this worker applies the result (a member behind is healed to it after)
         if reduced is not None:
-            (model.apply_meeting if committed else model.discard_meeting)(reduced)
-        advance = replica.since
-        if committed:
-            manager.global_batch = replica.met(quorum)
+            (model.apply_meeting if committed and holds else model.discard_meeting)(reduced)
+        if committed and holds:
+            manager.global_batch = replica.met(current.index(mine), len(current))
+        if committed and attempt.heal_after:
+            holds = manager.heal_after(attempt, replica.held, replica.hash, replica.load, step)
         self.close_round(attempt, step, committed, advance=advance, check=bool(self.rp.cfg.live.check_every),
                          meeting=True)
-        return committed
+        if committed and not holds:  # its heal failed: it holds nothing the round committed, and is healed again
+            manager.step = before
+        return committed and mine in current
+
+    def _skip(self, steps: int) -> None:
+        """``steps`` steps counted, not taken: this worker was healed after the last meeting, and the others took
+        the steps since (and its share of their samples); it meets with the global weights, adding nothing."""
+        self.engine.step_count += steps
+        self.engine.model.skip_steps(steps)
+        self.replica.since += steps
+        self.replica.sat_out += steps

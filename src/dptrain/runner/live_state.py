@@ -51,6 +51,7 @@ class ReplicaState:
         self.replicas, self.linear, self.constant, self.meeting = replicas, linear, constant, meeting
         self.warmup = warmup  # meeting: the first steps, taken together (a round each), before they step alone
         self.index, self.size, self.since = 0, replicas, 0  # the last committed meeting's slice; steps since it
+        self.sat_out = 0  # of ``since``, the steps counted but not taken (healed after the meeting: MeetingGate)
         self.scale = 1.0
         schedule = engine.lr_at
         engine.lr_at = lambda s: schedule(s) * self.scale
@@ -58,7 +59,8 @@ class ReplicaState:
     def held(self) -> dict:
         """The state a heal sends: the engine's (model, optimizer, step counts), the position, and the run's parts
         that a heal sends (``parts``, :mod:`dptrain.checkpoint.run_state`: the strategy's own)."""
-        return {"engine": self.engine.local_state_dict(), "position": self.position, "size": self.size, "since": self.since,
+        return {"engine": self.engine.local_state_dict(), "position": self.position, "size": self.size,
+                "since": self.since, "sat_out": self.sat_out,
                 "parts": {part.name: (part.heal_state or part.state_dict)() for part in self.parts if part.heal}}
 
     def load(self, received: dict) -> bytes:
@@ -69,6 +71,7 @@ class ReplicaState:
             if part.heal:
                 part.load_state_dict(received["parts"][part.name])
         self.position, self.size, self.since = received["position"], received["size"], received["since"]
+        self.sat_out = received.get("sat_out", 0)
         return self.hash()
 
     def hash(self) -> bytes:
@@ -79,6 +82,11 @@ class ReplicaState:
             return state_hash(held_tensors(self.engine, self.position))
         counts = torch.tensor([self.engine.step_count, self.position, self.size, self.since], dtype=torch.int64)
         return state_hash([*self.engine.model.met_tensors(), counts])
+
+    @property
+    def own_steps(self) -> int:
+        """The steps this replica took since the last meeting (``since`` less those it sat out)."""
+        return self.since - self.sat_out
 
     @property
     def read_to(self) -> int:
@@ -132,10 +140,11 @@ class ReplicaState:
         self.position += batch
         return batch
 
-    def met(self, quorum: Quorum) -> int:
-        """A meeting committed: the position past the steps since the last; the next steps sliced by this round's
-        members (the learning rate scaled for their number); the global batch of each."""
-        self.position, self.since = self.read_to, 0
-        self.index, self.size = quorum.index, quorum.size
-        self.scale = quorum.size / self.replicas if self.linear else 1.0
+    def met(self, index: int, size: int) -> int:
+        """A meeting committed: the position past the steps since the last; the next steps sliced over the ``size``
+        members who take them, this one ``index``-th (the learning rate scaled for their number); the global batch
+        of each."""
+        self.position, self.since, self.sat_out = self.read_to, 0, 0
+        self.index, self.size = index, size
+        self.scale = size / self.replicas if self.linear else 1.0
         return self.taken(self.size)

@@ -182,6 +182,10 @@ class MeetingWrapper(DataParallelWrapper, Protocol):
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """The warm-up engine's comm hook (the DDP engine's protocol); only with ``warmup_steps``."""
 
+    def skip_steps(self, steps: int) -> None:
+        """``steps`` steps counted as taken without taking them (a member healed after a meeting sits out the steps
+        to the next; it adds nothing there)."""
+
     @property
     def meeting_due(self) -> bool:
         """Whether the schedule meets after the step just taken."""
