@@ -8,7 +8,8 @@ payload. The receiver checks the payload's digest, loads it with ``weights_only=
 peer is trusted, its bytes still never run code), loads it into its engine, and recomputes
 :func:`state_hash` on what it now holds: equal to the sender's, or the heal failed. Only
 the sender and its receivers take part; the other members go on to the step and meet them
-in its first all-reduce.
+in its first all-reduce. Where the heal follows a meeting's vote (:func:`start_send`), the
+sender does not wait for its sends: gloo's threads send them while it takes its next steps.
 """
 
 from __future__ import annotations

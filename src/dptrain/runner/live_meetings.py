@@ -10,13 +10,19 @@ registry says ``live = "meeting"``):
    member ``index`` of ``size`` (:class:`~dptrain.runner.live_state.ReplicaState`);
 2. after a step the wrapper's schedule meets at (``meeting_due``), and after the last step
    whatever it has not met, the worker forms a round of those alive
-   (:meth:`~dptrain.live.LiveManager.begin`: a restarted worker, or one that missed the last
-   meeting, is healed there from an up-to-date member); the members that took the steps
-   since the last meeting reduce over the round's group, a healed one adding zeros (it holds
-   a peer's steps, not its own) and the average taken over the others
-   (``reduce_meeting``); then the vote: on commit every member applies the result
-   (``apply_meeting``: DiLoCo's outer step, local SGD's average); on abort nothing is
-   applied and the meeting is held again in a new round, without the member that failed.
+   (:meth:`~dptrain.live.LiveManager.begin`); the members that took the steps since the last
+   meeting reduce over the round's group, every other member (restarted, or one that missed
+   the last meeting or sat its steps out) adding zeros, the average taken over the takers
+   (``reduce_meeting``); then the vote: on commit every member that held the state the
+   meeting started from applies the result (``apply_meeting``: DiLoCo's outer step, local
+   SGD's average); on abort nothing is applied and the meeting is held again in a new round,
+   without the member that failed;
+3. a member behind is healed *after* the vote, with the state the meeting committed
+   (:meth:`~dptrain.live.LiveManager.heal_after`): its sender starts the sends and goes on to
+   its next steps while the bytes travel, so no survivor waits for a heal; the healed member
+   sits out the steps to the next meeting (``skip_steps``: counted, not taken; the meeting's
+   takers share their samples) and adds zeros there. torchft heals a DiLoCo replica the same
+   way, during the others' inner steps, its first round's steps discarded.
 
 With a warm-up (``warmup_steps``: the first steps synchronous, every replica's gradients
 averaged), each of those steps is a round of its own, as under the DDP engine
@@ -29,7 +35,7 @@ So a worker lost between meetings costs its own steps (and their samples), not t
 they meet without it. One lost during a meeting's all-reduce or before its vote aborts that
 round only; the steps are kept and met again. After every committed meeting the members
 hold the same weights, global weights and outer momentum (the wrapper's ``met_tensors``);
-each keeps its own optimizer state, as without live recovery.
+each keeps its own optimizer state, as without live recovery (a healed member its sender's).
 """
 
 from __future__ import annotations
