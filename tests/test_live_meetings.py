@@ -105,6 +105,8 @@ LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
 @pytest.mark.parametrize("strategy, settings, fault, meetings, rounds", [
     # between meetings: healed at the next, which it sits out (int8 pseudo-gradients, error feedback)
     ("diloco", ["diloco.period=4", 'diloco.compression="int8"'], "1:6:kill", [0, 4, 8, 12, 16], 5),
+    # ... and killed again as that heal arrives (its sender has stepped on): healed at the meeting after
+    ("diloco", ["diloco.period=4"], "1:6:kill-in-heal", [0, 4, 8, 12, 16], 5),
     # after the meeting's all-reduce, before its vote: the meeting again, the survivors' steps kept
     ("localsgd", ["localsgd.period=3"], "2:4:kill-before-vote", [0, 1, 4, 7, 10, 13, 16], 7),
     # a warm-up of 3 synchronous steps (a round each), killed before a step's vote; then a meeting to slice the
@@ -113,8 +115,8 @@ LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
 ])
 def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, settings, fault, meetings,
                                                                     rounds):
-    """A worker killed between two meetings, between a meeting's all-reduce and its vote, or before the vote of a
-    warm-up's step: the launcher restarts it; the others' steps are kept; every committed round leaves every member
+    """A worker killed between two meetings (and again during its heal), between a meeting's all-reduce and its vote,
+    or before the vote of a warm-up's step: the launcher restarts it; the others' steps are kept; every committed round leaves every member
     with the same state (hash); the victim is healed and the run ends with every round committed."""
     run_dir = tmp_path / "run"
     proc = dptrain("run", "--nproc", "3", "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir", str(run_dir),
@@ -124,6 +126,8 @@ def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, st
     assert proc.returncode == 0, proc.stderr[-3000:]
     victim = int(fault.split(":")[0])
     assert f"worker {victim} exited" in proc.stderr
+    if "in-heal" in fault:
+        assert "restarting it (2 of" in proc.stderr
     logs = _live_logs(run_dir)
     hashes: dict[int, set] = {}
     decisions: dict[int, set] = {}
