@@ -10,7 +10,6 @@ import json
 import sys
 from pathlib import Path
 
-
 BASE = "--set distributed.strategy=diloco --set diloco.period=30 --set diloco.outer_lr=0.6"
 
 
