@@ -109,7 +109,7 @@ class LiveManager:
 
     def begin(self, held: Callable[[], dict], held_hash: Callable[[], bytes],
               load: Callable[[dict], bytes], abandon: Callable[[], bool] | None = None, since: int = 0,
-              heal_after: Callable[[Quorum], bool] | None = None) -> Attempt | None:
+              heal_after: Callable[[Quorum], bool] | None = None, follow: bool = False) -> Attempt | None:
         """Form the next round this worker is a member of, its group, and heal; the attempt (``ok``: step it).
 
         ``held()``: this worker's state to send; ``held_hash()``: its hash; ``load(state)``:
@@ -117,7 +117,9 @@ class LiveManager:
         while the round is open; True leaves it (None returned: the end of a run). ``since``: steps this worker has
         taken since its last committed meeting (the meeting gate's; the others see it in its record).
         ``heal_after(quorum)``: True where the round's members behind are healed after its vote, with the state it
-        commits (:meth:`heal_after`), not before its step: a meeting, to which they add nothing anyway.
+        commits (:meth:`heal_after`), not before its step: a meeting, to which they add nothing anyway. ``follow``:
+        this worker took no steps since the last meeting, so the round is the others' to open: it waits for another
+        member to arrive (while one is fresh) before the join timeout counts (:func:`~dptrain.live.quorum.form_quorum`).
         """
         self.liveness.start()
         if not self._published and self.identity is not None:  # once per start, before its first round
@@ -136,7 +138,7 @@ class LiveManager:
                                  min_workers=s.min_workers, on_too_few=s.on_too_few,
                                  start_timeout_s=s.start_timeout_s, join_timeout_s=s.join_timeout_s,
                                  wait_timeout_s=s.wait_timeout_s, absent=self.absent, progress=self.progress,
-                                 abandon=abandon)
+                                 abandon=abandon, follow=follow)
             if abandon is not None and abandon():
                 return None
             if quorum is not None and self.identity is not None:
@@ -145,6 +147,7 @@ class LiveManager:
             if split is not None:  # None: not in the round, or (shard groups) its group is not whole in it
                 break
             self.round += 1
+            follow = True  # left out: the others went on, and the next round is theirs to open
         quorum = split.voters
         if quorum.step < 0:  # raised here, not in the try below: a round cannot heal it, so it must not be retried
             raise TooFewWorkers(f"no member of round {quorum.round} (replicas {list(quorum.replicas)}) holds the "

@@ -110,12 +110,15 @@ def latest_round(store) -> int:
 def form_quorum(store, liveness: Liveness, me: Member, round_: int, replicas: int, *, min_workers: int,
                 on_too_few: str, start_timeout_s: float, join_timeout_s: float, wait_timeout_s: float,
                 absent: set[int], progress: Callable[[], None] = lambda: None,
-                abandon: Callable[[], bool] | None = None) -> Quorum | None:
+                abandon: Callable[[], bool] | None = None, follow: bool = False) -> Quorum | None:
     """Take part in round ``round_``: the closed quorum, or None when it closed without this worker.
 
     ``absent``: replicas earlier rounds left out while fresh; updated in place (see the module
     docstring). ``progress`` is called while waiting (the watchdog's mark: waiting here is not a hang);
-    ``abandon()``, when given, too: True leaves the round unclosed (None).
+    ``abandon()``, when given, too: True leaves the round unclosed (None). ``follow``: the round is the others' to
+    open (this worker took no steps to meet): while another replica is fresh and none has arrived, wait, the join
+    timeout counting from the first arrival (else a healed member waiting out the others' steps would close a round
+    alone).
     """
     prefix = f"q/{round_}"
     store.set(f"{prefix}/r/{me.replica}", json.dumps(asdict(me)))
@@ -124,6 +127,13 @@ def form_quorum(store, liveness: Liveness, me: Member, round_: int, replicas: in
         if store.check([f"{prefix}/members"]):
             return _read(store, prefix, round_, me.replica, absent)
         arrived = [r for r in range(replicas) if store.check([f"{prefix}/r/{r}"])]
+        if follow and arrived == [me.replica] and liveness.fresh() - {me.replica}:
+            t0 = time.monotonic()  # none of the others here yet, and one is alive: theirs to open
+            progress()
+            if abandon is not None and abandon():
+                return None
+            time.sleep(POLL_S * 25)
+            continue
         absent.difference_update(arrived)
         waited = time.monotonic() - t0
         if round_ == 0:

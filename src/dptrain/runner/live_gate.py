@@ -190,12 +190,13 @@ class LiveGate(StaticGate):
                 continue
             yield self._step_turn(attempt)
 
-    def _begin(self, say: Callable[[str], None] | None):
+    def _begin(self, say: Callable[[str], None] | None, follow: bool = False):
         """The next round (its quorum, group and heal), its notes said: a member of another job refused, or one
-        whose state diverged left out."""
+        whose state diverged left out. ``follow``: this worker holds the state but took no steps since the last
+        meeting (it was healed after it): the round is the others' to open (``LiveManager.begin``)."""
         replica = self.replica
         attempt = self.manager.begin(replica.held, replica.hash, replica.load, since=replica.own_steps,
-                                     heal_after=self._heals_after)
+                                     heal_after=self._heals_after, follow=follow)
         for note in attempt.notes if say is not None else ():
             say(f"live recovery: {note}")
         return attempt
@@ -234,11 +235,13 @@ class LiveGate(StaticGate):
         self.close_round(turn.attempt, turn.step, committed, check=bool(every) and turn.step % every == 0)
 
     def close_round(self, attempt, step: int, committed: bool, advance: int = 1, check: bool = False,
-                    meeting: bool = False) -> None:
+                    meeting: bool = False, holds: bool = True) -> None:
         """After a round's decision, its result applied (:func:`dptrain.live.rounds.close_round`; ``advance``: the
-        steps a commit completes; ``check``: the state's hash kept for the next round's check)."""
+        steps a commit completes; ``check``: the state's hash kept for the next round's check; ``holds``: False where
+        this worker's heal after the vote failed, so it cannot mark the final state)."""
         close_round(self.manager, self.live_log, attempt, step, committed, advance=advance, meeting=meeting,
-                    last=self.writer and step == self.rp.cfg.train.steps, held_hash=self.replica.hash if check else None)
+                    last=self.writer and step == self.rp.cfg.train.steps and holds,
+                    held_hash=self.replica.hash if check else None)
 
     def finish(self) -> None:
         """Replica 0 marks the final state; the others stay, answering rounds, until it has it."""

@@ -80,7 +80,9 @@ class MeetingGate(LiveGate):
         while manager.step + replica.since < steps:
             if not sliced:
                 before = manager.step
-                attempt = self._begin(say)
+                # a worker with no steps to meet (restarted, healed after a meeting, left out of one): the round is
+                # the others' to open when they reach their meeting, so its join timeout counts from their arrival
+                attempt = self._begin(say, follow=True)
                 if self._healed_to_end(attempt, before):
                     return
                 if attempt.quorum.step < warmup:  # a synchronous step of the warm-up: a round of its own
@@ -137,8 +139,6 @@ class MeetingGate(LiveGate):
         advance = max(m.since for m in current)  # the steps since the last meeting
         took = [m for m in current if m.since == advance]  # the members who took them: the meeting's participants
         mine = quorum.members[quorum.index]
-        if mine in current and replica.since < advance:  # healed after the last meeting: the others took its steps
-            self._skip(advance - replica.since)
         step = quorum.step + advance  # the meeting's
         ok, reduced = attempt.ok, None
         if ok and advance:  # every member takes part (one behind, or that sat the steps out, adding zeros)
@@ -150,6 +150,8 @@ class MeetingGate(LiveGate):
             fault_before_vote(self.env.rank, step)
         committed = manager.vote(attempt, ok)
         holds = mine in current  # this worker applies the result (a member behind is healed to it after)
+        if committed and holds and replica.since < advance:  # healed after the last meeting: the others took its
+            self._skip(advance - replica.since)  # steps (on commit only: an aborted meeting may be met by fewer)
         if reduced is not None:
             (model.apply_meeting if committed and holds else model.discard_meeting)(reduced)
         if committed and holds:
@@ -157,7 +159,7 @@ class MeetingGate(LiveGate):
         if committed and attempt.heal_after:
             holds = manager.heal_after(attempt, replica.held, replica.hash, replica.load, step)
         self.close_round(attempt, step, committed, advance=advance, check=bool(self.rp.cfg.live.check_every),
-                         meeting=True)
+                         meeting=True, holds=holds)
         if committed and not holds:  # its heal failed: it holds nothing the round committed, and is healed again
             manager.step = before
         return committed and mine in current
