@@ -56,18 +56,15 @@ def unpack(payload: bytes) -> dict:
 class Sending:
     """A heal's messages under way (:func:`start_send`): the sender goes on while gloo's threads send them."""
 
-    def __init__(self, works: list, buffers: list[torch.Tensor], nbytes: int):
-        self.works, self.buffers, self.nbytes = works, buffers, nbytes  # the buffers live until the sends end
-
-    def done(self) -> bool:
-        return all(work.is_completed() for work in self.works)
+    def __init__(self, works: list, pieces: list[torch.Tensor], nbytes: int):
+        self.works, self.pieces, self.nbytes = works, pieces, nbytes  # the pieces live until the sends end
 
     def wait(self, progress: Callable[[], None] = lambda: None) -> int:
         """Wait for every message (raises where one failed: the receiver is gone); the bytes sent."""
         for work in self.works:
             work.wait()
             progress()
-        self.works, self.buffers = [], []
+        self.works, self.pieces = [], []
         return self.nbytes
 
 
@@ -81,7 +78,7 @@ def start_send(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes
     body = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     pieces = [header, *body.split(CHUNK)]
     works = [pg.send([piece], dst, HEADER_TAG if i == 0 else PAYLOAD_TAG) for i, piece in enumerate(pieces)]
-    return Sending(works, [body, *pieces], header.numel() + body.numel())
+    return Sending(works, pieces, header.numel() + body.numel())
 
 
 def send_state(pg: dist.ProcessGroup, dst: int, payload: bytes, held_hash: bytes,

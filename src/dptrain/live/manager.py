@@ -109,14 +109,14 @@ class LiveManager:
 
     def begin(self, held: Callable[[], dict], held_hash: Callable[[], bytes],
               load: Callable[[dict], bytes], abandon: Callable[[], bool] | None = None, since: int = 0,
-              heal_after: Callable[[Quorum], bool] | None = None, follow: bool = False) -> Attempt | None:
+              defer_heal: Callable[[Quorum], bool] | None = None, follow: bool = False) -> Attempt | None:
         """Form the next round this worker is a member of, its group, and heal; the attempt (``ok``: step it).
 
         ``held()``: this worker's state to send; ``held_hash()``: its hash; ``load(state)``:
         take a received state and return the hash of what is now held. ``abandon()``: checked
         while the round is open; True leaves it (None returned: the end of a run). ``since``: steps this worker has
         taken since its last committed meeting (the meeting gate's; the others see it in its record).
-        ``heal_after(quorum)``: True where the round's members behind are healed after its vote, with the state it
+        ``defer_heal(quorum)``: True where the round's members behind are healed after its vote, with the state it
         commits (:meth:`heal_after`), not before its step: a meeting, to which they add nothing anyway. ``follow``:
         this worker took no steps since the last meeting, so the round is the others' to open: it waits for another
         member to arrive (while one is fresh) before the join timeout counts (:func:`~dptrain.live.quorum.form_quorum`).
@@ -158,7 +158,7 @@ class LiveManager:
             if split.peers.new_group:
                 self.group.configure(quorum.round, split.peers.index, split.peers.size,
                                      self.layout.group_prefix(quorum.round))
-            attempt.heal_after = heal_after is not None and heal_after(quorum) and bool(split.peers.heal_plan())
+            attempt.heal_after = defer_heal is not None and defer_heal(quorum) and bool(split.peers.heal_plan())
             if not attempt.heal_after:
                 self._heal(attempt, held, held_hash, load)
         except (RuntimeError, HealError) as e:  # a member gone while connecting or healing: this round aborts
@@ -214,7 +214,7 @@ class LiveManager:
             self.stats.heal_s += attempt.heal_s
 
     def heal_after(self, attempt: Attempt, held, held_hash, load, step: int) -> bool:
-        """After a committed vote in a round begun with ``heal_after``: each member behind gets the state the round
+        """After a committed vote in a round begun with ``defer_heal``: each member behind gets the state the round
         committed (``step``: its committed step), from an up-to-date member that sends it without waiting (it goes
         on to its next steps while the bytes travel). Whether this worker holds the round's state: False where its
         own heal failed (it is healed again in a later round)."""

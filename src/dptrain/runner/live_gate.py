@@ -192,11 +192,11 @@ class LiveGate(StaticGate):
 
     def _begin(self, say: Callable[[str], None] | None, follow: bool = False):
         """The next round (its quorum, group and heal), its notes said: a member of another job refused, or one
-        whose state diverged left out. ``follow``: this worker holds the state but took no steps since the last
-        meeting (it was healed after it): the round is the others' to open (``LiveManager.begin``)."""
+        whose state diverged left out. ``follow``: this worker has no steps to meet (restarted, healed after a
+        meeting, or left out of one): the round is the others' to open (``LiveManager.begin``)."""
         replica = self.replica
         attempt = self.manager.begin(replica.held, replica.hash, replica.load, since=replica.own_steps,
-                                     heal_after=self._heals_after, follow=follow)
+                                     defer_heal=self._heals_after, follow=follow)
         for note in attempt.notes if say is not None else ():
             say(f"live recovery: {note}")
         return attempt
