@@ -143,7 +143,8 @@ def _engine_cell(strategy: str, kind: str) -> dict:
     dp.end_training(engine)
     _check(results, "module", dp.unwrap_model(engine) is bare, "unwrap_model(engine) is not the model")
     full = _common(kind, engine, bare, bare_keys, results)
-    _evaluates(kind, engine.model.evaluation_module, full, results)
+    with engine.model.evaluating() as module:
+        _evaluates(kind, module, full, results)
     return results
 
 

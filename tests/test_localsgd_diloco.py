@@ -279,3 +279,39 @@ def _engine_resume(rank: int, world_size: int, strategy: str) -> bool:
 @pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
 def test_an_engine_state_dict_resumes_the_strategy_bit_for_bit(strategy):
     assert all(run_on_ranks(_engine_resume, 2, strategy))
+
+
+# ----------------------------------------------------------------------------- evaluation of the global weights
+
+
+def _evaluation(rank: int, world_size: int) -> tuple[bool, bool, bool, bool]:
+    """Mid-round, ``evaluating()`` holds the global weights (``full_state_dict()``'s) and gives the replica back bit
+    for bit, through the wrapper and through ``prepare()``'s model."""
+    import dptrain as dp
+
+    wrapper = DiLoCo(_model(), period=4)
+    _train(wrapper, rank, 6, lr=0.05)  # 2 inner steps into the second round
+    replica = [p.detach().clone() for p in wrapper.module.parameters()]
+    full = wrapper.full_state_dict()
+    with wrapper.evaluating() as module:
+        held = all(torch.equal(module.state_dict()[k], v) for k, v in full.items())
+        moved = not all(torch.equal(p, r) for p, r in zip(module.parameters(), replica, strict=True))
+    back = all(torch.equal(p, r) for p, r in zip(wrapper.module.parameters(), replica, strict=True))
+
+    bare = _model()
+    model, opt = dp.prepare(bare, torch.optim.SGD(bare.parameters(), lr=0.05), strategy="diloco",
+                            options=DiLoCoOptions(period=4))[:2]
+    x, y = _batch(rank, 0)
+    for _ in range(2):
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = dp.get_state_dict(model)
+    with torch.no_grad(), model.evaluating() as same:
+        prepared = same is model and all(torch.equal(same.module.state_dict()[k], v) for k, v in expected.items())
+    return held, moved, back, prepared
+
+
+def test_an_evaluation_mid_round_runs_on_the_global_weights_and_gives_the_replica_back():
+    for held, moved, back, prepared in run_on_ranks(_evaluation, 2):
+        assert held and moved and back and prepared

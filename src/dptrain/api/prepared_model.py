@@ -21,7 +21,7 @@ entry), never the class.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -82,6 +82,14 @@ class PreparedModel(nn.parallel.DistributedDataParallel):
             self._loss_checked = True  # the first micro-step: a loop divides every micro-step's loss alike
             check_loss_not_divided(out, self.accumulation)
         return out
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[PreparedModel]:
+        """For a ``with`` block around an evaluation: this model, holding the weights the strategy calls the model
+        (DiLoCo's global weights between its outer steps, as ``dptrain.get_state_dict`` gives them; every other
+        strategy's replica as it trains), training's own back after the block. Not a collective."""
+        with self.wrapper.evaluating():
+            yield self
 
     def unwrap(self) -> nn.Module:
         """The model as it was passed to ``prepare()`` (on the device): ``.module``."""

@@ -35,6 +35,7 @@ Needs root (``dptrain cluster``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -129,12 +130,14 @@ class _Variant:
         self.optimizer.zero_grad(set_to_none=True)
 
     def evaluate(self, last: bool = False) -> None:
-        """Collective: the validation loss now (the replicas' own, averaged; at the end the strategy's one model)."""
+        """Collective: the validation loss now (of the strategy's evaluation weights: DiLoCo's global ones; the
+        replicas' own, averaged, for local SGD; at the end the strategy's one model)."""
         if last and self.engine is not None:
             self.engine.model.finish()
-        module = self.model.module if self.engine is None else self.engine.model.evaluation_module
-        sums = val_sums(module, self.task, self.plan.micro_batch_size, self.args["eval_batches"],
-                        dist.get_world_size(), dist.get_rank())
+        with (contextlib.nullcontext(self.model.module) if self.engine is None else
+              self.engine.model.evaluating()) as module:
+            sums = val_sums(module, self.task, self.plan.micro_batch_size, self.args["eval_batches"],
+                            dist.get_world_size(), dist.get_rank())
         keys = sorted(sums)
         totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(totals)

@@ -30,6 +30,7 @@ backward ([Note: compiled graphs split at bucket boundaries] in ``compiled.py``)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -399,10 +400,9 @@ class DistributedDataParallel(GradSyncSwitch, TorchDDP, Joinable):
     def load_checkpoint_state(self, state: dict, optimizer: torch.optim.Optimizer) -> str | None:
         return None
 
-    @property
-    def evaluation_module(self) -> nn.Module:
+    def evaluating(self) -> contextlib.AbstractContextManager[nn.Module]:
         """The bare module: an evaluation needs no gradient hooks and no buffer broadcast."""
-        return self.module
+        return contextlib.nullcontext(self.module)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict, no communication (as torch's DDP, so a rank-0-only call cannot hang): the

@@ -18,9 +18,10 @@ paper. The rounds hang on :meth:`DiLoCo.after_optimizer_step`, which every rank 
 every optimizer step (skipped ones included), so the ranks meet at the same steps; the
 outer step itself is :class:`~dptrain.diloco.outer.OuterStep`.
 
-Between meetings the replicas differ: an evaluation then averages the ranks' own losses,
-and :meth:`DiLoCo.finish` ends a run with an outer step when its last round is
-incomplete, so that the model kept is the global one. A checkpoint holds the global
+Between meetings the replicas differ: an evaluation runs on the global weights
+(:meth:`DiLoCo.evaluating`), the model the outer steps train, and :meth:`DiLoCo.finish`
+ends a run with an outer step when its last round is incomplete, so that the model kept
+is the global one. A checkpoint holds the global
 weights, the outer momentum and the step count (the same on every rank) and each rank's
 own replica, inner optimizer state and error-feedback residual, so that a run resumed in
 the middle of a round continues bit for bit.
@@ -28,7 +29,9 @@ the middle of a round continues bit for bit.
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -225,9 +228,24 @@ class DiLoCo(SyncWarmup, nn.Module):
             self.outer.weights.copy_(torch.cat([p.detach().reshape(-1) for p in self._params()]).to(
                 self.outer.weights))
 
-    @property
-    def evaluation_module(self) -> nn.Module:
-        return self.module
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[nn.Module]:
+        """The module holding the global weights for the block (the model DiLoCo trains, as the Streaming DiLoCo
+        paper evaluates it: the replica is where one rank's inner steps took it), the replica's own back after it.
+        Right after an outer step and in the warm-up the two are the same, and nothing is copied. Not a collective:
+        each rank swaps its own (the replica is kept where the global weights live, on the CPU with ``offload``)."""
+        if not self.unmet_steps:
+            yield self.module
+            return
+        params = self._params()
+        with torch.no_grad():
+            kept = [p.detach().to(self.outer.weights.device, copy=True) for p in params]
+        self._from_global_weights()
+        try:
+            yield self.module
+        finally:
+            with torch.no_grad():
+                torch._foreach_copy_(params, kept)
 
     def export_weights(self, path) -> Path | None:
         """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's)."""

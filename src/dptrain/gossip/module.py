@@ -137,9 +137,9 @@ class GossipDataParallel(nn.Module):
         self.steps = mine["mix_steps"]
         return None
 
-    @property
-    def evaluation_module(self) -> nn.Module:
-        return self.module
+    def evaluating(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """This rank's replica (an evaluation averages the replicas' losses; the model kept is their mean)."""
+        return contextlib.nullcontext(self.module)
 
     def export_weights(self, path) -> Path | None:
         """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's average)."""

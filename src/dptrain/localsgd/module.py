@@ -23,6 +23,7 @@ every optimizer step, skipped ones included, so the ranks' counts never part.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any
@@ -195,9 +196,9 @@ class LocalSGD(SyncWarmup, nn.Module):
         """Every rank loads the same state: the replicas are equal again."""
         self.module.load_state_dict(state)
 
-    @property
-    def evaluation_module(self) -> nn.Module:
-        return self.module
+    def evaluating(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """This rank's replica (an evaluation averages the replicas' losses; the model kept is their mean)."""
+        return contextlib.nullcontext(self.module)
 
     def export_weights(self, path) -> Path | None:
         """Rank 0 writes its replica's state dict (after :meth:`finish`, every replica's)."""

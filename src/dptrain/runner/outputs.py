@@ -23,13 +23,14 @@ def evaluate(engine, task, num_batches: int, progress: Callable[[], None] = lamb
     """Collective: validation metrics over ``num_batches`` micro-batches per rank, summed over all ranks.
     ``progress`` is called after each batch (the heartbeat's mark: a long evaluation is not a hang).
 
-    ``engine``: an :class:`~dptrain.api.engine.Engine`. Its wrapper's ``evaluation_module`` runs the forward: the
+    ``engine``: an :class:`~dptrain.api.engine.Engine`. Its wrapper's ``evaluating()`` runs the forward: the
     bare module where the replicas hold it whole (no gradient sync or buffer broadcast needed), the wrapper itself
-    where it holds shards (ZeRO gathers each unit, and under no_grad frees it again).
+    where it holds shards (ZeRO gathers each unit, and under no_grad frees it again), the module with DiLoCo's
+    global weights swapped in between its outer steps.
     """
-    model = engine.model.evaluation_module
-    sums = val_sums(model, task, engine.plan.micro_batch_size, num_batches, dist.get_world_size(), dist.get_rank(),
-                    engine.to_device, engine.autocast, progress)
+    with engine.model.evaluating() as model:
+        sums = val_sums(model, task, engine.plan.micro_batch_size, num_batches, dist.get_world_size(),
+                        dist.get_rank(), engine.to_device, engine.autocast, progress)
     keys = sorted(sums)
     totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64, device=engine.device)
     dist.all_reduce(totals)

@@ -27,7 +27,8 @@ sync`` / ``no_sync()``      forward          end of backward                    
                                                                  steps            replica, optim.   momentum; rank:
                                                                                                     replica, inner
                                                                                                     optimizer
-``evaluation_module``       ``module``       the wrapper         ``module``       ``module``        ``module``
+``evaluating()``            ``module``       the wrapper         ``module``       ``module``        ``module`` with
+                                                                                                    global weights
 ``export_weights(path)``    rank 0 writes    gathered, rank 0    rank 0 writes    rank 0 writes     rank 0 writes
 ``full_state_dict()``       ``module``'s     gathered (all-      replicas' mean   replicas' mean    global weights
                             (no comm)        gather per unit)    (all-reduce)     (all-reduce)
@@ -129,9 +130,10 @@ class DataParallelWrapper(Protocol):
     def load_checkpoint_state(self, state: dict[str, dict | None], optimizer: torch.optim.Optimizer) -> str | None:
         """Load what :meth:`checkpoint_state` saved (None for a part the checkpoint lacks); a note, or None."""
 
-    @property
-    def evaluation_module(self) -> nn.Module:
-        """The module an evaluation runs forward through (no gradient synchronisation)."""
+    def evaluating(self) -> contextlib.AbstractContextManager[nn.Module]:
+        """For a ``with`` block: the module an evaluation runs forward through (no gradient synchronisation),
+        holding the weights the strategy calls the model where a replica's differ from them (DiLoCo's global
+        weights); training's own are back when the block ends. Not a collective."""
 
     def export_weights(self, path: Path) -> Path | None:
         """Collective: the trained model's state dict as one safetensors file, written by rank 0 (its path there)."""

@@ -445,7 +445,6 @@ class ZeRO(ShardedState, nn.Module):
         if self.broadcast_buffers:
             broadcast_buffers_(self.module, self.group)
 
-    @property
-    def evaluation_module(self) -> nn.Module:
+    def evaluating(self) -> contextlib.AbstractContextManager[nn.Module]:
         """The wrapper itself: its forward gathers each unit (and, without gradients, frees it again)."""
-        return self
+        return contextlib.nullcontext(self)
