@@ -17,15 +17,19 @@ pytestmark = pytest.mark.timeout(240)
 SETTINGS = {"localsgd": ["--set", "distributed.strategy=localsgd", "--set", "localsgd.period=4", "--set",
                          "localsgd.warmup_steps=1"],
             "diloco": ["--set", "distributed.strategy=diloco", "--set", "diloco.period=4", "--set", "diloco.compression=int8",
-                       "--set", "diloco.warmup_steps=1"]}
+                       "--set", "diloco.warmup_steps=1"],
+            # Streaming DiLoCo: the checkpoint at step 3 holds fragment 1's int4 reduction in flight
+            "streaming": ["--set", "distributed.strategy=diloco", "--set", "diloco.period=4", "--set",
+                          "diloco.fragments=2", "--set", "diloco.overlap_steps=1", "--set", "diloco.mixing=0.5",
+                          "--set", "diloco.compression=int4"]}
 
 
-@pytest.mark.parametrize("strategy", ["localsgd", "diloco"])
+@pytest.mark.parametrize("strategy", ["localsgd", "diloco", "streaming"])
 def test_dptrain_run_resumes_in_the_middle_of_a_round_bit_for_bit(tmp_path, strategy):
     """Step 3 of a round of 4: each rank's replica and optimizer state, the step count (and DiLoCo's global weights,
-    outer momentum and int8 residuals) come back from the checkpoint."""
+    outer momentum and int8 residuals; Streaming DiLoCo's reduction in flight) come back from the checkpoint."""
     def saved(run_dir):
-        ckpt = run_dir / "checkpoints" / "step_00000003" / strategy
+        ckpt = run_dir / "checkpoints" / "step_00000003" / ("diloco" if strategy == "streaming" else strategy)
         assert sorted(p.name for p in ckpt.iterdir()) == ["rank0.pt", "rank1.pt", "shared.pt"]
 
     a, b = _straight_and_resumed(tmp_path, SETTINGS[strategy], saved)

@@ -81,14 +81,23 @@ class DiLoCoConfig:
                           "pseudo-gradient)")
     outer_momentum: float = opt(0.9, "strategy diloco: the outer optimizer's momentum")
     nesterov: bool = opt(True, "strategy diloco: Nesterov momentum for the outer step")
-    compression: str = opt("none", "strategy diloco: the pseudo-gradient's all-reduce in bf16 or int8 (with "
-                           "error_feedback)", choices=("none", "bf16", "int8"))
+    compression: str = opt("none", "strategy diloco: the pseudo-gradient's reduction in bf16, int8, or 4 bits "
+                           "(int4, or e3m0: Streaming DiLoCo's FP4), summed in fp32, with error_feedback",
+                           choices=("none", "bf16", "int8", "int4", "e3m0"))
     error_feedback: bool = opt(True, "strategy diloco: add what a rank's compressed pseudo-gradient lost to its next "
                                "one")
     offload: bool = opt(True, "strategy diloco: keep the global weights and the outer momentum on the CPU")
     warmup_steps: int = opt(0, "strategy diloco: the first steps are the DDP engine's, gradients all-reduced every "
                                "step; the global weights start where they end (the paper starts from a model "
                                "trained synchronously)")
+    fragments: int = opt(1, "strategy diloco: Streaming DiLoCo: the trained parameters in this many fragments, "
+                         "each synced every period steps, one every period / fragments steps (1: DiLoCo)")
+    fragment_pattern: str = opt("strided", "strategy diloco: which blocks a fragment holds: strided (p, p + P, ...: "
+                                "the paper's) or sequential", choices=("strided", "sequential"))
+    overlap_steps: int = opt(0, "strategy diloco: a fragment's reduction runs while this many inner steps are "
+                             "taken (tau; below period / fragments)")
+    mixing: float = opt(0.0, "strategy diloco: the share alpha of its own weights a replica keeps when a fragment's "
+                        "outer step lands (0: the global weights)")
 
     def check(self) -> None:
         """This section's own values, named by key before launch (DiLoCoOptions checks the same for the API)."""
@@ -104,3 +113,13 @@ class DiLoCoConfig:
         if self.warmup_steps < 0:
             raise ConfigError(f"diloco.warmup_steps must be >= 0, got {self.warmup_steps}; 0 starts the outer "
                               "steps from the first, e.g. --set diloco.warmup_steps=0")
+        if self.fragments < 1 or self.period % self.fragments:
+            raise ConfigError(f"diloco.fragments must divide diloco.period = {self.period}, got {self.fragments}: "
+                              "one fragment syncs every period / fragments steps, e.g. --set diloco.fragments=1")
+        if not 0 <= self.overlap_steps < self.period // self.fragments:
+            raise ConfigError(f"diloco.overlap_steps must be in [0, period / fragments = "
+                              f"{self.period // self.fragments}), got {self.overlap_steps}: one reduction is in "
+                              "flight at a time, e.g. --set diloco.overlap_steps=1")
+        if not 0 <= self.mixing < 1:
+            raise ConfigError(f"diloco.mixing must be in [0, 1), got {self.mixing}; 0 takes the global weights, "
+                              "the paper also uses 0.5: --set diloco.mixing=0.5")

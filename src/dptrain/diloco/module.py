@@ -42,8 +42,10 @@ from torch import nn
 from dptrain.comm.average import broadcast_buffers_, consensus_state_dict
 from dptrain.ddp import DistributedDataParallel
 from dptrain.ddp.warmup import SyncWarmup
+from dptrain.diloco.fragments import split_fragments
 from dptrain.diloco.options import DiLoCoOptions
 from dptrain.diloco.outer import OuterStep, RoundDelta
+from dptrain.diloco.streaming import Schedule
 from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["DiLoCo"]
@@ -70,12 +72,15 @@ class DiLoCo(SyncWarmup, nn.Module):
             self._module = module
             _broadcast_from_rank0(module, process_group)
         self.device = next(module.parameters()).device
-        self.outer = self._fresh_outer()
+        o = self.options
+        self.fragments = split_fragments(self.module, self._params(), o.fragments, o.fragment_pattern, o.fragment_of)
+        self.schedule = self._fresh_schedule()
         self.steps = 0  # optimizer steps taken, skipped ones included: the same count on every rank
         self.syncs = 0
         self.synced_steps = 0  # the step count at the last outer step
         self.meets_itself = True  # False under live recovery, which holds the outer steps (the meeting protocol)
         self.last_sync_s = 0.0
+        self.peak_sync_sent = 0  # the most bytes one sync point sent
         self._metered = {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
 
     @property
@@ -83,12 +88,15 @@ class DiLoCo(SyncWarmup, nn.Module):
         """The model as the user built it."""
         return self.ddp.module if self.ddp is not None else self._module
 
-    def _fresh_outer(self) -> OuterStep:
-        """The outer step from the replicas' weights now (collective where it compresses: its channel)."""
-        o = self.options
-        return OuterStep(self._params(), lr=o.outer_lr, momentum=o.outer_momentum, nesterov=o.nesterov,
-                         compression=o.compression, error_feedback=o.error_feedback,
-                         home="cpu" if o.offload else self.device, process_group=self.process_group)
+    def _fresh_schedule(self) -> Schedule:
+        """The outer steps from the replicas' weights now (collective where it compresses: its channel)."""
+        return Schedule(self._params(), self.fragments, self.options, "cpu" if self.options.offload else self.device,
+                        self.process_group)
+
+    @property
+    def outer(self) -> OuterStep:
+        """The outer step of the whole model (one fragment: the meeting protocol's, which live recovery holds)."""
+        return self.schedule.outers[0]
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self.ddp is None:
@@ -99,10 +107,15 @@ class DiLoCo(SyncWarmup, nn.Module):
         return [p for p in self.module.parameters() if p.requires_grad]
 
     @property
+    def local_steps(self) -> int:
+        """Inner steps since the warm-up (0 in it)."""
+        return max(0, self.steps - self.options.warmup_steps)
+
+    @property
     def steps_since_sync(self) -> int:
-        """Inner steps since the last outer step (0 in the warm-up and right after an outer step)."""
-        local = self.steps - self.options.warmup_steps
-        return 0 if local <= 0 else local % self.options.period
+        """Inner steps since the last sync point (an outer step, or a fragment's; 0 in the warm-up and right after
+        one)."""
+        return self.local_steps % self.schedule.slot
 
     # ------------------------------------------------------------------ the wrapper protocol
 
@@ -120,20 +133,22 @@ class DiLoCo(SyncWarmup, nn.Module):
         self.steps += 1
         if self.steps <= self.options.warmup_steps:
             if self.steps == self.options.warmup_steps:
-                self.outer = self._fresh_outer()
+                self.schedule = self._fresh_schedule()
             return
         self._metered["steps"] += 1
-        if self.meets_itself and self.meeting_due:
-            self.sync()
-
-    def sync(self) -> None:
-        """Collective: the outer step; every replica then holds the new global weights."""
-        t0 = time.perf_counter()
-        self._count(self.outer(self._params()), t0)
+        if not self.meets_itself:
+            return
+        t0, local, params = time.perf_counter(), self.local_steps, self._params()
+        start = self.schedule.starts(local)
+        if start is not None:
+            self.schedule.start(start, params)
+        if self.schedule.lands(local):
+            self._count(self.schedule.land(params), t0)
 
     def _count(self, counted: dict[str, int], t0: float) -> None:
         for key, value in counted.items():
             self._metered[key] += value
+        self.peak_sync_sent = max(self.peak_sync_sent, counted["sent"])
         self.syncs += 1
         self.synced_steps = self.steps
         self.last_sync_s = time.perf_counter() - t0
@@ -172,9 +187,9 @@ class DiLoCo(SyncWarmup, nn.Module):
     def met_tensors(self) -> list[torch.Tensor]:
         """What every replica holds alike after an outer step: the weights (the global ones), the global weights
         and the outer momentum (each rank's inner optimizer state and residual are its own)."""
-        momentum = [t for state in self.outer.optimizer.state.values() for t in state.values()
-                    if isinstance(t, torch.Tensor)]
-        return [*self._params(), self.outer.weights, *momentum]
+        momentum = [t for outer in self.schedule.outers for state in outer.optimizer.state.values()
+                    for t in state.values() if isinstance(t, torch.Tensor)]
+        return [*self._params(), *(outer.weights for outer in self.schedule.outers), *momentum]
 
     def step_metrics(self) -> dict[str, Any]:
         """After the warm-up: bytes per inner step since the last call (what the outer steps sent, spread over the
@@ -187,26 +202,49 @@ class DiLoCo(SyncWarmup, nn.Module):
         m, self._metered = self._metered, {"steps": 0, "raw": 0, "payload": 0, "sent": 0}
         steps = max(1, m["steps"])
         gradient_bytes = sum(p.numel() * p.element_size() for p in self._params())
+        outers = self.schedule.outers
+        fp32_sent, fp32 = sum(o.sent_bytes for o in outers), sum(4 * o.weights.numel() for o in outers)
         return {"comm_bytes_per_step": m["raw"] / steps, "comm_compressed_bytes_per_step": m["payload"] / steps,
                 "comm_sent_bytes_per_step": m["sent"] / steps, "steps_since_sync": self.steps_since_sync,
-                "outer_steps": self.syncs, "sync_ms": 1e3 * self.last_sync_s,
-                "sync_name": "outer step", "sync_period": self.options.period, "syncs": self.syncs,
+                "outer_steps": self.syncs, "sync_ms": 1e3 * self.last_sync_s, "sync_peak_sent_bytes":
+                self.peak_sync_sent, "sync_name": "outer step" if len(outers) == 1 else "fragment outer step",
+                "sync_period": self.schedule.slot, "sync_fragments": len(outers), "syncs": self.syncs,
                 "gradient_bytes": gradient_bytes,
-                "gradient_sent_bytes": self.outer.sent_bytes * gradient_bytes // max(1, 4 * self.outer.weights.numel())}
+                "gradient_sent_bytes": fp32_sent * gradient_bytes // max(1, fp32)}
 
     def finish(self) -> str | None:
         """Collective, after the last step: an incomplete last round ends with its outer step, so every replica holds
         the global weights; buffers are rank 0's on every rank. Says so when it took that outer step."""
-        inner = self.unmet_steps
-        if inner:
-            self.sync()
-        if not self.in_warmup:
-            broadcast_buffers_(self.module, self.process_group)
-        if not inner:
+        if self.in_warmup:
             return None
-        return (f"DiLoCo closed its last round with an outer step over its {inner} inner step(s): the weights kept "
-                "(model.safetensors) are the global weights after it; the last checkpoint holds those before it, "
-                "so that a longer run resumed from it continues exactly")
+        unmet, inner = self._unmet_fragments(), self.unmet_steps
+        if unmet:
+            t0, params = time.perf_counter(), self._params()
+            for counted in self.schedule.close(params, unmet):
+                self._count(counted, t0)
+        self._from_global_weights()  # a replica that mixed (mixing > 0) holds the global weights too
+        broadcast_buffers_(self.module, self.process_group)
+        if not unmet:
+            return None
+        if len(self.fragments) == 1:
+            return (f"DiLoCo closed its last round with an outer step over its {inner} "
+                    "inner step(s): the weights kept (model.safetensors) are the global weights after it; the last "
+                    "checkpoint holds those before it, so that a longer run resumed from it continues exactly")
+        return (f"Streaming DiLoCo closed its last rounds with an outer step on fragment(s) "
+                f"{', '.join(map(str, unmet))} (inner steps since their last sync): the weights kept "
+                "(model.safetensors) are the global weights after them; the last checkpoint holds those before, so "
+                "that a longer run resumed from it continues exactly")
+
+    def _unmet_fragments(self) -> list[int]:
+        """The fragments with inner steps since their last outer step landed (one in flight among them)."""
+        local, slot, count = self.local_steps, self.schedule.slot, len(self.fragments)
+        unmet = []
+        for f in range(count):
+            k = local // slot  # the last sync point, then back to fragment f's
+            k -= (k - 1 - f) % count if k >= 1 else 0
+            if local > max(k, 0) * slot:
+                unmet.append(f)
+        return unmet
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The global weights (as of the last outer step: an inner step since then is not the model yet), with rank
@@ -214,8 +252,8 @@ class DiLoCo(SyncWarmup, nn.Module):
         if self.in_warmup:
             return self.module.state_dict()
         state = consensus_state_dict(self.module, self.process_group, average=False)  # rank 0's buffers
-        weights = self.outer.weights.split(self.outer.sizes)
-        global_of = {id(p): w.view_as(p) for p, w in zip(self._params(), weights, strict=True)}
+        params = self._params()
+        global_of = {id(p): w for p, w in zip(params, self.schedule.global_params(params), strict=True)}
         for key, live in self.module.state_dict(keep_vars=True).items():
             if id(live) in global_of:
                 state[key] = global_of[id(live)].to(device=live.device, dtype=live.dtype, copy=True)
@@ -225,8 +263,7 @@ class DiLoCo(SyncWarmup, nn.Module):
         """Every rank: the replicas and the global weights become ``state`` (the outer momentum is kept)."""
         self.module.load_state_dict(state)
         if not self.in_warmup:
-            self.outer.weights.copy_(torch.cat([p.detach().reshape(-1) for p in self._params()]).to(
-                self.outer.weights))
+            self.schedule.set_global(self._params())
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[nn.Module]:
@@ -234,7 +271,8 @@ class DiLoCo(SyncWarmup, nn.Module):
         paper evaluates it: the replica is where one rank's inner steps took it), the replica's own back after it.
         Right after an outer step and in the warm-up the two are the same, and nothing is copied. Not a collective:
         each rank swaps its own (the replica is kept where the global weights live, on the CPU with ``offload``)."""
-        if not self.unmet_steps:
+        if self.in_warmup or (not self.unmet_steps and self.schedule.flight is None and len(self.fragments) == 1
+                              and not self.options.mixing):
             yield self.module
             return
         params = self._params()
@@ -254,10 +292,10 @@ class DiLoCo(SyncWarmup, nn.Module):
     def checkpoint_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """``shared``: the global weights, the outer momentum and the step count; ``rank``: this rank's replica,
         inner optimizer state and error-feedback residual (all differ between ranks)."""
-        return {"shared": {"outer": self.outer.state_dict(), "steps": self.steps, "syncs": self.syncs,
-                           "synced_steps": self.synced_steps},
+        return {"shared": {**self.schedule.state_dict(), "steps": self.steps, "syncs": self.syncs,
+                           "synced_steps": self.synced_steps, "peak_sync_sent": self.peak_sync_sent},
                 "rank": {"model": self.module.state_dict(), "optimizer": optimizer.state_dict(),
-                         "residual": self.outer.residual()}}
+                         "residual": self.schedule.residual()}}
 
     def heal_state(self, optimizer: torch.optim.Optimizer) -> dict[str, dict]:
         """:meth:`checkpoint_state` without the error-feedback residual: it is the sender's own, and a healed member's
@@ -271,16 +309,17 @@ class DiLoCo(SyncWarmup, nn.Module):
         rank starts a fresh round from the global weights, with rank 0's inner optimizer state; says so."""
         shared = state.get("shared")
         if shared is None:  # a checkpoint of another strategy: the model loaded is where the global weights start
-            self.outer = self._fresh_outer()
+            self.schedule = self._fresh_schedule()
             return "DiLoCo's global weights start from the checkpoint's model, with no outer momentum yet"
-        self.outer.load_state_dict(shared["outer"])
+        self.schedule.load_state_dict(shared)
         self.steps, self.syncs = int(shared["steps"]), int(shared["syncs"])
+        self.peak_sync_sent = int(shared.get("peak_sync_sent", 0))
         self.synced_steps = int(shared.get("synced_steps", self.steps - self.steps_since_sync))
         mine = state.get("rank")
         if mine:
             self.module.load_state_dict(mine["model"])
             optimizer.load_state_dict(mine["optimizer"])
-            self.outer.load_residual(mine.get("residual"))
+            self.schedule.load_residual(mine.get("residual"))
             return None
         self._from_global_weights()
         return (f"DiLoCo's ranks continue their round from the global weights (the checkpoint holds no replica for "
@@ -290,9 +329,8 @@ class DiLoCo(SyncWarmup, nn.Module):
     @torch.no_grad()
     def _from_global_weights(self) -> None:
         params = self._params()
-        weights = self.outer.weights.to(self.device)
-        torch._foreach_copy_(params, [w.view_as(p) for w, p in
-                                      zip(weights.split(self.outer.sizes), params, strict=True)])
+        torch._foreach_copy_(params, [w.to(p.device) for w, p in
+                                      zip(self.schedule.global_params(params), params, strict=True)])
 
 
 @torch.no_grad()

@@ -15,20 +15,85 @@ optimizer tensor); :func:`outer_step_naive` does the same per tensor, the oracle
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from dptrain import comm
+from dptrain.comm.compat import all_gather_single
 from dptrain.comm.cost import collective_cost
 from dptrain.compress import make_codec
-from dptrain.compress.codecs import Encoded
+from dptrain.compress.codecs import Codec, Encoded
+from dptrain.compress.feedback import ErrorFeedback
+from dptrain.compress.fourbit import FOUR_BIT
 from dptrain.compress.hook import CompressionHook
+from dptrain.compress.sharded import pack, sum_decoded, unpack
 from dptrain.ddp.comm_hooks import GradBucket
 
-__all__ = ["OuterStep", "RoundDelta", "outer_step_naive", "outer_optimizer"]
+__all__ = ["OuterStep", "InFlight", "GatheredCodec", "RoundDelta", "make_compressor", "outer_step_naive", "outer_optimizer"]
+
+
+@dataclass
+class InFlight:
+    """A pseudo-gradient whose reduction is under way: :meth:`wait` ends it (``delta`` then holds the mean) and
+    returns its bytes."""
+
+    delta: torch.Tensor
+    done: Callable[[], dict[str, int]]
+    counted: dict[str, int] | None = None
+
+    def wait(self) -> tuple[torch.Tensor, dict[str, int]]:
+        if self.counted is None:
+            self.counted = self.done()
+        return self.delta, self.counted
+
+
+class GatheredCodec:
+    """A codec the DDP hook does not reduce (the 4-bit ones, :mod:`dptrain.compress.fourbit`), with error feedback:
+    each rank's encoding all-gathered, every one decoded and summed in fp32 in rank order, so every rank holds the
+    same mean. (N - 1) payloads sent per rank: a ring's share at N = 2, more beyond (once every H steps)."""
+
+    def __init__(self, codec: Codec, error_feedback: bool):
+        self.codec = codec
+        self.feedback = ErrorFeedback() if error_feedback else None
+
+    def launch(self, key: int, delta: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], dict[str, int]]:
+        """Encode ``delta`` (this rank's pseudo-gradient) and start the all-gather; the function ends it, writes the
+        mean into ``delta`` and returns the bytes."""
+        n = dist.get_world_size(group)
+        payload = self.feedback.encode(key, delta, self.codec) if self.feedback is not None else \
+            self.codec.encode(delta)
+        mine = pack(payload)
+        gathered = torch.empty(n * mine.numel(), dtype=torch.uint8, device=mine.device)
+        work = all_gather_single(gathered, mine, group=group, async_op=True)
+
+        def done() -> dict[str, int]:
+            work.wait()
+            sum_decoded(self.codec, [unpack(row, payload) for row in gathered.view(n, -1)], delta,
+                        torch.empty_like(delta))
+            delta.div_(n)
+            return {"raw": delta.numel() * delta.element_size(), "payload": payload.nbytes,
+                    "sent": (n - 1) * payload.nbytes}
+        return done
+
+    def state_dict(self) -> dict:
+        return self.feedback.state_dict() if self.feedback is not None else {"residuals": {}}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.feedback is not None:
+            self.feedback.load_state_dict(state)
+
+
+def make_compressor(compression: str, error_feedback: bool, group: dist.ProcessGroup | None) -> Any:
+    """None (uncompressed), the DDP hook's compressor (bf16, int8) or a :class:`GatheredCodec` (int4, e3m0)."""
+    if compression == "none":
+        return None
+    if compression in FOUR_BIT:
+        return GatheredCodec(FOUR_BIT[compression](), error_feedback)
+    return CompressionHook(make_codec(compression), error_feedback=error_feedback, process_group=group)
 
 
 @dataclass
@@ -52,14 +117,16 @@ class OuterStep:
 
     def __init__(self, params: Sequence[torch.Tensor], *, lr: float, momentum: float, nesterov: bool,
                  compression: str = "none", error_feedback: bool = True, home: torch.device | str = "cpu",
-                 process_group: dist.ProcessGroup | None = None):
+                 process_group: dist.ProcessGroup | None = None, compressor: Any = None, key: int = 0):
         self.group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.sizes = [p.numel() for p in params]
         self.weights = torch.cat([p.detach().reshape(-1) for p in params]).to(home, torch.float32, copy=True)
         self.optimizer = outer_optimizer([self.weights], lr, momentum, nesterov)
-        self.compressor = (CompressionHook(make_codec(compression), error_feedback=error_feedback,
-                                           process_group=process_group) if compression != "none" else None)
+        # a compressor may be shared by several outer steps (Streaming DiLoCo's fragments), each its own ``key``
+        self.compressor = compressor if compressor is not None else \
+            make_compressor(compression, error_feedback, process_group)
+        self.key = key
         self.sent_bytes = comm.sent_bytes("all_reduce", self.weights.numel(), 4, group=process_group)
 
     @torch.no_grad()
@@ -69,10 +136,35 @@ class OuterStep:
         Returns the bytes of the reduction: ``raw`` (the fp32 pseudo-gradient), ``payload`` (encoded; 0
         uncompressed) and ``sent`` (on the wire, by the cost model or the codec's count).
         """
-        delta = self.pseudo_gradient(params)
-        counted = self._reduce(delta)
+        delta, counted = self.start(params).wait()
         self.apply(delta, params)
         return counted
+
+    @torch.no_grad()
+    def start(self, params: Sequence[torch.Tensor]) -> InFlight:
+        """Collective: this rank's pseudo-gradient from ``params`` now, its reduction launched, not waited for
+        (Streaming DiLoCo overlaps it with the next inner steps); :meth:`InFlight.wait` gives the mean."""
+        delta = self.pseudo_gradient(params)
+        raw = delta.numel() * delta.element_size()
+        if self.compressor is None:
+            work = dist.all_reduce(delta, group=self.group, async_op=True)
+
+            def done() -> dict[str, int]:
+                work.wait()
+                delta.div_(self.world_size)
+                return {"raw": raw, "payload": 0, "sent": self.sent_bytes}
+            return InFlight(delta, done)
+        if isinstance(self.compressor, GatheredCodec):
+            return InFlight(delta, self.compressor.launch(self.key, delta, self.group))
+        work = self.compressor(None, GradBucket(self.key, delta, [delta], [], True))  # the hook averages
+
+        def done() -> dict[str, int]:
+            mean = work.wait()
+            if mean.data_ptr() != delta.data_ptr():
+                delta.copy_(mean)
+            stats = self.compressor.stats.close_step()
+            return {"raw": raw, "payload": stats["payload_bytes"], "sent": stats["sent_bytes"]}
+        return InFlight(delta, done)
 
     @torch.no_grad()
     def pseudo_gradient(self, params: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -81,15 +173,20 @@ class OuterStep:
         return self.weights.to(local.device, copy=True).sub_(local)
 
     @torch.no_grad()
-    def apply(self, delta: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    def apply(self, delta: torch.Tensor, params: Sequence[torch.Tensor], keep: float = 0.0) -> None:
         """The outer optimizer's step on the global weights with the averaged ``delta``; ``params`` restart from
-        them."""
+        them, or keep a share ``keep`` of their own (Streaming DiLoCo's mixing factor alpha: ``params <- alpha *
+        params + (1 - alpha) * global``, torchft's ``fragment_update_alpha``)."""
         self.weights.grad = delta.to(self.weights.device)
         self.optimizer.step()
         self.weights.grad = None
-        restart = self.weights.to(params[0].device)
-        torch._foreach_copy_(list(params), [piece.view_as(p) for piece, p in
-                                            zip(restart.split(self.sizes), params, strict=True)])
+        restart = [piece.view_as(p) for piece, p in zip(self.weights.to(params[0].device).split(self.sizes), params,
+                                                        strict=True)]
+        if keep:
+            torch._foreach_lerp_(list(params), [r.to(p.dtype) for r, p in zip(restart, params, strict=True)],
+                                 1.0 - keep)
+        else:
+            torch._foreach_copy_(list(params), restart)
 
     @torch.no_grad()
     def reduce_over(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, participants: int,
@@ -128,7 +225,7 @@ class OuterStep:
         fp32 in the members' order, so every member holds the same mean. (k - 1) payloads sent per member: twice a
         ring's share, once every H steps."""
         codec, k = self.compressor.codec, group.size()
-        payload = self.compressor.feedback.encode(0, delta, codec) if participating and \
+        payload = self.compressor.feedback.encode(self.key, delta, codec) if participating and \
             self.compressor.feedback is not None else codec.encode(delta)
         gathered = []
         for t in payload.tensors:
@@ -141,19 +238,6 @@ class OuterStep:
         delta.div_(participants)
         return {"raw": delta.numel() * delta.element_size(), "payload": payload.nbytes,
                 "sent": (k - 1) * payload.nbytes}
-
-    def _reduce(self, delta: torch.Tensor) -> dict[str, int]:
-        """``delta`` becomes the mean over the ranks (in place)."""
-        raw = delta.numel() * delta.element_size()
-        if self.compressor is None:
-            comm.all_reduce(delta, group=self.group)
-            delta.div_(self.world_size)
-            return {"raw": raw, "payload": 0, "sent": self.sent_bytes}
-        mean = self.compressor(None, GradBucket(0, delta, [delta], [], True)).wait()  # the hook averages
-        if mean.data_ptr() != delta.data_ptr():
-            delta.copy_(mean)
-        stats = self.compressor.stats.close_step()
-        return {"raw": raw, "payload": stats["payload_bytes"], "sent": stats["sent_bytes"]}
 
     def restore(self, reduced: RoundDelta) -> None:
         """A round that aborted: the error-feedback residual as it was before :meth:`reduce_over`."""

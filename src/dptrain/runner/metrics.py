@@ -39,7 +39,9 @@ lines and the report say what it did without asking which strategy ran:
 
 - ``sync_name``: what one meeting is called ("outer step", "averaging round");
 - ``sync_period``: H, the steps from one to the next; ``syncs``: how many the run has taken
-  so far; ``steps_since_sync``: the steps since the last;
+  so far; ``steps_since_sync``: the steps since the last; where the model meets a fragment
+  at a time (Streaming DiLoCo), ``sync_fragments`` (P: a fragment every ``sync_period``
+  steps) and ``sync_peak_sent_bytes`` (the most one meeting sent);
 - ``gradient_bytes``: what DDP's all-reduce of the gradients would reduce every step (the
   trainable parameters' bytes), and ``gradient_sent_bytes``: what a rank would send for it.
 

@@ -300,8 +300,14 @@ def sync_rows(train: list[dict], summary: dict[str, Any]) -> list[list[str]]:
         return []
     last = synced[-1]
     name = last["sync_name"]
-    rows = [["period", f"H = {last['sync_period']} steps from one {name} to the next"],
-            [f"{name}s", _syncs_taken(last, run_sync_steps(train), summary)]]
+    parts = last.get("sync_fragments", 1)
+    period = (f"H = {last['sync_period']} steps from one {name} to the next" if parts == 1 else
+              f"one of the model's {parts} fragments every {last['sync_period']} steps, each fragment every H = "
+              f"{parts * last['sync_period']}")
+    rows = [["period", period], [f"{name}s", _syncs_taken(last, run_sync_steps(train), summary)]]
+    if last.get("sync_peak_sent_bytes"):
+        rows.append(["peak per sync", f"{last['sync_peak_sent_bytes'] / 2**20:.3f} MiB sent per rank at the largest "
+                                      f"{name}"])
     if last.get("gradient_bytes"):
         rows.append(["bytes vs DDP", _against_ddp(last, summary)])
     return rows

@@ -1,0 +1,129 @@
+"""DiLoCo's outer steps on a schedule: one over the whole model every H steps, or Streaming DiLoCo's fragments.
+
+Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping
+communication"), with the semantics of torchft's ``DiLoCo(fragment_sync_delay,
+fragment_update_alpha)``: the trained parameters are split into P fragments
+(:mod:`dptrain.diloco.fragments`), each with its own global weights and outer optimizer
+(:class:`~dptrain.diloco.outer.OuterStep`). With a slot of S = H / P inner steps and an
+overlap of tau < S steps, counting inner steps ``t = 1, 2, ...`` after the warm-up:
+
+- at ``t = k S - tau`` fragment ``f = (k - 1) mod P`` takes its pseudo-gradient
+  (``global_f - replica_f``) and starts its reduction;
+- at ``t = k S`` the reduction has had tau inner steps to run; the outer step lands on
+  ``global_f``, and the replica's fragment becomes ``alpha * replica_f + (1 - alpha) *
+  global_f`` (``mixing``; 0: the global weights, torchft's default).
+
+So every fragment meets every H steps, one fragment every S steps, each sync point
+sending 1/P of the model, and at most one reduction is in flight. With P = 1 and tau = 0
+it is DiLoCo's outer step every H steps, unchanged (bit for bit). A checkpoint taken while
+a reduction is in flight waits for it and keeps its mean (the same on every rank), so a
+resumed run lands it at the same step, bit for bit.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.diloco.options import DiLoCoOptions
+from dptrain.diloco.outer import InFlight, OuterStep, make_compressor
+
+__all__ = ["Schedule"]
+
+
+class Schedule:
+    """The fragments' outer steps (one fragment: DiLoCo's) and the reduction in flight (see the module docstring)."""
+
+    def __init__(self, params: list[nn.Parameter], fragments: list[list[int]], options: DiLoCoOptions,
+                 home: torch.device | str, process_group: dist.ProcessGroup | None):
+        o = options
+        self.index = fragments
+        self.slot, self.overlap, self.keep = o.period // len(fragments), o.overlap_steps, o.mixing
+        # one compressor for every fragment (its channel is one process group), each fragment its own key
+        self.compressor = make_compressor(o.compression, o.error_feedback, process_group)
+        self.outers = [OuterStep([params[i] for i in members], lr=o.outer_lr, momentum=o.outer_momentum,
+                                 nesterov=o.nesterov, home=home, process_group=process_group,
+                                 compressor=self.compressor, key=f) for f, members in enumerate(fragments)]
+        self.flight: tuple[int, InFlight] | None = None
+
+    def members(self, params: list[nn.Parameter], f: int) -> list[nn.Parameter]:
+        return [params[i] for i in self.index[f]]
+
+    def starts(self, local: int) -> int | None:
+        """The fragment whose pseudo-gradient is taken after inner step ``local`` (1, 2, ...), or None."""
+        k, rest = divmod(local + self.overlap, self.slot)
+        return (k - 1) % len(self.outers) if rest == 0 and k >= 1 else None
+
+    def lands(self, local: int) -> bool:
+        """Whether the reduction in flight lands after inner step ``local``."""
+        return local >= self.slot and local % self.slot == 0
+
+    def start(self, f: int, params: list[nn.Parameter]) -> None:
+        """Collective: fragment ``f``'s reduction launched."""
+        self.flight = (f, self.outers[f].start(self.members(params, f)))
+
+    def land(self, params: list[nn.Parameter], keep: float | None = None) -> dict[str, int]:
+        """The reduction in flight waited for and its outer step applied (mixing by ``keep``, or the schedule's);
+        its bytes."""
+        f, flight = self.flight
+        self.flight = None
+        delta, counted = flight.wait()
+        self.outers[f].apply(delta, self.members(params, f), keep=self.keep if keep is None else keep)
+        return counted
+
+    def close(self, params: list[nn.Parameter], unmet: list[int]) -> list[dict[str, int]]:
+        """Collective, at the end of training: the reduction in flight lands (the replica keeps its steps since), then
+        every fragment in ``unmet`` (the one in flight among them) has its outer step, no mixing: every replica then
+        holds the global weights."""
+        counted = [self.land(params, keep=1.0)] if self.flight is not None else []
+        for f in unmet:
+            self.start(f, params)
+            counted.append(self.land(params, keep=0.0))
+        return counted
+
+    def global_params(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
+        """The global weights, one tensor per trained parameter in ``params`` order, shaped like it (views into the
+        fragments' flat weights, where they live)."""
+        out: list[torch.Tensor] = [torch.empty(0)] * len(params)
+        for outer, members in zip(self.outers, self.index, strict=True):
+            for i, piece in zip(members, outer.weights.split(outer.sizes), strict=True):
+                out[i] = piece.view_as(params[i])
+        return out
+
+    def set_global(self, params: list[nn.Parameter]) -> None:
+        """Every fragment's global weights become the replica's ``params`` (the outer momentum kept)."""
+        for f, outer in enumerate(self.outers):
+            outer.weights.copy_(torch.cat([p.detach().reshape(-1) for p in self.members(params, f)]).to(outer.weights))
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict:
+        """Every fragment's global weights and outer momentum, and the reduction in flight, waited for: its fragment,
+        mean and bytes (the same on every rank)."""
+        state: dict = {"outer": self.outers[0].state_dict() if len(self.outers) == 1 else
+                       [outer.state_dict() for outer in self.outers]}
+        if self.flight is not None:
+            f, flight = self.flight
+            delta, counted = flight.wait()
+            state["flight"] = {"fragment": f, "delta": delta, "counted": dict(counted)}
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        outers = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]
+        if len(outers) != len(self.outers):
+            raise ValueError(f"the checkpoint's DiLoCo has {len(outers)} fragment(s), this run {len(self.outers)}: "
+                             f"resume with diloco.fragments = {len(outers)}")
+        for outer, saved in zip(self.outers, outers, strict=True):
+            outer.load_state_dict(saved)
+        flight = state.get("flight")
+        self.flight = None if flight is None else (int(flight["fragment"]), InFlight(
+            flight["delta"].clone(), lambda: {}, counted={k: int(v) for k, v in flight["counted"].items()}))
+
+    def residual(self) -> dict | None:
+        """This rank's error-feedback residuals (every fragment's), or None uncompressed."""
+        return self.compressor.state_dict() if self.compressor is not None else None
+
+    def load_residual(self, state: dict | None) -> None:
+        if self.compressor is not None and state is not None:
+            self.compressor.load_state_dict(state)

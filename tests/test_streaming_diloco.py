@@ -1,0 +1,224 @@
+"""Streaming DiLoCo (DiLoCo's fragments, overlap and mixing) and its 4-bit codecs: the schedule against a written-out
+reference on 2 ranks, the fragments a model splits into, an exact resume with a reduction in flight, the close at the
+end of training, and the codecs' rounding, bytes and error feedback."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dptrain.compress.feedback import ErrorFeedback
+from dptrain.compress.fourbit import E3M0, Int4
+from dptrain.diloco import DiLoCo, DiLoCoOptions
+from dptrain.diloco.fragments import split_fragments
+from dptrain.diloco.outer import outer_optimizer
+from dptrain.models.gpt import GPT
+from dptrain.testing import run_on_ranks
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
+
+
+def _steps(wrapped, opt, rank, steps) -> list[list[torch.Tensor]]:
+    after = []
+    for step in steps:
+        x, y = _batch(rank, step)
+        nn.functional.mse_loss(wrapped(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        wrapped.after_optimizer_step()
+        after.append([p.detach().clone() for p in wrapped.module.parameters()])
+    return after
+
+
+# ----------------------------------------------------------------------------- the schedule, written out
+
+H, P, TAU, ALPHA = 4, 2, 1, 0.5
+STEPS = 11  # ends with fragment 1's reduction in flight (taken after step 11, landing after 12)
+
+
+def _reference(rank: int, world_size: int) -> tuple[list, list, list]:
+    """The Linear layers strided over 2 fragments (0 and 2; 1 and 3); a slot of H / P = 2 steps; after inner step t
+    with (t + tau) % 2 == 0, fragment ((t + tau) / 2 - 1) % 2 takes its mean pseudo-gradient (the ranks' weights
+    gathered); after step t % 2 == 0 its outer step lands and the fragment becomes alpha x + (1 - alpha) g."""
+    options = DiLoCoOptions(period=H, fragments=P, overlap_steps=TAU, mixing=ALPHA, outer_lr=0.7, outer_momentum=0.9)
+    wrapper = DiLoCo(_model(), options)
+    opt = torch.optim.AdamW(wrapper.module.parameters(), lr=1e-2)
+    got = _steps(wrapper, opt, rank, range(STEPS))
+
+    model = _model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    layers = [m for m in model if isinstance(m, nn.Linear)]
+    fragments = [[*layers[0].parameters(), *layers[2].parameters()], [*layers[1].parameters(), *layers[3].parameters()]]
+    global_ = [[p.detach().clone() for p in f] for f in fragments]
+    outers = [outer_optimizer(g, 0.7, 0.9, True) for g in global_]
+    pending, want = None, []
+    for t in range(1, STEPS + 1):
+        x, y = _batch(rank, t - 1)
+        nn.functional.mse_loss(model(x), y).backward()
+        inner.step()
+        inner.zero_grad()
+        if (t + TAU) % (H // P) == 0:
+            f = ((t + TAU) // (H // P) - 1) % P
+            means = []
+            for g, x_i in zip(global_[f], fragments[f], strict=True):
+                everyone = [torch.empty_like(x_i) for _ in range(world_size)]
+                dist.all_gather(everyone, x_i.detach().contiguous())
+                means.append(sum(g - x_j for x_j in everyone) / world_size)
+            pending = (f, means)
+        if t % (H // P) == 0:
+            f, means = pending
+            for g, d in zip(global_[f], means, strict=True):
+                g.grad = d
+            outers[f].step()
+            with torch.no_grad():
+                for g, x_i in zip(global_[f], fragments[f], strict=True):
+                    g.grad = None
+                    x_i.mul_(ALPHA).add_(g, alpha=1 - ALPHA)
+        want.append([p.detach().clone() for p in model.parameters()])
+
+    wrapper.finish()  # the flight lands, every fragment with steps since its last outer step meets: all hold it
+    closed = torch.cat([p.detach().reshape(-1) for p in wrapper.module.parameters()])
+    everyone = [torch.empty_like(closed) for _ in range(world_size)]
+    dist.all_gather(everyone, closed)
+    kept = wrapper.full_state_dict()
+    same = [all(torch.equal(e, closed) for e in everyone),
+            all(torch.equal(kept[k], v) for k, v in wrapper.module.state_dict().items())]
+    return got, want, same
+
+
+def test_streaming_steps_as_written_out_and_closes_on_the_global_weights():
+    for got, want, same in run_on_ranks(_reference, 2):
+        for g, w in zip(got, want, strict=True):
+            for a, b in zip(g, w, strict=True):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert all(same)
+
+
+def _resume(rank: int, world_size: int) -> bool:
+    """A checkpoint taken with fragment 0's int4 reduction in flight (after step 5) resumes bit for bit."""
+    def build():
+        return DiLoCo(_model(), period=H, fragments=P, overlap_steps=TAU, mixing=ALPHA, compression="int4")
+
+    straight = build()
+    opt = torch.optim.AdamW(straight.module.parameters(), lr=1e-2)
+    expected = _steps(straight, opt, rank, range(10))[-1]
+
+    first = build()
+    opt = torch.optim.AdamW(first.module.parameters(), lr=1e-2)
+    _steps(first, opt, rank, range(5))
+    assert first.schedule.flight is not None
+    saved = copy.deepcopy(first.checkpoint_state(opt))
+    model_state = copy.deepcopy(first.module.state_dict())
+    second = build()
+    second.module.load_state_dict(model_state)
+    opt2 = torch.optim.AdamW(second.module.parameters(), lr=1e-2)
+    assert second.load_checkpoint_state(saved, opt2) is None
+    resumed = _steps(second, opt2, rank, range(5, 10))[-1]
+    return all(torch.equal(a, b) for a, b in zip(expected, resumed, strict=True))
+
+
+def test_a_checkpoint_with_a_reduction_in_flight_resumes_bit_for_bit():
+    assert all(run_on_ranks(_resume, 2))
+
+
+def _bytes(rank: int, world_size: int) -> dict:
+    wrapper = DiLoCo(_model(), period=H, fragments=P, compression="e3m0")
+    _steps(wrapper, torch.optim.SGD(wrapper.module.parameters(), lr=0.05), rank, range(8))
+    return wrapper.step_metrics()
+
+
+def test_a_sync_point_sends_one_fragment_in_four_bits():
+    m = run_on_ranks(_bytes, 2)[0]
+    whole = sum(p.numel() for p in _model().parameters())
+    assert m["syncs"] == 4 and m["sync_period"] == H // P and m["sync_name"] == "fragment outer step"
+    # each sync point: about half the model, 4.25 bits a value (a chunk's scale), against fp32's 32
+    assert 0 < m["sync_peak_sent_bytes"] < whole * 4 / P / 6
+    assert m["comm_sent_bytes_per_step"] * 8 == pytest.approx(4 * m["sync_peak_sent_bytes"], rel=0.5)
+
+
+# ----------------------------------------------------------------------------- the fragments
+
+
+def test_gpt_blocks_split_strided_or_sequential_and_the_rest_balances():
+    model = GPT(n_layer=4, n_embd=32, n_head=2)
+    params = [p for p in model.parameters() if p.requires_grad]
+    name = {id(p): n for n, p in model.named_parameters()}
+
+    def blocks(fragment):
+        return sorted({name[id(params[i])].split(".")[1] for i in fragment if name[id(params[i])].startswith("blocks.")})
+
+    strided = split_fragments(model, params, 2, "strided")
+    assert [blocks(f) for f in strided] == [["0", "2"], ["1", "3"]]
+    assert [blocks(f) for f in split_fragments(model, params, 2, "sequential")] == [["0", "1"], ["2", "3"]]
+    assert sorted(i for f in strided for i in f) == list(range(len(params)))
+    sizes = [sum(params[i].numel() for i in f) for f in strided]
+    assert max(sizes) - min(sizes) <= model.wte.weight.numel()  # the rest, largest first, where there is room
+
+
+def test_a_model_without_blocks_splits_by_parameter_and_a_function_overrides():
+    model = nn.Linear(4, 3)
+    params = list(model.parameters())
+    assert split_fragments(model, params, 2) == [[0], [1]]
+    assert split_fragments(model, params, 2, fragment_of=lambda name: 0 if name == "bias" else 1) == [[1], [0]]
+    with pytest.raises(ValueError, match="fragment"):
+        split_fragments(model, params, 3)
+    with pytest.raises(ValueError, match=r"fragment_of\('weight'\) gave 5"):
+        split_fragments(model, params, 2, fragment_of=lambda name: 5)
+
+
+@pytest.mark.parametrize("keywords, message", [
+    ({"period": 30, "fragments": 4}, "dividing period = 30"),
+    ({"period": 30, "fragments": 3, "overlap_steps": 10}, r"\[0, period / fragments = 10\)"),
+    ({"mixing": 1.0}, "mixing must be in"),
+    ({"fragment_pattern": "random"}, "fragment_pattern must be one of"),
+])
+def test_streaming_options_refuse_what_no_schedule_can_run(keywords, message):
+    with pytest.raises(ValueError, match=message):
+        DiLoCoOptions(**keywords)
+
+
+# ----------------------------------------------------------------------------- the 4-bit codecs
+
+
+def test_int4_rounds_to_its_nearest_level_and_e3m0_to_its_nearest_power_of_two():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    for codec in (Int4(), E3M0()):
+        payload = codec.encode(x)
+        assert payload.nbytes == codec.wire_bytes(x.numel()) == 512 + 4 * 8  # 8 chunks of 128, the last padded
+    blocks = x[:896].view(-1, 128)
+    absmax = blocks.abs().amax(dim=1, keepdim=True)
+    int4 = Int4().roundtrip(x)[:896].view(-1, 128)
+    assert ((int4 - blocks).abs() <= absmax / 14 + 1e-6).all()
+    e3m0 = E3M0().roundtrip(x)[:896].view(-1, 128)
+    large = blocks.abs() >= absmax * 2.0 ** -6
+    assert ((e3m0 - blocks).abs()[large] <= blocks.abs()[large] / 3 + 1e-6).all()
+    powers = (e3m0.abs() / absmax)[e3m0 != 0].log2()
+    assert torch.equal(powers, powers.round())
+    bad = torch.tensor([1.0, float("nan")] + [0.5] * 126 + [0.25] * 128)
+    for codec in (Int4(), E3M0()):
+        out = codec.roundtrip(bad)
+        assert out[:128].isnan().all() and out[128:].isfinite().all()
+
+
+def test_error_feedback_sends_the_four_bit_sum_of_what_it_was_given():
+    feedback, codec, total, sent = ErrorFeedback(), E3M0(), torch.zeros(300), torch.zeros(300)
+    for step in range(20):
+        x = torch.randn(300, generator=torch.Generator().manual_seed(step))
+        total += x
+        sent += codec.decode(feedback.encode(0, x, codec))
+    torch.testing.assert_close(sent, total - feedback.residuals[0], rtol=0, atol=1e-4)
