@@ -15,6 +15,7 @@ from dptrain.compress.feedback import ErrorFeedback
 from dptrain.compress.fourbit import E3M0, Int4
 from dptrain.diloco import DiLoCo, DiLoCoOptions
 from dptrain.diloco.fragments import split_fragments
+from dptrain.diloco.options import outer_lr_for
 from dptrain.diloco.outer import outer_optimizer
 from dptrain.models.gpt import GPT
 from dptrain.testing import run_on_ranks
@@ -139,11 +140,12 @@ def test_a_checkpoint_with_a_reduction_in_flight_resumes_bit_for_bit():
 def _bytes(rank: int, world_size: int) -> dict:
     wrapper = DiLoCo(_model(), period=H, fragments=P, compression="e3m0")
     _steps(wrapper, torch.optim.SGD(wrapper.module.parameters(), lr=0.05), rank, range(8))
-    return wrapper.step_metrics()
+    return {**wrapper.step_metrics(), "lrs": [o.optimizer.param_groups[0]["lr"] for o in wrapper.schedule.outers]}
 
 
 def test_a_sync_point_sends_one_fragment_in_four_bits():
     m = run_on_ranks(_bytes, 2)[0]
+    assert m["lrs"] == [0.6, 0.6]  # outer_lr unset: the scaling-law paper's best for 2 replicas
     whole = sum(p.numel() for p in _model().parameters())
     assert m["syncs"] == 4 and m["sync_period"] == H // P and m["sync_name"] == "fragment outer step"
     # each sync point: about half the model, 4.25 bits a value (a chunk's scale), against fp32's 32
@@ -222,3 +224,9 @@ def test_error_feedback_sends_the_four_bit_sum_of_what_it_was_given():
         total += x
         sent += codec.decode(feedback.encode(0, x, codec))
     torch.testing.assert_close(sent, total - feedback.residuals[0], rtol=0, atol=1e-4)
+
+
+def test_the_outer_learning_rate_by_default_follows_the_number_of_replicas():
+    assert [outer_lr_for(m) for m in (1, 2, 3, 4, 8, 64)] == [0.4, 0.6, 0.6, 0.6, 0.8, 0.8]
+    assert 0.6 < outer_lr_for(6) < 0.8  # between two of the paper's points, linear in log2 M
+    assert DiLoCoOptions(outer_lr=0.7).lr_for(8) == 0.7  # set: kept

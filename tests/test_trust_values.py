@@ -33,7 +33,7 @@ def assert_one_line(proc, *words: str) -> None:
     ("diloco", "diloco.period=0", "--set diloco.period=50"),
     ("diloco", "diloco.period=-1", "--set diloco.period=50"),
     ("diloco", "diloco.outer_lr=-1", "--set diloco.outer_lr=0.7"),
-    ("diloco", "diloco.outer_lr=0", "--set diloco.outer_lr=0.7"),
+    ("diloco", "diloco.fragments=3", "--set diloco.fragments=1"),
     ("diloco", "diloco.outer_momentum=5", "--set diloco.outer_momentum=0.9"),
     ("diloco", "diloco.outer_momentum=-0.5", "--set diloco.outer_momentum=0.9"),
     ("diloco", "diloco.warmup_steps=-3", "--set diloco.warmup_steps=0"),

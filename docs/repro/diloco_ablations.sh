@@ -33,6 +33,9 @@ declare -A V=(
   [average-batch64]="${D[*]} --set diloco.outer_lr=1.0 --set diloco.outer_momentum=0 --set train.global_batch_size=64"
   [ddp-batch64]="--set train.global_batch_size=64"
   [diloco-batch64]="${D[*]} --set train.global_batch_size=64"
+  [momentum0.7-sync-start]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.warmup_steps=150"
+  [streaming-e3m0]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0"
+  [streaming-e3m0-mix]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0 --set diloco.mixing=0.5"
 )
 for name in ${VARIANTS:-ddp diloco average plain-momentum momentum0.5 inner-lr-half sync-start}; do
   run="$WORK/$name-$STEPS${TAG:+-$TAG}"

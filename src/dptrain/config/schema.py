@@ -378,8 +378,7 @@ NOT_IDENTITY = {"run_dir", "train.steps", "train.micro_batch_size", "train.grad_
 # Fields added after checkpoints were written: left out of the identity while they hold their
 # default, so a checkpoint written before they existed still resumes (and one that sets them
 # differently does not).
-ADDED_LATER = ("data.", "hf.", "gpt.vocab_size", "train.onebit_freeze_step", "diloco.fragments", "diloco.fragment_pattern",
-               "diloco.overlap_steps", "diloco.mixing")
+ADDED_LATER = ("data.", "hf.", "gpt.vocab_size", "train.onebit_freeze_step")
 
 
 def section_fields(cls: type) -> dict[str, Any]:

@@ -2,15 +2,36 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from dptrain.diloco.fragments import PATTERNS
 
-__all__ = ["DiLoCoOptions", "CODECS"]
+__all__ = ["DiLoCoOptions", "CODECS", "outer_lr_for"]
 
 CODECS = ("none", "bf16", "int8", "int4", "e3m0")  # what the pseudo-gradient's reduction may be compressed with
+
+
+# The scaling-law paper's best outer learning rate by the number of replicas M at H = 30 (Charles et al. 2025,
+# "Communication-Efficient Language Model Training Scales Reliably and Robustly: Scaling Laws for DiLoCo", Fig. 7:
+# independent of the model's size from 335M parameters on, growing with M)
+OUTER_LR_BY_REPLICAS = {1: 0.4, 2: 0.6, 4: 0.6, 8: 0.8}
+
+
+def outer_lr_for(replicas: int) -> float:
+    """The outer learning rate for ``replicas`` replicas from :data:`OUTER_LR_BY_REPLICAS`: its value at a listed M,
+    linear in log2 M between two, 0.8 beyond 8."""
+    known = sorted(OUTER_LR_BY_REPLICAS)
+    if replicas >= known[-1]:
+        return OUTER_LR_BY_REPLICAS[known[-1]]
+    below = max(m for m in known if m <= max(replicas, 1))
+    above = min(m for m in known if m >= replicas)
+    if below == above:
+        return OUTER_LR_BY_REPLICAS[below]
+    share = (math.log2(replicas) - math.log2(below)) / (math.log2(above) - math.log2(below))
+    return round(OUTER_LR_BY_REPLICAS[below] + share * (OUTER_LR_BY_REPLICAS[above] - OUTER_LR_BY_REPLICAS[below]), 4)
 
 
 @dataclass(frozen=True)
@@ -18,7 +39,9 @@ class DiLoCoOptions:
     """How often the ranks meet and how the outer step moves the global weights.
 
     ``period`` (H): inner steps between two outer steps. ``outer_lr``, ``outer_momentum``,
-    ``nesterov``: the outer optimizer, SGD (the paper's defaults: 0.7, 0.9, Nesterov).
+    ``nesterov``: the outer optimizer, SGD (the first paper's: 0.7, 0.9, Nesterov); ``outer_lr`` 0
+    (the default) takes it from the number of replicas (:func:`outer_lr_for`, the scaling-law
+    paper's best at H = 30: 0.6 for 2 replicas).
     ``compression``: the pseudo-gradient's reduction in ``bf16``, ``int8``, or 4 bits (``int4``,
     ``e3m0``: :mod:`dptrain.compress.fourbit`), summed in fp32 (with ``error_feedback``: what a
     rank's encoding lost is added to its next pseudo-gradient).
@@ -38,7 +61,7 @@ class DiLoCoOptions:
     """
 
     period: int = 50
-    outer_lr: float = 0.7
+    outer_lr: float = 0.0
     outer_momentum: float = 0.9
     nesterov: bool = True
     compression: str = "none"
@@ -56,9 +79,10 @@ class DiLoCoOptions:
         if isinstance(self.period, bool) or not isinstance(self.period, int) or self.period < 1:
             raise ValueError(f"DiLoCo's period must be a whole number of inner steps >= 1, got {self.period!r}; "
                              "the paper uses 500 from a pretrained model, e.g. 50 from scratch")
-        if not self.outer_lr > 0:
-            raise ValueError(f"DiLoCo's outer_lr must be above 0, got {self.outer_lr!r}; the paper's is 0.7 (1 "
-                             "with no momentum takes the average of the ranks' weights)")
+        if not self.outer_lr >= 0:
+            raise ValueError(f"DiLoCo's outer_lr must be 0 (by the number of replicas) or above, got "
+                             f"{self.outer_lr!r}; the paper's is 0.7 (1 with no momentum takes the average of the "
+                             "ranks' weights)")
         if not 0 <= self.outer_momentum < 1:
             raise ValueError(f"DiLoCo's outer_momentum must be in [0, 1), got {self.outer_momentum!r}; the paper's "
                              "is 0.9")
@@ -81,6 +105,10 @@ class DiLoCoOptions:
         if not 0 <= self.mixing < 1:
             raise ValueError(f"DiLoCo's mixing must be in [0, 1), got {self.mixing!r}; 0 takes the global weights "
                              "(torchft's default), the paper also uses 0.5")
+
+    def lr_for(self, replicas: int) -> float:
+        """The outer learning rate for ``replicas`` replicas: ``outer_lr``, or where it is 0 :func:`outer_lr_for`."""
+        return self.outer_lr or outer_lr_for(replicas)
 
     @classmethod
     def from_section(cls, section: Any, ddp: dict[str, Any] | None = None) -> DiLoCoOptions:

@@ -42,7 +42,8 @@ class Schedule:
         self.slot, self.overlap, self.keep = o.period // len(fragments), o.overlap_steps, o.mixing
         # one compressor for every fragment (its channel is one process group), each fragment its own key
         self.compressor = make_compressor(o.compression, o.error_feedback, process_group)
-        self.outers = [OuterStep([params[i] for i in members], lr=o.outer_lr, momentum=o.outer_momentum,
+        lr = o.lr_for(dist.get_world_size(process_group))
+        self.outers = [OuterStep([params[i] for i in members], lr=lr, momentum=o.outer_momentum,
                                  nesterov=o.nesterov, home=home, process_group=process_group,
                                  compressor=self.compressor, key=f) for f, members in enumerate(fragments)]
         self.flight: tuple[int, InFlight] | None = None
