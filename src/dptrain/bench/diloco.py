@@ -14,14 +14,16 @@ during its own steps (evaluations excluded). Variants:
 - ``ddp``: dptrain's DDP engine through the ``Engine``;
 - ``localsgd``: post-local SGD, ``--localsgd-period`` steps between averages after a
   ``--localsgd-warmup`` of DDP steps;
-- ``diloco<H>``: DiLoCo with H inner steps per outer step (outer SGD, lr 0.7, Nesterov
-  momentum 0.9: the paper's); suffixes, in any order: ``-int8`` (or ``-bf16``) its
-  pseudo-gradient all-reduced in int8 with error feedback, ``-w<N>`` N synchronous warm-up
-  steps, ``-lr<X>`` outer learning rate X, ``-m<X>`` outer momentum X (``diloco50-int8-w30``).
+- ``diloco<H>``: DiLoCo with H inner steps per outer step (outer SGD, Nesterov momentum
+  0.9, the learning rate by the number of replicas: 0.6 for 2); suffixes, in any order:
+  ``-int8`` (or ``-bf16``, ``-int4``, ``-e3m0``) its pseudo-gradient reduced so with error
+  feedback, ``-w<N>`` N synchronous warm-up steps, ``-lr<X>`` outer learning rate X,
+  ``-m<X>`` outer momentum X; Streaming DiLoCo's ``-f<P>`` P fragments, ``-o<T>`` T steps
+  of overlap, ``-mix<A>`` mixing A (``diloco30-f2-o1-e3m0-m0.7``).
 
 Every ``--eval-every`` steps of a variant, and at its end, every rank evaluates
-``--eval-batches`` micro-batches of the held-out split (the replicas' own weights,
-averaged over the ranks; at the end, after the strategy's ``finish()``, the one model).
+``--eval-batches`` micro-batches of the held-out split (DiLoCo's global weights; local
+SGD's replicas, their losses averaged; at the end, after ``finish()``, the one model).
 Reported per variant: the final validation loss (and its ratio to dptrain DDP's), the
 bytes each host sent per step, measured on its link (``/proc/net/dev`` of its namespace,
 every byte of the job's traffic over the variant's steps), and the wall time (its own steps'
@@ -169,17 +171,24 @@ def _strategy(name: str, args: dict) -> tuple[str, Any]:
         period, *parts = name[len("diloco"):].split("-")
         settings = {"period": int(period), "ddp": {"bucket_cap_mb": 25}}
         for part in parts:
-            if part in ("int8", "bf16"):
+            if part in ("int8", "bf16", "int4", "e3m0"):
                 settings["compression"] = part
             elif part.startswith("w"):
                 settings["warmup_steps"] = int(part[1:])
             elif part.startswith("lr"):
                 settings["outer_lr"] = float(part[2:])
+            elif part.startswith("mix"):
+                settings["mixing"] = float(part[3:])
             elif part.startswith("m"):
                 settings["outer_momentum"] = float(part[1:])
+            elif part.startswith("f"):
+                settings["fragments"] = int(part[1:])
+            elif part.startswith("o"):
+                settings["overlap_steps"] = int(part[1:])
             else:
-                raise ValueError(f"unknown part {part!r} of variant {name!r}: int8, bf16, w<warm-up steps>, "
-                                 "lr<outer lr>, m<outer momentum>")
+                raise ValueError(f"unknown part {part!r} of variant {name!r}: int8, bf16, int4, e3m0, w<warm-up "
+                                 "steps>, lr<outer lr>, m<outer momentum>, f<fragments>, o<overlap steps>, "
+                                 "mix<mixing>")
         return "diloco", DiLoCoOptions(**settings)
     raise ValueError(f"unknown variant {name!r}; choose from {', '.join(VARIANTS)} (diloco<H>[-int8][-w<N>]...)")
 
