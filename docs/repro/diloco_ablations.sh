@@ -4,13 +4,16 @@
 # 0.6, Nesterov momentum 0.9. Each run's final validation loss (of the exported weights: DiLoCo's global ones) goes
 # to $OUT/<variant>.json; python docs/repro/diloco_ablations_summary.py $OUT writes the table. About 4.5 minutes a
 # run on a 2-core machine. VARIANTS picks some (names below); WORK holds the run directories; EXTRA is added to
-# every run of the call (another model: EXTRA="--set gpt.n_layer=8" STEPS=1000).
+# every run of the call (another model: EXTRA="--set gpt.n_layer=8" STEPS=1000); NPROC the ranks (replicas M, 2
+# by default; the global batch stays 32).
 set -euo pipefail
 OUT=${OUT:-bench_results/diloco_ablations}
 WORK=${WORK:-/tmp/diloco_ablations}
 STEPS=${STEPS:-1500}
 EXTRA=${EXTRA:-}
+NPROC=${NPROC:-2}
 TAG=$(echo "$EXTRA" | tr -c 'a-z0-9.=_\n' '_' | sed 's/__*/_/g; s/_set_/_/g; s/^_//')
+if [ "$NPROC" != 2 ]; then TAG="m$NPROC${TAG:+_$TAG}"; fi
 mkdir -p "$OUT" "$WORK"
 D=(--set distributed.strategy=diloco --set diloco.period=30 --set diloco.outer_lr=0.6)
 declare -A V=(
@@ -33,6 +36,7 @@ declare -A V=(
   [average-batch64]="${D[*]} --set diloco.outer_lr=1.0 --set diloco.outer_momentum=0 --set train.global_batch_size=64"
   [ddp-batch64]="--set train.global_batch_size=64"
   [diloco-batch64]="${D[*]} --set train.global_batch_size=64"
+  [lr0.2]="${D[*]} --set diloco.outer_lr=0.2"
   [momentum0.7-sync-start]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.warmup_steps=150"
   [streaming-e3m0]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0"
   [streaming-e3m0-mix]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0 --set diloco.mixing=0.5"
@@ -42,7 +46,7 @@ for name in ${VARIANTS:-ddp diloco average plain-momentum momentum0.5 inner-lr-h
   rm -rf "$run"
   start=$SECONDS
   # shellcheck disable=SC2086
-  dptrain run --nproc 2 --run-dir "$run" --set train.steps="$STEPS" --set log.trace_steps=0 ${V[$name]} $EXTRA > "$run.log" 2>&1
+  dptrain run --nproc "$NPROC" --run-dir "$run" --set train.steps="$STEPS" --set log.trace_steps=0 ${V[$name]} $EXTRA > "$run.log" 2>&1
   python - "$run" "$OUT/$name-$STEPS${TAG:+-$TAG}.json" "$name" "${V[$name]}" $((SECONDS - start)) "$EXTRA" <<'PY'
 import json, sys
 run, out, name, settings, wall, extra = sys.argv[1:]
