@@ -230,3 +230,79 @@ def test_the_outer_learning_rate_by_default_follows_the_number_of_replicas():
     assert [outer_lr_for(m) for m in (1, 2, 3, 4, 8, 64)] == [0.4, 0.6, 0.6, 0.6, 0.8, 0.8]
     assert 0.6 < outer_lr_for(6) < 0.8  # between two of the paper's points, linear in log2 M
     assert DiLoCoOptions(outer_lr=0.7).lr_for(8) == 0.7  # set: kept
+
+
+# ----------------------------------------------------------------------------- the close, resumes and live recovery
+
+
+def _closes(rank: int, world_size: int) -> list[bool]:
+    """finish() twice changes nothing the second time; after a meeting live recovery held at the last step it
+    takes no outer step (the landing was recorded); hold_meetings counts the job's workers for the outer lr."""
+    out = []
+    wrapper = DiLoCo(_model(), period=4)
+    opt = torch.optim.SGD(wrapper.module.parameters(), lr=0.05)
+    _steps(wrapper, opt, rank, range(6))
+    first = wrapper.finish()
+    after = [p.detach().clone() for p in wrapper.module.parameters()]
+    out += [first is not None, wrapper.finish() is None,
+            all(torch.equal(a, p) for a, p in zip(after, wrapper.module.parameters(), strict=True))]
+
+    held = DiLoCo(_model(), period=4)
+    held.hold_meetings(8)
+    out.append(held.outer.optimizer.param_groups[0]["lr"] == 0.8)
+    opt = torch.optim.SGD(held.module.parameters(), lr=0.05)
+    _steps(held, opt, rank, range(6))  # counted only: the gate holds the meeting at the last step, 6
+    held.apply_meeting(held.reduce_meeting(None, 1, True))
+    met = [p.detach().clone() for p in held.module.parameters()]
+    out += [held.finish() is None, all(torch.equal(a, p) for a, p in zip(met, held.module.parameters(), strict=True))]
+    return out
+
+
+def test_the_close_takes_no_outer_step_twice_nor_after_a_meeting_live_recovery_held():
+    assert all(run_on_ranks(_closes, 1)[0])
+
+
+def _changed_overlap(rank: int, world_size: int) -> list[bool]:
+    """A checkpoint saved with a reduction in flight (tau = 1) resumed with none overlapped (tau = 0), and one saved
+    between a start and its landing point with tau = 0 resumed with tau = 1: each lands what it must, once."""
+    out = []
+    for saved_tau, resumed_tau, stop in ((1, 0, 5), (0, 1, 3)):
+        first = DiLoCo(_model(), period=H, fragments=P, overlap_steps=saved_tau)
+        opt = torch.optim.AdamW(first.module.parameters(), lr=1e-2)
+        _steps(first, opt, rank, range(stop))
+        saved = copy.deepcopy(first.checkpoint_state(opt))
+        second = DiLoCo(_model(), period=H, fragments=P, overlap_steps=resumed_tau)
+        second.module.load_state_dict(first.module.state_dict())
+        opt2 = torch.optim.AdamW(second.module.parameters(), lr=1e-2)
+        second.load_checkpoint_state(saved, opt2)
+        _steps(second, opt2, rank, range(stop, 9))
+        out += [second.syncs == 4, second.finish() is not None or not second.schedule.unmet(second.steps)]
+    return out
+
+
+def test_a_resume_with_another_overlap_lands_each_reduction_once():
+    for result in run_on_ranks(_changed_overlap, 2):
+        assert all(result)
+
+
+def _disagree(rank: int, world_size: int) -> str:
+    try:
+        DiLoCo(_model(), period=H, fragments=P, fragment_of=lambda name: rank if name.startswith("0.") else 1 - rank)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_fragments_that_differ_between_ranks_are_refused_on_every_rank():
+    for message in run_on_ranks(_disagree, 2):
+        assert "fragments differ between ranks" in message
+
+
+def test_the_blocks_are_the_list_of_one_class_inside_a_sequential_model():
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(4)])
+    model = nn.Sequential(nn.Embedding(50, 16), blocks, nn.LayerNorm(16), nn.Linear(16, 50))
+    params = list(model.parameters())
+    fragments = split_fragments(model, params, 2)
+    inner = {id(p) for p in blocks[0].parameters()} | {id(p) for p in blocks[2].parameters()}
+    assert inner <= {id(params[i]) for i in fragments[0]}  # blocks 0 and 2 together, not the outer list's members
+    assert not inner & {id(params[i]) for i in fragments[1]}

@@ -9,8 +9,9 @@ here take a chunk of ``chunk`` elements at a time, scaled by its absolute maximu
 - ``int4``: 15 evenly spaced levels, ``a * k / 7`` for k in -7..7, round to nearest;
 - ``e3m0``: a sign bit and 3 exponent bits, no mantissa: ``+-a * 2**-e`` for e in 0..6,
   and 0 (the eighth exponent code). Each value rounds to the nearest level in linear terms
-  (the midpoint of 2**-(e+1) and 2**-e is 0.75 * 2**-e), so a level's error is at most a
-  third of it, at every magnitude: a relative precision, where int4's is absolute.
+  (the midpoint of 2**-(e+1) and 2**-e is 0.75 * 2**-e), so from 0.75 * 2**-6 * a up a
+  value's error is at most a third of it: a relative precision, where int4's is absolute.
+  Below, values round to 2**-6 * a or, under 2**-7 * a, to 0.
 
 A code is a nibble (int4: k + 8; e3m0: sign * 8 + e); two codes pack into a byte, the
 first value in the low nibble. The payload is (packed bytes, fp32 scales): ``numel / 2 + 4

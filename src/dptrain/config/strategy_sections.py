@@ -121,7 +121,7 @@ class DiLoCoConfig:
         if not 0 <= self.overlap_steps < self.period // self.fragments:
             raise ConfigError(f"diloco.overlap_steps must be in [0, period / fragments = "
                               f"{self.period // self.fragments}), got {self.overlap_steps}: one reduction is in "
-                              "flight at a time, e.g. --set diloco.overlap_steps=1")
+                              "flight at a time, e.g. --set diloco.overlap_steps=0 (none overlapped)")
         if not 0 <= self.mixing < 1:
             raise ConfigError(f"diloco.mixing must be in [0, 1), got {self.mixing}; 0 takes the global weights, "
                               "the paper also uses 0.5: --set diloco.mixing=0.5")

@@ -6,16 +6,20 @@ groups of transformer blocks: *strided* (fragment p holds blocks p, p + P, p + 2
 its default, every fragment then spans the depth) or *sequential* (consecutive blocks, as
 torchtitan's pipeline-stage splitter cuts them).
 
-The blocks of a model are found, not named: the ``nn.ModuleList`` (or ``Sequential``) with
-the most trained parameters among those with at least P members (GPT's ``blocks``, a
-Hugging Face model's ``layers`` or ``h``). Each block goes to its fragment by the pattern;
+The blocks of a model are found, not named: among the ``nn.ModuleList`` (and
+``Sequential``) modules with at least P members holding trained parameters, the one
+holding the most of them whose members are all of one class (GPT's ``blocks``, a Hugging
+Face model's ``layers`` or ``h``; the inner list of ``Sequential(embedding,
+Sequential(*blocks), head)``, not the outer one), or failing that the one holding the
+most. Each block goes to its fragment by the pattern;
 every other parameter (embeddings, final norm, head) then goes, largest first, to the
 fragment holding the fewest elements so far, so the fragments' sizes stay close. A model
 without such a list is split parameter by parameter the same way (largest first, to the
 lightest fragment). ``fragment_of`` (a function from a parameter's name to its fragment)
 overrides both rules for a model whose structure the user knows better.
 
-The assignment depends on the model's structure only, so every rank computes the same.
+The assignment depends on the model's structure (and ``fragment_of``'s answers) only; every
+rank computes its own, and the ranks compare them once (:mod:`dptrain.diloco.streaming`).
 """
 
 from __future__ import annotations
@@ -66,17 +70,19 @@ def split_fragments(module: nn.Module, params: list[nn.Parameter], count: int, p
 
 
 def _blocks(module: nn.Module, index: dict[int, int], count: int) -> list[nn.Module]:
-    """The members holding trained parameters of the list module with the most of them, among lists of at least
-    ``count`` such members."""
+    """The blocks (the module docstring's rule): the members holding trained parameters of the chosen list."""
     best: list[nn.Module] = []
-    best_size = 0
+    best_key = (False, 0, 0)
     for child in module.modules():
         if not isinstance(child, (nn.ModuleList, nn.Sequential)):
             continue
         members = [m for m in child if any(id(p) in index for p in m.parameters())]  # a block holds trained ones
         size = sum(p.numel() for p in child.parameters() if id(p) in index)
-        if len(members) >= count and size > best_size:
-            best, best_size = members, size
+        # the blocks: members of one class (an outer Sequential of embedding, blocks and head holds more, in
+        # members of different classes), then the most parameters
+        key = (len({type(m) for m in members}) == 1, size, len(members))
+        if len(members) >= count and key > best_key:
+            best, best_key = members, key
     return best
 
 

@@ -74,8 +74,9 @@ class DiLoCo(SyncWarmup, nn.Module):
         self.device = next(module.parameters()).device
         o = self.options
         self.fragments = split_fragments(self.module, self._params(), o.fragments, o.fragment_pattern, o.fragment_of)
-        self.schedule = self._fresh_schedule()
+        self.replicas = dist.get_world_size(process_group)  # what the default outer learning rate counts
         self.steps = 0  # optimizer steps taken, skipped ones included: the same count on every rank
+        self.schedule = self._fresh_schedule()
         self.syncs = 0
         self.synced_steps = 0  # the step count at the last outer step
         self.meets_itself = True  # False under live recovery, which holds the outer steps (the meeting protocol)
@@ -91,7 +92,14 @@ class DiLoCo(SyncWarmup, nn.Module):
     def _fresh_schedule(self) -> Schedule:
         """The outer steps from the replicas' weights now (collective where it compresses: its channel)."""
         return Schedule(self._params(), self.fragments, self.options, "cpu" if self.options.offload else self.device,
-                        self.process_group)
+                        self.process_group, lr=self.options.lr_for(self.replicas), step=self.steps)
+
+    def hold_meetings(self, replicas: int) -> None:
+        """Live recovery holds the outer steps from now (the meeting protocol) over a job of ``replicas`` workers,
+        which the default outer learning rate counts (each worker's own process group is itself alone)."""
+        self.meets_itself = False
+        self.replicas = replicas
+        self.schedule.set_lr(self.options.lr_for(replicas))
 
     @property
     def outer(self) -> OuterStep:
@@ -139,11 +147,16 @@ class DiLoCo(SyncWarmup, nn.Module):
         if not self.meets_itself:
             return
         t0, local, params = time.perf_counter(), self.local_steps, self._params()
-        start = self.schedule.starts(local)
-        if start is not None:
-            self.schedule.start(start, params)
+        start, due = self.schedule.starts(local), local + self.options.overlap_steps
+        # a reduction resumed from a checkpoint saved with more overlap may already be the one for this landing
+        if start is not None and not (self.schedule.flight is not None and self.schedule.due == due):
+            for counted in self.schedule.start(start, params, self.steps, due):
+                self._count(counted, t0)
         if self.schedule.lands(local):
-            self._count(self.schedule.land(params), t0)
+            if self.schedule.flight is None:  # resumed with more overlap than saved with: the slot's, unoverlapped
+                self.schedule.start((local // self.schedule.slot - 1) % len(self.fragments), params, self.steps,
+                                    local)
+            self._count(self.schedule.land(params, self.steps), t0)
 
     def _count(self, counted: dict[str, int], t0: float) -> None:
         for key, value in counted.items():
@@ -178,6 +191,7 @@ class DiLoCo(SyncWarmup, nn.Module):
     def apply_meeting(self, reduced: RoundDelta) -> None:
         """The round committed: the outer step with its averaged pseudo-gradient."""
         self.outer.apply(reduced.delta, self._params())
+        self.schedule.landed[0] = self.steps
         self._count(reduced.counted, self._meeting_t0)
 
     def discard_meeting(self, reduced: RoundDelta) -> None:
@@ -217,11 +231,10 @@ class DiLoCo(SyncWarmup, nn.Module):
         the global weights; buffers are rank 0's on every rank. Says so when it took that outer step."""
         if self.in_warmup:
             return None
-        unmet, inner = self._unmet_fragments(), self.unmet_steps
-        if unmet:
-            t0, params = time.perf_counter(), self._params()
-            for counted in self.schedule.close(params, unmet):
-                self._count(counted, t0)
+        unmet, inner = self.schedule.unmet(self.steps), self.unmet_steps
+        t0 = time.perf_counter()
+        for counted in self.schedule.close(self._params(), self.steps):
+            self._count(counted, t0)
         self._from_global_weights()  # a replica that mixed (mixing > 0) holds the global weights too
         broadcast_buffers_(self.module, self.process_group)
         if not unmet:
@@ -234,17 +247,6 @@ class DiLoCo(SyncWarmup, nn.Module):
                 f"{', '.join(map(str, unmet))} (inner steps since their last sync): the weights kept "
                 "(model.safetensors) are the global weights after them; the last checkpoint holds those before, so "
                 "that a longer run resumed from it continues exactly")
-
-    def _unmet_fragments(self) -> list[int]:
-        """The fragments with inner steps since their last outer step landed (one in flight among them)."""
-        local, slot, count = self.local_steps, self.schedule.slot, len(self.fragments)
-        unmet = []
-        for f in range(count):
-            k = local // slot  # the last sync point, then back to fragment f's
-            k -= (k - 1 - f) % count if k >= 1 else 0
-            if local > max(k, 0) * slot:
-                unmet.append(f)
-        return unmet
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The global weights (as of the last outer step: an inner step since then is not the model yet), with rank
@@ -311,10 +313,11 @@ class DiLoCo(SyncWarmup, nn.Module):
         if shared is None:  # a checkpoint of another strategy: the model loaded is where the global weights start
             self.schedule = self._fresh_schedule()
             return "DiLoCo's global weights start from the checkpoint's model, with no outer momentum yet"
-        self.schedule.load_state_dict(shared)
         self.steps, self.syncs = int(shared["steps"]), int(shared["syncs"])
         self.peak_sync_sent = int(shared.get("peak_sync_sent", 0))
         self.synced_steps = int(shared.get("synced_steps", self.steps - self.steps_since_sync))
+        self.schedule.load_state_dict(shared, self.options.lr_for(self.replicas), self.synced_steps)
+        self.schedule.due = (self.local_steps // self.schedule.slot + 1) * self.schedule.slot  # a flight's landing
         mine = state.get("rank")
         if mine:
             self.module.load_state_dict(mine["model"])

@@ -101,7 +101,7 @@ class DiLoCoOptions:
         if isinstance(self.overlap_steps, bool) or not isinstance(self.overlap_steps, int) or \
                 not 0 <= self.overlap_steps < slot:
             raise ValueError(f"DiLoCo's overlap_steps must be a whole number in [0, period / fragments = {slot}), "
-                             f"got {self.overlap_steps!r}: one reduction is in flight at a time")
+                             f"got {self.overlap_steps!r}: one reduction is in flight at a time (0: none overlapped)")
         if not 0 <= self.mixing < 1:
             raise ValueError(f"DiLoCo's mixing must be in [0, 1), got {self.mixing!r}; 0 takes the global weights "
                              "(torchft's default), the paper also uses 0.5")

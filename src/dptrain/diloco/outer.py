@@ -83,7 +83,9 @@ class GatheredCodec:
         return self.feedback.state_dict() if self.feedback is not None else {"residuals": {}}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.feedback is not None:
+        """The residuals this codec saved; another compressor's (a run resumed with another codec) are not its
+        own: it starts from zero, as that compressor does from this one's."""
+        if self.feedback is not None and "residuals" in state:
             self.feedback.load_state_dict(state)
 
 

@@ -14,8 +14,8 @@ overlap of tau < S steps, counting inner steps ``t = 1, 2, ...`` after the warm-
   global_f`` (``mixing``; 0: the global weights, torchft's default).
 
 So every fragment meets every H steps, one fragment every S steps, each sync point
-sending 1/P of the model, and at most one reduction is in flight. With P = 1 and tau = 0
-it is DiLoCo's outer step every H steps, unchanged (bit for bit). A checkpoint taken while
+sending 1/P of the model, and at most one reduction is in flight. With P = 1, tau = 0 and
+alpha = 0 it is DiLoCo's outer step every H steps. A checkpoint taken while
 a reduction is in flight waits for it and keeps its mean (the same on every rank), so a
 resumed run lands it at the same step, bit for bit.
 """
@@ -36,17 +36,27 @@ class Schedule:
     """The fragments' outer steps (one fragment: DiLoCo's) and the reduction in flight (see the module docstring)."""
 
     def __init__(self, params: list[nn.Parameter], fragments: list[list[int]], options: DiLoCoOptions,
-                 home: torch.device | str, process_group: dist.ProcessGroup | None):
+                 home: torch.device | str, process_group: dist.ProcessGroup | None, *, lr: float, step: int):
+        """Collective (the ranks' fragments are compared, and a compressor opens its channel). ``lr``: the outer
+        learning rate; ``step``: the step count now, where every fragment's global weights start."""
         o = options
         self.index = fragments
         self.slot, self.overlap, self.keep = o.period // len(fragments), o.overlap_steps, o.mixing
+        _check_same_fragments(params, fragments, process_group)
         # one compressor for every fragment (its channel is one process group), each fragment its own key
         self.compressor = make_compressor(o.compression, o.error_feedback, process_group)
-        lr = o.lr_for(dist.get_world_size(process_group))
         self.outers = [OuterStep([params[i] for i in members], lr=lr, momentum=o.outer_momentum,
                                  nesterov=o.nesterov, home=home, process_group=process_group,
                                  compressor=self.compressor, key=f) for f, members in enumerate(fragments)]
         self.flight: tuple[int, InFlight] | None = None
+        self.due = 0  # the inner step after which the reduction in flight lands
+        self.landed = [step] * len(fragments)  # the step count at each fragment's last outer step
+
+    def set_lr(self, lr: float) -> None:
+        """Every fragment's outer learning rate."""
+        for outer in self.outers:
+            for group in outer.optimizer.param_groups:
+                group["lr"] = lr
 
     def members(self, params: list[nn.Parameter], f: int) -> list[nn.Parameter]:
         return [params[i] for i in self.index[f]]
@@ -60,27 +70,37 @@ class Schedule:
         """Whether the reduction in flight lands after inner step ``local``."""
         return local >= self.slot and local % self.slot == 0
 
-    def start(self, f: int, params: list[nn.Parameter]) -> None:
-        """Collective: fragment ``f``'s reduction launched."""
-        self.flight = (f, self.outers[f].start(self.members(params, f)))
+    def start(self, f: int, params: list[nn.Parameter], step: int, due: int) -> list[dict[str, int]]:
+        """Collective: fragment ``f``'s reduction launched at step count ``step``, to land after inner step ``due``;
+        the bytes of one still in flight, landed first (a schedule resumed with less overlap than it was saved
+        with: one reduction at a time)."""
+        earlier = [self.land(params, step)] if self.flight is not None else []
+        self.flight, self.due = (f, self.outers[f].start(self.members(params, f))), due
+        return earlier
 
-    def land(self, params: list[nn.Parameter], keep: float | None = None) -> dict[str, int]:
-        """The reduction in flight waited for and its outer step applied (mixing by ``keep``, or the schedule's);
-        its bytes."""
+    def land(self, params: list[nn.Parameter], step: int, keep: float | None = None) -> dict[str, int]:
+        """The reduction in flight waited for and its outer step applied at step count ``step`` (mixing by ``keep``,
+        or the schedule's); its bytes."""
         f, flight = self.flight
         self.flight = None
         delta, counted = flight.wait()
         self.outers[f].apply(delta, self.members(params, f), keep=self.keep if keep is None else keep)
+        self.landed[f] = step
         return counted
 
-    def close(self, params: list[nn.Parameter], unmet: list[int]) -> list[dict[str, int]]:
-        """Collective, at the end of training: the reduction in flight lands (the replica keeps its steps since), then
-        every fragment in ``unmet`` (the one in flight among them) has its outer step, no mixing: every replica then
-        holds the global weights."""
-        counted = [self.land(params, keep=1.0)] if self.flight is not None else []
-        for f in unmet:
-            self.start(f, params)
-            counted.append(self.land(params, keep=0.0))
+    def unmet(self, step: int) -> list[int]:
+        """The fragments with steps taken since their last outer step, at step count ``step`` (one in flight among
+        them)."""
+        return [f for f, landed in enumerate(self.landed) if step > landed]
+
+    def close(self, params: list[nn.Parameter], step: int) -> list[dict[str, int]]:
+        """Collective, at the end of training (step count ``step``): the reduction in flight lands as the schedule
+        lands it, then every fragment with steps since its last outer step takes one, with no mixing, and the replica
+        becomes the global weights. Nothing to do (a second call, or a last step that was a meeting): nothing sent."""
+        counted = [self.land(params, step)] if self.flight is not None else []
+        for f in self.unmet(step):
+            self.start(f, params, step, self.due)
+            counted.append(self.land(params, step, keep=0.0))
         return counted
 
     def global_params(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
@@ -103,20 +123,24 @@ class Schedule:
         """Every fragment's global weights and outer momentum, and the reduction in flight, waited for: its fragment,
         mean and bytes (the same on every rank)."""
         state: dict = {"outer": self.outers[0].state_dict() if len(self.outers) == 1 else
-                       [outer.state_dict() for outer in self.outers]}
+                       [outer.state_dict() for outer in self.outers], "landed": list(self.landed)}
         if self.flight is not None:
             f, flight = self.flight
             delta, counted = flight.wait()
-            state["flight"] = {"fragment": f, "delta": delta, "counted": dict(counted)}
+            state["flight"] = {"fragment": f, "delta": delta.clone(), "counted": dict(counted)}
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, lr: float, synced_steps: int) -> None:
+        """The fragments' global weights and outer momentum, at this run's outer learning rate ``lr``, and the
+        reduction in flight; a checkpoint written before the landings were recorded: all at ``synced_steps``."""
         outers = state["outer"] if isinstance(state["outer"], list) else [state["outer"]]
         if len(outers) != len(self.outers):
             raise ValueError(f"the checkpoint's DiLoCo has {len(outers)} fragment(s), this run {len(self.outers)}: "
                              f"resume with diloco.fragments = {len(outers)}")
         for outer, saved in zip(self.outers, outers, strict=True):
             outer.load_state_dict(saved)
+        self.set_lr(lr)
+        self.landed = [int(s) for s in state.get("landed", [synced_steps] * len(self.outers))]
         flight = state.get("flight")
         self.flight = None if flight is None else (int(flight["fragment"]), InFlight(
             flight["delta"].clone(), lambda: {}, counted={k: int(v) for k, v in flight["counted"].items()}))
@@ -128,3 +152,17 @@ class Schedule:
     def load_residual(self, state: dict | None) -> None:
         if self.compressor is not None and state is not None:
             self.compressor.load_state_dict(state)
+
+
+def _check_same_fragments(params: list[nn.Parameter], fragments: list[list[int]],
+                          group: dist.ProcessGroup | None) -> None:
+    """Collective: every rank's fragments hold the same numbers of elements, or a ValueError on every rank (a
+    ``fragment_of`` that answers differently on another rank would otherwise hang the first outer step)."""
+    sizes = torch.tensor([sum(params[i].numel() for i in members) for members in fragments], dtype=torch.int64,
+                         device=params[0].device)
+    everyone = [torch.empty_like(sizes) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, sizes, group=group)
+    if any(not torch.equal(other, sizes) for other in everyone):
+        raise ValueError(f"DiLoCo's fragments differ between ranks (elements per fragment, rank by rank: "
+                         f"{[other.tolist() for other in everyone]}): the split must answer alike on every rank (a "
+                         "fragment_of from the parameter's name alone, not hash(), which differs between processes)")

@@ -127,6 +127,10 @@ class LocalSGD(SyncWarmup, nn.Module):
         """Local steps since the replicas were last averaged (0 in the warm-up)."""
         return max(0, self.steps - max(self.averaged_steps, self.options.warmup_steps))
 
+    def hold_meetings(self, replicas: int) -> None:
+        """Live recovery holds the averages from now (the meeting protocol); the average counts no replicas."""
+        self.meets_itself = False
+
     def skip_steps(self, steps: int) -> None:
         """``steps`` local steps counted, not taken: a member healed after the last meeting sits out the steps to the
         next (the others take them), and meets adding nothing."""

@@ -62,7 +62,7 @@ class MeetingGate(LiveGate):
     def _join_rounds(self, model) -> None:
         """The wrapper's meetings are this gate's to hold (the meeting protocol); a warm-up's steps average over
         their round (its engine takes the round's hook), the steps after it take none."""
-        model.meets_itself = False
+        model.hold_meetings(self.env.world_size)
         if model.warmup_steps:
             model.register_comm_hook(None, self.manager.hook)
 

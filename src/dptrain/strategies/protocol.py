@@ -167,7 +167,7 @@ class ShardedWrapper(DataParallelWrapper, Protocol):
 class MeetingWrapper(DataParallelWrapper, Protocol):
     """A wrapper whose replicas meet every few steps, its meetings held by live recovery (see the module docstring).
 
-    With ``meets_itself`` False, ``after_optimizer_step`` only counts; the caller, after a step
+    After ``hold_meetings``, ``after_optimizer_step`` only counts; the caller, after a step
     with ``meeting_due`` (or after the last, with ``unmet_steps``), forms a round and calls
     ``reduce_meeting`` on every member, then ``apply_meeting`` where the round commits or
     ``discard_meeting`` where it aborts (the meeting is then held again, in the next round).
@@ -176,6 +176,10 @@ class MeetingWrapper(DataParallelWrapper, Protocol):
     """
 
     meets_itself: bool
+
+    def hold_meetings(self, replicas: int) -> None:
+        """From now the caller holds the meetings (``meets_itself`` False), over a job of ``replicas`` workers (what
+        a rule that counts the replicas counts: each live worker's own process group is itself alone)."""
 
     @property
     def warmup_steps(self) -> int:
