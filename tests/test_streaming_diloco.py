@@ -92,12 +92,15 @@ def _reference(rank: int, world_size: int) -> tuple[list, list, list]:
                     x_i.mul_(ALPHA).add_(g, alpha=1 - ALPHA)
         want.append([p.detach().clone() for p in model.parameters()])
 
+    full = wrapper.full_state_dict()  # each fragment's global weights, as of its last landing
+    with wrapper.evaluating() as module:
+        evaluated = all(torch.equal(module.state_dict()[k], v) for k, v in full.items())
     wrapper.finish()  # the flight lands, every fragment with steps since its last outer step meets: all hold it
     closed = torch.cat([p.detach().reshape(-1) for p in wrapper.module.parameters()])
     everyone = [torch.empty_like(closed) for _ in range(world_size)]
     dist.all_gather(everyone, closed)
     kept = wrapper.full_state_dict()
-    same = [all(torch.equal(e, closed) for e in everyone),
+    same = [evaluated, all(torch.equal(e, closed) for e in everyone),
             all(torch.equal(kept[k], v) for k, v in wrapper.module.state_dict().items())]
     return got, want, same
 
