@@ -38,6 +38,8 @@ declare -A V=(
   [diloco-batch64]="${D[*]} --set train.global_batch_size=64"
   [lr0.2]="${D[*]} --set diloco.outer_lr=0.2"
   [momentum0.7-sync-start]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.warmup_steps=150"
+  [momentum0.7-e3m0]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.compression=e3m0"
+  [momentum0.7-f2]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2"
   [streaming-e3m0]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0"
   [streaming-e3m0-mix]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0 --set diloco.mixing=0.5"
 )
