@@ -19,6 +19,7 @@ from dptrain.diloco.options import outer_lr_for
 from dptrain.diloco.outer import outer_optimizer
 from dptrain.models.gpt import GPT
 from dptrain.testing import run_on_ranks
+from test_localsgd_diloco import _batch, _steps
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,23 +28,6 @@ def _model() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
                          nn.Linear(8, 3))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g)
-
-
-def _steps(wrapped, opt, rank, steps) -> list[list[torch.Tensor]]:
-    after = []
-    for step in steps:
-        x, y = _batch(rank, step)
-        nn.functional.mse_loss(wrapped(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-        wrapped.after_optimizer_step()
-        after.append([p.detach().clone() for p in wrapped.module.parameters()])
-    return after
 
 
 # ----------------------------------------------------------------------------- the schedule, written out
