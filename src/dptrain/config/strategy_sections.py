@@ -80,7 +80,8 @@ class DiLoCoConfig:
     outer_lr: float = opt(0.0, "strategy diloco: the outer optimizer's learning rate (SGD on the averaged "
                           "pseudo-gradient); 0: by the number of replicas M, the scaling-law paper's best at H = 30 "
                           "(0.4 at M = 1, 0.6 at 2 and 4, 0.8 from 8)")
-    outer_momentum: float = opt(0.9, "strategy diloco: the outer optimizer's momentum")
+    outer_momentum: float = opt(0.7, "strategy diloco: the outer optimizer's momentum (the papers' 0.9 overshoots "
+                                "from scratch at these sizes: docs/localsgd.md's ablations)")
     nesterov: bool = opt(True, "strategy diloco: Nesterov momentum for the outer step")
     compression: str = opt("none", "strategy diloco: the pseudo-gradient's reduction in bf16, int8, or 4 bits "
                            "(int4, or e3m0: Streaming DiLoCo's FP4), summed in fp32, with error_feedback",
@@ -110,8 +111,8 @@ class DiLoCoConfig:
                               "the paper's is 0.7 (1 with no momentum takes the average of the ranks' weights): "
                               "--set diloco.outer_lr=0.7")
         if not 0 <= self.outer_momentum < 1:
-            raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}; the paper's is "
-                              "0.9: --set diloco.outer_momentum=0.9")
+            raise ConfigError(f"diloco.outer_momentum must be in [0, 1), got {self.outer_momentum}; the default is "
+                              "0.7, the papers' 0.9: --set diloco.outer_momentum=0.7")
         if self.warmup_steps < 0:
             raise ConfigError(f"diloco.warmup_steps must be >= 0, got {self.warmup_steps}; 0 starts the outer "
                               "steps from the first, e.g. --set diloco.warmup_steps=0")

@@ -39,9 +39,9 @@ class DiLoCoOptions:
     """How often the ranks meet and how the outer step moves the global weights.
 
     ``period`` (H): inner steps between two outer steps. ``outer_lr``, ``outer_momentum``,
-    ``nesterov``: the outer optimizer, SGD (the first paper's: 0.7, 0.9, Nesterov); ``outer_lr`` 0
-    (the default) takes it from the number of replicas (:func:`outer_lr_for`, the scaling-law
-    paper's best at H = 30: 0.6 for 2 replicas).
+    ``nesterov``: the outer optimizer, SGD with Nesterov momentum (the papers': 0.9; 0.7 here, by
+    dptrain's ablations: docs/localsgd.md); ``outer_lr`` 0 (the default) takes it from the number
+    of replicas (:func:`outer_lr_for`, the scaling-law paper's best at H = 30: 0.6 for 2).
     ``compression``: the pseudo-gradient's reduction in ``bf16``, ``int8``, or 4 bits (``int4``,
     ``e3m0``: :mod:`dptrain.compress.fourbit`), summed in fp32 (with ``error_feedback``: what a
     rank's encoding lost is added to its next pseudo-gradient).
@@ -62,7 +62,7 @@ class DiLoCoOptions:
 
     period: int = 50
     outer_lr: float = 0.0
-    outer_momentum: float = 0.9
+    outer_momentum: float = 0.7
     nesterov: bool = True
     compression: str = "none"
     error_feedback: bool = True
@@ -84,8 +84,8 @@ class DiLoCoOptions:
                              f"{self.outer_lr!r}; the paper's is 0.7 (1 with no momentum takes the average of the "
                              "ranks' weights)")
         if not 0 <= self.outer_momentum < 1:
-            raise ValueError(f"DiLoCo's outer_momentum must be in [0, 1), got {self.outer_momentum!r}; the paper's "
-                             "is 0.9")
+            raise ValueError(f"DiLoCo's outer_momentum must be in [0, 1), got {self.outer_momentum!r}; the default "
+                             "is 0.7, the papers' 0.9")
         if isinstance(self.warmup_steps, bool) or not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"DiLoCo's warmup_steps must be a whole number >= 0, got {self.warmup_steps!r}")
         if self.compression not in CODECS:

@@ -5,7 +5,7 @@ With global weights ``g`` and rank ``i``'s weights ``x_i`` after H inner steps,
 
     delta_i = g - x_i              (rank i's pseudo-gradient: where its inner steps took it, reversed)
     delta   = mean_i delta_i       (one all-reduce, optionally compressed)
-    g       <- OuterSGD(g, delta)  (lr 0.7, Nesterov momentum 0.9: the paper's)
+    g       <- OuterSGD(g, delta)  (SGD, Nesterov momentum: the paper's lr 0.7 and momentum 0.9)
     x_i     <- g                   (every rank starts the next round from the same weights)
 
 With H = 1, outer lr 1 and no momentum, ``g <- mean_i x_i``: with plain SGD inside, DDP's step
