@@ -15,7 +15,7 @@ NPROC=${NPROC:-2}
 TAG=$(echo "$EXTRA" | tr -c 'a-z0-9.=_\n' '_' | sed 's/__*/_/g; s/_set_/_/g; s/^_//')
 if [ "$NPROC" != 2 ]; then TAG="m$NPROC${TAG:+_$TAG}"; fi
 mkdir -p "$OUT" "$WORK"
-D=(--set distributed.strategy=diloco --set diloco.period=30 --set diloco.outer_lr=0.6)
+D=(--set distributed.strategy=diloco --set diloco.period=30 --set diloco.outer_lr=0.6 --set diloco.outer_momentum=0.9)
 declare -A V=(
   [ddp]=""
   [diloco]="${D[*]}"
