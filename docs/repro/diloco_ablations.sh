@@ -40,6 +40,7 @@ declare -A V=(
   [momentum0.7-sync-start]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.warmup_steps=150"
   [momentum0.7-e3m0]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.compression=e3m0"
   [momentum0.7-f2]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2"
+  [streaming-e3m0-no-overlap]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.compression=e3m0"
   [streaming-e3m0]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0"
   [streaming-e3m0-mix]="${D[*]} --set diloco.outer_momentum=0.7 --set diloco.fragments=2 --set diloco.overlap_steps=1 --set diloco.compression=e3m0 --set diloco.mixing=0.5"
 )

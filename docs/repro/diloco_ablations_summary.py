@@ -10,15 +10,18 @@ import json
 import sys
 from pathlib import Path
 
-BASE = "--set distributed.strategy=diloco --set diloco.period=30 --set diloco.outer_lr=0.6"
+OLD = "--set distributed.strategy=diloco --set diloco.period=30 --set diloco.outer_lr=0.6"
+BASES = (OLD + " --set diloco.outer_momentum=0.9", OLD)  # the records from before 0.7 was the default: 0.9 by default
 
 
 def _change(settings: str) -> str:
     """A variant's settings as its change from DDP, or from the DiLoCo run every ablation starts from."""
     if not settings:
         return "(DDP)"
-    if settings.startswith(BASE):
-        return "DiLoCo H=30, outer lr 0.6" + (f", then {settings[len(BASE):].strip()}" if settings != BASE else "")
+    for base in BASES:
+        if settings.startswith(base):
+            rest = settings[len(base):].strip()
+            return "DiLoCo H=30, outer lr 0.6, momentum 0.9" + (f", then {rest}" if rest else "")
     return settings
 
 
