@@ -293,3 +293,30 @@ def test_the_blocks_are_the_list_of_one_class_inside_a_sequential_model():
     inner = {id(p) for p in blocks[0].parameters()} | {id(p) for p in blocks[2].parameters()}
     assert inner <= {id(params[i]) for i in fragments[0]}  # blocks 0 and 2 together, not the outer list's members
     assert not inner & {id(params[i]) for i in fragments[1]}
+
+
+def _four_bit_mean(rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    from dptrain.diloco.quantised import QuantisedReduction
+
+    x = torch.randn(1001, generator=torch.Generator().manual_seed(rank))
+    everyone = [torch.empty_like(x) for _ in range(world_size)]
+    dist.all_gather(everyone, x)
+    reduction = QuantisedReduction(E3M0(), error_feedback=True)
+    delta = x.clone()
+    counted = reduction.launch(0, delta, None)()
+    return delta, sum(everyone) / world_size, counted
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_four_bit_reduction_gives_every_rank_the_same_mean(world_size):
+    """2 ranks: one all-gather of each rank's encoding; 3: an all-to-all of encoded shards, an fp32 sum at each
+    shard's owner, re-encoded and all-gathered (2 (M - 1) / M payloads a rank)."""
+    results = run_on_ranks(_four_bit_mean, world_size)
+    first = results[0][0]
+    for delta, mean, counted in results:
+        assert torch.equal(delta, first)
+        assert (delta - mean).norm() / mean.norm() < 0.3  # E3M0 loses about a fifth of a Gaussian's norm per encoding
+        payload = counted["payload"]
+        assert payload == pytest.approx(1001 * 4.25 / 8, rel=0.1)
+        assert counted["sent"] == pytest.approx(payload * (1 if world_size == 2 else 2 * (world_size - 1) / world_size),
+                                                rel=0.1)

@@ -23,17 +23,15 @@ import torch
 import torch.distributed as dist
 
 from dptrain import comm
-from dptrain.comm.compat import all_gather_single
 from dptrain.comm.cost import collective_cost
 from dptrain.compress import make_codec
-from dptrain.compress.codecs import Codec, Encoded
-from dptrain.compress.feedback import ErrorFeedback
+from dptrain.compress.codecs import Encoded
 from dptrain.compress.fourbit import FOUR_BIT
 from dptrain.compress.hook import CompressionHook
-from dptrain.compress.sharded import pack, sum_decoded, unpack
 from dptrain.ddp.comm_hooks import GradBucket
+from dptrain.diloco.quantised import QuantisedReduction
 
-__all__ = ["OuterStep", "InFlight", "GatheredCodec", "RoundDelta", "make_compressor", "outer_step_naive", "outer_optimizer"]
+__all__ = ["OuterStep", "InFlight", "RoundDelta", "make_compressor", "outer_step_naive", "outer_optimizer"]
 
 
 @dataclass
@@ -51,50 +49,13 @@ class InFlight:
         return self.delta, self.counted
 
 
-class GatheredCodec:
-    """A codec the DDP hook does not reduce (the 4-bit ones, :mod:`dptrain.compress.fourbit`), with error feedback:
-    each rank's encoding all-gathered, every one decoded and summed in fp32 in rank order, so every rank holds the
-    same mean. (N - 1) payloads sent per rank: a ring's share at N = 2, more beyond (once every H steps)."""
-
-    def __init__(self, codec: Codec, error_feedback: bool):
-        self.codec = codec
-        self.feedback = ErrorFeedback() if error_feedback else None
-
-    def launch(self, key: int, delta: torch.Tensor, group: dist.ProcessGroup | None) -> Callable[[], dict[str, int]]:
-        """Encode ``delta`` (this rank's pseudo-gradient) and start the all-gather; the function ends it, writes the
-        mean into ``delta`` and returns the bytes."""
-        n = dist.get_world_size(group)
-        payload = self.feedback.encode(key, delta, self.codec) if self.feedback is not None else \
-            self.codec.encode(delta)
-        mine = pack(payload)
-        gathered = torch.empty(n * mine.numel(), dtype=torch.uint8, device=mine.device)
-        work = all_gather_single(gathered, mine, group=group, async_op=True)
-
-        def done() -> dict[str, int]:
-            work.wait()
-            sum_decoded(self.codec, [unpack(row, payload) for row in gathered.view(n, -1)], delta,
-                        torch.empty_like(delta))
-            delta.div_(n)
-            return {"raw": delta.numel() * delta.element_size(), "payload": payload.nbytes,
-                    "sent": (n - 1) * payload.nbytes}
-        return done
-
-    def state_dict(self) -> dict:
-        return self.feedback.state_dict() if self.feedback is not None else {"residuals": {}}
-
-    def load_state_dict(self, state: dict) -> None:
-        """The residuals this codec saved; another compressor's (a run resumed with another codec) are not its
-        own: it starts from zero, as that compressor does from this one's."""
-        if self.feedback is not None and "residuals" in state:
-            self.feedback.load_state_dict(state)
-
-
 def make_compressor(compression: str, error_feedback: bool, group: dist.ProcessGroup | None) -> Any:
-    """None (uncompressed), the DDP hook's compressor (bf16, int8) or a :class:`GatheredCodec` (int4, e3m0)."""
+    """None (uncompressed), the DDP hook's compressor (bf16, int8) or a
+    :class:`~dptrain.diloco.quantised.QuantisedReduction` (int4, e3m0)."""
     if compression == "none":
         return None
     if compression in FOUR_BIT:
-        return GatheredCodec(FOUR_BIT[compression](), error_feedback)
+        return QuantisedReduction(FOUR_BIT[compression](), error_feedback)
     return CompressionHook(make_codec(compression), error_feedback=error_feedback, process_group=group)
 
 
@@ -156,7 +117,7 @@ class OuterStep:
                 delta.div_(self.world_size)
                 return {"raw": raw, "payload": 0, "sent": self.sent_bytes}
             return InFlight(delta, done)
-        if isinstance(self.compressor, GatheredCodec):
+        if isinstance(self.compressor, QuantisedReduction):
             return InFlight(delta, self.compressor.launch(self.key, delta, self.group))
         work = self.compressor(None, GradBucket(self.key, delta, [delta], [], True))  # the hook averages
 
