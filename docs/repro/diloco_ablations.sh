@@ -50,12 +50,12 @@ for name in ${VARIANTS:-ddp diloco average plain-momentum momentum0.5 inner-lr-h
   start=$SECONDS
   # shellcheck disable=SC2086
   dptrain run --nproc "$NPROC" --run-dir "$run" --set train.steps="$STEPS" --set log.trace_steps=0 ${V[$name]} $EXTRA > "$run.log" 2>&1
-  python - "$run" "$OUT/$name-$STEPS${TAG:+-$TAG}.json" "$name" "${V[$name]}" $((SECONDS - start)) "$EXTRA" <<'PY'
+  python - "$run" "$OUT/$name-$STEPS${TAG:+-$TAG}.json" "$name" "${V[$name]}" $((SECONDS - start)) "$EXTRA" "$NPROC" <<'PY'
 import json, sys
-run, out, name, settings, wall, extra = sys.argv[1:]
+run, out, name, settings, wall, extra, nproc = sys.argv[1:]
 s = json.loads(open(f"{run}/summary.json").read())
 evals = [json.loads(l) for l in open(f"{run}/metrics.jsonl") if '"eval"' in l]
-json.dump({"variant": name, "settings": settings, "model": extra, "steps": s["steps"], "parameters": s["parameters"], "val_loss": s["val_loss"],
+json.dump({"variant": name, "settings": settings, "model": extra, "replicas": int(nproc), "steps": s["steps"], "parameters": s["parameters"], "val_loss": s["val_loss"],
            "evals": {e["step"]: e["val_loss"] for e in evals if "val_loss" in e},
            "comm_bytes_per_step": s.get("comm_bytes_per_step"), "wall_s": int(wall)}, open(out, "w"), indent=1)
 print(name, s["val_loss"])

@@ -29,22 +29,24 @@ def main(out: Path) -> None:
     rows = [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
     # each variant against the DDP run of the same steps and model, and of the same change where DDP has it too
     # (momentum0.5-batch64 against ddp-batch64)
-    ddp = {(r["variant"], r["steps"], r.get("model", "")): r["val_loss"] for r in rows if r["variant"].startswith("ddp")}
+    ddp = {(r["variant"], r["steps"], r.get("model", ""), r.get("replicas", 2)): r["val_loss"] for r in rows
+           if r["variant"].startswith("ddp")}
 
     def reference(r: dict) -> float | None:
-        tags = [v[4:] for v, steps, model in ddp if v != "ddp" and r["variant"].endswith("-" + v[4:])]
-        return ddp.get((f"ddp-{tags[0]}" if tags else "ddp", r["steps"], r.get("model", "")))
+        tags = [v[4:] for v, *_ in ddp if v != "ddp" and r["variant"].endswith("-" + v[4:])]
+        return ddp.get((f"ddp-{tags[0]}" if tags else "ddp", r["steps"], r.get("model", ""), r.get("replicas", 2)))
 
-    lines = ["| variant | model | steps | the change (`--set`) | final val loss | / DDP | evaluations on the way (step: "
-             "loss) |", "|---|---|---:|---|---:|---:|---|"]
-    for r in sorted(rows, key=lambda r: (r.get("model", ""), r["steps"], r["variant"] != "ddp", r["val_loss"])):
+    lines = ["| variant | model | replicas | steps | the change (`--set`) | final val loss | / DDP | evaluations on the way "
+             "(step: loss) |", "|---|---|---:|---:|---|---:|---:|---|"]
+    for r in sorted(rows, key=lambda r: (r.get("model", ""), r.get("replicas", 2), r["steps"], r["variant"] != "ddp",
+                                         r["val_loss"])):
         ref = reference(r)
         ratio = f"{r['val_loss'] / ref:.3f}" if ref else "-"
         evals = ", ".join(f"{s}: {v:.4f}" for s, v in sorted(r["evals"].items(), key=lambda kv: int(kv[0]))
                           if int(s) < r["steps"])
         model = f"{r['model']} ({r['parameters']:,})" if r.get("model") else "default GPT"
-        lines.append(f"| {r['variant']} | {model} | {r['steps']} | {_change(r['settings'])} | {r['val_loss']:.4f} | {ratio} "
-                     f"| {evals} |")
+        lines.append(f"| {r['variant']} | {model} | {r.get('replicas', 2)} | {r['steps']} | {_change(r['settings'])} | "
+                     f"{r['val_loss']:.4f} | {ratio} | {evals} |")
     text = "\n".join(lines) + "\n"
     (out / "summary.md").write_text(text)
     print(text)
