@@ -23,6 +23,7 @@ NaN or an infinity gets a NaN scale and decodes to NaN, as int8's does
 from __future__ import annotations
 
 import math
+from abc import abstractmethod
 
 import torch
 
@@ -41,13 +42,13 @@ class _FourBit(Codec):
             raise ValueError(f"a 4-bit codec's chunk must be an even number of elements >= 2, got {chunk}")
         self.chunk = chunk
 
+    @abstractmethod
     def _codes(self, ratio: torch.Tensor) -> torch.Tensor:
         """Codes 0..15 (float) of ``x / a`` in [-1, 1]."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _levels(self) -> torch.Tensor:
         """The 16 values ``x / a`` a code stands for."""
-        raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> Encoded:
         flat = x.reshape(-1).float()

@@ -88,8 +88,8 @@ class QuantisedReduction:
             padded[:again.nbytes] = pack(again)
             gathered = torch.empty(n * row, dtype=torch.uint8, device=delta.device)
             all_gather_single(gathered, padded, group=group)
-            for j, (lo, hi) in enumerate(bounds):  # an encoding's layout depends on its length only: zeros' is theirs
-                like = self.codec.encode(torch.zeros(hi - lo, device=delta.device)) if j != rank else again
+            for j, (lo, hi) in enumerate(bounds):  # an encoding's layout depends on its length only: this rank's
+                like = pieces[j]                      # first-phase piece of shard j has the layout of its summed one
                 self.codec.decode(unpack(gathered[j * row:j * row + like.nbytes], like), out=delta[lo:hi])
             return _bytes(delta, sum(sizes), sum(sizes) - sizes[rank] + (n - 1) * row)
         return done
