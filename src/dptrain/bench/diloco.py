@@ -1,6 +1,6 @@
 """Benchmark: DiLoCo and local SGD against synchronous DDP (torch's and dptrain's) on slow links, at equal tokens.
 
-Two emulated hosts (``dptrain cluster``: network namespaces, each link limited by tc's
+Two emulated hosts (``--hosts``; ``dptrain cluster``: network namespaces, each link limited by tc's
 token bucket to ``--rate`` Gbit/s), one worker each, train the built-in character GPT
 (the default one, or a larger one with ``--set``). One torchrun job holds every variant at
 once, each its own copy of the model (the same initial weights), its own AdamW with the
@@ -242,8 +242,11 @@ def _interleave(variants: dict[str, _Variant], args: dict, until: int, target: f
 
 def run(rate_gbit: float, steps: int, chunk: int, eval_every: int, eval_batches: int, overrides: list[str],
         variants: list[str], global_batch: int = 32, micro_batch: int = 16, localsgd_period: int = 8,
-        localsgd_warmup: int = 30, beyond: float = 1.0, timeout: float = 7200) -> dict:
+        localsgd_warmup: int = 30, beyond: float = 1.0, hosts: int = 2, timeout: float = 7200) -> dict:
+    """The study on ``hosts`` emulated hosts, one worker each; the micro-batch is 16, or the global batch's share of
+    a host where that is smaller (8 at 4 hosts and a global batch of 32)."""
     check_root()
+    micro_batch = min(micro_batch, global_batch // hosts)
     cfg = load_config(None, overrides)
     t = cfg.train
     args = dict(steps=steps, chunk=chunk, eval_every=eval_every, eval_batches=eval_batches, overrides=overrides,
@@ -253,14 +256,14 @@ def run(rate_gbit: float, steps: int, chunk: int, eval_every: int, eval_batches:
                        "weight_decay": t.weight_decay, "betas": list(t.betas), "grad_clip": t.grad_clip})
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "records.json"
-        with Network(2, rate_mbit=rate_gbit * 1000) as net:
+        with Network(hosts, rate_mbit=rate_gbit * 1000) as net:
             code = run_on_cluster(net, 1, ["-m", "dptrain.bench.diloco", "--worker", str(out),
                                            "--worker-args", json.dumps(args)],
                                   timeout=timeout, env={"OMP_NUM_THREADS": "1"})
         if code != 0:
             raise RuntimeError(f"the study's job on the {rate_gbit:g} Gbit/s cluster exited with {code}")
         raw = json.loads(out.read_text())
-    return {"config": {**args, "rate_gbit": rate_gbit, "params": raw["params"], "hosts": 2, "workers_per_host": 1,
+    return {"config": {**args, "rate_gbit": rate_gbit, "params": raw["params"], "hosts": hosts, "workers_per_host": 1,
                        "torch": torch.__version__, "cpus": os.cpu_count()},
             "records": raw["records"], "summary": summarize(raw["records"], steps)}
 
@@ -293,7 +296,7 @@ def table(result: dict) -> str:
     cfg, summary = result["config"], result["summary"]
     ref = summary["reference"]
     lines = [f"{cfg['params'] / 1e6:.2f}M-parameter GPT ({' '.join(cfg['overrides']) or 'the default'}), "
-             f"{cfg['steps']} steps of global batch {cfg['global_batch']} (micro {cfg['micro_batch']} x 2 hosts x 1 "
+             f"{cfg['steps']} steps of global batch {cfg['global_batch']} (micro {cfg['micro_batch']} x {cfg['hosts']} hosts x 1 "
              f"worker) on {cfg['rate_gbit']:g} Gbit/s links; variants interleaved {cfg['chunk']} steps at a time; "
              f"ratios against {ref}.", "",
              f"| variant | final val loss | / {ref} | MiB sent per step per host | fewer bytes | wall s | "
@@ -328,11 +331,12 @@ def table(result: dict) -> str:
 @click.option("--beyond", type=float, default=1.0,
               help="variants short of the reference's final loss at equal tokens train on, up to this many times "
                    "--steps (at the schedule's last rate), to time when they reach it")
+@click.option("--hosts", type=int, default=2, show_default=True, help="emulated hosts, one worker each")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/diloco.json"))
 def main(rate: float, steps: int, chunk: int, eval_every: int, eval_batches: int, overrides: tuple[str, ...],
-         variants: tuple[str, ...], localsgd_period: int, localsgd_warmup: int, beyond: float, out: Path) -> None:
+         variants: tuple[str, ...], localsgd_period: int, localsgd_warmup: int, beyond: float, hosts: int, out: Path) -> None:
     result = run(rate, steps, chunk, eval_every, eval_batches, list(overrides), list(variants) or VARIANTS,
-                 localsgd_period=localsgd_period, localsgd_warmup=localsgd_warmup, beyond=beyond)
+                 localsgd_period=localsgd_period, localsgd_warmup=localsgd_warmup, beyond=beyond, hosts=hosts)
     print(table(result))
     save_result(out, result)
 
