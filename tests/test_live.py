@@ -234,7 +234,6 @@ def test_sample_stream_slices_take_each_sample_once_per_epoch():
     (['compression.method="powersgd"'], "PowerSGD's Q is a warm start shared by a fixed set of ranks"),
     (['train.optimizer="onebit_adam"'], "onebit_adam would claim"),
     (["live.min_workers=3"], "more than the job's 2 worker"),
-    (['distributed.strategy="diloco"', "diloco.period=4", "diloco.fragments=2"], "live.enabled with Streaming DiLoCo"),
 ])
 def test_what_live_recovery_cannot_run_with(tmp_path, settings, message):
     cfg = load_config(tiny_gpt_config(tmp_path), ["live.enabled=true", *settings])

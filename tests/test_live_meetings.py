@@ -69,7 +69,7 @@ def _meetings(rank: int, world_size: int, path: str) -> dict:
     with torch.no_grad():
         for p, r in zip(wrapper.module.parameters(), (rank if rank < 2 else 0, 0), strict=False):
             p.fill_(float(r + 1))
-    mean = wrapper.reduce_meeting(group, 2, participating)
+    mean = wrapper.launch_meeting(group, 2, participating, 2, False)()
     wrapper.apply_meeting(mean)
     out["localsgd"] = wrapper.module.weight.detach().clone()
     return out
@@ -112,6 +112,16 @@ LIVE = "\n[live]\nenabled = true\nheartbeat_timeout_s = 1.0\ncheck_every = 1\n"
     # a warm-up of 3 synchronous steps (a round each), killed before a step's vote; then a meeting to slice the
     # steps between meetings (at step 3 too), and the meetings
     ("diloco", ["diloco.period=4", "diloco.warmup_steps=3"], "1:2:kill-before-vote", [1, 2, 3, 7, 11, 15, 16], 8),
+    # Streaming DiLoCo: a fragment's meeting every 2 steps (mixing, 4-bit), killed between two; all at the last
+    ("diloco", ["diloco.period=4", "diloco.fragments=2", "diloco.mixing=0.5", 'diloco.compression="e3m0"'],
+     "1:5:kill", [0, 2, 4, 6, 8, 10, 12, 14, 16], 9),
+    # ... with a step of overlap: a meeting's round opens a step before it lands (after steps 2, 5, 8...), its
+    # reduction running beside that step: killed as step 8 begins, restarted, it joins the round opened after it
+    ("diloco", ["diloco.period=6", "diloco.fragments=2", "diloco.overlap_steps=1"], "1:8:kill",
+     [0, 3, 6, 9, 12, 15, 16], 7),
+    # ... killed after that round's reduction, before its vote: it aborts, and is held again at its landing
+    ("diloco", ["diloco.period=6", "diloco.fragments=2", "diloco.overlap_steps=1"], "1:9:kill-before-vote",
+     [0, 3, 6, 9, 12, 15, 16], 7),
 ])
 def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, strategy, settings, fault, meetings,
                                                                     rounds):
@@ -145,7 +155,10 @@ def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, st
     if "warmup" not in " ".join(settings):  # healed at a meeting: after its vote, then it sits the next steps out
         assert healed[0]["commit"] and healed[0].get("healed_after_vote")
         batches = [r["live_global_batch"] for r in _records(run_dir) if "live_global_batch" in r]
-        assert set(batches) == {4, 6} and batches.count(4) % int(settings[0].split("=")[1]) == 0  # rounds of 2 of 3
+        values = dict(x.split("=") for x in settings)
+        slot = int(values["diloco.period" if strategy == "diloco" else "localsgd.period"]) // \
+            int(values.get("diloco.fragments", 1))  # the steps between two meetings
+        assert set(batches) == {4, 6} and batches.count(4) % slot == 0  # rounds of 2 of 3
     if "before-vote" in fault:  # the meeting aborted, then held again (the survivors' steps kept)
         step = int(fault.split(":")[1])
         assert [r["commit"] for r in logs[0] if r.get("step") == step and "round" in r] == [False, True]

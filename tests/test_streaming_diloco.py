@@ -240,7 +240,7 @@ def _closes(rank: int, world_size: int) -> list[bool]:
     out.append(held.outer.optimizer.param_groups[0]["lr"] == 0.8)
     opt = torch.optim.SGD(held.module.parameters(), lr=0.05)
     _steps(held, opt, rank, range(6))  # counted only: the gate holds the meeting at the last step, 6
-    held.apply_meeting(held.reduce_meeting(None, 1, True))
+    held.apply_meeting(held.launch_meeting(None, 1, True, 6, True)())
     met = [p.detach().clone() for p in held.module.parameters()]
     out += [held.finish() is None, all(torch.equal(a, p) for a, p in zip(met, held.module.parameters(), strict=True))]
     return out
@@ -323,3 +323,50 @@ def test_a_four_bit_reduction_gives_every_rank_the_same_mean(world_size):
         sent = counted["payload"] if world_size == 2 else \
             counted["payload"] - E3M0().wire_bytes(shards[rank]) + (world_size - 1) * max(map(E3M0().wire_bytes, shards))
         assert counted["sent"] == sent  # M - 1 shards out, M - 1 summed shards gathered: 2 (M - 1) / M payloads
+
+
+# ----------------------------------------------------------------------------- live recovery holds the meetings
+
+
+def _held_by_live(rank: int, world_size: int, path: str) -> list[torch.Tensor]:
+    """Streaming DiLoCo (2 fragments, mixing 0.5, int4) meeting itself over torch.distributed's world, and the same
+    with live recovery's calls (a round group outside the world: reduce, then apply) after every ``meeting_due``
+    step and the last: each step's weights, and the global weights at the end, of both."""
+    from test_live_meetings import _round_group
+
+    group = _round_group(rank, world_size, path)
+    options = DiLoCoOptions(period=H, fragments=P, mixing=ALPHA, outer_lr=0.7, outer_momentum=0.9,
+                            compression="int4")
+    alone = DiLoCo(_model(), options)
+    opt = torch.optim.AdamW(alone.module.parameters(), lr=1e-2)
+    want = _steps(alone, opt, rank, range(STEPS))
+    alone.finish()
+    held = DiLoCo(_model(), options)
+    held.hold_meetings(world_size)
+    opt = torch.optim.AdamW(held.module.parameters(), lr=1e-2)
+    got, met = [], []
+    for step in range(STEPS):
+        got += _steps(held, opt, rank, [step])
+        last = step == STEPS - 1
+        if held.meeting_due or last:
+            reduced = held.launch_meeting(group, world_size, True, held.steps, last)()
+            met.append([f for f, _ in reduced])
+            held.apply_meeting(reduced)
+            got[-1] = [p.detach().clone() for p in held.module.parameters()]
+    assert held.finish() is None  # the last meeting closed every fragment
+    return [*(torch.cat([p.reshape(-1) for p in w]) for w in (*want, *got)),
+            torch.cat([p.reshape(-1) for p in alone.module.parameters()]),
+            torch.cat([p.reshape(-1) for p in held.module.parameters()]), met]
+
+
+def test_live_recovery_holds_streaming_dilocos_meetings_as_it_holds_them_itself(tmp_path):
+    """Fragment by fragment, every S = H / P steps, mixing, 4-bit pseudo-gradients, and after the last step every
+    fragment at once (what the close does): the weights live recovery's meetings give are the schedule's own."""
+    for out in run_on_ranks(_held_by_live, 2, str(tmp_path / "store")):
+        *weights, final_alone, final_held, met = out
+        want, got = weights[:STEPS], weights[STEPS:]
+        for w, g in zip(want[:-1], got[:-1], strict=True):  # the last step's: before the close, and after it
+            assert torch.equal(g, w)
+        assert torch.equal(final_held, final_alone)  # after the close
+        assert met == [[0], [1], [0], [1], [0], [0, 1]]  # after steps 2, 4, 6, 8, 10; and after the last, 11, both
+        assert not torch.equal(want[2], want[3])  # the weights move: the comparison is not of constants

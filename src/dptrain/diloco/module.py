@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -183,27 +183,47 @@ class DiLoCo(SyncWarmup, nn.Module):
         next (the others take them), and meets adding nothing."""
         self.steps += steps
 
-    def reduce_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool) -> RoundDelta:
-        """The outer step's reduction over a live round's ``group`` (:meth:`OuterStep.reduce_over`), not applied."""
-        self._meeting_t0 = time.perf_counter()
-        return self.outer.reduce_over(self._params(), group, participants, participating)
+    @property
+    def meeting_overlap(self) -> int:
+        """Inner steps a meeting's reduction runs beside before it lands (Streaming DiLoCo's tau; 0: none)."""
+        return self.options.overlap_steps
 
-    def apply_meeting(self, reduced: RoundDelta) -> None:
-        """The round committed: the outer step with its averaged pseudo-gradient."""
-        self.outer.apply(reduced.delta, self._params())
-        self.schedule.landed[0] = self.steps
-        self._count(reduced.counted, self._meeting_t0)
+    def meeting_starts(self, step: int) -> bool:
+        """Whether, with an overlap, a meeting's reduction starts after step count ``step`` (:meth:`Schedule.starts`),
+        to land ``meeting_overlap`` steps on."""
+        local = step - self.options.warmup_steps
+        return bool(self.options.overlap_steps) and local > 0 and self.schedule.starts(local) is not None
 
-    def discard_meeting(self, reduced: RoundDelta) -> None:
-        """The round aborted: nothing changed but the residual, which goes back."""
-        self.outer.restore(reduced)
+    def launch_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool, step: int,
+                       last: bool) -> Callable[[], list[tuple[int, RoundDelta]]]:
+        """The outer step's reduction over a live round's ``group`` (:meth:`OuterStep.launch_over`), launched, not
+        applied: for the meeting that lands at step count ``step`` the slot's fragment (the whole model without
+        fragments), after the ``last`` step every fragment (:meth:`Schedule.meeting_fragments`). The function
+        returned waits for it."""
+        self._meeting_t0, self._meeting_last = time.perf_counter(), last
+        fragments = self.schedule.meeting_fragments(step - self.options.warmup_steps, last)
+        return self.schedule.launch_over(fragments, self._params(), group, participants, participating)
+
+    def apply_meeting(self, reduced: list[tuple[int, RoundDelta]]) -> None:
+        """The round committed: the fragments' outer steps with their averaged pseudo-gradients."""
+        if reduced:
+            self._count(self.schedule.apply_over(reduced, self._params(), self.steps, self._meeting_last),
+                        self._meeting_t0)
+
+    def discard_meeting(self, reduced: list[tuple[int, RoundDelta]]) -> None:
+        """The round aborted: nothing changed but the residuals, which go back."""
+        self.schedule.restore(reduced)
 
     def met_tensors(self) -> list[torch.Tensor]:
-        """What every replica holds alike after an outer step: the weights (the global ones), the global weights
-        and the outer momentum (each rank's inner optimizer state and residual are its own)."""
+        """What every replica holds alike after a meeting: every fragment's global weights and outer momentum, and
+        the weights where every replica restarts from the global ones at each (one fragment, no mixing; Streaming
+        DiLoCo's replicas differ in the fragments not synced, and a mixed one keeps part of its own). Each rank's
+        inner optimizer state and residual are its own."""
         momentum = [t for outer in self.schedule.outers for state in outer.optimizer.state.values()
                     for t in state.values() if isinstance(t, torch.Tensor)]
-        return [*self._params(), *(outer.weights for outer in self.schedule.outers), *momentum]
+        restarted = len(self.fragments) == 1 and not self.options.mixing
+        return [*(self._params() if restarted else []), *(outer.weights for outer in self.schedule.outers),
+                *momentum]
 
     def step_metrics(self) -> dict[str, Any]:
         """After the warm-up: bytes per inner step since the last call (what the outer steps sent, spread over the
@@ -219,7 +239,7 @@ class DiLoCo(SyncWarmup, nn.Module):
         outers = self.schedule.outers
         fp32_sent, fp32 = sum(o.sent_bytes for o in outers), sum(4 * o.weights.numel() for o in outers)
         return {"comm_bytes_per_step": m["raw"] / steps, "comm_compressed_bytes_per_step": m["payload"] / steps,
-                "comm_sent_bytes_per_step": m["sent"] / steps, "steps_since_sync": self.steps_since_sync,
+                "comm_sent_bytes_per_step": m["sent"] / steps, "steps_since_sync": self.unmet_steps,
                 "outer_steps": self.syncs, "sync_ms": 1e3 * self.last_sync_s, "sync_peak_sent_bytes":
                 self.peak_sync_sent, "sync_name": "outer step" if len(outers) == 1 else "fragment outer step",
                 "sync_period": self.schedule.slot, "sync_fragments": len(outers), "syncs": self.syncs,

@@ -151,11 +151,17 @@ class OuterStep:
         else:
             torch._foreach_copy_(list(params), restart)
 
-    @torch.no_grad()
     def reduce_over(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, participants: int,
                     participating: bool) -> RoundDelta:
+        """Live recovery's reduction, waited for (:meth:`launch_over`)."""
+        return self.launch_over(params, group, participants, participating)()
+
+    @torch.no_grad()
+    def launch_over(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, participants: int,
+                    participating: bool) -> Callable[[], RoundDelta]:
         """Live recovery's reduction: the pseudo-gradient averaged over the ``participants`` members of a round's
-        ``group`` (a process group outside torch.distributed's world; None: a round of one), nothing applied.
+        ``group`` (a process group outside torch.distributed's world; None: a round of one), nothing applied;
+        launched, and the function returned waits for it (Streaming DiLoCo's overlap runs inner steps between).
 
         A member healed in this round (``participating`` False) holds a peer's inner steps, not
         its own: it adds zeros, and its error-feedback residual (the peer's) is cleared. The
@@ -170,37 +176,42 @@ class OuterStep:
         raw = delta.numel() * delta.element_size()
         size = group.size() if group is not None else 1
         if size == 1:
-            counted = {"raw": raw, "payload": 0, "sent": 0}
-        elif self.compressor is None:
-            group.allreduce([delta]).wait()
-            delta.div_(participants)
-            counted = {"raw": raw, "payload": 0, "sent": collective_cost("all_reduce", "ring", delta.numel(), 4,
-                                                                          size).bytes_sent[group.rank()]}
-        else:
-            counted = self._gathered_mean(delta, group, participants, participating)
-        return RoundDelta(delta, counted, saved)
+            return lambda: RoundDelta(delta, {"raw": raw, "payload": 0, "sent": 0}, saved)
+        if self.compressor is None:
+            work = group.allreduce([delta])
+
+            def done() -> RoundDelta:
+                work.wait()
+                delta.div_(participants)
+                return RoundDelta(delta, {"raw": raw, "payload": 0, "sent": collective_cost(
+                    "all_reduce", "ring", delta.numel(), 4, size).bytes_sent[group.rank()]}, saved)
+            return done
+        gathered = self._gathered_mean(delta, group, participants, participating)
+        return lambda: RoundDelta(delta, gathered(), saved)
 
     def _gathered_mean(self, delta: torch.Tensor, group: dist.ProcessGroup, participants: int,
-                       participating: bool) -> dict[str, int]:
+                       participating: bool) -> Callable[[], dict[str, int]]:
         """``delta`` becomes the participants' mean through the codec: each member's encoding (with its error
         feedback; a member that sits out sends zeros and keeps no residual) all-gathered over ``group`` with the
         group's own methods (a round's group is outside torch.distributed's world), every one decoded and summed in
         fp32 in the members' order, so every member holds the same mean. (k - 1) payloads sent per member: twice a
-        ring's share, once every H steps."""
+        ring's share, once every H steps. Launched; the function returned waits, sums and gives the bytes."""
         codec, k = self.compressor.codec, group.size()
         payload = self.compressor.feedback.encode(self.key, delta, codec) if participating and \
             self.compressor.feedback is not None else codec.encode(delta)
-        gathered = []
-        for t in payload.tensors:
-            pieces = [torch.empty_like(t) for _ in range(k)]
-            group.allgather([pieces], [t]).wait()
-            gathered.append(pieces)
-        delta.zero_()
-        for member in range(k):
-            delta.add_(codec.decode(Encoded(tuple(p[member] for p in gathered), payload.numel)))
-        delta.div_(participants)
-        return {"raw": delta.numel() * delta.element_size(), "payload": payload.nbytes,
-                "sent": (k - 1) * payload.nbytes}
+        gathered = [[torch.empty_like(t) for _ in range(k)] for t in payload.tensors]
+        works = [group.allgather([pieces], [t]) for pieces, t in zip(gathered, payload.tensors, strict=True)]
+
+        def done() -> dict[str, int]:
+            for work in works:
+                work.wait()
+            delta.zero_()
+            for member in range(k):
+                delta.add_(codec.decode(Encoded(tuple(p[member] for p in gathered), payload.numel)))
+            delta.div_(participants)
+            return {"raw": delta.numel() * delta.element_size(), "payload": payload.nbytes,
+                    "sent": (k - 1) * payload.nbytes}
+        return done
 
     def restore(self, reduced: RoundDelta) -> None:
         """A round that aborted: the error-feedback residual as it was before :meth:`reduce_over`."""

@@ -22,12 +22,14 @@ resumed run lands it at the same step, bit for bit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from dptrain.diloco.options import DiLoCoOptions
-from dptrain.diloco.outer import InFlight, OuterStep, make_compressor
+from dptrain.diloco.outer import InFlight, OuterStep, RoundDelta, make_compressor
 
 __all__ = ["Schedule"]
 
@@ -102,6 +104,43 @@ class Schedule:
             self.start(f, params, step, self.due)
             counted.append(self.land(params, step, keep=0.0))
         return counted
+
+    # ------------------------------------------------------------------ live recovery's meetings
+
+    def meeting_fragments(self, local: int, last: bool) -> list[int]:
+        """The fragments a live meeting after inner step ``local`` holds: the slot's one (as :meth:`starts` with no
+        overlap), and after the run's last step every fragment, each with steps since its last outer step but the
+        slot's (which lands now). From the step alone, so that a member restarted with no schedule of its own
+        reduces the same fragments as the others."""
+        if last:
+            return list(range(len(self.outers))) if local > 0 else []
+        return [(local // self.slot - 1) % len(self.outers)] if local >= self.slot and local % self.slot == 0 else []
+
+    def launch_over(self, fragments: list[int], params: list[nn.Parameter], group, participants: int,
+                    participating: bool) -> Callable[[], list[tuple[int, RoundDelta]]]:
+        """Live recovery's reduction of ``fragments`` over a round's ``group`` (:meth:`OuterStep.launch_over`),
+        launched; the function returned waits for it. Nothing applied."""
+        launched = [(f, self.outers[f].launch_over(self.members(params, f), group, participants, participating))
+                    for f in fragments]
+        return lambda: [(f, wait()) for f, wait in launched]
+
+    def apply_over(self, reduced: list[tuple[int, RoundDelta]], params: list[nn.Parameter], step: int,
+                   last: bool) -> dict[str, int]:
+        """A committed round's outer steps at step count ``step`` (mixing by the schedule's factor; after the last step
+        none, as :meth:`close`); their bytes."""
+        counted = {"raw": 0, "payload": 0, "sent": 0}
+        for f, r in reduced:
+            self.outers[f].apply(r.delta, self.members(params, f), keep=0.0 if last else self.keep)
+            self.landed[f] = step
+            for key in counted:
+                counted[key] += r.counted[key]
+        return counted
+
+    def restore(self, reduced: list[tuple[int, RoundDelta]]) -> None:
+        """An aborted round: the error-feedback residuals as they were before it (last first: the fragments share
+        one compressor, and the first fragment's copy is the state from before the round)."""
+        for f, r in reversed(reduced):
+            self.outers[f].restore(r)
 
     def global_params(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """The global weights, one tensor per trained parameter in ``params`` order, shaped like it (views into the

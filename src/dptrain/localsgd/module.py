@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -136,19 +137,30 @@ class LocalSGD(SyncWarmup, nn.Module):
         next (the others take them), and meets adding nothing."""
         self.steps += steps
 
+    meeting_overlap = 0  # a meeting's average runs at the meeting, beside no steps
+
+    def meeting_starts(self, step: int) -> bool:
+        """Never: an average is not overlapped with steps."""
+        return False
+
     @torch.no_grad()
-    def reduce_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool) \
-            -> torch.Tensor:
+    def launch_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool, step: int,
+                       last: bool) -> Callable[[], torch.Tensor]:
         """The replicas' mean over a live round's ``group`` (a process group outside torch.distributed's world;
         None: a round of one) and its ``participants`` (a member healed in this round adds zeros: it holds a peer's
-        replica), into a flat buffer; nothing applied."""
+        replica), into a flat buffer, launched; the function returned waits for it. Nothing applied. Every meeting
+        averages the whole model (``step``, ``last``: which meeting, the same)."""
         self._meeting_t0 = time.perf_counter()
         params = self._params()
         flat = torch.cat([p.detach().reshape(-1) for p in params]) if participating else \
             torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        if group is not None and group.size() > 1:
-            group.allreduce([flat]).wait()
-        return flat.div_(participants)
+        work = group.allreduce([flat]) if group is not None and group.size() > 1 else None
+
+        def done() -> torch.Tensor:
+            if work is not None:
+                work.wait()
+            return flat.div_(participants)
+        return done
 
     @torch.no_grad()
     def apply_meeting(self, mean: torch.Tensor) -> None:
@@ -180,7 +192,7 @@ class LocalSGD(SyncWarmup, nn.Module):
                 / steps, "comm_compressed_bytes_per_step": 0, "local_steps": self.local_steps,
                 "average_ms": 1e3 * self.last_average_s,
                 "sync_name": "averaging round", "sync_period": self.options.period, "syncs": self.averages,
-                "steps_since_sync": self.local_steps,
+                "steps_since_sync": self.unmet_steps,
                 "gradient_bytes": sum(p.numel() * p.element_size() for p in self._params()),
                 "gradient_sent_bytes": self._sent_per_average}
 

@@ -13,7 +13,7 @@ registry says ``live = "meeting"``):
    (:meth:`~dptrain.live.LiveManager.begin`); the members that took the steps since the last
    meeting reduce over the round's group, every other member (restarted, or one that missed
    the last meeting or sat its steps out) adding zeros, the average taken over the takers
-   (``reduce_meeting``); then the vote: on commit every member that held the state the
+   (``launch_meeting``, waited for); then the vote: on commit every member that held the state the
    meeting started from applies the result (``apply_meeting``: DiLoCo's outer step, local
    SGD's average); on abort nothing is applied and the meeting is held again in a new round,
    without the member that failed;
@@ -31,16 +31,29 @@ comm hook. A round's kind follows from its step, which every member agrees on: b
 warm-up's end, a step; from it on, a meeting. So a worker restarted in either phase joins
 the round the others hold.
 
+Streaming DiLoCo meets one fragment every H / P steps (the wrapper says which from the
+meeting's step, so a restarted member reduces the same one), and after the last step every
+fragment at once. With its overlap of tau steps (``meeting_overlap``), a meeting's round opens
+and launches its collective after the step where it starts (``meeting_starts``), the members
+take their next tau steps while it runs, and wait for it and vote after the step it lands at;
+a round that aborts is held again at the landing, unoverlapped. A restarted member joining
+such a round adds its zeros at once and waits in the vote for the others. No heal happens
+with a collective in flight (heals follow the vote), and a checkpoint written between a
+launch and its landing holds none: a run resumed from it meets that fragment at its landing.
+
 So a worker lost between meetings costs its own steps (and their samples), not the others':
 they meet without it. One lost during a meeting's all-reduce or before its vote aborts that
 round only; the steps are kept and met again. After every committed meeting the members
-hold the same weights, global weights and outer momentum (the wrapper's ``met_tensors``);
-each keeps its own optimizer state, as without live recovery (a healed member its sender's).
+hold the same global weights and outer momentum, and the same weights where every replica
+restarts from the global ones (the wrapper's ``met_tensors``); each keeps its own optimizer
+state, as without live recovery (a healed member its sender's; its replica too, as torchft's
+heal sends it).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from dptrain.checkpoint.resume import seed_everything
 from dptrain.live.manager import Attempt
@@ -52,12 +65,29 @@ from dptrain.runner.metrics import StepTimes
 __all__ = ["MeetingGate"]
 
 
+@dataclass
+class _Meeting:
+    """A meeting's round between its launch and its vote: the members holding what it starts from (``current``),
+    this worker's record, the steps it completes and the step it lands at, whether it may commit, and its launched
+    collective (None: nothing to reduce, or it failed to launch)."""
+
+    attempt: Attempt
+    before: int  # this worker's committed step when the round began
+    current: list
+    mine: object
+    advance: int
+    step: int
+    ok: bool
+    wait: Callable[[], object] | None = None
+
+
 class MeetingGate(LiveGate):
     """A round at each meeting of the replicas, none between; one per step of a warm-up (see the module
     docstring)."""
 
     meeting = True
     say: Callable[[str], None] | None = None  # a line for the log (turns() is given it)
+    pending: _Meeting | None = None  # a meeting whose collective runs beside the steps to its landing
 
     def _join_rounds(self, model) -> None:
         """The wrapper's meetings are this gate's to hold (the meeting protocol); a warm-up's steps average over
@@ -100,19 +130,34 @@ class MeetingGate(LiveGate):
 
     def settle(self, turn: Turn, committed: bool) -> None:
         """A warm-up step: the round's end. Else the step counted; a meeting where the wrapper's schedule holds one,
-        and after the last step."""
+        and after the last step. With an overlap, the meeting's round opens and launches its collective after the
+        step where it starts (:meth:`_open`), and waits and votes after the step where it lands (:meth:`_close`)."""
         if turn.attempt is not None:
             super().settle(turn, committed)
             return
         self.replica.stepped()
-        if self.engine.model.meeting_due or turn.step == self.rp.cfg.train.steps:
-            committed = False
-            while not committed:  # rounds until one commits the meeting
-                before = self.manager.step
-                attempt = self._begin(self.say)
-                if self._healed_to_end(attempt, before):
-                    return
-                committed = self._meeting(attempt, before)
+        model, steps = self.engine.model, self.rp.cfg.train.steps
+        if self.pending is not None:
+            if turn.step < self.pending.step:  # the steps the launched collective runs beside
+                return
+            committed, self.pending = self._close(self.pending), None
+            if committed:
+                return
+        elif model.meeting_overlap and model.meeting_starts(turn.step) and turn.step + model.meeting_overlap < steps:
+            before = self.manager.step
+            attempt = self._begin(self.say)
+            if not self._healed_to_end(attempt, before):
+                self.pending = self._open(attempt, before)
+            return
+        elif not (model.meeting_due or turn.step == steps):
+            return
+        committed = False
+        while not committed:  # rounds until one commits the meeting (one whose overlap aborted: at its landing)
+            before = self.manager.step
+            attempt = self._begin(self.say)
+            if self._healed_to_end(attempt, before):
+                return
+            committed = self._meeting(attempt, before)
 
     def _healed_to_end(self, attempt: Attempt, before: int) -> bool:
         """Whether this worker joined the others after their last step (``before``: its committed step when the
@@ -132,18 +177,43 @@ class MeetingGate(LiveGate):
     def _meeting(self, attempt: Attempt, before: int) -> bool:
         """The meeting in ``attempt``'s round (``before``: this worker's committed step when it began); whether this
         worker takes the steps to the next meeting: the meeting committed, and this worker held what it started from
-        (a member healed after it sits those steps out: the others took its share of the samples)."""
-        manager, replica, model = self.manager, self.replica, self.engine.model
+        (a member healed after it sits those steps out: the others took its share of the samples). A member that
+        joins a round whose collective overlaps steps waits in the vote for the others to take them."""
+        return self._close(self._open(attempt, before))
+
+    def _open(self, attempt: Attempt, before: int) -> _Meeting:
+        """The meeting's round opened: its participants found and its collective launched over the round's group,
+        for the meeting that lands at the round's step, or ``meeting_overlap`` steps on where it starts there (not
+        past the last step: the last meeting closes every part of the model at once, unoverlapped)."""
+        manager, model, steps = self.manager, self.engine.model, self.rp.cfg.train.steps
         quorum = attempt.quorum
         current = [m for m in quorum.members if m.step == quorum.step]  # those holding what the meeting starts from
         advance = max(m.since for m in current)  # the steps since the last meeting
         took = [m for m in current if m.since == advance]  # the members who took them: the meeting's participants
         mine = quorum.members[quorum.index]
-        step = quorum.step + advance  # the meeting's
-        ok, reduced = attempt.ok, None
-        if ok and advance:  # every member takes part (one behind, or that sat the steps out, adding zeros)
+        step = quorum.step + advance  # the round's
+        overlap = model.meeting_overlap if model.meeting_overlap and model.meeting_starts(step) and \
+            step + model.meeting_overlap < steps else 0
+        meeting = _Meeting(attempt, before, current, mine, advance + overlap, step + overlap, attempt.ok)
+        if meeting.ok and advance:  # every member takes part (one behind, or that sat the steps out, adding zeros)
             try:
-                reduced = model.reduce_meeting(manager.group.pg, len(took), mine in took)
+                meeting.wait = model.launch_meeting(manager.group.pg, len(took), mine in took, meeting.step,
+                                                    meeting.step == steps)
+            except RuntimeError as e:  # a member gone as it launched
+                manager.group.fail(e)
+                meeting.ok = False
+        return meeting
+
+    def _close(self, meeting: _Meeting) -> bool:
+        """The meeting's collective waited for, the vote, its result applied or discarded, members behind healed;
+        whether this worker takes the steps to the next meeting (:meth:`_meeting`)."""
+        manager, replica, model = self.manager, self.replica, self.engine.model
+        attempt, current, mine, step, advance = meeting.attempt, meeting.current, meeting.mine, meeting.step, \
+            meeting.advance
+        ok, reduced = meeting.ok, None
+        if ok and meeting.wait is not None:
+            try:
+                reduced = meeting.wait()
             except RuntimeError as e:  # a member gone during the reduction
                 manager.group.fail(e)
                 ok = False
@@ -161,7 +231,7 @@ class MeetingGate(LiveGate):
         self.close_round(attempt, step, committed, advance=advance, check=bool(self.rp.cfg.live.check_every),
                          meeting=True, holds=holds)
         if committed and not holds:  # its heal failed: it holds nothing the round committed, and is healed again
-            manager.step = before
+            manager.step = meeting.before
         return committed and mine in current
 
     def _skip(self, steps: int) -> None:

@@ -24,7 +24,7 @@ from dptrain.compress.remedies import Remedies
 from dptrain.optim.build import decays
 
 __all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedies", "ddp_compression",
-           "zero_compression", "zero_check", "zero_check_live", "diloco_check_live", "zero_check_shards", "zero_check_model", "ps_check", "ps_check_model", "ps_check_resume",
+           "zero_compression", "zero_check", "zero_check_live", "zero_check_shards", "zero_check_model", "ps_check", "ps_check_model", "ps_check_resume",
            "ps_expendable", "ps_program", "LaidOut", "ddp_units", "zero_units"]
 
 
@@ -146,17 +146,6 @@ def zero_check_live(cfg, world_size: int) -> None:
         raise ValueError(f"live.enabled with strategy {cfg.distributed.strategy} and compression.method = "
                          f"{cfg.compression.method!r}: ZeRO's compressed reduce-scatter is not run over live recovery's "
                          "rounds; set compression.method = \"none\", or live.enabled = false")
-
-
-def diloco_check_live(cfg, world_size: int) -> None:
-    """Live recovery holds DiLoCo's outer step over the whole model, blocking, every replica then on the global
-    weights (its meeting protocol); Streaming DiLoCo's fragments, overlap and mixing are not run over its rounds."""
-    d = cfg.diloco
-    if d.fragments != 1 or d.overlap_steps or d.mixing:
-        raise ValueError(f"live.enabled with Streaming DiLoCo (diloco.fragments = {d.fragments}, overlap_steps = "
-                         f"{d.overlap_steps}, mixing = {d.mixing}): live recovery's rounds hold one outer step of the "
-                         "whole model at a time, every replica then on the global weights; set diloco.fragments = 1, "
-                         "diloco.overlap_steps = 0 and diloco.mixing = 0, or live.enabled = false")
 
 
 def zero_check_shards(shard_size: int, world_size: int) -> None:

@@ -76,6 +76,7 @@ satisfy the protocol by their shape, and ``tests/test_strategies.py`` checks eac
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -169,8 +170,10 @@ class MeetingWrapper(DataParallelWrapper, Protocol):
 
     After ``hold_meetings``, ``after_optimizer_step`` only counts; the caller, after a step
     with ``meeting_due`` (or after the last, with ``unmet_steps``), forms a round and calls
-    ``reduce_meeting`` on every member, then ``apply_meeting`` where the round commits or
-    ``discard_meeting`` where it aborts (the meeting is then held again, in the next round).
+    ``launch_meeting`` on every member and waits for it, then ``apply_meeting`` where the round
+    commits or ``discard_meeting`` where it aborts (the meeting is then held again, in the next
+    round). With a ``meeting_overlap``, the round opens and launches after the step where
+    ``meeting_starts``, and waits and votes after the step it lands at, the steps between taken.
     The first ``warmup_steps`` steps are synchronous: every replica's gradients averaged by its
     warm-up engine, whose comm hook ``register_comm_hook`` replaces (live recovery's round hook).
     """
@@ -200,9 +203,21 @@ class MeetingWrapper(DataParallelWrapper, Protocol):
     def unmet_steps(self) -> int:
         """Steps since the replicas last met."""
 
-    def reduce_meeting(self, group: Any, participants: int, participating: bool) -> Any:
+    @property
+    def meeting_overlap(self) -> int:
+        """Steps a meeting's collective runs beside before the meeting lands (0: it runs at the meeting)."""
+
+    def meeting_starts(self, step: int) -> bool:
+        """Whether, with an overlap, a meeting's collective starts after step count ``step``, to land
+        ``meeting_overlap`` steps on (from the step alone: the same on every member)."""
+
+    def launch_meeting(self, group: Any, participants: int, participating: bool, step: int,
+                       last: bool) -> Callable[[], Any]:
         """The meeting's collective over ``group`` (a round's process group; None: a round of one), averaged over
-        its ``participants``; a member healed in this round does not participate (it adds zeros). Nothing applied."""
+        its ``participants``; a member healed in this round does not participate (it adds zeros). ``step``: the
+        step count the meeting lands at, ``last``: after the run's last step (which part of the model meets may
+        follow from them: the same on every member, a restarted one included). Launched; the function returned
+        waits for it and gives what :meth:`apply_meeting` takes. Nothing applied."""
 
     def apply_meeting(self, reduced: Any) -> None:
         """The round committed: the meeting's result applied."""

@@ -25,7 +25,6 @@ from dptrain.strategies.options import (
     ddp_compression,
     ddp_options,
     ddp_units,
-    diloco_check_live,
     gossip_options,
     ps_check,
     ps_check_model,
@@ -266,7 +265,7 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
              replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
              "all-reduce itself (diloco.compression)",
              wrap=_policy_wrapper("diloco", "dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options,
-             live="meeting", check_live=diloco_check_live),
+             live="meeting"),
 ]}
 
 
