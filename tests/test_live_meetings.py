@@ -166,3 +166,41 @@ def test_survivors_keep_their_steps_and_meet_with_the_victim_healed(tmp_path, st
     assert summary["live"]["committed"] == rounds
     assert summary["live"]["unit"] == ("rounds" if "warmup" in " ".join(settings) else "meetings")
     assert (run_dir / "model.safetensors").is_file()
+
+
+def test_a_run_resumed_where_an_overlapped_meeting_starts_trains_every_step_and_meets_at_the_landing(tmp_path):
+    """Streaming DiLoCo (H = 6, 2 fragments, a step of overlap: reductions start after steps 2, 5, 8, 11) stopped at
+    step 7 with its checkpoint at step 5, a start step, then resumed to 12: no member has steps to meet there, so
+    the meeting is held at its landing, 6, unoverlapped; every step from 6 on is trained, every sync point met."""
+    config = str(tiny_gpt_config(tmp_path, LIVE))
+    common = ["--config", config, "--strategy", "diloco", "--set", "diloco.period=6", "--set", "diloco.fragments=2",
+              "--set", "diloco.overlap_steps=1", "--set", "train.global_batch_size=6", "--set", "log.trace_steps=0",
+              "--set", "log.eval_every=0", "--set", "checkpoint.every=5", "--set", "train.steps=12",
+              "--run-dir", str(tmp_path / "run")]
+    stopped = dptrain("run", "--nproc", "2", *common, "--set", "live.min_workers=2", "--set", "live.max_restarts=0",
+                      cwd=tmp_path, env={"DPTRAIN_FAULT": "1:7:raise"})
+    assert stopped.returncode != 0
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_00000005"]
+    again = dptrain("run", "--nproc", "2", *common, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = [r for r in _records(tmp_path / "run") if r.get("kind") == "train" and r["step"] > 5]
+    steps = [r["step"] for r in resumed]
+    assert steps[-7:] == list(range(6, 13))  # (a torn record of the first run's step 6 or 7 may come before)
+    synced = [r["step"] for r in resumed[-7:] if r["steps_since_sync"] == 0]
+    assert synced == [6, 9, 12]
+
+
+def test_an_overlapped_meetings_vote_waits_for_a_member_slow_in_the_steps_beside_it(tmp_path):
+    """Streaming DiLoCo with a step of overlap: the meeting that lands after step 3 opens after step 2; worker 0
+    takes 3 s over step 3 (live.heartbeat_timeout_s = 1, it beats all along). Worker 1 votes at once; its vote waits
+    for worker 0's as long as live.join_timeout_s, as a round waits for a member that beats but has not arrived:
+    every meeting commits."""
+    run_dir = tmp_path / "run"
+    proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path, LIVE)), "--run-dir", str(run_dir),
+                   "--strategy", "diloco", "--set", "diloco.period=6", "--set", "diloco.fragments=2",
+                   "--set", "diloco.overlap_steps=1", "--set", "train.global_batch_size=6", "--set", "train.steps=7",
+                   "--set", "log.trace_steps=0", "--set", "log.eval_every=0", cwd=tmp_path,
+                   env={"DPTRAIN_FAULT": "0:3:delay", "DPTRAIN_FAULT_DELAY_S": "3"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rounds = [(r["step"], r["commit"]) for r in _live_logs(run_dir)[0] if "round" in r]
+    assert rounds == [(0, True), (3, True), (6, True), (7, True)]

@@ -370,3 +370,60 @@ def test_live_recovery_holds_streaming_dilocos_meetings_as_it_holds_them_itself(
         assert torch.equal(final_held, final_alone)  # after the close
         assert met == [[0], [1], [0], [1], [0], [0, 1]]  # after steps 2, 4, 6, 8, 10; and after the last, 11, both
         assert not torch.equal(want[2], want[3])  # the weights move: the comparison is not of constants
+
+
+class _BrokenGroup:
+    """A round's group whose collectives are launched and then fail (a member gone mid-reduction)."""
+
+    class _Work:
+        def wait(self):
+            raise RuntimeError("a member of the round is gone")
+
+    def size(self):
+        return 2
+
+    def rank(self):
+        return 0
+
+    def allgather(self, outputs, inputs):
+        return self._Work()
+
+    def allreduce(self, tensors):
+        return self._Work()
+
+
+def _live_edges(rank: int, world_size: int) -> list[bool]:
+    """A live round whose wait fails leaves every fragment's residual as before it; a checkpoint saved with a
+    reduction in flight, loaded where live recovery holds the meetings, drops it (its meeting reduces it afresh)."""
+    out = []
+    wrapper = DiLoCo(_model(), period=H, fragments=P, compression="int8")
+    opt = torch.optim.SGD(wrapper.module.parameters(), lr=0.1)
+    _steps(wrapper, opt, rank, range(4))  # two syncs: a residual for each fragment
+    before = wrapper.schedule.residual()["feedback"]["residuals"]
+    _steps(wrapper, opt, rank, range(4, 5))
+    wait = wrapper.launch_meeting(_BrokenGroup(), 2, True, wrapper.steps, True)  # every fragment, encoded
+    changed = wrapper.schedule.residual()["feedback"]["residuals"]
+    with pytest.raises(RuntimeError, match="gone"):
+        wait()
+    after = wrapper.schedule.residual()["feedback"]["residuals"]
+    out.append(any(not torch.equal(changed[k], v) for k, v in before.items()))  # the launch encoded
+    out.append(after.keys() == before.keys() and all(torch.equal(after[k], v) for k, v in before.items()))
+
+    flying = DiLoCo(_model(), period=H, fragments=P, overlap_steps=TAU)
+    opt = torch.optim.SGD(flying.module.parameters(), lr=0.1)
+    _steps(flying, opt, rank, range(3))  # fragment 1's reduction taken after step 3, landing after 4
+    state = copy.deepcopy(flying.checkpoint_state(opt))
+    out.append("flight" in state["shared"])
+    for hold_first in (True, False):
+        held = DiLoCo(_model(), period=H, fragments=P, overlap_steps=TAU)
+        if hold_first:
+            held.hold_meetings(world_size)
+        held.load_checkpoint_state(copy.deepcopy(state), torch.optim.SGD(held.module.parameters(), lr=0.1))
+        if not hold_first:
+            held.hold_meetings(world_size)
+        out.append(held.schedule.flight is None)
+    return out
+
+
+def test_a_failed_live_wait_restores_the_residuals_and_a_flight_is_dropped_where_live_recovery_meets():
+    assert all(run_on_ranks(_live_edges, 1)[0])

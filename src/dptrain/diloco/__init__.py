@@ -6,7 +6,7 @@ naive per-tensor oracle beside it.
 """
 
 from dptrain.diloco.module import DiLoCo
-from dptrain.diloco.options import DiLoCoOptions
+from dptrain.diloco.options import DiLoCoOptions, sync_schedule
 from dptrain.diloco.outer import OuterStep, outer_step_naive
 
-__all__ = ["DiLoCo", "DiLoCoOptions", "OuterStep", "outer_step_naive"]
+__all__ = ["DiLoCo", "DiLoCoOptions", "OuterStep", "outer_step_naive", "sync_schedule"]

@@ -100,6 +100,7 @@ class DiLoCo(SyncWarmup, nn.Module):
         self.meets_itself = False
         self.replicas = replicas
         self.schedule.set_lr(self.options.lr_for(replicas))
+        self.schedule.flight = None  # resumed from a checkpoint without live recovery: its meeting lands it afresh
 
     @property
     def outer(self) -> OuterStep:
@@ -200,15 +201,19 @@ class DiLoCo(SyncWarmup, nn.Module):
         applied: for the meeting that lands at step count ``step`` the slot's fragment (the whole model without
         fragments), after the ``last`` step every fragment (:meth:`Schedule.meeting_fragments`). The function
         returned waits for it."""
-        self._meeting_t0, self._meeting_last = time.perf_counter(), last
+        self._meeting_last = last
         fragments = self.schedule.meeting_fragments(step - self.options.warmup_steps, last)
-        return self.schedule.launch_over(fragments, self._params(), group, participants, participating)
+        wait = self.schedule.launch_over(fragments, self._params(), group, participants, participating)
+
+        def timed() -> list[tuple[int, RoundDelta]]:
+            self._meeting_t0 = time.perf_counter()  # a sync's time: its wait and its apply, not the steps beside it
+            return wait()
+        return timed
 
     def apply_meeting(self, reduced: list[tuple[int, RoundDelta]]) -> None:
         """The round committed: the fragments' outer steps with their averaged pseudo-gradients."""
-        if reduced:
-            self._count(self.schedule.apply_over(reduced, self._params(), self.steps, self._meeting_last),
-                        self._meeting_t0)
+        for counted in self.schedule.apply_over(reduced, self._params(), self.steps, self._meeting_last):
+            self._count(counted, self._meeting_t0)  # one sync per fragment, as without live recovery
 
     def discard_meeting(self, reduced: list[tuple[int, RoundDelta]]) -> None:
         """The round aborted: nothing changed but the residuals, which go back."""
@@ -338,6 +343,8 @@ class DiLoCo(SyncWarmup, nn.Module):
         self.synced_steps = int(shared.get("synced_steps", self.steps - self.steps_since_sync))
         self.schedule.load_state_dict(shared, self.options.lr_for(self.replicas), self.synced_steps)
         self.schedule.due = (self.local_steps // self.schedule.slot + 1) * self.schedule.slot  # a flight's landing
+        if not self.meets_itself:  # live recovery holds the meetings: the fragment's meeting reduces it afresh there
+            self.schedule.flight = None
         mine = state.get("rank")
         if mine:
             self.module.load_state_dict(mine["model"])

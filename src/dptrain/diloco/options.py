@@ -9,7 +9,7 @@ from typing import Any
 
 from dptrain.diloco.fragments import PATTERNS
 
-__all__ = ["DiLoCoOptions", "CODECS", "outer_lr_for"]
+__all__ = ["DiLoCoOptions", "CODECS", "outer_lr_for", "sync_schedule", "wire_bytes"]
 
 CODECS = ("none", "bf16", "int8", "int4", "e3m0")  # what the pseudo-gradient's reduction may be compressed with
 
@@ -118,3 +118,28 @@ class DiLoCoOptions:
                    offload=section.offload, warmup_steps=section.warmup_steps, ddp=dict(ddp or {}),
                    fragments=section.fragments, fragment_pattern=section.fragment_pattern,
                    overlap_steps=section.overlap_steps, mixing=section.mixing)
+
+
+def wire_bytes(compression: str, numel: int) -> int:
+    """The bytes of ``numel`` fp32 pseudo-gradient values as ``compression`` encodes them (one payload: what a ring
+    all-reduce of it moves 2 (M - 1) / M times, and the 4-bit reductions too, :mod:`dptrain.diloco.quantised`)."""
+    from dptrain.compress import make_codec
+    from dptrain.compress.fourbit import FOUR_BIT
+
+    if compression == "none":
+        return 4 * numel
+    codec = FOUR_BIT[compression]() if compression in FOUR_BIT else make_codec(compression)
+    return codec.wire_bytes(numel)
+
+
+def sync_schedule(section: Any, model: Any) -> tuple[int, tuple[int, ...], int, Callable[[int], int]]:
+    """What DiLoCo's sync points reduce, from a run config's ``[diloco]`` section and the model: the inner steps
+    between two (H / P), each fragment's elements in the order they sync, the overlap, and the bytes of n values on
+    the wire."""
+    from dptrain.diloco.fragments import split_fragments
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    fragments = split_fragments(model, params, section.fragments, section.fragment_pattern)
+    sizes = tuple(sum(params[i].numel() for i in members) for members in fragments)
+    return (section.period // section.fragments, sizes, section.overlap_steps,
+            lambda n: wire_bytes(section.compression, n))

@@ -31,7 +31,7 @@ from dptrain.compress.hook import CompressionHook
 from dptrain.ddp.comm_hooks import GradBucket
 from dptrain.diloco.quantised import QuantisedReduction
 
-__all__ = ["OuterStep", "InFlight", "RoundDelta", "make_compressor", "outer_step_naive", "outer_optimizer"]
+__all__ = ["OuterStep", "InFlight", "Launched", "RoundDelta", "make_compressor", "outer_step_naive", "outer_optimizer"]
 
 
 @dataclass
@@ -57,6 +57,15 @@ def make_compressor(compression: str, error_feedback: bool, group: dist.ProcessG
     if compression in FOUR_BIT:
         return QuantisedReduction(FOUR_BIT[compression](), error_feedback)
     return CompressionHook(make_codec(compression), error_feedback=error_feedback, process_group=group)
+
+
+@dataclass
+class Launched:
+    """A live round's reduction under way: :meth:`wait` gives its :class:`RoundDelta`; ``residual`` is the
+    error-feedback state from before it (restored where the wait fails: :meth:`OuterStep.restore_residual`)."""
+
+    wait: Callable[[], RoundDelta]
+    residual: dict | None
 
 
 @dataclass
@@ -154,14 +163,14 @@ class OuterStep:
     def reduce_over(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, participants: int,
                     participating: bool) -> RoundDelta:
         """Live recovery's reduction, waited for (:meth:`launch_over`)."""
-        return self.launch_over(params, group, participants, participating)()
+        return self.launch_over(params, group, participants, participating).wait()
 
     @torch.no_grad()
     def launch_over(self, params: Sequence[torch.Tensor], group: dist.ProcessGroup | None, participants: int,
-                    participating: bool) -> Callable[[], RoundDelta]:
+                    participating: bool) -> Launched:
         """Live recovery's reduction: the pseudo-gradient averaged over the ``participants`` members of a round's
         ``group`` (a process group outside torch.distributed's world; None: a round of one), nothing applied;
-        launched, and the function returned waits for it (Streaming DiLoCo's overlap runs inner steps between).
+        launched, and its ``wait`` waits for it (Streaming DiLoCo's overlap runs inner steps between).
 
         A member healed in this round (``participating`` False) holds a peer's inner steps, not
         its own: it adds zeros, and its error-feedback residual (the peer's) is cleared. The
@@ -176,7 +185,7 @@ class OuterStep:
         raw = delta.numel() * delta.element_size()
         size = group.size() if group is not None else 1
         if size == 1:
-            return lambda: RoundDelta(delta, {"raw": raw, "payload": 0, "sent": 0}, saved)
+            return Launched(lambda: RoundDelta(delta, {"raw": raw, "payload": 0, "sent": 0}, saved), saved)
         if self.compressor is None:
             work = group.allreduce([delta])
 
@@ -185,9 +194,9 @@ class OuterStep:
                 delta.div_(participants)
                 return RoundDelta(delta, {"raw": raw, "payload": 0, "sent": collective_cost(
                     "all_reduce", "ring", delta.numel(), 4, size).bytes_sent[group.rank()]}, saved)
-            return done
+            return Launched(done, saved)
         gathered = self._gathered_mean(delta, group, participants, participating)
-        return lambda: RoundDelta(delta, gathered(), saved)
+        return Launched(lambda: RoundDelta(delta, gathered(), saved), saved)
 
     def _gathered_mean(self, delta: torch.Tensor, group: dist.ProcessGroup, participants: int,
                        participating: bool) -> Callable[[], dict[str, int]]:
@@ -215,8 +224,12 @@ class OuterStep:
 
     def restore(self, reduced: RoundDelta) -> None:
         """A round that aborted: the error-feedback residual as it was before :meth:`reduce_over`."""
-        if self.compressor is not None and reduced.residual is not None:
-            self.compressor.load_state_dict(reduced.residual)
+        self.restore_residual(reduced.residual)
+
+    def restore_residual(self, residual: dict | None) -> None:
+        """The error-feedback residual ``residual`` (a copy taken before a live round's reduction) put back."""
+        if self.compressor is not None and residual is not None:
+            self.compressor.load_state_dict(residual)
 
     def state_dict(self) -> dict:
         """The global weights and the outer optimizer: the same on every rank."""

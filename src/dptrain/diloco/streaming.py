@@ -122,25 +122,32 @@ class Schedule:
         launched; the function returned waits for it. Nothing applied."""
         launched = [(f, self.outers[f].launch_over(self.members(params, f), group, participants, participating))
                     for f in fragments]
-        return lambda: [(f, wait()) for f, wait in launched]
+
+        def wait() -> list[tuple[int, RoundDelta]]:
+            try:
+                return [(f, under_way.wait()) for f, under_way in launched]
+            except Exception:  # a member gone: the residuals as before the round (the first fragment's copy)
+                if launched:
+                    f, first = launched[0]
+                    self.outers[f].restore_residual(first.residual)
+                raise
+        return wait
 
     def apply_over(self, reduced: list[tuple[int, RoundDelta]], params: list[nn.Parameter], step: int,
-                   last: bool) -> dict[str, int]:
+                   last: bool) -> list[dict[str, int]]:
         """A committed round's outer steps at step count ``step`` (mixing by the schedule's factor; after the last step
-        none, as :meth:`close`); their bytes."""
-        counted = {"raw": 0, "payload": 0, "sent": 0}
+        none, as :meth:`close`); each one's bytes."""
         for f, r in reduced:
             self.outers[f].apply(r.delta, self.members(params, f), keep=0.0 if last else self.keep)
             self.landed[f] = step
-            for key in counted:
-                counted[key] += r.counted[key]
-        return counted
+        return [r.counted for _, r in reduced]
 
     def restore(self, reduced: list[tuple[int, RoundDelta]]) -> None:
-        """An aborted round: the error-feedback residuals as they were before it (last first: the fragments share
-        one compressor, and the first fragment's copy is the state from before the round)."""
-        for f, r in reversed(reduced):
-            self.outers[f].restore(r)
+        """An aborted round: the error-feedback residuals as they were before it (the fragments share one compressor,
+        and the first fragment's copy is the state from before the round)."""
+        if reduced:
+            f, first = reduced[0]
+            self.outers[f].restore(first)
 
     def global_params(self, params: list[nn.Parameter]) -> list[torch.Tensor]:
         """The global weights, one tensor per trained parameter in ``params`` order, shaped like it (views into the

@@ -237,12 +237,16 @@ class LiveManager:
                 self._group_ok = False
                 self.group.drop()
 
-    def vote(self, attempt: Attempt, ok: bool) -> bool:
-        """The round's decision: True when every member's step went well (this one's: ``ok``)."""
+    def vote(self, attempt: Attempt, ok: bool, overlapped: bool = False) -> bool:
+        """The round's decision: True when every member's step went well (this one's: ``ok``). A member that votes
+        waits for the others' votes up to ``live.heartbeat_timeout_s``, or, in a round whose collective runs beside
+        steps (``overlapped``: the others may vote those steps later, a member with no steps to take at once), up to
+        ``live.join_timeout_s``; a member gone is seen by its heartbeat either way."""
         ok = ok and attempt.ok and self.group.error is None
         quorum = attempt.quorum
-        return commit_vote(self.store, quorum.round, quorum.index, quorum.members, ok, self.liveness,
-                           self.settings.heartbeat_timeout_s, self.progress)
+        limit = self.settings.join_timeout_s if overlapped else self.settings.heartbeat_timeout_s
+        return commit_vote(self.store, quorum.round, quorum.index, quorum.members, ok, self.liveness, limit,
+                           self.progress)
 
     def end(self, attempt: Attempt, committed: bool, counted: bool = True, advance: int = 1) -> float | None:
         """After the decision (and the optimizer step on commit): on to the next round; a recovery's seconds, if this

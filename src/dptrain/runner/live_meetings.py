@@ -78,6 +78,7 @@ class _Meeting:
     advance: int
     step: int
     ok: bool
+    overlapped: bool = False  # its collective runs beside the steps to its landing
     wait: Callable[[], object] | None = None
 
 
@@ -192,9 +193,12 @@ class MeetingGate(LiveGate):
         took = [m for m in current if m.since == advance]  # the members who took them: the meeting's participants
         mine = quorum.members[quorum.index]
         step = quorum.step + advance  # the round's
-        overlap = model.meeting_overlap if model.meeting_overlap and model.meeting_starts(step) and \
+        # overlapped where the schedule starts a reduction here, after steps taken (not right after a resume, where
+        # no member has taken any: the meeting is then held at its landing)
+        overlap = model.meeting_overlap if advance and model.meeting_overlap and model.meeting_starts(step) and \
             step + model.meeting_overlap < steps else 0
-        meeting = _Meeting(attempt, before, current, mine, advance + overlap, step + overlap, attempt.ok)
+        meeting = _Meeting(attempt, before, current, mine, advance + overlap, step + overlap, attempt.ok,
+                           overlapped=bool(overlap))
         if meeting.ok and advance:  # every member takes part (one behind, or that sat the steps out, adding zeros)
             try:
                 meeting.wait = model.launch_meeting(manager.group.pg, len(took), mine in took, meeting.step,
@@ -218,7 +222,7 @@ class MeetingGate(LiveGate):
                 manager.group.fail(e)
                 ok = False
             fault_before_vote(self.env.rank, step)
-        committed = manager.vote(attempt, ok)
+        committed = manager.vote(attempt, ok, meeting.overlapped)
         holds = mine in current  # this worker applies the result (a member behind is healed to it after)
         if committed and holds and replica.since < advance:  # healed after the last meeting: the others took its
             self._skip(advance - replica.since)  # steps (on commit only: an aborted meeting may be met by fewer)

@@ -25,7 +25,7 @@ from dptrain.optim.build import decays
 
 __all__ = ["ddp_options", "zero_options", "gossip_options", "compression_remedies", "ddp_compression",
            "zero_compression", "zero_check", "zero_check_live", "zero_check_shards", "zero_check_model", "ps_check", "ps_check_model", "ps_check_resume",
-           "ps_expendable", "ps_program", "LaidOut", "ddp_units", "zero_units"]
+           "ps_expendable", "ps_program", "LaidOut", "ddp_units", "zero_units", "SyncSchedule"]
 
 
 def ddp_options(cfg, model: nn.Module, nodes: int) -> dict[str, Any]:
@@ -154,6 +154,20 @@ def zero_check_shards(shard_size: int, world_size: int) -> None:
     from dptrain.zero.hybrid import check_shard_size
 
     check_shard_size(shard_size, world_size)
+
+
+class SyncSchedule(NamedTuple):
+    """What a strategy whose replicas step alone reduces when they meet (the registry's ``sync_schedule``): a sync
+    point every ``every`` steps, each reducing the next of ``parts`` (elements; one part: the whole model every time;
+    Streaming DiLoCo's fragments in turn) as ``wire_bytes(n)`` bytes a payload, beside ``overlap`` steps of compute;
+    the first ``warmup_steps`` steps synchronous (DDP's); ``name``: what a sync point is called."""
+
+    every: int
+    parts: tuple[int, ...]
+    overlap: int
+    wire_bytes: Callable[[int], int]
+    warmup_steps: int
+    name: str
 
 
 class LaidOut(NamedTuple):

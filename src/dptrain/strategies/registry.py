@@ -22,6 +22,7 @@ from torch import nn
 from dptrain.compress.codecs import CODECS  # the DDP engine's compression hook runs each on its buckets
 from dptrain.compress.zero import ZERO_CODECS  # ZeRO's reduce-scatter runs these shard by shard
 from dptrain.strategies.options import (
+    SyncSchedule,
     ddp_compression,
     ddp_options,
     ddp_units,
@@ -103,7 +104,10 @@ class Strategy:
       live recovery (hybrid sharding's shard group, :mod:`dptrain.live.layout`); None: each worker
       a whole replica;
     - ``check_shards(shard_size, world_size)``: hybrid sharding's groups of ``shard_size`` ranks
-      checked against the world (a ValueError naming the divisors), for a strategy that shards.
+      checked against the world (a ValueError naming the divisors), for a strategy that shards;
+    - ``sync_schedule(cfg, model) -> SyncSchedule``: for a strategy whose replicas step alone and
+      meet every few steps, what its meetings reduce and when (the simulator's model of its step,
+      :mod:`dptrain.planner.periodic`, and ``dptrain tune``'s).
 
     ``options_argument``: the keyword ``Engine`` and ``prepare()`` took its options by before
     ``options=`` (``ddp_kwargs``, ``zero_kwargs``, ``gossip_kwargs``), still accepted. ``label``:
@@ -140,6 +144,7 @@ class Strategy:
     check_live: Callable[[Any, int], None] | None = None
     live_group: Callable[[Any], int] | None = None
     check_shards: Callable[[int, int], None] | None = None
+    sync_schedule: Callable[[Any, nn.Module], SyncSchedule] | None = None
 
     def __post_init__(self):
         if (self.units is not None) != (self.zero_stage is not None):
@@ -226,6 +231,24 @@ def _diloco_options(cfg, model: nn.Module, nodes: int) -> Any:
     return DiLoCoOptions.from_section(cfg.diloco, ddp=ddp_options(cfg, model, nodes))
 
 
+def _localsgd_schedule(cfg, model: nn.Module) -> SyncSchedule:
+    """Every ``localsgd.period`` steps an all-reduce of the whole model, in its parameters' dtype."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    size = params[0].element_size() if params else 4
+    return SyncSchedule(cfg.localsgd.period, (sum(p.numel() for p in params),), 0,
+                        lambda n: n * size, cfg.localsgd.warmup_steps, "average")
+
+
+def _diloco_schedule(cfg, model: nn.Module) -> SyncSchedule:
+    """Every H / P steps one fragment's fp32 pseudo-gradient reduced, in turn, through ``diloco.compression``'s codec,
+    beside ``diloco.overlap_steps`` inner steps (:func:`dptrain.diloco.sync_schedule`)."""
+    from dptrain.diloco import sync_schedule
+
+    every, parts, overlap, wire_bytes = sync_schedule(cfg.diloco, model)
+    return SyncSchedule(every, parts, overlap, wire_bytes, cfg.diloco.warmup_steps,
+                        "outer step" if len(parts) == 1 else "fragment outer step")
+
+
 def _zero(stage: int, summary: str) -> Strategy:
     return Strategy(f"zero{stage}", summary, zero_stage=stage, shards_parameters=True, replicated_state=stage < 3,
                     checkpoint_layout="sharded", casts_itself=True, codecs=ZERO_CODECS, buckets=stage < 3,
@@ -259,13 +282,13 @@ REGISTRY: dict[str, Strategy] = {s.name: s for s in [
              "every H steps (Lin et al. 2020)", zero_stage=None, shards_parameters=False, replicated_state=False,
              checkpoint_layout="replicated", uncompressed="averages the models uncompressed, every localsgd.period "
              "steps", wrap=_policy_wrapper("localsgd", "dptrain.localsgd", "LocalSGD", "LocalSGDOptions"),
-             options=_localsgd_options, live="meeting"),
+             options=_localsgd_options, live="meeting", sync_schedule=_localsgd_schedule),
     Strategy("diloco", "DiLoCo: H local steps of the run's optimizer, then an outer Nesterov step on the averaged "
              "pseudo-gradients (Douillard et al. 2023)", zero_stage=None, shards_parameters=False,
              replicated_state=False, checkpoint_layout="replicated", uncompressed="compresses its outer step's "
              "all-reduce itself (diloco.compression)",
              wrap=_policy_wrapper("diloco", "dptrain.diloco", "DiLoCo", "DiLoCoOptions"), options=_diloco_options,
-             live="meeting"),
+             live="meeting", sync_schedule=_diloco_schedule),
 ]}
 
 

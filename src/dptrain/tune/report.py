@@ -14,7 +14,7 @@ from dptrain.tune.trials import write_config
 from dptrain.tune.tuner import Tuned
 from dptrain.utils.atomic import write_text_atomic
 
-__all__ = ["table", "to_json", "write_outputs", "command"]
+__all__ = ["table", "tables", "to_json", "write_outputs", "command"]
 
 
 def _ms(s: float | None) -> str:
@@ -38,16 +38,30 @@ def table(rows: list[Row[Candidate]], best: Row[Candidate] | None) -> str:
     return "\n".join(lines)
 
 
+def tables(result) -> str:
+    """Markdown: :func:`table` of the candidates ranked; below it, where the search had them, those measured apart
+    (strategies that meet every few steps: never chosen, their loss differs)."""
+    text = table(result.rows, result.best)
+    if result.apart:
+        text += ("\n\nMeasured apart, never chosen: these strategies' replicas step alone and meet every few steps, "
+                 "so their loss after a step is not synchronous training's (docs/localsgd.md); the step time "
+                 "is the mean over whole rounds of their sync points.\n\n" + table(result.apart, None))
+    return text
+
+
+def _rows(rows: list[Row[Candidate]]) -> list[dict]:
+    return [{"candidate": r.candidate.label, "overrides": r.candidate.overrides(), "memory_bytes": r.memory_bytes,
+             "predicted_s": r.predicted_s, "measured_s": r.measured_s, "measured_runs_s": [m.step_s for m in r.measured],
+             "peak_mb": r.peak_mb, "status": r.status} for r in rows]
+
+
 def to_json(tuned: Tuned, machine: Machine, calibration: Calibration, options: dict) -> dict:
     res = tuned.result
     return {"options": options, "where": machine.where, "world_size": machine.world_size, "trials": res.trials,
             "seconds": tuned.seconds, "calibration": calibration.to_dict(),
             "best": None if res.best is None else res.best.candidate.label,
             "predicted_best": None if res.predicted_best is None else res.predicted_best.candidate.label,
-            "rows": [{"candidate": r.candidate.label, "overrides": r.candidate.overrides(),
-                      "memory_bytes": r.memory_bytes, "predicted_s": r.predicted_s, "measured_s": r.measured_s,
-                      "measured_runs_s": [m.step_s for m in r.measured], "peak_mb": r.peak_mb, "status": r.status}
-                     for r in res.rows]}
+            "rows": _rows(res.rows), "apart": _rows(res.apart)}
 
 
 def command(machine: Machine, config: Path, strategy: str) -> str:
@@ -68,7 +82,7 @@ def write_outputs(tuned: Tuned, machine: Machine, calibration: Calibration, conf
     """``tune.json``, ``tune.md`` and, when a candidate was measured, ``best.toml``; returns the latter."""
     best = tuned.result.best
     write_text_atomic(out / "tune.json", json.dumps(to_json(tuned, machine, calibration, options), indent=1) + "\n")
-    write_text_atomic(out / "tune.md", table(tuned.result.rows, best) + "\n")
+    write_text_atomic(out / "tune.md", tables(tuned.result) + "\n")
     if best is None:
         return None
     return write_config(out / "best.toml", config, [*overrides, *best.candidate.overrides()])

@@ -68,6 +68,7 @@ class SearchResult(Generic[C]):
     rows: list[Row[C]]  # in predicted order: ranked ones first, then not predicted, then those that do not fit
     best: Row[C] | None
     trials: int  # candidates run for real (failed ones included)
+    apart: list[Row[C]] = field(default_factory=list)  # predicted and measured, never chosen (their loss differs)
 
     @property
     def predicted_best(self) -> Row[C] | None:

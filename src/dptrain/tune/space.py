@@ -14,10 +14,13 @@ candidate, or those given). For each:
   the loss are ``fp16`` and ``bf16`` (docs/compression.md), whose all-reduce is the
   uncompressed one at half the bytes (the simulator models a codec that way only).
 
-Strategies that change what is computed (local SGD, DiLoCo, the parameter server,
-gossip) are not candidates: the simulator has no model of them and their loss differs
-from synchronous training (docs/localsgd.md), so a faster step is not a like-for-like
-win. Lossy codecs (int8, top-k, PowerSGD) are left out for the same reason.
+Strategies whose replicas step alone and meet every few steps (the registry's
+``sync_schedule``: local SGD, DiLoCo) are candidates only where asked for by name, each
+with its micro-batch x accumulation (its schedule is the config's): the simulator models
+their step (:mod:`dptrain.planner.periodic`), but their loss at equal steps differs from
+synchronous training (docs/localsgd.md), so the tuner predicts and measures them *apart*
+(:func:`apart`) and never chooses one. The parameter server and gossip are not
+candidates, and lossy codecs (int8, top-k, PowerSGD) are left out for the same reason.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from dataclasses import dataclass
 
 from dptrain.strategies import get_strategy
 
-__all__ = ["Candidate", "candidates", "LOSS_KEEPING_CODECS", "divisors"]
+__all__ = ["Candidate", "candidates", "LOSS_KEEPING_CODECS", "divisors", "apart"]
 
 LOSS_KEEPING_CODECS = ("none", "fp16", "bf16")
 
@@ -66,6 +69,12 @@ class Candidate:
         return out
 
 
+def apart(candidate: Candidate) -> bool:
+    """Whether ``candidate``'s strategy meets every few steps (its loss differs: predicted and measured apart, never
+    chosen)."""
+    return get_strategy(candidate.strategy).sync_schedule is not None
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -96,6 +105,9 @@ def candidates(world_size: int, global_batch: int, strategies: list[str], micro_
     for m in sorted(micros, reverse=True):
         for strategy in strategies:
             entry = get_strategy(strategy)
+            if entry.sync_schedule is not None:  # its schedule's own: no bucket, codec or shard to vary
+                out.append(Candidate(strategy, m, per_rank // m))
+                continue
             coded = ("none",) if entry.shards_parameters else [c for c in codecs if entry.accepts_codec(c)]
             for bucket in (buckets if entry.buckets else (None,)):
                 for codec in coded:

@@ -39,8 +39,9 @@ def write_config(path: Path, config: Path | None, overrides: list[str]) -> Path:
     return path
 
 
-def read_steps(run_dir: Path, warmup: int) -> Measured:
-    """The median step time after ``warmup`` steps and the peak memory, from a finished run's ``metrics.jsonl``."""
+def read_steps(run_dir: Path, warmup: int, mean: bool = False) -> Measured:
+    """The median step time after ``warmup`` steps (``mean``: their mean, for a strategy whose sync points fall on a
+    few of them) and the peak memory, from a finished run's ``metrics.jsonl``."""
     records = []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         try:
@@ -53,12 +54,15 @@ def read_steps(run_dir: Path, warmup: int) -> Measured:
     peaks = [m for r in train for m in (r.get("peak_tensor_mb") or []) if m is not None]
     if not peaks:
         peaks = [m for r in train for m in (r.get("peak_rss_mb") or []) if m is not None]
-    return Measured(statistics.median(r["step_ms"] for r in train) / 1e3, max(peaks) if peaks else None)
+    times = [r["step_ms"] for r in train]
+    step = statistics.fmean(times) if mean else statistics.median(times)
+    return Measured(step / 1e3, max(peaks) if peaks else None)
 
 
 def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial_dir: Path, steps: int,
-              warmup: int, timeout: float) -> Measured:
-    """Run the configuration for ``steps`` steps in ``trial_dir`` (a new directory); its :class:`Measured`."""
+              warmup: int, timeout: float, mean: bool = False) -> Measured:
+    """Run the configuration for ``steps`` steps in ``trial_dir`` (a new directory); its :class:`Measured`
+    (:func:`read_steps`)."""
     if steps <= warmup:
         raise ValueError(f"a trial needs more steps ({steps}) than warm-up steps ({warmup})")
     toml = write_config(trial_dir / "config.toml", config, [*overrides, *trial_overrides(steps)])
@@ -71,7 +75,7 @@ def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial
         if "out of memory" in tail.lower() or code == -9 or code == 137:
             why = f"out of memory? {why}"
         raise TrialFailed(f"exit {code}: {why}")
-    measured = read_steps(trial_dir / "run", warmup)
+    measured = read_steps(trial_dir / "run", warmup, mean)
     prune(trial_dir / "run")
     return measured
 

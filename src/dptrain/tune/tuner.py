@@ -12,6 +12,14 @@ batch and the machine (:mod:`dptrain.tune.machine`):
 4. :func:`~dptrain.tune.search.search`: the best few measured by short real runs
    (:func:`~dptrain.tune.trials.run_trial`), or every one (``exhaustive``).
 
+Candidates that meet every few steps (:func:`~dptrain.tune.space.apart`: local SGD,
+DiLoCo) are predicted by :func:`~dptrain.planner.periodic.simulate_periodic` and each
+measured, apart (``SearchResult.apart``), and never chosen: their loss differs. Their
+trial skips the schedule's synchronous warm-up too, and runs at least two rounds of sync
+points after it, whole; their step time is the mean over those rounds (a median would
+leave the sync points out). Their memory is not planned (the planner models the
+synchronous engines): the trial's peak is reported.
+
 Everything it writes goes to the tune directory: the calibration, the profiles, each
 trial's config and run directory, the table (``tune.json``, ``tune.md``) and the
 winner's config (``best.toml``), which ``dptrain run --config`` takes.
@@ -28,16 +36,17 @@ from pathlib import Path
 from dptrain.config import load_config
 from dptrain.planner.calibration import Calibration
 from dptrain.planner.from_config import plan_config, planned_precision, setup_for
+from dptrain.planner.periodic import simulate_periodic
 from dptrain.planner.simulate import ComputeProfile, simulate_step
 from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy
 from dptrain.tune.calibrate import measure_profiles
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Row, SearchResult, search
-from dptrain.tune.space import Candidate
+from dptrain.tune.space import Candidate, apart
 from dptrain.tune.trials import run_trial, write_config
 
-__all__ = ["TuneOptions", "Tuned", "tune", "CODEC_RATIO"]
+__all__ = ["TuneOptions", "Tuned", "tune", "CODEC_RATIO", "trial_steps"]
 
 CODEC_RATIO = {"none": 1, "fp16": 2, "bf16": 2}  # bytes on the wire, fp32 over the codec's
 
@@ -85,6 +94,10 @@ def predictor(config: Path | None, overrides: list[str], world_size: int, calibr
 
     def predict(c: Candidate) -> float:
         cfg = load_config(config, [*overrides, *c.overrides()])
+        schedule = get_strategy(c.strategy).sync_schedule
+        if schedule is not None:
+            return simulate_periodic(model, c.strategy, schedule(cfg, model), world_size, profiles[c.micro_batch],
+                                     network, accum=c.accum, overheads=calibration.overheads).step_s
         setup = setup_for(cfg, model, c.strategy, world_size, planned_precision(cfg))
         return simulate_step(model, setup, profiles[c.micro_batch], network, "native",
                              compression=CODEC_RATIO[c.codec], accum=c.accum, overheads=calibration.overheads).step_s
@@ -97,6 +110,8 @@ def planned_memory(config: Path | None, overrides: list[str], world_size: int) -
     cache: dict[tuple, int | None] = {}
 
     def memory(c: Candidate) -> int | None:
+        if apart(c):  # not planned: the trial's peak says
+            return None
         key = (c.strategy, c.micro_batch, c.accum, c.bucket_mb, c.shard_size)
         if key not in cache:
             cfg = load_config(config, [*overrides, *c.overrides()])
@@ -125,11 +140,30 @@ def tune(machine: Machine, config: Path | None, overrides: list[str], candidates
 
     def measure(c: Candidate):
         trial_dir, runs[c] = work / "trials" / f"{names[c]}-r{runs[c]}", runs[c] + 1
-        return run_trial(machine, config, [*overrides, *c.overrides()], trial_dir, options.steps, options.warmup,
-                         options.timeout)
+        steps, warmup = trial_steps(config, [*overrides, *c.overrides()], c, options)
+        return run_trial(machine, config, [*overrides, *c.overrides()], trial_dir, steps, warmup, options.timeout,
+                         mean=apart(c))
 
     t0 = time.perf_counter()
-    result = search(candidates, predict, measure, memory, options.budget_bytes, options.trials, options.rounds,
-                    options.exhaustive, progress)
+    result = search([c for c in candidates if not apart(c)], predict, measure, memory, options.budget_bytes,
+                    options.trials, options.rounds, options.exhaustive, progress)
+    others = [c for c in candidates if apart(c)]
+    if others:  # each predicted and measured, never chosen
+        result.apart = search(others, predict, measure, memory, None, 1, options.rounds, True, progress).rows
+        result.trials += len(others)
     seconds["search"] = time.perf_counter() - t0
     return Tuned(result, profiles, seconds)
+
+
+def trial_steps(config: Path | None, overrides: list[str], c: Candidate, options: TuneOptions) -> tuple[int, int]:
+    """A trial's steps and the warm-up its time leaves out: ``options``' for a synchronous candidate; for one that
+    meets every few steps, its own warm-up beside theirs, then whole rounds of its sync points, at least two and at
+    least ``options``' measured steps."""
+    if not apart(c):
+        return options.steps, options.warmup
+    cfg = load_config(config, overrides)
+    schedule = get_strategy(c.strategy).sync_schedule(cfg, plan_target(cfg).model)
+    warmup = options.warmup + schedule.warmup_steps
+    round_steps = schedule.every * len(schedule.parts)
+    rounds = max(2, -(-(options.steps - options.warmup) // round_steps))
+    return warmup + rounds * round_steps, warmup
