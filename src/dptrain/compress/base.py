@@ -45,7 +45,6 @@ class CompressionStats:
     payload_bytes: int = 0
     sent_bytes: int = 0
     buckets: int = 0
-    history: list[dict] = field(default_factory=list)
     timed: bool = False
     seconds: dict = field(default_factory=lambda: dict.fromkeys(SPANS, 0.0))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -64,7 +63,6 @@ class CompressionStats:
         if self.timed:
             record.update({f"{k}_s": v for k, v in self.seconds.items()})
             self.seconds = dict.fromkeys(SPANS, 0.0)
-        self.history.append(record)
         self.raw_bytes = self.payload_bytes = self.sent_bytes = self.buckets = 0
         return record
 

@@ -63,7 +63,6 @@ class DynamicBatcher:
         self.every, self.smoothing, self.group = every, smoothing, process_group
         self.shares = split_shares(global_batch, [1.0] * world_size, minimum=accum)
         self.seconds_per_sample: float | None = None
-        self.history: list[list[int]] = [list(self.shares)]
 
     @property
     def offset(self) -> int:
@@ -97,7 +96,6 @@ class DynamicBatcher:
         shares = split_shares(self.global_batch, speeds, minimum=self.accum)
         changed = shares != self.shares
         self.shares = shares
-        self.history.append(list(shares))
         return changed
 
 
