@@ -28,7 +28,7 @@ BENCHMARKS = {"ddp": "dptrain.bench.ddp", "allocator": "dptrain.bench.allocator"
               "compression-link": "dptrain.bench.compression_link", "gpu": "dptrain.bench.gpu",
               "faults": "dptrain.bench.faults", "loader": "dptrain.bench.loader",
               "ddp-timeline": "dptrain.bench.ddp_timeline", "diloco": "dptrain.bench.diloco",
-              "live": "dptrain.bench.live"}
+              "live": "dptrain.bench.live", "bucket-cost": "dptrain.bench.bucket_cost"}
 
 
 def summary(doc: str | None) -> str:
