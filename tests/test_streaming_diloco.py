@@ -350,7 +350,7 @@ def _held_by_live(rank: int, world_size: int, path: str) -> list[torch.Tensor]:
         last = step == STEPS - 1
         if held.meeting_due or last:
             reduced = held.launch_meeting(group, world_size, True, held.steps, last)()
-            met.append([f for f, _ in reduced])
+            met.append([f for f, _ in reduced.reduced])
             held.apply_meeting(reduced)
             got[-1] = [p.detach().clone() for p in held.module.parameters()]
     assert held.finish() is None  # the last meeting closed every fragment

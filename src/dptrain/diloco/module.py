@@ -44,8 +44,8 @@ from dptrain.ddp import DistributedDataParallel
 from dptrain.ddp.warmup import SyncWarmup
 from dptrain.diloco.fragments import split_fragments
 from dptrain.diloco.options import DiLoCoOptions
-from dptrain.diloco.outer import OuterStep, RoundDelta
-from dptrain.diloco.streaming import Schedule
+from dptrain.diloco.outer import OuterStep
+from dptrain.diloco.streaming import MetRound, Schedule
 from dptrain.utils.weights_file import save_replica_weights
 
 __all__ = ["DiLoCo"]
@@ -196,28 +196,27 @@ class DiLoCo(SyncWarmup, nn.Module):
         return bool(self.options.overlap_steps) and local > 0 and self.schedule.starts(local) is not None
 
     def launch_meeting(self, group: dist.ProcessGroup | None, participants: int, participating: bool, step: int,
-                       last: bool) -> Callable[[], list[tuple[int, RoundDelta]]]:
+                       last: bool) -> Callable[[], MetRound]:
         """The outer step's reduction over a live round's ``group`` (:meth:`OuterStep.launch_over`), launched, not
         applied: for the meeting that lands at step count ``step`` the slot's fragment (the whole model without
         fragments), after the ``last`` step every fragment (:meth:`Schedule.meeting_fragments`). The function
         returned waits for it."""
-        self._meeting_last = last
         fragments = self.schedule.meeting_fragments(step - self.options.warmup_steps, last)
         wait = self.schedule.launch_over(fragments, self._params(), group, participants, participating)
 
-        def timed() -> list[tuple[int, RoundDelta]]:
-            self._meeting_t0 = time.perf_counter()  # a sync's time: its wait and its apply, not the steps beside it
-            return wait()
-        return timed
+        def waited() -> MetRound:
+            t0 = time.perf_counter()  # a sync's time: its wait and its apply, not the steps beside it
+            return MetRound(wait(), last, t0)
+        return waited
 
-    def apply_meeting(self, reduced: list[tuple[int, RoundDelta]]) -> None:
+    def apply_meeting(self, met: MetRound) -> None:
         """The round committed: the fragments' outer steps with their averaged pseudo-gradients."""
-        for counted in self.schedule.apply_over(reduced, self._params(), self.steps, self._meeting_last):
-            self._count(counted, self._meeting_t0)  # one sync per fragment, as without live recovery
+        for counted in self.schedule.apply_over(met.reduced, self._params(), self.steps, met.last):
+            self._count(counted, met.t0)  # one sync per fragment, as without live recovery
 
-    def discard_meeting(self, reduced: list[tuple[int, RoundDelta]]) -> None:
+    def discard_meeting(self, met: MetRound) -> None:
         """The round aborted: nothing changed but the residuals, which go back."""
-        self.schedule.restore(reduced)
+        self.schedule.restore(met.reduced)
 
     def met_tensors(self) -> list[torch.Tensor]:
         """What every replica holds alike after a meeting: every fragment's global weights and outer momentum, and

@@ -23,6 +23,7 @@ resumed run lands it at the same step, bit for bit.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -31,7 +32,17 @@ from torch import nn
 from dptrain.diloco.options import DiLoCoOptions
 from dptrain.diloco.outer import InFlight, OuterStep, RoundDelta, make_compressor
 
-__all__ = ["Schedule"]
+__all__ = ["Schedule", "MetRound"]
+
+
+@dataclass
+class MetRound:
+    """A live round's reduction, waited for: each fragment's averaged pseudo-gradient, whether it is the meeting after
+    the run's last step (no mixing then), and when the wait began (the sync's time runs from it)."""
+
+    reduced: list[tuple[int, RoundDelta]]
+    last: bool
+    t0: float
 
 
 class Schedule:
