@@ -118,4 +118,4 @@ def test_the_table_puts_them_below_never_chosen():
     text = tables(SearchResult([ddp], ddp, 2, apart=[dil]))
     ranked, below = text.split("Measured apart")
     assert "ddp 4x1 **best**" in ranked and "diloco" not in ranked
-    assert "| diloco 4x1 | - | 50.0 | 60.0 | 0.83 |" in below and "best" not in below
+    assert "| diloco 4x1 | - | 50.0 | 60.0 | 1 | - | 0.83 |" in below and "best" not in below

@@ -236,18 +236,30 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     setup = Setup("ddp", 4, bucket_cap_mb=0.2)  # a bucket per layer, all but the last overlapping backward
     bare = simulate_step(model, setup, prof, NET)
     n = len(bare.collectives)
-    assert bare.features[:3] == (1.0, n, 0.0) and bare.overhead_s == 0
-    assert 0 < bare.features[3] < sum(c.nbytes for c in bare.collectives)  # the overlapped bytes: not all of them
-    assert bare.features[5] == 8 * 65_792 * 4  # DDP steps every parameter
-    assert bare.features[4] == sum(c.nbytes for c in bare.collectives) and bare.features[6] == pytest.approx(0.31)
+    assert bare.features[:4] == (1.0, n, 0.0, 0.0) and bare.overhead_s == 0
+    assert 0 < bare.features[4] < sum(c.nbytes for c in bare.collectives)  # the overlapped bytes: not all of them
+    assert bare.features[6] == 8 * 65_792 * 4  # DDP steps every parameter
+    assert bare.features[5] == sum(c.nbytes for c in bare.collectives) and bare.features[7] == pytest.approx(0.31)
+    assert bare.features[8:] == (0.0, 0.0)  # no micro-step accumulates
     o = Overheads(per_step_s=1e-3, per_bucket_s=1e-4, contention_s_per_byte=1e-9, state_s_per_byte=1e-10,
-                  compute_slowdown=0.1)
+                  compute_slowdown=0.1, per_micro_step_s=1e-2, micro_step_s_per_byte=1e-11)
     with_o = simulate_step(model, setup, prof, NET, overheads=o)
-    assert with_o.overhead_s == pytest.approx(1e-3 + n * 1e-4 + 1e-9 * bare.features[3] + 1e-10 * bare.features[5]
+    assert with_o.overhead_s == pytest.approx(1e-3 + n * 1e-4 + 1e-9 * bare.features[4] + 1e-10 * bare.features[6]
                                               + 0.031)
     assert with_o.step_s == pytest.approx(bare.step_s + with_o.overhead_s)
+    # ZeRO-1/2's collectives and ZeRO-3's are counted apart
     z2 = simulate_step(model, Setup("zero2", 4), prof, NET)
-    assert z2.features[1] == 0 and z2.features[2] == len(z2.collectives) and z2.features[5] == bare.features[5] / 4
+    assert z2.features[1:4] == (0, len(z2.collectives), 0) and z2.features[6] == bare.features[6] / 4
+    z3 = simulate_step(model, Setup("zero3", 4), prof, NET)
+    assert z3.features[1:4] == (0, 0, len(z3.collectives))
+    # accumulation: 3 micro-steps without reducing; a sharded engine's pass over the full gradients in each
+    ddp4 = simulate_step(model, setup, prof, NET, accum=4, overheads=o)
+    assert ddp4.features[8:] == (3.0, 0.0) and ddp4.features[7] == pytest.approx(4 * 0.3 + 0.01)
+    z2a = simulate_step(model, Setup("zero2", 4), prof, NET, accum=4, overheads=o)
+    assert z2a.features[8:] == (3.0, 3.0 * bare.features[6])
+    z2o = simulate_step(model, Setup("zero2", 4), prof, NET, overheads=o)
+    extra = z2a.overhead_s - z2o.overhead_s - 0.1 * 3 * 0.3 - 1e-9 * (z2a.features[4] - z2o.features[4])
+    assert extra == pytest.approx(3e-2 + 3e-11 * bare.features[6])
 
 
 def test_simulate_with_a_calibration_uses_its_links_and_overheads_and_models_accumulation(tmp_path) -> None:

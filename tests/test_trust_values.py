@@ -76,6 +76,7 @@ FAST = ["--trial-timeout", "0.01"]
     (["--trials", "0", *FAST], ["--trials must be at least 1", "got 0", "e.g. --trials 3"]),
     (["--trials", "-1", *FAST], ["--trials must be at least 1", "got -1", "e.g. --trials 3"]),
     (["--rounds", "0", *FAST], ["--rounds must be at least 1", "got 0", "e.g. --rounds 1"]),
+    (["--rounds", "4", "--max-rounds", "2", *FAST], ["--max-rounds (2) must be at least --rounds (4)", "e.g. --max-rounds 3"]),
     (["--steps", "4", "--warmup", "4", *FAST], ["--steps (4) must exceed --warmup (4)", "e.g. --steps 12"]),
     (["--buckets", "-1", *FAST], ["--buckets must be positive sizes in MiB", "'-1'", "e.g. --buckets 1,4,25"]),
     (["--buckets", "nan", *FAST], ["--buckets must be positive sizes in MiB", "'nan'", "e.g. --buckets 1,4,25"]),

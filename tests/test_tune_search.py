@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from dptrain.planner.calibration import Calibration, CalibrationError, ProbeRun, fit_overheads
+from dptrain.planner.calibration import Calibration, CalibrationError, ProbeRun, fit_overheads, unidentified
 from dptrain.planner.simulate import Overheads
 from dptrain.tune.machine import _run
 from dptrain.tune.search import Measured, TrialFailed, search
@@ -95,11 +95,41 @@ def test_the_exhaustive_mode_measures_every_candidate_that_fits_interleaved_over
     assert all(len(r.measured) == 2 for r in res.rows if r.candidate != "e")
 
 
+def test_the_stopping_rule_reruns_the_candidates_the_best_cannot_be_told_from_within_the_budget() -> None:
+    predicted = {"a": 0.1, "b": 0.2, "c": 0.3, "d": 0.4, "e": 0.5}
+    noisy = {"a": [1.00, 1.10, 0.98, 1.0], "b": [1.02, 0.95, 0.97, 0.97], "c": [1.5, 1.52, 1.5, 1.5]}
+    log: list[str] = []
+
+    def measure(c: str) -> Measured:
+        log.append(c)
+        return Measured(noisy[c][log.count(c) - 1])
+
+    seen: list[tuple[int, int]] = []
+    res = search(list(TRUE), predicted.__getitem__, measure, trials=3, rounds=1, max_rounds=3,
+                 progress=lambda row, done, total: seen.append((done, total)))
+    # round 1: each once; round 2: every one again (one run has no range); round 3: only a and b still overlap
+    assert log == ["a", "b", "c", "b", "c", "a", "b", "a"] and seen[-1] == (8, 8)
+    rows = {r.candidate: r for r in res.rows}
+    assert res.best.candidate == "b" and len(rows["b"].measured) == 3 and len(rows["c"].measured) == 2
+    assert rows["c"].spread == pytest.approx(0.02 / 1.51) and rows["d"].spread is None
+    # runs that stand apart stop the rule early; the default budget (max_rounds = rounds) never starts it
+    apart = {"a": [1.0, 1.01], "b": [0.8, 0.81], "c": [1.2, 1.21]}
+    log.clear()
+    search(list(TRUE), predicted.__getitem__, lambda c: (log.append(c), Measured(apart[c][log.count(c) - 1]))[1],
+           trials=3, rounds=2, max_rounds=5)
+    assert sorted(log) == ["a", "a", "b", "b", "c", "c"]
+    log.clear()
+    search(list(TRUE), predicted.__getitem__, _measure(log), trials=3)
+    assert len(log) == 3
+
+
 def test_the_search_refuses_repeated_candidates_and_nonsense_budgets() -> None:
     with pytest.raises(ValueError, match="repeat"):
         search(["a", "a"], lambda c: 1.0, _measure([]))
     with pytest.raises(ValueError, match="at least 1"):
         search(["a"], lambda c: 1.0, _measure([]), trials=0)
+    with pytest.raises(ValueError, match="max_rounds at least rounds"):
+        search(["a"], lambda c: 1.0, _measure([]), rounds=3, max_rounds=2)
 
 
 def test_the_space_keeps_the_global_batch_and_gives_each_strategy_its_options() -> None:
@@ -121,29 +151,53 @@ def test_the_space_keeps_the_global_batch_and_gives_each_strategy_its_options() 
         candidates(2, 32, ["ddp"], codecs=["topk"])
 
 
-def test_the_overheads_fit_recovers_known_terms_and_never_goes_negative() -> None:
-    rng = np.random.default_rng(0)
-    true = Overheads(2e-3, 5e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15)
+def _probes(true: Overheads, count: int, seed: int = 0, unprobed: tuple[int, ...] = ()) -> list[ProbeRun]:
+    rng = np.random.default_rng(seed)
     probes = []
-    for i in range(14):
-        features = (1.0, float(rng.integers(0, 30)), float(rng.integers(0, 40)), float(rng.uniform(0, 5e7)),
-                    float(rng.uniform(0, 9e7)), float(rng.uniform(1e6, 3e7)), float(rng.uniform(0.01, 0.3)))
+    for i in range(count):
+        accum = float(rng.integers(0, 3))
+        features = [1.0, float(rng.integers(0, 30)), float(rng.integers(0, 30)), float(rng.integers(0, 40)),
+                    float(rng.uniform(0, 5e7)), float(rng.uniform(0, 9e7)), float(rng.uniform(1e6, 3e7)),
+                    float(rng.uniform(0.01, 0.3)), accum, accum * float(rng.uniform(1e6, 3e7))]
+        for k in unprobed:
+            features[k] = 0.0
         timeline = float(rng.uniform(0.02, 0.2))
         extra = sum(k * x for k, x in zip(true.terms(), features, strict=True))
-        probes.append(ProbeRun(f"p{i}", timeline + extra, timeline, features))
+        probes.append(ProbeRun(f"p{i}", timeline + extra, timeline, tuple(features)))
+    return probes
+
+
+def test_the_overheads_fit_recovers_known_terms_and_never_goes_negative() -> None:
+    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10)
+    probes = _probes(true, 20)
+    assert unidentified(probes) == []
     fitted = fit_overheads(probes)
     assert fitted.terms() == pytest.approx(true.terms(), rel=1e-6, abs=1e-12)
     # residuals that a term could only explain with a negative value leave it at zero
     fast = [ProbeRun("p", 0.9 * p.timeline_s, p.timeline_s, p.features) for p in probes]
-    assert fit_overheads(fast).terms() == (0.0,) * 7
+    assert fit_overheads(fast).terms() == (0.0,) * 10
+
+
+def test_a_term_the_probes_cannot_tell_apart_is_named_and_held_at_zero_not_fitted_to_noise() -> None:
+    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10)
+    # no probe accumulates: the two micro-step terms are not exercised; the rest are still recovered
+    probes = _probes(true, 20, unprobed=(8, 9))
+    assert unidentified(probes) == ["per_micro_step_s", "micro_step_s_per_byte"]
+    fitted = fit_overheads(probes)
+    assert fitted.per_micro_step_s == 0.0 and fitted.micro_step_s_per_byte == 0.0
+    assert fitted.per_zero_bucket_s == pytest.approx(3e-4, rel=1e-6)
+    # a feature that is another's multiple (every probe's ZeRO-3 collectives twice its ZeRO-1/2 ones): both named
+    twins = [ProbeRun(p.label, p.measured_s, p.timeline_s, (*p.features[:3], 2 * p.features[2], *p.features[4:]))
+             for p in probes]
+    assert {"per_zero_bucket_s", "per_zero_unit_s"} <= set(unidentified(twins))
 
 
 def test_a_calibration_round_trips_and_a_damaged_one_is_named(tmp_path) -> None:
     from dptrain.comm.cost import Link
 
     cal = Calibration("the emulated cluster", "2026-11-28", 2, 2, "gloo", True, Link(1e-3, 1e9), Link(2e-4, 1.2e8),
-                      Overheads(1e-3, 2e-4, 3e-4, 4e-10, 5e-10, 6e-10, 0.1),
-                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 1e6, 0.0, 1e6, 0.05))])
+                      Overheads(1e-3, 2e-4, 0.0, 3e-4, 4e-10, 5e-10, 6e-10, 0.1),
+                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 0.0, 1e6, 0.0, 1e6, 0.05, 0.0, 0.0))])
     path = tmp_path / "calibration.json"
     cal.save(path)
     back = Calibration.load(path)

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The study of docs/tune.md: the calibrated simulator's fidelity on the emulated cluster, and the tuner against
 # the exhaustive search on three settings. Needs root (dptrain cluster). About an hour on a 2-core machine.
-#   OUT=bench_results/tune bash docs/repro/tune_study.sh [SETTING ...]
-# Each setting's directory holds the calibration, every trial's config and run, tune.json and tune.md.
+#   OUT=bench_results/tune bash docs/repro/tune_study.sh [SETTING ...]     (SETTING: fid-2x1-1 fid-2x1-100 local cluster-1 cluster-100)
+# Each setting's directory holds the calibration, every trial's config and run, tune.json and tune.md. The exhaustive
+# searches measure every candidate ROUNDS times (default 3, interleaved: the median and its spread); the tuner runs
+# with its defaults (one run each, then the stopping rule, at most 3).
 set -euo pipefail
 OUT=${OUT:-bench_results/tune}
+ROUNDS=${ROUNDS:-3}
 mkdir -p "$OUT"
 LARGER=(--set gpt.n_layer=8 --set gpt.n_embd=256)
 COMMON=(--buckets 1,4,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300)
@@ -15,18 +18,18 @@ SETTINGS="$*"
 # fidelity: 2 hosts x 1 rank, the default GPT, 16 samples per rank, every ddp bucket, zero1-2 bucket and zero3
 for rate in 1 100; do
   want "fid-2x1-$rate" && run "fid-2x1-$rate" --cluster 2x1 --bandwidth-gbit $rate --global-batch 32 \
-    --micro-batches 16 "${COMMON[@]}" --exhaustive
+    --micro-batches 16 "${COMMON[@]}" --exhaustive --rounds $ROUNDS
 done
 # tuner vs exhaustive 1: the default GPT on 2 local ranks, global batch 32, the whole space
 if want local; then
-  run local-exhaustive --nproc 2 --global-batch 32 "${COMMON[@]}" --exhaustive
+  run local-exhaustive --nproc 2 --global-batch 32 "${COMMON[@]}" --exhaustive --rounds $ROUNDS
   run local-tuner --nproc 2 --global-batch 32 "${COMMON[@]}" --calibration "$OUT/local-exhaustive/calibration.json"
 fi
 # tuner vs exhaustive 2 and 3 (also fidelity at 2 x 2): a larger GPT on the emulated 2x2 cluster at 1 and 100 Gbit/s
 for rate in 1 100; do
   if want "cluster-$rate"; then
     run "cluster-$rate-exhaustive" --cluster 2x2 --bandwidth-gbit $rate "${LARGER[@]}" --global-batch 16 \
-      --micro-batches 4,2 --buckets 1,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300 --exhaustive
+      --micro-batches 4,2 --buckets 1,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300 --exhaustive --rounds $ROUNDS
     run "cluster-$rate-tuner" --cluster 2x2 --bandwidth-gbit $rate "${LARGER[@]}" --global-batch 16 \
       --micro-batches 4,2 --buckets 1,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300 \
       --calibration "$OUT/cluster-$rate-exhaustive/calibration.json"

@@ -44,6 +44,8 @@ __all__ = ["tune"]
 @click.option("--trials", type=int, default=3, show_default=True, help="candidates measured by real runs")
 @click.option("--rounds", type=int, default=1, show_default=True,
               help="runs of each measured candidate, interleaved (the median counts)")
+@click.option("--max-rounds", type=int, help="the stopping rule's budget: while the best's runs overlap another "
+              "candidate's, both run again, up to this many runs each  [default: 3, or --rounds if more]")
 @click.option("--exhaustive", is_flag=True, help="measure every candidate that fits (to check the tuner)")
 @click.option("--steps", type=int, default=12, show_default=True, help="steps per trial run")
 @click.option("--warmup", type=int, default=4, show_default=True, help="first steps of a trial not timed")
@@ -56,7 +58,8 @@ __all__ = ["tune"]
 def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int | None, nproc: int | None,
          cluster_shape: str | None, bandwidth_gbit: float, launcher: str | None, hosts: int | None,
          per_host: int | None, strategies: str | None, micro_batches: str | None, buckets: str, codecs: str,
-         shard_sizes: str | None, memory_gib: float | None, trials: int, rounds: int, exhaustive: bool, steps: int,
+         shard_sizes: str | None, memory_gib: float | None, trials: int, rounds: int, max_rounds: int | None,
+         exhaustive: bool, steps: int,
          warmup: int, trial_timeout: float, calibration_path: Path | None, out: Path) -> None:
     """Choose the configuration of a job: predicted by the calibrated simulator, confirmed by short runs.
 
@@ -100,7 +103,8 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
         if global_batch is not None and global_batch < 1:
             raise click.BadParameter(f"--global-batch must be at least 1 sample, got {global_batch}; leave it out "
                                      "for the config's (else 32)")
-        tune_options = TuneOptions(trials, rounds, exhaustive, steps, warmup, trial_timeout, _budget(memory_gib))
+        tune_options = TuneOptions(trials, rounds, exhaustive, steps, warmup, trial_timeout, _budget(memory_gib),
+                                   max_rounds)
         _check_out(out)
         extra = list(overrides)
         cfg = read_config(config_path, extra)

@@ -3,16 +3,20 @@
 The α-β model of a collective prices the link; a real step also pays for what runs on
 the compute thread around each collective and for communication that shares the cores
 with compute, and the run's compute is slower than the bare model's. Those are
-:class:`~dptrain.planner.simulate.Overheads`' seven terms: a fixed time per step, per
-DDP bucket, per ZeRO collective, per byte communicated while the device computes, per
-byte communicated at all, per byte of the parameters a rank steps, and a share of the
-profiled compute. :func:`fit_overheads` fits them to probe runs, each a measured step
+:class:`~dptrain.planner.simulate.Overheads`' ten terms: a fixed time per step, per
+DDP bucket, per ZeRO-1/2 bucket, per ZeRO-3 unit collective, per byte communicated
+while the device computes, per byte communicated at all, per byte of the parameters a
+rank steps, a share of the profiled compute, and per micro-step that accumulates
+without reducing (fixed, and per byte a sharded engine accumulates). :func:`fit_overheads` fits them to probe runs, each a measured step
 time beside the simulator's timeline for the same run without overheads
 (:attr:`~dptrain.planner.simulate.StepPrediction.features`): non-negative least squares
 on the residuals (measured - timeline), relative to the measured step so that a short
-step counts as much as a long one. Seven unknowns, solved exactly by trying every
-subset of terms held at zero (128 small least-squares problems) and keeping the best with no
-negative term, as Lawson and Hanson's active-set NNLS would find.
+step counts as much as a long one. Ten unknowns, solved exactly by trying every
+subset of terms held at zero (1,024 small least-squares problems) and keeping the best with no
+negative term, as Lawson and Hanson's active-set NNLS would find. A term the probes
+cannot tell apart from the others (its feature zero in every probe, or a combination of
+the others' features) is not fitted but held at zero and named
+(:func:`unidentified`): a value for it would be noise.
 
 A :class:`Calibration` is what ``dptrain tune`` measures once per machine (or emulated
 cluster) and reuses: the links inside and across hosts, the overheads, the probe runs
@@ -35,9 +39,9 @@ from dptrain.planner.network import Network
 from dptrain.planner.simulate import Overheads
 from dptrain.utils.atomic import write_text_atomic
 
-__all__ = ["ProbeRun", "Calibration", "fit_overheads", "CalibrationError"]
+__all__ = ["ProbeRun", "Calibration", "fit_overheads", "unidentified", "CalibrationError"]
 
-VERSION = 1
+VERSION = 2  # 2: ten terms (ZeRO-1/2 apart from ZeRO-3, the micro-steps)
 
 
 class CalibrationError(ValueError):
@@ -54,26 +58,50 @@ class ProbeRun:
     features: tuple[float, ...]
 
 
-def fit_overheads(probes: list[ProbeRun]) -> Overheads:
-    """The :class:`Overheads` minimising the probes' squared relative error, every term >= 0.
-
-    Each probe gives ``(measured - timeline) / measured = sum_k term_k * feature_k / measured``.
-    Every subset of the terms is fitted by least squares with the others at zero; the
-    best fit with no negative term wins (the empty subset, all zero, always qualifies).
-    """
+def _matrix(probes: list[ProbeRun]) -> tuple[np.ndarray, np.ndarray]:
+    n = len(Overheads().terms())
     if not probes:
         raise ValueError("no probe runs to fit the overheads to")
-    n = len(Overheads().terms())
     if any(len(p.features) != n for p in probes):
         raise ValueError(f"each probe needs {n} features (Overheads' terms)")
     X = np.array([[f / p.measured_s for f in p.features] for p in probes], dtype=float)
     y = np.array([(p.measured_s - p.timeline_s) / p.measured_s for p in probes], dtype=float)
+    return X, y
+
+
+def _identified(X: np.ndarray) -> list[bool]:
+    """Whether each column is non-zero somewhere and not a combination of the others (the rank drops without it)."""
+    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # each column to unit scale: the rank test is fair
+    rank = np.linalg.matrix_rank(scaled, tol=1e-9)
+    out = []
+    for k in range(X.shape[1]):
+        others = np.delete(scaled, k, axis=1)
+        out.append(bool(np.any(X[:, k])) and np.linalg.matrix_rank(others, tol=1e-9) < rank)
+    return out
+
+
+def unidentified(probes: list[ProbeRun]) -> list[str]:
+    """The :class:`Overheads` terms these probes cannot identify: their feature is zero in every probe (no probe
+    exercises it) or a linear combination of the other terms' (the probes cannot tell them apart)."""
+    X, _ = _matrix(probes)
+    return [name for name, ok in zip(Overheads.names(), _identified(X), strict=True) if not ok]
+
+
+def fit_overheads(probes: list[ProbeRun]) -> Overheads:
+    """The :class:`Overheads` minimising the probes' squared relative error, every term >= 0.
+
+    Each probe gives ``(measured - timeline) / measured = sum_k term_k * feature_k / measured``.
+    Every subset of the identified terms (:func:`unidentified`: the others stay at zero) is
+    fitted by least squares with the rest at zero; the best fit with no negative term wins
+    (the empty subset, all zero, always qualifies).
+    """
+    X, y = _matrix(probes)
+    n = X.shape[1]
+    free = [k for k, ok in enumerate(_identified(X)) if ok]
     best, best_err = np.zeros(n), float(np.sum(y ** 2))
-    for size in range(1, n + 1):
-        for cols in itertools.combinations(range(n), size):
+    for size in range(1, len(free) + 1):
+        for cols in itertools.combinations(free, size):
             A = X[:, cols]
-            if not np.any(A):
-                continue
             coef, *_ = np.linalg.lstsq(A, y, rcond=None)
             if np.any(coef < 0):
                 continue
@@ -110,6 +138,10 @@ class Calibration:
         return Network(f"calibrated: {self.where}", self.inside, self.across, self.per_host,
                        f"fitted on {self.where}, {self.taken}", shared_net=self.shared_net, backend=self.backend)
 
+    def unidentified(self) -> list[str]:
+        """The terms the probes could not identify (:func:`unidentified`), held at zero."""
+        return unidentified(self.probes) if self.probes else list(Overheads.names())
+
     def residuals(self) -> list[dict]:
         """Each probe's measured step and the calibrated simulator's (timeline + overheads)."""
         out = []
@@ -134,9 +166,7 @@ class Calibration:
                                    f"{d.get('version') if isinstance(d, dict) else None!r}); measure a new one")
         try:
             links = {k: Link(**_floats(d[k], ("alpha", "beta", "gamma"), {"duplex"})) for k in ("inside", "across")}
-            overheads = Overheads(**_floats(d["overheads"], ("per_step_s", "per_bucket_s", "per_zero_collective_s",
-                                                             "contention_s_per_byte", "comm_s_per_byte",
-                                                             "state_s_per_byte", "compute_slowdown")))
+            overheads = Overheads(**_floats(d["overheads"], Overheads.names()))
             probes = [ProbeRun(str(p["label"]), float(p["measured_s"]), float(p["timeline_s"]),
                                tuple(float(x) for x in p["features"])) for p in d["probes"]]
             return cls(str(d["where"]), str(d["taken"]), int(d["hosts"]), int(d["per_host"]), str(d["backend"]),

@@ -34,10 +34,12 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   gather once, before the first.
 - **What the link's α-β cost leaves out** (:class:`Overheads`, fitted on the machine at
   hand by :func:`dptrain.planner.calibration.fit_overheads`): a fixed time per step (the
-  end-of-backward bookkeeping), per DDP bucket and per ZeRO collective (the work on the
-  compute thread around each collective: launch, wait, copies), and the computation
-  slowed by the bytes communicated beside it (gloo's TCP copies take the cores compute
-  runs on). Added to the step after the timeline; zero by default.
+  end-of-backward bookkeeping), per DDP bucket, per ZeRO-1/2 bucket and per ZeRO-3 unit
+  collective (the work on the compute thread around each collective: launch, wait,
+  copies), per micro-step that accumulates without reducing (and, sharded, per byte it
+  accumulates), and the computation slowed by the bytes communicated beside it (gloo's
+  TCP copies take the cores compute runs on). Added to the step after the timeline; zero
+  by default.
 
 Compute comes from a :class:`ComputeProfile`: measured on the real model
 (:func:`measure_profile`: forward, backward and optimizer times, and when each
@@ -50,7 +52,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -153,8 +155,12 @@ class Overheads:
 
     ``per_step_s``: once per optimizer step (the end-of-backward callback, the engine's
     bookkeeping); ``per_bucket_s``: per DDP all-reduce (its hook's launch, the wait and
-    the copy back into the gradients); ``per_zero_collective_s``: per ZeRO gather or
-    reduce-scatter (flattening, the shard copies, the hooks); ``contention_s_per_byte``:
+    the copy back into the gradients); ``per_zero_bucket_s``: per ZeRO-1/2 collective (a
+    bucket's gather or reduce-scatter: the shard copies, the hooks, the wait that holds
+    compute back); ``per_zero_unit_s``: per ZeRO-3 collective (a unit's flattening,
+    gather into the full buffer and release, its reduce-scatter), apart from ZeRO-1/2's
+    because a unit's life is not a bucket's (docs/tune.md measured one shared term 1.12-1.17
+    over at 25 MiB and 0.75-0.85 under at 1 MiB); ``contention_s_per_byte``:
     compute delayed per byte of a collective that runs while the device computes (a
     CPU backend's copies share the cores with compute; near zero where a NIC and NCCL's
     kernels do the work); ``comm_s_per_byte``: per byte of every collective, wherever it
@@ -165,21 +171,35 @@ class Overheads:
     divergence checks, zeroing, the engine's copies); ``compute_slowdown``: the share by
     which a training run's compute exceeds the profile's bare forward, backward and step
     (the trainer's per-step work, the data, the network stack's interrupts on a host
-    whose cores compute: 1-49% in docs/tune.md's probe runs). Fitted by
-    :func:`dptrain.planner.calibration.fit_overheads`.
+    whose cores compute: 1-49% in docs/tune.md's probe runs); ``per_micro_step_s``: per
+    micro-step that accumulates without reducing (``no_sync``: the loader, the engine's
+    and the hooks' work a micro-step repeats); ``micro_step_s_per_byte``: per byte of the
+    full gradients a sharded engine accumulates in such a micro-step (ZeRO-1 re-points
+    every parameter at its full gradient buffer each forward, ZeRO-2/3 add the local
+    gradients into a full-size buffer: a pass over the model's bytes a bare backward does
+    not make). Fitted by :func:`dptrain.planner.calibration.fit_overheads`.
     """
 
     per_step_s: float = 0.0
     per_bucket_s: float = 0.0
-    per_zero_collective_s: float = 0.0
+    per_zero_bucket_s: float = 0.0
+    per_zero_unit_s: float = 0.0
     contention_s_per_byte: float = 0.0
     comm_s_per_byte: float = 0.0
     state_s_per_byte: float = 0.0
     compute_slowdown: float = 0.0
+    per_micro_step_s: float = 0.0
+    micro_step_s_per_byte: float = 0.0
 
     def terms(self) -> tuple[float, ...]:
-        return (self.per_step_s, self.per_bucket_s, self.per_zero_collective_s, self.contention_s_per_byte,
-                self.comm_s_per_byte, self.state_s_per_byte, self.compute_slowdown)
+        return (self.per_step_s, self.per_bucket_s, self.per_zero_bucket_s, self.per_zero_unit_s,
+                self.contention_s_per_byte, self.comm_s_per_byte, self.state_s_per_byte, self.compute_slowdown,
+                self.per_micro_step_s, self.micro_step_s_per_byte)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        """The terms' field names, in :meth:`terms`' order."""
+        return tuple(f.name for f in fields(cls))
 
 
 @dataclass(frozen=True)
@@ -196,7 +216,7 @@ class StepPrediction:
     exposed_s: float  # step time beyond compute alone
     collectives: list[Collective] = field(repr=False)
     accum: int = 1  # micro-steps per step: forward_s and backward_s are per micro-step
-    features: tuple[float, ...] = (0.0,) * 7  # what Overheads' terms multiply
+    features: tuple[float, ...] = (0.0,) * 10  # what Overheads' terms multiply
     overhead_s: float = 0.0  # the Overheads' share of step_s
 
     @property
@@ -306,26 +326,30 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     step = max(t, *(link.free for link in links)) + O
     log = sorted((c for link in links for c in link.log), key=lambda c: c.start_s)
     comm = sum(c.end_s - c.start_s for c in log)
-    stepped = sum(u.numel * u.dtype.itemsize for u in shapes) / (setup.shards if setup.stage else 1)
-    features = _features(log, windows, setup.stage, stepped, accum * (F + B) + O)
+    full = sum(u.numel * u.dtype.itemsize for u in shapes)
+    features = _features(log, windows, setup.stage, full / (setup.shards if setup.stage else 1),
+                         accum * (F + B) + O, accum, full if setup.stage else 0.0)
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
 
 
 def _features(log: list[Collective], windows: list[tuple[float, float]], stage: int, stepped_bytes: float,
-              compute_s: float) -> tuple[float, ...]:
-    """What :class:`Overheads`' terms multiply: 1 step, DDP's collectives, ZeRO's collectives, the bytes of
+              compute_s: float, accum: int = 1, accumulated_bytes: float = 0.0) -> tuple[float, ...]:
+    """What :class:`Overheads`' terms multiply: 1 step, DDP's collectives, ZeRO-1/2's, ZeRO-3's, the bytes of
     collectives while the device computes (each collective's bytes times the share of its time inside a window),
-    every collective's bytes, the bytes of the parameters this rank steps, and the profile's compute seconds."""
+    every collective's bytes, the bytes of the parameters this rank steps, the profile's compute seconds, the
+    micro-steps that accumulate without reducing, and the bytes a sharded engine accumulates in them."""
     overlapped = 0.0
     for c in log:
         span = c.end_s - c.start_s
         if span > 0:
             inside = sum(max(0.0, min(c.end_s, hi) - max(c.start_s, lo)) for lo, hi in windows)
             overlapped += c.nbytes * inside / span
-    return (1.0, float(len(log)) if stage == 0 else 0.0, float(len(log)) if stage else 0.0, overlapped,
-            float(sum(c.nbytes for c in log)), float(stepped_bytes), float(compute_s))
+    count = float(len(log))
+    return (1.0, count if stage == 0 else 0.0, count if stage in (1, 2) else 0.0, count if stage == 3 else 0.0,
+            overlapped, float(sum(c.nbytes for c in log)), float(stepped_bytes), float(compute_s),
+            float(accum - 1), float((accum - 1) * accumulated_bytes))
 
 
 def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool,

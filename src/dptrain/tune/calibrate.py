@@ -7,11 +7,12 @@
 2. **Overheads.** Short ``dptrain run`` jobs of three probe models (the built-in
    character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
    is used for) under one planned strategy of each kind of step (:func:`probe_variants`:
-   DDP with small and large buckets, ZeRO-1, ZeRO-3 and, where the world allows, hybrid
-   ZeRO-3); each probe's compute is timed on all ranks at once
+   DDP and ZeRO-1 each with small and large buckets and with accumulation, ZeRO-3 and,
+   where the world allows, hybrid ZeRO-3); each probe's compute is timed on all ranks at once
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
-   fits the seven terms to what the timeline misses. Each probe runs ``rounds`` times,
+   fits the ten terms to what the timeline misses
+   (a term no probe can tell apart is held at zero and named). Each probe runs ``rounds`` times,
    interleaved (the median counts): a single run of a short job varies by 10-30% here.
 
 The probes use the built-in task, whatever the user's model: the calibration belongs to
@@ -45,22 +46,29 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
                 (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
 
 
-def probe_variants(world_size: int, per_host: int) -> dict[str, list[str]]:
+PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
+
+
+def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict[str, list[str]]:
     """The strategies each probe model runs under: the first planned strategy of each kind of step the simulator
-    times apart (replicated or sharded, bucketed or per unit: DDP, ZeRO-1 and ZeRO-3 today), a replicated bucketed
-    one at many and at few buckets (the per-bucket overhead), a sharded one per unit also hybrid where the world
-    allows (a shard group per host)."""
+    times apart (replicated or sharded, bucketed or per unit: DDP, ZeRO-1 and ZeRO-3 today). A bucketed one runs at
+    many and at few buckets (its per-bucket overhead apart from its per-byte one) and with ``PROBE_ACCUM``
+    micro-steps per step (the micro-steps that accumulate without reducing: ``micro_batch`` samples each); a
+    sharded one per unit also hybrid where the world allows (a shard group per host)."""
     kinds: dict[tuple[bool, bool], str] = {}
     for name in strategy_names(lambda s: s.planned):
         entry = get_strategy(name)
         kinds.setdefault((entry.shards_parameters, entry.buckets), name)
     shard = per_host if 1 < per_host < world_size else None
+    accum = [f"train.global_batch_size={micro_batch * world_size * PROBE_ACCUM}", f"train.micro_batch_size={micro_batch}",
+             f"train.grad_accum_steps={PROBE_ACCUM}"]
     out = {}
     for (sharded, bucketed), name in kinds.items():
         strategy = [f'distributed.strategy="{name}"']
-        if bucketed and not sharded:
+        if bucketed:
             out[f"{name} 0.25MiB"] = [*strategy, "ddp.bucket_cap_mb=0.25"]
             out[f"{name} 25MiB"] = [*strategy, "ddp.bucket_cap_mb=25"]
+            out[f"{name} 25MiB accum{PROBE_ACCUM}"] = [*strategy, "ddp.bucket_cap_mb=25", *accum]
         else:
             out[name] = strategy
         if sharded and not bucketed and shard is not None:
@@ -125,11 +133,12 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
         base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
         profile = measure_profiles(machine, base, [micro], work / f"probe{i}" / "profile.json", timeout)[micro]
         model = plan_target(load_config(base)).model
-        for name, variant in probe_variants(world, machine.per_host).items():
+        for name, variant in probe_variants(world, machine.per_host, micro).items():
             cfg = load_config(base, variant)
             setup = setup_for(cfg, model, cfg.distributed.strategy, world, "fp32")
             label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
-            runs.append((label, base, variant, simulate_step(model, setup, profile, network, "native")))
+            runs.append((label, base, variant, simulate_step(model, setup, profile, network, "native",
+                                                             accum=cfg.train.grad_accum_steps or 1)))
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
     for r in range(rounds):  # interleaved, each round from a different start
         for label, base, variant, _ in runs[r % len(runs):] + runs[:r % len(runs)]:
@@ -144,11 +153,14 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     cal.overheads = fit_overheads(probes)
     o = cal.overheads
     log(f"overheads: {o.per_step_s * 1e3:.2f} ms per step, {o.per_bucket_s * 1e3:.3f} ms per DDP bucket, "
-        f"{o.per_zero_collective_s * 1e3:.3f} ms per ZeRO collective, "
-        f"{o.contention_s_per_byte * 1e9:.3f} ms per MB communicated beside compute, "
+        f"{o.per_zero_bucket_s * 1e3:.3f} ms per ZeRO-1/2 bucket, {o.per_zero_unit_s * 1e3:.3f} ms per ZeRO-3 "
+        f"collective, {o.contention_s_per_byte * 1e9:.3f} ms per MB communicated beside compute, "
         f"{o.comm_s_per_byte * 1e9:.3f} ms per MB communicated, "
         f"{o.state_s_per_byte * 1e9:.3f} ms per MB of parameters stepped, compute slowed by "
-        f"{100 * o.compute_slowdown:.1f}%")
+        f"{100 * o.compute_slowdown:.1f}%, {o.per_micro_step_s * 1e3:.2f} ms per accumulating micro-step "
+        f"(+{o.micro_step_s_per_byte * 1e9:.3f} ms per MB a sharded one accumulates)")
+    if cal.unidentified():
+        log(f"  not identified by these probes, held at zero: {', '.join(cal.unidentified())}")
     for r in cal.residuals():
         log(f"  fitted {r['label']}: {r['fitted_s'] * 1e3:.1f} ms, measured {r['measured_s'] * 1e3:.1f} "
             f"({r['ratio']:.3f})")

@@ -26,15 +26,17 @@ def _mib(b: int | None) -> str:
 
 
 def table(rows: list[Row[Candidate]], best: Row[Candidate] | None) -> str:
-    """Markdown: every candidate in predicted order, with its memory, predicted and measured step and status."""
-    lines = ["| # | candidate | planned MiB/rank | predicted ms | measured ms | predicted / measured | "
-             "peak MiB (run) | status |", "|---:|---|---:|---:|---:|---:|---:|---|"]
+    """Markdown: every candidate in predicted order, with its memory, predicted and measured step (the median of its
+    runs, their count and spread: (max - min) / median) and status."""
+    lines = ["| # | candidate | planned MiB/rank | predicted ms | measured ms (median) | runs | spread | "
+             "predicted / measured | peak MiB (run) | status |", "|---:|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for i, r in enumerate(rows, 1):
         ratio = f"{r.predicted_s / r.measured_s:.2f}" if r.predicted_s and r.measured_s else "-"
         peak = "-" if r.peak_mb is None else f"{r.peak_mb:.0f}"
+        spread = "-" if r.spread is None else f"{100 * r.spread:.1f}%"
         mark = " **best**" if r is best else ""
         lines.append(f"| {i} | {r.candidate.label}{mark} | {_mib(r.memory_bytes)} | {_ms(r.predicted_s)} | "
-                     f"{_ms(r.measured_s)} | {ratio} | {peak} | {r.status} |")
+                     f"{_ms(r.measured_s)} | {len(r.measured)} | {spread} | {ratio} | {peak} | {r.status} |")
     return "\n".join(lines)
 
 
@@ -52,7 +54,7 @@ def tables(result) -> str:
 def _rows(rows: list[Row[Candidate]]) -> list[dict]:
     return [{"candidate": r.candidate.label, "overrides": r.candidate.overrides(), "memory_bytes": r.memory_bytes,
              "predicted_s": r.predicted_s, "measured_s": r.measured_s, "measured_runs_s": [m.step_s for m in r.measured],
-             "peak_mb": r.peak_mb, "status": r.status} for r in rows]
+             "spread": r.spread, "peak_mb": r.peak_mb, "status": r.status} for r in rows]
 
 
 def to_json(tuned: Tuned, machine: Machine, calibration: Calibration, options: dict) -> dict:

@@ -12,7 +12,14 @@ calibrated simulator ranks first):
    or last); a trial that fails (out of memory, a crash, a hang) is recorded with its
    reason and the next candidate in the ranking takes its place, until ``trials``
    candidates were measured or ``2 * trials`` were tried;
-4. the winner is the measured candidate with the lowest median step time.
+4. **until the best is told apart** (a stopping rule within a budget): while the best
+   measured candidate's runs overlap another's (the range of one's runs reaches into
+   the other's; a candidate run once has no range yet, so it overlaps), those
+   candidates run once more each, interleaved, up to ``max_rounds`` runs in all: on a
+   machine whose steps vary 3-6% between runs, one run each cannot separate candidates
+   closer than that (docs/tune.md);
+5. the winner is the measured candidate with the lowest median step time; each row
+   reports its runs' spread (:attr:`Row.spread`).
 
 ``exhaustive=True`` measures every candidate that fits: the reference the tuner is
 checked against. Only the callables touch the machine, so the search is tested on fake
@@ -58,6 +65,21 @@ class Row(Generic[C]):
         return statistics.median(m.step_s for m in self.measured) if self.measured else None
 
     @property
+    def spread(self) -> float | None:
+        """The range of its runs over their median ((max - min) / median); None below two runs."""
+        if len(self.measured) < 2:
+            return None
+        times = [m.step_s for m in self.measured]
+        return (max(times) - min(times)) / statistics.median(times)
+
+    def overlaps(self, other: Row) -> bool:
+        """Whether its runs and ``other``'s cannot be told apart: their ranges meet, or either ran once (no range)."""
+        if len(self.measured) < 2 or len(other.measured) < 2:
+            return True
+        mine, theirs = [m.step_s for m in self.measured], [m.step_s for m in other.measured]
+        return min(mine) <= max(theirs) and min(theirs) <= max(mine)
+
+    @property
     def peak_mb(self) -> float | None:
         peaks = [m.peak_mb for m in self.measured if m.peak_mb is not None]
         return max(peaks) if peaks else None
@@ -79,15 +101,19 @@ class SearchResult(Generic[C]):
 def search(candidates: list[C], predict: Callable[[C], float], measure: Callable[[C], Measured],
            memory: Callable[[C], int | None] | None = None, budget_bytes: int | None = None, trials: int = 3,
            rounds: int = 1, exhaustive: bool = False,
-           progress: Callable[[Row[C], int, int], None] | None = None) -> SearchResult[C]:
+           progress: Callable[[Row[C], int, int], None] | None = None,
+           max_rounds: int | None = None) -> SearchResult[C]:
     """Search ``candidates`` (see the module's docstring); ``progress(row, done, total)`` after each run.
 
     ``predict`` and ``memory`` may raise ValueError (or any Exception) for a candidate they cannot
     handle: the row says why and the search goes on. ``measure`` raises :class:`TrialFailed`, or
-    any other Exception, for a trial that failed.
+    any other Exception, for a trial that failed. ``max_rounds`` (default ``rounds``: no
+    stopping rule): the most runs of a candidate the stopping rule may spend.
     """
-    if trials < 1 or rounds < 1:
-        raise ValueError(f"trials and rounds must be at least 1, got {trials} and {rounds}")
+    max_rounds = rounds if max_rounds is None else max_rounds
+    if trials < 1 or rounds < 1 or max_rounds < rounds:
+        raise ValueError(f"trials and rounds must be at least 1 and max_rounds at least rounds, got {trials}, "
+                         f"{rounds} and {max_rounds}")
     if len(set(candidates)) != len(candidates):
         raise ValueError("the candidates repeat one another")
     rows = [Row(c) for c in candidates]
@@ -115,27 +141,41 @@ def search(candidates: list[C], predict: Callable[[C], float], measure: Callable
     tried: list[Row[C]] = []
     total = len(to_run) * rounds
     done = 0
+
+    def run(row: Row[C]) -> None:
+        nonlocal done
+        if not row.status.startswith("failed"):  # a candidate that failed is not run again
+            try:
+                row.measured.append(measure(row.candidate))
+                row.status = "measured"
+            except Exception as e:  # noqa: BLE001 - a failed trial is a row of the table, not the end
+                row.status = f"failed: {e}"
+                row.measured.clear()
+        done += 1
+        if progress is not None:
+            progress(row, done, total)
+
     while to_run:
         batch, to_run = to_run, []
         for r in range(rounds):
             for row in batch[r % len(batch):] + batch[:r % len(batch)]:
-                if row.status.startswith("failed"):  # failed in an earlier round: not run again
-                    done += 1
-                    continue
-                try:
-                    row.measured.append(measure(row.candidate))
-                    row.status = "measured"
-                except Exception as e:  # noqa: BLE001 - a failed trial is a row of the table, not the end
-                    row.status = f"failed: {e}"
-                    row.measured.clear()
-                done += 1
-                if progress is not None:
-                    progress(row, done, total)
+                run(row)
         tried += batch
         measured = sum(r.status == "measured" for r in tried)
         while queue and len(tried) + len(to_run) < limit and measured + len(to_run) < want:
             to_run.append(queue.pop(0))
         total += len(to_run) * rounds
+    for r in range(rounds, max_rounds):  # the stopping rule: until the best's runs stand apart from every other's
+        ok = [row for row in tried if row.status == "measured"]
+        if not ok:
+            break
+        best = min(ok, key=lambda row: row.measured_s)
+        contenders = [best] + [row for row in ok if row is not best and row.overlaps(best)]
+        if len(contenders) < 2:
+            break
+        total += len(contenders)
+        for row in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
+            run(row)
     ok = [r for r in tried if r.status == "measured"]
     best = min(ok, key=lambda r: r.measured_s) if ok else None
     return SearchResult(rows, best, len(tried))

@@ -60,6 +60,7 @@ class TuneOptions:
     warmup: int = 4
     timeout: float = 600.0
     budget_bytes: int | None = None
+    max_rounds: int | None = None  # the stopping rule's budget (search()); None: 3, or rounds if more
 
     def __post_init__(self) -> None:
         """Each value named by its ``dptrain tune`` option, so bad ones stop it before anything runs (docs/tune.md)."""
@@ -69,6 +70,11 @@ class TuneOptions:
         if self.rounds < 1:
             raise ValueError(f"--rounds must be at least 1 (runs of each measured candidate), got {self.rounds}; "
                              "e.g. --rounds 1")
+        if self.max_rounds is None:
+            self.max_rounds = max(3, self.rounds)
+        if self.max_rounds < self.rounds:
+            raise ValueError(f"--max-rounds ({self.max_rounds}) must be at least --rounds ({self.rounds}): the "
+                             "stopping rule adds runs to those; e.g. --max-rounds 3")
         if self.steps <= self.warmup or self.warmup < 0:
             raise ValueError(f"--steps ({self.steps}) must exceed --warmup ({self.warmup}), which must be >= 0; "
                              "e.g. --steps 12 --warmup 4")
@@ -146,7 +152,7 @@ def tune(machine: Machine, config: Path | None, overrides: list[str], candidates
 
     t0 = time.perf_counter()
     result = search([c for c in candidates if not apart(c)], predict, measure, memory, options.budget_bytes,
-                    options.trials, options.rounds, options.exhaustive, progress)
+                    options.trials, options.rounds, options.exhaustive, progress, options.max_rounds)
     others = [c for c in candidates if apart(c)]
     if others:  # each predicted and measured, never chosen
         result.apart = search(others, predict, measure, memory, None, 1, options.rounds, True, progress).rows
