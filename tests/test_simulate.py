@@ -257,6 +257,15 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     assert ddp4.features[8:] == (3.0, 0.0) and ddp4.features[7] == pytest.approx(4 * 0.3 + 0.01)
     z2a = simulate_step(model, Setup("zero2", 4), prof, NET, accum=4, overheads=o)
     assert z2a.features[8:] == (3.0, 3.0 * bare.features[6])
+    z1a = simulate_step(model, Setup("zero1", 4), prof, NET, accum=4)  # fp32 ZeRO-1 accumulates in place
+    assert z1a.features[8:] == (3.0, 0.0)
+    z1bf = simulate_step(model, Setup("zero1", 4, precision="bf16"), prof, NET, accum=4)  # into fp32 of its own
+    assert z1bf.features[9] == 3.0 * bare.features[6]
+    # hybrid sharding: the replica all-reduces count by their bytes, not as the shard group's collectives
+    hy = simulate_step(model, Setup("zero2", 4, shard_size=2), prof, NET)
+    replica = [c for c in hy.collectives if c.name.startswith("all_reduce")]
+    assert replica and hy.features[2] == len(hy.collectives) - len(replica)
+    assert hy.features[5] == sum(c.nbytes for c in hy.collectives)
     z2o = simulate_step(model, Setup("zero2", 4), prof, NET, overheads=o)
     extra = z2a.overhead_s - z2o.overhead_s - 0.1 * 3 * 0.3 - 1e-9 * (z2a.features[4] - z2o.features[4])
     assert extra == pytest.approx(3e-2 + 3e-11 * bare.features[6])

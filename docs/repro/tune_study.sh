@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The study of docs/tune.md: the calibrated simulator's fidelity on the emulated cluster, and the tuner against
 # the exhaustive search on three settings. Needs root (dptrain cluster). About an hour on a 2-core machine.
-#   OUT=bench_results/tune bash docs/repro/tune_study.sh [SETTING ...]     (SETTING: fid-2x1-1 fid-2x1-100 local cluster-1 cluster-100)
+#   OUT=bench_results/tune bash docs/repro/tune_study.sh [SETTING ...]     (SETTING: fid-2x1-1 fid-2x1-100 local cluster-1 cluster-100
+#   space-HxP-RATE for HxP in 4x1 2x2 and RATE in 0.1 1 10)
 # Each setting's directory holds the calibration, every trial's config and run, tune.json and tune.md. The exhaustive
 # searches measure every candidate ROUNDS times (default 3, interleaved: the median and its spread); the tuner runs
 # with its defaults (one run each, then the stopping rule, at most 3).
@@ -34,4 +35,19 @@ for rate in 1 100; do
       --micro-batches 4,2 --buckets 1,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300 \
       --calibration "$OUT/cluster-$rate-exhaustive/calibration.json"
   fi
+done
+# tuner vs exhaustive on the whole space of the emulated 4-host cluster: 4 x 1 and 2 x 2 at 0.1, 1 and 10 Gbit/s, the
+# larger GPT at global batch 16 (micro-batch 4 or 2: accumulation 1 or 2), buckets 1 and 25 MiB, DDP with and without
+# the bf16 codec, ZeRO-1/2 plain and hybrid over 2 ranks, ZeRO-3 plain and hybrid (28 candidates)
+SPACE=(--global-batch 16 --micro-batches 4,2 --buckets 1,25 --codecs none,bf16 --strategies ddp,zero1,zero2,zero3
+       --steps 12 --warmup 4 --trial-timeout 300)
+for shape in 4x1 2x2; do
+  for rate in 0.1 1 10; do
+    if want "space-$shape-$rate"; then
+      run "space-$shape-$rate-exhaustive" --cluster $shape --bandwidth-gbit $rate "${LARGER[@]}" "${SPACE[@]}" \
+        --exhaustive --rounds $ROUNDS
+      run "space-$shape-$rate-tuner" --cluster $shape --bandwidth-gbit $rate "${LARGER[@]}" "${SPACE[@]}" \
+        --calibration "$OUT/space-$shape-$rate-exhaustive/calibration.json"
+    fi
+  done
 done

@@ -44,8 +44,9 @@ __all__ = ["tune"]
 @click.option("--trials", type=int, default=3, show_default=True, help="candidates measured by real runs")
 @click.option("--rounds", type=int, default=1, show_default=True,
               help="runs of each measured candidate, interleaved (the median counts)")
-@click.option("--max-rounds", type=int, help="the stopping rule's budget: while the best's runs overlap another "
-              "candidate's, both run again, up to this many runs each  [default: 3, or --rounds if more]")
+@click.option("--max-rounds", type=int, help="the stopping rule's budget: while the best cannot be told from another "
+              "candidate, both run again, up to this many runs each  [default: 3, or --rounds if more; with "
+              "--exhaustive, --rounds]")
 @click.option("--exhaustive", is_flag=True, help="measure every candidate that fits (to check the tuner)")
 @click.option("--steps", type=int, default=12, show_default=True, help="steps per trial run")
 @click.option("--warmup", type=int, default=4, show_default=True, help="first steps of a trial not timed")
@@ -105,6 +106,7 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
                                      "for the config's (else 32)")
         tune_options = TuneOptions(trials, rounds, exhaustive, steps, warmup, trial_timeout, _budget(memory_gib),
                                    max_rounds)
+        options["max_rounds"] = tune_options.max_rounds
         _check_out(out)
         extra = list(overrides)
         cfg = read_config(config_path, extra)

@@ -14,9 +14,9 @@ on the residuals (measured - timeline), relative to the measured step so that a 
 step counts as much as a long one. Ten unknowns, solved exactly by trying every
 subset of terms held at zero (1,024 small least-squares problems) and keeping the best with no
 negative term, as Lawson and Hanson's active-set NNLS would find. A term the probes
-cannot tell apart from the others (its feature zero in every probe, or a combination of
-the others' features) is not fitted but held at zero and named
-(:func:`unidentified`): a value for it would be noise.
+cannot tell apart (its feature zero in every probe, or all but 5% of it a combination of
+the earlier terms' features) is not fitted but held at zero and named
+(:func:`unidentified`): a value for it would be the noise amplified.
 
 A :class:`Calibration` is what ``dptrain tune`` measures once per machine (or emulated
 cluster) and reuses: the links inside and across hosts, the overheads, the probe runs
@@ -69,20 +69,35 @@ def _matrix(probes: list[ProbeRun]) -> tuple[np.ndarray, np.ndarray]:
     return X, y
 
 
+APART = 0.05  # a term's feature must keep this share of its norm outside the earlier terms' span to be fitted
+
+
 def _identified(X: np.ndarray) -> list[bool]:
-    """Whether each column is non-zero somewhere and not a combination of the others (the rank drops without it)."""
-    scaled = X / np.maximum(np.abs(X).max(axis=0), 1e-300)  # each column to unit scale: the rank test is fair
-    rank = np.linalg.matrix_rank(scaled, tol=1e-9)
+    """Whether the probes tell each term apart, in :class:`Overheads`' order: its column is not zero and keeps at
+    least ``APART`` of its norm once projected off the columns of the earlier terms that were. A nearly collinear
+    column's coefficient would be the noise amplified; of two twins the first is fitted, the second named."""
+    kept: list[int] = []
     out = []
     for k in range(X.shape[1]):
-        others = np.delete(scaled, k, axis=1)
-        out.append(bool(np.any(X[:, k])) and np.linalg.matrix_rank(others, tol=1e-9) < rank)
+        column = X[:, k]
+        norm = float(np.linalg.norm(column))
+        if norm == 0.0:
+            out.append(False)
+            continue
+        rest = column
+        if kept:
+            coef, *_ = np.linalg.lstsq(X[:, kept], column, rcond=None)
+            rest = column - X[:, kept] @ coef
+        ok = float(np.linalg.norm(rest)) >= APART * norm
+        out.append(ok)
+        if ok:
+            kept.append(k)
     return out
 
 
 def unidentified(probes: list[ProbeRun]) -> list[str]:
     """The :class:`Overheads` terms these probes cannot identify: their feature is zero in every probe (no probe
-    exercises it) or a linear combination of the other terms' (the probes cannot tell them apart)."""
+    exercises it) or within ``APART`` of a combination of the earlier terms' (the probes cannot tell them apart)."""
     X, _ = _matrix(probes)
     return [name for name, ok in zip(Overheads.names(), _identified(X), strict=True) if not ok]
 

@@ -36,8 +36,8 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   hand by :func:`dptrain.planner.calibration.fit_overheads`): a fixed time per step (the
   end-of-backward bookkeeping), per DDP bucket, per ZeRO-1/2 bucket and per ZeRO-3 unit
   collective (the work on the compute thread around each collective: launch, wait,
-  copies), per micro-step that accumulates without reducing (and, sharded, per byte it
-  accumulates), and the computation slowed by the bytes communicated beside it (gloo's
+  copies), per micro-step that accumulates without reducing (and per byte it adds into
+  a buffer of the engine's own), and the computation slowed by the bytes communicated beside it (gloo's
   TCP copies take the cores compute runs on). Added to the step after the timeline; zero
   by default.
 
@@ -174,10 +174,13 @@ class Overheads:
     whose cores compute: 1-49% in docs/tune.md's probe runs); ``per_micro_step_s``: per
     micro-step that accumulates without reducing (``no_sync``: the loader, the engine's
     and the hooks' work a micro-step repeats); ``micro_step_s_per_byte``: per byte of the
-    full gradients a sharded engine accumulates in such a micro-step (ZeRO-1 re-points
-    every parameter at its full gradient buffer each forward, ZeRO-2/3 add the local
-    gradients into a full-size buffer: a pass over the model's bytes a bare backward does
-    not make). Fitted by :func:`dptrain.planner.calibration.fit_overheads`.
+    gradients an engine accumulates in such a micro-step into a buffer of its own (ZeRO-2/3
+    add each micro-step's full local gradients into one, and ZeRO-1 when it reduces in
+    another dtype than it computes in: a pass over the model's bytes a bare backward does
+    not make; DDP and fp32 ZeRO-1 let autograd accumulate in place, as the bare model
+    does). The per-collective terms count the shard group's collectives; hybrid sharding's
+    replica all-reduces, launched on a thread of their own, count by their bytes. Fitted by
+    :func:`dptrain.planner.calibration.fit_overheads`.
     """
 
     per_step_s: float = 0.0
@@ -327,26 +330,30 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     log = sorted((c for link in links for c in link.log), key=lambda c: c.start_s)
     comm = sum(c.end_s - c.start_s for c in log)
     full = sum(u.numel * u.dtype.itemsize for u in shapes)
-    features = _features(log, windows, setup.stage, full / (setup.shards if setup.stage else 1),
-                         accum * (F + B) + O, accum, full if setup.stage else 0.0)
+    own_buffer = setup.stage >= 2 or (setup.stage == 1 and setup.compute_dtype not in (None, setup.reduce_dtype))
+    features = _features(log, len(shard_link.log), windows, setup.stage, full / (setup.shards if setup.stage else 1),
+                         accum * (F + B) + O, accum, full if own_buffer else 0.0)
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
 
 
-def _features(log: list[Collective], windows: list[tuple[float, float]], stage: int, stepped_bytes: float,
-              compute_s: float, accum: int = 1, accumulated_bytes: float = 0.0) -> tuple[float, ...]:
-    """What :class:`Overheads`' terms multiply: 1 step, DDP's collectives, ZeRO-1/2's, ZeRO-3's, the bytes of
-    collectives while the device computes (each collective's bytes times the share of its time inside a window),
-    every collective's bytes, the bytes of the parameters this rank steps, the profile's compute seconds, the
-    micro-steps that accumulate without reducing, and the bytes a sharded engine accumulates in them."""
+def _features(log: list[Collective], calls: int, windows: list[tuple[float, float]], stage: int,
+              stepped_bytes: float, compute_s: float, accum: int = 1,
+              accumulated_bytes: float = 0.0) -> tuple[float, ...]:
+    """What :class:`Overheads`' terms multiply: 1 step; ``calls``, the collectives of the shard group (DDP's
+    all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters; hybrid sharding's replica all-reduces run on a
+    thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
+    collective's bytes times the share of its time inside a window); every collective's bytes; the bytes of the
+    parameters this rank steps; the profile's compute seconds; the micro-steps that accumulate without reducing,
+    and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each)."""
     overlapped = 0.0
     for c in log:
         span = c.end_s - c.start_s
         if span > 0:
             inside = sum(max(0.0, min(c.end_s, hi) - max(c.start_s, lo)) for lo, hi in windows)
             overlapped += c.nbytes * inside / span
-    count = float(len(log))
+    count = float(calls)
     return (1.0, count if stage == 0 else 0.0, count if stage in (1, 2) else 0.0, count if stage == 3 else 0.0,
             overlapped, float(sum(c.nbytes for c in log)), float(stepped_bytes), float(compute_s),
             float(accum - 1), float((accum - 1) * accumulated_bytes))

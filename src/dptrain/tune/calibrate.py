@@ -7,7 +7,7 @@
 2. **Overheads.** Short ``dptrain run`` jobs of three probe models (the built-in
    character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
    is used for) under one planned strategy of each kind of step (:func:`probe_variants`:
-   DDP and ZeRO-1 each with small and large buckets and with accumulation, ZeRO-3 and,
+   DDP and ZeRO-1 each with small and large buckets, DDP and ZeRO-2 with accumulation, ZeRO-3 and,
    where the world allows, hybrid ZeRO-3); each probe's compute is timed on all ranks at once
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
@@ -51,24 +51,31 @@ PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them ac
 
 def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict[str, list[str]]:
     """The strategies each probe model runs under: the first planned strategy of each kind of step the simulator
-    times apart (replicated or sharded, bucketed or per unit: DDP, ZeRO-1 and ZeRO-3 today). A bucketed one runs at
-    many and at few buckets (its per-bucket overhead apart from its per-byte one) and with ``PROBE_ACCUM``
-    micro-steps per step (the micro-steps that accumulate without reducing: ``micro_batch`` samples each); a
-    sharded one per unit also hybrid where the world allows (a shard group per host)."""
+    times apart (replicated or sharded, bucketed or per unit: DDP, ZeRO-1 and ZeRO-3 today). A bucketed kind runs at
+    many and at few buckets (its per-bucket overhead apart from its per-byte one), and with ``PROBE_ACCUM``
+    micro-steps per step (``micro_batch`` samples each) under its strategy that shards the most (ZeRO-2 of ZeRO-1/2:
+    the one that accumulates into a buffer of its own, so the probes see both micro-step terms); a sharded kind per
+    unit also hybrid where the world allows (a shard group per host)."""
     kinds: dict[tuple[bool, bool], str] = {}
+    deepest: dict[tuple[bool, bool], str] = {}
     for name in strategy_names(lambda s: s.planned):
         entry = get_strategy(name)
-        kinds.setdefault((entry.shards_parameters, entry.buckets), name)
+        kind = (entry.shards_parameters, entry.buckets)
+        kinds.setdefault(kind, name)
+        if kind not in deepest or entry.zero_stage > get_strategy(deepest[kind]).zero_stage:
+            deepest[kind] = name
     shard = per_host if 1 < per_host < world_size else None
     accum = [f"train.global_batch_size={micro_batch * world_size * PROBE_ACCUM}", f"train.micro_batch_size={micro_batch}",
              f"train.grad_accum_steps={PROBE_ACCUM}"]
     out = {}
-    for (sharded, bucketed), name in kinds.items():
+    for kind, name in kinds.items():
+        sharded, bucketed = kind
         strategy = [f'distributed.strategy="{name}"']
         if bucketed:
             out[f"{name} 0.25MiB"] = [*strategy, "ddp.bucket_cap_mb=0.25"]
             out[f"{name} 25MiB"] = [*strategy, "ddp.bucket_cap_mb=25"]
-            out[f"{name} 25MiB accum{PROBE_ACCUM}"] = [*strategy, "ddp.bucket_cap_mb=25", *accum]
+            out[f"{deepest[kind]} 25MiB accum{PROBE_ACCUM}"] = [f'distributed.strategy="{deepest[kind]}"',
+                                                               "ddp.bucket_cap_mb=25", *accum]
         else:
             out[name] = strategy
         if sharded and not bucketed and shard is not None:
@@ -158,7 +165,7 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
         f"{o.comm_s_per_byte * 1e9:.3f} ms per MB communicated, "
         f"{o.state_s_per_byte * 1e9:.3f} ms per MB of parameters stepped, compute slowed by "
         f"{100 * o.compute_slowdown:.1f}%, {o.per_micro_step_s * 1e3:.2f} ms per accumulating micro-step "
-        f"(+{o.micro_step_s_per_byte * 1e9:.3f} ms per MB a sharded one accumulates)")
+        f"(+{o.micro_step_s_per_byte * 1e9:.3f} ms per MB accumulated into a buffer of the engine's own)")
     if cal.unidentified():
         log(f"  not identified by these probes, held at zero: {', '.join(cal.unidentified())}")
     for r in cal.residuals():

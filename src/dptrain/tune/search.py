@@ -13,13 +13,13 @@ calibrated simulator ranks first):
    reason and the next candidate in the ranking takes its place, until ``trials``
    candidates were measured or ``2 * trials`` were tried;
 4. **until the best is told apart** (a stopping rule within a budget): while the best
-   measured candidate's runs overlap another's (the range of one's runs reaches into
-   the other's; a candidate run once has no range yet, so it overlaps), those
-   candidates run once more each, interleaved, up to ``max_rounds`` runs in all: on a
-   machine whose steps vary 3-6% between runs, one run each cannot separate candidates
-   closer than that (docs/tune.md);
+   measured candidate cannot be told from another (their medians differ by no more than
+   their runs' median absolute deviations added; a candidate run once has none yet, so
+   it cannot), those candidates run once more each, interleaved, up to ``max_rounds``
+   runs in all: on a machine whose steps vary 3-6% between runs, one run each cannot
+   separate candidates closer than that (docs/tune.md);
 5. the winner is the measured candidate with the lowest median step time; each row
-   reports its runs' spread (:attr:`Row.spread`).
+   reports its runs' spread (:attr:`Row.spread`, the range over the median).
 
 ``exhaustive=True`` measures every candidate that fits: the reference the tuner is
 checked against. Only the callables touch the machine, so the search is tested on fake
@@ -72,12 +72,21 @@ class Row(Generic[C]):
         times = [m.step_s for m in self.measured]
         return (max(times) - min(times)) / statistics.median(times)
 
+    @property
+    def deviation(self) -> float | None:
+        """The median absolute deviation of its runs from their median (seconds); None below two runs. Unlike the
+        range it does not widen as runs are added, so more runs can tell two candidates apart."""
+        if len(self.measured) < 2:
+            return None
+        median = self.measured_s
+        return statistics.median(abs(m.step_s - median) for m in self.measured)
+
     def overlaps(self, other: Row) -> bool:
-        """Whether its runs and ``other``'s cannot be told apart: their ranges meet, or either ran once (no range)."""
-        if len(self.measured) < 2 or len(other.measured) < 2:
+        """Whether it cannot be told from ``other``: their medians differ by no more than their deviations added, or
+        either ran once (no deviation yet)."""
+        if self.deviation is None or other.deviation is None:
             return True
-        mine, theirs = [m.step_s for m in self.measured], [m.step_s for m in other.measured]
-        return min(mine) <= max(theirs) and min(theirs) <= max(mine)
+        return abs(self.measured_s - other.measured_s) <= self.deviation + other.deviation
 
     @property
     def peak_mb(self) -> float | None:

@@ -60,7 +60,7 @@ class TuneOptions:
     warmup: int = 4
     timeout: float = 600.0
     budget_bytes: int | None = None
-    max_rounds: int | None = None  # the stopping rule's budget (search()); None: 3, or rounds if more
+    max_rounds: int | None = None  # the stopping rule's budget (search()); None: 3 or rounds if more (exhaustive: rounds)
 
     def __post_init__(self) -> None:
         """Each value named by its ``dptrain tune`` option, so bad ones stop it before anything runs (docs/tune.md)."""
@@ -70,8 +70,8 @@ class TuneOptions:
         if self.rounds < 1:
             raise ValueError(f"--rounds must be at least 1 (runs of each measured candidate), got {self.rounds}; "
                              "e.g. --rounds 1")
-        if self.max_rounds is None:
-            self.max_rounds = max(3, self.rounds)
+        if self.max_rounds is None:  # an exhaustive search is the reference: each candidate measured `rounds` times
+            self.max_rounds = self.rounds if self.exhaustive else max(3, self.rounds)
         if self.max_rounds < self.rounds:
             raise ValueError(f"--max-rounds ({self.max_rounds}) must be at least --rounds ({self.rounds}): the "
                              "stopping rule adds runs to those; e.g. --max-rounds 3")
