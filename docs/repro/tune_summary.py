@@ -21,8 +21,8 @@ def load(d: Path) -> dict:
 
 
 def spread(r: dict) -> float | None:
-    runs = r.get("measured_runs_s") or []
-    return (max(runs) - min(runs)) / statistics.median(runs) if len(runs) > 1 else None
+    """The row's runs' spread as dptrain tune wrote it (``Row.spread``); None for one run or a record without it."""
+    return r.get("spread")
 
 
 def meets(r: dict) -> bool:

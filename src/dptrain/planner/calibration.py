@@ -7,8 +7,9 @@ with compute, and the run's compute is slower than the bare model's. Those are
 DDP bucket, per ZeRO-1/2 bucket, per ZeRO-3 unit collective, per byte communicated
 while the device computes, per byte communicated at all, per byte of the parameters a
 rank steps, a share of the profiled compute, and per micro-step that accumulates
-without reducing (fixed, and per byte a sharded engine accumulates). :func:`fit_overheads` fits them to probe runs, each a measured step
-time beside the simulator's timeline for the same run without overheads
+without reducing (fixed, and per byte accumulated into a buffer of the engine's own).
+:func:`fit_overheads` fits them to probe runs, each a measured step time beside the
+simulator's timeline for the same run without overheads
 (:attr:`~dptrain.planner.simulate.StepPrediction.features`): non-negative least squares
 on the residuals (measured - timeline), relative to the measured step so that a short
 step counts as much as a long one. Ten unknowns, solved exactly by trying every

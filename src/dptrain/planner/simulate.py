@@ -37,9 +37,9 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   end-of-backward bookkeeping), per DDP bucket, per ZeRO-1/2 bucket and per ZeRO-3 unit
   collective (the work on the compute thread around each collective: launch, wait,
   copies), per micro-step that accumulates without reducing (and per byte it adds into
-  a buffer of the engine's own), and the computation slowed by the bytes communicated beside it (gloo's
-  TCP copies take the cores compute runs on). Added to the step after the timeline; zero
-  by default.
+  a buffer of the engine's own), and the computation slowed by the bytes communicated
+  beside it (gloo's TCP copies take the cores compute runs on). Added to the step after
+  the timeline; zero by default.
 
 Compute comes from a :class:`ComputeProfile`: measured on the real model
 (:func:`measure_profile`: forward, backward and optimizer times, and when each
@@ -195,9 +195,8 @@ class Overheads:
     micro_step_s_per_byte: float = 0.0
 
     def terms(self) -> tuple[float, ...]:
-        return (self.per_step_s, self.per_bucket_s, self.per_zero_bucket_s, self.per_zero_unit_s,
-                self.contention_s_per_byte, self.comm_s_per_byte, self.state_s_per_byte, self.compute_slowdown,
-                self.per_micro_step_s, self.micro_step_s_per_byte)
+        """The terms' values, in the fields' order (what :attr:`StepPrediction.features` multiplies)."""
+        return tuple(getattr(self, name) for name in self.names())
 
     @classmethod
     def names(cls) -> tuple[str, ...]:

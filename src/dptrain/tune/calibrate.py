@@ -7,13 +7,13 @@
 2. **Overheads.** Short ``dptrain run`` jobs of three probe models (the built-in
    character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
    is used for) under one planned strategy of each kind of step (:func:`probe_variants`:
-   DDP and ZeRO-1 each with small and large buckets, DDP and ZeRO-2 with accumulation, ZeRO-3 and,
-   where the world allows, hybrid ZeRO-3); each probe's compute is timed on all ranks at once
+   DDP and ZeRO-1 each with small and large buckets, DDP and ZeRO-2 with accumulation,
+   ZeRO-3 and, where the world allows, hybrid ZeRO-3); each probe's compute is timed on
+   all ranks at once
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
-   fits the ten terms to what the timeline misses
-   (a term no probe can tell apart is held at zero and named). Each probe runs ``rounds`` times,
-   interleaved (the median counts): a single run of a short job varies by 10-30% here.
+   fits the ten terms to what the timeline misses (a term no probe can tell apart is
+   held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here.
 
 The probes use the built-in task, whatever the user's model: the calibration belongs to
 the machine and is reused for any model (``dptrain tune --calibration FILE``).
@@ -166,8 +166,9 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
         f"{o.state_s_per_byte * 1e9:.3f} ms per MB of parameters stepped, compute slowed by "
         f"{100 * o.compute_slowdown:.1f}%, {o.per_micro_step_s * 1e3:.2f} ms per accumulating micro-step "
         f"(+{o.micro_step_s_per_byte * 1e9:.3f} ms per MB accumulated into a buffer of the engine's own)")
-    if cal.unidentified():
-        log(f"  not identified by these probes, held at zero: {', '.join(cal.unidentified())}")
+    unidentified = cal.unidentified()
+    if unidentified:
+        log(f"  not identified by these probes, held at zero: {', '.join(unidentified)}")
     for r in cal.residuals():
         log(f"  fitted {r['label']}: {r['fitted_s'] * 1e3:.1f} ms, measured {r['measured_s'] * 1e3:.1f} "
             f"({r['ratio']:.3f})")
