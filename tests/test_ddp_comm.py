@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _models import IN, OUT, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel, allreduce_hook
@@ -59,23 +60,30 @@ def test_buckets_are_reduced_while_backward_is_still_running() -> None:
                 f"before backward reached the first layer: {events}")
 
 
+class _CountCollectives(TorchDispatchMode):
+    """Bytes of every all-reduce and broadcast, by the ops the process group dispatches (whatever route called
+    it: ``dist.all_reduce`` or the engine's prepared ``ProcessGroup.allreduce``)."""
+
+    OPS = {"c10d.allreduce_.default": "all_reduce", "c10d.broadcast_.default": "broadcast"}
+
+    def __init__(self, counted: dict[str, list[int]]):
+        super().__init__()
+        self.counted = counted
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = self.OPS.get(str(func))
+        if name is not None:
+            self.counted[name] += [t.numel() * t.element_size() for t in args[0]]
+        return func(*args, **(kwargs or {}))
+
+
 def _count_communication(rank: int, world_size: int, model_name: str, ddp_kwargs: dict) -> dict:
     counted = {"all_reduce": [], "broadcast": []}
-    real = {name: getattr(dist, name) for name in counted}
-
-    def counting(name):
-        def wrapper(tensor, *args, **kwargs):
-            counted[name].append(tensor.numel() * tensor.element_size())
-            return real[name](tensor, *args, **kwargs)
-        return wrapper
-
     torch.manual_seed(0)
     model = build(model_name)
     ddp = DistributedDataParallel(model, **ddp_kwargs)
     steps = []
-    for name in counted:
-        setattr(dist, name, counting(name))
-    try:
+    with _CountCollectives(counted):
         for step in range(3):
             for calls in counted.values():
                 calls.clear()
@@ -84,9 +92,6 @@ def _count_communication(rank: int, world_size: int, model_name: str, ddp_kwargs
             stats = ddp.last_step_comm
             steps.append({"counted": {k: list(v) for k, v in counted.items()},
                           "stats": (stats.calls, stats.bytes), "buckets": len(ddp.reducer.buckets)})
-    finally:
-        for name, fn in real.items():
-            setattr(dist, name, fn)
     return {"steps": steps,
             "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
             "buffer_bytes": sum(b.numel() * b.element_size() for b in model.buffers()),

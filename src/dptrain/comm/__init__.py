@@ -15,10 +15,11 @@ from dptrain.comm.collectives import (
     reduce_scatter,
     sent_bytes,
 )
+from dptrain.comm.persistent import PersistentAllReduce
 from dptrain.comm.topology import node_groups, shard_bounds, shard_range
 from dptrain.comm.wire import Traffic
 from dptrain.comm.work import Work
 
-__all__ = ["ALGORITHMS", "CollectiveMismatchError", "Traffic", "Work", "all_gather", "all_reduce",
+__all__ = ["ALGORITHMS", "CollectiveMismatchError", "PersistentAllReduce", "Traffic", "Work", "all_gather", "all_reduce",
            "broadcast", "check_algorithm", "node_groups", "reduce_scatter", "sent_bytes", "shard_bounds",
            "shard_range"]

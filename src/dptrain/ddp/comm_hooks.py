@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain import comm
+from dptrain.comm.persistent import PersistentAllReduce
 from dptrain.comm.work import Work
 
 __all__ = ["GradBucket", "CommHook", "ReduceHandle", "SumAllReduce", "allreduce_hook", "hook_name"]
@@ -107,7 +108,10 @@ class SumAllReduce:
     As torch's reducer treats its all-reduce as the default comm hook, dptrain's engine
     always calls ``hook(state, bucket)``, and this is the hook it starts with. It does
     not average: the engine divides each gradient by the world size as it copies it into
-    the bucket (``averages = False``), one pass over memory fewer than dividing here.
+    the bucket (``averages = False``), one pass over memory fewer than dividing here. Each
+    bucket's all-reduce is prepared once (:class:`~dptrain.comm.persistent.PersistentAllReduce`,
+    as torch's reducer calls its process group directly), so a launch inside backward runs
+    little Python.
     ``algorithm`` is any of :data:`dptrain.comm.ALGORITHMS`; buckets have the same size
     and dtype on every rank by construction (the replicas were verified), so the
     collective's agreement round trip is skipped. ``timed``: exact completion times
@@ -120,10 +124,18 @@ class SumAllReduce:
                  nodes: int | Sequence[Sequence[int]] | None = None, traffic: comm.Traffic | None = None):
         self.group, self.algorithm, self.nodes, self.traffic = group, algorithm, nodes, traffic
         self.timed = False
+        self._prepared: dict[int, PersistentAllReduce] = {}  # bucket index -> its buffer's all-reduce
 
     def __call__(self, state: Any, bucket: GradBucket) -> Work:
-        return comm.all_reduce(bucket.buffer(), algorithm=self.algorithm, group=self.group, nodes=self.nodes,
-                               async_op=True, validate=False, traffic=self.traffic, timed=self.timed)
+        """All-reduce the bucket's buffer through the persistent all-reduce kept for it (made at its first
+        reduction, again if the buffer is another tensor: zeros for a joined rank)."""
+        buffer = bucket.buffer()
+        prepared = self._prepared.get(bucket.index())
+        if prepared is None or prepared.tensor is not buffer:
+            prepared = self._prepared[bucket.index()] = PersistentAllReduce(
+                buffer, algorithm=self.algorithm, group=self.group, nodes=self.nodes, traffic=self.traffic,
+                validate=False)
+        return prepared.start(self.timed)
 
 
 def hook_name(hook: CommHook) -> str:
