@@ -240,7 +240,7 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     assert 0 < bare.features[4] < sum(c.nbytes for c in bare.collectives)  # the overlapped bytes: not all of them
     assert bare.features[6] == 8 * 65_792 * 4  # DDP steps every parameter
     assert bare.features[5] == sum(c.nbytes for c in bare.collectives) and bare.features[7] == pytest.approx(0.31)
-    assert bare.features[8:] == (0.0, 0.0)  # no micro-step accumulates
+    assert bare.features[8:] == (0.0, 0.0, 0.0, 0.0)  # no micro-step accumulates, no codec
     o = Overheads(per_step_s=1e-3, per_bucket_s=1e-4, contention_s_per_byte=1e-9, state_s_per_byte=1e-10,
                   compute_slowdown=0.1, per_micro_step_s=1e-2, micro_step_s_per_byte=1e-11)
     with_o = simulate_step(model, setup, prof, NET, overheads=o)
@@ -254,11 +254,11 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     assert z3.features[1:4] == (0, 0, len(z3.collectives))
     # accumulation: 3 micro-steps without reducing; a sharded engine's pass over the full gradients in each
     ddp4 = simulate_step(model, setup, prof, NET, accum=4, overheads=o)
-    assert ddp4.features[8:] == (3.0, 0.0) and ddp4.features[7] == pytest.approx(4 * 0.3 + 0.01)
+    assert ddp4.features[8:10] == (3.0, 0.0) and ddp4.features[7] == pytest.approx(4 * 0.3 + 0.01)
     z2a = simulate_step(model, Setup("zero2", 4), prof, NET, accum=4, overheads=o)
-    assert z2a.features[8:] == (3.0, 3.0 * bare.features[6])
+    assert z2a.features[8:] == (3.0, 3.0 * bare.features[6], 0.0, 0.0)
     z1a = simulate_step(model, Setup("zero1", 4), prof, NET, accum=4)  # fp32 ZeRO-1 accumulates in place
-    assert z1a.features[8:] == (3.0, 0.0)
+    assert z1a.features[8:10] == (3.0, 0.0)
     z1bf = simulate_step(model, Setup("zero1", 4, precision="bf16"), prof, NET, accum=4)  # into fp32 of its own
     assert z1bf.features[9] == 3.0 * bare.features[6]
     # hybrid sharding: the replica all-reduces count by their bytes, not as the shard group's collectives
@@ -266,6 +266,11 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     replica = [c for c in hy.collectives if c.name.startswith("all_reduce")]
     assert replica and hy.features[2] == len(hy.collectives) - len(replica)
     assert hy.features[5] == sum(c.nbytes for c in hy.collectives)
+    # a codec: every bucket coded, the bytes before encoding (the wire's are half)
+    coded = simulate_step(model, setup, prof, NET, compression=2, overheads=Overheads(per_coded_bucket_s=1e-4,
+                                                                                      coded_s_per_byte=1e-10))
+    assert coded.features[10:] == (n, bare.features[6]) and coded.features[5] == pytest.approx(bare.features[5] / 2)
+    assert coded.overhead_s == pytest.approx(n * 1e-4 + 1e-10 * bare.features[6])
     z2o = simulate_step(model, Setup("zero2", 4), prof, NET, overheads=o)
     extra = z2a.overhead_s - z2o.overhead_s - 0.1 * 3 * 0.3 - 1e-9 * (z2a.features[4] - z2o.features[4])
     assert extra == pytest.approx(3e-2 + 3e-11 * bare.features[6])

@@ -167,6 +167,8 @@ def _probes(true: Overheads, count: int, seed: int = 0, unprobed: tuple[int, ...
         features = [1.0, float(rng.integers(0, 30)), float(rng.integers(0, 30)), float(rng.integers(0, 40)),
                     float(rng.uniform(0, 5e7)), float(rng.uniform(0, 9e7)), float(rng.uniform(1e6, 3e7)),
                     float(rng.uniform(0.01, 0.3)), accum, accum * float(rng.uniform(1e6, 3e7))]
+        coded = float(rng.integers(0, 2)) * float(rng.integers(1, 30))  # buckets a codec reduces, or none
+        features += [coded, coded * float(rng.uniform(2e5, 3e6))]
         for k in unprobed:
             features[k] = 0.0
         timeline = float(rng.uniform(0.02, 0.2))
@@ -176,21 +178,22 @@ def _probes(true: Overheads, count: int, seed: int = 0, unprobed: tuple[int, ...
 
 
 def test_the_overheads_fit_recovers_known_terms_and_never_goes_negative() -> None:
-    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10)
-    probes = _probes(true, 20)
+    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10, 2e-4, 4e-10)
+    probes = _probes(true, 24)
     assert unidentified(probes) == []
     fitted = fit_overheads(probes)
     assert fitted.terms() == pytest.approx(true.terms(), rel=1e-6, abs=1e-12)
     # residuals that a term could only explain with a negative value leave it at zero
     fast = [ProbeRun("p", 0.9 * p.timeline_s, p.timeline_s, p.features) for p in probes]
-    assert fit_overheads(fast).terms() == (0.0,) * 10
+    assert fit_overheads(fast).terms() == (0.0,) * 12
 
 
 def test_a_term_the_probes_cannot_tell_apart_is_named_and_held_at_zero_not_fitted_to_noise() -> None:
-    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10)
-    # no probe accumulates: the two micro-step terms are not exercised; the rest are still recovered
-    probes = _probes(true, 20, unprobed=(8, 9))
-    assert unidentified(probes) == ["per_micro_step_s", "micro_step_s_per_byte"]
+    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10, 2e-4, 4e-10)
+    # no probe accumulates or runs a codec: those four terms are not exercised; the rest are still recovered
+    probes = _probes(true, 24, unprobed=(8, 9, 10, 11))
+    unprobed = ["per_micro_step_s", "micro_step_s_per_byte", "per_coded_bucket_s", "coded_s_per_byte"]
+    assert unidentified(probes) == unprobed
     fitted = fit_overheads(probes)
     assert fitted.per_micro_step_s == 0.0 and fitted.micro_step_s_per_byte == 0.0
     assert fitted.per_zero_bucket_s == pytest.approx(3e-4, rel=1e-6)
@@ -199,7 +202,7 @@ def test_a_term_the_probes_cannot_tell_apart_is_named_and_held_at_zero_not_fitte
         twins = [ProbeRun(p.label, p.measured_s, p.timeline_s,
                           (*p.features[:3], 2 * p.features[2] * (1 + wobble * (-1) ** i), *p.features[4:]))
                  for i, p in enumerate(probes)]
-        assert unidentified(twins) == ["per_zero_unit_s", "per_micro_step_s", "micro_step_s_per_byte"]
+        assert unidentified(twins) == ["per_zero_unit_s", *unprobed]
         assert fit_overheads(twins).per_zero_unit_s == 0.0 and fit_overheads(twins).per_zero_bucket_s > 0
 
 
@@ -208,7 +211,7 @@ def test_a_calibration_round_trips_and_a_damaged_one_is_named(tmp_path) -> None:
 
     cal = Calibration("the emulated cluster", "2026-11-28", 2, 2, "gloo", True, Link(1e-3, 1e9), Link(2e-4, 1.2e8),
                       Overheads(1e-3, 2e-4, 0.0, 3e-4, 4e-10, 5e-10, 6e-10, 0.1),
-                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 0.0, 1e6, 0.0, 1e6, 0.05, 0.0, 0.0))])
+                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 0.0, 1e6, 0.0, 1e6, 0.05, 0.0, 0.0, 0.0, 0.0))])
     path = tmp_path / "calibration.json"
     cal.save(path)
     back = Calibration.load(path)
@@ -218,6 +221,14 @@ def test_a_calibration_round_trips_and_a_damaged_one_is_named(tmp_path) -> None:
     d["overheads"]["per_step_s"] = -1
     path.write_text(json.dumps(d))
     with pytest.raises(CalibrationError, match="per_step_s = -1"):
+        Calibration.load(path)
+    d["overheads"]["per_step_s"] = 1e-3
+    d["probes"][0]["features"] = d["probes"][0]["features"][:10]  # a probe of fewer terms
+    path.write_text(json.dumps(d))
+    with pytest.raises(CalibrationError, match="damaged.*12 features"):
+        Calibration.load(path)
+    path.write_text('{"version": 2}')  # ten terms, before the codec's: not read as if it had twelve
+    with pytest.raises(CalibrationError, match="version 2.*measure a new one"):
         Calibration.load(path)
     path.write_text('{"version": 99}')
     with pytest.raises(CalibrationError, match="version 99"):

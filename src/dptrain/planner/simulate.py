@@ -37,7 +37,8 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   end-of-backward bookkeeping), per DDP bucket, per ZeRO-1/2 bucket and per ZeRO-3 unit
   collective (the work on the compute thread around each collective: launch, wait,
   copies), per micro-step that accumulates without reducing (and per byte it adds into
-  a buffer of the engine's own), and the computation slowed by the bytes communicated
+  a buffer of the engine's own), per bucket a gradient codec reduces (and per byte it
+  encodes), and the computation slowed by the bytes communicated
   beside it (gloo's TCP copies take the cores compute runs on). Added to the step after
   the timeline; zero by default.
 
@@ -178,7 +179,12 @@ class Overheads:
     add each micro-step's full local gradients into one, and ZeRO-1 when it reduces in
     another dtype than it computes in: a pass over the model's bytes a bare backward does
     not make; DDP and fp32 ZeRO-1 let autograd accumulate in place, as the bare model
-    does). The per-collective terms count the shard group's collectives; hybrid sharding's
+    does); ``per_coded_bucket_s``: per DDP bucket a gradient codec reduces (its hand-off to
+    the codec's own process group and thread, the copy of the result back into the bucket),
+    beside ``per_bucket_s``; ``coded_s_per_byte``: per byte of those buckets before encoding
+    (the passes a codec makes over each bucket: the division, the cast, error feedback's
+    residual; docs/tune.md measured DDP with bf16 at 1 MiB buckets 0.69-0.83 of its
+    measured step with neither). The per-collective terms count the shard group's collectives; hybrid sharding's
     replica all-reduces, launched on a thread of their own, count by their bytes. Fitted by
     :func:`dptrain.planner.calibration.fit_overheads`.
     """
@@ -193,6 +199,8 @@ class Overheads:
     compute_slowdown: float = 0.0
     per_micro_step_s: float = 0.0
     micro_step_s_per_byte: float = 0.0
+    per_coded_bucket_s: float = 0.0
+    coded_s_per_byte: float = 0.0
 
     def terms(self) -> tuple[float, ...]:
         """The terms' values, in the fields' order (what :attr:`StepPrediction.features` multiplies)."""
@@ -218,7 +226,7 @@ class StepPrediction:
     exposed_s: float  # step time beyond compute alone
     collectives: list[Collective] = field(repr=False)
     accum: int = 1  # micro-steps per step: forward_s and backward_s are per micro-step
-    features: tuple[float, ...] = (0.0,) * 10  # what Overheads' terms multiply
+    features: tuple[float, ...] = (0.0,) * 12  # what Overheads' terms multiply
     overhead_s: float = 0.0  # the Overheads' share of step_s
 
     @property
@@ -282,7 +290,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     ``overlap=False`` (DDP): every bucket is launched when backward ends, as an engine
     without gradient hooks would. ``compression``: gradients cross the link ``compression``
     times smaller (DDP: each bucket's all-reduce carries ceil(numel / compression)
-    elements); encoding and decoding are not charged. ``overheads``: the calibrated
+    elements); encoding and decoding are charged by the overheads' codec terms. ``overheads``: the calibrated
     terms added to the timeline's step (:class:`Overheads`).
     """
     if not isinstance(compression, int) or compression < 1:
@@ -331,7 +339,8 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     full = sum(u.numel * u.dtype.itemsize for u in shapes)
     own_buffer = setup.stage >= 2 or (setup.stage == 1 and setup.compute_dtype not in (None, setup.reduce_dtype))
     features = _features(log, len(shard_link.log), windows, setup.stage, full / (setup.shards if setup.stage else 1),
-                         accum * (F + B) + O, accum, full if own_buffer else 0.0)
+                         accum * (F + B) + O, accum, full if own_buffer else 0.0,
+                         full if compression > 1 and setup.world_size > 1 else 0.0)
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
@@ -339,13 +348,14 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
 
 def _features(log: list[Collective], calls: int, windows: list[tuple[float, float]], stage: int,
               stepped_bytes: float, compute_s: float, accum: int = 1,
-              accumulated_bytes: float = 0.0) -> tuple[float, ...]:
+              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0) -> tuple[float, ...]:
     """What :class:`Overheads`' terms multiply: 1 step; ``calls``, the collectives of the shard group (DDP's
     all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters; hybrid sharding's replica all-reduces run on a
     thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
     collective's bytes times the share of its time inside a window); every collective's bytes; the bytes of the
     parameters this rank steps; the profile's compute seconds; the micro-steps that accumulate without reducing,
-    and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each)."""
+    and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each); the buckets a
+    codec reduces and their bytes before encoding (``coded_bytes``: none without a codec)."""
     overlapped = 0.0
     for c in log:
         span = c.end_s - c.start_s
@@ -355,7 +365,8 @@ def _features(log: list[Collective], calls: int, windows: list[tuple[float, floa
     count = float(calls)
     return (1.0, count if stage == 0 else 0.0, count if stage in (1, 2) else 0.0, count if stage == 3 else 0.0,
             overlapped, float(sum(c.nbytes for c in log)), float(stepped_bytes), float(compute_s),
-            float(accum - 1), float((accum - 1) * accumulated_bytes))
+            float(accum - 1), float((accum - 1) * accumulated_bytes),
+            count if coded_bytes else 0.0, float(coded_bytes))
 
 
 def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool,

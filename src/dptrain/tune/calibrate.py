@@ -8,11 +8,12 @@
    character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
    is used for) under one planned strategy of each kind of step (:func:`probe_variants`:
    DDP and ZeRO-1 each with small and large buckets, DDP and ZeRO-2 with accumulation,
-   ZeRO-3 and, where the world allows, hybrid ZeRO-3); each probe's compute is timed on
+   DDP with the bf16 codec at small and large buckets, ZeRO-3 and, where the world
+   allows, hybrid ZeRO-1 and ZeRO-3); each probe's compute is timed on
    all ranks at once
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
-   fits the ten terms to what the timeline misses (a term no probe can tell apart is
+   fits the twelve terms to what the timeline misses (a term no probe can tell apart is
    held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here.
 
 The probes use the built-in task, whatever the user's model: the calibration belongs to
@@ -37,6 +38,7 @@ from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import Machine
+from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
 __all__ = ["PROBE_MODELS", "probe_variants", "fit_probe", "measure_links", "measure_profiles", "calibrate"]
@@ -47,6 +49,7 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
 
 
 PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
+PROBE_CODEC = "bf16"  # the codec probes' (fp16 costs the same passes: a division, a cast, error feedback's residual)
 
 
 def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict[str, list[str]]:
@@ -54,8 +57,9 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
     times apart (replicated or sharded, bucketed or per unit: DDP, ZeRO-1 and ZeRO-3 today). A bucketed kind runs at
     many and at few buckets (its per-bucket overhead apart from its per-byte one), and with ``PROBE_ACCUM``
     micro-steps per step (``micro_batch`` samples each) under its strategy that shards the most (ZeRO-2 of ZeRO-1/2:
-    the one that accumulates into a buffer of its own, so the probes see both micro-step terms); a sharded kind per
-    unit also hybrid where the world allows (a shard group per host)."""
+    the one that accumulates into a buffer of its own, so the probes see both micro-step terms), and, where that kind
+    takes a gradient codec, with ``PROBE_CODEC`` at many and at few buckets; a sharded kind also hybrid where the
+    world allows (a shard group per host; a bucketed one at few buckets)."""
     kinds: dict[tuple[bool, bool], str] = {}
     deepest: dict[tuple[bool, bool], str] = {}
     for name in strategy_names(lambda s: s.planned):
@@ -76,10 +80,15 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
             out[f"{name} 25MiB"] = [*strategy, "ddp.bucket_cap_mb=25"]
             out[f"{deepest[kind]} 25MiB accum{PROBE_ACCUM}"] = [f'distributed.strategy="{deepest[kind]}"',
                                                                "ddp.bucket_cap_mb=25", *accum]
+            if not sharded and get_strategy(name).accepts_codec(PROBE_CODEC):
+                for cap in ("0.25", "25"):
+                    out[f"{name} {cap}MiB {PROBE_CODEC}"] = [*strategy, f"ddp.bucket_cap_mb={cap}",
+                                                             f'compression.method="{PROBE_CODEC}"']
         else:
             out[name] = strategy
-        if sharded and not bucketed and shard is not None:
-            out[f"{name}/hybrid{shard}"] = [*strategy, f"zero.shard_size={shard}"]
+        if sharded and shard is not None:
+            cap = ["ddp.bucket_cap_mb=25"] if bucketed else []
+            out[f"{name}/hybrid{shard}{' 25MiB' if bucketed else ''}"] = [*strategy, *cap, f"zero.shard_size={shard}"]
     return out
 
 
@@ -144,7 +153,9 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
             cfg = load_config(base, variant)
             setup = setup_for(cfg, model, cfg.distributed.strategy, world, "fp32")
             label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
+            coded = CODEC_RATIO.get(cfg.compression.method, 1)  # "none", or the codec probes'
             runs.append((label, base, variant, simulate_step(model, setup, profile, network, "native",
+                                                             compression=coded,
                                                              accum=cfg.train.grad_accum_steps or 1)))
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
     for r in range(rounds):  # interleaved, each round from a different start
@@ -165,7 +176,9 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
         f"{o.comm_s_per_byte * 1e9:.3f} ms per MB communicated, "
         f"{o.state_s_per_byte * 1e9:.3f} ms per MB of parameters stepped, compute slowed by "
         f"{100 * o.compute_slowdown:.1f}%, {o.per_micro_step_s * 1e3:.2f} ms per accumulating micro-step "
-        f"(+{o.micro_step_s_per_byte * 1e9:.3f} ms per MB accumulated into a buffer of the engine's own)")
+        f"(+{o.micro_step_s_per_byte * 1e9:.3f} ms per MB accumulated into a buffer of the engine's own), "
+        f"{o.per_coded_bucket_s * 1e3:.3f} ms per bucket a codec reduces "
+        f"(+{o.coded_s_per_byte * 1e9:.3f} ms per MB it encodes)")
     unidentified = cal.unidentified()
     if unidentified:
         log(f"  not identified by these probes, held at zero: {', '.join(unidentified)}")

@@ -29,9 +29,10 @@ from dataclasses import dataclass
 
 from dptrain.strategies import get_strategy
 
-__all__ = ["Candidate", "candidates", "LOSS_KEEPING_CODECS", "divisors", "apart"]
+__all__ = ["Candidate", "candidates", "LOSS_KEEPING_CODECS", "CODEC_RATIO", "divisors", "apart"]
 
 LOSS_KEEPING_CODECS = ("none", "fp16", "bf16")
+CODEC_RATIO = {"none": 1, "fp16": 2, "bf16": 2}  # bytes on the wire, fp32 over the codec's
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,10 @@ from dptrain.strategies import get_strategy
 from dptrain.tune.calibrate import measure_profiles
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Row, SearchResult, search
-from dptrain.tune.space import Candidate, apart
+from dptrain.tune.space import CODEC_RATIO, Candidate, apart
 from dptrain.tune.trials import run_trial, write_config
 
 __all__ = ["TuneOptions", "Tuned", "tune", "CODEC_RATIO", "trial_steps"]
-
-CODEC_RATIO = {"none": 1, "fp16": 2, "bf16": 2}  # bytes on the wire, fp32 over the codec's
-
 
 @dataclass
 class TuneOptions:
