@@ -6,13 +6,22 @@
 # Each setting's directory holds the calibration, every trial's config and run, tune.json and tune.md. The exhaustive
 # searches measure every candidate ROUNDS times (default 3, interleaved: the median and its spread); the tuner runs
 # with its defaults (one run each, then the stopping rule, at most 3).
+# EXHAUSTIVE=0 runs the tuners alone, each measuring a calibration of its own (its time counted), to score an earlier
+# study's exhaustive searches against (docs/repro/tune_rescore.py), e.g.
+#   OUT=bench_results/tune3 EXHAUSTIVE=0 bash docs/repro/tune_study.sh local space-4x1-1
 set -euo pipefail
 OUT=${OUT:-bench_results/tune}
 ROUNDS=${ROUNDS:-3}
+EXHAUSTIVE=${EXHAUSTIVE:-1}
 mkdir -p "$OUT"
 LARGER=(--set gpt.n_layer=8 --set gpt.n_embd=256)
 COMMON=(--buckets 1,4,25 --strategies ddp,zero1,zero2,zero3 --steps 12 --warmup 4 --trial-timeout 300)
 run() { local name=$1; shift; [ -e "$OUT/$name" ] && { echo "skip $name (exists)"; return; }
+        if [ "$EXHAUSTIVE" = 0 ]; then  # tuners only, each with a calibration of its own
+          case "$name" in *-exhaustive|fid-*) echo "skip $name (EXHAUSTIVE=0)"; return;; esac
+          local kept=() skip=0; for a in "$@"; do
+            if [ $skip = 1 ]; then skip=0; elif [ "$a" = --calibration ]; then skip=1; else kept+=("$a"); fi; done
+          set -- "${kept[@]}"; fi
         /usr/bin/time -f "$name wall %e s" dptrain tune --out "$OUT/$name" "$@" > "$OUT/$name.log" 2>&1 || echo "$name failed: see $OUT/$name.log"; tail -n 3 "$OUT/$name.log"; }
 want() { [ -z "${SETTINGS}" ] || [[ " ${SETTINGS} " == *" $1 "* ]]; }
 SETTINGS="$*"

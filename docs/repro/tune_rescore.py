@@ -1,0 +1,66 @@
+"""An exhaustive search's measured medians against another calibration's predictions (docs/tune.md).
+
+    python docs/repro/tune_rescore.py EXHAUSTIVE_DIR CALIBRATION.json [--markdown]
+
+The runs of an exhaustive search (``dptrain tune --exhaustive --rounds 3``) stand; the simulator predicts every
+measured candidate again with ``CALIBRATION`` (the same setting's links and overheads measured anew, e.g. by a tuner
+run without ``--calibration``) and the search's own compute profiles. Prints each candidate's new prediction /
+measured median and whether it meets the goal (within 10% of the median, or within its own spread where larger),
+beside the search's original prediction, then the summary. It reads the search's model.toml, profiles.json and
+tune.json only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from dptrain.planner.calibration import Calibration
+from dptrain.tune.compute_probe import profile_from_dict
+from dptrain.tune.space import candidates
+from dptrain.tune.tuner import predictor
+
+
+def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
+    t = json.loads((search_dir / "tune.json").read_text())
+    o = t["options"]
+    profiles = {int(m): profile_from_dict(p) for m, p in json.loads((search_dir / "profiles.json").read_text()).items()}
+    shard_sizes = None if o["shard_sizes"] is None else [int(k) for k in str(o["shard_sizes"]).split(",") if k != "0"]
+    space = candidates(t["world_size"], o["global_batch"], o["strategies"].split(","),
+                       [int(m) for m in o["micro_batches"].split(",")] if o["micro_batches"] else None,
+                       [float(b) for b in o["buckets"].split(",")], shard_sizes, o["codecs"].split(","))
+    by_label = {c.label: c for c in space}
+    predict = predictor(search_dir / "model.toml", [], t["world_size"], Calibration.load(calibration_path), profiles)
+    out = []
+    for r in t["rows"]:
+        if not r["measured_s"]:
+            continue
+        new = predict(by_label[r["candidate"]])
+        spread = r.get("spread") or 0.0
+        out.append({"candidate": r["candidate"], "measured_s": r["measured_s"], "spread": spread,
+                    "was": r["predicted_s"] / r["measured_s"], "now": new / r["measured_s"],
+                    "meets": abs(new / r["measured_s"] - 1) <= max(0.10, spread)})
+    return out
+
+
+def main(argv: list[str]) -> None:
+    rows = rescore(Path(argv[0]), Path(argv[1]))
+    print("| candidate | measured ms (median) | spread | predicted / measured, before | now | goal |\n"
+          "|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['candidate']} | {r['measured_s'] * 1e3:.1f} | {100 * r['spread']:.1f}% | {r['was']:.3f} | "
+              f"{r['now']:.3f} | {'met' if r['meets'] else 'missed'} |")
+    for key in ("was", "now"):
+        errors = [abs(r[key] - 1) for r in rows]
+        print(f"\n{'before' if key == 'was' else 'now'}: {len(rows)} configurations, mean |error| "
+              f"{100 * statistics.mean(errors):.1f}%, max {100 * max(errors):.1f}%, within 10%: "
+              f"{sum(e <= 0.10 for e in errors)}", end="")
+        if key == "now":
+            print(f", goal met (10% or the row's own spread): {sum(r['meets'] for r in rows)}", end="")
+    print()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
