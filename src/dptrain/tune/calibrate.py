@@ -33,7 +33,8 @@ from dptrain.comm.fit import fit_link
 from dptrain.config import load_config
 from dptrain.planner.calibration import Calibration, ProbeRun, fit_overheads
 from dptrain.planner.from_config import setup_for
-from dptrain.planner.simulate import ComputeProfile, simulate_step
+from dptrain.planner.network import Network
+from dptrain.planner.simulate import ComputeProfile, StepPrediction, simulate_step
 from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
@@ -41,7 +42,8 @@ from dptrain.tune.machine import Machine
 from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
-__all__ = ["PROBE_MODELS", "probe_variants", "fit_probe", "measure_links", "measure_profiles", "calibrate"]
+__all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "fit_probe", "measure_links", "measure_profiles",
+           "calibrate", "refit"]
 
 # (model overrides, micro-batch per rank): three sizes, so per-collective, per-byte and compute costs can be told apart
 PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gpt.n_embd=224"], 12),
@@ -143,20 +145,11 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     cal = Calibration(machine.where, datetime.date.today().isoformat(), machine.hosts, machine.per_host, "gloo",
                       machine.shared_net, inside, across)
     network, world = cal.network(), machine.world_size
-    runs = []  # (label, base config, variant overrides, timeline)
-    for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
-        batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
-        base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
-        profile = measure_profiles(machine, base, [micro], work / f"probe{i}" / "profile.json", timeout)[micro]
-        model = plan_target(load_config(base)).model
-        for name, variant in probe_variants(world, machine.per_host, micro).items():
-            cfg = load_config(base, variant)
-            setup = setup_for(cfg, model, cfg.distributed.strategy, world, "fp32")
-            label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
-            coded = CODEC_RATIO.get(cfg.compression.method, 1)  # "none", or the codec probes'
-            runs.append((label, base, variant, simulate_step(model, setup, profile, network, "native",
-                                                             compression=coded,
-                                                             accum=cfg.train.grad_accum_steps or 1)))
+
+    def profile(i: int, base: Path, micro: int) -> ComputeProfile:
+        return measure_profiles(machine, base, [micro], work / f"probe{i}" / "profile.json", timeout)[micro]
+
+    runs = probe_timelines(work, world, machine.per_host, network, profile)
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
     for r in range(rounds):  # interleaved, each round from a different start
         for label, base, variant, _ in runs[r % len(runs):] + runs[:r % len(runs)]:
@@ -169,6 +162,11 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
             f"({', '.join(f'{x * 1e3:.1f}' for x in measured[label])}), timeline {timeline.step_s * 1e3:.1f} ms")
     cal.probes = probes
     cal.overheads = fit_overheads(probes)
+    _log_fit(cal, log)
+    return cal
+
+
+def _log_fit(cal: Calibration, log: Callable[[str], None]) -> None:
     o = cal.overheads
     log(f"overheads: {o.per_step_s * 1e3:.2f} ms per step, {o.per_bucket_s * 1e3:.3f} ms per DDP bucket, "
         f"{o.per_zero_bucket_s * 1e3:.3f} ms per ZeRO-1/2 bucket, {o.per_zero_unit_s * 1e3:.3f} ms per ZeRO-3 "
@@ -185,4 +183,48 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     for r in cal.residuals():
         log(f"  fitted {r['label']}: {r['fitted_s'] * 1e3:.1f} ms, measured {r['measured_s'] * 1e3:.1f} "
             f"({r['ratio']:.3f})")
+
+
+def probe_timelines(work: Path, world: int, per_host: int, network: Network,
+                    profile: Callable[[int, Path, int], ComputeProfile]) -> list[tuple[str, Path, list[str], StepPrediction]]:
+    """Every probe of :func:`probe_variants` on each of ``PROBE_MODELS``: (label, base config written under ``work``,
+    variant overrides, the simulator's timeline without overheads); ``profile(i, base, micro)`` gives model ``i``'s
+    compute profile."""
+    runs = []
+    for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
+        batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
+        base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
+        compute = profile(i, base, micro)
+        model = plan_target(load_config(base)).model
+        for name, variant in probe_variants(world, per_host, micro).items():
+            cfg = load_config(base, variant)
+            setup = setup_for(cfg, model, cfg.distributed.strategy, world, "fp32")
+            label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
+            coded = CODEC_RATIO.get(cfg.compression.method, 1)  # "none", or the codec probes'
+            runs.append((label, base, variant, simulate_step(model, setup, compute, network, "native",
+                                                             compression=coded,
+                                                             accum=cfg.train.grad_accum_steps or 1)))
+    return runs
+
+
+def refit(measured: Path, work: Path, log: Callable[[str], None] = print) -> Calibration:
+    """The overheads fitted anew, by today's simulator, to the probe runs of an earlier calibration: its links, its
+    probes' measured steps (``measured``: a tune directory's calibration.json, of any version) and compute profiles
+    (the ``calibration/probe*/profile.json`` beside it). A probe that run did not have is left out; a term no probe
+    left identifies is held at zero and named. For studies of the terms' form: nothing is measured again."""
+    d = json.loads(measured.read_text())
+    links = {k: Link(float(d[k]["alpha"]), float(d[k]["beta"]), float(d[k]["gamma"]), bool(d[k]["duplex"]))
+             for k in ("inside", "across")}
+    cal = Calibration(str(d["where"]), str(d["taken"]), int(d["hosts"]), int(d["per_host"]), str(d["backend"]),
+                      bool(d["shared_net"]), links["inside"], links["across"])
+    steps = {str(p["label"]): float(p["measured_s"]) for p in d["probes"]}
+    profiles = measured.parent / "calibration"
+
+    def profile(i: int, base: Path, micro: int) -> ComputeProfile:
+        return profile_from_dict(json.loads((profiles / f"probe{i}" / "profile.json").read_text())[str(micro)])
+
+    runs = probe_timelines(work, cal.hosts * cal.per_host, cal.per_host, cal.network(), profile)
+    cal.probes = [ProbeRun(label, steps[label], t.step_s, t.features) for label, _, _, t in runs if label in steps]
+    cal.overheads = fit_overheads(cal.probes)
+    _log_fit(cal, log)
     return cal
