@@ -38,3 +38,37 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
     assert [p.measured_s for p in cal.probes] == [e["measured_s"] for e in earlier]
     assert cal.overheads.per_step_s == pytest.approx(2e-3) and sum(cal.overheads.terms()) == pytest.approx(2e-3)
     assert {"per_coded_bucket_s", "coded_s_per_byte"} <= set(cal.unidentified())  # no codec probe in those runs
+
+
+def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbed_runs(tmp_path, monkeypatch) -> None:
+    import dptrain.tune.calibrate as calibrate_module
+    from dptrain.tune.machine import Machine
+    from dptrain.tune.trials import Measured
+
+    class TwoRanks(Machine):
+        def __init__(self):
+            super().__init__(1, 2)
+
+        @property
+        def where(self) -> str:
+            return "a test machine"
+
+        def job(self, args, timeout):
+            raise AssertionError("every job of this test is a fake's")
+
+    link = Link(1e-4, 1e9)
+    runs: dict[str, list[float]] = {}
+
+    def trial(machine, base, variant, trial_dir, steps, warmup, timeout):
+        label = trial_dir.name.rsplit("-r", 1)[0]
+        runs.setdefault(label, []).append(0.1)
+        disturbed = label == "2x128_ddp_25MiB" and len(runs[label]) == 2  # another job beside its second run
+        return Measured(0.19 if disturbed else 0.1)
+
+    monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
+    monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
+        m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
+    monkeypatch.setattr(calibrate_module, "run_trial", trial)
+    cal = calibrate_module.calibrate(TwoRanks(), tmp_path, rounds=2, log=lambda line: None)
+    assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3}
+    assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == 0.1

@@ -14,7 +14,8 @@
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
    fits the twelve terms to what the timeline misses (a term no probe can tell apart is
-   held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here.
+   held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here;
+   a probe whose runs deviate by over 5% of their median runs again, up to two more times.
 
 The probes use the built-in task, whatever the user's model: the calibration belongs to
 the machine and is reused for any model (``dptrain tune --calibration FILE``).
@@ -52,6 +53,8 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
 
 PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
 PROBE_CODEC = "bf16"  # the codec probes' (fp16 costs the same passes: a division, a cast, error feedback's residual)
+PROBE_SPREAD = 0.05  # a probe whose runs' median absolute deviation exceeds this share of their median runs again,
+PROBE_EXTRA = 2  # at most this many more times
 
 
 def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict[str, list[str]]:
@@ -151,10 +154,13 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
 
     runs = probe_timelines(work, world, machine.per_host, network, profile)
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
-    for r in range(rounds):  # interleaved, each round from a different start
-        for label, base, variant, _ in runs[r % len(runs):] + runs[:r % len(runs)]:
+    r, todo = 0, runs
+    while todo:  # interleaved, each round from a different start
+        for label, base, variant, _ in todo[r % len(todo):] + todo[:r % len(todo)]:
             trial = work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}"
             measured[label].append(run_trial(machine, base, variant, trial, steps, warmup, timeout).step_s)
+        r += 1
+        todo = runs if r < rounds else [run for run in runs if _unsettled(measured[run[0]], rounds)]
     probes = []
     for label, _, _, timeline in runs:
         probes.append(ProbeRun(label, statistics.median(measured[label]), timeline.step_s, timeline.features))
@@ -164,6 +170,16 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     cal.overheads = fit_overheads(probes)
     _log_fit(cal, log)
     return cal
+
+
+def _unsettled(steps: list[float], rounds: int) -> bool:
+    """Whether a probe runs again: its runs' median absolute deviation exceeds ``PROBE_SPREAD`` of their median (two
+    runs more than 10% apart) and it has had fewer than ``rounds + PROBE_EXTRA``. One disturbed run of two moves their
+    median halfway (runs of one probe here were 110 and 205 ms while another job ran beside them); of three, the
+    median is an undisturbed run's and the deviation drops (a range would not: more runs never narrow it)."""
+    middle = statistics.median(steps)
+    deviation = statistics.median(abs(x - middle) for x in steps)
+    return len(steps) < rounds + PROBE_EXTRA and deviation > PROBE_SPREAD * middle
 
 
 def _log_fit(cal: Calibration, log: Callable[[str], None]) -> None:
