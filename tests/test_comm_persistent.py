@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dptrain import comm
+from dptrain.ddp.comm_hooks import GradBucket, SumAllReduce
 from dptrain.testing import run_on_ranks
 
 
@@ -27,11 +28,26 @@ def _started_repeatedly(rank: int, world_size: int) -> dict:
                 got.append((result is x, torch.equal(x, want)))
             out[f"{algorithm}/{op}"] = got
     calls = []
-    with _Calls(calls):  # the native route: one backend all-reduce per start, of the tensor itself
-        y = torch.ones(5)
-        prepared = comm.PersistentAllReduce(y, validate=False)
-        prepared.start().wait()
-        prepared.start().wait()
+    real = dist.all_reduce
+    dist.all_reduce = _refuse  # the native route calls the process group itself, not dist.all_reduce
+    try:
+        with _Calls(calls):  # one backend all-reduce per start, of the tensor itself
+            y = torch.ones(5)
+            prepared = comm.PersistentAllReduce(y, validate=False)
+            prepared.start().wait()
+            prepared.start().wait()
+        empty = comm.PersistentAllReduce(torch.zeros(0), validate=False)
+        out["empty"] = empty.start().wait().numel()
+    finally:
+        dist.all_reduce = real
+    # the DDP engine's default hook: its buckets' buffers prepared, any other buffer (a joined rank's zeros)
+    # reduced once and not kept
+    hook = SumAllReduce(dist.group.WORLD)
+    own = torch.full((3,), float(rank))
+    hook.prepare([own])
+    zeros = torch.zeros(3)
+    results = [hook(None, GradBucket(0, b, [b], [b], True)).wait().tolist() for b in (own, zeros, own)]
+    out["hook"] = (results, hook._prepared[0].tensor is own)
     out["native calls"] = calls
     out["pointer"] = calls[0] == y.data_ptr() if calls else None
     try:
@@ -39,6 +55,10 @@ def _started_repeatedly(rank: int, world_size: int) -> dict:
     except ValueError as error:
         out["non-contiguous"] = str(error)
     return out
+
+
+def _refuse(*args, **kwargs):
+    raise AssertionError("dist.all_reduce was called")
 
 
 class _Calls(TorchDispatchMode):
@@ -57,6 +77,9 @@ def test_persistent_all_reduce_matches_all_reduce_every_start() -> None:
         for route in ("native/sum", "native/avg", "ring/sum", "ring/avg"):
             assert out[route] == [(True, True)] * 3, (rank, route, out[route])
         assert len(out["native calls"]) == 2 and out["pointer"], out["native calls"]
+        assert out["empty"] == 0
+        # rank 0's own [0, 0, 0] plus rank 1's [1, 1, 1]; zeros; then own again (it holds the first sum)
+        assert out["hook"] == ([[1.0] * 3, [0.0] * 3, [2.0] * 3], True), out["hook"]
         assert "not contiguous" in out["non-contiguous"] and "tensor.contiguous()" in out["non-contiguous"]
 
 

@@ -271,6 +271,8 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
                                                                                       coded_s_per_byte=1e-10))
     assert coded.features[10:] == (n, bare.features[6]) and coded.features[5] == pytest.approx(bare.features[5] / 2)
     assert coded.overhead_s == pytest.approx(n * 1e-4 + 1e-10 * bare.features[6])
+    alone = simulate_step(model, Setup("ddp", 1, bucket_cap_mb=0.2), prof, NET, compression=2)
+    assert alone.features[10:] == (n, bare.features[6])  # one rank still encodes and decodes every bucket
     z2o = simulate_step(model, Setup("zero2", 4), prof, NET, overheads=o)
     extra = z2a.overhead_s - z2o.overhead_s - 0.1 * 3 * 0.3 - 1e-9 * (z2a.features[4] - z2o.features[4])
     assert extra == pytest.approx(3e-2 + 3e-11 * bare.features[6])

@@ -9,7 +9,7 @@ cd /tmp
 for i in $(seq "${PAIRS:-3}"); do
   for v in old new new old; do
     if [ "$v" = old ]; then src=$OLD/src; else src=$new/src; fi
-    n=$(ls "$out" | grep -c "^${v}_" || true)
+    n=$(ls "$out" | grep -c "^${v}_.*\.json$" || true)
     PYTHONPATH=$src python -m dptrain.cli bench bucket-cost --world-size "${WORLD:-2}" --rounds 12 \
       --out "$out/${v}_$n.json" > "$out/${v}_$n.log" 2>&1
   done

@@ -1,4 +1,4 @@
-"""The accumulating micro-step's cost, two forms, refitted to the second study's probes and scored (docs/tune.md).
+"""The accumulating micro-step's cost, three forms, refitted to the second study's probes and scored (docs/tune.md).
 
     python docs/repro/tune_microstep_form.py base|compute|fwd bench_results/tune2/local-exhaustive ...
 

@@ -1,16 +1,17 @@
 """Persistent all-reduce: one tensor's all-reduce, its arguments checked once, started every step.
 
 MPI 4.0 calls this a persistent collective (``MPI_Allreduce_init`` once, ``MPI_Start``
-per use; section 5.13): a program that reduces the same buffer every step pays for
-argument checks and dispatch once, not every time. torch's C++ reducer does the same for
-DDP's buckets: it calls the process group's ``allreduce`` with options it built ahead.
+per use; section 6.13): a program that reduces the same buffer every step pays for
+argument checks and dispatch once, not every time. torch's C++ reducer launches DDP's
+buckets the same way: a direct call to the process group's ``allreduce``, no checks between.
 
 :class:`PersistentAllReduce` checks the tensor, group, algorithm and op as
 :func:`dptrain.comm.all_reduce` does (and with ``validate=True`` agrees on them across
 ranks, once, as a collective), then :meth:`~PersistentAllReduce.start` issues the
 backend's all-reduce through ``ProcessGroup.allreduce`` with prepared options: on 2 gloo
-ranks a launch costs 18 us that way against 38 us through ``dist.all_reduce`` and 56 us
-through ``dptrain.comm.all_reduce`` (hot, back to back; ``python
+ranks a launch costs the caller 13-28 us that way against 45-56 us through
+``dptrain.comm.all_reduce`` (18-25 us through ``dist.all_reduce``, 10-15 us for the
+process group's call alone; hot, back to back, ``torchrun --nproc-per-node 2
 docs/repro/launch_cost.py``), and more inside backward, where the interpreter runs cold
 (docs/benchmarks.md, "A bucket's life"). The other algorithms, and a call seen by a
 torch function mode (``torch.export``, a mode of the user's), start through
@@ -49,8 +50,8 @@ class PersistentAllReduce:
         call = _Call.start("all_reduce", algorithm, group, nodes, traffic)
         op = _op_name(op)
         contiguous = None if tensor.is_contiguous() else (
-            "tensor is not contiguous; a persistent all-reduce reduces one buffer in place: pass "
-            "tensor.contiguous() and read the result from it")
+            f"tensor (shape {tuple(tensor.shape)}, strides {tensor.stride()}) is not contiguous; a persistent "
+            "all-reduce reduces one buffer in place: pass tensor.contiguous() and read the result from it")
         call.agree(validate, tensor, op, problem=_op_problem(op, tensor) or _tensor_problem(call, "tensor", tensor)
                    or contiguous)
         self.tensor, self.op, self.algorithm = tensor, op, algorithm

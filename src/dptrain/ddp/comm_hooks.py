@@ -103,15 +103,16 @@ def allreduce_hook(process_group: dist.ProcessGroup | None, bucket: GradBucket) 
 
 
 class SumAllReduce:
-    """The engine's default hook: one asynchronous ``dptrain.comm.all_reduce`` of the bucket, a sum.
+    """The engine's default hook: one asynchronous all-reduce of the bucket, a sum.
 
     As torch's reducer treats its all-reduce as the default comm hook, dptrain's engine
     always calls ``hook(state, bucket)``, and this is the hook it starts with. It does
     not average: the engine divides each gradient by the world size as it copies it into
     the bucket (``averages = False``), one pass over memory fewer than dividing here. Each
-    bucket's all-reduce is prepared once (:class:`~dptrain.comm.persistent.PersistentAllReduce`,
-    as torch's reducer calls its process group directly), so a launch inside backward runs
-    little Python.
+    bucket's all-reduce is prepared once, when the engine builds its buckets (:meth:`prepare`;
+    :class:`~dptrain.comm.persistent.PersistentAllReduce`), and started with one call to the
+    process group, as torch's C++ reducer calls its process group, so a launch inside
+    backward runs little Python.
     ``algorithm`` is any of :data:`dptrain.comm.ALGORITHMS`; buckets have the same size
     and dtype on every rank by construction (the replicas were verified), so the
     collective's agreement round trip is skipped. ``timed``: exact completion times
@@ -126,16 +127,21 @@ class SumAllReduce:
         self.timed = False
         self._prepared: dict[int, PersistentAllReduce] = {}  # bucket index -> its buffer's all-reduce
 
+    def prepare(self, buffers: Sequence[torch.Tensor]) -> None:
+        """Prepare the all-reduce of each bucket's own buffer (bucket ``i``'s is ``buffers[i]``), once."""
+        self._prepared = {i: PersistentAllReduce(buffer, algorithm=self.algorithm, group=self.group, nodes=self.nodes,
+                                                 traffic=self.traffic, validate=False)
+                          for i, buffer in enumerate(buffers)}
+
     def __call__(self, state: Any, bucket: GradBucket) -> Work:
-        """All-reduce the bucket's buffer through the persistent all-reduce kept for it (made at its first
-        reduction, again if the buffer is another tensor: zeros for a joined rank)."""
+        """Start the bucket's prepared all-reduce; any other buffer (a joined rank's zeros) through
+        ``comm.all_reduce``, prepared for that call only."""
         buffer = bucket.buffer()
         prepared = self._prepared.get(bucket.index())
-        if prepared is None or prepared.tensor is not buffer:
-            prepared = self._prepared[bucket.index()] = PersistentAllReduce(
-                buffer, algorithm=self.algorithm, group=self.group, nodes=self.nodes, traffic=self.traffic,
-                validate=False)
-        return prepared.start(self.timed)
+        if prepared is not None and prepared.tensor is buffer:
+            return prepared.start(self.timed)
+        return comm.all_reduce(buffer, algorithm=self.algorithm, group=self.group, nodes=self.nodes,
+                               async_op=True, validate=False, traffic=self.traffic, timed=self.timed)
 
 
 def hook_name(hook: CommHook) -> str:

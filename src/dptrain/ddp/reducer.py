@@ -101,6 +101,7 @@ class Reducer:
         self.static_graph = static_graph
         self.arrivals = GradientArrivals(params, find_unused_parameters, static_graph)
         self.buckets = [Bucket(b, [params[i] for i in idx], idx) for b, idx in enumerate(bucket_indices)]
+        self.default_hook.prepare([bucket.buffer for bucket in self.buckets])
         self.register_comm_hook(None, self.default_hook)
         self._bucket_of = [0] * len(params)
         self._position = [0] * len(params)

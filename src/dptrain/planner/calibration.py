@@ -180,15 +180,17 @@ class Calibration:
     def from_dict(cls, d: dict) -> Calibration:
         if not isinstance(d, dict) or d.get("version") != VERSION:
             raise CalibrationError(f"not a dptrain calibration of version {VERSION} (found version "
-                                   f"{d.get('version') if isinstance(d, dict) else None!r}); measure a new one")
+                                   f"{d.get('version') if isinstance(d, dict) else None!r}); measure a new one (or "
+                                   "refit an earlier one's probe runs: docs/repro/tune_refit.py)")
         try:
             links = {k: Link(**_floats(d[k], ("alpha", "beta", "gamma"), {"duplex"})) for k in ("inside", "across")}
             overheads = Overheads(**_floats(d["overheads"], Overheads.names()))
             probes = [ProbeRun(str(p["label"]), float(p["measured_s"]), float(p["timeline_s"]),
                                tuple(float(x) for x in p["features"])) for p in d["probes"]]
             terms = len(Overheads.names())
-            if any(len(p.features) != terms for p in probes):
-                raise ValueError(f"a probe without its {terms} features")
+            for p in probes:
+                if len(p.features) != terms:
+                    raise ValueError(f"probe {p.label!r} has {len(p.features)} features, not {terms}")
             return cls(str(d["where"]), str(d["taken"]), int(d["hosts"]), int(d["per_host"]), str(d["backend"]),
                        bool(d["shared_net"]), links["inside"], links["across"], overheads, probes)
         except (KeyError, TypeError, ValueError) as e:

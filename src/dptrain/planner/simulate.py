@@ -340,7 +340,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     own_buffer = setup.stage >= 2 or (setup.stage == 1 and setup.compute_dtype not in (None, setup.reduce_dtype))
     features = _features(log, len(shard_link.log), windows, setup.stage, full / (setup.shards if setup.stage else 1),
                          accum * (F + B) + O, accum, full if own_buffer else 0.0,
-                         full if compression > 1 and setup.world_size > 1 else 0.0)
+                         full if compression > 1 else 0.0)  # a codec encodes and decodes even alone
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)

@@ -216,7 +216,7 @@ def probe_timelines(work: Path, world: int, per_host: int, network: Network,
             cfg = load_config(base, variant)
             setup = setup_for(cfg, model, cfg.distributed.strategy, world, "fp32")
             label = f"{'x'.join(o.split('=')[1] for o in model_overrides)} {name}"
-            coded = CODEC_RATIO.get(cfg.compression.method, 1)  # "none", or the codec probes'
+            coded = CODEC_RATIO[cfg.compression.method]  # "none", or the codec probes'
             runs.append((label, base, variant, simulate_step(model, setup, compute, network, "native",
                                                              compression=coded,
                                                              accum=cfg.train.grad_accum_steps or 1)))
@@ -237,10 +237,19 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print) -> Cal
     profiles = measured.parent / "calibration"
 
     def profile(i: int, base: Path, micro: int) -> ComputeProfile:
-        return profile_from_dict(json.loads((profiles / f"probe{i}" / "profile.json").read_text())[str(micro)])
+        path = profiles / f"probe{i}" / "profile.json"
+        if not path.is_file():
+            raise ValueError(f"{path} is missing: refit needs the compute profiles its calibration measured")
+        return profile_from_dict(json.loads(path.read_text())[str(micro)])
 
     runs = probe_timelines(work, cal.hosts * cal.per_host, cal.per_host, cal.network(), profile)
     cal.probes = [ProbeRun(label, steps[label], t.step_s, t.features) for label, _, _, t in runs if label in steps]
+    dropped = sorted(set(steps) - {label for label, *_ in runs})
+    if dropped:
+        log(f"  runs of probes today's calibration does not make, left out: {', '.join(dropped)}")
+    if not cal.probes:
+        raise ValueError(f"none of the {len(steps)} probe runs in {measured} is a probe of today's calibration for "
+                         f"{cal.hosts} x {cal.per_host} ranks: nothing to refit")
     cal.overheads = fit_overheads(cal.probes)
     _log_fit(cal, log)
     return cal
