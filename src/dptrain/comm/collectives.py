@@ -51,7 +51,7 @@ from dptrain.comm.topology import Range, Team, node_groups, shard_bounds
 from dptrain.comm.wire import Traffic, Wire
 from dptrain.comm.work import Work
 
-__all__ = ["ALGORITHMS", "check_algorithm", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
+__all__ = ["ALGORITHMS", "check_algorithm", "check_all_reduce", "all_reduce", "reduce_scatter", "all_gather", "broadcast",
            "native_scatter_is_all_reduce",
            "CollectiveMismatchError", "sent_bytes"]
 
@@ -72,9 +72,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "nativ
                nodes: int | Sequence[Sequence[int]] | None = None, traffic: Traffic | None = None,
                validate: bool = True, timed: bool = True) -> Work | None:
     """Sum (``op="sum"``) or average (``"avg"``) ``tensor`` over the group, in place."""
-    call = _Call.start("all_reduce", algorithm, group, nodes, traffic, timed)
-    op = _op_name(op)
-    call.agree(validate, tensor, op, problem=_op_problem(op, tensor) or _tensor_problem(call, "tensor", tensor))
+    call, op = _checked_all_reduce(tensor, op, algorithm, group, nodes, traffic, validate, timed)
     x = _flat(tensor)
 
     def run() -> None:
@@ -90,6 +88,27 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "nativ
 
     return call.launch(async_op, x.numel(), run, finish,
                        native=lambda: dist.all_reduce(x, group=call.group, async_op=True))
+
+
+def check_all_reduce(tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "native",
+                     group: dist.ProcessGroup | None = None, nodes: int | Sequence[Sequence[int]] | None = None,
+                     validate: bool = True, problem: str | None = None) -> tuple[dist.ProcessGroup, int, str]:
+    """The checks :func:`all_reduce` makes before it communicates (with ``validate``, the ranks' agreement too),
+    for a caller that prepares an all-reduce once (:class:`~dptrain.comm.persistent.PersistentAllReduce`);
+    ``problem``: the caller's own objection to ``tensor``, raised as the others are. Returns (the group, its size,
+    the op's name)."""
+    call, op = _checked_all_reduce(tensor, op, algorithm, group, nodes, None, validate, True, problem)
+    return call.group, call.world_size, op
+
+
+def _checked_all_reduce(tensor: torch.Tensor, op: str, algorithm: str, group: dist.ProcessGroup | None,
+                        nodes: int | Sequence[Sequence[int]] | None, traffic: Traffic | None, validate: bool,
+                        timed: bool, problem: str | None = None) -> tuple[_Call, str]:
+    call = _Call.start("all_reduce", algorithm, group, nodes, traffic, timed)
+    op = _op_name(op)
+    call.agree(validate, tensor, op, problem=_op_problem(op, tensor) or _tensor_problem(call, "tensor", tensor)
+               or problem)
+    return call, op
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum", *, algorithm: str = "native",

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch.overrides import has_torch_function
 
-from dptrain.comm.collectives import _Call, _op_name, _op_problem, _tensor_problem, all_reduce
+from dptrain.comm.collectives import all_reduce, check_all_reduce
 from dptrain.comm.wire import Traffic
 from dptrain.comm.work import Work
 
@@ -47,22 +47,18 @@ class PersistentAllReduce:
     def __init__(self, tensor: torch.Tensor, op: str = "sum", *, algorithm: str = "native",
                  group: dist.ProcessGroup | None = None, nodes: int | Sequence[Sequence[int]] | None = None,
                  traffic: Traffic | None = None, validate: bool = True):
-        call = _Call.start("all_reduce", algorithm, group, nodes, traffic)
-        op = _op_name(op)
         contiguous = None if tensor.is_contiguous() else (
             f"tensor (shape {tuple(tensor.shape)}, strides {tensor.stride()}) is not contiguous; a persistent "
             "all-reduce reduces one buffer in place: pass tensor.contiguous() and read the result from it")
-        call.agree(validate, tensor, op, problem=_op_problem(op, tensor) or _tensor_problem(call, "tensor", tensor)
-                   or contiguous)
-        self.tensor, self.op, self.algorithm = tensor, op, algorithm
-        self.group, self.nodes, self.traffic = call.group, nodes, traffic
-        self.world_size = call.world_size
+        self.group, self.world_size, self.op = check_all_reduce(tensor, op, algorithm=algorithm, group=group,
+                                                                nodes=nodes, validate=validate, problem=contiguous)
+        self.tensor, self.algorithm, self.nodes, self.traffic = tensor, algorithm, nodes, traffic
         self._args = (tensor,)
         self._list = [tensor.detach()]
         self._opts = dist.AllreduceOptions()
         self._opts.reduceOp = dist.ReduceOp.SUM
         self._opts.asyncOp = True
-        self._alone = call.world_size == 1 or tensor.numel() == 0  # nothing to communicate
+        self._alone = self.world_size == 1 or tensor.numel() == 0  # nothing to communicate
         self._direct = algorithm == "native"
 
     def start(self, timed: bool = False) -> Work:
@@ -71,9 +67,8 @@ class PersistentAllReduce:
         if self._alone:
             return Work.completed(self._result)
         if not self._direct or has_torch_function(self._args):
-            work = all_reduce(self.tensor, self.op, algorithm=self.algorithm, group=self.group, nodes=self.nodes,
+            return all_reduce(self.tensor, self.op, algorithm=self.algorithm, group=self.group, nodes=self.nodes,
                               traffic=self.traffic, async_op=True, validate=False, timed=timed)
-            return work
         return Work(self._result, backend_work=self.group.allreduce(self._list, self._opts), timed=timed)
 
     def _result(self) -> torch.Tensor:
