@@ -59,7 +59,9 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
     link = Link(1e-4, 1e9)
     runs: dict[str, list[float]] = {}
 
-    def trial(machine, base, variant, trial_dir, steps, warmup, timeout):
+    jobs: list[int] = []
+
+    def trial(trial_dir):
         label = trial_dir.name.rsplit("-r", 1)[0]
         runs.setdefault(label, []).append(0.1)
         disturbed = label == "2x128_ddp_25MiB" and len(runs[label]) == 2  # another job beside its second run
@@ -67,10 +69,15 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
             return Measured(0.1 * len(runs[label]))
         return Measured(0.19 if disturbed else 0.1)
 
+    def probe_job(machine, probes, steps, warmup, timeout):  # one job per round
+        jobs.append(len(probes))
+        return [trial(trial_dir) for trial_dir, _, _ in probes]
+
     monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
     monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
         m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
-    monkeypatch.setattr(calibrate_module, "run_trial", trial)
+    monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
     cal = calibrate_module.calibrate(TwoRanks(), tmp_path, rounds=2, log=lambda line: None)
+    assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)  # both rounds, then the unsettled, then the cap
     assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3, "3x224_zero3": 4}
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == 0.1

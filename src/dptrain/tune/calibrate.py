@@ -40,8 +40,9 @@ from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import Machine
+from dptrain.tune.probe_runs import run_probes
 from dptrain.tune.space import CODEC_RATIO
-from dptrain.tune.trials import run_trial, write_config
+from dptrain.tune.trials import write_config
 
 __all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "fit_probe", "measure_links", "measure_profiles",
            "calibrate", "refit"]
@@ -155,10 +156,12 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     runs = probe_timelines(work, world, machine.per_host, network, profile)
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
     r, todo = 0, runs
-    while todo:  # interleaved, each round from a different start
-        for label, base, variant, _ in todo[r % len(todo):] + todo[:r % len(todo)]:
-            trial = work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}"
-            measured[label].append(run_trial(machine, base, variant, trial, steps, warmup, timeout).step_s)
+    while todo:  # interleaved, each round from a different start, each round one job (tune/probe_runs.py)
+        order = todo[r % len(todo):] + todo[:r % len(todo)]
+        trials = [(work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}", base, variant)
+                  for label, base, variant, _ in order]
+        for (label, *_), m in zip(order, run_probes(machine, trials, steps, warmup, timeout), strict=True):
+            measured[label].append(m.step_s)
         r += 1
         todo = runs if r < rounds else [run for run in runs if _unsettled(measured[run[0]], rounds)]
     probes = []
