@@ -110,8 +110,12 @@ class RendezvousTimeout(RuntimeError):
     """The job's store did not answer within the deadline: one line naming the address, exit 1."""
 
 
-def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeout_s: float = 300.0) -> torch.device:
+def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeout_s: float = 300.0,
+                     store: dist.Store | None = None) -> torch.device:
     """Join the process group; return this worker's device (cuda:LOCAL_RANK with NCCL, else CPU).
+
+    ``store``: one already joined (:func:`join_store`), e.g. prefixed anew for each of several groups made one
+    after another in one process; by default the job's store is joined here.
 
     ``env`` defaults to :func:`detect_worker_env` (torchrun, Slurm, or a single process). Joining the job's
     store has a deadline of ``timeout_s`` (+ :data:`CONNECT_SLACK_S`): :func:`join_store`. Under live recovery
@@ -124,7 +128,7 @@ def init_distributed(env: WorkerEnv | None = None, backend: str = "auto", timeou
     env = detect_worker_env() if env is None else env
     backend, device = _take_device(env, backend)
     timeout = timedelta(seconds=timeout_s)
-    store = join_store(env, timeout)
+    store = join_store(env, timeout) if store is None else store
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size,
                             timeout=timeout, device_id=device if device.type == "cuda" else None)
     return device

@@ -5,13 +5,15 @@ A probe is a short ``dptrain run`` whose steady step time is all that is read
 than the steps: starting the ranks, importing torch and joining the process group took
 2.1 s of a 4.5 s probe on 2 local ranks and 6.3 s of 12.9 on the emulated 4-rank cluster
 (the third study's calibrations, ``docs/tune.md``). So a round of probes is one job: each
-rank joins the process group once, then runs each probe's config in the order given with
+rank joins the job's store once, then runs each probe's config in the order given with
 the runner's own loop (:func:`dptrain.runner.loop.train`, as ``python -m dptrain.run``
 does: each run its own engine, run directory and heartbeat), and the step times are read
-from each run's ``metrics.jsonl`` as a trial's are. What one probe left behind (its
-engine's buffers, a hybrid strategy's sub-groups) is freed before the next begins
-(a full garbage collection), so a probe is timed on the same footing as in a job of its
-own; ``docs/tune.md`` compares the two.
+from each run's ``metrics.jsonl`` as a trial's are. Each run has a process group of its
+own (the store prefixed anew), destroyed with every group the run made, and its engine
+and buffers collected, before the next begins: one default group kept across the runs
+timed the smallest models' probes up to 13% faster than jobs of their own, in which every
+connection is new (``docs/repro/probe_runs_compare.py`` times the two ways against each
+other, alternated; ``docs/tune.md``).
 
 The tuner's *trials* still run one job each: they measure exactly what a user's run
 would be.
@@ -22,17 +24,18 @@ would be.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from dptrain.allocator import tune_cpu_allocator
 from dptrain.config import load_config
-from dptrain.launch.rendezvous import detect_worker_env, init_distributed, leave_process_groups
+from dptrain.launch.rendezvous import detect_worker_env, init_distributed, join_store, leave_process_groups
 from dptrain.launch.threads import omp_threads, threads_per_worker
 from dptrain.runner.validate import validate_run
 from dptrain.tune.machine import Machine
@@ -90,13 +93,14 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads_per_worker(env.local_world_size))
     if not torch.cuda.is_available():
         tune_cpu_allocator()
-    device = init_distributed(env, plans[0].cfg.distributed.backend, plans[0].cfg.distributed.timeout_s)
-    try:
-        for rp in plans:
+    backend, timeout_s = plans[0].cfg.distributed.backend, plans[0].cfg.distributed.timeout_s
+    store = join_store(env, timedelta(seconds=timeout_s))
+    for i, rp in enumerate(plans):  # each run its own process group: new connections, as in a job of its own
+        device = init_distributed(env, backend, timeout_s, store=dist.PrefixStore(f"probe{i}", store))
+        try:
             train(rp, env, device)
-            gc.collect()  # the run's engine, buffers and sub-groups go before the next is timed
-    finally:
-        leave_process_groups()
+        finally:
+            leave_process_groups()  # every group the run made, its engine and buffers, before the next is timed
     return 0
 
 
