@@ -40,12 +40,16 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
     assert {"per_coded_bucket_s", "coded_s_per_byte"} <= set(cal.unidentified())  # no codec probe in those runs
 
 
-def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbed_runs(tmp_path, monkeypatch) -> None:
+@pytest.mark.parametrize("one_job", [True, False], ids=["a job per round", "a job per probe"])
+def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbed_runs(tmp_path, monkeypatch,
+                                                                                       one_job) -> None:
     import dptrain.tune.calibrate as calibrate_module
     from dptrain.tune.machine import Machine
     from dptrain.tune.trials import Measured
 
     class TwoRanks(Machine):
+        probes_in_one_job = one_job
+
         def __init__(self):
             super().__init__(1, 2)
 
@@ -73,11 +77,19 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
         jobs.append(len(probes))
         return [trial(trial_dir) for trial_dir, _, _ in probes]
 
+    def trial_job(machine, base, variant, trial_dir, steps, warmup, timeout):  # one job per probe
+        jobs.append(1)
+        return trial(trial_dir)
+
     monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
     monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
         m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
+    monkeypatch.setattr(calibrate_module, "run_trial", trial_job)
     cal = calibrate_module.calibrate(TwoRanks(), tmp_path, rounds=2, log=lambda line: None)
-    assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)  # both rounds, then the unsettled, then the cap
+    if one_job:  # both rounds, then the unsettled, then the cap
+        assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)
+    else:
+        assert jobs == [1] * sum(map(len, runs.values()))
     assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3, "3x224_zero3": 4}
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == 0.1

@@ -15,7 +15,9 @@
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
    fits the twelve terms to what the timeline misses (a term no probe can tell apart is
    held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here;
-   a probe whose runs deviate by over 5% of their median runs again, up to two more times.
+   a probe whose runs deviate by over 5% of their median runs again, up to two more times. On this machine's own
+   ranks each round's probes run one after another in one job (:mod:`dptrain.tune.probe_runs`), each in a process
+   group of its own; elsewhere one job each, as trials (``Machine.probes_in_one_job``).
 
 The probes use the built-in task, whatever the user's model: the calibration belongs to
 the machine and is reused for any model (``dptrain tune --calibration FILE``).
@@ -42,7 +44,7 @@ from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import Machine
 from dptrain.tune.probe_runs import run_probes
 from dptrain.tune.space import CODEC_RATIO
-from dptrain.tune.trials import write_config
+from dptrain.tune.trials import run_trial, write_config
 
 __all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "fit_probe", "measure_links", "measure_profiles",
            "calibrate", "refit"]
@@ -156,12 +158,12 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     runs = probe_timelines(work, world, machine.per_host, network, profile)
     measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
     r, todo = 0, runs
-    while todo:  # interleaved, each round from a different start, each round one job (tune/probe_runs.py)
+    while todo:  # interleaved, each round from a different start
         order = todo[r % len(todo):] + todo[:r % len(todo)]
         trials = [(work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}", base, variant)
                   for label, base, variant, _ in order]
-        for (label, *_), m in zip(order, run_probes(machine, trials, steps, warmup, timeout), strict=True):
-            measured[label].append(m.step_s)
+        for (label, *_), step_s in zip(order, _probe_round(machine, trials, steps, warmup, timeout), strict=True):
+            measured[label].append(step_s)
         r += 1
         todo = runs if r < rounds else [run for run in runs if _unsettled(measured[run[0]], rounds)]
     probes = []
@@ -173,6 +175,15 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
     cal.overheads = fit_overheads(probes)
     _log_fit(cal, log)
     return cal
+
+
+def _probe_round(machine: Machine, trials: list[tuple[Path, Path, list[str]]], steps: int, warmup: int,
+                 timeout: float) -> list[float]:
+    """Each probe's step time: all in one job where the machine times them as jobs of their own would
+    (``Machine.probes_in_one_job``), else one job each, as trials run."""
+    if machine.probes_in_one_job:
+        return [m.step_s for m in run_probes(machine, trials, steps, warmup, timeout)]
+    return [run_trial(machine, base, variant, trial, steps, warmup, timeout).step_s for trial, base, variant in trials]
 
 
 def _unsettled(steps: list[float], rounds: int) -> bool:

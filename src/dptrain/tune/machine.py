@@ -30,7 +30,15 @@ __all__ = ["Machine", "Local", "Emulated", "Launcher"]
 
 
 class Machine(ABC):
-    """``hosts`` x ``per_host`` ranks; ``shared_net``: a host's ranks share one link to the others."""
+    """``hosts`` x ``per_host`` ranks; ``shared_net``: a host's ranks share one link to the others.
+
+    ``probes_in_one_job``: whether a calibration round's probes may run in one job (:mod:`dptrain.tune.probe_runs`)
+    rather than one job each, as trials do. Only where the two were measured to time a probe alike: on 2 local
+    ranks the median ratio was 0.999 (0.979-1.014), on the emulated 4 x 1 cluster 0.957 (0.925-0.983), a fresh
+    job's communication slower by up to 18% on the smallest probes (``docs/tune.md``, the fourth pass).
+    """
+
+    probes_in_one_job = False
 
     def __init__(self, hosts: int, per_host: int, shared_net: bool = False):
         self.hosts, self.per_host, self.shared_net = hosts, per_host, shared_net
@@ -80,6 +88,8 @@ def _tail(err: bytes, lines: int = 3) -> str:
 
 class Local(Machine):
     """``nproc`` ranks on this machine."""
+
+    probes_in_one_job = True  # measured alike (the class docstring above)
 
     def __init__(self, nproc: int):
         super().__init__(1, nproc)
