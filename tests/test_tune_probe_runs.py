@@ -39,3 +39,89 @@ def test_a_probe_job_runs_each_probe_whole_in_a_process_group_of_its_own(tmp_pat
     assert len(groups) == 2 and groups[0] is not groups[1]
     for p in plan:  # each run logged its steps after the warm-up, as a trial's are read
         assert read_steps(Path(p["run_dir"]), 1).step_s > 0
+
+
+class _Fake:
+    """A machine whose job writes what ``write(plan)`` makes of the plan and exits with ``code``."""
+
+    def __new__(cls, code: int, write):
+        from dptrain.tune.machine import Machine
+
+        class Fake(Machine):
+            def __init__(self):
+                super().__init__(1, 2)
+
+            @property
+            def where(self) -> str:
+                return "a test machine"
+
+            def job(self, args, timeout):
+                write(json.loads(Path(args[-1]).read_text()))
+                return code, "Traceback ...\nRuntimeError: the second probe broke"
+
+        return Fake()
+
+
+def _metrics(run_dir: str, steps: int) -> None:
+    Path(run_dir).mkdir(parents=True)
+    Path(run_dir, "metrics.jsonl").write_text(
+        "".join(json.dumps({"kind": "train", "step": s, "step_ms": 10.0}) + "\n" for s in range(1, steps + 1)))
+
+
+def test_a_failed_probe_job_names_the_probe_it_stopped_in_and_a_hung_one_its_time(tmp_path) -> None:
+    import pytest
+
+    from dptrain.tune.probe_runs import run_probes
+    from dptrain.tune.search import TrialFailed
+
+    probes = [(tmp_path / f"probe{i}", None, [*TINY_GPT_SETTINGS]) for i in range(3)]
+    broke = _Fake(1, lambda plan: (_metrics(plan[0]["run_dir"], 5), _metrics(plan[1]["run_dir"], 3)))
+    with pytest.raises(TrialFailed, match=r"stopped in .*probe1.*exit 1: RuntimeError: the second probe broke"):
+        run_probes(broke, probes, 5, 2, 60)
+    hung = _Fake(124, lambda plan: None)
+    with pytest.raises(TrialFailed, match=r"stopped in .*again0.*after 180 s \(60 s for each of 3\)"):
+        run_probes(hung, [(tmp_path / f"again{i}", None, []) for i in range(3)], 5, 2, 60)
+    done = _Fake(0, lambda plan: [_metrics(p["run_dir"], 5) for p in plan])
+    assert [m.step_s for m in run_probes(done, [(tmp_path / f"ok{i}", None, []) for i in range(2)], 5, 2, 60)] == \
+        [0.01, 0.01]
+
+
+def test_a_probe_plan_that_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys) -> None:
+    from dptrain.tune import probe_runs
+
+    for name in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    config = write_config(tmp_path / "config.toml", None, [*TINY_GPT_SETTINGS])
+    bad = tmp_path / "config_bad.toml"
+    bad.write_text(config.read_text().replace("[train]", "[train]\nsteps = -3", 1))
+    for plan in ([], [{"config": str(bad), "run_dir": str(tmp_path / "run")}], {"config": "x"}):
+        (tmp_path / "plan.json").write_text(json.dumps(plan))
+        assert probe_runs.main([str(tmp_path / "plan.json")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+    assert not dist.is_initialized() and not (tmp_path / "run").exists()
+
+
+def test_leaving_the_process_groups_stops_the_progress_threads_and_lets_their_groups_go() -> None:
+    import gc
+    import threading
+    import weakref
+
+    from dptrain.comm.progress import progress_thread, stop_progress_threads
+
+    class Group:  # what the registry keys a thread by: the group object
+        pass
+
+    group = Group()
+    thread = progress_thread(group)
+    name = f"dptrain-comm-{id(group):x}"
+    assert progress_thread(group) is thread and any(t.name == name for t in threading.enumerate())
+    ref = weakref.ref(group)
+    stop_progress_threads()
+    del group
+    gc.collect()
+    assert ref() is None  # the registry no longer holds it
+    for t in threading.enumerate():
+        if t.name == name:
+            t.join(timeout=5)
+            assert not t.is_alive()

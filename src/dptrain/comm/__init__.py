@@ -16,10 +16,11 @@ from dptrain.comm.collectives import (
     sent_bytes,
 )
 from dptrain.comm.persistent import PersistentAllReduce
+from dptrain.comm.progress import stop_progress_threads
 from dptrain.comm.topology import node_groups, shard_bounds, shard_range
 from dptrain.comm.wire import Traffic
 from dptrain.comm.work import Work
 
 __all__ = ["ALGORITHMS", "CollectiveMismatchError", "PersistentAllReduce", "Traffic", "Work", "all_gather", "all_reduce",
            "broadcast", "check_algorithm", "node_groups", "reduce_scatter", "sent_bytes", "shard_bounds",
-           "shard_range"]
+           "shard_range", "stop_progress_threads"]

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from dptrain.comm.wire import Workspace
 from dptrain.comm.work import Work  # re-exported: the handle submit() returns
 
-__all__ = ["Work", "ProgressThread", "progress_thread"]
+__all__ = ["Work", "ProgressThread", "progress_thread", "stop_progress_threads"]
 
 
 class ProgressThread:
@@ -50,9 +50,16 @@ class ProgressThread:
         self._jobs.put((run, work))
         return work
 
+    def stop(self) -> None:
+        """End the thread once the collectives submitted before this have run."""
+        self._jobs.put(None)
+
     def _loop(self) -> None:
         while True:
-            run, work = self._jobs.get()
+            job = self._jobs.get()
+            if job is None:
+                return
+            run, work = job
             try:
                 run()
             except BaseException as error:  # delivered to the waiter, who re-raises it
@@ -63,6 +70,17 @@ class ProgressThread:
 
 _THREADS: dict[int, tuple[object, ProgressThread]] = {}
 _THREADS_LOCK = threading.Lock()
+
+
+def stop_progress_threads() -> None:
+    """Stop every group's progress thread and forget it, and with it the registry's hold on its group: for a
+    process that leaves its groups (``launch.rendezvous.leave_process_groups``), so that a destroyed group's
+    backend can be freed and the next group made in the same process starts a thread of its own."""
+    with _THREADS_LOCK:
+        entries = list(_THREADS.values())
+        _THREADS.clear()
+    for _, thread in entries:
+        thread.stop()
 
 
 def progress_thread(group: dist.ProcessGroup) -> ProgressThread:

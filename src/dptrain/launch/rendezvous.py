@@ -28,6 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from dptrain.comm import stop_progress_threads
 from dptrain.launch.local import AGENT_STORE, LOOPBACK, free_port  # the launcher's, which imports no torch
 from dptrain.launch.slurm import first_slurm_host, job_port
 from dptrain.live.store import LIVE_STORE_ENV
@@ -266,6 +267,7 @@ def leave_process_groups() -> None:
     runs each backend's destructor while the interpreter is whole: it joins its threads with
     the GIL released, so they finish their work and stop.
     """
+    stop_progress_threads()  # dptrain's own collectives' threads, which hold their groups
     if dist.is_initialized():
         dist.destroy_process_group()
     gc.collect()

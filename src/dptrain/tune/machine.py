@@ -34,8 +34,9 @@ class Machine(ABC):
 
     ``probes_in_one_job``: whether a calibration round's probes may run in one job (:mod:`dptrain.tune.probe_runs`)
     rather than one job each, as trials do. Only where the two were measured to time a probe alike: on 2 local
-    ranks the median ratio was 0.999 (0.979-1.014), on the emulated 4 x 1 cluster 0.957 (0.925-0.983), a fresh
-    job's communication slower by up to 18% on the smallest probes (``docs/tune.md``, the fourth pass).
+    ranks the median ratio was 0.999 (0.979-1.014); on the emulated 4 x 1 cluster 0.957 (0.925-0.983), some
+    probes up to 17.6% faster in the round's job, their communication slower in a job of their own
+    (``docs/tune.md``, the fourth pass).
     """
 
     probes_in_one_job = False

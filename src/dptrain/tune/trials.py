@@ -22,7 +22,7 @@ from dptrain.tune.machine import Machine
 from dptrain.tune.search import Measured, TrialFailed
 from dptrain.utils.atomic import write_text_atomic
 
-__all__ = ["trial_overrides", "write_config", "run_trial", "read_steps"]
+__all__ = ["trial_overrides", "write_config", "run_trial", "read_steps", "prune"]
 
 
 def trial_overrides(steps: int) -> list[str]:
