@@ -8,6 +8,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from _cli import TINY_GPT_SETTINGS
+from _tune_machine import TestMachine
 from dptrain.tune.trials import read_steps, trial_overrides, write_config
 
 
@@ -41,25 +42,14 @@ def test_a_probe_job_runs_each_probe_whole_in_a_process_group_of_its_own(tmp_pat
         assert read_steps(Path(p["run_dir"]), 1).step_s > 0
 
 
-class _Fake:
+def _fake(code: int, write) -> TestMachine:
     """A machine whose job writes what ``write(plan)`` makes of the plan and exits with ``code``."""
 
-    def __new__(cls, code: int, write):
-        from dptrain.tune.machine import Machine
+    def run(args):
+        write(json.loads(Path(args[-1]).read_text()))
+        return code, "Traceback ...\nRuntimeError: the second probe broke"
 
-        class Fake(Machine):
-            def __init__(self):
-                super().__init__(1, 2)
-
-            @property
-            def where(self) -> str:
-                return "a test machine"
-
-            def job(self, args, timeout):
-                write(json.loads(Path(args[-1]).read_text()))
-                return code, "Traceback ...\nRuntimeError: the second probe broke"
-
-        return Fake()
+    return TestMachine(run)
 
 
 def _metrics(run_dir: str, steps: int) -> None:
@@ -75,13 +65,13 @@ def test_a_failed_probe_job_names_the_probe_it_stopped_in_and_a_hung_one_its_tim
     from dptrain.tune.search import TrialFailed
 
     probes = [(tmp_path / f"probe{i}", None, [*TINY_GPT_SETTINGS]) for i in range(3)]
-    broke = _Fake(1, lambda plan: (_metrics(plan[0]["run_dir"], 5), _metrics(plan[1]["run_dir"], 3)))
+    broke = _fake(1, lambda plan: (_metrics(plan[0]["run_dir"], 5), _metrics(plan[1]["run_dir"], 3)))
     with pytest.raises(TrialFailed, match=r"stopped in .*probe1.*exit 1: RuntimeError: the second probe broke"):
         run_probes(broke, probes, 5, 2, 60)
-    hung = _Fake(124, lambda plan: None)
+    hung = _fake(124, lambda plan: None)
     with pytest.raises(TrialFailed, match=r"stopped in .*again0.*after 180 s \(60 s for each of 3\)"):
         run_probes(hung, [(tmp_path / f"again{i}", None, []) for i in range(3)], 5, 2, 60)
-    done = _Fake(0, lambda plan: [_metrics(p["run_dir"], 5) for p in plan])
+    done = _fake(0, lambda plan: [_metrics(p["run_dir"], 5) for p in plan])
     assert [m.step_s for m in run_probes(done, [(tmp_path / f"ok{i}", None, []) for i in range(2)], 5, 2, 60)] == \
         [0.01, 0.01]
 

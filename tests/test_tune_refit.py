@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from _tune_machine import TestMachine
 from dptrain.comm.cost import Link
 from dptrain.planner.network import Network
 from dptrain.planner.simulate import ComputeProfile, Overheads
@@ -44,21 +45,10 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
 def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbed_runs(tmp_path, monkeypatch,
                                                                                        one_job) -> None:
     import dptrain.tune.calibrate as calibrate_module
-    from dptrain.tune.machine import Machine
     from dptrain.tune.trials import Measured
 
-    class TwoRanks(Machine):
-        probes_in_one_job = one_job
-
-        def __init__(self):
-            super().__init__(1, 2)
-
-        @property
-        def where(self) -> str:
-            return "a test machine"
-
-        def job(self, args, timeout):
-            raise AssertionError("every job of this test is a fake's")
+    def no_job(args):
+        raise AssertionError("every job of this test is a fake's")
 
     link = Link(1e-4, 1e9)
     runs: dict[str, list[float]] = {}
@@ -86,7 +76,7 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
         m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
     monkeypatch.setattr(calibrate_module, "run_trial", trial_job)
-    cal = calibrate_module.calibrate(TwoRanks(), tmp_path, rounds=2, log=lambda line: None)
+    cal = calibrate_module.calibrate(TestMachine(no_job, one_job), tmp_path, rounds=2, log=lambda line: None)
     if one_job:  # both rounds, then the unsettled, then the cap
         assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)
     else:
