@@ -16,8 +16,9 @@
    fits the twelve terms to what the timeline misses (a term no probe can tell apart is
    held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here;
    a probe whose runs deviate by over 5% of their median runs again, up to two more times. On this machine's own
-   ranks each round's probes run one after another in one job (:mod:`dptrain.tune.probe_runs`), each in a process
-   group of its own; elsewhere one job each, as trials (``Machine.probes_in_one_job``).
+   ranks and on the emulated cluster each round's probes run one after another in one job
+   (:mod:`dptrain.tune.probe_runs`), each in a process group of its own; under a launcher one job each, as trials
+   (``Machine.probes_in_one_job``).
 
 The probes use the built-in task, whatever the user's model: the calibration belongs to
 the machine and is reused for any model (``dptrain tune --calibration FILE``).
