@@ -1,0 +1,73 @@
+"""A collective's latency under compute contention, as a thirteenth overhead term, refitted and scored (docs/tune.md).
+
+    python docs/repro/tune_contention_form.py base|inside|after EXHAUSTIVE_DIR:CALIBRATION_DIR ...
+
+``base``: the simulator's twelve terms; ``inside``: a thirteenth, per collective while the device computes (each
+collective counted by the share of its time inside a compute window: a round's latency when every rank's cores are
+busy computing, where ``contention_s_per_byte`` charges bandwidth); ``after``: the thirteenth per collective that
+runs outside compute instead (the queue after backward). Each calibration (``CALIBRATION_DIR/calibration.json`` with
+its profiles, e.g. a tuner's directory) is refitted with the form (docs/repro/tune_refit.py: nothing is measured
+again) and the exhaustive search in ``EXHAUSTIVE_DIR`` scored against it (docs/repro/tune_rescore.py).
+"""
+
+import dataclasses
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tune_rescore import rescore  # noqa: E402
+
+import dptrain.planner.calibration as calibration  # noqa: E402
+import dptrain.planner.simulate as sim  # noqa: E402
+import dptrain.tune.calibrate as calmod  # noqa: E402
+
+MODE = sys.argv[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Overheads13(sim.Overheads):
+    """The twelve terms and one more: per collective inside (``inside``) or outside (``after``) compute."""
+
+    per_contended_collective_s: float = 0.0
+
+
+original_features = sim._features
+
+
+def features(log, calls, windows, *args, **kwargs):
+    """The twelve features and the thirteenth: the collectives' count, each by its share inside the windows."""
+    base = original_features(log, calls, windows, *args, **kwargs)
+    inside = 0.0
+    for c in log:
+        span = c.end_s - c.start_s
+        if span > 0:
+            share = sum(max(0.0, min(c.end_s, hi) - max(c.start_s, lo)) for lo, hi in windows) / span
+            inside += share if MODE == "inside" else 1.0 - share
+    return (*base, inside if MODE != "base" else 0.0)
+
+
+def main() -> None:
+    sim.Overheads = calibration.Overheads = Overheads13
+    sim._features = features
+    sim.StepPrediction.__dataclass_fields__["features"].default = (0.0,) * 13
+    for pair in sys.argv[2:]:
+        search, tuned = (Path(p) for p in pair.split(":"))
+        with tempfile.TemporaryDirectory() as w:
+            cal = calmod.refit(tuned / "calibration.json", Path(w), log=lambda s: None)
+            cal.save(Path(w) / "c.json")
+            rows = rescore(search, Path(w) / "c.json")
+        errs = [abs(r["now"] - 1) for r in rows]
+        o = cal.overheads
+        print(f"{MODE:6s} {search.name}: per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, per ZeRO-1/2 bucket "
+              f"{1e3 * o.per_zero_bucket_s:.2f} ms, per contended collective {1e3 * o.per_contended_collective_s:.2f} "
+              f"ms, contention {1e3 * 1e6 * o.contention_s_per_byte:.3f} ms/MB | mean {100 * statistics.mean(errs):.1f}% "
+              f"max {100 * max(errs):.1f}% within 10% {sum(e <= 0.1 for e in errs)}/{len(errs)} "
+              f"goal met {sum(r['meets'] for r in rows)}")
+        worst = sorted(rows, key=lambda r: -abs(r["now"] - 1))[:4]
+        print("   worst:", "; ".join(f"{r['candidate']} {r['now']:.3f}" for r in worst))
+
+
+if __name__ == "__main__":
+    main()
