@@ -11,17 +11,14 @@ again) and the exhaustive search in ``EXHAUSTIVE_DIR`` scored against it (docs/r
 """
 
 import dataclasses
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_rescore import rescore  # noqa: E402
+from tune_rescore import refitted, summary  # noqa: E402
 
 import dptrain.planner.calibration as calibration  # noqa: E402
 import dptrain.planner.simulate as sim  # noqa: E402
-import dptrain.tune.calibrate as calmod  # noqa: E402
 
 MODE = sys.argv[1]
 
@@ -54,20 +51,11 @@ def main() -> None:
     sim.StepPrediction.__dataclass_fields__["features"].default = (0.0,) * 13
     for pair in sys.argv[2:]:
         search, tuned = (Path(p) for p in pair.split(":"))
-        with tempfile.TemporaryDirectory() as w:
-            cal = calmod.refit(tuned / "calibration.json", Path(w), log=lambda s: None)
-            cal.save(Path(w) / "c.json")
-            rows = rescore(search, Path(w) / "c.json")
-        errs = [abs(r["now"] - 1) for r in rows]
+        cal, rows = refitted(search, tuned)
         o = cal.overheads
         print(f"{MODE:6s} {search.name}: per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, per ZeRO-1/2 bucket "
               f"{1e3 * o.per_zero_bucket_s:.2f} ms, per contended collective {1e3 * o.per_contended_collective_s:.2f} "
-              f"ms, contention {1e3 * 1e6 * o.contention_s_per_byte:.3f} ms/MB | mean {100 * statistics.mean(errs):.1f}% "
-              f"max {100 * max(errs):.1f}% within 10% {sum(e <= 0.1 for e in errs)}/{len(errs)} "
-              f"goal met {sum(r['meets'] for r in rows)}")
-        worst = sorted(rows, key=lambda r: -abs(r["now"] - 1))[:4]
-        print("   worst:", "; ".join(f"{r['candidate']} {r['now']:.3f}" for r in worst))
-
+              f"ms, contention {1e3 * 1e6 * o.contention_s_per_byte:.3f} ms/MB | {summary(rows)}")
 
 if __name__ == "__main__":
     main()

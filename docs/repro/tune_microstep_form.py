@@ -9,13 +9,11 @@ and its exhaustive search scored against it (docs/repro/tune_rescore.py).
 """
 
 import dataclasses
-import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_rescore import rescore  # noqa: E402
+from tune_rescore import refitted, summary  # noqa: E402
 
 import dptrain.planner.simulate as sim  # noqa: E402
 import dptrain.tune.calibrate as calmod  # noqa: E402
@@ -42,19 +40,10 @@ def main() -> None:
     calmod.simulate_step = tunermod.simulate_step = patched
     for name in sys.argv[2:]:
         d = Path(name)
-        with tempfile.TemporaryDirectory() as w:
-            cal = calmod.refit(d / "calibration.json", Path(w), log=lambda s: None)
-            cal.save(Path(w) / "c.json")
-            rows = rescore(d, Path(w) / "c.json")
-        errs = [abs(r["now"] - 1) for r in rows]
+        cal, rows = refitted(d, d)
         fit = max(abs(r["ratio"] - 1) for r in cal.residuals())
         print(f"{MODE:8s} {d.name}: micro-step term {cal.overheads.per_micro_step_s:.4g}, compute share "
-              f"{cal.overheads.compute_slowdown:.3f} | mean {100 * statistics.mean(errs):.1f}% max {100 * max(errs):.1f}% "
-              f"within 10% {sum(e <= 0.1 for e in errs)}/{len(errs)} goal met {sum(r['meets'] for r in rows)} | "
-              f"probes' fit worst {fit:.3f}")
-        worst = sorted(rows, key=lambda r: -abs(r["now"] - 1))[:4]
-        print("   worst:", "; ".join(f"{r['candidate']} {r['now']:.3f}" for r in worst))
-
+              f"{cal.overheads.compute_slowdown:.3f}, probes' fit worst {fit:.3f} | {summary(rows)}")
 
 if __name__ == "__main__":
     main()

@@ -45,6 +45,27 @@ def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
     return out
 
 
+def refitted(search_dir: Path, tuned_dir: Path) -> tuple:
+    """``tuned_dir``'s calibration refitted by today's simulator (``dptrain.tune.calibrate.refit``: nothing measured
+    again) and the exhaustive search in ``search_dir`` scored against it: the calibration and :func:`rescore`'s rows."""
+    import tempfile
+
+    from dptrain.tune.calibrate import refit
+    with tempfile.TemporaryDirectory() as work:
+        cal = refit(tuned_dir / "calibration.json", Path(work), log=lambda s: None)
+        cal.save(Path(work) / "c.json")
+        return cal, rescore(search_dir, Path(work) / "c.json")
+
+
+def summary(rows: list[dict]) -> str:
+    """The rows' mean and largest error, and how many are within 10% and meet the goal."""
+    errs = [abs(r["now"] - 1) for r in rows]
+    worst = sorted(rows, key=lambda r: -abs(r["now"] - 1))[:4]
+    return (f"mean {100 * statistics.mean(errs):.1f}% max {100 * max(errs):.1f}% within 10% "
+            f"{sum(e <= 0.1 for e in errs)}/{len(errs)} goal met {sum(r['meets'] for r in rows)}\n   worst: "
+            + "; ".join(f"{r['candidate']} {r['now']:.3f}" for r in worst))
+
+
 def main(argv: list[str]) -> None:
     rows = rescore(Path(argv[0]), Path(argv[1]))
     print("| candidate | measured ms (median) | spread | predicted / measured, before | now | goal |\n"
