@@ -34,10 +34,10 @@ class Machine(ABC):
 
     ``probes_in_one_job``: whether a calibration round's probes may run in one job (:mod:`dptrain.tune.probe_runs`)
     rather than one job each, as trials do. Only where the two were measured to time a probe alike and the
-    calibration so made was checked against trials (``docs/tune.md``, the fourth pass): on 2 local ranks (median
+    calibration so made was checked against trials (``docs/tune.md``): on 2 local ranks (median
     ratio 0.999, 0.979-1.014) and on the emulated cluster (4 x 1 at 10 Gbit/s: 1.011, 0.995-1.036; its calibrations
-    so made predicted three settings' measured medians with a mean error of 7.7%, against 7.3% one job each). Not
-    under a launcher (torchrun, Slurm): not measured there.
+    so made predicted three settings' measured medians with a mean error of 7.7% and 8.0%, against 7.3% one job
+    each; the fourth and fifth passes). Not under a launcher (torchrun, Slurm): not measured there.
     """
 
     probes_in_one_job = False
