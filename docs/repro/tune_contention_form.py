@@ -1,11 +1,13 @@
 """A collective's latency under compute contention, as a thirteenth overhead term, refitted and scored (docs/tune.md).
 
-    python docs/repro/tune_contention_form.py base|inside|after EXHAUSTIVE_DIR:CALIBRATION_DIR ...
+    python docs/repro/tune_contention_form.py base|inside|after|rounds EXHAUSTIVE_DIR:CALIBRATION_DIR ...
 
 ``base``: the simulator's twelve terms; ``inside``: a thirteenth, per collective while the device computes (each
 collective counted by the share of its time inside a compute window: a round's latency when every rank's cores are
 busy computing, where ``contention_s_per_byte`` charges bandwidth); ``after``: the thirteenth per collective that
-runs outside compute instead (the queue after backward). Each calibration (``CALIBRATION_DIR/calibration.json`` with
+runs outside compute instead (the queue after backward); ``rounds``: no thirteenth term, the per-collective ones
+(DDP bucket, ZeRO-1/2 bucket, ZeRO-3 collective, coded bucket) scaled by the collective's group's ring rounds against
+the whole world's, ``(g - 1) / (N - 1)``: hybrid sharding's groups of 2 charged a third of 4 ranks'. Each calibration (``CALIBRATION_DIR/calibration.json`` with
 its profiles, e.g. a tuner's directory) is refitted with the form (docs/repro/tune_refit.py: nothing is measured
 again) and the exhaustive search in ``EXHAUSTIVE_DIR`` scored against it (docs/repro/tune_rescore.py).
 """
@@ -19,6 +21,8 @@ from tune_rescore import refitted, summary  # noqa: E402
 
 import dptrain.planner.calibration as calibration  # noqa: E402
 import dptrain.planner.simulate as sim  # noqa: E402
+import dptrain.tune.calibrate as calmod  # noqa: E402
+import dptrain.tune.tuner as tunermod  # noqa: E402
 
 MODE = sys.argv[1]
 
@@ -42,13 +46,29 @@ def features(log, calls, windows, *args, **kwargs):
         if span > 0:
             share = sum(max(0.0, min(c.end_s, hi) - max(c.start_s, lo)) for lo, hi in windows) / span
             inside += share if MODE == "inside" else 1.0 - share
-    return (*base, inside if MODE != "base" else 0.0)
+    return (*base, inside if MODE in ("inside", "after") else 0.0)
+
+
+original_step = sim.simulate_step
+
+
+def rounds_step(model, setup, *args, **kwargs):
+    """The step with the per-collective features scaled by ``(g - 1) / (N - 1)``, g the shard group's ranks."""
+    overheads = kwargs.pop("overheads", None)
+    p = original_step(model, setup, *args, **kwargs)
+    f = list(p.features)
+    for i in (1, 2, 3, 10):
+        f[i] *= (setup.shards - 1) / max(1, setup.world_size - 1)
+    o = sum(x * y for x, y in zip((overheads or sim.Overheads()).terms(), f, strict=True))
+    return dataclasses.replace(p, features=tuple(f), overhead_s=o, step_s=p.step_s + o)
 
 
 def main() -> None:
     sim.Overheads = calibration.Overheads = Overheads13
     sim._features = features
     sim.StepPrediction.__dataclass_fields__["features"].default = (0.0,) * 13
+    if MODE == "rounds":
+        sim.simulate_step = calmod.simulate_step = tunermod.simulate_step = rounds_step
     for pair in sys.argv[2:]:
         search, tuned = (Path(p) for p in pair.split(":"))
         cal, rows = refitted(search, tuned)
@@ -56,6 +76,7 @@ def main() -> None:
         print(f"{MODE:6s} {search.name}: per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, per ZeRO-1/2 bucket "
               f"{1e3 * o.per_zero_bucket_s:.2f} ms, per contended collective {1e3 * o.per_contended_collective_s:.2f} "
               f"ms, contention {1e3 * 1e6 * o.contention_s_per_byte:.3f} ms/MB | {summary(rows)}")
+
 
 if __name__ == "__main__":
     main()
