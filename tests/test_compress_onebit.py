@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from _memory import resident_mib
 from dptrain.comm.topology import shard_bounds
 from dptrain.compress.onebit import OneBit, OneBitAllReduce, naive_onebit_all_reduce, pack_signs, unpack_signs
 from dptrain.testing import run_on_ranks
@@ -150,21 +151,15 @@ def test_errors_saved_on_another_world_size_are_refused_by_name() -> None:
     assert "10 elements on 3 ranks" in message and "on 2" in message
 
 
-def _resident_mib() -> float:
-    """This process's resident set now (not its peak), from /proc/self/statm."""
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def _soak(rank: int, world_size: int, numel: int, calls: int) -> float:
     """The resident MiB this rank gained over ``calls`` all-reduces of ``numel`` elements, after 30 to warm up."""
     reducer, x, gen = OneBitAllReduce(numel), torch.empty(numel), torch.Generator().manual_seed(rank)
     for _ in range(30):
         reducer.all_reduce_(x.normal_(generator=gen))
-    before = _resident_mib()
+    before = resident_mib()
     for _ in range(calls):
         reducer.all_reduce_(x.normal_(generator=gen))
-    return _resident_mib() - before
+    return resident_mib() - before
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")

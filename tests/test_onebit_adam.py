@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from _cli import dptrain
+from _memory import resident_mib
 from dptrain import DistributedDataParallel
 from dptrain.comm.cost import collective_cost
 from dptrain.comm.step_stats import InStepComm, StepCommStats
@@ -153,11 +154,6 @@ def test_the_optimizers_own_communication_is_exposed_and_hides_nothing() -> None
     assert (alone.exposed_comm_s, alone.comm_busy_s, alone.overlap) == (0.5, 1.0, 0.5)  # the engine's, unchanged
 
 
-def _resident_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def _training_soak(rank: int, world_size: int) -> float:
     """The resident MiB this rank gained over 100 compressed steps of a small GPT (after 30 to warm up)."""
     torch.manual_seed(0)
@@ -175,10 +171,10 @@ def _training_soak(rank: int, world_size: int) -> float:
 
     for _ in range(30):
         step()
-    before = _resident_mib()
+    before = resident_mib()
     for _ in range(100):
         step()
-    return _resident_mib() - before
+    return resident_mib() - before
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads the resident set from /proc")

@@ -5,8 +5,6 @@ end of training, and the codecs' rounding, bytes and error feedback."""
 from __future__ import annotations
 
 import copy
-import ctypes
-import ctypes.util
 
 import pytest
 import torch
@@ -429,77 +427,3 @@ def _live_edges(rank: int, world_size: int) -> list[bool]:
 
 def test_a_failed_live_wait_restores_the_residuals_and_a_flight_is_dropped_where_live_recovery_meets():
     assert all(run_on_ranks(_live_edges, 1)[0])
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _resident_mib() -> float:
-    """This process's resident set now (not its peak), from /proc/self/statm."""
-    import os
-
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _heap_mib() -> float:
-    """The bytes this process's C heap holds in use now, every arena's and every mmapped block's (glibc's
-    ``mallinfo2``): tensors' storage and every object, as allocated, whatever of it the allocator keeps resident or
-    hands back, so a kept payload shows at once and the pages glibc keeps or trims do not."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallinfo2.restype = _MallInfo2
-    info = libc.mallinfo2()
-    return (info.uordblks + info.hblkhd) / 2**20
-
-
-def _soak(rank: int, world_size: int, options: dict, steps: int) -> tuple[float, float, int]:
-    """What this rank kept over ``steps`` steps of DiLoCo (``options``), after 450 to warm up: the MiB its heap holds
-    in use beyond what it held before (:func:`_heap_mib`), the MiB its resident set grew, and the bytes of Python
-    objects still alive (tracemalloc)."""
-    import gc
-    import tracemalloc
-
-    torch.manual_seed(0)
-    wrapper = DiLoCo(nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512)), **options)
-    opt = torch.optim.SGD(wrapper.module.parameters(), lr=1e-3)
-    x = torch.randn(8, 512, generator=torch.Generator().manual_seed(rank))
-
-    def step() -> None:
-        wrapper(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad(set_to_none=False)
-        wrapper.after_optimizer_step()
-        wrapper.step_metrics()
-
-    for _ in range(150):
-        step()
-    tracemalloc.start()  # objects made once (~12 KiB, the first few hundred traced steps), not per sync point
-    for _ in range(300):
-        step()
-    gc.collect()
-    before, heap, rss = tracemalloc.get_traced_memory()[0], _heap_mib(), _resident_mib()
-    for _ in range(steps):
-        step()
-    gc.collect()
-    return _heap_mib() - heap, _resident_mib() - rss, tracemalloc.get_traced_memory()[0] - before
-
-
-@pytest.mark.skipif(not hasattr(ctypes.CDLL(ctypes.util.find_library("c")), "mallinfo2"),
-                    reason="reads the heap in use from glibc's mallinfo2 (glibc 2.33 or later)")
-@pytest.mark.parametrize("options", [dict(period=4, fragments=2, overlap_steps=1, compression="e3m0"),
-                                     dict(period=2, compression="int8")])
-def test_memory_stays_flat_over_hundreds_of_sync_points(options):
-    """DiLoCo keeps buffers across steps (a reduction in flight, the global weights, the residuals): 600 steps, 300
-    sync points, keep nothing per sync point. Python objects: under 32 KiB in all (up to ~15 KiB of tensor views and
-    torch's profiler records come and go, the same over 600 steps or 2,400; the int8 reduction's statistics kept a
-    record per sync point, 70 KiB here, until 2026-12-06); the heap in use: under 1 MiB more (0.03 MiB here),
-    where a payload kept per sync point (0.1-0.3 MiB) adds 30-90 MiB and one of 4 KiB 1.2 MiB; the resident set:
-    under 64 MiB more. (The resident set alone was the measure before 2026-12-06, under 24 MiB: it moves by 1-29 MiB
-    between runs whatever their length, with the pages glibc keeps or hands back, and a payload kept in pages freed
-    earlier did not move it at all; so it only bounds what the heap's count might not see.)"""
-    for heap, resident, objects in run_on_ranks(_soak, 2, options, 600, env={"TORCH_FR_BUFFER_SIZE": "0"}):
-        assert objects < 32 * 1024, objects
-        assert heap < 1.0, heap
-        assert resident < 64.0, resident

@@ -91,7 +91,7 @@ def _tail(err: bytes, lines: int = 3) -> str:
 class Local(Machine):
     """``nproc`` ranks on this machine."""
 
-    probes_in_one_job = True  # measured alike (the class docstring above)
+    probes_in_one_job = True  # measured alike (the Machine docstring above)
 
     def __init__(self, nproc: int):
         super().__init__(1, nproc)
