@@ -42,6 +42,7 @@ from dptrain.config import ConfigError, load_config
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, join_store, leave_process_groups
 from dptrain.launch.run_lock import RunDirError, acquire
 from dptrain.launch.threads import omp_threads, threads_per_worker
+from dptrain.pages.plots import read_metrics
 from dptrain.runner.validate import validate_run
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Measured, TrialFailed
@@ -88,17 +89,11 @@ def run_probes(machine: Machine, probes: list[tuple[Path, Path | None, list[str]
 def _finished(run_dir: Path, steps: int) -> bool:
     """Whether a probe's run logged its last step (a torn last line is not one)."""
     try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        records, _ = read_metrics(run_dir / "metrics.jsonl")
     except OSError:
         return False
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("kind") == "train":
-            return record.get("step") == steps
-    return False
+    logged = [r["step"] for r in records if r.get("kind") == "train"]
+    return bool(logged) and logged[-1] == steps
 
 
 def main(argv: list[str] | None = None) -> int:
