@@ -1,13 +1,15 @@
 """A collective's latency under compute contention, as a thirteenth overhead term, refitted and scored (docs/tune.md).
 
-    python docs/repro/tune_contention_form.py base|inside|after|rounds EXHAUSTIVE_DIR:CALIBRATION_DIR ...
+    python docs/repro/tune_contention_form.py base|inside|after|rounds|hosts EXHAUSTIVE_DIR:CALIBRATION_DIR ...
 
 ``base``: the simulator's twelve terms; ``inside``: a thirteenth, per collective while the device computes (each
 collective counted by the share of its time inside a compute window: a round's latency when every rank's cores are
 busy computing, where ``contention_s_per_byte`` charges bandwidth); ``after``: the thirteenth per collective that
 runs outside compute instead (the queue after backward); ``rounds``: no thirteenth term, the per-collective ones
 (DDP bucket, ZeRO-1/2 bucket, ZeRO-3 collective, coded bucket) scaled by the collective's group's ring rounds against
-the whole world's, ``(g - 1) / (N - 1)``: hybrid sharding's groups of 2 charged a third of 4 ranks'. Each calibration (``CALIBRATION_DIR/calibration.json`` with
+the whole world's, ``(g - 1) / (N - 1)``: hybrid sharding's groups of 2 charged a third of 4 ranks'; ``hosts``: the
+thirteenth per collective of a shard group inside one host while the world spans several (hybrid sharding's groups on
+2 x 2), in place of the per-collective terms, which then count only groups that span hosts. Each calibration (``CALIBRATION_DIR/calibration.json`` with
 its profiles, e.g. a tuner's directory) is refitted with the form (docs/repro/tune_refit.py: nothing is measured
 again) and the exhaustive search in ``EXHAUSTIVE_DIR`` scored against it (docs/repro/tune_rescore.py).
 """
@@ -24,7 +26,7 @@ import dptrain.planner.simulate as sim  # noqa: E402
 import dptrain.tune.calibrate as calmod  # noqa: E402
 import dptrain.tune.tuner as tunermod  # noqa: E402
 
-MODE = sys.argv[1]
+MODE = "base"  # the form in use: use_form() sets it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +65,36 @@ def rounds_step(model, setup, *args, **kwargs):
     return dataclasses.replace(p, features=tuple(f), overhead_s=o, step_s=p.step_s + o)
 
 
-def main() -> None:
+def hosts_step(model, setup, profile, network, *args, **kwargs):
+    """The step with the per-collective features moved to the thirteenth where the shard group is inside one host
+    and the world spans several (hybrid sharding's groups on 2 x 2): a collective over loopback, not the link."""
+    overheads = kwargs.pop("overheads", None)
+    p = original_step(model, setup, profile, network, *args, **kwargs)
+    f = list(p.features)
+    per = network.per_node
+    if -(-setup.shards // per) == 1 < -(-setup.world_size // per):
+        f[12] = sum(f[i] for i in (1, 2, 3, 10))
+        for i in (1, 2, 3, 10):
+            f[i] = 0.0
+    o = sum(x * y for x, y in zip((overheads or sim.Overheads()).terms(), f, strict=True))
+    return dataclasses.replace(p, features=tuple(f), overhead_s=o, step_s=p.step_s + o)
+
+
+def use_form(mode: str) -> None:
+    """Make the simulator, the calibration's fit and the tuner use ``mode``'s thirteen terms (this process only)."""
+    global MODE
+    if mode not in ("base", "inside", "after", "rounds", "hosts"):
+        raise SystemExit(f"unknown form {mode!r}: base, inside, after, rounds or hosts")
+    MODE = mode
     sim.Overheads = calibration.Overheads = Overheads13
     sim._features = features
     sim.StepPrediction.__dataclass_fields__["features"].default = (0.0,) * 13
-    if MODE == "rounds":
-        sim.simulate_step = calmod.simulate_step = tunermod.simulate_step = rounds_step
+    step = {"rounds": rounds_step, "hosts": hosts_step}.get(mode, original_step)
+    sim.simulate_step = calmod.simulate_step = tunermod.simulate_step = step
+
+
+def main() -> None:
+    use_form(sys.argv[1])
     for pair in sys.argv[2:]:
         search, tuned = (Path(p) for p in pair.split(":"))
         cal, rows = refitted(search, tuned)
