@@ -12,12 +12,12 @@ is kept whole); a measured trial's weights and checkpoint are removed (:func:`pr
 
 from __future__ import annotations
 
-import json
 import shutil
 import statistics
 from pathlib import Path
 
 from dptrain.config import load_config, to_toml
+from dptrain.pages.plots import read_metrics
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Measured, TrialFailed
 from dptrain.utils.atomic import write_text_atomic
@@ -44,13 +44,8 @@ def write_config(path: Path, config: Path | None, overrides: list[str]) -> Path:
 def read_steps(run_dir: Path, warmup: int, mean: bool = False) -> Measured:
     """The median step time after ``warmup`` steps (``mean``: their mean, for a strategy whose sync points fall on a
     few of them) and the peak memory, from a finished run's ``metrics.jsonl``."""
-    records = []
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:  # a torn last line
-            continue
-    train = [r for r in records if r.get("kind") == "train" and r.get("step", 0) > warmup]
+    records, _ = read_metrics(run_dir / "metrics.jsonl")  # a torn last line is left out
+    train = [r for r in records if r.get("kind") == "train" and r["step"] > warmup]
     if not train:
         raise TrialFailed(f"no step after the {warmup} warm-up steps was logged in {run_dir / 'metrics.jsonl'}")
     peaks = [m for r in train for m in (r.get("peak_tensor_mb") or []) if m is not None]
