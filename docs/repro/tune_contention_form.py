@@ -54,6 +54,12 @@ def features(log, calls, windows, *args, **kwargs):
 original_step = sim.simulate_step
 
 
+def refeatured(p, features, overheads):
+    """``p`` (a step predicted without overheads) with ``features`` in place of its own, and their overheads added."""
+    o = sum(x * y for x, y in zip((overheads or sim.Overheads()).terms(), features, strict=True))
+    return dataclasses.replace(p, features=tuple(features), overhead_s=o, step_s=p.step_s + o)
+
+
 def rounds_step(model, setup, *args, **kwargs):
     """The step with the per-collective features scaled by ``(g - 1) / (N - 1)``, g the shard group's ranks."""
     overheads = kwargs.pop("overheads", None)
@@ -61,8 +67,7 @@ def rounds_step(model, setup, *args, **kwargs):
     f = list(p.features)
     for i in (1, 2, 3, 10):
         f[i] *= (setup.shards - 1) / max(1, setup.world_size - 1)
-    o = sum(x * y for x, y in zip((overheads or sim.Overheads()).terms(), f, strict=True))
-    return dataclasses.replace(p, features=tuple(f), overhead_s=o, step_s=p.step_s + o)
+    return refeatured(p, f, overheads)
 
 
 def hosts_step(model, setup, profile, network, *args, **kwargs):
@@ -76,8 +81,7 @@ def hosts_step(model, setup, profile, network, *args, **kwargs):
         f[12] = sum(f[i] for i in (1, 2, 3, 10))
         for i in (1, 2, 3, 10):
             f[i] = 0.0
-    o = sum(x * y for x, y in zip((overheads or sim.Overheads()).terms(), f, strict=True))
-    return dataclasses.replace(p, features=tuple(f), overhead_s=o, step_s=p.step_s + o)
+    return refeatured(p, f, overheads)
 
 
 def use_form(mode: str) -> None:

@@ -11,7 +11,7 @@ medians), added to the probes once, three and ten times over, and the other conf
 beside the probes' fit on the same ones. Nothing is measured.
 """
 
-import itertools
+import dataclasses
 import statistics
 import sys
 import tempfile
@@ -31,28 +31,24 @@ FIT = calibration.fit_overheads  # the calibration's own fit
 
 
 def pruned_fit(probes):
-    """``fit_overheads``' best non-negative subset, less the terms it cannot tell from zero, one at a time."""
-    X, y = calibration._matrix(probes)
-    n = X.shape[1]
-    free = [k for k, ok in enumerate(calibration._identified(X)) if ok]
+    """``fit_overheads``' fit, less the terms it cannot tell from zero, one at a time: a dropped term's feature is
+    zeroed in every probe, which ``fit_overheads`` holds at zero as unidentified, and the rest is fitted again."""
+    dropped: set[int] = set()
     while True:
-        best, best_err, kept = np.zeros(n), float(np.sum(y ** 2)), ()
-        for size in range(1, len(free) + 1):
-            for cols in itertools.combinations(free, size):
-                coef, *_ = np.linalg.lstsq(X[:, cols], y, rcond=None)
-                err = float(np.sum((X[:, cols] @ coef - y) ** 2))
-                if not np.any(coef < 0) and err < best_err - 1e-15:
-                    best, best_err, kept = np.zeros(n), err, cols
-                    best[list(cols)] = coef
+        runs = [dataclasses.replace(p, features=tuple(0.0 if k in dropped else f for k, f in enumerate(p.features)))
+                for p in probes]
+        fit = FIT(runs)
+        kept = [k for k, v in enumerate(fit.terms()) if v]
         if not kept:
-            break
+            return fit
+        X, y = calibration._matrix(runs)
         A = X[:, kept]
-        cov = best_err / max(1, len(y) - len(kept)) * np.linalg.pinv(A.T @ A)
-        t = [best[c] / max(1e-30, float(np.sqrt(cov[i, i]))) for i, c in enumerate(kept)]
+        err = float(np.sum((A @ np.array([fit.terms()[k] for k in kept]) - y) ** 2))
+        cov = err / max(1, len(y) - len(kept)) * np.linalg.pinv(A.T @ A)
+        t = [fit.terms()[k] / max(1e-30, float(np.sqrt(cov[i, i]))) for i, k in enumerate(kept)]
         if min(t) >= T_MIN:
-            break
-        free.remove(kept[int(np.argmin(t))])
-    return calibration.Overheads(*(float(v) for v in best))
+            return fit
+        dropped.add(kept[int(np.argmin(t))])
 
 
 def mean_within(errs: list[float]) -> str:
@@ -75,14 +71,14 @@ def main(mode: str, pairs: list[str]) -> None:
         cal = calibration.Calibration.load(tuned / "calibration.json")
         with tempfile.TemporaryDirectory() as work:
             trials, _ = trial_runs(search, tuned / "calibration.json", Path(work))
-        predicted = errors(trials, cal.overheads)
+        predicted = errors(cal, trials, cal.overheads)
         fastest = sorted(range(len(trials)), key=lambda i: trials[i].measured_s * (1 + predicted[i]))
         for k in (3, 5):
             rest = [trials[i] for i in fastest[k:]]
-            out = [f"probes {mean_within(errors(rest, cal.overheads))}"]
+            out = [f"probes {mean_within(errors(cal, rest, cal.overheads))}"]
             for weight in (1, 3, 10):
                 fit = FIT(list(cal.probes) + [trials[i] for i in fastest[:k]] * weight)
-                out.append(f"x{weight} {mean_within(errors(rest, fit))}")
+                out.append(f"x{weight} {mean_within(errors(cal, rest, fit))}")
             print(f"{name}, {k} finalists added, the other {len(rest)}: " + "; ".join(out))
 
 

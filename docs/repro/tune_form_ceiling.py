@@ -52,10 +52,9 @@ def trial_runs(search: Path, calibration: Path, work: Path) -> tuple[list[ProbeR
             [r["spread"] for r in rows])
 
 
-def errors(runs: list[ProbeRun], overheads: sim.Overheads) -> list[float]:
-    """Each run's predicted / measured - 1 with ``overheads``."""
-    return [(r.timeline_s + sum(k * x for k, x in zip(overheads.terms(), r.features, strict=True))) / r.measured_s - 1
-            for r in runs]
+def errors(cal: Calibration, runs: list[ProbeRun], overheads: sim.Overheads) -> list[float]:
+    """Each run's predicted / measured - 1 with ``overheads`` on ``cal``'s links (``Calibration.residuals``)."""
+    return [r["ratio"] - 1 for r in dataclasses.replace(cal, probes=runs, overheads=overheads).residuals()]
 
 
 def line(name: str, errs: list[float], spreads: list[float] | None = None) -> str:
@@ -81,17 +80,17 @@ def main(argv: list[str]) -> None:
             cal.save(Path(work) / "calibration.json")
             trials, spreads = trial_runs(search, Path(work) / "calibration.json", Path(work))
         inside = fit_overheads(trials)
-        left_out = [errors([t], fit_overheads(trials[:i] + trials[i + 1:]))[0] for i, t in enumerate(trials)]
+        left_out = [errors(cal, [t], fit_overheads(trials[:i] + trials[i + 1:]))[0] for i, t in enumerate(trials)]
         print(f"{search.name} on {tuned}{'' if form is None else f', form {form}'}:")
-        print("  " + line("probes' fit on the trials", errors(trials, cal.overheads), spreads))
-        print("  " + line("trials' fit on the trials (in sample)", errors(trials, inside), spreads))
+        print("  " + line("probes' fit on the trials", errors(cal, trials, cal.overheads), spreads))
+        print("  " + line("trials' fit on the trials (in sample)", errors(cal, trials, inside), spreads))
         print("  " + line("trials' fit, each trial left out", left_out, spreads))
-        print("  " + line("trials' fit on the probes", errors(cal.probes, inside)))
-        print("  " + line("probes' fit on the probes", errors(cal.probes, cal.overheads)))
+        print("  " + line("trials' fit on the probes", errors(cal, cal.probes, inside)))
+        print("  " + line("probes' fit on the probes", errors(cal, cal.probes, cal.overheads)))
         for name, a, b in zip(sim.Overheads.names(), cal.overheads.terms(), inside.terms(), strict=True):
             if a or b:
                 print(f"    {name:24s} probes {a:.4g}  trials {b:.4g}")
-        for name, errs in (("in sample", errors(trials, inside)), ("left out", left_out)):
+        for name, errs in (("in sample", errors(cal, trials, inside)), ("left out", left_out)):
             worst = sorted(zip(trials, errs, spreads, strict=True), key=lambda x: -abs(x[1]))[:4]
             print(f"    {name}, worst: " + "; ".join(f"{t.label} {1 + e:.3f} (spread {100 * s:.1f}%)"
                                                      for t, e, s in worst))
