@@ -83,3 +83,45 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
         assert jobs == [1] * sum(map(len, runs.values()))
     assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3, "3x224_zero3": 4}
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == 0.1
+
+
+def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibrations_length(tmp_path,
+                                                                                          monkeypatch) -> None:
+    """The default calibration: one run of each probe, ``PROBE_STEPS`` steps, ``PROBE_WARMUP`` untimed; a run whose
+    timed steps vary by over ``PROBE_SPREAD`` runs again, and then as the rounds of a longer calibration do (until
+    its runs agree), up to ``PROBE_EXTRA`` more times; the median of its runs counts."""
+    import dptrain.tune.calibrate as calibrate_module
+    from dptrain.tune.trials import Measured
+
+    def no_job(args):
+        raise AssertionError("every job of this test is a fake's")
+
+    link = Link(1e-4, 1e9)
+    runs: dict[str, list[float]] = {}
+    lengths = set()
+
+    def probe_job(machine, probes, steps, warmup, timeout):
+        lengths.add((steps, warmup))
+        out = []
+        for trial_dir, _, _ in probes:
+            label = trial_dir.name.rsplit("-r", 1)[0]
+            runs.setdefault(label, []).append(0.1)
+            first = len(runs[label]) == 1
+            if label == "2x128_ddp_25MiB":  # its first run's steps were disturbed: 0.3 s, varying by 20%
+                out.append(Measured(0.3, spread=0.2) if first else Measured(0.1, spread=0.01))
+            elif label == "3x224_zero3":  # never steady, its runs never agree: stops at the cap
+                out.append(Measured(0.1 * len(runs[label]), spread=0.2))
+            else:
+                out.append(Measured(0.1, spread=calibrate_module.PROBE_SPREAD * 0.9))
+        return out
+
+    monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
+    monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
+        m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
+    monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
+    cal = calibrate_module.calibrate(TestMachine(no_job, True), tmp_path, log=lambda line: None)
+    assert calibrate_module.PROBE_ROUNDS == 1
+    assert lengths == {(calibrate_module.PROBE_STEPS, calibrate_module.PROBE_WARMUP)}
+    assert {label: len(r) for label, r in runs.items() if len(r) != 1} == {
+        "2x128_ddp_25MiB": 3, "3x224_zero3": 1 + calibrate_module.PROBE_EXTRA}  # 0.3 and 0.1 disagree: a third
+    assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == pytest.approx(0.1)

@@ -50,6 +50,9 @@ __all__ = ["tune"]
 @click.option("--exhaustive", is_flag=True, help="measure every candidate that fits (to check the tuner)")
 @click.option("--steps", type=int, default=12, show_default=True, help="steps per trial run")
 @click.option("--warmup", type=int, default=4, show_default=True, help="first steps of a trial not timed")
+@click.option("--probe-steps", type=int, help="steps per calibration probe run, the first 2 not timed  [default: 6]")
+@click.option("--probe-rounds", type=int, help="runs of each calibration probe, interleaved (the median counts; a "
+              "probe whose runs or steps vary by over 5% runs again, up to 2 more times)  [default: 1]")
 @click.option("--trial-timeout", type=float, default=600.0, show_default=True,
               help="seconds before a trial counts as hung and is stopped")
 @click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
@@ -60,8 +63,8 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
          cluster_shape: str | None, bandwidth_gbit: float, launcher: str | None, hosts: int | None,
          per_host: int | None, strategies: str | None, micro_batches: str | None, buckets: str, codecs: str,
          shard_sizes: str | None, memory_gib: float | None, trials: int, rounds: int, max_rounds: int | None,
-         exhaustive: bool, steps: int,
-         warmup: int, trial_timeout: float, calibration_path: Path | None, out: Path) -> None:
+         exhaustive: bool, steps: int, warmup: int, probe_steps: int | None, probe_rounds: int | None,
+         trial_timeout: float, calibration_path: Path | None, out: Path) -> None:
     """Choose the configuration of a job: predicted by the calibrated simulator, confirmed by short runs.
 
     \b
@@ -106,6 +109,7 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
                                      "for the config's (else 32)")
         tune_options = TuneOptions(trials, rounds, exhaustive, steps, warmup, trial_timeout, _budget(memory_gib),
                                    max_rounds)
+        probes = _probe_options(probe_steps, probe_rounds, calibration_path)
         options["max_rounds"] = tune_options.max_rounds
         _check_out(out)
         extra = list(overrides)
@@ -136,7 +140,24 @@ def tune(config_path: Path | None, overrides: tuple[str, ...], global_batch: int
     except (CalibrationError, ValueError, *bad_input()) as e:
         click.echo(f"dptrain tune: {e}", err=True)
         sys.exit(2)
-    _run(machine, config_path, extra, space, calibration, out, options, tune_options)
+    _run(machine, config_path, extra, space, calibration, out, options, tune_options, probes)
+
+
+def _probe_options(steps: int | None, rounds: int | None, calibration_path: Path | None) -> dict[str, int]:
+    """``--probe-steps`` and ``--probe-rounds`` as :func:`~dptrain.tune.calibrate.calibrate`'s keywords (the
+    calibration's defaults where left out), or a usage error: too few steps to time one after the warm-up, no
+    rounds, or either beside ``--calibration`` (which measures nothing)."""
+    from dptrain.tune.calibrate import PROBE_WARMUP
+
+    if calibration_path is not None and (steps is not None or rounds is not None):
+        raise click.UsageError("--probe-steps and --probe-rounds shape a calibration this run measures; with "
+                               "--calibration it measures none: leave them out")
+    if steps is not None and steps <= PROBE_WARMUP:
+        raise click.BadParameter(f"--probe-steps must be more than the {PROBE_WARMUP} warm-up steps, got {steps}; "
+                                 f"e.g. --probe-steps {PROBE_WARMUP + 4}")
+    if rounds is not None and rounds < 1:
+        raise click.BadParameter(f"--probe-rounds must be at least 1, got {rounds}; e.g. --probe-rounds 2")
+    return {k: v for k, v in (("steps", steps), ("rounds", rounds)) if v is not None}
 
 
 def _budget(memory_gib: float | None) -> int | None:
@@ -181,7 +202,7 @@ def _check_out(out: Path) -> None:
                                  "--out") from None
 
 
-def _run(machine, config_path, extra, space, calibration, out: Path, options, opts) -> None:
+def _run(machine, config_path, extra, space, calibration, out: Path, options, opts, probes: dict[str, int]) -> None:
     import time
 
     from tqdm import tqdm
@@ -196,7 +217,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
     with machine:
         if calibration is None:
             click.echo("calibrating the simulator on this machine (links, then probe runs)...", err=True)
-            calibration = calibrate(machine, out / "calibration", opts.steps, opts.warmup, opts.timeout,
+            calibration = calibrate(machine, out / "calibration", timeout=opts.timeout, **probes,
                                     log=lambda line: click.echo("  " + line, err=True))
         calibration.save(out / "calibration.json")
         calibrated = time.perf_counter() - t0

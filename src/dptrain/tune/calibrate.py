@@ -14,8 +14,9 @@
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
    fits the twelve terms to what the timeline misses (a term no probe can tell apart is
-   held at zero and named). Each probe runs ``rounds`` times, interleaved (the median counts): a single run of a short job varies by 10-30% here;
-   a probe whose runs deviate by over 5% of their median runs again, up to two more times. On this machine's own
+   held at zero and named). Each probe runs ``rounds`` times (``PROBE_ROUNDS``, one), interleaved (the median
+   counts), for ``PROBE_STEPS`` steps; a probe whose one run's steps, or whose runs, deviate by over 5% of their
+   median runs again, up to two more times (:func:`_unsettled`). On this machine's own
    ranks and on the emulated cluster each round's probes run one after another in one job
    (:mod:`dptrain.tune.probe_runs`), each in a process group of its own; under a launcher one job each, as trials
    (``Machine.probes_in_one_job``).
@@ -44,6 +45,7 @@ from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import Machine
 from dptrain.tune.probe_runs import run_probes
+from dptrain.tune.search import Measured
 from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
@@ -57,6 +59,10 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
 
 PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
 PROBE_CODEC = "bf16"  # the codec probes' (fp16 costs the same passes: a division, a cast, error feedback's residual)
+# A probe's run: PROBE_STEPS steps, the first PROBE_WARMUP not timed, PROBE_ROUNDS runs of each probe (interleaved).
+# Cut from 12 steps (4 warm-up) and 2 rounds, which took 336-2060 s on the emulated cluster, after the calibrations'
+# own probe runs cut short predicted the exhaustive searches as well (docs/tune.md, the seventh pass).
+PROBE_STEPS, PROBE_WARMUP, PROBE_ROUNDS = 6, 2, 1
 PROBE_SPREAD = 0.05  # a probe whose runs' median absolute deviation exceeds this share of their median runs again,
 PROBE_EXTRA = 2  # at most this many more times
 
@@ -143,8 +149,8 @@ def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], o
     return {int(m): profile_from_dict(p) for m, p in _probe_job(machine, out, args, timeout).items()}
 
 
-def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, timeout: float = 600, rounds: int = 2,
-              log: Callable[[str], None] = print) -> Calibration:
+def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: int = PROBE_WARMUP, timeout: float = 600,
+              rounds: int = PROBE_ROUNDS, log: Callable[[str], None] = print) -> Calibration:
     """Measure ``machine``'s links and fit its overheads to the probe runs (the module's docstring)."""
     inside, across = measure_links(machine, work / "links", timeout)
     log(f"links: inside a host alpha {inside.alpha * 1e3:.2f} ms, beta {inside.beta * 8 / 1e9:.2f} Gbit/s; "
@@ -157,21 +163,22 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
         return measure_profiles(machine, base, [micro], work / f"probe{i}" / "profile.json", timeout)[micro]
 
     runs = probe_timelines(work, world, machine.per_host, network, profile)
-    measured: dict[str, list[float]] = {label: [] for label, *_ in runs}
+    measured: dict[str, list[Measured]] = {label: [] for label, *_ in runs}
     r, todo = 0, runs
     while todo:  # interleaved, each round from a different start
         order = todo[r % len(todo):] + todo[:r % len(todo)]
         trials = [(work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}", base, variant)
                   for label, base, variant, _ in order]
-        for (label, *_), step_s in zip(order, _probe_round(machine, trials, steps, warmup, timeout), strict=True):
-            measured[label].append(step_s)
+        for (label, *_), run in zip(order, _probe_round(machine, trials, steps, warmup, timeout), strict=True):
+            measured[label].append(run)
         r += 1
         todo = runs if r < rounds else [run for run in runs if _unsettled(measured[run[0]], rounds)]
     probes = []
     for label, _, _, timeline in runs:
-        probes.append(ProbeRun(label, statistics.median(measured[label]), timeline.step_s, timeline.features))
+        step_s = [m.step_s for m in measured[label]]
+        probes.append(ProbeRun(label, statistics.median(step_s), timeline.step_s, timeline.features))
         log(f"probe {label}: measured {probes[-1].measured_s * 1e3:.1f} ms "
-            f"({', '.join(f'{x * 1e3:.1f}' for x in measured[label])}), timeline {timeline.step_s * 1e3:.1f} ms")
+            f"({', '.join(f'{x * 1e3:.1f}' for x in step_s)}), timeline {timeline.step_s * 1e3:.1f} ms")
     cal.probes = probes
     cal.overheads = fit_overheads(probes)
     _log_fit(cal, log)
@@ -179,22 +186,28 @@ def calibrate(machine: Machine, work: Path, steps: int = 12, warmup: int = 4, ti
 
 
 def _probe_round(machine: Machine, trials: list[tuple[Path, Path, list[str]]], steps: int, warmup: int,
-                 timeout: float) -> list[float]:
-    """Each probe's step time: all in one job where the machine times them as jobs of their own would
+                 timeout: float) -> list[Measured]:
+    """Each probe's run: all in one job where the machine times them as jobs of their own would
     (``Machine.probes_in_one_job``), else one job each, as trials run."""
     if machine.probes_in_one_job:
-        return [m.step_s for m in run_probes(machine, trials, steps, warmup, timeout)]
-    return [run_trial(machine, base, variant, trial, steps, warmup, timeout).step_s for trial, base, variant in trials]
+        return run_probes(machine, trials, steps, warmup, timeout)
+    return [run_trial(machine, base, variant, trial, steps, warmup, timeout) for trial, base, variant in trials]
 
 
-def _unsettled(steps: list[float], rounds: int) -> bool:
-    """Whether a probe runs again: its runs' median absolute deviation exceeds ``PROBE_SPREAD`` of their median (two
-    runs more than 10% apart) and it has had fewer than ``rounds + PROBE_EXTRA``. One disturbed run of two moves their
-    median halfway (runs of one probe here were 110 and 205 ms while another job ran beside them); of three, the
-    median is an undisturbed run's and the deviation drops (a range would not: more runs never narrow it)."""
+def _unsettled(runs: list[Measured], rounds: int) -> bool:
+    """Whether a probe runs again, while it has had fewer than ``rounds + PROBE_EXTRA`` runs: of one run, where its
+    timed steps' median absolute deviation exceeds ``PROBE_SPREAD`` of their median (a job beside it, or a step of
+    its own disturbed); of several, where their step times' deviation does (two runs more than 10% apart). One
+    disturbed run of two moves their median halfway (runs of one probe here were 110 and 205 ms while another job ran
+    beside them); of three, the median is an undisturbed run's and the deviation drops (a range would not: more runs
+    never narrow it)."""
+    if len(runs) >= rounds + PROBE_EXTRA:
+        return False
+    if len(runs) == 1:
+        return runs[0].spread > PROBE_SPREAD
+    steps = [m.step_s for m in runs]
     middle = statistics.median(steps)
-    deviation = statistics.median(abs(x - middle) for x in steps)
-    return len(steps) < rounds + PROBE_EXTRA and deviation > PROBE_SPREAD * middle
+    return statistics.median(abs(x - middle) for x in steps) > PROBE_SPREAD * middle
 
 
 def _log_fit(cal: Calibration, log: Callable[[str], None]) -> None:

@@ -40,10 +40,12 @@ C = TypeVar("C", bound=Hashable)
 
 @dataclass(frozen=True)
 class Measured:
-    """One real run of a candidate: its median step time after the warm-up, and its peak memory per rank."""
+    """One real run of a candidate: its median step time after the warm-up, its peak memory per rank, and how much
+    its timed steps varied (their median absolute deviation over their median)."""
 
     step_s: float
     peak_mb: float | None = None
+    spread: float = 0.0
 
 
 class TrialFailed(RuntimeError):

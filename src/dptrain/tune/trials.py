@@ -43,7 +43,7 @@ def write_config(path: Path, config: Path | None, overrides: list[str]) -> Path:
 
 def read_steps(run_dir: Path, warmup: int, mean: bool = False) -> Measured:
     """The median step time after ``warmup`` steps (``mean``: their mean, for a strategy whose sync points fall on a
-    few of them) and the peak memory, from a finished run's ``metrics.jsonl``."""
+    few of them), the peak memory and the steps' spread, from a finished run's ``metrics.jsonl``."""
     records, _ = read_metrics(run_dir / "metrics.jsonl")  # a torn last line is left out
     train = [r for r in records if r.get("kind") == "train" and r["step"] > warmup]
     if not train:
@@ -53,7 +53,9 @@ def read_steps(run_dir: Path, warmup: int, mean: bool = False) -> Measured:
         peaks = [m for r in train for m in (r.get("peak_rss_mb") or []) if m is not None]
     times = [r["step_ms"] for r in train]
     step = statistics.fmean(times) if mean else statistics.median(times)
-    return Measured(step / 1e3, max(peaks) if peaks else None)
+    middle = statistics.median(times)
+    spread = statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else 0.0
+    return Measured(step / 1e3, max(peaks) if peaks else None, spread)
 
 
 def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial_dir: Path, steps: int,
