@@ -23,7 +23,7 @@ import sys
 
 import pytest
 
-from dptrain.launch.workers import PRELOAD
+from dptrain.launch.workers import fork_server_preload
 
 os.environ.setdefault("RES_OPTIONS", "timeout:1")  # before any lookup here or in a process started from here
 
@@ -31,7 +31,8 @@ os.environ.setdefault("RES_OPTIONS", "timeout:1")  # before any lookup here or i
 def pytest_configure(config) -> None:
     # transformers (the hf extra, which the test extra installs) costs a rank 1.7 s to import
     hf = ["transformers.modeling_utils"] if importlib.util.find_spec("transformers") else []
-    multiprocessing.get_context("forkserver").set_forkserver_preload([*PRELOAD, "pytest", "_models", "_cli", *hf])
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        fork_server_preload(["pytest", "_models", "_cli", *hf]))
     multiprocessing.forkserver.ensure_running()
 
 

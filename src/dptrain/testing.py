@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.allocator import tune_cpu_allocator
-from dptrain.launch.workers import PRELOAD
+from dptrain.launch.workers import fork_server_preload
 
 __all__ = ["run_on_ranks", "RankFailedError", "RankTimeoutError"]
 
@@ -95,7 +95,7 @@ def run_on_ranks(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(PRELOAD)  # the launcher's list: one server for both
+        ctx.set_forkserver_preload(fork_server_preload())  # the launcher's list: one server for both
     with tempfile.TemporaryDirectory(prefix="dptrain-ranks-") as tmp:
         procs, readers = [], []
         for rank in range(world_size):

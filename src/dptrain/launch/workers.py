@@ -46,13 +46,19 @@ from dptrain.launch.run_lock import FD_ENV
 from dptrain.launch.threads import omp_threads
 from dptrain.utils.files import open_fd, open_file
 
-__all__ = ["START_METHODS", "PRELOAD", "start_worker"]
+__all__ = ["START_METHODS", "PRELOAD", "FROZEN", "fork_server_preload", "start_worker"]
 
 START_METHODS = ("forkserver", "exec")
 
 # What the fork server imports once: torch, its distributed and compiler front ends (the first
 # optimizer imports torch._dynamo: seconds), and the worker's code. The test harness uses it too.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.runner.loop", "dptrain.pages.finish"]
+FROZEN = "dptrain.launch.frozen"  # imported after the rest: they leave the collector's reach (its docstring)
+
+
+def fork_server_preload(extra: tuple[str, ...] | list[str] = ()) -> list[str]:
+    """What the fork server imports, in order: ``PRELOAD``, then ``extra``, then ``FROZEN``."""
+    return [*PRELOAD, *extra, FROZEN]
 
 
 def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | tuple[int, int] | None,
@@ -87,7 +93,7 @@ def start_worker(method: str, argv: list[str], env: dict[str, str], console: Pat
     if method != "forkserver":
         raise ValueError(f"start method must be one of {', '.join(START_METHODS)}, got {method!r}")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([*PRELOAD, *preload])  # no effect once the server runs (it was started with this list)
+    ctx.set_forkserver_preload(fork_server_preload(preload))  # no effect once the server runs (started with its list)
     fds = console if isinstance(console, tuple) else (1, 2)
     output = ("path", str(console)) if isinstance(console, Path) else ("fds", _Fd(fds[0]), _Fd(fds[1]))
     lock = None if lock_fd is None else _Fd(lock_fd)

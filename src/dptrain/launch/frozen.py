@@ -1,0 +1,19 @@
+"""Imported last by a fork server (:mod:`dptrain.launch.workers`): what it preloaded leaves the collector's reach.
+
+The fork server imports torch, dptrain's training loop and, for a Hugging Face model, transformers: about 377,000
+objects the garbage collector tracks (the suite's preload list), all alive for the server's life. Every forked
+worker inherited them, and every full collection it made walked them all: 0.20 s of CPU for a ``gc.collect()``, which
+a run makes as it ends (:func:`dptrain.launch.rendezvous.leave_process_groups`), and 0.10 s for the
+``gc.get_objects()`` with which :class:`dptrain.runner.tensor_peak.TensorPeak` finds the tensors alive at its start;
+after ``gc.freeze()``, nothing for either (``docs/testing.md``). ``gc.freeze()`` moves every object tracked now into
+a generation the collector never walks, as CPython advises for a process that forks without ``exec``: it also keeps
+the children's collections from writing into the pages they share with the server. A worker's own objects are
+collected as before; the server's are never freed, which they would not have been anyway. Nothing the server
+imported holds a tensor a run counts (it computes nothing), so what the workers measure is unchanged.
+"""
+
+from __future__ import annotations
+
+import gc
+
+gc.freeze()
