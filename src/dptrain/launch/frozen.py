@@ -2,8 +2,8 @@
 
 The fork server imports torch, dptrain's training loop and, for a Hugging Face model, transformers: about 377,000
 objects the garbage collector tracks (the suite's preload list), all alive for the server's life. Every forked
-worker inherited them, and every full collection it made walked them all: 0.20 s of CPU for a ``gc.collect()``, which
-a run makes as it ends (:func:`dptrain.launch.rendezvous.leave_process_groups`), and 0.10 s for the
+worker inherited them, and every full collection it made walked them all: 0.19-0.20 s of CPU for a ``gc.collect()``,
+which a run makes as it ends (:func:`dptrain.launch.rendezvous.leave_process_groups`), and 0.10 s for the
 ``gc.get_objects()`` with which :class:`dptrain.runner.tensor_peak.TensorPeak` finds the tensors alive at its start;
 after ``gc.freeze()``, nothing for either (``docs/testing.md``). ``gc.freeze()`` moves every object tracked now into
 a generation the collector never walks, as CPython advises for a process that forks without ``exec``: it also keeps
