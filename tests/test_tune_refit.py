@@ -41,18 +41,25 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
     assert {"per_coded_bucket_s", "coded_s_per_byte"} <= set(cal.unidentified())  # no codec probe in those runs
 
 
+def _fake_links_and_profiles(monkeypatch, calibrate_module) -> None:
+    """The calibration's link probe and compute profiles faked: only its probe runs are the test's."""
+    link = Link(1e-4, 1e9)
+    monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
+    monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
+        m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
+
+
+def _no_job(args):
+    raise AssertionError("every job of this test is a fake's")
+
+
 @pytest.mark.parametrize("one_job", [True, False], ids=["a job per round", "a job per probe"])
 def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbed_runs(tmp_path, monkeypatch,
                                                                                        one_job) -> None:
     import dptrain.tune.calibrate as calibrate_module
     from dptrain.tune.trials import Measured
 
-    def no_job(args):
-        raise AssertionError("every job of this test is a fake's")
-
-    link = Link(1e-4, 1e9)
     runs: dict[str, list[float]] = {}
-
     jobs: list[int] = []
 
     def trial(trial_dir):
@@ -71,12 +78,10 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
         jobs.append(1)
         return trial(trial_dir)
 
-    monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
-    monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
-        m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
+    _fake_links_and_profiles(monkeypatch, calibrate_module)
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
     monkeypatch.setattr(calibrate_module, "run_trial", trial_job)
-    cal = calibrate_module.calibrate(TestMachine(no_job, one_job), tmp_path, rounds=2, log=lambda line: None)
+    cal = calibrate_module.calibrate(TestMachine(_no_job, one_job), tmp_path, rounds=2, log=lambda line: None)
     if one_job:  # both rounds, then the unsettled, then the cap
         assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)
     else:
@@ -93,10 +98,6 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
     import dptrain.tune.calibrate as calibrate_module
     from dptrain.tune.trials import Measured
 
-    def no_job(args):
-        raise AssertionError("every job of this test is a fake's")
-
-    link = Link(1e-4, 1e9)
     runs: dict[str, list[float]] = {}
     lengths = set()
 
@@ -115,11 +116,9 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
                 out.append(Measured(0.1, spread=calibrate_module.PROBE_SPREAD * 0.9))
         return out
 
-    monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
-    monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
-        m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
+    _fake_links_and_profiles(monkeypatch, calibrate_module)
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
-    cal = calibrate_module.calibrate(TestMachine(no_job, True), tmp_path, log=lambda line: None)
+    cal = calibrate_module.calibrate(TestMachine(_no_job, True), tmp_path, log=lambda line: None)
     assert calibrate_module.PROBE_ROUNDS == 1
     assert lengths == {(calibrate_module.PROBE_STEPS, calibrate_module.PROBE_WARMUP)}
     assert {label: len(r) for label, r in runs.items() if len(r) != 1} == {

@@ -25,6 +25,7 @@ from pathlib import Path
 from tune_rescore import refitted
 
 from dptrain.pages.plots import read_metrics
+from dptrain.tune.calibrate import probe_stem
 
 # (the rounds kept, steps, warm-up): the calibration as run, then one round (either), then fewer steps
 TRIALS = 3  # dptrain tune's --trials: the candidates it measures, the fastest predicted first
@@ -60,7 +61,7 @@ def cut_calibration(calibrated: Path, runs: dict, rounds: tuple[int, ...], steps
     d = json.loads((calibrated / "calibration.json").read_text())
     kept = 0.0
     for p in d["probes"]:
-        stem = p["label"].replace("/", "-").replace(" ", "_")
+        stem = probe_stem(p["label"])
         medians = []
         for r in rounds:
             records = runs[stem, r]

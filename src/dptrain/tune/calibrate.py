@@ -49,8 +49,8 @@ from dptrain.tune.search import Measured
 from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
-__all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "fit_probe", "measure_links", "measure_profiles",
-           "calibrate", "refit"]
+__all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "probe_stem", "fit_probe", "measure_links",
+           "measure_profiles", "calibrate", "refit"]
 
 # (model overrides, micro-batch per rank): three sizes, so per-collective, per-byte and compute costs can be told apart
 PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gpt.n_embd=224"], 12),
@@ -167,8 +167,7 @@ def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: in
     r, todo = 0, runs
     while todo:  # interleaved, each round from a different start
         order = todo[r % len(todo):] + todo[:r % len(todo)]
-        trials = [(work / "probes" / f"{label.replace('/', '-').replace(' ', '_')}-r{r}", base, variant)
-                  for label, base, variant, _ in order]
+        trials = [(work / "probes" / f"{probe_stem(label)}-r{r}", base, variant) for label, base, variant, _ in order]
         for (label, *_), run in zip(order, _probe_round(machine, trials, steps, warmup, timeout), strict=True):
             measured[label].append(run)
         r += 1
@@ -183,6 +182,11 @@ def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: in
     cal.overheads = fit_overheads(probes)
     _log_fit(cal, log)
     return cal
+
+
+def probe_stem(label: str) -> str:
+    """A probe's run directories' name, less the round (``-r<round>``): its label as a file name."""
+    return label.replace("/", "-").replace(" ", "_")
 
 
 def _probe_round(machine: Machine, trials: list[tuple[Path, Path, list[str]]], steps: int, warmup: int,

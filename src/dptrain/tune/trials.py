@@ -52,10 +52,9 @@ def read_steps(run_dir: Path, warmup: int, mean: bool = False) -> Measured:
     if not peaks:
         peaks = [m for r in train for m in (r.get("peak_rss_mb") or []) if m is not None]
     times = [r["step_ms"] for r in train]
-    step = statistics.fmean(times) if mean else statistics.median(times)
     middle = statistics.median(times)
     spread = statistics.median(abs(t - middle) for t in times) / middle if middle > 0 else 0.0
-    return Measured(step / 1e3, max(peaks) if peaks else None, spread)
+    return Measured((statistics.fmean(times) if mean else middle) / 1e3, max(peaks) if peaks else None, spread)
 
 
 def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial_dir: Path, steps: int,
