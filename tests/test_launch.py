@@ -1,6 +1,8 @@
-"""Where a worker stands, from torchrun's or Slurm's environment."""
+"""Where a worker stands, from torchrun's or Slurm's environment; what a worker imports."""
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,6 +15,9 @@ from dptrain.launch.rendezvous import (
     init_distributed,
     leave_process_groups,
 )
+from dptrain.launch.workers import PRELOAD
+from dptrain.testing import run_on_ranks
+from dptrain.utils.collector import collector_paused
 
 
 def test_torchrun_environment():
@@ -75,3 +80,44 @@ def test_leaving_frees_the_backend_threads_that_a_cycle_still_holds():
     leave_process_groups()
     assert not dist.is_initialized()
     assert _native_threads() == before
+
+
+def test_a_worker_imports_the_checkpoint_layouts_only_when_it_saves_and_the_fork_server_has_them() -> None:
+    """``import dptrain.run`` (a launcher's, an exec worker's) leaves torch.distributed.checkpoint (0.6 s) to the
+    first save or resume; a forked worker finds it in the fork server, which imports PRELOAD."""
+    code = ("import importlib, sys, dptrain.run; dcp = 'torch.distributed.checkpoint'; print(dcp in sys.modules); "
+            f"[importlib.import_module(m) for m in {PRELOAD!r}]; print(dcp in sys.modules, "
+            "'torch.distributed.checkpoint.state_dict' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+
+
+def _collector(rank: int, world_size: int) -> tuple[bool, int]:
+    import gc
+
+    return gc.isenabled(), gc.get_freeze_count()
+
+
+def test_a_forked_rank_collects_its_own_garbage_and_never_walks_what_the_server_preloaded() -> None:
+    """The fork server preloads with the collector paused (dptrain.launch.paused, first) and freezes what it imported
+    (dptrain.launch.frozen, last), which starts the collector again: a worker left without one would never free a
+    reference cycle."""
+    for enabled, frozen in run_on_ranks(_collector, 2):
+        assert enabled and frozen > 100_000, (enabled, frozen)
+
+
+def test_the_collector_paused_is_restored_as_it_was_even_after_an_error() -> None:
+    import gc
+
+    assert gc.isenabled()
+    with pytest.raises(KeyError), collector_paused():
+        assert not gc.isenabled()
+        raise KeyError("inside")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # a caller's own pause is left alone
+    finally:
+        gc.enable()

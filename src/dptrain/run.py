@@ -21,32 +21,35 @@ import os
 import sys
 import traceback
 
-import torch
-import torch.distributed as dist
+from dptrain.utils.collector import collector_paused
 
-from dptrain.allocator import tune_cpu_allocator
-from dptrain.batching import BatchSizeError
-from dptrain.checkpoint.files import CheckpointError
-from dptrain.config import ConfigError, load_config
-from dptrain.launch.errors import error_summary, write_error_record
-from dptrain.launch.heartbeat import end_stopped_peers
-from dptrain.launch.orphans import orphan_guard
-from dptrain.launch.rendezvous import (
-    PortInUse,
-    RendezvousTimeout,
-    detect_worker_env,
-    init_alone,
-    init_distributed,
-    leave_process_groups,
-    replica_env,
-)
-from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
-from dptrain.launch.threads import omp_threads, threads_per_worker
-from dptrain.live import GIVE_UP_EXIT, TooFewWorkers
-from dptrain.live.layout import ShardGroupLost
-from dptrain.runner.skips import NonFiniteRun
-from dptrain.runner.validate import default_run_dir, validate_run
-from dptrain.utils.files import UnsafePath
+with collector_paused():  # torch and the training loop: 0.3-0.6 s less CPU to import (dptrain.utils.collector)
+    import torch
+    import torch.distributed as dist
+
+    from dptrain.allocator import tune_cpu_allocator
+    from dptrain.batching import BatchSizeError
+    from dptrain.checkpoint.files import CheckpointError
+    from dptrain.config import ConfigError, load_config
+    from dptrain.launch.errors import error_summary, write_error_record
+    from dptrain.launch.heartbeat import end_stopped_peers
+    from dptrain.launch.orphans import orphan_guard
+    from dptrain.launch.rendezvous import (
+        PortInUse,
+        RendezvousTimeout,
+        detect_worker_env,
+        init_alone,
+        init_distributed,
+        leave_process_groups,
+        replica_env,
+    )
+    from dptrain.launch.run_lock import TOKEN_ENV, RunDirError, RunLock, acquire, inherited, keep_inherited
+    from dptrain.launch.threads import omp_threads, threads_per_worker
+    from dptrain.live import GIVE_UP_EXIT, TooFewWorkers
+    from dptrain.live.layout import ShardGroupLost
+    from dptrain.runner.skips import NonFiniteRun
+    from dptrain.runner.validate import default_run_dir, validate_run
+    from dptrain.utils.files import UnsafePath
 
 __all__ = ["main", "BAD_INPUT"]
 

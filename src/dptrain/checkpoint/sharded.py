@@ -33,13 +33,13 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+from dptrain.checkpoint.files import SHARDED  # a checkpoint's subdirectory that every rank writes into
 from dptrain.checkpoint.safe_metadata import UnsafeCheckpointError, dcp_load, read_metadata
 
 __all__ = ["MODEL", "OPTIM", "EXTRA", "SHARDED", "ShardedCheckpointError", "sharded_metadata", "refuse_old_format",
            "layout_differences", "checkpoint_shapes", "shapes_of", "placeholder", "local_read", "consolidated_state"]
 
 MODEL, OPTIM, EXTRA = "model.", "optim.", "extra."  # key prefixes (get_state_dict's "model" and "optim")
-SHARDED = "sharded"  # a checkpoint's subdirectory that every rank writes into
 
 
 class ShardedCheckpointError(ValueError):

@@ -46,19 +46,23 @@ from dptrain.launch.run_lock import FD_ENV
 from dptrain.launch.threads import omp_threads
 from dptrain.utils.files import open_fd, open_file
 
-__all__ = ["START_METHODS", "PRELOAD", "FROZEN", "fork_server_preload", "start_worker"]
+__all__ = ["START_METHODS", "PRELOAD", "PAUSED", "FROZEN", "fork_server_preload", "start_worker"]
 
 START_METHODS = ("forkserver", "exec")
 
 # What the fork server imports once: torch, its distributed and compiler front ends (the first
-# optimizer imports torch._dynamo: seconds), and the worker's code. The test harness uses it too.
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.runner.loop", "dptrain.pages.finish"]
-FROZEN = "dptrain.launch.frozen"  # imported after the rest: they leave the collector's reach (its docstring)
+# optimizer imports torch._dynamo: seconds), the checkpoint layouts (torch.distributed.checkpoint, 0.6 s, which
+# `import dptrain.run` leaves to the first save or resume, for a launcher and an exec worker), and the worker's
+# code. The test harness uses it too.
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.runner.loop",
+           "dptrain.pages.finish", "dptrain.checkpoint.sharded", "dptrain.checkpoint.replicated"]
+PAUSED = "dptrain.launch.paused"  # imported before the rest: no collection while they are imported (its docstring)
+FROZEN = "dptrain.launch.frozen"  # imported after the rest: they leave the collector's reach, which starts again
 
 
 def fork_server_preload(extra: tuple[str, ...] | list[str] = ()) -> list[str]:
-    """What the fork server imports, in order: ``PRELOAD``, then ``extra``, then ``FROZEN``."""
-    return [*PRELOAD, *extra, FROZEN]
+    """What the fork server imports, in order: ``PAUSED``, ``PRELOAD``, then ``extra``, then ``FROZEN``."""
+    return [PAUSED, *PRELOAD, *extra, FROZEN]
 
 
 def start_worker(method: str, argv: list[str], env: dict[str, str], console: Path | tuple[int, int] | None,
