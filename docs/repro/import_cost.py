@@ -4,7 +4,8 @@
 
 Two imports, each timed as the CPU seconds of one fresh interpreter (``time.process_time`` around the import):
 
-- ``run``: ``import dptrain.run``, what a launcher (``dptrain run``) and an exec worker (torchrun's) import first;
+- ``run``: ``import dptrain.run``, what an exec worker (torchrun's) imports first: torch, ``torch._dynamo`` (which its
+  first optimizer step would import anyway) and the training loop;
 - ``preload``: what a fork server imports (``dptrain.launch.workers.fork_server_preload``, plus pytest as the test
   suite's server does), ending with ``dptrain.launch.frozen``.
 

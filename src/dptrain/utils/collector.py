@@ -2,8 +2,9 @@
 
 Importing torch, ``torch._dynamo`` and the training loop makes about 300,000 objects the collector tracks, nearly
 all of them alive for the process's life; while they are made, each full collection walks every one made so far,
-over and over. Paused, ``import dptrain.run`` takes 1.2-1.3 s of CPU instead of 1.5-1.9 s, and a fork server's
-preload 2.0-2.3 s instead of 2.7-3.0 s (docs/testing.md has the command). What the imports leave as cyclic garbage
+over and over. Paused, ``import dptrain.run`` (torch, ``torch._dynamo``, the training loop) takes 2.0-2.3 s of
+CPU instead of 2.3-2.9 s (median per-round ratio 0.86, 8 alternated rounds), and a fork server's preload 2.1-2.5 s instead of 2.4-2.9 s
+(0.81): ``python docs/repro/import_cost.py``, bench_results/import_cost.txt. What the imports leave as cyclic garbage
 (8,700 cycles) is collected by the first collection after the pause, or, in a fork server, frozen with the rest
 (:mod:`dptrain.launch.frozen`).
 """
