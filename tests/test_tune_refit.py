@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -42,15 +43,25 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
 
 
 def _fake_links_and_profiles(monkeypatch, calibrate_module) -> None:
-    """The calibration's link probe and compute profiles faked: only its probe runs are the test's."""
+    """The calibration's link probe faked, and its compute profiles (:func:`_profile_job`): only its probe runs are
+    the test's."""
     link = Link(1e-4, 1e9)
     monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
-    monkeypatch.setattr(calibrate_module, "measure_profiles", lambda machine, base, micros, out, timeout: {
-        m: ComputeProfile(0.01, 0.02, 0.002, {}, "a test") for m in micros})
 
 
-def _no_job(args):
-    raise AssertionError("every job of this test is a fake's")
+PROFILE_JOBS: list[list[str]] = []
+
+
+def _profile_job(args: list[str]) -> tuple[int, str]:
+    """The one compute-profile job of a calibration, as a fake: every ``--probe OUT CONFIG MICROS`` gets a profile."""
+    assert args[:2] == ["-m", "dptrain.tune.compute_probe"], f"every other job of this test is a fake's: {args}"
+    PROFILE_JOBS.append(args)
+    probes = [args[i + 1:i + 4] for i, a in enumerate(args) if a == "--probe"]
+    for out, config, micros in probes:
+        assert Path(config).is_file()
+        profile = {"forward_s": 0.01, "backward_s": 0.02, "optimizer_s": 0.002, "ready": {}, "source": "a test"}
+        Path(out).write_text(json.dumps({m: profile for m in micros.split(",")}))
+    return 0, ""
 
 
 @pytest.mark.parametrize("one_job", [True, False], ids=["a job per round", "a job per probe"])
@@ -81,13 +92,16 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
     _fake_links_and_profiles(monkeypatch, calibrate_module)
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
     monkeypatch.setattr(calibrate_module, "run_trial", trial_job)
-    cal = calibrate_module.calibrate(TestMachine(_no_job, one_job), tmp_path, rounds=2, log=lambda line: None)
+    profile_jobs = len(PROFILE_JOBS)
+    cal = calibrate_module.calibrate(TestMachine(_profile_job, one_job), tmp_path, rounds=2, log=lambda line: None)
     if one_job:  # both rounds, then the unsettled, then the cap
         assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)
     else:
         assert jobs == [1] * sum(map(len, runs.values()))
     assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3, "3x224_zero3": 4}
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == 0.1
+    # every probe model's compute profile from one job (one start, not one per model)
+    assert len(PROFILE_JOBS) == profile_jobs + 1 and PROFILE_JOBS[-1].count("--probe") == len(PROBE_MODELS)
 
 
 def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibrations_length(tmp_path,
@@ -118,7 +132,7 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
 
     _fake_links_and_profiles(monkeypatch, calibrate_module)
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
-    cal = calibrate_module.calibrate(TestMachine(_no_job, True), tmp_path, log=lambda line: None)
+    cal = calibrate_module.calibrate(TestMachine(_profile_job, True), tmp_path, log=lambda line: None)
     assert calibrate_module.PROBE_ROUNDS == 1
     assert lengths == {(calibrate_module.PROBE_STEPS, calibrate_module.PROBE_WARMUP)}
     assert {label: len(r) for label, r in runs.items() if len(r) != 1} == {

@@ -10,6 +10,7 @@ from pathlib import Path
 import click
 
 from dptrain.cli.input import bad_input, int_list, read_config
+from dptrain.tune.probe_length import PROBE_EXTRA, PROBE_ROUNDS, PROBE_SPREAD, PROBE_STEPS, PROBE_WARMUP
 
 __all__ = ["tune"]
 
@@ -50,9 +51,11 @@ __all__ = ["tune"]
 @click.option("--exhaustive", is_flag=True, help="measure every candidate that fits (to check the tuner)")
 @click.option("--steps", type=int, default=12, show_default=True, help="steps per trial run")
 @click.option("--warmup", type=int, default=4, show_default=True, help="first steps of a trial not timed")
-@click.option("--probe-steps", type=int, help="steps per calibration probe run, the first 2 not timed  [default: 6]")
+@click.option("--probe-steps", type=int, help=f"steps per calibration probe run, the first {PROBE_WARMUP} not timed  "
+              f"[default: {PROBE_STEPS}]")
 @click.option("--probe-rounds", type=int, help="runs of each calibration probe, interleaved (the median counts; a "
-              "probe whose runs or steps vary by over 5% runs again, up to 2 more times)  [default: 1]")
+              f"probe whose runs or steps vary by over {PROBE_SPREAD:.0%} runs again, up to {PROBE_EXTRA} more times)  "
+              f"[default: {PROBE_ROUNDS}]")
 @click.option("--trial-timeout", type=float, default=600.0, show_default=True,
               help="seconds before a trial counts as hung and is stopped")
 @click.option("--calibration", "calibration_path", type=click.Path(path_type=Path),
@@ -147,8 +150,6 @@ def _probe_options(steps: int | None, rounds: int | None, calibration_path: Path
     """``--probe-steps`` and ``--probe-rounds`` as :func:`~dptrain.tune.calibrate.calibrate`'s keywords (the
     calibration's defaults where left out), or a usage error: too few steps to time one after the warm-up, no
     rounds, or either beside ``--calibration`` (which measures nothing)."""
-    from dptrain.tune.calibrate import PROBE_WARMUP
-
     if calibration_path is not None and (steps is not None or rounds is not None):
         raise click.UsageError("--probe-steps and --probe-rounds shape a calibration this run measures; with "
                                "--calibration it measures none: leave them out")

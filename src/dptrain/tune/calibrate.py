@@ -44,13 +44,14 @@ from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import Machine
+from dptrain.tune.probe_length import PROBE_EXTRA, PROBE_ROUNDS, PROBE_SPREAD, PROBE_STEPS, PROBE_WARMUP
 from dptrain.tune.probe_runs import run_probes
 from dptrain.tune.search import Measured
 from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
 __all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "probe_stem", "fit_probe", "measure_links",
-           "measure_profiles", "calibrate", "refit"]
+           "measure_profiles", "measure_probe_profiles", "probe_bases", "calibrate", "refit"]
 
 # (model overrides, micro-batch per rank): three sizes, so per-collective, per-byte and compute costs can be told apart
 PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gpt.n_embd=224"], 12),
@@ -59,12 +60,6 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
 
 PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
 PROBE_CODEC = "bf16"  # the codec probes' (fp16 costs the same passes: a division, a cast, error feedback's residual)
-# A probe's run: PROBE_STEPS steps, the first PROBE_WARMUP not timed, PROBE_ROUNDS runs of each probe (interleaved).
-# Cut from 12 steps (4 warm-up) and 2 rounds, which took 336-2060 s on the emulated cluster, after the calibrations'
-# own probe runs cut short predicted the exhaustive searches as well (docs/tune.md, the seventh pass).
-PROBE_STEPS, PROBE_WARMUP, PROBE_ROUNDS = 6, 2, 1
-PROBE_SPREAD = 0.05  # a probe whose runs' median absolute deviation exceeds this share of their median runs again,
-PROBE_EXTRA = 2  # at most this many more times
 
 
 def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict[str, list[str]]:
@@ -120,11 +115,12 @@ def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
     return fit_link(rounds, nbytes, seconds)
 
 
-def _probe_job(machine: Machine, out: Path, args: list[str], timeout: float) -> dict:
+def _probe_job(machine: Machine, out: Path | None, args: list[str], timeout: float) -> dict:
+    """Run the probe job ``args`` on ``machine``; what it wrote to ``out`` (JSON), if given."""
     code, tail = machine.job(args, timeout)
     if code != 0:
         raise RuntimeError(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else ""))
-    return json.loads(out.read_text())
+    return {} if out is None else json.loads(out.read_text())
 
 
 def measure_links(machine: Machine, work: Path, timeout: float = 600) -> tuple[Link, Link]:
@@ -149,6 +145,18 @@ def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], o
     return {int(m): profile_from_dict(p) for m, p in _probe_job(machine, out, args, timeout).items()}
 
 
+def measure_probe_profiles(machine: Machine, work: Path, world: int, timeout: float = 900) -> dict[int, ComputeProfile]:
+    """Every probe model's compute profile (``PROBE_MODELS``, at its micro-batch), by index, timed in one job on all
+    of ``machine``'s ranks (one start, not one per model), each written to ``work/probe<i>/profile.json``."""
+    bases = probe_bases(work, world)
+    args = ["-m", "dptrain.tune.compute_probe"]
+    for i, base, micro in bases:
+        args += ["--probe", str(work / f"probe{i}" / "profile.json"), str(base), str(micro)]
+    _probe_job(machine, None, args, timeout)
+    return {i: profile_from_dict(json.loads((work / f"probe{i}" / "profile.json").read_text())[str(micro)])
+            for i, _, micro in bases}
+
+
 def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: int = PROBE_WARMUP, timeout: float = 600,
               rounds: int = PROBE_ROUNDS, log: Callable[[str], None] = print) -> Calibration:
     """Measure ``machine``'s links and fit its overheads to the probe runs (the module's docstring)."""
@@ -159,10 +167,8 @@ def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: in
                       machine.shared_net, inside, across)
     network, world = cal.network(), machine.world_size
 
-    def profile(i: int, base: Path, micro: int) -> ComputeProfile:
-        return measure_profiles(machine, base, [micro], work / f"probe{i}" / "profile.json", timeout)[micro]
-
-    runs = probe_timelines(work, world, machine.per_host, network, profile)
+    profiles = measure_probe_profiles(machine, work, world, timeout)
+    runs = probe_timelines(work, world, machine.per_host, network, lambda i, base, micro: profiles[i])
     measured: dict[str, list[Measured]] = {label: [] for label, *_ in runs}
     r, todo = 0, runs
     while todo:  # interleaved, each round from a different start
@@ -239,9 +245,7 @@ def probe_timelines(work: Path, world: int, per_host: int, network: Network,
     variant overrides, the simulator's timeline without overheads); ``profile(i, base, micro)`` gives model ``i``'s
     compute profile."""
     runs = []
-    for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
-        batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
-        base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
+    for (i, base, micro), (model_overrides, _) in zip(probe_bases(work, world), PROBE_MODELS, strict=True):
         compute = profile(i, base, micro)
         model = plan_target(load_config(base)).model
         for name, variant in probe_variants(world, per_host, micro).items():
@@ -253,6 +257,15 @@ def probe_timelines(work: Path, world: int, per_host: int, network: Network,
                                                              compression=coded,
                                                              accum=cfg.train.grad_accum_steps or 1)))
     return runs
+
+
+def probe_bases(work: Path, world: int) -> list[tuple[int, Path, int]]:
+    """(index, base config written under ``work``, micro-batch) of each of ``PROBE_MODELS`` on ``world`` ranks."""
+    bases = []
+    for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
+        batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
+        bases.append((i, write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch]), micro))
+    return bases
 
 
 def refit(measured: Path, work: Path, log: Callable[[str], None] = print) -> Calibration:

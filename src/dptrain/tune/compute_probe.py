@@ -7,9 +7,12 @@ micro-batch size, :func:`~dptrain.planner.simulate.measure_profile` times forwar
 backward and the optimizer step of the config's model (median of its steps) and when
 each gradient is ready; the job's profile is the mean over the ranks, written by rank 0
 as JSON. The ranks meet only through barriers (one per micro-batch size, so they time
-the same size together).
+the same size together). With ``--probe OUT CONFIG MICRO_BATCHES`` (repeatable) one job
+profiles several models, one after the other, each into its own file: a calibration's
+three probe models cost one job's start instead of three.
 
     torchrun ... -m dptrain.tune.compute_probe OUT.json --config RUN.toml --micro-batches 16,8,4
+    torchrun ... -m dptrain.tune.compute_probe --probe A.json A.toml 4 --probe B.json B.toml 12
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from dptrain.planner.from_config import optimizer_for
 from dptrain.planner.simulate import ComputeProfile, measure_profile
 from dptrain.tasks import build_task, collate
 
-__all__ = ["main", "profile_to_dict", "profile_from_dict"]
+__all__ = ["main", "parse_probes", "profile_model", "profile_to_dict", "profile_from_dict"]
 
 
 def profile_to_dict(p: ComputeProfile) -> dict:
@@ -41,26 +44,53 @@ def profile_from_dict(d: dict) -> ComputeProfile:
 
 
 def main(argv: list[str] | None = None) -> None:
+    probes, steps = parse_probes(argv)
+    dist.init_process_group("gloo")
+    for out, config, micro_batches in probes:
+        profile_model(out, config, micro_batches, steps)
+    leave_process_groups()
+
+
+def parse_probes(argv: list[str] | None) -> tuple[list[tuple[str, str, list[int]]], int]:
+    """The command line's models to profile, in order, as (output, config, micro-batch sizes), and the steps each
+    size is timed for; a usage error (exit 2) for an incomplete or empty request."""
     parser = argparse.ArgumentParser(prog="python -m dptrain.tune.compute_probe")
-    parser.add_argument("out")
-    parser.add_argument("--config", required=True)
-    parser.add_argument("--micro-batches", required=True)
+    parser.add_argument("out", nargs="?", help="where rank 0 writes the profiles of --config's model")
+    parser.add_argument("--config")
+    parser.add_argument("--micro-batches")
+    parser.add_argument("--probe", nargs=3, action="append", default=[], metavar=("OUT", "CONFIG", "MICRO_BATCHES"),
+                        help="one model more: where its profiles go, its config, its micro-batch sizes (N,N,...)")
     parser.add_argument("--steps", type=int, default=6)
     args = parser.parse_args(argv)
-    dist.init_process_group("gloo")
+    probes = [tuple(p) for p in args.probe]
+    legacy = (args.out, args.config, args.micro_batches)
+    if any(x is not None for x in legacy):
+        if any(x is None for x in legacy):
+            parser.error("OUT, --config and --micro-batches go together")
+        probes.insert(0, legacy)
+    if not probes:
+        parser.error("nothing to profile: give OUT --config FILE --micro-batches N,..., or --probe OUT CONFIG N,...")
+    try:
+        return [(out, config, [int(x) for x in micro.split(",")]) for out, config, micro in probes], args.steps
+    except ValueError:
+        parser.error(f"micro-batch sizes are integers separated by commas, got {[m for *_, m in probes]}")
+
+
+def profile_model(out_path: str, config: str, micro_batches: list[int], steps: int) -> None:
+    """Profile ``config``'s model at each micro-batch size on every rank; rank 0 writes the ranks' mean."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    cfg = load_config(args.config)
+    cfg = load_config(config)
     task = build_task(cfg)
     torch.manual_seed(cfg.train.seed)
     model = task.build_model()
     opt = optimizer_for(cfg, [p for p in model.parameters() if p.requires_grad])
     profiles: dict[int, ComputeProfile] = {}
-    for m in (int(x) for x in args.micro_batches.split(",")):
+    for m in micro_batches:
         samples = collate(task)([task.train_set[(rank * m + i) % len(task.train_set)] for i in range(m)])
         dist.barrier()
         # bf16 is timed under autocast, as the DDP engine computes (ZeRO's bf16 copy of the model is not timed)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.train.precision == "bf16"):
-            profiles[m] = measure_profile(model, samples, task.loss, opt, steps=args.steps)
+            profiles[m] = measure_profile(model, samples, task.loss, opt, steps=steps)
     gathered: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(gathered, {m: profile_to_dict(p) for m, p in profiles.items()})
     if rank == 0:
@@ -72,10 +102,9 @@ def main(argv: list[str] | None = None) -> None:
                            "optimizer_s": statistics.mean(p["optimizer_s"] for p in ps),
                            "ready": {k: statistics.mean(p["ready"][k] for p in ps) for k in ps[0]["ready"]},
                            "source": f"measured on the job's {world} ranks at once, no communication "
-                                     f"(mean of the ranks' medians of {args.steps} steps)"}
-        with open(args.out, "w") as f:
+                                     f"(mean of the ranks' medians of {steps} steps)"}
+        with open(out_path, "w") as f:
             json.dump(out, f)
-    leave_process_groups()
 
 
 if __name__ == "__main__":

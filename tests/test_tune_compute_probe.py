@@ -1,0 +1,44 @@
+"""The compute-profile job (``python -m dptrain.tune.compute_probe``): one model, or several in one job."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _cli import TINY_GPT_SETTINGS
+from dptrain.testing import run_on_ranks
+from dptrain.tune.compute_probe import parse_probes, profile_model
+from dptrain.tune.trials import write_config
+
+
+def test_the_command_line_takes_one_model_or_several_and_refuses_half_a_request() -> None:
+    assert parse_probes(["a.json", "--config", "a.toml", "--micro-batches", "8,4"]) == ([("a.json", "a.toml", [8, 4])],
+                                                                                        6)
+    assert parse_probes(["--probe", "a.json", "a.toml", "4", "--probe", "b.json", "b.toml", "12,2", "--steps", "3"]) \
+        == ([("a.json", "a.toml", [4]), ("b.json", "b.toml", [12, 2])], 3)
+    for argv in ([], ["a.json", "--config", "a.toml"], ["--probe", "a.json", "a.toml", "four"]):
+        with pytest.raises(SystemExit) as e:
+            parse_probes(argv)
+        assert e.value.code == 2, argv
+
+
+def _profile_two(rank: int, world_size: int, probes: list[tuple[str, str, list[int]]]) -> None:
+    for out, config, micro_batches in probes:
+        profile_model(out, config, micro_batches, steps=2)
+
+
+def test_one_job_profiles_each_model_into_its_own_file(tmp_path: Path) -> None:
+    """Two models of different depths, one after the other on the same 2 ranks: each file holds its own model's
+    profile (the deeper model's gradients are more) at each of its micro-batch sizes."""
+    small = write_config(tmp_path / "small.toml", None, [*TINY_GPT_SETTINGS, "train.global_batch_size=4"])
+    large = write_config(tmp_path / "large.toml", None, [*TINY_GPT_SETTINGS, "gpt.n_layer=3",
+                                                         "train.global_batch_size=4"])
+    probes = [(str(tmp_path / "small.json"), str(small), [2, 1]), (str(tmp_path / "large.json"), str(large), [2])]
+    run_on_ranks(_profile_two, 2, probes, timeout=120)
+    small_p, large_p = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("small", "large"))
+    assert set(small_p) == {"2", "1"} and set(large_p) == {"2"}
+    for p in (*small_p.values(), *large_p.values()):
+        assert p["forward_s"] > 0 and p["backward_s"] > 0 and p["ready"] and "2 ranks" in p["source"]
+    assert len(large_p["2"]["ready"]) > len(small_p["2"]["ready"]) == len(small_p["1"]["ready"])
