@@ -1,10 +1,17 @@
 """Per-step overhead of the wrapper on a tiny model (world size 1): min over repeats of the mean step time."""
-import os, sys, time, timeit, torch, torch.distributed as dist
+import os
+import sys
+import timeit
+
+import torch
+import torch.distributed as dist
 from torch import nn
+
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1"); os.environ["MASTER_PORT"] = sys.argv[1]
 torch.set_num_threads(1)
 dist.init_process_group("gloo", rank=0, world_size=1)
 import dptrain
+
 torch.manual_seed(0)
 m = nn.Linear(4, 4)
 ddp = dptrain.DistributedDataParallel(m)

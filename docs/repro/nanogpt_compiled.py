@@ -47,7 +47,6 @@ def _compiled_pieces(output: torch.Tensor) -> int:
 def _train(rank: int, world_size: int, which: str, nanogpt: str, iters: int, backend: str) -> dict:
     sys.path.insert(0, nanogpt)
     from model import GPT, GPTConfig  # nanoGPT's model.py
-
     from torch._dynamo.utils import counters
 
     torch.manual_seed(1337 + rank)  # train.py: seed_offset = ddp_rank
