@@ -23,9 +23,9 @@ import traceback
 
 from dptrain.utils.collector import collector_paused
 
-with collector_paused():  # torch and the training loop: 0.3-0.6 s less CPU to import (dptrain.utils.collector)
+with collector_paused():  # torch and the training loop: a seventh less CPU to import (dptrain.utils.collector)
     import torch
-    import torch._dynamo  # noqa: F401  a worker's first optimizer step imports it anyway (0.5 s); 0.3 s less here
+    import torch._dynamo  # noqa: F401  a worker's first optimizer step imports it anyway: here, inside the pause
     import torch.distributed as dist
 
     from dptrain.allocator import tune_cpu_allocator

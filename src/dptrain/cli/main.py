@@ -75,8 +75,8 @@ def run(nproc: int, config_path: Path | None, strategy: str | None, overrides: t
     """
     from dptrain.utils.collector import collector_paused
 
-    with collector_paused():  # torch and the checks: 0.3-0.6 s less CPU to import (dptrain.utils.collector)
-        import torch._dynamo  # noqa: F401  the model's check on the meta device imports it anyway; 0.3 s less here
+    with collector_paused():  # torch and the checks, imported for less CPU (dptrain.utils.collector)
+        import torch._dynamo  # noqa: F401  the model's check on the meta device imports it anyway: here, inside the pause
 
         from dptrain.config import ConfigError, to_toml
         from dptrain.data.prepare import prepare, prepare_command

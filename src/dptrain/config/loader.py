@@ -136,7 +136,7 @@ def build(cls: type, data: dict, prefix: str, source: str) -> Any:
 def _type_hints(cls: type) -> dict[str, Any]:
     """``typing.get_type_hints(cls)``, resolved once per config class: a run's config is built once per ``--set``
     (so that an error names the override), in the launcher and again in every worker; resolving every section's
-    string annotations each time was 90% of it (4.2 ms against 0.4 ms for 11 overrides)."""
+    string annotations each time was most of that work."""
     return typing.get_type_hints(cls)
 
 

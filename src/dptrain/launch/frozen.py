@@ -13,9 +13,10 @@ imported holds a tensor a run counts (it computes nothing), so what the workers 
 
 The server imported with the collector paused (:mod:`dptrain.launch.paused`, imported first): this starts it again
 after the freeze, so every worker forked from the server collects as a fresh interpreter does. The cyclic garbage
-the imports left (8,700 cycles holding 180,000 objects) is frozen with the rest rather than collected first: a
-collection would walk everything once more (0.3-0.4 s) and leave the server's resident set where it is (311 MiB
-either way, the suite's preload list), since the freed memory stays with Python's allocator.
+the imports left (8,693 unreachable objects, by ``gc.collect()``'s count) is frozen with the rest rather than
+collected first: a collection would walk everything once more (0.26 s of CPU) and leave the server's resident set
+where it is (313.7 MiB either way, the suite's preload list), since the freed memory stays with Python's allocator
+(``python docs/repro/import_cost.py``, bench_results/import_cost.txt).
 """
 
 from __future__ import annotations

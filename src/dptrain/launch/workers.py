@@ -51,7 +51,7 @@ __all__ = ["START_METHODS", "PRELOAD", "PAUSED", "FROZEN", "fork_server_preload"
 START_METHODS = ("forkserver", "exec")
 
 # What the fork server imports once: torch, its distributed and compiler front ends (the first
-# optimizer imports torch._dynamo: seconds), the checkpoint layouts (torch.distributed.checkpoint, 0.6 s, which
+# optimizer imports torch._dynamo: seconds), the checkpoint layouts (torch.distributed.checkpoint, 0.24 s more, which
 # `import dptrain.run` leaves to the first save or resume, for a launcher and an exec worker), and the worker's
 # code. The test harness uses it too.
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "dptrain", "dptrain.run", "dptrain.runner.loop",

@@ -1,12 +1,13 @@
 """The cyclic garbage collector paused while a process imports torch and dptrain's training code.
 
-Importing torch, ``torch._dynamo`` and the training loop makes about 300,000 objects the collector tracks, nearly
-all of them alive for the process's life; while they are made, each full collection walks every one made so far,
-over and over. Paused, ``import dptrain.run`` (torch, ``torch._dynamo``, the training loop) takes 2.0-2.3 s of
-CPU instead of 2.3-2.9 s (median per-round ratio 0.86, 8 alternated rounds), and a fork server's preload 2.1-2.5 s instead of 2.4-2.9 s
-(0.81): ``python docs/repro/import_cost.py``, bench_results/import_cost.txt. What the imports leave as cyclic garbage
-(8,700 cycles) is collected by the first collection after the pause, or, in a fork server, frozen with the rest
-(:mod:`dptrain.launch.frozen`).
+Importing torch, ``torch._dynamo`` and the training loop makes hundreds of thousands of objects the collector tracks
+(496,919 for the test suite's fork-server list), nearly all alive for the process's life; while they are made, each
+full collection walks every one made so far, over and over. Paused, ``import dptrain.run`` (torch, ``torch._dynamo``,
+the training loop) takes a seventh less CPU (median per-round ratio 0.86; medians 2.39 against 3.06 s), and a fork
+server's preload 0.85 (2.38 against 3.14 s), 8 alternated rounds: ``python docs/repro/import_cost.py``,
+bench_results/import_cost.txt. What the imports leave as cyclic garbage (8,693 unreachable objects, by
+``gc.collect()``'s count, after the preload) is collected by the first collection after the pause, or, in a fork
+server, frozen with the rest (:mod:`dptrain.launch.frozen`).
 """
 
 from __future__ import annotations
