@@ -11,7 +11,7 @@ from _tune_machine import TestMachine
 from dptrain.comm.cost import Link
 from dptrain.planner.network import Network
 from dptrain.planner.simulate import ComputeProfile, Overheads
-from dptrain.tune.calibrate import PROBE_MODELS, probe_timelines, refit
+from dptrain.tune.calibrate import PROBE_MODELS, probe_bases, probe_timelines, refit
 
 
 def _profile(i: int, micro: int) -> dict:
@@ -26,7 +26,7 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
         (tmp_path / "calibration" / f"probe{i}").mkdir(parents=True)
         (tmp_path / "calibration" / f"probe{i}" / "profile.json").write_text(json.dumps(p))
     network = Network("test", link, link, 1, "a test", backend="gloo")
-    runs = probe_timelines(tmp_path / "now", 2, 1, network, lambda i, base, micro: ComputeProfile(
+    runs = probe_timelines(probe_bases(tmp_path / "now", 2), 2, 1, network, lambda i, base, micro: ComputeProfile(
         **{**profiles[i][str(micro)], "ready": {}}))
     # an earlier calibration (another version) whose runs lacked the codec probes: each measured 2 ms over its timeline
     earlier = [{"label": label, "measured_s": t.step_s + 2e-3, "timeline_s": 0.0, "features": [1.0] * 7}

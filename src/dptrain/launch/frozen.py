@@ -1,7 +1,9 @@
 """Imported last by a fork server (:mod:`dptrain.launch.workers`): what it preloaded leaves the collector's reach.
 
 The fork server imports torch, dptrain's training loop and, for a Hugging Face model, transformers: about 377,000
-objects the garbage collector tracks (the suite's preload list), all alive for the server's life. Every forked
+objects the garbage collector tracks (the suite's preload list, imported with the collector running:
+bench_results/fork_server_freeze.txt; about 497,000 now that it imports paused, its import garbage and the objects a
+collection would have stopped tracking included: bench_results/import_cost.txt), all alive for the server's life. Every forked
 worker inherited them, and every full collection it made walked them all: 0.19-0.20 s of CPU for a ``gc.collect()``,
 which a run makes as it ends (:func:`dptrain.launch.rendezvous.leave_process_groups`), and 0.10 s for the
 ``gc.get_objects()`` with which :class:`dptrain.runner.tensor_peak.TensorPeak` finds the tensors alive at its start;

@@ -58,6 +58,8 @@ PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gp
                 (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
 
 
+ProbeBase = tuple[int, Path, int, list[str]]  # a probe model: index, base config, micro-batch, model overrides
+
 PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
 PROBE_CODEC = "bf16"  # the codec probes' (fp16 costs the same passes: a division, a cast, error feedback's residual)
 
@@ -145,16 +147,16 @@ def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], o
     return {int(m): profile_from_dict(p) for m, p in _probe_job(machine, out, args, timeout).items()}
 
 
-def measure_probe_profiles(machine: Machine, work: Path, world: int, timeout: float = 900) -> dict[int, ComputeProfile]:
-    """Every probe model's compute profile (``PROBE_MODELS``, at its micro-batch), by index, timed in one job on all
-    of ``machine``'s ranks (one start, not one per model), each written to ``work/probe<i>/profile.json``."""
-    bases = probe_bases(work, world)
+def measure_probe_profiles(machine: Machine, bases: list[ProbeBase], timeout: float = 900) -> dict[int, ComputeProfile]:
+    """Every probe model's compute profile (:func:`probe_bases`, each at its micro-batch), by index, timed in one job
+    on all of ``machine``'s ranks (one start, not one per model), each written to ``profile.json`` beside its base
+    config."""
     args = ["-m", "dptrain.tune.compute_probe"]
-    for i, base, micro in bases:
-        args += ["--probe", str(work / f"probe{i}" / "profile.json"), str(base), str(micro)]
+    for _, base, micro, _ in bases:
+        args += ["--probe", str(base.with_name("profile.json")), str(base), str(micro)]
     _probe_job(machine, None, args, timeout)
-    return {i: profile_from_dict(json.loads((work / f"probe{i}" / "profile.json").read_text())[str(micro)])
-            for i, _, micro in bases}
+    return {i: profile_from_dict(json.loads(base.with_name("profile.json").read_text())[str(micro)])
+            for i, base, micro, _ in bases}
 
 
 def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: int = PROBE_WARMUP, timeout: float = 600,
@@ -167,8 +169,9 @@ def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: in
                       machine.shared_net, inside, across)
     network, world = cal.network(), machine.world_size
 
-    profiles = measure_probe_profiles(machine, work, world, timeout)
-    runs = probe_timelines(work, world, machine.per_host, network, lambda i, base, micro: profiles[i])
+    bases = probe_bases(work, world)
+    profiles = measure_probe_profiles(machine, bases, timeout)
+    runs = probe_timelines(bases, world, machine.per_host, network, lambda i, base, micro: profiles[i])
     measured: dict[str, list[Measured]] = {label: [] for label, *_ in runs}
     r, todo = 0, runs
     while todo:  # interleaved, each round from a different start
@@ -239,13 +242,13 @@ def _log_fit(cal: Calibration, log: Callable[[str], None]) -> None:
             f"({r['ratio']:.3f})")
 
 
-def probe_timelines(work: Path, world: int, per_host: int, network: Network,
+def probe_timelines(bases: list[ProbeBase], world: int, per_host: int, network: Network,
                     profile: Callable[[int, Path, int], ComputeProfile]) -> list[tuple[str, Path, list[str], StepPrediction]]:
-    """Every probe of :func:`probe_variants` on each of ``PROBE_MODELS``: (label, base config written under ``work``,
+    """Every probe of :func:`probe_variants` on each probe model (``bases``, :func:`probe_bases`): (label, base config,
     variant overrides, the simulator's timeline without overheads); ``profile(i, base, micro)`` gives model ``i``'s
     compute profile."""
     runs = []
-    for (i, base, micro), (model_overrides, _) in zip(probe_bases(work, world), PROBE_MODELS, strict=True):
+    for i, base, micro, model_overrides in bases:
         compute = profile(i, base, micro)
         model = plan_target(load_config(base)).model
         for name, variant in probe_variants(world, per_host, micro).items():
@@ -259,12 +262,14 @@ def probe_timelines(work: Path, world: int, per_host: int, network: Network,
     return runs
 
 
-def probe_bases(work: Path, world: int) -> list[tuple[int, Path, int]]:
-    """(index, base config written under ``work``, micro-batch) of each of ``PROBE_MODELS`` on ``world`` ranks."""
+def probe_bases(work: Path, world: int) -> list[ProbeBase]:
+    """(index, base config written to ``work/probe<i>/model.toml``, micro-batch, model overrides) of each of
+    ``PROBE_MODELS`` on ``world`` ranks."""
     bases = []
     for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
         batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
-        bases.append((i, write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch]), micro))
+        base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
+        bases.append((i, base, micro, model_overrides))
     return bases
 
 
@@ -287,7 +292,8 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print) -> Cal
             raise ValueError(f"{path} is missing: refit needs the compute profiles its calibration measured")
         return profile_from_dict(json.loads(path.read_text())[str(micro)])
 
-    runs = probe_timelines(work, cal.hosts * cal.per_host, cal.per_host, cal.network(), profile)
+    world = cal.hosts * cal.per_host
+    runs = probe_timelines(probe_bases(work, world), world, cal.per_host, cal.network(), profile)
     cal.probes = [ProbeRun(label, steps[label], t.step_s, t.features) for label, _, _, t in runs if label in steps]
     dropped = sorted(set(steps) - {label for label, *_ in runs})
     if dropped:
