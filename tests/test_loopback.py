@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from tests.test_watchdog import _pid_once_beating, _start
+from tests.test_watchdog import _start, run_acting_once_beating
 
 LOOPBACK = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}
 
@@ -38,17 +38,19 @@ def listening_addresses(pids: list[int]) -> set[str]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_single_machine_job_listens_on_loopback_only(tmp_path):
-    job = _start(tmp_path, "run", "--config", "tiny.toml", "--run-dir", "run", "--nproc", "2")
-    try:
-        pids = [_pid_once_beating(tmp_path / "run", r, job) for r in (0, 1)]
+    """``dptrain run --nproc 2``, its ranks' listening sockets read once both train, then the ranks killed."""
+    addresses = set()
+
+    def look_then_kill(pids: list[int]) -> None:
         time.sleep(0.5)
-        addresses = listening_addresses(pids)
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)
-        job.wait()
+        addresses.update(listening_addresses(pids))
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    done = run_acting_once_beating(tmp_path, [0, 1], look_then_kill, "--nproc", "2")
+    assert done.returncode == 1, done.stderr  # the killed ranks end it
     assert addresses, "the job's store listens somewhere: rank 0 hosts it"
     assert addresses <= LOOPBACK, f"listening beyond loopback: {addresses - LOOPBACK}"
 

@@ -1,8 +1,8 @@
 """Every hang ends: a stopped rank (SIGSTOP) of every strategy, a stuck main thread, a hung launched script.
 
-The slow tests start a real `dptrain run` or `dptrain launch` (fresh processes: the test signals
-their workers), stop one rank once it beats, and check that the job ends on its own with exit 1,
-naming that rank. None asserts a time: each is bounded by its pytest-timeout.
+The whole-job tests start a real `dptrain run` (in this process, its ranks forked; a thread of the test
+stops one rank once it beats) or `dptrain launch` (a fresh process), and check that the job ends on its
+own with exit 1, naming that rank. None asserts a time: each is bounded by its pytest-timeout.
 """
 
 from __future__ import annotations
@@ -13,13 +13,14 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
 from dptrain.launch.errors import error_file, read_error_record
-from dptrain.launch.heartbeat import Heartbeat, heartbeat_file, read_heartbeats, stale_ranks
+from dptrain.launch.heartbeat import Heartbeat, heartbeat_file, process_state, read_heartbeats, stale_ranks
 from dptrain.runner.skips import NonFiniteRun, SkipBound
 
 TINY = """
@@ -121,36 +122,50 @@ def _start(tmp_path: Path, *args: str) -> subprocess.Popen:
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
 
 
-def _pid_once_beating(run_dir: Path, rank: int, job: subprocess.Popen) -> int:
-    """The pid in rank's heartbeat, once its training loop has marked a step (or the job ended: a failure)."""
-    while job.poll() is None:
-        beat = read_heartbeats(run_dir, rank + 1).get(rank)
-        if beat and beat.get("step", 0) >= 2:
-            return beat["pid"]
-        time.sleep(0.3)
-    pytest.fail(f"the job ended before rank {rank} trained: {job.stdout.read()}")
+def _once_beating(run_dir: Path, ranks: list[int], ended: threading.Event, act, pids: list[int]) -> None:
+    """``act(pids)`` once every rank in ``ranks`` has marked step 2 (their pids read from their heartbeats)."""
+    while not ended.wait(0.3):
+        beats = read_heartbeats(run_dir, max(ranks) + 1)
+        if all(beats.get(r, {}).get("step", 0) >= 2 for r in ranks):
+            pids += [beats[r]["pid"] for r in ranks]
+            act(pids)
+            return
+
+
+def run_acting_once_beating(tmp_path: Path, ranks: list[int], act, *overrides: str):
+    """``dptrain run`` of TINY in this process (its ranks forked) while a thread of the test calls ``act(pids)`` once
+    ``ranks`` train; the finished command. A rank ``act`` stopped and the job left is killed after it."""
+    from _cli import dptrain
+
+    (tmp_path / "tiny.toml").write_text(TINY)
+    ended, pids = threading.Event(), []
+    actor = threading.Thread(target=_once_beating, args=(tmp_path / "run", ranks, ended, act, pids), daemon=True)
+    actor.start()
+    try:
+        done = dptrain("run", "--config", "tiny.toml", "--run-dir", "run", *overrides, cwd=tmp_path)
+    finally:
+        ended.set()
+        actor.join()
+        for pid in pids:
+            if process_state(pid) not in (None, "Z"):
+                os.kill(pid, signal.SIGKILL)
+    assert pids, f"the job ended before ranks {ranks} trained: {done.stderr}"
+    return done
 
 
 def _stop_rank_and_wait(tmp_path: Path, rank: int, *overrides: str) -> str:
-    job = _start(tmp_path, "run", "--config", "tiny.toml", "--run-dir", "run", *overrides)
-    try:
-        os.kill(_pid_once_beating(tmp_path / "run", rank, job), signal.SIGSTOP)
-        out, _ = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
-    assert job.returncode == 1, out
-    return out
+    """Rank ``rank`` SIGSTOPped once it trains: the job ends with exit 1; its output."""
+    done = run_acting_once_beating(tmp_path, [rank], lambda pids: os.kill(pids[0], signal.SIGSTOP), *overrides)
+    assert done.returncode == 1, done.stderr
+    return done.stdout + done.stderr
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_stopped_rank_0_store_host_ends_the_job_naming_it(tmp_path):
     out = _stop_rank_and_wait(tmp_path, 0, "--nproc", "2")
     assert "rank 0 failed first" in out and "sent no heartbeat" in out
 
 
-@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("rank", [2, 1], ids=["server", "worker"])
 def test_a_stopped_parameter_server_rank_ends_the_job_naming_it(tmp_path, rank):
