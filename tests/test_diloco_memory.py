@@ -58,10 +58,10 @@ def test_memory_stays_flat_over_hundreds_of_sync_points(options):
     adds 1.3 MiB at period 4 and 2.6 MiB at period 2 (and 44-55 KiB of objects), 64 KiB (one of this model's
     weights) 9.5 and 19 MiB, 4 KiB 1.4 MiB at period 2 (0.7 MiB at period 4, under the bound). The model is two
     128 x 128 layers: a kept payload's size, not the model's, sets what the heap shows, and 512 x 512 took 2.3
-    times as long. The resident set: under 64 MiB
-    more. (The resident set alone was the measure before 2026-12-06, under 24 MiB: it moves by 1-29 MiB between runs
-    whatever their length, with the pages glibc keeps or hands back, and a payload kept in pages freed earlier did
-    not move it at all; so it only bounds what the heap's count might not see.)"""
+    times as long. The resident set: under 64 MiB more. (The resident set alone was the measure before 2026-12-06,
+    under 24 MiB: it moves by 1-29 MiB between runs whatever their length, with the pages glibc keeps or hands
+    back, and a payload kept in pages freed earlier did not move it at all; so it only bounds what the heap's count
+    might not see.)"""
     for heap, resident, objects in run_on_ranks(_soak, 2, options, 600, env={"TORCH_FR_BUFFER_SIZE": "0"}):
         assert objects < 32 * 1024, objects
         assert heap < 1.0, heap
