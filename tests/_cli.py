@@ -6,7 +6,8 @@ the test gives and its output (the workers' too) captured, and returns what
 ``subprocess.run`` would. The launcher forks its workers from this process's fork server,
 which has torch imported already: a run costs its training, not three or four interpreter
 starts (docs/testing.md). What only a new process shows (``python -m dptrain.cli``, an
-interpreter's exit, ``exec`` workers) is covered by the tests that pass ``fresh=True``.
+interpreter's exit) is covered by the tests that pass ``fresh=True``; ``exec`` workers (fresh
+interpreters, whoever launches them) by those that pass ``--start-method exec`` or ``--max-restarts``.
 """
 
 from __future__ import annotations

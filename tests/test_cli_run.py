@@ -127,8 +127,7 @@ def test_resume_after_a_kill_continues_exactly_by_hand_and_under_max_restarts(tm
 def test_a_failing_rank_is_reported_first_and_the_job_stops(tmp_path):
     """With workers started as torchrun starts them: a fresh `python -m dptrain.run` each."""
     proc = dptrain("run", "--nproc", "2", "--config", str(tiny_gpt_config(tmp_path)), "--run-dir",
-                   str(tmp_path / "run"), "--start-method", "exec", cwd=tmp_path, env={"DPTRAIN_FAULT": "1:3:raise"},
-                   fresh=True)
+                   str(tmp_path / "run"), "--start-method", "exec", cwd=tmp_path, env={"DPTRAIN_FAULT": "1:3:raise"})
     assert proc.returncode == 1
     first = proc.stderr.index("rank 1 failed first")
     assert proc.stderr.index("RuntimeError: fault injected by DPTRAIN_FAULT on rank 1 at step 3") > first
