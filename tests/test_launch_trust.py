@@ -77,9 +77,10 @@ def _descendants(pid: int) -> list[int]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("then_kill_a_rank", [False, True], ids=["stopped", "stopped-and-a-rank-killed"])
-def test_a_stopped_torchrun_agent_is_named_and_killed_with_its_workers(tmp_path: Path, then_kill_a_rank: bool):
-    """Agent SIGSTOPped (and a rank killed meanwhile): exit 1 within distributed.timeout_s + a few s, one line naming it."""
+def test_a_stopped_torchrun_agent_is_named_and_killed_with_its_workers(tmp_path: Path):
+    """Agent SIGSTOPped and a rank killed meanwhile: exit 1 within distributed.timeout_s + a few s, one line naming
+    it, and no worker left, the one still training included. (The agent stopped alone takes the same path, judged
+    by the same test of its state; its own case, which asserted the same, was folded into this one on 2026-12-07.)"""
     launcher, _ = _start_run(tmp_path, "--max-restarts", "1", "--set", "distributed.timeout_s=5")
     try:
         [agent] = children(launcher.pid)
@@ -87,8 +88,7 @@ def test_a_stopped_torchrun_agent_is_named_and_killed_with_its_workers(tmp_path:
         assert len(workers) == 2
         os.kill(agent, signal.SIGSTOP)
         stopped = time.monotonic()
-        if then_kill_a_rank:
-            os.kill(workers[1], signal.SIGKILL)
+        os.kill(workers[1], signal.SIGKILL)
         _, err = launcher.communicate(timeout=60)
         took = time.monotonic() - stopped
     finally:
