@@ -1,5 +1,5 @@
-"""Parameter-server checkpoints: a killed server or worker restarts under ``--max-restarts`` and the run finishes
-(sync: with the uninterrupted run's parameters, bit for bit), every shard of a cut holds the same gradients, a
+"""Parameter-server checkpoints: a killed server restarts under ``--max-restarts``, a killed worker's job resumes
+when started again, and the run finishes (sync: with the uninterrupted run's parameters, bit for bit), every shard of a cut holds the same gradients, a
 server's state survives a round trip, and a resume on another layout is refused.
 
 The runs: a 2-block GPT with dropout (so the workers' random streams must be restored), 2 workers and a server,
@@ -58,14 +58,26 @@ def _assert_same_run(a, b) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rank, role", [(2, "server"), (1, "worker")])
-def test_a_killed_rank_of_a_sync_run_restarts_and_ends_with_the_uninterrupted_parameters(straight, tmp_path, rank,
-                                                                                         role):
-    done = _run(tmp_path, tmp_path / "run", *SYNC, "--max-restarts", "1", "--fault", f"{rank}:7:kill")
+def test_a_killed_server_of_a_sync_run_restarts_and_ends_with_the_uninterrupted_parameters(straight, tmp_path):
+    """Under --max-restarts: torchrun's agent starts all three ranks again, and they resume from the cut."""
+    done = _run(tmp_path, tmp_path / "run", *SYNC, "--max-restarts", "1", "--fault", "2:7:kill")
     assert done.returncode == 0, done.stderr
     assert "step_00000004 at step 4" in done.stdout
     summary = _summary(tmp_path / "run")
     assert summary["restarts"] == 1 and summary["start_step"] == 4 and summary["ps"]["checkpoints"] == [8, 10]
+    _assert_same_run(straight, tmp_path / "run")
+
+
+def test_a_killed_worker_of_a_sync_run_resumes_by_hand_and_ends_with_the_uninterrupted_parameters(straight, tmp_path):
+    """The job ends at the kill (exit 1); started again in its directory, it resumes from the cut. (The restart under
+    --max-restarts is the same resume, started by torchrun's agent: the server's case above runs it.)"""
+    killed = _run(tmp_path, tmp_path / "run", *SYNC, "--fault", "1:7:kill")
+    assert killed.returncode == 1 and "rank 1" in killed.stderr and "SIGKILL" in killed.stderr, killed.stderr
+    done = _run(tmp_path, tmp_path / "run", *SYNC)
+    assert done.returncode == 0, done.stderr
+    assert "step_00000004 at step 4" in done.stdout
+    summary = _summary(tmp_path / "run")
+    assert summary["start_step"] == 4 and summary["ps"]["checkpoints"] == [8, 10]
     _assert_same_run(straight, tmp_path / "run")
 
 
