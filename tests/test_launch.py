@@ -17,7 +17,7 @@ from dptrain.launch.rendezvous import (
 )
 from dptrain.launch.workers import PRELOAD
 from dptrain.testing import run_on_ranks
-from dptrain.utils.collector import collector_paused
+from dptrain.utils.collector import collector_paused, freeze_at_exit
 
 
 def test_torchrun_environment():
@@ -84,12 +84,36 @@ def test_leaving_frees_the_backend_threads_that_a_cycle_still_holds():
 
 def test_a_worker_imports_the_checkpoint_layouts_only_when_it_saves_and_the_fork_server_has_them() -> None:
     """``import dptrain.run`` (a launcher's, an exec worker's) leaves torch.distributed.checkpoint (0.6 s) to the
-    first save or resume; a forked worker finds it in the fork server, which imports PRELOAD."""
-    code = ("import importlib, sys, dptrain.run; dcp = 'torch.distributed.checkpoint'; print(dcp in sys.modules); "
+    first save or resume; a forked worker finds it in the fork server, which imports PRELOAD. An exec worker
+    (``python -m dptrain.run``) freezes what it imported before it starts, with the collector still running, and
+    imported alone it freezes nothing (a test suite imports it)."""
+    code = ("import contextlib, gc, importlib, io, runpy, sys, dptrain.run; dcp = 'torch.distributed.checkpoint'; "
+            "print(dcp in sys.modules, gc.get_freeze_count()); sys.argv = ['dptrain.run', '--help']\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "    runpy.run_module('dptrain.run', run_name='__main__')\n"
+            "print(gc.get_freeze_count() > 100_000, gc.isenabled())\n"
             f"[importlib.import_module(m) for m in {PRELOAD!r}]; print(dcp in sys.modules, "
             "'torch.distributed.checkpoint.state_dict' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["False", "True", "True"], out.stdout + out.stderr
+    assert out.stdout.split() == ["False", "0", "True", "True", "True", "True"], out.stdout + out.stderr
+
+
+def test_the_command_freezes_at_exit_once_however_often_it_runs(monkeypatch) -> None:
+    """``dptrain``'s exit walks none of torch's objects (dptrain.utils.collector): ``gc.freeze`` is registered with
+    atexit once, whatever number of commands a process (a test suite) runs. (atexit's registry, as documented:
+    ``unregister`` removes every registration of the function.)"""
+    import gc
+    import types
+
+    import dptrain.utils.collector as collector
+
+    registry: list = []
+    fake = types.SimpleNamespace(register=registry.append,
+                                 unregister=lambda f: registry.__setitem__(slice(None), [g for g in registry if g != f]))
+    monkeypatch.setattr(collector, "atexit", fake)
+    freeze_at_exit()
+    freeze_at_exit()
+    assert registry == [gc.freeze]
 
 
 def _collector(rank: int, world_size: int) -> tuple[bool, int]:

@@ -12,16 +12,17 @@ from _cli import dptrain, tiny_gpt_config
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(tmp_path, name: str, *args: str, env: dict | None = None):
+def _run(tmp_path, name: str, *args: str, env: dict | None = None, nproc: int = 2):
     config = tiny_gpt_config(tmp_path)
-    return dptrain("run", "--nproc", "2", "--config", str(config), "--run-dir", str(tmp_path / name), *args,
+    return dptrain("run", "--nproc", str(nproc), "--config", str(config), "--run-dir", str(tmp_path / name), *args,
                    env=env, cwd=tmp_path, timeout=240)
 
 
 @pytest.mark.slow
 def test_restarts_run_out_and_the_job_fails(tmp_path):
-    """A fault that fires on every attempt (raise, not once: the restart count is faked away) exhausts them."""
-    done = _run(tmp_path, "doomed", "--max-restarts", "1", "--set", "train.steps=4",
+    """A fault that fires on every attempt (raise, not once: the restart count is faked away) exhausts them. One
+    worker: each attempt under torchrun's agent is an interpreter start per worker, and one shows the same."""
+    done = _run(tmp_path, "doomed", "--max-restarts", "1", "--set", "train.steps=4", nproc=1,
                 env={"DPTRAIN_FAULT": "0:2:raise", "DPTRAIN_FAULT_EVERY_ATTEMPT": "1"})
     assert done.returncode != 0
     assert done.stderr.count("fault injected by DPTRAIN_FAULT on rank 0 at step 2") >= 2  # first try and restart

@@ -21,7 +21,7 @@ import os
 import sys
 import traceback
 
-from dptrain.utils.collector import collector_paused
+from dptrain.utils.collector import collector_paused, freeze_imports
 
 with collector_paused():  # torch and the training loop: a seventh less CPU to import (dptrain.utils.collector)
     import torch
@@ -201,4 +201,5 @@ def _lock_run_dir(env, run_dir) -> RunLock | None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # a worker's full collections, and its exit, walk none of torch's objects (dptrain.utils.collector)
     sys.exit(main())
