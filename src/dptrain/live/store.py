@@ -19,6 +19,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from dptrain.utils.collector import freeze_imports
+
 __all__ = ["LIVE_STORE_ENV", "connect_store", "serve_store", "store_address", "unreachable"]
 
 RETRY_S = 0.1
@@ -109,5 +111,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # its exit walks none of torch's objects (dptrain.utils.collector)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
     sys.exit(main())

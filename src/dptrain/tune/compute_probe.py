@@ -29,6 +29,7 @@ from dptrain.launch.rendezvous import leave_process_groups
 from dptrain.planner.from_config import optimizer_for
 from dptrain.planner.simulate import ComputeProfile, measure_profile
 from dptrain.tasks import build_task, collate
+from dptrain.utils.collector import freeze_imports
 
 __all__ = ["main", "parse_probes", "profile_model", "profile_to_dict", "profile_from_dict"]
 
@@ -108,4 +109,5 @@ def profile_model(out_path: str, config: str, micro_batches: list[int], steps: i
 
 
 if __name__ == "__main__":
+    freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     main()

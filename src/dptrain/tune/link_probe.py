@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.launch.rendezvous import leave_process_groups
+from dptrain.utils.collector import freeze_imports
 
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # fp32 elements: 64 KiB to 32 MiB
 
@@ -54,4 +55,5 @@ def main(out: str, within_hosts: bool = False, reps: int = 5) -> None:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     main(sys.argv[1], within_hosts="--within-hosts" in sys.argv[2:])

@@ -48,6 +48,7 @@ from dptrain.tune.machine import Machine
 from dptrain.tune.search import Measured, TrialFailed
 from dptrain.tune.trials import prune, read_steps, trial_overrides, write_config
 from dptrain.utils.atomic import write_text_atomic
+from dptrain.utils.collector import freeze_imports
 from dptrain.utils.files import UnsafePath
 
 __all__ = ["run_probes", "main"]
@@ -177,4 +178,5 @@ def _holding(run_dir: Path, rank: int) -> Iterator[None]:
 
 
 if __name__ == "__main__":
+    freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     sys.exit(main())
