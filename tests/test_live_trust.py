@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from _cli import TESTS
 from dptrain.launch.heartbeat import heartbeat_file
 from dptrain.launch.local import free_port
@@ -97,6 +99,7 @@ def _commits(run_dir: Path, replica: int) -> int:
     return path.read_text().count('"commit": true') if path.exists() else 0
 
 
+@pytest.mark.slow  # fresh interpreters: the live store and the replicas, or a fresh CLI
 def test_a_replica_of_another_job_is_refused_by_name_and_the_others_go_on(tmp_path):
     """Replica 2 started with another train.seed, replica 3 with another gpt.n_embd (the old code averaged the first
     in silently, and the second broke the others' all-reduce): both refused at their first round, by name, exit 2;
@@ -144,6 +147,7 @@ if os.environ.get("DPTRAIN_REPLICA_ID") == str(replica):
 """
 
 
+@pytest.mark.slow  # fresh interpreters: the live store and the replicas, or a fresh CLI
 def test_a_replica_whose_state_diverges_is_named_left_out_and_healed(tmp_path):
     """Replica 2's weights change after step 3 (a fault no round sees): with live.check_every = 1 the next round
     names it and leaves it out, it drops its state and is healed in the round after; the run ends with every
@@ -199,6 +203,7 @@ def test_vet_refuses_another_job_and_leaves_a_diverged_replica_out(tmp_path):
     assert vet(None, Quorum(6, (_member(0, 5), _member(2, 5, incarnation=2)), 0), vetted, job).quorum.size == 2
 
 
+@pytest.mark.slow  # fresh interpreters: the live store and the replicas, or a fresh CLI
 def test_every_worker_restarted_at_once_stops_with_exit_3_and_the_reason(tmp_path):
     """Every worker of `dptrain run --nproc 3` killed at once: the launcher restarts all three, none holds the state;
     the old code spun through aborted rounds without end. Now they stop (exit 3, the job 1) with the reason on the
@@ -228,6 +233,7 @@ def test_every_worker_restarted_at_once_stops_with_exit_3_and_the_reason(tmp_pat
     assert len(aborted) < 10  # no spin
 
 
+@pytest.mark.slow  # fresh interpreters: the live store and the replicas, or a fresh CLI
 def test_a_worker_that_cannot_reach_the_store_ends_in_one_line_within_the_heartbeat_timeout(tmp_path):
     """The multi-machine recipe; the store is killed (SIGKILL) after some steps. The old code ended each worker with
     a DistNetworkError traceback, and each restart spent about 100 s connecting. Now each worker says why in one
