@@ -14,17 +14,20 @@ from dptrain.testing import run_on_ranks
 pytestmark = pytest.mark.timeout(120)
 
 
-def _soak(rank: int, world_size: int, options: dict, steps: int) -> tuple[float, float, int]:
-    """What this rank kept over ``steps`` steps of DiLoCo (``options``), after 450 to warm up: the MiB its heap holds
-    in use beyond what it held before (:func:`_memory.heap_mib`), the MiB its resident set grew, and the bytes of Python
-    objects still alive (tracemalloc)."""
+def _soak(rank: int, world_size: int, options: dict, steps: int, width: int = 128,
+          kept_per_sync: int = 0) -> tuple[float, float, int]:
+    """What this rank kept over ``steps`` steps of DiLoCo (``options``) on two ``width`` x ``width`` layers, after 450
+    to warm up: the MiB its heap holds in use beyond what it held before (:func:`_memory.heap_mib`), the MiB its
+    resident set grew, and the bytes of Python objects still alive (tracemalloc). ``kept_per_sync``: a fault put in
+    on purpose, a tensor of that many bytes kept at every sync point (docs/repro/diloco_soak_sensitivity.py)."""
     import gc
     import tracemalloc
 
     torch.manual_seed(0)
-    wrapper = DiLoCo(nn.Sequential(nn.Linear(128, 128), nn.Linear(128, 128)), **options)
+    wrapper = DiLoCo(nn.Sequential(nn.Linear(width, width), nn.Linear(width, width)), **options)
     opt = torch.optim.SGD(wrapper.module.parameters(), lr=1e-3)
-    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(8, width, generator=torch.Generator().manual_seed(rank))
+    kept, taken = [], [0]
 
     def step() -> None:
         wrapper(x).square().mean().backward()
@@ -32,6 +35,9 @@ def _soak(rank: int, world_size: int, options: dict, steps: int) -> tuple[float,
         opt.zero_grad(set_to_none=False)
         wrapper.after_optimizer_step()
         wrapper.step_metrics()
+        taken[0] += 1
+        if kept_per_sync and taken[0] % options["period"] == 0:
+            kept.append(torch.empty(kept_per_sync // 4))
 
     for _ in range(150):
         step()
