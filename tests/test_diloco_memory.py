@@ -36,7 +36,7 @@ def _soak(rank: int, world_size: int, options: dict, steps: int, width: int = 12
         wrapper.after_optimizer_step()
         wrapper.step_metrics()
         taken[0] += 1
-        if kept_per_sync and taken[0] % options["period"] == 0:
+        if kept_per_sync and taken[0] % (options["period"] // options.get("fragments", 1)) == 0:  # a sync point
             kept.append(torch.empty(kept_per_sync // 4))
 
     for _ in range(150):
@@ -56,18 +56,18 @@ def _soak(rank: int, world_size: int, options: dict, steps: int, width: int = 12
 @pytest.mark.parametrize("options", [dict(period=4, fragments=2, overlap_steps=1, compression="e3m0"),
                                      dict(period=2, compression="int8")])
 def test_memory_stays_flat_over_hundreds_of_sync_points(options):
-    """DiLoCo keeps buffers across steps (a reduction in flight, the global weights, the residuals): 600 steps, 150
-    or 300 sync points, keep nothing per sync point. Python objects: under 32 KiB in all (10-13 KiB of tensor views
-    and torch's profiler records come and go, the same over 600 steps or 2,400; the int8 reduction's statistics kept a
-    record per sync point, 70 KiB here, until 2026-12-06); the heap in use: under 1 MiB more (0.03 MiB here).
-    A tensor kept per sync point, put in on purpose (docs/repro/diloco_soak_sensitivity.py, 2026-12-07): 8 KiB
-    adds 1.3 MiB at period 4 and 2.6 MiB at period 2 (and 44-55 KiB of objects), 64 KiB (one of this model's
-    weights) 9.5 and 19 MiB, 4 KiB 1.4 MiB at period 2 (0.7 MiB at period 4, under the bound). The model is two
-    128 x 128 layers: a kept payload's size, not the model's, sets what the heap shows, and 512 x 512 took 2.3
-    times as long. The resident set: under 64 MiB more. (The resident set alone was the measure before 2026-12-06,
-    under 24 MiB: it moves by 1-29 MiB between runs whatever their length, with the pages glibc keeps or hands
-    back, and a payload kept in pages freed earlier did not move it at all; so it only bounds what the heap's count
-    might not see.)"""
+    """DiLoCo keeps buffers across steps (a reduction in flight, the global weights, the residuals): 600 steps, 300
+    sync points (a fragment every 2 steps, or the whole model), keep nothing per sync point. Python objects: under
+    32 KiB in all (11-14 KiB of tensor views and torch's profiler records come and go, the same over 600 steps or
+    2,400; the int8 reduction's statistics kept a record per sync point, 70 KiB here, until 2026-12-06); the heap in
+    use: under 1 MiB more (0.02-0.04 MiB here). A tensor kept per sync point, put in on purpose (2026-12-07:
+    docs/repro/diloco_soak_sensitivity.py, bench_results/diloco_soak_sensitivity.txt): 4 KiB adds 1.4 MiB to the
+    heap, 8 KiB 2.56 MiB, 64 KiB (one of this model's weights) 19.0 MiB, in either setting, and 50-55 KiB of
+    objects. The model is two 128 x 128 layers: the heap shows the kept payloads' bytes, whatever the model, and
+    512 x 512 took 2.3-2.5 times as long. The resident set: under 64 MiB more. (The resident set alone was the
+    measure before 2026-12-06, under 24 MiB: it moves by 1-29 MiB between runs whatever their length, with the pages
+    glibc keeps or hands back, and a payload kept in pages freed earlier did not move it at all; so it only bounds
+    what the heap's count might not see.)"""
     for heap, resident, objects in run_on_ranks(_soak, 2, options, 600, env={"TORCH_FR_BUFFER_SIZE": "0"}):
         assert objects < 32 * 1024, objects
         assert heap < 1.0, heap

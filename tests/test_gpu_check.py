@@ -1,5 +1,6 @@
-"""docs/repro/gpu_check.sh rehearsed on the CPU (``DPTRAIN_GPU_CHECK_DRY=1``): every step runs, the results
-folder holds what the device tool can bring back (at most 8 files), and the summary says all is well."""
+"""docs/repro/gpu_check.sh rehearsed on the CPU (``DPTRAIN_GPU_CHECK_DRY=1``): every step runs but the install
+and the launch-bound bench (the first bench's command on other sizes), the results folder holds what the device tool
+can bring back (at most 8 files), and the summary says all is well."""
 
 from __future__ import annotations
 

@@ -99,9 +99,10 @@ def test_a_worker_imports_the_checkpoint_layouts_only_when_it_saves_and_the_fork
 
 
 def test_the_command_freezes_at_exit_once_however_often_it_runs(monkeypatch) -> None:
-    """``dptrain``'s exit walks none of torch's objects (dptrain.utils.collector): ``gc.freeze`` is registered with
-    atexit once, whatever number of commands a process (a test suite) runs. (atexit's registry, as documented:
-    ``unregister`` removes every registration of the function.)"""
+    """What the ``dptrain`` command calls so that its exit walks none of torch's objects (dptrain.utils.collector)
+    registers ``gc.freeze`` with atexit once, however many commands a process (a test suite) runs: checked on a
+    stand-in for atexit's registry, as documented (``unregister`` removes every registration of the function).
+    What the freeze saves is measured by docs/repro/exit_cost.py, not here."""
     import gc
     import types
 

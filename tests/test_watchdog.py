@@ -132,6 +132,13 @@ def _once_beating(run_dir: Path, ranks: list[int], ended: threading.Event, act, 
             return
 
 
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text()
+    except OSError:
+        return ""
+
+
 def run_acting_once_beating(tmp_path: Path, ranks: list[int], act, *overrides: str):
     """``dptrain run`` of TINY in this process (its ranks forked) while a thread of the test calls ``act(pids)`` once
     ``ranks`` train; the finished command. A rank ``act`` stopped and the job left is killed after it."""
@@ -146,8 +153,8 @@ def run_acting_once_beating(tmp_path: Path, ranks: list[int], act, *overrides: s
     finally:
         ended.set()
         actor.join()
-        for pid in pids:
-            if process_state(pid) not in (None, "Z"):
+        for pid in pids:  # still one of the job's forked ranks (named dptrain-rank<r>), not a pid reused since
+            if process_state(pid) not in (None, "Z") and _comm(pid).startswith("dptrain-rank"):
                 os.kill(pid, signal.SIGKILL)
     assert pids, f"the job ended before ranks {ranks} trained: {done.stderr}"
     return done

@@ -11,8 +11,8 @@ tiny GPT in a temporary directory:
   ``freeze_at_exit`` replaced by a no-op.
 
 Per run: the seconds from its last line of output to its exit, and its CPU seconds (``wait4``: the process and the
-children it reaped). Prints each variant's median and the median of the per-round ratios (frozen / not) with the
-lowest and highest round.
+children it reaped). Prints each variant's median and the median of the paired ratios (frozen / not, the runs of
+each round taken in pairs: 2 x ROUNDS pairs) with the lowest and highest pair.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def main() -> None:
             n = [x[i] for x in plain]
             ratios = [a / b for a, b in zip(f, n, strict=True)]
             print(f"{program:8s} {what:7s} frozen {statistics.median(f):.2f}  not {statistics.median(n):.2f}  "
-                  f"ratio {statistics.median(ratios):.3f} (rounds {min(ratios):.3f}-{max(ratios):.3f})")
+                  f"ratio {statistics.median(ratios):.3f} (pairs {min(ratios):.3f}-{max(ratios):.3f})")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@
 #      (docs/repro/gpu_profile_ddp.py).
 # Writes into $OUT when set, else bench_results/gpu/<date>: check.log (every step's output), bench_1..3.json,
 # bench_small.json, profile.json, summary.txt (7 files: the device tool brings back at most 8; the CPU rehearsal
-# writes 5, bench_2, bench_3 and bench_small left out). Prints the
+# writes 4, bench_2, bench_3 and bench_small left out). Prints the
 # summary at the end. Exits 1 when a step failed.
 set -u
 cd "$(dirname "$0")/../.."

@@ -10,8 +10,8 @@ bench_results/import_cost.txt. What the imports leave as cyclic garbage (8,693 u
 server, frozen with the rest (:mod:`dptrain.launch.frozen`).
 
 After the imports, an exec'd worker freezes them (:func:`freeze_imports`) and the ``dptrain`` command freezes what
-it holds as it exits (:func:`freeze_at_exit`): neither process's exit then walks torch's objects, nearly a second
-of CPU each.
+it holds as it exits (:func:`freeze_at_exit`): neither process's exit then walks torch's objects, which took 0.8-1.0 s
+of its exit and 0.8-1.3 s of its CPU.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def freeze_imports() -> None:
     For a program's entry point, after its imports (``python -m dptrain.run``): torch's and dptrain's half million
     objects are then walked by no later full collection, neither the run's nor those the interpreter makes as it
     exits. An exec'd worker (torchrun's, Slurm's) of a 4-step run took a median 1.14 s from its last line to its
-    exit and 3.79 s of CPU in all; frozen, 0.17 s and 2.53 s (per-round ratios 0.145 and 0.678, 6 alternated rounds:
+    exit and 3.79 s of CPU in all; frozen, 0.17 s and 2.53 s (median ratios 0.145 and 0.678, 6 alternated rounds:
     ``python docs/repro/exit_cost.py``, bench_results/exit_cost.txt). A worker forked from a fork server has this
     already (:mod:`dptrain.launch.frozen`). What is frozen is never freed: the imports' objects live as long as the
     process anyway, and their cyclic garbage (about 8,700 objects) is kept with them.
@@ -56,7 +56,7 @@ def freeze_at_exit() -> None:
     For the ``dptrain`` command, which a test suite may call in its own process, where a freeze while it runs would
     keep whatever the suite holds then for good. Its exit walked and freed every object torch made: the process
     of ``dptrain run --nproc 1`` took a median 1.19 s from its last line to its exit, 0.41 s with this, and its CPU,
-    the children it reaped included, went from 3.07 s to 2.26 s (ratios 0.350 and 0.742, the same study).
+    the children it reaped included, went from 3.07 s to 2.26 s (median ratios 0.350 and 0.742, the same study).
     What a collection at exit would have finalized is left unfinalized, as Python allows: it does not promise to
     call ``__del__`` for objects alive when the interpreter exits, and dptrain closes its files explicitly.
     """
