@@ -25,5 +25,7 @@ from __future__ import annotations
 
 import gc
 
-gc.freeze()
+from dptrain.utils.collector import freeze_imports
+
+freeze_imports()
 gc.enable()
