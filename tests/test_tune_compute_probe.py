@@ -1,4 +1,5 @@
-"""The compute-profile job (``python -m dptrain.tune.compute_probe``): one model, or several in one job."""
+"""The compute-profile job (``python -m dptrain.tune.compute_probe``): one model, or several in one job; and the
+calibration's one job (``python -m dptrain.tune.calibration_job``): the links, then the models."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 
 from _cli import TINY_GPT_SETTINGS
 from dptrain.testing import run_on_ranks
+from dptrain.tune.calibration_job import measure
 from dptrain.tune.compute_probe import parse_probes, profile_model
+from dptrain.tune.link_probe import SIZES
 from dptrain.tune.trials import write_config
 
 
@@ -42,3 +45,21 @@ def test_one_job_profiles_each_model_into_its_own_file(tmp_path: Path) -> None:
     for p in (*small_p.values(), *large_p.values()):
         assert p["forward_s"] > 0 and p["backward_s"] > 0 and p["ready"] and "2 ranks" in p["source"]
     assert len(large_p["2"]["ready"]) > len(small_p["2"]["ready"]) == len(small_p["1"]["ready"])
+
+
+def _calibration_job(rank: int, world_size: int, links: str, probes: list[tuple[str, str, list[int]]]) -> None:
+    measure(links, None, probes, steps=2)
+
+
+def test_the_calibrations_one_job_times_the_links_then_profiles_each_model(tmp_path: Path) -> None:
+    """One process group: the link probe's medians over both ranks (every size of each collective), then the model's
+    profile, each in its own file, as the two jobs of their own wrote them."""
+    model = write_config(tmp_path / "model.toml", None, [*TINY_GPT_SETTINGS, "train.global_batch_size=4"])
+    links, out = tmp_path / "links.json", tmp_path / "model.json"
+    run_on_ranks(_calibration_job, 2, str(links), [(str(out), str(model), [2])], timeout=120)
+    timed = json.loads(links.read_text())
+    assert timed["world_size"] == 2
+    assert {int(n) for n in timed["seconds"]["all_reduce"]} == set(SIZES)
+    assert all(s > 0 for kind in timed["seconds"].values() for s in kind.values())
+    profile = json.loads(out.read_text())["2"]
+    assert profile["forward_s"] > 0 and profile["backward_s"] > 0 and "2 ranks" in profile["source"]

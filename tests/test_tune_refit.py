@@ -22,9 +22,10 @@ def _profile(i: int, micro: int) -> dict:
 def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> None:
     link = Link(1e-4, 1e9)
     profiles = {i: _profile(i, micro) for i, (_, micro) in enumerate(PROBE_MODELS)}
-    for i, p in profiles.items():
-        (tmp_path / "calibration" / f"probe{i}").mkdir(parents=True)
-        (tmp_path / "calibration" / f"probe{i}" / "profile.json").write_text(json.dumps(p))
+    # the earlier calibration numbered its probe models the other way round: each profile is found by its model
+    earlier_order = list(reversed(PROBE_MODELS))
+    for j, (_, base, _, _) in enumerate(probe_bases(tmp_path / "calibration", 2, earlier_order)):
+        base.with_name("profile.json").write_text(json.dumps(profiles[len(PROBE_MODELS) - 1 - j]))
     network = Network("test", link, link, 1, "a test", backend="gloo")
     runs = probe_timelines(probe_bases(tmp_path / "now", 2), 2, 1, network, lambda i, base, micro: ComputeProfile(
         **{**profiles[i][str(micro)], "ready": {}}))
@@ -43,19 +44,23 @@ def test_refit_carries_the_measured_steps_and_fits_the_terms_again(tmp_path) -> 
 
 
 def _fake_links_and_profiles(monkeypatch, calibrate_module) -> None:
-    """The calibration's link probe faked, and its compute profiles (:func:`_profile_job`): only its probe runs are
-    the test's."""
+    """The calibration's links faked (what its job wrote is fitted as one known link), and its compute profiles
+    (:func:`_profile_job`): only its probe runs are the test's."""
     link = Link(1e-4, 1e9)
-    monkeypatch.setattr(calibrate_module, "measure_links", lambda machine, work, timeout: (link, link))
+    monkeypatch.setattr(calibrate_module, "fit_probe", lambda probe, kinds: link)
 
 
 PROFILE_JOBS: list[list[str]] = []
 
 
 def _profile_job(args: list[str]) -> tuple[int, str]:
-    """The one compute-profile job of a calibration, as a fake: every ``--probe OUT CONFIG MICROS`` gets a profile."""
-    assert args[:2] == ["-m", "dptrain.tune.compute_probe"], f"every other job of this test is a fake's: {args}"
+    """The one measuring job of a calibration, as a fake: its links' files written, every ``--probe OUT CONFIG
+    MICROS`` given a profile."""
+    assert args[:2] == ["-m", "dptrain.tune.calibration_job"], f"every other job of this test is a fake's: {args}"
     PROFILE_JOBS.append(args)
+    for flag in ("--links", "--links-within"):
+        if flag in args:
+            Path(args[args.index(flag) + 1]).write_text("{}")
     probes = [args[i + 1:i + 4] for i, a in enumerate(args) if a == "--probe"]
     for out, config, micros in probes:
         assert Path(config).is_file()
@@ -77,7 +82,7 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
         label = trial_dir.name.rsplit("-r", 1)[0]
         runs.setdefault(label, []).append(0.1)
         disturbed = label == "2x128_ddp_25MiB" and len(runs[label]) == 2  # another job beside its second run
-        if label == "3x224_zero3":  # never settles: 0.1, 0.2, 0.3, 0.4 (stops at the cap)
+        if label == "6x320_zero3":  # never settles: 0.1, 0.2, 0.3, 0.4 (stops at the cap)
             return Measured(0.1 * len(runs[label]))
         return Measured(0.19 if disturbed else 0.1)
 
@@ -98,7 +103,7 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
         assert jobs[2:] == [2, 1] and jobs[0] == jobs[1] == len(runs)
     else:
         assert jobs == [1] * sum(map(len, runs.values()))
-    assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3, "3x224_zero3": 4}
+    assert {label: len(r) for label, r in runs.items() if len(r) != 2} == {"2x128_ddp_25MiB": 3, "6x320_zero3": 4}
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == 0.1
     # every probe model's compute profile from one job (one start, not one per model)
     assert len(PROFILE_JOBS) == profile_jobs + 1 and PROFILE_JOBS[-1].count("--probe") == len(PROBE_MODELS)
@@ -124,7 +129,7 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
             first = len(runs[label]) == 1
             if label == "2x128_ddp_25MiB":  # its first run's steps were disturbed: 0.3 s, varying by 20%
                 out.append(Measured(0.3, spread=0.2) if first else Measured(0.1, spread=0.01))
-            elif label == "3x224_zero3":  # never steady, its runs never agree: stops at the cap
+            elif label == "6x320_zero3":  # never steady, its runs never agree: stops at the cap
                 out.append(Measured(0.1 * len(runs[label]), spread=0.2))
             else:
                 out.append(Measured(0.1, spread=calibrate_module.PROBE_SPREAD * 0.9))
@@ -132,9 +137,17 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
 
     _fake_links_and_profiles(monkeypatch, calibrate_module)
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
-    cal = calibrate_module.calibrate(TestMachine(_profile_job, True), tmp_path, log=lambda line: None)
+    tuned = (tmp_path / "model.toml", [2, 4, 2], tmp_path / "profiles.json")  # the tuned model's, asked beside
+    tuned[0].write_text("")
+    jobs = len(PROFILE_JOBS)
+    cal = calibrate_module.calibrate(TestMachine(_profile_job, True), tmp_path, log=lambda line: None,
+                                     models=[tuned])
+    # the links, every probe model and the tuned model at each of its sizes, largest first: one job
+    assert len(PROFILE_JOBS) == jobs + 1 and PROFILE_JOBS[-1].count("--probe") == len(PROBE_MODELS) + 1
+    assert PROFILE_JOBS[-1][-4:] == ["--probe", str(tuned[2]), str(tuned[0]), "4,2"]
+    assert set(calibrate_module.read_profiles(tuned[2])) == {4, 2}
     assert calibrate_module.PROBE_ROUNDS == 1
     assert lengths == {(calibrate_module.PROBE_STEPS, calibrate_module.PROBE_WARMUP)}
     assert {label: len(r) for label, r in runs.items() if len(r) != 1} == {
-        "2x128_ddp_25MiB": 3, "3x224_zero3": 1 + calibrate_module.PROBE_EXTRA}  # 0.3 and 0.1 disagree: a third
+        "2x128_ddp_25MiB": 3, "6x320_zero3": 1 + calibrate_module.PROBE_EXTRA}  # 0.3 and 0.1 disagree: a third
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == pytest.approx(0.1)

@@ -3,10 +3,12 @@
 1. **Links.** :mod:`dptrain.tune.link_probe` times gloo all-reduces and all-gathers of
    64 KiB to 32 MiB over all ranks, and (several hosts of several ranks) inside each
    host, every host at once; α and β are fitted to each set with the cost model's rounds
-   and bytes (:func:`fit_probe`). On one host the two are the same link.
-2. **Overheads.** Short ``dptrain run`` jobs of three probe models (the built-in
-   character GPT at 2 layers x 128, 3 x 224 and 6 x 320, none the size of a model it
-   is used for) under one planned strategy of each kind of step (:func:`probe_variants`:
+   and bytes (:func:`fit_probe`). On one host the two are the same link. The links and
+   every model's compute profile below (the tuned model's too, where the tuner asks) are
+   timed in one job (:mod:`dptrain.tune.calibration_job`, :func:`measure_machine`).
+2. **Overheads.** Short ``dptrain run`` jobs of two probe models (the built-in
+   character GPT at 2 layers x 128 and 6 x 320, none the size of a model it is used
+   for; ``PROBE_MODELS``) under one planned strategy of each kind of step (:func:`probe_variants`:
    DDP and ZeRO-1 each with small and large buckets, DDP and ZeRO-2 with accumulation,
    DDP with the bf16 codec at small and large buckets, ZeRO-3 and, where the world
    allows, hybrid ZeRO-1 and ZeRO-3); each probe's compute is timed on
@@ -30,7 +32,7 @@ from __future__ import annotations
 import datetime
 import json
 import statistics
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from dptrain.comm.cost import Link, collective_cost
@@ -50,15 +52,23 @@ from dptrain.tune.search import Measured
 from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
-__all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "probe_stem", "fit_probe", "measure_links",
-           "measure_profiles", "measure_probe_profiles", "probe_bases", "calibrate", "refit"]
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
-# (model overrides, micro-batch per rank): three sizes, so per-collective, per-byte and compute costs can be told apart
-PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gpt.n_embd=224"], 12),
-                (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
+__all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "probe_stem", "fit_probe", "measure_machine",
+           "measure_profiles", "read_profiles", "probe_bases", "calibrate", "refit"]
+
+# (model overrides, micro-batch per rank): two sizes, so per-collective, per-byte and compute costs can be told
+# apart. A third between them (3 x 224 at micro-batch 12) moved no choice and the mean error by -0.2 to +0.7
+# points in eight calibrations of four cluster settings, refitted without it, and took a fifth to a third of the
+# probes' time (docs/repro/tune_probe_subsets.py, docs/tune.md)
+PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
 
 
 ProbeBase = tuple[int, Path, int, list[str]]  # a probe model: index, base config, micro-batch, model overrides
+ModelRequest = tuple[Path, list[int], Path]  # a model to profile beside the probes: config, micro-batches, output
 
 PROBE_ACCUM = 3  # the accumulation probes' micro-steps per step: two of them accumulate without reducing
 PROBE_CODEC = "bf16"  # the codec probes' (fp16 costs the same passes: a division, a cast, error feedback's residual)
@@ -117,26 +127,42 @@ def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
     return fit_link(rounds, nbytes, seconds)
 
 
-def _probe_job(machine: Machine, out: Path | None, args: list[str], timeout: float) -> dict:
-    """Run the probe job ``args`` on ``machine``; what it wrote to ``out`` (JSON), if given."""
+def _probe_job(machine: Machine, args: list[str], timeout: float) -> None:
+    """Run the measuring job ``args`` on ``machine``; a RuntimeError naming it and its exit where it fails."""
     code, tail = machine.job(args, timeout)
     if code != 0:
         raise RuntimeError(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else ""))
-    return {} if out is None else json.loads(out.read_text())
 
 
-def measure_links(machine: Machine, work: Path, timeout: float = 600) -> tuple[Link, Link]:
-    """(inside a host, across hosts) as fitted on ``machine``; on one host both are its link."""
+def measure_machine(machine: Machine, work: Path, bases: list[ProbeBase],
+                    models: Sequence[ModelRequest] = (), timeout: float = 900) -> tuple[Link, Link,
+                                                                                     dict[int, ComputeProfile]]:
+    """(inside a host, across hosts) as fitted on ``machine`` (on one host, or one rank a host, both its one link)
+    and every probe model's compute profile (:func:`probe_bases`, each at its micro-batch) by index, written to
+    ``profile.json`` beside its base config: all from one job (:mod:`dptrain.tune.calibration_job`), one start, not
+    one per measurement. Each of ``models`` (config, micro-batch sizes, output) is profiled in the same job, into
+    its output (:func:`read_profiles`)."""
+    links = work / "links"
+    links.mkdir(parents=True, exist_ok=True)
+    within = machine.hosts > 1 and machine.per_host > 1
+    args = ["-m", "dptrain.tune.calibration_job", "--links", str(links / "link_all.json")]
+    if within:
+        args += ["--links-within", str(links / "link_inside.json")]
+    for _, base, micro, _ in bases:
+        args += ["--probe", str(base.with_name("profile.json")), str(base), str(micro)]
+    for config, micro_batches, out in models:
+        args += ["--probe", str(out), str(config), ",".join(str(m) for m in sorted(set(micro_batches), reverse=True))]
+    _probe_job(machine, args, timeout)
     both = ("all_reduce", "all_gather")
-    work.mkdir(parents=True, exist_ok=True)
-    out = work / "link_all.json"
-    across = fit_probe(_probe_job(machine, out, ["-m", "dptrain.tune.link_probe", str(out)], timeout), both)
-    if machine.hosts == 1 or machine.per_host == 1:
-        return across, across
-    out = work / "link_inside.json"
-    inside = fit_probe(_probe_job(machine, out, ["-m", "dptrain.tune.link_probe", str(out), "--within-hosts"],
-                                  timeout), both)
-    return inside, across
+    across = fit_probe(json.loads((links / "link_all.json").read_text()), both)
+    inside = fit_probe(json.loads((links / "link_inside.json").read_text()), both) if within else across
+    profiles = {i: read_profiles(base.with_name("profile.json"))[micro] for i, base, micro, _ in bases}
+    return inside, across, profiles
+
+
+def read_profiles(path: Path) -> dict[int, ComputeProfile]:
+    """The compute profiles a profiling job wrote to ``path``, by micro-batch size."""
+    return {int(m): profile_from_dict(p) for m, p in json.loads(path.read_text()).items()}
 
 
 def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], out: Path,
@@ -144,33 +170,23 @@ def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], o
     """The compute profile of ``config``'s model at each micro-batch size, timed on all of ``machine``'s ranks."""
     args = ["-m", "dptrain.tune.compute_probe", str(out), "--config", str(config),
             "--micro-batches", ",".join(str(m) for m in sorted(set(micro_batches), reverse=True))]
-    return {int(m): profile_from_dict(p) for m, p in _probe_job(machine, out, args, timeout).items()}
-
-
-def measure_probe_profiles(machine: Machine, bases: list[ProbeBase], timeout: float = 900) -> dict[int, ComputeProfile]:
-    """Every probe model's compute profile (:func:`probe_bases`, each at its micro-batch), by index, timed in one job
-    on all of ``machine``'s ranks (one start, not one per model), each written to ``profile.json`` beside its base
-    config."""
-    args = ["-m", "dptrain.tune.compute_probe"]
-    for _, base, micro, _ in bases:
-        args += ["--probe", str(base.with_name("profile.json")), str(base), str(micro)]
-    _probe_job(machine, None, args, timeout)
-    return {i: profile_from_dict(json.loads(base.with_name("profile.json").read_text())[str(micro)])
-            for i, base, micro, _ in bases}
+    _probe_job(machine, args, timeout)
+    return read_profiles(out)
 
 
 def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: int = PROBE_WARMUP, timeout: float = 600,
-              rounds: int = PROBE_ROUNDS, log: Callable[[str], None] = print) -> Calibration:
-    """Measure ``machine``'s links and fit its overheads to the probe runs (the module's docstring)."""
-    inside, across = measure_links(machine, work / "links", timeout)
+              rounds: int = PROBE_ROUNDS, log: Callable[[str], None] = print,
+              models: Sequence[ModelRequest] = ()) -> Calibration:
+    """Measure ``machine``'s links and fit its overheads to the probe runs (the module's docstring). Each of
+    ``models`` (config, micro-batch sizes, output: the tuned model's) is profiled in the job that profiles the
+    probe models, into its output (:func:`read_profiles`)."""
+    bases = probe_bases(work, machine.world_size)
+    inside, across, profiles = measure_machine(machine, work, bases, models, timeout)
     log(f"links: inside a host alpha {inside.alpha * 1e3:.2f} ms, beta {inside.beta * 8 / 1e9:.2f} Gbit/s; "
         f"across hosts alpha {across.alpha * 1e3:.2f} ms, beta {across.beta * 8 / 1e9:.2f} Gbit/s")
     cal = Calibration(machine.where, datetime.date.today().isoformat(), machine.hosts, machine.per_host, "gloo",
                       machine.shared_net, inside, across)
     network, world = cal.network(), machine.world_size
-
-    bases = probe_bases(work, world)
-    profiles = measure_probe_profiles(machine, bases, timeout)
     runs = probe_timelines(bases, world, machine.per_host, network, lambda i, base, micro: profiles[i])
     measured: dict[str, list[Measured]] = {label: [] for label, *_ in runs}
     r, todo = 0, runs
@@ -262,38 +278,42 @@ def probe_timelines(bases: list[ProbeBase], world: int, per_host: int, network: 
     return runs
 
 
-def probe_bases(work: Path, world: int) -> list[ProbeBase]:
+def probe_bases(work: Path, world: int, models: Sequence[tuple[list[str], int]] = PROBE_MODELS) -> list[ProbeBase]:
     """(index, base config written to ``work/probe<i>/model.toml``, micro-batch, model overrides) of each of
-    ``PROBE_MODELS`` on ``world`` ranks."""
+    ``models`` (``PROBE_MODELS``) on ``world`` ranks."""
     bases = []
-    for i, (model_overrides, micro) in enumerate(PROBE_MODELS):
+    for i, (model_overrides, micro) in enumerate(models):
         batch = [f"train.global_batch_size={micro * world}", f"train.micro_batch_size={micro}"]
         base = write_config(work / f"probe{i}" / "model.toml", None, [*model_overrides, *batch])
         bases.append((i, base, micro, model_overrides))
     return bases
 
 
-def refit(measured: Path, work: Path, log: Callable[[str], None] = print) -> Calibration:
+def refit(measured: Path, work: Path, log: Callable[[str], None] = print,
+          models: Sequence[tuple[list[str], int]] = PROBE_MODELS) -> Calibration:
     """The overheads fitted anew, by today's simulator, to the probe runs of an earlier calibration: its links, its
     probes' measured steps (``measured``: a tune directory's calibration.json, of any version) and compute profiles
-    (the ``calibration/probe*/profile.json`` beside it). A probe that run did not have is left out; a term no probe
-    left identifies is held at zero and named. For studies of the terms' form: nothing is measured again."""
+    (the ``calibration/probe*/profile.json`` beside it, found by the model in the ``model.toml`` beside each, whatever
+    its index then). A probe that run did not have is left out, and so is one of a model today's calibration does
+    not probe (``models``, a study's own, may name them); a term no probe left identifies is held at zero and named.
+    For studies of the terms' form: nothing is measured again."""
     d = json.loads(measured.read_text())
     links = {k: Link(float(d[k]["alpha"]), float(d[k]["beta"]), float(d[k]["gamma"]), bool(d[k]["duplex"]))
              for k in ("inside", "across")}
     cal = Calibration(str(d["where"]), str(d["taken"]), int(d["hosts"]), int(d["per_host"]), str(d["backend"]),
                       bool(d["shared_net"]), links["inside"], links["across"])
     steps = {str(p["label"]): float(p["measured_s"]) for p in d["probes"]}
-    profiles = measured.parent / "calibration"
+    earlier = {_gpt_shape(toml): toml.parent for toml in (measured.parent / "calibration").glob("probe*/model.toml")}
+    world = cal.hosts * cal.per_host
+    bases = [b for b in probe_bases(work, world, models) if _gpt_shape(b[1]) in earlier]
 
     def profile(i: int, base: Path, micro: int) -> ComputeProfile:
-        path = profiles / f"probe{i}" / "profile.json"
+        path = earlier[_gpt_shape(base)] / "profile.json"
         if not path.is_file():
             raise ValueError(f"{path} is missing: refit needs the compute profiles its calibration measured")
         return profile_from_dict(json.loads(path.read_text())[str(micro)])
 
-    world = cal.hosts * cal.per_host
-    runs = probe_timelines(probe_bases(work, world), world, cal.per_host, cal.network(), profile)
+    runs = probe_timelines(bases, world, cal.per_host, cal.network(), profile)
     cal.probes = [ProbeRun(label, steps[label], t.step_s, t.features) for label, _, _, t in runs if label in steps]
     dropped = sorted(set(steps) - {label for label, *_ in runs})
     if dropped:
@@ -304,3 +324,9 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print) -> Cal
     cal.overheads = fit_overheads(cal.probes)
     _log_fit(cal, log)
     return cal
+
+
+def _gpt_shape(model_toml: Path) -> tuple[int, int]:
+    """(layers, width) of the GPT a probe's ``model.toml`` configures: which probe model it is, in any version."""
+    gpt = tomllib.loads(model_toml.read_text()).get("gpt", {})
+    return int(gpt.get("n_layer", 0)), int(gpt.get("n_embd", 0))

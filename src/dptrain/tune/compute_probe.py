@@ -8,8 +8,9 @@ backward and the optimizer step of the config's model (median of its steps) and 
 each gradient is ready; the job's profile is the mean over the ranks, written by rank 0
 as JSON. The ranks meet only through barriers (one per micro-batch size, so they time
 the same size together). With ``--probe OUT CONFIG MICRO_BATCHES`` (repeatable) one job
-profiles several models, one after the other, each into its own file: a calibration's
-three probe models cost one job's start instead of three.
+profiles several models, one after the other, each into its own file (a calibration profiles
+its probe models and the tuned model in its own job, after the links:
+:mod:`dptrain.tune.calibration_job`).
 
     torchrun ... -m dptrain.tune.compute_probe OUT.json --config RUN.toml --micro-batches 16,8,4
     torchrun ... -m dptrain.tune.compute_probe --probe A.json A.toml 4 --probe B.json B.toml 12
@@ -31,7 +32,8 @@ from dptrain.planner.simulate import ComputeProfile, measure_profile
 from dptrain.tasks import build_task, collate
 from dptrain.utils.collector import freeze_imports
 
-__all__ = ["main", "parse_probes", "profile_model", "profile_to_dict", "profile_from_dict"]
+__all__ = ["main", "parse_probes", "add_probe_arguments", "probes_from", "profile_model", "profile_to_dict",
+           "profile_from_dict"]
 
 
 def profile_to_dict(p: ComputeProfile) -> dict:
@@ -59,20 +61,30 @@ def parse_probes(argv: list[str] | None) -> tuple[list[tuple[str, str, list[int]
     parser.add_argument("out", nargs="?", help="where rank 0 writes the profiles of --config's model")
     parser.add_argument("--config")
     parser.add_argument("--micro-batches")
+    add_probe_arguments(parser)
+    args = parser.parse_args(argv)
+    legacy = (args.out, args.config, args.micro_batches)
+    if any(x is not None for x in legacy) and any(x is None for x in legacy):
+        parser.error("OUT, --config and --micro-batches go together")
+    return probes_from(args, parser, [legacy] if args.out is not None else []), args.steps
+
+
+def add_probe_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--probe OUT CONFIG MICRO_BATCHES`` (repeatable) and ``--steps``, for a job that profiles models."""
     parser.add_argument("--probe", nargs=3, action="append", default=[], metavar=("OUT", "CONFIG", "MICRO_BATCHES"),
                         help="one model more: where its profiles go, its config, its micro-batch sizes (N,N,...)")
     parser.add_argument("--steps", type=int, default=6)
-    args = parser.parse_args(argv)
-    probes = [tuple(p) for p in args.probe]
-    legacy = (args.out, args.config, args.micro_batches)
-    if any(x is not None for x in legacy):
-        if any(x is None for x in legacy):
-            parser.error("OUT, --config and --micro-batches go together")
-        probes.insert(0, legacy)
+
+
+def probes_from(args: argparse.Namespace, parser: argparse.ArgumentParser,
+                first: list[tuple[str, str, str]]) -> list[tuple[str, str, list[int]]]:
+    """``first`` then every ``--probe`` as (output, config, micro-batch sizes); a usage error (exit 2) where there is
+    none or a size is not an integer."""
+    probes = [*first, *(tuple(p) for p in args.probe)]
     if not probes:
         parser.error("nothing to profile: give OUT --config FILE --micro-batches N,..., or --probe OUT CONFIG N,...")
     try:
-        return [(out, config, [int(x) for x in micro.split(",")]) for out, config, micro in probes], args.steps
+        return [(out, config, [int(x) for x in micro.split(",")]) for out, config, micro in probes]
     except ValueError:
         parser.error(f"micro-batch sizes are integers separated by commas, got {[m for *_, m in probes]}")
 

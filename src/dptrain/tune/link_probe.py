@@ -5,7 +5,9 @@ the job actually gets (``dptrain.comm.fit.fit_link``), rather than trusting a no
 
 With ``--within-hosts`` the collectives run inside each host's group of ranks instead,
 every host at once: the link between a host's ranks, under the load a sharded job puts
-on it (hybrid sharding's gathers and reduce-scatters stay inside hosts).
+on it (hybrid sharding's gathers and reduce-scatters stay inside hosts). A calibration
+times its links in the job that also profiles its models (:mod:`dptrain.tune.calibration_job`,
+through :func:`time_links`).
 
     torchrun ... -m dptrain.tune.link_probe OUT.json [--within-hosts]
 """
@@ -29,6 +31,13 @@ SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # fp32 elements: 64 Ki
 
 def main(out: str, within_hosts: bool = False, reps: int = 5) -> None:
     dist.init_process_group("gloo")
+    time_links(out, within_hosts, reps)
+    leave_process_groups()
+
+
+def time_links(out: str, within_hosts: bool = False, reps: int = 5) -> None:
+    """Time each collective at each of ``SIZES`` ``reps`` times (after one untimed) over all of the job's ranks, or
+    inside each host's (``within_hosts``), in the job's process group; rank 0 writes the medians to ``out``."""
     group = None
     if within_hosts:  # torchrun numbers a host's ranks consecutively
         group, _ = dist.new_subgroups(group_size=int(os.environ["LOCAL_WORLD_SIZE"]))
@@ -51,7 +60,6 @@ def main(out: str, within_hosts: bool = False, reps: int = 5) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump({"world_size": n, "seconds": medians}, f)
-    leave_process_groups()
 
 
 if __name__ == "__main__":

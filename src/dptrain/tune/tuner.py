@@ -40,7 +40,7 @@ from dptrain.planner.periodic import simulate_periodic
 from dptrain.planner.simulate import ComputeProfile, simulate_step
 from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy
-from dptrain.tune.calibrate import measure_profiles
+from dptrain.tune.calibrate import measure_profiles, read_profiles
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Row, SearchResult, search
 from dptrain.tune.space import CODEC_RATIO, Candidate, apart
@@ -125,16 +125,29 @@ def planned_memory(config: Path | None, overrides: list[str], world_size: int) -
     return memory
 
 
+def profile_request(config: Path | None, overrides: list[str], candidates: list[Candidate],
+                    work: Path) -> tuple[Path, list[int], Path]:
+    """What the tuned model's compute profile needs: its config (written to ``work``/model.toml), the candidates'
+    micro-batch sizes, and where the profiles go (``work``/profiles.json). A calibration measured for this tune
+    profiles it in its own first job (``calibrate(models=...)``)."""
+    return (write_config(work / "model.toml", config, overrides), sorted({c.micro_batch for c in candidates}),
+            work / "profiles.json")
+
+
 def tune(machine: Machine, config: Path | None, overrides: list[str], candidates: list[Candidate],
          calibration: Calibration, work: Path, options: TuneOptions,
-         progress: Callable[[Row[Candidate], int, int], None] | None = None) -> Tuned:
-    """Search ``candidates`` on ``machine`` (the module's docstring); trials run in ``work``/trials."""
+         progress: Callable[[Row[Candidate], int, int], None] | None = None,
+         profiled: bool = False) -> Tuned:
+    """Search ``candidates`` on ``machine`` (the module's docstring); trials run in ``work``/trials. ``profiled``:
+    the model's profiles are already in ``work``/profiles.json (:func:`profile_request`, measured by the
+    calibration), else a job of their own measures them."""
     for c in candidates:
         get_strategy(c.strategy)
     seconds = {}
     t0 = time.perf_counter()
-    profiles = measure_profiles(machine, write_config(work / "model.toml", config, overrides),
-                                [c.micro_batch for c in candidates], work / "profiles.json", options.timeout)
+    model, micro_batches, out = profile_request(config, overrides, candidates, work)
+    profiles = read_profiles(out) if profiled else measure_profiles(machine, model, micro_batches, out,
+                                                                    options.timeout)
     seconds["profile"] = time.perf_counter() - t0
     predict = predictor(config, overrides, machine.world_size, calibration, profiles)
     memory = planned_memory(config, overrides, machine.world_size)
