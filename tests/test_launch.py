@@ -146,3 +146,21 @@ def test_the_collector_paused_is_restored_as_it_was_even_after_an_error() -> Non
         assert not gc.isenabled()  # a caller's own pause is left alone
     finally:
         gc.enable()
+
+
+def test_a_worker_ends_with_its_code_after_its_threads_handlers_and_files_but_without_the_teardown(tmp_path) -> None:
+    """``exit_worker`` (the end of ``python -m dptrain.run`` and the probes' workers): a non-daemon thread still
+    writing is waited for, an atexit handler runs, a file left open unflushed is flushed, the exit code is the
+    worker's; and nothing of the interpreter's teardown runs (an object's ``__del__`` at exit does not)."""
+    out, torn = tmp_path / "out.txt", tmp_path / "torn"
+    code = (f"import atexit, os, threading, time\nfrom dptrain.launch.worker_exit import exit_worker\n"
+            f"f = open({str(out)!r}, 'w', buffering=1 << 20)\n"
+            "def late():\n    time.sleep(0.2); f.write('thread\\n')\n"
+            "threading.Thread(target=late).start()\n"
+            "atexit.register(lambda: f.write('atexit\\n'))\n"
+            f"class Torn:\n    def __del__(self, mk=os.open, path={str(torn)!r}): mk(path, os.O_CREAT | os.O_WRONLY)\n"
+            "kept = Torn()\nf.write('main\\n')\nexit_worker(3)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 3, done.stderr
+    assert out.read_text().split() == ["main", "thread", "atexit"]
+    assert not torn.exists()  # an exit with the teardown (sys.exit) makes it

@@ -4,9 +4,12 @@ Host ``i`` runs ``python -m torch.distributed.run --nnodes H --nproc-per-node G
 --rdzv-backend c10d --rdzv-endpoint 10.213.0.1:PORT --local-addr <its address> ARGS``
 inside its namespace, so its workers reach the others only through the rate-limited
 links. ``--local-addr`` matters: otherwise an agent advertises the machine's hostname,
-whose address does not exist inside the namespaces; and host 0 is told it serves the
-rendezvous store (``--rdzv-conf is_host=1``; torchrun's own hostname check does not
-recognise a namespace's address). gloo is pinned to the host's
+whose address does not exist inside the namespaces. The rendezvous store is served on
+host 0 by a process of its own (``python -m dptrain.live.store``, as a live job's), and
+every agent is told it does not serve it (``--rdzv-conf is_host=0``): served by host 0's
+agent, the store went away when that agent exited, and another agent still closing the
+rendezvous (its last ``compare_set``) met a closed connection and printed a
+``DistNetworkError``'s C++ trace after a job that had finished. gloo is pinned to the host's
 interface (``GLOO_SOCKET_IFNAME``). The job ends when every agent has exited; if one
 fails, the others are stopped. Whatever happens (failure, timeout, Ctrl-C), the
 agents' process groups are killed and the network is torn down.
@@ -76,7 +79,7 @@ def run_on_cluster(network: Network, per_host: int, args: list[str], port: int =
         else:
             procs += _live_agents(network, args, live_restarts, env, stdout, stderr)
         deadline = None if timeout is None else time.monotonic() + timeout
-        agents = procs[1:] if live_restarts is not None else procs  # the live store is no agent
+        agents = procs[1:]  # the store is no agent
         while True:
             codes = [p.poll() for p in agents]
             failed = [c for c in codes if c not in (None, 0)]
@@ -101,28 +104,35 @@ def _host_env(network: Network, i: int, env: dict[str, str] | None) -> dict[str,
 
 def _agents(network: Network, per_host: int, args: list[str], port: int, env, stdout, stderr) \
         -> list[subprocess.Popen]:
-    """One torchrun agent per host, one c10d rendezvous on host 0 across them."""
-    procs = []
+    """The rendezvous store on host 0 (first in the list), then one torchrun agent per host, one c10d rendezvous
+    across them in that store."""
+    procs = [_store(network, port, subprocess.DEVNULL, stderr)]
     for i in range(network.hosts):
         cmd = network.exec_prefix(i) + [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", str(network.hosts),
             "--nproc-per-node", str(per_host), "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{network.address(0)}:{port}", "--rdzv-id", f"dptrain-{network.tag}",
-            "--rdzv-conf", f"is_host={int(i == 0)}", "--local-addr", network.address(i), *args]
+            "--rdzv-conf", "is_host=0", "--local-addr", network.address(i), *args]
         procs.append(subprocess.Popen(cmd, env=_host_env(network, i, env), start_new_session=True, stdout=stdout,
                                       stderr=stderr))
-        if i == 0:
-            time.sleep(0.5)  # host 0 serves the rendezvous store
     return procs
+
+
+def _store(network: Network, port: int, stdout, stderr) -> subprocess.Popen:
+    """A store served on host 0's ``port`` by a process of its own, which no agent or worker outlives; started half
+    a second before its clients (who retry their connection for their timeout anyway)."""
+    proc = subprocess.Popen(network.exec_prefix(0) + [sys.executable, "-m", "dptrain.live.store", "--host",
+                                                      network.address(0), "--port", str(port)],
+                            stdout=stdout, stderr=stderr, start_new_session=True)
+    time.sleep(0.5)
+    return proc
 
 
 def _live_agents(network: Network, args: list[str], restarts: int, env, stdout, stderr) -> list[subprocess.Popen]:
     """The live store on host 0 (first in the list), then each host's worker under a standalone torchrun agent."""
     address = f"{network.address(0)}:{LIVE_STORE_PORT}"
-    procs = [subprocess.Popen(network.exec_prefix(0) + [sys.executable, "-m", "dptrain.live.store", "--host",
-                                                        network.address(0), "--port", str(LIVE_STORE_PORT)],
-                              stdout=stdout, stderr=stderr, start_new_session=True)]
-    time.sleep(1.0)
+    procs = [_store(network, LIVE_STORE_PORT, stdout, stderr)]
+    time.sleep(0.5)
     for i in range(network.hosts):
         live_env = {**(env or {}), "DPTRAIN_REPLICA_ID": str(i), "DPTRAIN_REPLICAS": str(network.hosts),
                     "DPTRAIN_LIVE_STORE": address}

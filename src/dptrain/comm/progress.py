@@ -54,6 +54,11 @@ class ProgressThread:
         """End the thread once the collectives submitted before this have run."""
         self._jobs.put(None)
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the thread to end (after :meth:`stop`); whether it did."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
     def _loop(self) -> None:
         while True:
             job = self._jobs.get()
@@ -72,15 +77,22 @@ _THREADS: dict[int, tuple[object, ProgressThread]] = {}
 _THREADS_LOCK = threading.Lock()
 
 
-def stop_progress_threads() -> None:
-    """Stop every group's progress thread and forget it, and with it the registry's hold on its group: for a
-    process that leaves its groups (``launch.rendezvous.leave_process_groups``), so that a destroyed group's
-    backend can be freed and the next group made in the same process starts a thread of its own."""
+def stop_progress_threads(timeout_s: float = 10.0) -> None:
+    """Stop every group's progress thread, wait for each to end (up to ``timeout_s`` each), and forget it, and with
+    it the registry's hold on its group: for a process that leaves its groups
+    (``launch.rendezvous.leave_process_groups``), so that a destroyed group's backend can be freed and the next group
+    made in the same process starts a thread of its own.
+
+    The wait makes sure no progress thread is inside a collective of a group being destroyed, nor left running
+    when the process ends (:mod:`dptrain.launch.worker_exit`). A thread stuck in a collective whose peer is gone
+    is left after the wait."""
     with _THREADS_LOCK:
         entries = list(_THREADS.values())
         _THREADS.clear()
     for _, thread in entries:
         thread.stop()
+    for _, thread in entries:
+        thread.join(timeout_s)
 
 
 def progress_thread(group: dist.ProcessGroup) -> ProgressThread:

@@ -27,14 +27,10 @@ Ctrl-C 130.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import gc
-import io
 import os
 import runpy
 import sys
-import threading
 import traceback
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +39,7 @@ from dptrain.launch.errors import error_summary, write_error_record
 from dptrain.launch.local import AGENT_STORE, LOOPBACK
 from dptrain.launch.orphans import orphan_guard
 from dptrain.launch.run_lock import FD_ENV, TOKEN_ENV, keep_inherited
+from dptrain.launch.worker_exit import finish_interpreter
 
 __all__ = ["main", "torchrun_env_from_slurm", "torchrun_env_from_local", "RUN_DIR_ENV"]
 
@@ -64,8 +61,8 @@ WATCHDOG_MARGIN_S = 5.0  # the watchdog's wait beyond the timeout: the collectiv
 # finished: both ranks of the same script, once in a clean-clone test run. So what the script
 # leaves behind (its globals, or the frames of the exception that ended it) is kept in _KEPT,
 # and the worker ends as a multiprocessing child does: the interpreter's exit short of the
-# teardown (:func:`_finish`: the script's threads joined, its atexit handlers run, the files
-# it left open flushed), then ``os._exit``.
+# teardown (:func:`dptrain.launch.worker_exit.finish_interpreter`: the script's threads
+# joined, its atexit handlers run, the files it left open flushed), then ``os._exit``.
 _KEPT: list[object] = []
 
 
@@ -115,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with _watched(rank):
         code = _run(argv, rank, local)
-        _finish()
+        finish_interpreter()
     return code
 
 
@@ -225,21 +222,6 @@ def _live_end(error: BaseException) -> int | None:
     if trust is not None and isinstance(error, trust.JobMismatch):
         return 2
     return None
-
-
-def _finish() -> None:
-    """The interpreter's exit for the script, short of tearing its objects down ([Note: how a worker ends])."""
-    for thread in threading.enumerate():  # as the interpreter waits for non-daemon threads
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
-    atexit._run_exitfuncs()  # the script's handlers (logging's flush, trackers' finish)
-    for obj in gc.get_objects():  # what a file's finalizer would do at teardown
-        if issubclass(type(obj), io.IOBase):  # the type, not the object: touching torch's deprecated aliases warns
-            with contextlib.suppress(Exception):
-                if not obj.closed and obj.writable():
-                    obj.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
 
 
 def record_error(rank: int, text: str, summary: str) -> None:

@@ -42,6 +42,7 @@ from dptrain.config import ConfigError, load_config
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, join_store, leave_process_groups
 from dptrain.launch.run_lock import RunDirError, acquire
 from dptrain.launch.threads import omp_threads, threads_per_worker
+from dptrain.launch.worker_exit import exit_worker
 from dptrain.pages.plots import read_metrics
 from dptrain.runner.validate import validate_run
 from dptrain.tune.machine import Machine
@@ -179,4 +180,4 @@ def _holding(run_dir: Path, rank: int) -> Iterator[None]:
 
 if __name__ == "__main__":
     freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
-    sys.exit(main())
+    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)

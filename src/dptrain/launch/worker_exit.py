@@ -1,0 +1,52 @@
+"""How a worker process ends: the interpreter's exit short of its teardown, then ``os._exit``, as a multiprocessing
+child ends.
+
+A worker's last objects hold gloo's C++ threads (a process group's backend, its transport)
+and torch's C++ state. Torn down by the interpreter's finalization and then the C++ static
+destructors, they race with it: a C++ thread ended where it asks for the GIL, or destroyed
+while it runs, is ``std::terminate`` ("terminate called without an active exception",
+SIGABRT) after a run that had finished, and torchrun reports the job failed. A script's
+worker met it ([Note: how a worker ends] in :mod:`dptrain.launch.script`); so did
+``python -m dptrain.run`` once its exit stopped walking the objects its imports made
+(:mod:`dptrain.utils.collector`) and so came about a second sooner: 7 of 33 torchrun jobs
+of 4 ranks with the bf16 codec, none of 6 with the imports not frozen, none of 10 ended
+here, and 5 of the first 9 trials of an exhaustive search on the emulated cluster
+(``docs/notes.md``, ``bench_results/worker_exit_abort.txt``). What a
+worker must do at its end is done first (:func:`finish_interpreter`): its non-daemon
+threads joined, its atexit handlers run (logging's flush, trackers' finish), every file
+it left open flushed; then the process ends without the teardown.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import io
+import os
+import sys
+import threading
+from typing import NoReturn
+
+__all__ = ["finish_interpreter", "exit_worker"]
+
+
+def finish_interpreter() -> None:
+    """The interpreter's exit, short of tearing its objects down."""
+    for thread in threading.enumerate():  # as the interpreter waits for non-daemon threads
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()  # the handlers registered (logging's flush, trackers' finish)
+    for obj in gc.get_objects():  # what a file's finalizer would do at teardown
+        if issubclass(type(obj), io.IOBase):  # the type, not the object: touching torch's deprecated aliases warns
+            with contextlib.suppress(Exception):
+                if not obj.closed and obj.writable():
+                    obj.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def exit_worker(code: int) -> NoReturn:
+    """End this worker with ``code``: :func:`finish_interpreter`, then ``os._exit``."""
+    finish_interpreter()
+    os._exit(code)
