@@ -121,8 +121,9 @@ def _agents(network: Network, per_host: int, args: list[str], port: int, env, st
 def _store(network: Network, port: int, stdout, stderr) -> subprocess.Popen:
     """A store served on host 0's ``port`` by a process of its own, which no agent or worker outlives; started half
     a second before its clients (who retry their connection for their timeout anyway)."""
-    proc = subprocess.Popen(network.exec_prefix(0) + [sys.executable, "-m", "dptrain.live.store", "--host",
-                                                      network.address(0), "--port", str(port)],
+    proc = subprocess.Popen(network.exec_prefix(0) + [sys.executable, "-W", "ignore::RuntimeWarning:runpy", "-m",
+                                                      "dptrain.live.store", "--host", network.address(0), "--port",
+                                                      str(port)],  # runpy's warning: dptrain.live imports it
                             stdout=stdout, stderr=stderr, start_new_session=True)
     time.sleep(0.5)
     return proc
