@@ -153,7 +153,7 @@ def test_a_worker_ends_with_its_code_after_its_threads_handlers_and_files_but_wi
     writing is waited for, an atexit handler runs, a file left open unflushed is flushed, the exit code is the
     worker's; and nothing of the interpreter's teardown runs (an object's ``__del__`` at exit does not)."""
     out, torn = tmp_path / "out.txt", tmp_path / "torn"
-    code = (f"import atexit, os, threading, time\nfrom dptrain.launch.worker_exit import exit_worker\n"
+    code = (f"import atexit, os, threading, time\nfrom dptrain.utils.worker_exit import exit_worker\n"
             f"f = open({str(out)!r}, 'w', buffering=1 << 20)\n"
             "def late():\n    time.sleep(0.2); f.write('thread\\n')\n"
             "threading.Thread(target=late).start()\n"

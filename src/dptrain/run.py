@@ -21,8 +21,8 @@ import os
 import sys
 import traceback
 
-from dptrain.launch.worker_exit import exit_worker
 from dptrain.utils.collector import collector_paused, freeze_imports
+from dptrain.utils.worker_exit import exit_worker
 
 with collector_paused():  # torch and the training loop: a seventh less CPU to import (dptrain.utils.collector)
     import torch
@@ -203,4 +203,4 @@ def _lock_run_dir(env, run_dir) -> RunLock | None:
 
 if __name__ == "__main__":
     freeze_imports()  # a worker's full collections, and its exit, walk none of torch's objects (dptrain.utils.collector)
-    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)
+    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.utils.worker_exit)

@@ -84,7 +84,7 @@ def stop_progress_threads(timeout_s: float = 10.0) -> None:
     made in the same process starts a thread of its own.
 
     The wait makes sure no progress thread is inside a collective of a group being destroyed, nor left running
-    when the process ends (:mod:`dptrain.launch.worker_exit`). A thread stuck in a collective whose peer is gone
+    when the process ends (:mod:`dptrain.utils.worker_exit`). A thread stuck in a collective whose peer is gone
     is left after the wait."""
     with _THREADS_LOCK:
         entries = list(_THREADS.values())

@@ -39,7 +39,7 @@ from dptrain.launch.errors import error_summary, write_error_record
 from dptrain.launch.local import AGENT_STORE, LOOPBACK
 from dptrain.launch.orphans import orphan_guard
 from dptrain.launch.run_lock import FD_ENV, TOKEN_ENV, keep_inherited
-from dptrain.launch.worker_exit import finish_interpreter
+from dptrain.utils.worker_exit import finish_interpreter
 
 __all__ = ["main", "torchrun_env_from_slurm", "torchrun_env_from_local", "RUN_DIR_ENV"]
 
@@ -61,7 +61,7 @@ WATCHDOG_MARGIN_S = 5.0  # the watchdog's wait beyond the timeout: the collectiv
 # finished: both ranks of the same script, once in a clean-clone test run. So what the script
 # leaves behind (its globals, or the frames of the exception that ended it) is kept in _KEPT,
 # and the worker ends as a multiprocessing child does: the interpreter's exit short of the
-# teardown (:func:`dptrain.launch.worker_exit.finish_interpreter`: the script's threads
+# teardown (:func:`dptrain.utils.worker_exit.finish_interpreter`: the script's threads
 # joined, its atexit handlers run, the files it left open flushed), then ``os._exit``.
 _KEPT: list[object] = []
 

@@ -18,8 +18,8 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from dptrain.launch.worker_exit import exit_worker
 from dptrain.utils.collector import freeze_imports
+from dptrain.utils.worker_exit import exit_worker
 
 __all__ = ["LIVE_STORE_ENV", "connect_store", "serve_store", "store_address", "unreachable"]
 
@@ -113,4 +113,4 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     freeze_imports()  # its exit walks none of torch's objects (dptrain.utils.collector)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
-    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)
+    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.utils.worker_exit)

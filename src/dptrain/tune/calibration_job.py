@@ -22,10 +22,10 @@ import argparse
 import torch.distributed as dist
 
 from dptrain.launch.rendezvous import leave_process_groups
-from dptrain.launch.worker_exit import exit_worker
 from dptrain.tune.compute_probe import add_probe_arguments, probes_from, profile_model
 from dptrain.tune.link_probe import time_links
 from dptrain.utils.collector import freeze_imports
+from dptrain.utils.worker_exit import exit_worker
 
 __all__ = ["main", "measure"]
 
@@ -55,4 +55,4 @@ def measure(links: str, links_within: str | None, probes: list[tuple[str, str, l
 if __name__ == "__main__":
     freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     main()
-    exit_worker(0)  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)
+    exit_worker(0)  # its end short of the interpreter's teardown (dptrain.utils.worker_exit)

@@ -27,11 +27,11 @@ import torch.distributed as dist
 
 from dptrain.config import load_config
 from dptrain.launch.rendezvous import leave_process_groups
-from dptrain.launch.worker_exit import exit_worker
 from dptrain.planner.from_config import optimizer_for
 from dptrain.planner.simulate import ComputeProfile, measure_profile
 from dptrain.tasks import build_task, collate
 from dptrain.utils.collector import freeze_imports
+from dptrain.utils.worker_exit import exit_worker
 
 __all__ = ["main", "parse_probes", "add_probe_arguments", "probes_from", "profile_model", "profile_to_dict",
            "profile_from_dict"]
@@ -124,4 +124,4 @@ def profile_model(out_path: str, config: str, micro_batches: list[int], steps: i
 if __name__ == "__main__":
     freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     main()
-    exit_worker(0)  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)
+    exit_worker(0)  # its end short of the interpreter's teardown (dptrain.utils.worker_exit)

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 from dptrain.launch.rendezvous import leave_process_groups
-from dptrain.launch.worker_exit import exit_worker
 from dptrain.utils.collector import freeze_imports
+from dptrain.utils.worker_exit import exit_worker
 
 SIZES = (16 << 10, 256 << 10, 1 << 20, 4 << 20, 8 << 20)  # fp32 elements: 64 KiB to 32 MiB
 
@@ -66,4 +66,4 @@ def time_links(out: str, within_hosts: bool = False, reps: int = 5) -> None:
 if __name__ == "__main__":
     freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     main(sys.argv[1], within_hosts="--within-hosts" in sys.argv[2:])
-    exit_worker(0)  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)
+    exit_worker(0)  # its end short of the interpreter's teardown (dptrain.utils.worker_exit)

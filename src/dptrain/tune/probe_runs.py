@@ -42,7 +42,6 @@ from dptrain.config import ConfigError, load_config
 from dptrain.launch.rendezvous import detect_worker_env, init_distributed, join_store, leave_process_groups
 from dptrain.launch.run_lock import RunDirError, acquire
 from dptrain.launch.threads import omp_threads, threads_per_worker
-from dptrain.launch.worker_exit import exit_worker
 from dptrain.pages.plots import read_metrics
 from dptrain.runner.validate import validate_run
 from dptrain.tune.machine import Machine
@@ -51,6 +50,7 @@ from dptrain.tune.trials import prune, read_steps, trial_overrides, write_config
 from dptrain.utils.atomic import write_text_atomic
 from dptrain.utils.collector import freeze_imports
 from dptrain.utils.files import UnsafePath
+from dptrain.utils.worker_exit import exit_worker
 
 __all__ = ["run_probes", "main"]
 
@@ -180,4 +180,4 @@ def _holding(run_dir: Path, rank: int) -> Iterator[None]:
 
 if __name__ == "__main__":
     freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
-    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.launch.worker_exit)
+    exit_worker(main())  # its end short of the interpreter's teardown (dptrain.utils.worker_exit)
