@@ -253,6 +253,9 @@ def test_a_job_past_its_timeout_is_stopped_and_reported_as_hung() -> None:
     assert code == 124
     code, tail = _run([sys.executable, "-c", "import sys; sys.exit('the last words')"], timeout=30)
     assert code == 1 and tail == "the last words"
+    summary = "dptrain.run FAILED\\n---\\nRoot Cause:\\n  exitcode  : -6\\n  traceback : Signal 6 (SIGABRT)\\n====\\n"
+    code, tail = _run([sys.executable, "-c", f"import sys; sys.stderr.write('{summary}'); sys.exit(1)"], timeout=30)
+    assert code == 1 and tail.splitlines()[-1] == "  traceback : Signal 6 (SIGABRT)"  # torchrun's rules left out
 
 
 def test_dptrain_tune_refuses_bad_input_with_one_line_and_exit_2(tmp_path) -> None:

@@ -6,10 +6,10 @@ inside its namespace, so its workers reach the others only through the rate-limi
 links. ``--local-addr`` matters: otherwise an agent advertises the machine's hostname,
 whose address does not exist inside the namespaces. The rendezvous store is served on
 host 0 by a process of its own (``python -m dptrain.live.store``, as a live job's), and
-every agent is told it does not serve it (``--rdzv-conf is_host=0``): served by host 0's
-agent, the store went away when that agent exited, and another agent still closing the
-rendezvous (its last ``compare_set``) met a closed connection and printed a
-``DistNetworkError``'s C++ trace after a job that had finished. gloo is pinned to the host's
+every agent is told it does not serve it (``--rdzv-conf is_host=0``), so that it outlives
+every agent: served by host 0's agent, it ends when that agent does, while the others may
+still be closing the rendezvous in it (a finished job once printed an agent's
+``DistNetworkError`` trace from its ``compare_set``). gloo is pinned to the host's
 interface (``GLOO_SOCKET_IFNAME``). The job ends when every agent has exited; if one
 fails, the others are stopped. Whatever happens (failure, timeout, Ctrl-C), the
 agents' process groups are killed and the network is torn down.

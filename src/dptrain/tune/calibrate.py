@@ -62,8 +62,8 @@ __all__ = ["PROBE_MODELS", "probe_variants", "probe_timelines", "probe_stem", "f
 
 # (model overrides, micro-batch per rank): two sizes, so per-collective, per-byte and compute costs can be told
 # apart. A third between them (3 x 224 at micro-batch 12) moved no choice and the mean error by -0.2 to +0.7
-# points in eight calibrations of four cluster settings, refitted without it, and took a fifth to a third of the
-# probes' time (docs/repro/tune_probe_subsets.py, docs/tune.md)
+# points in eight calibrations of four cluster settings, refitted without it, and took a quarter to two-fifths of
+# the probes' time (docs/repro/tune_probe_subsets.py, docs/tune.md)
 PROBE_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
 
 

@@ -84,7 +84,9 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> t
 
 
 def _tail(err: bytes, lines: int = 3) -> str:
-    kept = [x for x in err.decode(errors="replace").splitlines() if x.strip()]
+    """A failed job's last ``lines`` lines that say something: torchrun's summary ends in a rule of ``=``, which a
+    trial's one-line reason (its last line) would otherwise be."""
+    kept = [x for x in err.decode(errors="replace").splitlines() if x.strip() and x.strip().strip("=-") != ""]
     return "\n".join(kept[-lines:])
 
 

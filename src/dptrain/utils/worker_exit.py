@@ -3,15 +3,15 @@ child ends.
 
 A worker's last objects hold gloo's C++ threads (a process group's backend, its transport)
 and torch's C++ state. Torn down by the interpreter's finalization and then the C++ static
-destructors, they race with it: a C++ thread ended where it asks for the GIL, or destroyed
-while it runs, is ``std::terminate`` ("terminate called without an active exception",
-SIGABRT) after a run that had finished, and torchrun reports the job failed. A script's
-worker met it ([Note: how a worker ends] in :mod:`dptrain.launch.script`); so did
-``python -m dptrain.run`` once its exit stopped walking the objects its imports made
-(:mod:`dptrain.utils.collector`) and so came about a second sooner: 7 of 33 torchrun jobs
-of 4 ranks with the bf16 codec, none of 6 with the imports not frozen, none of 10 ended
-here, and 5 of the first 9 trials of an exhaustive search on the emulated cluster
-(``docs/notes.md``, ``bench_results/worker_exit_abort.txt``). What a
+destructors, they can race with it, and a C++ thread that ends badly there is
+``std::terminate`` ("terminate called without an active exception", SIGABRT) after a run
+that had finished: torchrun then reports the job failed. A script's worker met it
+([Note: how a worker ends] in :mod:`dptrain.launch.script`); so did ``python -m
+dptrain.run`` once its exit stopped walking the objects its imports made
+(:mod:`dptrain.utils.collector`) and so came about a second sooner: 7 of 33 torchrun jobs of
+4 ranks with the bf16 codec, none of 6 with the imports not frozen, none of 10 ending here
+(with dptrain's progress threads joined too; ``docs/notes.md``,
+``bench_results/worker_exit_abort.txt``). What a
 worker must do at its end is done first (:func:`finish_interpreter`): its non-daemon
 threads joined, its atexit handlers run (logging's flush, trackers' finish), every file
 it left open flushed; then the process ends without the teardown.
