@@ -13,20 +13,14 @@ logged steps and their share of the round's fixed part, from the calibration's o
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 import tempfile
 from pathlib import Path
 
-from tune_calibration_length import TRIALS, fixed_s, probe_runs
+from tune_calibration_length import fixed_s, probe_runs, score
 from tune_rescore import refitted
 
 from dptrain.tune.calibrate import probe_stem
-
-# the probe models of the calibrations studied (three, before this study took the middle one out), by which every
-# probe they ran is refitted, whatever dptrain probes today
-STUDIED_MODELS = ((["gpt.n_layer=2", "gpt.n_embd=128"], 4), (["gpt.n_layer=3", "gpt.n_embd=224"], 12),
-                  (["gpt.n_layer=6", "gpt.n_embd=320"], 2))
 
 
 def subsets(labels: list[str]) -> list[tuple[str, list[str]]]:
@@ -58,13 +52,10 @@ def main(argv: list[str]) -> None:
                 (cut / "calibration.json").write_text(json.dumps(dict(d, probes=[p for p in d["probes"]
                                                                                   if p["label"] in kept])))
                 (cut / "calibration").symlink_to((calibrated / "calibration").resolve())
-                _, rows = refitted(search, cut, STUDIED_MODELS)
-            errors = [abs(r["now"] - 1) for r in rows]
-            first = sorted(rows, key=lambda r: r["now"] * r["measured_s"])[:TRIALS]
-            pick = min(r["measured_s"] for r in first) / min(r["measured_s"] for r in rows)
-            print(f"| {search.name} | {name} | {len(kept)}/{len(labels)} | {saved:.0f} | "
-                  f"{100 * statistics.mean(errors):.1f}% | {100 * max(errors):.1f}% | "
-                  f"{sum(e <= 0.10 for e in errors)}/{len(rows)} | {pick:.3f} |", flush=True)
+                _, rows = refitted(search, cut)  # by the models it probed
+            s = score(rows)
+            print(f"| {search.name} | {name} | {len(kept)}/{len(labels)} | {saved:.0f} | {s['mean']} | {s['max']} | "
+                  f"{s['within']} | {s['pick']} |", flush=True)
 
 
 if __name__ == "__main__":

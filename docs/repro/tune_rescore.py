@@ -48,12 +48,12 @@ def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
 def refitted(search_dir: Path, tuned_dir: Path, models=None) -> tuple:
     """``tuned_dir``'s calibration refitted by today's simulator (``dptrain.tune.calibrate.refit``: nothing measured
     again) and the exhaustive search in ``search_dir`` scored against it: the calibration and :func:`rescore`'s rows.
-    ``models``: the probe models whose runs count (default today's ``PROBE_MODELS``)."""
+    ``models``: the probe models whose runs count (default the ones that calibration probed)."""
     import tempfile
 
-    from dptrain.tune.calibrate import PROBE_MODELS, refit
+    from dptrain.tune.calibrate import refit
     with tempfile.TemporaryDirectory() as work:
-        cal = refit(tuned_dir / "calibration.json", Path(work), log=lambda s: None, models=models or PROBE_MODELS)
+        cal = refit(tuned_dir / "calibration.json", Path(work), log=lambda s: None, models=models)
         cal.save(Path(work) / "c.json")
         return cal, rescore(search_dir, Path(work) / "c.json")
 

@@ -290,20 +290,25 @@ def probe_bases(work: Path, world: int, models: Sequence[tuple[list[str], int]] 
 
 
 def refit(measured: Path, work: Path, log: Callable[[str], None] = print,
-          models: Sequence[tuple[list[str], int]] = PROBE_MODELS) -> Calibration:
+          models: Sequence[tuple[list[str], int]] | None = None) -> Calibration:
     """The overheads fitted anew, by today's simulator, to the probe runs of an earlier calibration: its links, its
     probes' measured steps (``measured``: a tune directory's calibration.json, of any version) and compute profiles
     (the ``calibration/probe*/profile.json`` beside it, found by the model in the ``model.toml`` beside each, whatever
-    its index then). A probe that run did not have is left out, and so is one of a model today's calibration does
-    not probe (``models``, a study's own, may name them); a term no probe left identifies is held at zero and named.
-    For studies of the terms' form: nothing is measured again."""
+    its index then). ``models``: the probe models whose runs count, by default the ones that calibration probed
+    (its ``model.toml`` files, smallest first; ``PROBE_MODELS`` where it kept none), so that a study of an earlier
+    calibration refits what it ran, whatever dptrain probes today. A probe that run did not have is left out; a
+    term no probe left identifies is held at zero and named. For studies of the terms' form: nothing is measured
+    again."""
     d = json.loads(measured.read_text())
     links = {k: Link(float(d[k]["alpha"]), float(d[k]["beta"]), float(d[k]["gamma"]), bool(d[k]["duplex"]))
              for k in ("inside", "across")}
     cal = Calibration(str(d["where"]), str(d["taken"]), int(d["hosts"]), int(d["per_host"]), str(d["backend"]),
                       bool(d["shared_net"]), links["inside"], links["across"])
     steps = {str(p["label"]): float(p["measured_s"]) for p in d["probes"]}
-    earlier = {_gpt_shape(toml): toml.parent for toml in (measured.parent / "calibration").glob("probe*/model.toml")}
+    tomls = sorted((measured.parent / "calibration").glob("probe*/model.toml"), key=_gpt_shape)
+    earlier = {_gpt_shape(toml): toml.parent for toml in tomls}
+    if models is None:
+        models = [_probe_model(toml) for toml in tomls] or PROBE_MODELS
     world = cal.hosts * cal.per_host
     bases = [b for b in probe_bases(work, world, models) if _gpt_shape(b[1]) in earlier]
 
@@ -324,6 +329,13 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print,
     cal.overheads = fit_overheads(cal.probes)
     _log_fit(cal, log)
     return cal
+
+
+def _probe_model(model_toml: Path) -> tuple[list[str], int]:
+    """A probe's ``model.toml`` as an entry of ``PROBE_MODELS``: its model's overrides and its micro-batch."""
+    layers, width = _gpt_shape(model_toml)
+    micro = int(tomllib.loads(model_toml.read_text()).get("train", {}).get("micro_batch_size", 0))
+    return [f"gpt.n_layer={layers}", f"gpt.n_embd={width}"], micro
 
 
 def _gpt_shape(model_toml: Path) -> tuple[int, int]:

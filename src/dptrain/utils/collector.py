@@ -45,7 +45,9 @@ def freeze_imports() -> None:
     exit and 3.79 s of CPU in all; frozen, 0.17 s and 2.53 s (median ratios 0.145 and 0.678, 6 alternated rounds:
     ``python docs/repro/exit_cost.py``, bench_results/exit_cost.txt). A worker forked from a fork server has this
     already (:mod:`dptrain.launch.frozen`). What is frozen is never freed: the imports' objects live as long as the
-    process anyway, and their cyclic garbage (about 8,700 objects) is kept with them.
+    process anyway, and their cyclic garbage (about 8,700 objects) is kept with them. (Those workers now end
+    without the interpreter's teardown, :mod:`dptrain.utils.worker_exit`, whose flush of open files walks only
+    what is not frozen.)
     """
     gc.freeze()
 
