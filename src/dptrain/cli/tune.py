@@ -208,7 +208,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
 
     from tqdm import tqdm
 
-    from dptrain.tune.calibrate import calibrate
+    from dptrain.tune.calibrate import calibrate, read_profiles
     from dptrain.tune.report import command, tables, write_outputs
     from dptrain.tune.tuner import profile_request, tune
 
@@ -216,12 +216,13 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
     click.echo(f"dptrain tune: {len(space)} candidates on {machine.where}", err=True)
     t0 = time.perf_counter()
     with machine:
-        profiled = calibration is None  # the model's profiles in the calibration's first job
-        if calibration is None:
+        profiles = None
+        if calibration is None:  # the model's profiles measured in the calibration's first job
             click.echo("calibrating the simulator on this machine (links, then probe runs)...", err=True)
+            request = profile_request(config_path, extra, space, out)
             calibration = calibrate(machine, out / "calibration", timeout=opts.timeout, **probes,
-                                    log=lambda line: click.echo("  " + line, err=True),
-                                    models=[profile_request(config_path, extra, space, out)])
+                                    log=lambda line: click.echo("  " + line, err=True), models=[request])
+            profiles = read_profiles(request[2])
         calibration.save(out / "calibration.json")
         calibrated = time.perf_counter() - t0
         bar = tqdm(total=None, desc="trials", unit="run", file=sys.stderr, leave=True)
@@ -232,7 +233,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
                                 + (f" {row.measured_s * 1e3:.0f} ms" if row.measured_s else ""))
             bar.update(done - bar.n)
 
-        tuned = tune(machine, config_path, extra, space, calibration, out, opts, progress, profiled)
+        tuned = tune(machine, config_path, extra, space, calibration, out, opts, progress, profiles)
         bar.close()
     tuned.seconds["calibration"] = calibrated
     best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, options)

@@ -40,7 +40,7 @@ from dptrain.planner.periodic import simulate_periodic
 from dptrain.planner.simulate import ComputeProfile, simulate_step
 from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy
-from dptrain.tune.calibrate import measure_profiles, read_profiles
+from dptrain.tune.calibrate import measure_profiles
 from dptrain.tune.machine import Machine
 from dptrain.tune.search import Row, SearchResult, search
 from dptrain.tune.space import CODEC_RATIO, Candidate, apart
@@ -137,17 +137,16 @@ def profile_request(config: Path | None, overrides: list[str], candidates: list[
 def tune(machine: Machine, config: Path | None, overrides: list[str], candidates: list[Candidate],
          calibration: Calibration, work: Path, options: TuneOptions,
          progress: Callable[[Row[Candidate], int, int], None] | None = None,
-         profiled: bool = False) -> Tuned:
-    """Search ``candidates`` on ``machine`` (the module's docstring); trials run in ``work``/trials. ``profiled``:
-    the model's profiles are already in ``work``/profiles.json (:func:`profile_request`, measured by the
-    calibration), else a job of their own measures them."""
+         profiles: dict[int, ComputeProfile] | None = None) -> Tuned:
+    """Search ``candidates`` on ``machine`` (the module's docstring); trials run in ``work``/trials. ``profiles``:
+    the model's compute profiles by micro-batch, where the calibration measured them (:func:`profile_request`),
+    else a job of their own measures them."""
     for c in candidates:
         get_strategy(c.strategy)
     seconds = {}
     t0 = time.perf_counter()
-    model, micro_batches, out = profile_request(config, overrides, candidates, work)
-    profiles = read_profiles(out) if profiled else measure_profiles(machine, model, micro_batches, out,
-                                                                    options.timeout)
+    if profiles is None:
+        profiles = measure_profiles(machine, *profile_request(config, overrides, candidates, work), options.timeout)
     seconds["profile"] = time.perf_counter() - t0
     predict = predictor(config, overrides, machine.world_size, calibration, profiles)
     memory = planned_memory(config, overrides, machine.world_size)
