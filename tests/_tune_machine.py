@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from dptrain.tune.machine import Machine
 
@@ -20,5 +21,5 @@ class TestMachine(Machine):
     def where(self) -> str:
         return "a test machine"
 
-    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+    def job(self, args: list[str], timeout: float, errors: Path | None = None) -> tuple[int, str]:
         return self._run(args)

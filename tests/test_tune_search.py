@@ -258,6 +258,30 @@ def test_a_job_past_its_timeout_is_stopped_and_reported_as_hung() -> None:
     assert code == 1 and tail.splitlines()[-1] == "  traceback : Signal 6 (SIGABRT)"  # torchrun's rules left out
 
 
+def test_a_failed_job_keeps_its_whole_error_output_and_the_trial_names_where(tmp_path) -> None:
+    from _tune_machine import TestMachine
+    from dptrain.tune.machine import where_kept
+    from dptrain.tune.trials import run_trial
+
+    lines = "".join(f"line {i}\\n" for i in range(40))
+    code, tail = _run([sys.executable, "-c", f"import sys; sys.stderr.write('{lines}'); sys.exit(3)"], timeout=30,
+                      errors=tmp_path / "failed.txt")
+    assert code == 3 and tail == "line 37\nline 38\nline 39"
+    assert (tmp_path / "failed.txt").read_text().splitlines() == [f"line {i}" for i in range(40)]
+    code, _ = _run([sys.executable, "-c", "import sys, time; sys.stderr.write('waiting'); sys.stderr.flush(); "
+                    "time.sleep(30)"], timeout=2.0, errors=tmp_path / "hung.txt")
+    assert code == 124 and (tmp_path / "hung.txt").read_text() == "waiting"
+    code, _ = _run([sys.executable, "-c", "import sys; sys.stderr.write('fine')"], timeout=30, errors=tmp_path / "ok.txt")
+    assert code == 0 and not (tmp_path / "ok.txt").exists() and where_kept(tmp_path / "ok.txt") == ""
+
+    def failing(args):  # as a machine that keeps the output would: the file is the trial's
+        (tmp_path / "trial" / "job-errors.txt").write_text("Traceback ...\nValueError: broke\n")
+        return 1, "ValueError: broke"
+
+    with pytest.raises(TrialFailed, match=r"exit 1: ValueError: broke \(all its error output: .*trial/job-errors.txt\)"):
+        run_trial(TestMachine(failing), None, ["gpt.n_layer=1"], tmp_path / "trial", 3, 1, 60)
+
+
 def test_dptrain_tune_refuses_bad_input_with_one_line_and_exit_2(tmp_path) -> None:
     from dptrain.bench.runs import run_cli
 

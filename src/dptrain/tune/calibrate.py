@@ -45,7 +45,7 @@ from dptrain.planner.simulate import ComputeProfile, StepPrediction, simulate_st
 from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
-from dptrain.tune.machine import Machine
+from dptrain.tune.machine import JOB_ERRORS, Machine, where_kept
 from dptrain.tune.probe_length import PROBE_EXTRA, PROBE_ROUNDS, PROBE_SPREAD, PROBE_STEPS, PROBE_WARMUP
 from dptrain.tune.probe_runs import run_probes
 from dptrain.tune.search import Measured
@@ -127,11 +127,13 @@ def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
     return fit_link(rounds, nbytes, seconds)
 
 
-def _probe_job(machine: Machine, args: list[str], timeout: float) -> None:
-    """Run the measuring job ``args`` on ``machine``; a RuntimeError naming it and its exit where it fails."""
-    code, tail = machine.job(args, timeout)
+def _probe_job(machine: Machine, args: list[str], timeout: float, errors: Path) -> None:
+    """Run the measuring job ``args`` on ``machine``; a RuntimeError naming it and its exit where it fails, its whole
+    error output kept in ``errors``."""
+    code, tail = machine.job(args, timeout, errors=errors)
     if code != 0:
-        raise RuntimeError(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else ""))
+        raise RuntimeError(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else "")
+                           + where_kept(errors))
 
 
 def measure_machine(machine: Machine, work: Path, bases: list[ProbeBase],
@@ -152,7 +154,7 @@ def measure_machine(machine: Machine, work: Path, bases: list[ProbeBase],
         args += ["--probe", str(base.with_name("profile.json")), str(base), str(micro)]
     for config, micro_batches, out in models:
         args += ["--probe", str(out), str(config), ",".join(str(m) for m in sorted(set(micro_batches), reverse=True))]
-    _probe_job(machine, args, timeout)
+    _probe_job(machine, args, timeout, work / f"calibration.{JOB_ERRORS}")
     both = ("all_reduce", "all_gather")
     across = fit_probe(json.loads((links / "link_all.json").read_text()), both)
     inside = fit_probe(json.loads((links / "link_inside.json").read_text()), both) if within else across
@@ -170,7 +172,7 @@ def measure_profiles(machine: Machine, config: Path, micro_batches: list[int], o
     """The compute profile of ``config``'s model at each micro-batch size, timed on all of ``machine``'s ranks."""
     args = ["-m", "dptrain.tune.compute_probe", str(out), "--config", str(config),
             "--micro-batches", ",".join(str(m) for m in sorted(set(micro_batches), reverse=True))]
-    _probe_job(machine, args, timeout)
+    _probe_job(machine, args, timeout, out.with_name(f"{out.stem}.{JOB_ERRORS}"))
     return read_profiles(out)
 
 

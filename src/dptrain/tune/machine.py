@@ -2,8 +2,10 @@
 
 Each runs a job (``python -m MODULE ARGS`` on every rank, torchrun's environment set)
 and returns its exit code; a job past its timeout is killed with its process group and
-reported as 124. Every probe and trial is such a job, so what is measured is measured
-on the ranks that will train:
+reported as 124; a failed job's whole error output is kept in the file its caller names
+(``errors``, in the trial's or probe's own directory), which a one-line reason cannot
+hold. Every probe and trial is such a job, so what is measured is measured on the ranks
+that will train:
 
 - :class:`Local`: ``torchrun --standalone --nproc-per-node N`` on this machine;
 - :class:`Emulated`: ``dptrain cluster``'s hosts (network namespaces, each host's link
@@ -24,9 +26,19 @@ import subprocess
 import sys
 import tempfile
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
-__all__ = ["Machine", "Local", "Emulated", "Launcher"]
+from dptrain.utils.atomic import write_text_atomic
+
+__all__ = ["Machine", "Local", "Emulated", "Launcher", "JOB_ERRORS", "where_kept"]
+
+JOB_ERRORS = "job-errors.txt"  # a failed job's whole error output: the file name's end, beside what the job ran
+
+
+def where_kept(errors: Path) -> str:
+    """Where a failed job's whole error output is, for its one-line reason: nothing where the machine kept none."""
+    return f" (all its error output: {errors})" if errors.is_file() else ""
 
 
 class Machine(ABC):
@@ -55,9 +67,10 @@ class Machine(ABC):
         """The machine in words, for the table and the calibration."""
 
     @abstractmethod
-    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+    def job(self, args: list[str], timeout: float, errors: Path | None = None) -> tuple[int, str]:
         """Run ``python -m ...`` (``args``) on every rank; the exit code (124: killed at ``timeout``) and the
-        last lines of its error output (where the machine captures it)."""
+        last lines of its error output (where the machine captures it), all of which a failed job leaves in a new
+        file ``errors`` (where given)."""
 
     def __enter__(self) -> Machine:
         return self
@@ -66,21 +79,33 @@ class Machine(ABC):
         return None
 
 
-def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> tuple[int, str]:
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None,
+         errors: Path | None = None) -> tuple[int, str]:
     """``cmd`` in its own session; killed with its process group after ``timeout`` s (124)."""
     proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, start_new_session=True,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         _, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        return 124, ""
+        _, err = proc.communicate()
+        code = 124
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    return proc.returncode, _tail(err) if proc.returncode else ""
+    return code, _failed(code, err, errors)
+
+
+def _failed(code: int, err: bytes, errors: Path | None) -> str:
+    """What a job's error output ``err`` leaves: nothing where it succeeded; else its last lines (:func:`_tail`), and
+    all of it in ``errors`` (where given; written whole or not at all, never through a link)."""
+    if not code:
+        return ""
+    if errors is not None:
+        write_text_atomic(errors, err.decode(errors="replace"))
+    return _tail(err)
 
 
 def _tail(err: bytes, lines: int = 3) -> str:
@@ -102,12 +127,12 @@ class Local(Machine):
     def where(self) -> str:
         return f"this machine, {self.per_host} ranks"
 
-    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+    def job(self, args: list[str], timeout: float, errors: Path | None = None) -> tuple[int, str]:
         """``python -m ARGS`` on every rank, under ``dptrain launch`` (its logs and lock in a directory of the job's
         own, removed after): the rank that failed first is the one the tail names."""
         with tempfile.TemporaryDirectory(prefix="dptrain-tune-") as launch_dir:
             return _run([sys.executable, "-m", "dptrain.cli", "launch", "--nproc", str(self.per_host),
-                         "--run-dir", launch_dir, *args], timeout)
+                         "--run-dir", launch_dir, *args], timeout, errors=errors)
 
 
 class Emulated(Machine):
@@ -138,7 +163,7 @@ class Emulated(Machine):
             self._network.__exit__(*exc)
             self._network = None
 
-    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
+    def job(self, args: list[str], timeout: float, errors: Path | None = None) -> tuple[int, str]:
         from dptrain.cluster import run_on_cluster
 
         if self._network is None:
@@ -147,7 +172,7 @@ class Emulated(Machine):
             code = run_on_cluster(self._network, self.per_host, args, timeout=timeout, env={"OMP_NUM_THREADS": "1"},
                                   stdout=subprocess.DEVNULL, stderr=err)
             err.seek(0)
-            return code, _tail(err.read()) if code else ""
+            return code, _failed(code, err.read(), errors)
 
 
 class Launcher(Machine):
@@ -164,5 +189,5 @@ class Launcher(Machine):
     def where(self) -> str:
         return f"{self.hosts} hosts x {self.per_host} ranks, started by: {self.command}"
 
-    def job(self, args: list[str], timeout: float) -> tuple[int, str]:
-        return _run(shlex.split(self.command) + args, timeout)
+    def job(self, args: list[str], timeout: float, errors: Path | None = None) -> tuple[int, str]:
+        return _run(shlex.split(self.command) + args, timeout, errors=errors)

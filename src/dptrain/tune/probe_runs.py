@@ -44,7 +44,7 @@ from dptrain.launch.run_lock import RunDirError, acquire
 from dptrain.launch.threads import omp_threads, threads_per_worker
 from dptrain.pages.plots import read_metrics
 from dptrain.runner.validate import validate_run
-from dptrain.tune.machine import Machine
+from dptrain.tune.machine import JOB_ERRORS, Machine, where_kept
 from dptrain.tune.search import Measured, TrialFailed
 from dptrain.tune.trials import prune, read_steps, trial_overrides, write_config
 from dptrain.utils.atomic import write_text_atomic
@@ -73,14 +73,15 @@ def run_probes(machine: Machine, probes: list[tuple[Path, Path | None, list[str]
         return []
     plan_file = probes[0][0].parent / f"{probes[0][0].name}.plan.json"  # beside the runs: what the job ran
     write_text_atomic(plan_file, json.dumps(plan, indent=1))
-    code, tail = machine.job(["-m", "dptrain.tune.probe_runs", str(plan_file)], timeout * len(plan))
+    errors = plan_file.with_name(f"{probes[0][0].name}.{JOB_ERRORS}")
+    code, tail = machine.job(["-m", "dptrain.tune.probe_runs", str(plan_file)], timeout * len(plan), errors=errors)
     if code != 0:
         stopped = next((p["run_dir"] for p in plan if not _finished(Path(p["run_dir"]), steps)), "?")
         if code == 124:
             why = f"hung: not finished after {timeout * len(plan):g} s ({timeout:g} s for each of {len(plan)}), stopped"
         else:
             why = f"exit {code}: {tail.splitlines()[-1] if tail else 'see that run directory'}"
-        raise TrialFailed(f"the probe job stopped in {stopped}: {why}")
+        raise TrialFailed(f"the probe job stopped in {stopped}: {why}{where_kept(errors)}")
     measured = []
     for p in plan:
         measured.append(read_steps(Path(p["run_dir"]), warmup))

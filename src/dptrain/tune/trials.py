@@ -18,7 +18,7 @@ from pathlib import Path
 
 from dptrain.config import load_config, to_toml
 from dptrain.pages.plots import read_metrics
-from dptrain.tune.machine import Machine
+from dptrain.tune.machine import JOB_ERRORS, Machine, where_kept
 from dptrain.tune.search import Measured, TrialFailed
 from dptrain.utils.atomic import write_text_atomic
 
@@ -64,15 +64,16 @@ def run_trial(machine: Machine, config: Path | None, overrides: list[str], trial
     if steps <= warmup:
         raise ValueError(f"a trial needs more steps ({steps}) than warm-up steps ({warmup})")
     toml = write_config(trial_dir / "config.toml", config, [*overrides, *trial_overrides(steps)])
+    errors = trial_dir / JOB_ERRORS
     code, tail = machine.job(["-m", "dptrain.run", "--config", str(toml), "--run-dir", str(trial_dir / "run")],
-                             timeout)
+                             timeout, errors=errors)
     if code == 124:
-        raise TrialFailed(f"hung: not finished after {timeout:g} s, stopped")
+        raise TrialFailed(f"hung: not finished after {timeout:g} s, stopped{where_kept(errors)}")
     if code != 0:
         why = tail.splitlines()[-1] if tail else f"see {trial_dir / 'run'}"
         if "out of memory" in tail.lower() or code == -9 or code == 137:
             why = f"out of memory? {why}"
-        raise TrialFailed(f"exit {code}: {why}")
+        raise TrialFailed(f"exit {code}: {why}{where_kept(errors)}")
     measured = read_steps(trial_dir / "run", warmup, mean)
     prune(trial_dir / "run")
     return measured
