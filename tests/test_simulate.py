@@ -266,6 +266,14 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     replica = [c for c in hy.collectives if c.name.startswith("all_reduce")]
     assert replica and hy.features[2] == len(hy.collectives) - len(replica)
     assert hy.features[5] == sum(c.nbytes for c in hy.collectives)
+    # ... and a shard group inside one host counts each of its collectives by its ring rounds' share, (2-1)/(4-1);
+    # across hosts (NET: one rank a host) or the whole world's group, each counts 1
+    two_by_two = Network("2x2", LINK, LINK, 2, "hand-made", shared_net=True)
+    inside = simulate_step(model, Setup("zero2", 4, shard_size=2), prof, two_by_two)
+    shard_calls = len([c for c in inside.collectives if not c.name.startswith("all_reduce")])
+    assert inside.features[2] == pytest.approx(shard_calls / 3) and shard_calls == hy.features[2]
+    world = simulate_step(model, Setup("zero2", 4), prof, two_by_two)
+    assert world.features[2] == len(world.collectives)
     # a codec: every bucket coded, the bytes before encoding (the wire's are half)
     coded = simulate_step(model, setup, prof, NET, compression=2, overheads=Overheads(per_coded_bucket_s=1e-4,
                                                                                       coded_s_per_byte=1e-10))

@@ -184,7 +184,8 @@ class Overheads:
     beside ``per_bucket_s``; ``coded_s_per_byte``: per byte of those buckets before encoding
     (the passes a codec makes over each bucket: the division, the cast, error feedback's
     residual; docs/tune.md measured DDP with bf16 at 1 MiB buckets 0.69-0.83 of its
-    measured step with neither). The per-collective terms count the shard group's collectives; hybrid sharding's
+    measured step with neither). The per-collective terms count the shard group's collectives (a group inside one
+    host smaller than the world's each by its ring rounds' share, ``_rounds_share``); hybrid sharding's
     replica all-reduces, launched on a thread of their own, count by their bytes. Fitted by
     :func:`dptrain.planner.calibration.fit_overheads`.
     """
@@ -338,7 +339,8 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     comm = sum(c.end_s - c.start_s for c in log)
     full = sum(u.numel * u.dtype.itemsize for u in shapes)
     own_buffer = setup.stage >= 2 or (setup.stage == 1 and setup.compute_dtype not in (None, setup.reduce_dtype))
-    features = _features(log, len(shard_link.log), windows, setup.stage, full / (setup.shards if setup.stage else 1),
+    features = _features(log, len(shard_link.log) * _rounds_share(setup, network), windows, setup.stage,
+                         full / (setup.shards if setup.stage else 1),
                          accum * (F + B) + O, accum, full if own_buffer else 0.0,
                          full if compression > 1 else 0.0)  # a codec encodes and decodes even alone
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
@@ -346,12 +348,30 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
 
 
-def _features(log: list[Collective], calls: int, windows: list[tuple[float, float]], stage: int,
+def _rounds_share(setup: Setup, network: Network) -> float:
+    """What one of the shard group's collectives counts for in the per-collective terms: 1, or where a smaller
+    group than the world's is inside one host (hybrid sharding's pairs on 2 hosts x 2 ranks), its ring rounds
+    against the world's, ``(g - 1) / (N - 1)``.
+
+    The per-collective terms are fitted to probes whose collectives mostly span the world. On the emulated
+    2 x 2 cluster hybrid sharding's groups were over-predicted by up to 19% while charged a whole world's
+    collective each; charged their rounds' share, the mean error of each of ten calibrations over three link
+    rates fell (docs/tune.md, the tenth pass). A group of 2 spanning two hosts (4 x 1) is
+    charged in full: scaled there too, the predictions got worse (the sixth pass), so the share follows
+    where the group runs, not only its size.
+    """
+    g, n = setup.shards, setup.world_size
+    if g < n and -(-g // network.per_node) == 1:
+        return (g - 1) / (n - 1)
+    return 1.0
+
+
+def _features(log: list[Collective], calls: float, windows: list[tuple[float, float]], stage: int,
               stepped_bytes: float, compute_s: float, accum: int = 1,
               accumulated_bytes: float = 0.0, coded_bytes: float = 0.0) -> tuple[float, ...]:
     """What :class:`Overheads`' terms multiply: 1 step; ``calls``, the collectives of the shard group (DDP's
-    all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters; hybrid sharding's replica all-reduces run on a
-    thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
+    all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters, each counted by :func:`_rounds_share`; hybrid
+    sharding's replica all-reduces run on a thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
     collective's bytes times the share of its time inside a window); every collective's bytes; the bytes of the
     parameters this rank steps; the profile's compute seconds; the micro-steps that accumulate without reducing,
     and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each); the buckets a
