@@ -296,3 +296,24 @@ def test_dptrain_tune_refuses_bad_input_with_one_line_and_exit_2(tmp_path) -> No
         done = tune(*args)
         assert done.returncode == 2, (args, done.stderr)
         assert message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_calibration_that_fails_on_the_machine_ends_dptrain_tune_with_one_line_and_exit_1(tmp_path, monkeypatch,
+                                                                                           capsys) -> None:
+    import dptrain.tune.calibrate as calibrate_module
+    from _tune_machine import TestMachine
+    from dptrain.cli.tune import _run
+    from dptrain.tune.tuner import TuneOptions
+
+    def failing(*args, **kwargs):
+        raise TrialFailed("the probe job stopped in probe3: exit 1: RuntimeError: gloo broke (all its error output: "
+                          "x/job-errors.txt)")
+
+    monkeypatch.setattr(calibrate_module, "calibrate", failing)
+    space = candidates(2, 32, ["ddp"], None, [25.0], None, ["none"])
+    with pytest.raises(SystemExit) as stopped:
+        _run(TestMachine(lambda args: (0, "")), None, [], space, None, tmp_path / "out", {}, TuneOptions(), {})
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "Traceback" not in err
+    assert "the calibration failed: the probe job stopped in probe3: exit 1: RuntimeError: gloo broke" in err
+    assert f"kept in {tmp_path / 'out' / 'calibration'}" in err

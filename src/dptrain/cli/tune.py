@@ -210,6 +210,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
 
     from dptrain.tune.calibrate import calibrate, read_profiles
     from dptrain.tune.report import command, tables, write_outputs
+    from dptrain.tune.search import TrialFailed
     from dptrain.tune.tuner import profile_request, tune
 
     out.mkdir(parents=True)
@@ -220,8 +221,13 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
         if calibration is None:  # the model's profiles measured in the calibration's first job
             click.echo("calibrating the simulator on this machine (links, then probe runs)...", err=True)
             request = profile_request(config_path, extra, space, out)
-            calibration = calibrate(machine, out / "calibration", timeout=opts.timeout, **probes,
-                                    log=lambda line: click.echo("  " + line, err=True), models=[request])
+            try:
+                calibration = calibrate(machine, out / "calibration", timeout=opts.timeout, **probes,
+                                        log=lambda line: click.echo("  " + line, err=True), models=[request])
+            except (TrialFailed, RuntimeError) as e:  # a job that failed on the machine, not bad input: exit 1
+                click.echo(f"dptrain tune: the calibration failed: {e}. What it measured is kept in "
+                           f"{out / 'calibration'}; give another --out to try again", err=True)
+                sys.exit(1)
             profiles = read_profiles(request[2])
         calibration.save(out / "calibration.json")
         calibrated = time.perf_counter() - t0
