@@ -65,9 +65,17 @@ def test_a_failed_probe_job_names_the_probe_it_stopped_in_and_a_hung_one_its_tim
     from dptrain.tune.search import TrialFailed
 
     probes = [(tmp_path / f"probe{i}", None, [*TINY_GPT_SETTINGS]) for i in range(3)]
-    broke = _fake(1, lambda plan: (_metrics(plan[0]["run_dir"], 5), _metrics(plan[1]["run_dir"], 3)))
+    def weights(run_dir: str) -> None:
+        Path(run_dir, "model.safetensors").write_bytes(b"weights")
+
+    broke = _fake(1, lambda plan: (_metrics(plan[0]["run_dir"], 5), _metrics(plan[1]["run_dir"], 3),
+                                   weights(plan[0]["run_dir"]), weights(plan[1]["run_dir"])))
     with pytest.raises(TrialFailed, match=r"stopped in .*probe1.*exit 1: RuntimeError: the second probe broke"):
         run_probes(broke, probes, 5, 2, 60)
+    # the finished run pruned as a measured one is; the one it stopped in left whole, to be looked at
+    assert not (tmp_path / "probe0" / "run" / "model.safetensors").exists()
+    assert (tmp_path / "probe0" / "run" / "metrics.jsonl").exists()
+    assert (tmp_path / "probe1" / "run" / "model.safetensors").exists()
     hung = _fake(124, lambda plan: None)
     with pytest.raises(TrialFailed, match=r"stopped in .*again0.*after 180 s \(60 s for each of 3\)"):
         run_probes(hung, [(tmp_path / f"again{i}", None, []) for i in range(3)], 5, 2, 60)

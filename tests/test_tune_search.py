@@ -256,6 +256,10 @@ def test_a_job_past_its_timeout_is_stopped_and_reported_as_hung() -> None:
     summary = "dptrain.run FAILED\\n---\\nRoot Cause:\\n  exitcode  : -6\\n  traceback : Signal 6 (SIGABRT)\\n====\\n"
     code, tail = _run([sys.executable, "-c", f"import sys; sys.stderr.write('{summary}'); sys.exit(1)"], timeout=30)
     assert code == 1 and tail.splitlines()[-1] == "  traceback : Signal 6 (SIGABRT)"  # torchrun's rules left out
+    worker = ("[rank3]: [rank3]: Traceback (most recent call last):\\n[rank3]: [rank3]:   File x, line 1\\n"
+              "[rank3]: [rank3]: torch.distributed.DistNetworkError: Failed to recv\\n" + summary.replace("-6", "1"))
+    code, tail = _run([sys.executable, "-c", f"import sys; sys.stderr.write('{worker}'); sys.exit(1)"], timeout=30)
+    assert tail.splitlines()[-1] == "[rank3]: torch.distributed.DistNetworkError: Failed to recv"  # the worker's
 
 
 def test_a_failed_job_keeps_its_whole_error_output_and_the_trial_names_where(tmp_path) -> None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -108,10 +109,18 @@ def _failed(code: int, err: bytes, errors: Path | None) -> str:
     return _tail(err)
 
 
+_RAISED = re.compile(r"^\[rank\d+\]: [\w.]*(Error|Exception)\w*: ")  # a rank's exception, as torchrun prefixes it
+
+
 def _tail(err: bytes, lines: int = 3) -> str:
-    """A failed job's last ``lines`` lines that say something: torchrun's summary ends in a rule of ``=``, which a
-    trial's one-line reason (its last line) would otherwise be."""
-    kept = [x for x in err.decode(errors="replace").splitlines() if x.strip() and x.strip().strip("=-") != ""]
+    """A failed job's last ``lines`` lines that say something, ending in the last exception a rank printed where
+    one did (torchrun's ``[rankN]: `` prefix on it, kept once): torchrun's summary after it ends in a rule of ``=``
+    and a pointer to its docs, which a trial's one-line reason (the last line) would otherwise be."""
+    kept = [re.sub(r"^(\[rank\d+\]: )+", r"\1", x) for x in err.decode(errors="replace").splitlines()
+            if x.strip() and x.strip().strip("=-") != ""]
+    raised = [x for x in kept if _RAISED.match(x)]
+    if raised and raised[-1] != kept[-1]:
+        return "\n".join([*kept[-(lines - 1):], raised[-1]])
     return "\n".join(kept[-lines:])
 
 

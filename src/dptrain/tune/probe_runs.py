@@ -81,6 +81,9 @@ def run_probes(machine: Machine, probes: list[tuple[Path, Path | None, list[str]
             why = f"hung: not finished after {timeout * len(plan):g} s ({timeout:g} s for each of {len(plan)}), stopped"
         else:
             why = f"exit {code}: {tail.splitlines()[-1] if tail else 'see that run directory'}"
+        for p in plan:  # the runs it finished, as measured ones: their weights and checkpoints are of no use
+            if _finished(Path(p["run_dir"]), steps):
+                prune(Path(p["run_dir"]))
         raise TrialFailed(f"the probe job stopped in {stopped}: {why}{where_kept(errors)}")
     measured = []
     for p in plan:
