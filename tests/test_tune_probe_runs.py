@@ -26,20 +26,32 @@ def test_a_probe_job_runs_each_probe_whole_in_a_process_group_of_its_own(tmp_pat
         groups.append(dist.group.WORLD)
         return device
 
+    answers, judged = iter([True, False, True]), []
+
+    def unsettled(runs, rounds):  # rank 0's judgement, in the plan's order: ddp unsettled twice, zero3 settled
+        judged.append((len(runs), rounds))
+        return next(answers)
+
     monkeypatch.setattr(probe_runs, "init_distributed", init)
-    plan = []
-    for i, strategy in enumerate(("ddp", "zero3")):
-        config = write_config(tmp_path / f"probe{i}" / "config.toml", None,
-                              [*TINY_GPT_SETTINGS, "train.global_batch_size=2", f'distributed.strategy="{strategy}"',
-                               *trial_overrides(3)])
-        plan.append({"config": str(config), "run_dir": str(tmp_path / f"probe{i}" / "run")})
+    monkeypatch.setattr(probe_runs, "unsettled", unsettled)
+    plan, dirs = [], {}
+    for strategy in ("ddp", "zero3"):
+        overrides = [*TINY_GPT_SETTINGS, "train.global_batch_size=2", f'distributed.strategy="{strategy}"',
+                     *trial_overrides(3)]
+        dirs[strategy] = [tmp_path / f"{strategy}-r{r}" for r in range(3)]
+        configs = [write_config(d / "config.toml", None, overrides) for d in dirs[strategy]]
+        plan.append({"config": str(configs[0]), "run_dir": str(dirs[strategy][0] / "run"), "warmup": 1,
+                     "again": [{"config": str(c), "run_dir": str(d / "run")}
+                               for c, d in zip(configs[1:], dirs[strategy][1:], strict=True)]})
     (tmp_path / "plan.json").write_text(json.dumps(plan))
 
     assert probe_runs.main([str(tmp_path / "plan.json")]) == 0
     assert not dist.is_initialized()
-    assert len(groups) == 2 and groups[0] is not groups[1]
-    for p in plan:  # each run logged its steps after the warm-up, as a trial's are read
-        assert read_steps(Path(p["run_dir"]), 1).step_s > 0
+    # both run, then the unsettled one again, twice (its runs left), each in a group of its own
+    assert judged == [(1, 1), (1, 1), (2, 1)] and len(groups) == 4 and len({id(g) for g in groups}) == 4
+    for d in [*dirs["ddp"], dirs["zero3"][0]]:  # each run logged its steps after the warm-up, as a trial's are read
+        assert read_steps(d / "run", 1).step_s > 0
+    assert not any((d / "run").exists() for d in dirs["zero3"][1:])
 
 
 def _fake(code: int, write) -> TestMachine:
@@ -77,11 +89,16 @@ def test_a_failed_probe_job_names_the_probe_it_stopped_in_and_a_hung_one_its_tim
     assert (tmp_path / "probe0" / "run" / "metrics.jsonl").exists()
     assert (tmp_path / "probe1" / "run" / "model.safetensors").exists()
     hung = _fake(124, lambda plan: None)
-    with pytest.raises(TrialFailed, match=r"stopped in .*again0.*after 180 s \(60 s for each of 3\)"):
+    with pytest.raises(TrialFailed, match=r"stopped in .*again0.*after 180 s \(60 s for each of the 3 runs"):
         run_probes(hung, [(tmp_path / f"again{i}", None, []) for i in range(3)], 5, 2, 60)
     done = _fake(0, lambda plan: [_metrics(p["run_dir"], 5) for p in plan])
-    assert [m.step_s for m in run_probes(done, [(tmp_path / f"ok{i}", None, []) for i in range(2)], 5, 2, 60)] == \
-        [0.01, 0.01]
+    assert [[m.step_s for m in runs] for runs in run_probes(done, [(tmp_path / f"ok{i}", None, []) for i in range(2)],
+                                                            5, 2, 60)] == [[0.01], [0.01]]
+    # a probe run again in the job: each of its runs read, in order (its later directories named on from -r0)
+    again = _fake(0, lambda plan: [_metrics(r, 5) for r in (plan[0]["run_dir"], plan[0]["again"][0]["run_dir"])])
+    runs = run_probes(again, [(tmp_path / "twice-r0", None, [])], 5, 2, 60, again=2)
+    assert [len(r) for r in runs] == [2] and (tmp_path / "twice-r1" / "run").is_dir()
+    assert not (tmp_path / "twice-r2" / "run").exists()
 
 
 def test_a_probe_plan_that_cannot_run_is_one_line_and_exit_2(tmp_path, monkeypatch, capsys) -> None:

@@ -86,9 +86,10 @@ def test_a_probe_whose_runs_disagree_runs_again_and_its_median_is_the_undisturbe
             return Measured(0.1 * len(runs[label]))
         return Measured(0.19 if disturbed else 0.1)
 
-    def probe_job(machine, probes, steps, warmup, timeout):  # one job per round
+    def probe_job(machine, probes, steps, warmup, timeout, again):  # one job per round
+        assert again == 0  # two rounds: the reruns are rounds of their own
         jobs.append(len(probes))
-        return [trial(trial_dir) for trial_dir, _, _ in probes]
+        return [[trial(trial_dir)] for trial_dir, _, _ in probes]
 
     def trial_job(machine, base, variant, trial_dir, steps, warmup, timeout):  # one job per probe
         jobs.append(1)
@@ -113,40 +114,47 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
                                                                                           monkeypatch) -> None:
     """The default calibration: one run of each probe, ``PROBE_STEPS`` steps, ``PROBE_WARMUP`` untimed; a run whose
     timed steps vary by over ``PROBE_SPREAD`` runs again, and then as the rounds of a longer calibration do (until
-    its runs agree), up to ``PROBE_EXTRA`` more times; the median of its runs counts."""
+    its runs agree), up to ``PROBE_EXTRA`` more times, in the round's one job; the median of its runs counts. (The
+    job's own loop is tests/test_tune_probe_runs.py's; here a fake job runs it by the same rule.)"""
     import dptrain.tune.calibrate as calibrate_module
+    from dptrain.tune.probe_length import PROBE_SPREAD, unsettled
     from dptrain.tune.trials import Measured
 
     runs: dict[str, list[float]] = {}
-    lengths = set()
+    lengths, jobs = set(), []
 
-    def probe_job(machine, probes, steps, warmup, timeout):
+    def one(label: str) -> Measured:
+        runs.setdefault(label, []).append(0.1)
+        first = len(runs[label]) == 1
+        if label == "2x128_ddp_25MiB":  # its first run's steps were disturbed: 0.3 s, varying by 20%
+            return Measured(0.3, spread=0.2) if first else Measured(0.1, spread=0.01)
+        if label == "6x320_zero3":  # never steady, its runs never agree: stops at the cap
+            return Measured(0.1 * len(runs[label]), spread=0.2)
+        return Measured(0.1, spread=PROBE_SPREAD * 0.9)
+
+    def probe_job(machine, probes, steps, warmup, timeout, again):
         lengths.add((steps, warmup))
+        jobs.append(len(probes))
         out = []
         for trial_dir, _, _ in probes:
-            label = trial_dir.name.rsplit("-r", 1)[0]
-            runs.setdefault(label, []).append(0.1)
-            first = len(runs[label]) == 1
-            if label == "2x128_ddp_25MiB":  # its first run's steps were disturbed: 0.3 s, varying by 20%
-                out.append(Measured(0.3, spread=0.2) if first else Measured(0.1, spread=0.01))
-            elif label == "6x320_zero3":  # never steady, its runs never agree: stops at the cap
-                out.append(Measured(0.1 * len(runs[label]), spread=0.2))
-            else:
-                out.append(Measured(0.1, spread=calibrate_module.PROBE_SPREAD * 0.9))
+            got = [one(trial_dir.name.rsplit("-r", 1)[0])]
+            while len(got) <= again and unsettled(got, 1):  # the job's loop, by the calibration's rule
+                got.append(one(trial_dir.name.rsplit("-r", 1)[0]))
+            out.append(got)
         return out
 
     _fake_links_and_profiles(monkeypatch, calibrate_module)
     monkeypatch.setattr(calibrate_module, "run_probes", probe_job)
     tuned = (tmp_path / "model.toml", [2, 4, 2], tmp_path / "profiles.json")  # the tuned model's, asked beside
     tuned[0].write_text("")
-    jobs = len(PROFILE_JOBS)
+    before = len(PROFILE_JOBS)
     cal = calibrate_module.calibrate(TestMachine(_profile_job, True), tmp_path, log=lambda line: None,
                                      models=[tuned])
     # the links, every probe model and the tuned model at each of its sizes, largest first: one job
-    assert len(PROFILE_JOBS) == jobs + 1 and PROFILE_JOBS[-1].count("--probe") == len(PROBE_MODELS) + 1
+    assert len(PROFILE_JOBS) == before + 1 and PROFILE_JOBS[-1].count("--probe") == len(PROBE_MODELS) + 1
     assert PROFILE_JOBS[-1][-4:] == ["--probe", str(tuned[2]), str(tuned[0]), "4,2"]
     assert set(calibrate_module.read_profiles(tuned[2])) == {4, 2}
-    assert calibrate_module.PROBE_ROUNDS == 1
+    assert calibrate_module.PROBE_ROUNDS == 1 and jobs == [len(runs)]  # the reruns in the round's one job
     assert lengths == {(calibrate_module.PROBE_STEPS, calibrate_module.PROBE_WARMUP)}
     assert {label: len(r) for label, r in runs.items() if len(r) != 1} == {
         "2x128_ddp_25MiB": 3, "6x320_zero3": 1 + calibrate_module.PROBE_EXTRA}  # 0.3 and 0.1 disagree: a third

@@ -18,7 +18,8 @@
    fits the twelve terms to what the timeline misses (a term no probe can tell apart is
    held at zero and named). Each probe runs ``rounds`` times (``PROBE_ROUNDS``, one), interleaved (the median
    counts), for ``PROBE_STEPS`` steps; a probe whose one run's steps, or whose runs, deviate by over 5% of their
-   median runs again, up to two more times (:func:`_unsettled`). On this machine's own
+   median runs again, up to two more times (:func:`~dptrain.tune.probe_length.unsettled`; in a
+   one-round calibration, in the round's own job). On this machine's own
    ranks and on the emulated cluster each round's probes run one after another in one job
    (:mod:`dptrain.tune.probe_runs`), each in a process group of its own; under a launcher one job each, as trials
    (``Machine.probes_in_one_job``).
@@ -46,7 +47,7 @@ from dptrain.planner.target import plan_target
 from dptrain.strategies import get_strategy, strategy_names
 from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import JOB_ERRORS, Machine, where_kept
-from dptrain.tune.probe_length import PROBE_EXTRA, PROBE_ROUNDS, PROBE_SPREAD, PROBE_STEPS, PROBE_WARMUP
+from dptrain.tune.probe_length import PROBE_EXTRA, PROBE_ROUNDS, PROBE_STEPS, PROBE_WARMUP, unsettled
 from dptrain.tune.probe_runs import run_probes
 from dptrain.tune.search import Measured
 from dptrain.tune.space import CODEC_RATIO
@@ -191,14 +192,15 @@ def calibrate(machine: Machine, work: Path, steps: int = PROBE_STEPS, warmup: in
     network, world = cal.network(), machine.world_size
     runs = probe_timelines(bases, world, machine.per_host, network, lambda i, base, micro: profiles[i])
     measured: dict[str, list[Measured]] = {label: [] for label, *_ in runs}
+    again = PROBE_EXTRA if rounds == 1 and machine.probes_in_one_job else 0  # one round: its reruns in its job
     r, todo = 0, runs
     while todo:  # interleaved, each round from a different start
         order = todo[r % len(todo):] + todo[:r % len(todo)]
         trials = [(work / "probes" / f"{probe_stem(label)}-r{r}", base, variant) for label, base, variant, _ in order]
-        for (label, *_), run in zip(order, _probe_round(machine, trials, steps, warmup, timeout), strict=True):
-            measured[label].append(run)
-        r += 1
-        todo = runs if r < rounds else [run for run in runs if _unsettled(measured[run[0]], rounds)]
+        for (label, *_), got in zip(order, _probe_round(machine, trials, steps, warmup, timeout, again), strict=True):
+            measured[label] += got
+        r += 1 + again
+        todo = runs if r < rounds else [run for run in runs if unsettled(measured[run[0]], rounds)]
     probes = []
     for label, _, _, timeline in runs:
         step_s = [m.step_s for m in measured[label]]
@@ -217,28 +219,13 @@ def probe_stem(label: str) -> str:
 
 
 def _probe_round(machine: Machine, trials: list[tuple[Path, Path, list[str]]], steps: int, warmup: int,
-                 timeout: float) -> list[Measured]:
-    """Each probe's run: all in one job where the machine times them as jobs of their own would
-    (``Machine.probes_in_one_job``), else one job each, as trials run."""
+                 timeout: float, again: int = 0) -> list[list[Measured]]:
+    """Each probe's runs: all in one job where the machine times them as jobs of their own would
+    (``Machine.probes_in_one_job``), each probe run ``again`` more times there while unsettled
+    (:func:`~dptrain.tune.probe_length.unsettled`, into ``-r<round + 1>``...); else one job each, as trials run."""
     if machine.probes_in_one_job:
-        return run_probes(machine, trials, steps, warmup, timeout)
-    return [run_trial(machine, base, variant, trial, steps, warmup, timeout) for trial, base, variant in trials]
-
-
-def _unsettled(runs: list[Measured], rounds: int) -> bool:
-    """Whether a probe runs again, while it has had fewer than ``rounds + PROBE_EXTRA`` runs: of one run, where its
-    timed steps' median absolute deviation exceeds ``PROBE_SPREAD`` of their median (a job beside it, or a step of
-    its own disturbed); of several, where their step times' deviation does (two runs more than 10% apart). One
-    disturbed run of two moves their median halfway (runs of one probe here were 110 and 205 ms while another job ran
-    beside them); of three, the median is an undisturbed run's and the deviation drops (a range would not: more runs
-    never narrow it)."""
-    if len(runs) >= rounds + PROBE_EXTRA:
-        return False
-    if len(runs) == 1:
-        return runs[0].spread > PROBE_SPREAD
-    steps = [m.step_s for m in runs]
-    middle = statistics.median(steps)
-    return statistics.median(abs(x - middle) for x in steps) > PROBE_SPREAD * middle
+        return run_probes(machine, trials, steps, warmup, timeout, again)
+    return [[run_trial(machine, base, variant, trial, steps, warmup, timeout)] for trial, base, variant in trials]
 
 
 def _log_fit(cal: Calibration, log: Callable[[str], None]) -> None:

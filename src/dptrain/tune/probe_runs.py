@@ -14,12 +14,17 @@ and buffers collected, before the next begins; rank 0 holds each run's directory
 it runs, as ``python -m dptrain.run`` does. One default group kept across the runs timed
 some probes up to 13.5% faster than jobs of their own, in which every connection is new
 (``docs/repro/probe_runs_compare.py`` times the two ways against each other, alternated;
-``docs/tune.md``).
+``docs/tune.md``). A probe whose runs are unsettled (``probe_length.unsettled``) runs again
+in the same job, each plan entry naming the directories its next runs may take
+(``"again"``): rank 0 judges each pass's runs and tells the others through the job's
+store, so a one-round calibration's reruns cost no start of their own (two, about 12 s
+each, on the emulated 4-host cluster).
 
 The tuner's *trials* still run one job each: they measure exactly what a user's run
 would be.
 
-    torchrun ... -m dptrain.tune.probe_runs PLAN.json   # [{"config": FILE, "run_dir": DIR}, ...]
+    torchrun ... -m dptrain.tune.probe_runs PLAN.json
+    # [{"config": FILE, "run_dir": DIR, "warmup": N, "again": [{"config": FILE, "run_dir": DIR}, ...]}, ...]
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ import json
 import os
 import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -45,6 +52,7 @@ from dptrain.launch.threads import omp_threads, threads_per_worker
 from dptrain.pages.plots import read_metrics
 from dptrain.runner.validate import validate_run
 from dptrain.tune.machine import JOB_ERRORS, Machine, where_kept
+from dptrain.tune.probe_length import unsettled
 from dptrain.tune.search import Measured, TrialFailed
 from dptrain.tune.trials import prune, read_steps, trial_overrides, write_config
 from dptrain.utils.atomic import write_text_atomic
@@ -56,29 +64,40 @@ __all__ = ["run_probes", "main"]
 
 
 def run_probes(machine: Machine, probes: list[tuple[Path, Path | None, list[str]]], steps: int, warmup: int,
-               timeout: float) -> list[Measured]:
+               timeout: float, again: int = 0) -> list[list[Measured]]:
     """Each probe ``(trial directory, base config, overrides)`` run for ``steps`` steps, in order, in one job on
-    ``machine``; what each measured (:func:`~dptrain.tune.trials.read_steps` after ``warmup``).
+    ``machine``, and up to ``again`` more times while unsettled (:func:`~dptrain.tune.probe_length.unsettled`,
+    judged by rank 0 after each pass and run in the same job, into ``<trial directory>`` with its round ``-r<n>``
+    counted on); what each run measured, by probe (:func:`~dptrain.tune.trials.read_steps` after ``warmup``).
 
-    The job is given ``timeout`` per probe, all together (a probe that hangs is ended sooner by its own
+    The job is given ``timeout`` per run it may make, all together (a probe that hangs is ended sooner by its own
     collective timeout and watchdog, ``distributed.timeout_s``). A job that fails is a
     :class:`~dptrain.tune.search.TrialFailed` naming the first probe that did not log its last step."""
     if steps <= warmup:
         raise ValueError(f"a probe needs more steps ({steps}) than warm-up steps ({warmup})")
     plan = []
     for trial_dir, config, overrides in probes:
-        toml = write_config(trial_dir / "config.toml", config, [*overrides, *trial_overrides(steps)])
-        plan.append({"config": str(toml), "run_dir": str(trial_dir / "run")})
+        entry = {"config": str(write_config(trial_dir / "config.toml", config, [*overrides, *trial_overrides(steps)])),
+                 "run_dir": str(trial_dir / "run"), "warmup": warmup, "again": []}
+        for later in _later(trial_dir, again):
+            entry["again"].append({"config": str(write_config(later / "config.toml", config,
+                                                              [*overrides, *trial_overrides(steps)])),
+                                   "run_dir": str(later / "run")})
+        plan.append(entry)
     if not plan:
         return []
     plan_file = probes[0][0].parent / f"{probes[0][0].name}.plan.json"  # beside the runs: what the job ran
     write_text_atomic(plan_file, json.dumps(plan, indent=1))
     errors = plan_file.with_name(f"{probes[0][0].name}.{JOB_ERRORS}")
-    code, tail = machine.job(["-m", "dptrain.tune.probe_runs", str(plan_file)], timeout * len(plan), errors=errors)
+    limit = timeout * len(plan) * (1 + again)
+    code, tail = machine.job(["-m", "dptrain.tune.probe_runs", str(plan_file)], limit, errors=errors)
+    ran = [[Path(p["run_dir"])] + [Path(a["run_dir"]) for a in p["again"] if Path(a["run_dir"]).exists()]
+           for p in plan]
     if code != 0:
-        stopped = next((p["run_dir"] for p in plan if not _finished(Path(p["run_dir"]), steps)), "?")
+        stopped = next((str(d) for dirs in ran for d in dirs if not _finished(d, steps)), "?")
         if code == 124:
-            why = f"hung: not finished after {timeout * len(plan):g} s ({timeout:g} s for each of {len(plan)}), stopped"
+            why = (f"hung: not finished after {limit:g} s ({timeout:g} s for each of the {len(plan) * (1 + again)} "
+                   "runs it could make), stopped")
         else:
             why = f"exit {code}: {tail.splitlines()[-1] if tail else 'see that run directory'}"
         for p in plan:  # the runs it finished, as measured ones: their weights and checkpoints are of no use
@@ -86,10 +105,19 @@ def run_probes(machine: Machine, probes: list[tuple[Path, Path | None, list[str]
                 prune(Path(p["run_dir"]))
         raise TrialFailed(f"the probe job stopped in {stopped}: {why}{where_kept(errors)}")
     measured = []
-    for p in plan:
-        measured.append(read_steps(Path(p["run_dir"]), warmup))
-        prune(Path(p["run_dir"]))
+    for dirs in ran:
+        measured.append([read_steps(d, warmup) for d in dirs])
+        for d in dirs:
+            prune(d)
     return measured
+
+
+def _later(trial_dir: Path, again: int) -> list[Path]:
+    """The directories of a probe's next ``again`` runs: ``<stem>-r<n>`` with n counted on from the trial's."""
+    stem, _, r = trial_dir.name.rpartition("-r")
+    if again and not (stem and r.isdigit()):
+        raise ValueError(f"a probe that may run again needs a directory named <probe>-r<round>, got {trial_dir}")
+    return [trial_dir.with_name(f"{stem}-r{int(r) + j}") for j in range(1, again + 1)]
 
 
 def _finished(run_dir: Path, steps: int) -> bool:
@@ -123,41 +151,76 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(threads_per_worker(env.local_world_size))
     if not torch.cuda.is_available():
         tune_cpu_allocator()
-    backend = plans[0].cfg.distributed.backend
-    timeout_s = max(rp.cfg.distributed.timeout_s for rp in plans)
+    backend = plans[0].first.cfg.distributed.backend
+    timeout_s = max(probe.first.cfg.distributed.timeout_s for probe in plans)
     store = join_store(env, timedelta(seconds=timeout_s))
-    for i, rp in enumerate(plans):  # each run its own process group: new connections, as in a job of its own
-        device = init_distributed(env, backend, rp.cfg.distributed.timeout_s, store=dist.PrefixStore(f"probe{i}", store))
-        try:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)  # each probe's peak its own
-            with _holding(rp.run_dir, env.rank):
-                train(rp, env, device)
-        except RunDirError as e:
-            if env.rank == 0:
-                print(f"error: {e}", file=sys.stderr)
-            return 2
-        finally:
-            leave_process_groups()  # every group the run made, its engine and buffers, before the next is timed
+    done: list[list[Path]] = [[] for _ in plans]
+    todo, k = list(range(len(plans))), 0
+    while todo:  # the plan, then again each probe still unsettled, while it has runs left
+        for i in todo:  # each run its own process group: new connections, as in a job of its own
+            rp = plans[i].first if k == 0 else plans[i].again[k - 1]
+            device = init_distributed(env, backend, rp.cfg.distributed.timeout_s,
+                                      store=dist.PrefixStore(f"probe{i}.{k}", store))
+            try:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)  # each probe's peak its own
+                with _holding(rp.run_dir, env.rank):
+                    train(rp, env, device)
+            except RunDirError as e:
+                if env.rank == 0:
+                    print(f"error: {e}", file=sys.stderr)
+                return 2
+            finally:
+                leave_process_groups()  # every group the run made, its engine and buffers, before the next is timed
+            done[i].append(rp.run_dir)
+        k += 1
+        todo = _again(store, env.rank, k, [i for i in todo if k <= len(plans[i].again)], plans, done)
     return 0
+
+
+def _again(store: dist.Store, rank: int, k: int, candidates: list[int], plans: list[_Probe],
+           done: list[list[Path]]) -> list[int]:
+    """Which of ``candidates`` run again after pass ``k``: rank 0 reads their runs and judges each
+    (:func:`~dptrain.tune.probe_length.unsettled`, one round), every rank learns its answer from the job's store."""
+    if not candidates:
+        return []
+    if rank == 0:
+        chosen = []
+        for i in candidates:
+            with contextlib.suppress(TrialFailed):  # a run that logged no timed step is read, and failed, by the caller
+                if unsettled([read_steps(d, plans[i].warmup) for d in done[i]], 1):
+                    chosen.append(i)
+        store.set(f"again{k}", json.dumps(chosen))
+    return json.loads(store.get(f"again{k}"))
 
 
 _BAD_PLAN = (ConfigError, BatchSizeError, UnsafePath, OSError, ValueError, KeyError, TypeError)  # JSON's errors too
 
 
-def _read_plan(path: Path, world_size: int) -> list:
-    """The checked plan of each run of a probe job's PLAN.json; one of ``_BAD_PLAN`` where it cannot run."""
+@dataclass(frozen=True)
+class _Probe:
+    """One probe of a job's plan: its first run, the runs it may make again, the warm-up its reading leaves out."""
+
+    first: Any
+    again: list
+    warmup: int
+
+
+def _read_plan(path: Path, world_size: int) -> list[_Probe]:
+    """The checked plan of each probe of a probe job's PLAN.json; one of ``_BAD_PLAN`` where it cannot run."""
     entries = json.loads(path.read_text())
     if not isinstance(entries, list) or not entries:
         raise ValueError("a probe job's plan is a non-empty JSON list of {\"config\": FILE, \"run_dir\": DIR}")
-    plans = []
-    for p in entries:
+
+    def checked(p: dict) -> Any:
         cfg = load_config(p["config"], [f"run_dir={json.dumps(str(p['run_dir']))}"])
-        plans.append(validate_run(cfg, world_size, check_forward=False))
-    backends = {rp.cfg.distributed.backend for rp in plans}
+        return validate_run(cfg, world_size, check_forward=False)
+
+    probes = [_Probe(checked(p), [checked(a) for a in p.get("again", [])], int(p.get("warmup", 0))) for p in entries]
+    backends = {rp.cfg.distributed.backend for probe in probes for rp in (probe.first, *probe.again)}
     if len(backends) > 1:
         raise ValueError(f"the probes of one job must share a backend, got {sorted(backends)}")
-    return plans
+    return probes
 
 
 @contextlib.contextmanager
