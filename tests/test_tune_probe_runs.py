@@ -140,3 +140,29 @@ def test_leaving_the_process_groups_stops_the_progress_threads_and_lets_their_gr
         if t.name == name:
             t.join(timeout=5)
             assert not t.is_alive()
+
+
+def test_rank_0_answers_which_probes_run_again_and_leaves_only_after_every_rank_has_read_it(tmp_path) -> None:
+    import threading
+    import time
+
+    from dptrain.tune.probe_runs import _again, _Probe
+
+    _metrics(str(tmp_path / "run"), 6)  # a steady run: nothing to run again
+    plans, done = [_Probe(None, [None], 2)], [[tmp_path / "run"]]
+    store = dist.HashStore()
+    answers, read_when = {}, {}
+
+    def rank(r: int, delay: float) -> None:
+        time.sleep(delay)
+        answers[r] = _again(store, r, 3, 1, [0], plans, done)
+        read_when[r] = time.perf_counter()
+
+    late = [threading.Thread(target=rank, args=(r, 0.3 * r)) for r in (1, 2)]
+    for t in late:
+        t.start()
+    rank(0, 0.0)  # [Note: rank 0 leaves last]: it serves the store where torchrun's agents do not
+    for t in late:
+        t.join()
+    assert answers == {0: [], 1: [], 2: []}
+    assert read_when[0] >= max(read_when[1], read_when[2]) - 0.05  # not before the last rank had its answer

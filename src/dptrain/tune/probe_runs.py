@@ -100,9 +100,8 @@ def run_probes(machine: Machine, probes: list[tuple[Path, Path | None, list[str]
                    "runs it could make), stopped")
         else:
             why = f"exit {code}: {tail.splitlines()[-1] if tail else 'see that run directory'}"
-        for p in plan:  # the runs it finished, as measured ones: their weights and checkpoints are of no use
-            if _finished(Path(p["run_dir"]), steps):
-                prune(Path(p["run_dir"]))
+        for d in (d for dirs in ran for d in dirs if _finished(d, steps)):  # as measured runs: their weights
+            prune(d)                                                         # and checkpoints are of no use
         raise TrialFailed(f"the probe job stopped in {stopped}: {why}{where_kept(errors)}")
     measured = []
     for dirs in ran:
@@ -174,14 +173,20 @@ def main(argv: list[str] | None = None) -> int:
                 leave_process_groups()  # every group the run made, its engine and buffers, before the next is timed
             done[i].append(rp.run_dir)
         k += 1
-        todo = _again(store, env.rank, k, [i for i in todo if k <= len(plans[i].again)], plans, done)
+        todo = _again(store, env.rank, env.world_size, k, [i for i in todo if k <= len(plans[i].again)], plans, done)
     return 0
 
 
-def _again(store: dist.Store, rank: int, k: int, candidates: list[int], plans: list[_Probe],
+def _again(store: dist.Store, rank: int, world_size: int, k: int, candidates: list[int], plans: list[_Probe],
            done: list[list[Path]]) -> list[int]:
     """Which of ``candidates`` run again after pass ``k``: rank 0 reads their runs and judges each
-    (:func:`~dptrain.tune.probe_length.unsettled`, one round), every rank learns its answer from the job's store."""
+    (:func:`~dptrain.tune.probe_length.unsettled`, one round), every rank learns its answer from the job's store.
+
+    [Note: rank 0 leaves last] Where rank 0's process serves the job's store (torchrun's agents not sharing
+    theirs, as under ``dptrain cluster``), rank 0 leaving ends the store: the other ranks' ``get`` of the
+    answer, sent but not yet answered, then fails ("Failed to recv, got 0 bytes"). It did so on 2 x 2 at 100
+    Mbit/s, where ranks 1-3 finish a pass later than rank 0 (docs/tune.md, the tenth pass). So each rank says
+    it has read the answer, and rank 0 waits for every one before it goes on (or ends the job)."""
     if not candidates:
         return []
     if rank == 0:
@@ -191,7 +196,12 @@ def _again(store: dist.Store, rank: int, k: int, candidates: list[int], plans: l
                 if unsettled([read_steps(d, plans[i].warmup) for d in done[i]], 1):
                     chosen.append(i)
         store.set(f"again{k}", json.dumps(chosen))
-    return json.loads(store.get(f"again{k}"))
+    answer = json.loads(store.get(f"again{k}"))
+    if rank == 0:
+        store.wait([f"read{k}/{r}" for r in range(1, world_size)])
+    else:
+        store.set(f"read{k}/{rank}", b"1")
+    return answer
 
 
 _BAD_PLAN = (ConfigError, BatchSizeError, UnsafePath, OSError, ValueError, KeyError, TypeError)  # JSON's errors too
