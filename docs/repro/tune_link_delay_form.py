@@ -13,13 +13,12 @@ linear in the step, so for each ``d`` of a grid the twelve terms are refitted to
 the calibration would choose. Each line also scores the exhaustive search, which the calibration never sees.
 """
 
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from tune_calibration_length import score  # noqa: E402
-from tune_rescore import refitted, summary  # noqa: E402
+from tune_rescore import probes_choose, summary  # noqa: E402
 
 import dptrain.planner.simulate as sim  # noqa: E402
 
@@ -45,21 +44,17 @@ def main() -> None:
     if DELAY["form"] not in ("coded", "ddp"):
         raise SystemExit("the form: coded or ddp")
     sim._durations = delayed
-    for pair in sys.argv[2:]:
-        search, tuned = (Path(p) for p in pair.split(":"))
-        print(f"{search.parent.name}/{search.name} <- {tuned.parent.name}/{tuned.name}")
-        chosen = None
-        for ms in GRID_MS:
-            DELAY["s"] = ms / 1e3
-            cal, rows = refitted(search, tuned)
-            probes = statistics.mean(abs(r["ratio"] - 1) for r in cal.residuals())
-            o = cal.overheads
-            print(f"  delay {ms:4.1f} ms: probes {100 * probes:4.1f}% | per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, "
-                  f"per coded bucket {1e3 * o.per_coded_bucket_s:.2f} ms | trials {summary(rows).splitlines()[0]}, "
-                  f"pick {score(rows)['pick']}")
-            if chosen is None or probes < chosen[0] - 1e-4:
-                chosen = (probes, ms)
-        print(f"  the probes choose {chosen[1]} ms")
+
+    def set_delay(ms: float) -> None:
+        DELAY["s"] = ms / 1e3
+
+    def line(ms: float, probes: float, cal, rows: list[dict]) -> str:
+        o = cal.overheads
+        return (f"delay {ms:4.1f} ms: probes {100 * probes:4.1f}% | per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, "
+                f"per coded bucket {1e3 * o.per_coded_bucket_s:.2f} ms | trials {summary(rows).splitlines()[0]}, "
+                f"pick {score(rows)['pick']}")
+
+    probes_choose(sys.argv[2:], GRID_MS, set_delay, line, " ms")
 
 
 if __name__ == "__main__":

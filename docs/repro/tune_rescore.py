@@ -58,6 +58,25 @@ def refitted(search_dir: Path, tuned_dir: Path, models=None) -> tuple:
         return cal, rescore(search_dir, Path(work) / "c.json")
 
 
+def probes_choose(pairs: list[str], values: list[float], apply, describe, unit: str = "") -> None:
+    """A form with a parameter the fit cannot take (not linear in the step), studied on ``pairs`` (each
+    ``EXHAUSTIVE_DIR:CALIBRATION_DIR``): for each value, ``apply(value)``, the calibration refitted
+    (:func:`refitted`) and a line, ``describe(value, the probes' mean error, calibration, rows)``; then the value
+    whose probes' mean error is the smallest, the one a calibration would choose."""
+    for pair in pairs:
+        search, tuned = (Path(p) for p in pair.split(":"))
+        print(f"{search.parent.name}/{search.name} <- {tuned.parent.name}/{tuned.name}")
+        chosen = None
+        for value in values:
+            apply(value)
+            cal, rows = refitted(search, tuned)
+            probes = statistics.mean(abs(r["ratio"] - 1) for r in cal.residuals())
+            print("  " + describe(value, probes, cal, rows))
+            if chosen is None or probes < chosen[0] - 1e-4:
+                chosen = (probes, value)
+        print(f"  the probes choose {chosen[1]}{unit}")
+
+
 def summary(rows: list[dict]) -> str:
     """The rows' mean and largest error, and how many are within 10% and meet the goal."""
     errs = [abs(r["now"] - 1) for r in rows]

@@ -18,12 +18,11 @@ exhaustive search, which the calibration never sees.
 """
 
 import os
-import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_rescore import refitted, summary  # noqa: E402
+from tune_rescore import probes_choose, summary  # noqa: E402
 
 import dptrain.planner.simulate as sim  # noqa: E402
 
@@ -35,20 +34,16 @@ def main() -> None:
     if form not in FORMS or not hasattr(sim, "STRETCH"):
         raise SystemExit("FORM=duration or FORM=latency, with tune_stretch_form.patch applied (see the docstring)")
     sim.ALPHA_ONLY = form == "latency"
-    for pair in sys.argv[1:]:
-        search, tuned = (Path(p) for p in pair.split(":"))
-        print(f"{search.parent.name}/{search.name} <- {tuned.parent.name}/{tuned.name}")
-        chosen = None
-        for s in FORMS[form]:
-            sim.STRETCH = s
-            cal, rows = refitted(search, tuned)
-            probes = statistics.mean(abs(r["ratio"] - 1) for r in cal.residuals())
-            o = cal.overheads
-            print(f"  stretch {s:4.2f}: probes {100 * probes:4.1f}% | per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, "
-                  f"per ZeRO-1/2 bucket {1e3 * o.per_zero_bucket_s:.2f} ms | trials {summary(rows).splitlines()[0]}")
-            if chosen is None or probes < chosen[0] - 1e-4:
-                chosen = (probes, s)
-        print(f"  the probes choose {chosen[1]}")
+
+    def set_stretch(s: float) -> None:
+        sim.STRETCH = s
+
+    def line(s: float, probes: float, cal, rows: list[dict]) -> str:
+        o = cal.overheads
+        return (f"stretch {s:4.2f}: probes {100 * probes:4.1f}% | per DDP bucket {1e3 * o.per_bucket_s:.2f} ms, "
+                f"per ZeRO-1/2 bucket {1e3 * o.per_zero_bucket_s:.2f} ms | trials {summary(rows).splitlines()[0]}")
+
+    probes_choose(sys.argv[1:], FORMS[form], set_stretch, line)
 
 
 if __name__ == "__main__":
