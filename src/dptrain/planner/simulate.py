@@ -354,8 +354,8 @@ def _rounds_share(setup: Setup, network: Network) -> float:
     against the world's, ``(g - 1) / (N - 1)``.
 
     The per-collective terms are fitted to probes whose collectives mostly span the world. On the emulated
-    2 x 2 cluster hybrid sharding's groups were over-predicted by up to 19% while charged a whole world's
-    collective each; charged their rounds' share, the mean error of each of ten calibrations over three link
+    2 x 2 cluster hybrid sharding's groups were over-predicted (by up to 19% at 10 Gbit/s, 43% at 1) while
+    charged a whole world's collective each; charged their rounds' share, the mean error of each of ten calibrations over three link
     rates fell (docs/tune.md, the tenth pass). A group of 2 spanning two hosts (4 x 1) is
     charged in full: scaled there too, the predictions got worse (the sixth pass), so the share follows
     where the group runs, not only its size.
