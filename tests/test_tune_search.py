@@ -321,3 +321,18 @@ def test_a_calibration_that_fails_on_the_machine_ends_dptrain_tune_with_one_line
     assert stopped.value.code == 1 and "Traceback" not in err
     assert "the calibration failed: the probe job stopped in probe3: exit 1: RuntimeError: gloo broke" in err
     assert f"kept in {tmp_path / 'out' / 'calibration'}" in err
+
+    # given a calibration, the model's own profile job is the one that can fail outside the trials' rows
+    import dptrain.tune.tuner as tuner_module
+    from dptrain.comm.cost import Link
+
+    def profile_failed(*args, **kwargs):
+        raise TrialFailed("the probe -m dptrain.tune.compute_probe exited with 1: MemoryError: x")
+
+    monkeypatch.setattr(tuner_module, "tune", profile_failed)
+    given = Calibration("a test machine", "2026-12-07", 1, 2, "gloo", False, Link(1e-4, 1e9), Link(1e-4, 1e9))
+    with pytest.raises(SystemExit) as stopped:
+        _run(TestMachine(lambda args: (0, "")), None, [], space, given, tmp_path / "out2", {}, TuneOptions(), {})
+    err = capsys.readouterr().err
+    assert stopped.value.code == 1 and "Traceback" not in err
+    assert "compute_probe exited with 1: MemoryError: x" in err and f"kept in {tmp_path / 'out2'}" in err

@@ -224,7 +224,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
             try:
                 calibration = calibrate(machine, out / "calibration", timeout=opts.timeout, **probes,
                                         log=lambda line: click.echo("  " + line, err=True), models=[request])
-            except (TrialFailed, RuntimeError) as e:  # a job that failed on the machine, not bad input: exit 1
+            except TrialFailed as e:  # a job that failed on the machine, not bad input: exit 1
                 click.echo(f"dptrain tune: the calibration failed: {e}. What it measured is kept in "
                            f"{out / 'calibration'}; give another --out to try again", err=True)
                 sys.exit(1)
@@ -239,7 +239,13 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
                                 + (f" {row.measured_s * 1e3:.0f} ms" if row.measured_s else ""))
             bar.update(done - bar.n)
 
-        tuned = tune(machine, config_path, extra, space, calibration, out, opts, progress, profiles)
+        try:  # a failed trial is a row of the table; what fails here is the model's own profile job
+            tuned = tune(machine, config_path, extra, space, calibration, out, opts, progress, profiles)
+        except TrialFailed as e:
+            bar.close()
+            click.echo(f"dptrain tune: {e}. What it measured is kept in {out}; give another --out to try again",
+                       err=True)
+            sys.exit(1)
         bar.close()
     tuned.seconds["calibration"] = calibrated
     best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, options)

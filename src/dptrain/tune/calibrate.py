@@ -49,7 +49,7 @@ from dptrain.tune.compute_probe import profile_from_dict
 from dptrain.tune.machine import JOB_ERRORS, Machine, where_kept
 from dptrain.tune.probe_length import PROBE_EXTRA, PROBE_ROUNDS, PROBE_STEPS, PROBE_WARMUP, unsettled
 from dptrain.tune.probe_runs import run_probes
-from dptrain.tune.search import Measured
+from dptrain.tune.search import Measured, TrialFailed
 from dptrain.tune.space import CODEC_RATIO
 from dptrain.tune.trials import run_trial, write_config
 
@@ -129,11 +129,11 @@ def fit_probe(probe: dict, kinds: tuple[str, ...]) -> Link:
 
 
 def _probe_job(machine: Machine, args: list[str], timeout: float, errors: Path) -> None:
-    """Run the measuring job ``args`` on ``machine``; a RuntimeError naming it and its exit where it fails, its whole
-    error output kept in ``errors``."""
+    """Run the measuring job ``args`` on ``machine``; a :class:`~dptrain.tune.search.TrialFailed` naming it and its
+    exit where it fails, its whole error output kept in ``errors``."""
     code, tail = machine.job(args, timeout, errors=errors)
     if code != 0:
-        raise RuntimeError(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else "")
+        raise TrialFailed(f"the probe {' '.join(args[:2])} exited with {code}" + (f": {tail}" if tail else "")
                            + where_kept(errors))
 
 

@@ -15,6 +15,11 @@ dptrain.run`` once its exit stopped walking the objects its imports made
 worker must do at its end is done first (:func:`finish_interpreter`): its non-daemon
 threads joined, its atexit handlers run (logging's flush, trackers' finish), every file
 it left open flushed; then the process ends without the teardown.
+
+Ending at once has one more consequence: where rank 0's process serves the job's store (torchrun's agents
+not sharing theirs, as under ``dptrain cluster``), the store ends with it, so a worker that still uses the
+store after its last collective must have rank 0 wait for it ([Note: rank 0 leaves last] in
+:mod:`dptrain.tune.probe_runs`, the one that does).
 """
 
 from __future__ import annotations
