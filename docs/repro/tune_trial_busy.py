@@ -7,10 +7,11 @@ compute, exposed communication and the link's busy time (``comm_busy_ms``: from 
 and the bytes a rank sent. Nothing is run.
 """
 
-import json
 import statistics
 import sys
 from pathlib import Path
+
+from dptrain.pages.plots import read_metrics
 
 WARMUP = 4
 
@@ -19,14 +20,7 @@ def main() -> None:
     for search in map(Path, sys.argv[1:]):
         print(search)
         for run in sorted(search.glob("trials/*-ddp_*/run/metrics.jsonl")):
-            records = []
-            for line in run.read_text().splitlines():
-                try:
-                    r = json.loads(line)
-                except json.JSONDecodeError:  # a torn last line
-                    continue
-                if r.get("kind") == "train" and r["step"] > WARMUP:
-                    records.append(r)
+            records = [r for r in read_metrics(run)[0] if r.get("kind") == "train" and r["step"] > WARMUP]
             if not records:
                 continue
 
