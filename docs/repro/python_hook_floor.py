@@ -1,0 +1,113 @@
+"""What one Python call per bucket costs inside torch's own reducer: the floor of any Python reducer
+(docs/benchmarks.md, "The price of Python per bucket, measured in torch's reducer").
+
+torch's ``DistributedDataParallel`` runs each bucket's communication through a comm hook: its
+built-in ``ALLREDUCE`` hook is C++ (divide the bucket by the world size, all-reduce it), and a
+registered Python hook is called from the C++ reducer with the GIL taken. The same reducer with
+the same work in a C++ hook and in a Python one differs only by the Python call per bucket, made
+at the point in backward where dptrain's Python hooks run (right after a bucket's gradients
+passed through the cache). Variants, on issue 38's feed-forward MLP (width 512, depth 8, 16.8M
+parameters), forward and backward only, rounds in an order rotated every round:
+
+- ``floor``: no DDP;
+- ``torch``: torch's DDP as it comes (C++, the division fused into the copy in);
+- ``torch, C++ hook``: torch's DDP with the built-in ``ALLREDUCE`` comm hook;
+- ``torch, Python hook``: torch's DDP with a Python hook doing the same two operations
+  (``buffer.div_``, the process group's ``allreduce``) and nothing else;
+- ``dptrain``: dptrain's DDP.
+
+Per cap, the median step of each and the medians (90% bootstrap intervals) of per-round ratios:
+Python hook / C++ hook (the price of the Python call alone), dptrain / torch, dptrain / Python
+hook (what dptrain's bookkeeping costs beyond the minimal Python hook).
+
+    python docs/repro/python_hook_floor.py [WORLD_SIZE] [ROUNDS]     # defaults 2 and 12
+"""
+
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from dptrain.bench.ddp_models import build_model
+from dptrain.bench.stats import bootstrap_ci
+from dptrain.ddp import DistributedDataParallel
+from dptrain.testing import run_on_ranks
+
+VARIANTS = ("floor", "torch", "torch, C++ hook", "torch, Python hook", "dptrain")
+CAPS = (1.0, 4.0, 25.0)
+STEPS = 3
+
+
+def _python_allreduce(state: tuple[dist.ProcessGroup, float], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """The built-in ALLREDUCE hook's two operations, in Python: divide, then all-reduce."""
+    group, size = state
+    buffer = bucket.buffer()
+    buffer.div_(size)
+    return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
+
+def _build(variant: str, cap: float) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = build_model(512, 8, "mlp-ffn")
+    if variant == "floor":
+        return model
+    if variant == "dptrain":
+        return DistributedDataParallel(model, bucket_cap_mb=cap)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+    if variant == "torch, C++ hook":
+        ddp._register_builtin_comm_hook(dist.BuiltinCommHookType.ALLREDUCE)
+    elif variant == "torch, Python hook":
+        group = dist.group.WORLD
+        ddp.register_comm_hook((group, float(dist.get_world_size(group))), _python_allreduce)
+    return ddp
+
+
+def _rank(rank: int, world_size: int, rounds: int) -> dict:
+    torch.set_num_threads(1)
+    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    for cap in CAPS:
+        models = {v: _build(v, cap) for v in VARIANTS}
+        for m in models.values():
+            for _ in range(3):
+                m(x).sum().backward()
+        times = {v: [] for v in VARIANTS}
+        for r in range(rounds):
+            shift = r % len(VARIANTS)
+            for v in VARIANTS[shift:] + VARIANTS[:shift]:
+                dist.barrier()
+                t0 = time.perf_counter()
+                for _ in range(STEPS):
+                    models[v](x).sum().backward()
+                times[v].append((time.perf_counter() - t0) / STEPS)
+        out[cap] = times
+    return out
+
+
+def _ratio(a: list[float], b: list[float]) -> str:
+    per_round = [x / y for x, y in zip(a, b, strict=True)]
+    low, high = bootstrap_ci(per_round)
+    return f"{statistics.median(per_round):.3f} ({low:.3f}-{high:.3f})"
+
+
+def main() -> None:
+    world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 12
+    per_rank = run_on_ranks(_rank, world_size, rounds, timeout=3600)
+    print(f"{world_size} rank(s), {rounds} rounds x {STEPS} forward-backward steps per variant, torch "
+          f"{torch.__version__}; ms per step (the slowest rank's)\n")
+    print("| cap MiB | " + " | ".join(VARIANTS) + " | Python hook / C++ hook | dptrain / torch | "
+          "dptrain / Python hook |")
+    print("|---:|" + "---:|" * (len(VARIANTS) + 3))
+    for cap in CAPS:
+        slowest = {v: [max(r[cap][v][i] for r in per_rank) for i in range(rounds)] for v in VARIANTS}
+        steps = " | ".join(f"{1e3 * statistics.median(slowest[v]):.1f}" for v in VARIANTS)
+        print(f"| {cap:g} | {steps} | {_ratio(slowest['torch, Python hook'], slowest['torch, C++ hook'])} | "
+              f"{_ratio(slowest['dptrain'], slowest['torch'])} | "
+              f"{_ratio(slowest['dptrain'], slowest['torch, Python hook'])} |")
+
+
+if __name__ == "__main__":
+    main()
