@@ -7,7 +7,7 @@ registered Python hook is called from the C++ reducer with the GIL taken. The sa
 the same work in a C++ hook and in a Python one differs only by the Python call per bucket, made
 at the point in backward where dptrain's Python hooks run (right after a bucket's gradients
 passed through the cache). Variants, on issue 38's feed-forward MLP (width 512, depth 8, 16.8M
-parameters), forward and backward only, rounds in an order rotated every round:
+parameters; or the model named), forward and backward only, rounds in an order rotated every round:
 
 - ``floor``: no DDP;
 - ``torch``: torch's DDP as it comes (C++, the division fused into the copy in);
@@ -20,7 +20,7 @@ Per cap, the median step of each and the medians (90% bootstrap intervals) of pe
 Python hook / C++ hook (the price of the Python call alone), dptrain / torch, dptrain / Python
 hook (what dptrain's bookkeeping costs beyond the minimal Python hook).
 
-    python docs/repro/python_hook_floor.py [WORLD_SIZE] [ROUNDS]     # defaults 2 and 12
+    python docs/repro/python_hook_floor.py [WORLD_SIZE] [ROUNDS] [MODEL WIDTH DEPTH]   # defaults 2, 12, mlp-ffn 512 8
 """
 
 import statistics
@@ -48,9 +48,10 @@ def _python_allreduce(state: tuple[dist.ProcessGroup, float], bucket: dist.GradB
     return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(lambda fut: fut.value()[0])
 
 
-def _build(variant: str, cap: float) -> torch.nn.Module:
+def _build(variant: str, cap: float, shape: tuple[str, int, int]) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = build_model(512, 8, "mlp-ffn")
+    kind, width, depth = shape
+    model = build_model(width, depth, kind)
     if variant == "floor":
         return model
     if variant == "dptrain":
@@ -64,12 +65,12 @@ def _build(variant: str, cap: float) -> torch.nn.Module:
     return ddp
 
 
-def _rank(rank: int, world_size: int, rounds: int) -> dict:
+def _rank(rank: int, world_size: int, rounds: int, shape: tuple[str, int, int]) -> dict:
     torch.set_num_threads(1)
-    x = torch.randn(32, 512, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(32, shape[1], generator=torch.Generator().manual_seed(rank))
     out = {}
     for cap in CAPS:
-        models = {v: _build(v, cap) for v in VARIANTS}
+        models = {v: _build(v, cap, shape) for v in VARIANTS}
         for m in models.values():
             for _ in range(3):
                 m(x).sum().backward()
@@ -95,8 +96,10 @@ def _ratio(a: list[float], b: list[float]) -> str:
 def main() -> None:
     world_size = int(sys.argv[1]) if len(sys.argv) > 1 else 2
     rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 12
-    per_rank = run_on_ranks(_rank, world_size, rounds, timeout=3600)
-    print(f"{world_size} rank(s), {rounds} rounds x {STEPS} forward-backward steps per variant, torch "
+    shape = (sys.argv[3], int(sys.argv[4]), int(sys.argv[5])) if len(sys.argv) > 5 else ("mlp-ffn", 512, 8)
+    per_rank = run_on_ranks(_rank, world_size, rounds, shape, timeout=3600)
+    params = sum(p.numel() for p in build_model(shape[1], shape[2], shape[0]).parameters())
+    print(f"{shape[0]} width {shape[1]} depth {shape[2]} ({params / 1e6:.1f}M parameters), {world_size} rank(s), {rounds} rounds x {STEPS} forward-backward steps per variant, torch "
           f"{torch.__version__}; ms per step (the slowest rank's)\n")
     print("| cap MiB | " + " | ".join(VARIANTS) + " | Python hook / C++ hook | dptrain / torch | "
           "dptrain / Python hook |")
