@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from dptrain.bench.ddp_models import build_model
-from dptrain.bench.stats import bootstrap_ci
+from dptrain.bench.stats import paired_ratios
 from dptrain.ddp import DistributedDataParallel
 from dptrain.testing import run_on_ranks
 
@@ -88,9 +88,8 @@ def _rank(rank: int, world_size: int, rounds: int, shape: tuple[str, int, int]) 
 
 
 def _ratio(a: list[float], b: list[float]) -> str:
-    per_round = [x / y for x, y in zip(a, b, strict=True)]
-    low, high = bootstrap_ci(per_round)
-    return f"{statistics.median(per_round):.3f} ({low:.3f}-{high:.3f})"
+    r = paired_ratios([[x] for x in a], [[y] for y in b])
+    return f"{r['median']:.3f} ({r['ci90'][0]:.3f}-{r['ci90'][1]:.3f})"
 
 
 def main() -> None:

@@ -6,6 +6,7 @@ import math
 import sys
 import tempfile
 from pathlib import Path
+from typing import NoReturn
 
 import click
 
@@ -203,6 +204,12 @@ def _check_out(out: Path) -> None:
                                  "--out") from None
 
 
+def _failed_on_machine(why: str, kept: Path) -> NoReturn:
+    """A measuring job failed on the machine (not bad input): one line, exit 1."""
+    click.echo(f"dptrain tune: {why}. What it measured is kept in {kept}; give another --out to try again", err=True)
+    sys.exit(1)
+
+
 def _run(machine, config_path, extra, space, calibration, out: Path, options, opts, probes: dict[str, int]) -> None:
     import time
 
@@ -225,9 +232,7 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
                 calibration = calibrate(machine, out / "calibration", timeout=opts.timeout, **probes,
                                         log=lambda line: click.echo("  " + line, err=True), models=[request])
             except TrialFailed as e:  # a job that failed on the machine, not bad input: exit 1
-                click.echo(f"dptrain tune: the calibration failed: {e}. What it measured is kept in "
-                           f"{out / 'calibration'}; give another --out to try again", err=True)
-                sys.exit(1)
+                _failed_on_machine(f"the calibration failed: {e}", out / "calibration")
             profiles = read_profiles(request[2])
         calibration.save(out / "calibration.json")
         calibrated = time.perf_counter() - t0
@@ -242,11 +247,9 @@ def _run(machine, config_path, extra, space, calibration, out: Path, options, op
         try:  # a failed trial is a row of the table; what fails here is the model's own profile job
             tuned = tune(machine, config_path, extra, space, calibration, out, opts, progress, profiles)
         except TrialFailed as e:
+            _failed_on_machine(str(e), out)
+        finally:
             bar.close()
-            click.echo(f"dptrain tune: {e}. What it measured is kept in {out}; give another --out to try again",
-                       err=True)
-            sys.exit(1)
-        bar.close()
     tuned.seconds["calibration"] = calibrated
     best_toml = write_outputs(tuned, machine, calibration, config_path, extra, out, options)
     click.echo(tables(tuned.result))
