@@ -274,6 +274,14 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     assert inside.features[2] == pytest.approx(shard_calls / 3) and shard_calls == hy.features[2]
     world = simulate_step(model, Setup("zero2", 4), prof, two_by_two)
     assert world.features[2] == len(world.collectives)
+    # the bytes on the network: a pair inside a host sends none across, its replica all-reduces do; on one host
+    # (NET's pairs span two hosts; one_host's world is in one) every collective's bytes count
+    across = sum(c.nbytes for c in inside.collectives if c.name.startswith("all_reduce"))
+    assert 0 < inside.features[5] == across < sum(c.nbytes for c in inside.collectives)
+    assert world.features[5] == sum(c.nbytes for c in world.collectives)
+    one_host = simulate_step(model, Setup("zero2", 4, shard_size=2), prof,
+                             Network("1x4", LINK, LINK, 4, "hand-made"))
+    assert one_host.features[5] == sum(c.nbytes for c in one_host.collectives)
     # a codec: every bucket coded, the bytes before encoding (the wire's are half)
     coded = simulate_step(model, setup, prof, NET, compression=2, overheads=Overheads(per_coded_bucket_s=1e-4,
                                                                                       coded_s_per_byte=1e-10))

@@ -43,7 +43,8 @@ from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["ProbeRun", "Calibration", "fit_overheads", "unidentified", "CalibrationError"]
 
-VERSION = 3  # 2: ten terms (ZeRO-1/2 apart from ZeRO-3, the micro-steps); 3: twelve (a codec's buckets)
+VERSION = 4  # 2: ten terms (ZeRO-1/2 apart from ZeRO-3, the micro-steps); 3: twelve (a codec's buckets); 4: per byte
+# communicated, the bytes that cross hosts (hybrid sharding's inside a host no longer)
 
 
 class CalibrationError(ValueError):

@@ -38,8 +38,8 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   collective (the work on the compute thread around each collective: launch, wait,
   copies), per micro-step that accumulates without reducing (and per byte it adds into
   a buffer of the engine's own), per bucket a gradient codec reduces (and per byte it
-  encodes), and the computation slowed by the bytes communicated
-  beside it (gloo's TCP copies take the cores compute runs on). Added to the step after
+  encodes), per byte on the network (that crosses hosts; on one host, every collective's),
+  and the computation slowed by the bytes communicated beside it (gloo's TCP copies take the cores compute runs on). Added to the step after
   the timeline; zero by default.
 
 Compute comes from a :class:`ComputeProfile`: measured on the real model
@@ -164,9 +164,11 @@ class Overheads:
     over at 25 MiB and 0.75-0.85 under at 1 MiB); ``contention_s_per_byte``:
     compute delayed per byte of a collective that runs while the device computes (a
     CPU backend's copies share the cores with compute; near zero where a NIC and NCCL's
-    kernels do the work); ``comm_s_per_byte``: per byte of every collective, wherever it
-    runs (the copies into and out of the buckets and flat buffers, the casts, a CPU
-    backend's own work); ``state_s_per_byte``: per
+    kernels do the work); ``comm_s_per_byte``: per byte of the collectives that cross
+    hosts, or on one host of every collective (what the network's link costs a training
+    run beyond what its probe's timed collectives cost: the copies into and out of the
+    buckets and flat buffers, a CPU backend's own work, the link's rate under a run's
+    traffic); ``state_s_per_byte``: per
     byte of the parameters the rank steps (the step's passes over every gradient that a
     bare forward-backward-step does not make: the gradient norm for clipping and the
     divergence checks, zeroing, the engine's copies); ``compute_slowdown``: the share by
@@ -342,7 +344,8 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     features = _features(log, len(shard_link.log) * _rounds_share(setup, network), windows, setup.stage,
                          full / (setup.shards if setup.stage else 1),
                          accum * (F + B) + O, accum, full if own_buffer else 0.0,
-                         full if compression > 1 else 0.0)  # a codec encodes and decodes even alone
+                         full if compression > 1 else 0.0,  # a codec encodes and decodes even alone
+                         _network_bytes(setup, network, shard_link, replica_link))
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
@@ -366,13 +369,34 @@ def _rounds_share(setup: Setup, network: Network) -> float:
     return 1.0
 
 
+def _network_bytes(setup: Setup, network: Network, shard_link: _Link, replica_link: _Link | None) -> float:
+    """The bytes of this rank's collectives that cross hosts: the shard group's where it spans several hosts,
+    hybrid sharding's replica all-reduces (their ranks are a shard group apart, on other hosts); on one host,
+    every collective's (its one link is the job's network).
+
+    What ``comm_s_per_byte`` multiplies. Charged per byte of every collective, hybrid sharding on the emulated
+    2 x 2 cluster at 100 Mbit/s was over-predicted in every row (1.04-1.27 in six calibrations), plain ZeRO under:
+    the fitted term (3 ns a byte) was the cross-host link's rate in training runs below the link probe's (0.91-0.95
+    of the line against 0.995, ``docs/repro/cross_host_flows.py``), and hybrid sharding's bytes inside a host,
+    twice its bytes across, paid it too. Charged so, the six calibrations' mean errors fell from 3.7-8.0% to
+    1.6-2.0% (docs/tune.md, the twelfth pass).
+    """
+    if setup.world_size <= network.per_node:
+        links = [shard_link, replica_link]
+    else:
+        links = [replica_link] + ([shard_link] if -(-setup.shards // network.per_node) > 1 else [])
+    return float(sum(c.nbytes for link in links if link is not None for c in link.log))
+
+
 def _features(log: list[Collective], calls: float, windows: list[tuple[float, float]], stage: int,
               stepped_bytes: float, compute_s: float, accum: int = 1,
-              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0) -> tuple[float, ...]:
+              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0,
+              network_bytes: float | None = None) -> tuple[float, ...]:
     """What :class:`Overheads`' terms multiply: 1 step; ``calls``, the collectives of the shard group (DDP's
     all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters, each counted by :func:`_rounds_share`; hybrid
     sharding's replica all-reduces run on a thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
-    collective's bytes times the share of its time inside a window); every collective's bytes; the bytes of the
+    collective's bytes times the share of its time inside a window); the bytes that cross hosts (``network_bytes``,
+    :func:`_network_bytes`; by default every collective's); the bytes of the
     parameters this rank steps; the profile's compute seconds; the micro-steps that accumulate without reducing,
     and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each); the buckets a
     codec reduces and their bytes before encoding (``coded_bytes``: none without a codec)."""
@@ -384,7 +408,8 @@ def _features(log: list[Collective], calls: float, windows: list[tuple[float, fl
             overlapped += c.nbytes * inside / span
     count = float(calls)
     return (1.0, count if stage == 0 else 0.0, count if stage in (1, 2) else 0.0, count if stage == 3 else 0.0,
-            overlapped, float(sum(c.nbytes for c in log)), float(stepped_bytes), float(compute_s),
+            overlapped, float(sum(c.nbytes for c in log) if network_bytes is None else network_bytes),
+            float(stepped_bytes), float(compute_s),
             float(accum - 1), float((accum - 1) * accumulated_bytes),
             count if coded_bytes else 0.0, float(coded_bytes))
 
