@@ -371,14 +371,15 @@ def _rounds_share(setup: Setup, network: Network) -> float:
 
 def _network_bytes(setup: Setup, network: Network, shard_link: _Link, replica_link: _Link | None) -> float:
     """The bytes of this rank's collectives that cross hosts: the shard group's where it spans several hosts,
-    hybrid sharding's replica all-reduces (their ranks are a shard group apart, on other hosts); on one host,
-    every collective's (its one link is the job's network).
+    hybrid sharding's replica all-reduces (their ranks a shard group apart, spanning the hosts); on one host,
+    every collective's (its one link is the job's network). Bytes as :class:`Collective` counts them: the rank's
+    buffer, not what the wire carries.
 
     What ``comm_s_per_byte`` multiplies. Charged per byte of every collective, hybrid sharding on the emulated
-    2 x 2 cluster at 100 Mbit/s was over-predicted in every row (1.04-1.27 in six calibrations), plain ZeRO under:
-    the fitted term (3 ns a byte) was the cross-host link's rate in training runs below the link probe's (0.91-0.95
-    of the line against 0.995, ``docs/repro/cross_host_flows.py``), and hybrid sharding's bytes inside a host,
-    twice its bytes across, paid it too. Charged so, the six calibrations' mean errors fell from 3.7-8.0% to
+    2 x 2 cluster at 100 Mbit/s was over-predicted in every row (1.02-1.27 in six calibrations), plain ZeRO under:
+    the fitted term (3 ns a byte) was mostly the cross-host link's rate in training runs below the link probe's
+    fit (0.90-0.97 of the line against 0.995, ``docs/repro/cross_host_flows.py``), and hybrid sharding's buffers
+    inside a host, four times its buffer across, paid it too. Charged so, the six calibrations' mean errors fell from 3.7-8.0% to
     1.6-2.0% (docs/tune.md, the twelfth pass).
     """
     if setup.world_size <= network.per_node:
