@@ -8,32 +8,23 @@ its compute, the link's busy time, and each overhead term's milliseconds (the te
 commits' ``src`` to see which terms a change to the simulator moves.
 """
 
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_rescore import refitted  # noqa: E402
+from tune_rescore import refitted, searched  # noqa: E402
 
 from dptrain.config import load_config  # noqa: E402
 from dptrain.planner.from_config import setup_for  # noqa: E402
 from dptrain.planner.simulate import Overheads, simulate_step  # noqa: E402
 from dptrain.planner.target import plan_target  # noqa: E402
-from dptrain.tune.compute_probe import profile_from_dict  # noqa: E402
-from dptrain.tune.space import CODEC_RATIO, candidates  # noqa: E402
+from dptrain.tune.space import CODEC_RATIO  # noqa: E402
 from dptrain.tune.tuner import planned_precision  # noqa: E402
 
 
 def main(search: Path, calibrated: Path) -> None:
     cal, _ = refitted(search, calibrated)
-    t = json.loads((search / "tune.json").read_text())
-    o = t["options"]
-    profiles = {int(m): profile_from_dict(p) for m, p in json.loads((search / "profiles.json").read_text()).items()}
-    shards = None if o["shard_sizes"] is None else [int(k) for k in str(o["shard_sizes"]).split(",") if k != "0"]
-    space = candidates(t["world_size"], o["global_batch"], o["strategies"].split(","),
-                       [int(m) for m in o["micro_batches"].split(",")] if o["micro_batches"] else None,
-                       [float(b) for b in o["buckets"].split(",")], shards, o["codecs"].split(","))
-    by_label = {c.label: c for c in space}
+    t, profiles, by_label = searched(search)
     model = plan_target(load_config(search / "model.toml", [])).model
     print("candidate | measured ms | predicted | timeline | compute | link busy | terms (ms)")
     for r in t["rows"]:

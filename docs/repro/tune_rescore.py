@@ -23,7 +23,8 @@ from dptrain.tune.space import candidates
 from dptrain.tune.tuner import predictor
 
 
-def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
+def searched(search_dir: Path) -> tuple[dict, dict, dict]:
+    """A search's tune.json, its compute profiles by micro-batch, and its candidates by label."""
     t = json.loads((search_dir / "tune.json").read_text())
     o = t["options"]
     profiles = {int(m): profile_from_dict(p) for m, p in json.loads((search_dir / "profiles.json").read_text()).items()}
@@ -31,7 +32,11 @@ def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
     space = candidates(t["world_size"], o["global_batch"], o["strategies"].split(","),
                        [int(m) for m in o["micro_batches"].split(",")] if o["micro_batches"] else None,
                        [float(b) for b in o["buckets"].split(",")], shard_sizes, o["codecs"].split(","))
-    by_label = {c.label: c for c in space}
+    return t, profiles, {c.label: c for c in space}
+
+
+def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
+    t, profiles, by_label = searched(search_dir)
     predict = predictor(search_dir / "model.toml", [], t["world_size"], Calibration.load(calibration_path), profiles)
     out = []
     for r in t["rows"]:
