@@ -11,7 +11,8 @@ the patterns the tuner's study runs across hosts:
 - ``world gather``: one all-gather of S bytes over the 4 ranks (3/4 * S per direction), as the link probe times.
 
 Each pattern's seconds are the slowest rank's, medians over rounds whose order rotates; the effective rate is
-the bytes per host link per direction over those seconds, against the link's line rate. If ``pairs`` and ``one
+the bytes per host link per direction over those seconds, against the link's line rate. A second table times
+rank 0 alone, as ``dptrain.tune.link_probe`` does. If ``pairs`` and ``one
 pair, S`` (the same bytes on the link) differ, concurrent flows share a tbf link otherwise than one; if ``world``
 runs slower per byte than ``one pair, S``, the 4-rank ring pays what the cost model's α-β leaves out.
 
@@ -40,6 +41,7 @@ def worker(out: str, rounds: int) -> None:
     pairs = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     mine = pairs[rank % 2]
     seconds: dict[str, dict[int, list[float]]] = {p: {n: [] for n in SIZES} for p in PATTERNS}
+    first: dict[str, dict[int, list[float]]] = {p: {n: [] for n in SIZES} for p in PATTERNS}  # rank 0's own
 
     def run(pattern: str, numel: int) -> None:
         if pattern == "world":
@@ -61,12 +63,15 @@ def worker(out: str, rounds: int) -> None:
                 dist.barrier()
                 t0 = time.perf_counter()
                 run(pattern, numel)
-                took = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-                dist.all_reduce(took, op=dist.ReduceOp.MAX)
-                seconds[pattern][numel].append(took.item())
+                took = torch.zeros(dist.get_world_size(), dtype=torch.float64)
+                took[rank] = time.perf_counter() - t0
+                dist.all_reduce(took)
+                seconds[pattern][numel].append(took.max().item())
+                first[pattern][numel].append(took[0].item())
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({p: {str(n): v for n, v in d.items()} for p, d in seconds.items()}, f)
+            json.dump({name: {p: {str(n): v for n, v in d.items()} for p, d in times.items()}
+                       for name, times in (("slowest", seconds), ("rank 0", first))}, f)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -83,17 +88,19 @@ def main(rate_mbit: float, rounds: int) -> None:
         if code:
             sys.exit(f"the job failed ({code})")
         with open(out) as f:
-            seconds = json.load(f)
+            timed = json.load(f)
     line = rate_mbit * 1e6 / 8
     print(f"2 hosts x 2 ranks, links at {rate_mbit:g} Mbit/s ({line / 1e6:.2f} MB/s), {rounds} rounds; "
-          "seconds: the slowest rank's median; rate: bytes per host link per direction / seconds, of the line rate")
-    print(f"{'pattern':>12} " + " ".join(f"{n * 4 >> 20:>6} MiB: s    rate" for n in SIZES))
-    for pattern in PATTERNS:
-        cells = []
-        for n in SIZES:
-            s = statistics.median(seconds[pattern][str(n)])
-            cells.append(f"{s:>12.3f} {LINK_BYTES[pattern] * n * 4 / s / line:>6.3f}")
-        print(f"{pattern:>12} " + " ".join(cells))
+          "rate: bytes per host link per direction / seconds, of the line rate")
+    for name, seconds in timed.items():
+        print(f"seconds: {name}'s median")
+        print(f"{'pattern':>12} " + " ".join(f"{n * 4 >> 20:>6} MiB: s    rate" for n in SIZES))
+        for pattern in PATTERNS:
+            cells = []
+            for n in SIZES:
+                s = statistics.median(seconds[pattern][str(n)])
+                cells.append(f"{s:>12.3f} {LINK_BYTES[pattern] * n * 4 / s / line:>6.3f}")
+            print(f"{pattern:>12} " + " ".join(cells))
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from tune_rescore import refitted  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench_results"
 PAIRS = [f"{s}:{c}" for s, cs in (
+    ("tune20/space-4x1-0.1-exhaustive", ("tune20/space-4x1-0.1-tuner", "tune20/space-4x1-0.1-exhaustive")),
     ("tune19/space-2x2-0.1-exhaustive", ("tune19/space-2x2-0.1-tuner", "tune19/space-2x2-0.1-exhaustive",
                                          "tune18/space-2x2-0.1-tuner", "tune15/space-2x2-0.1-tuner")),
     ("tune8/space-2x2-0.1-exhaustive", ("tune8/space-2x2-0.1-exhaustive", "tune10/space-2x2-0.1-tuner")),
