@@ -44,6 +44,10 @@ class Network:
     def links(self) -> dict[str, Link]:
         return {"node": self.node, "net": self.net}
 
+    def hosts(self, ranks: int) -> int:
+        """How many hosts ``ranks`` consecutive ranks span (a host holds ``per_node``)."""
+        return -(-ranks // self.per_node)
+
 
 _NVLINK = "NVIDIA datasheets: NVLink {gen}, {total} GB/s per GPU in both directions together"
 PRESETS: dict[str, Network] = {

@@ -41,7 +41,7 @@ def sync_seconds(schedule: SyncSchedule, world_size: int, network: Network) -> l
     between hosts where the ranks span more than one (``network.per_node`` a host), else the one inside."""
     if world_size == 1:
         return [0.0] * len(schedule.parts)
-    link = network.net if -(-world_size // network.per_node) > 1 else network.node
+    link = network.net if network.hosts(world_size) > 1 else network.node
     return [collective_cost("all_reduce", "ring", schedule.wire_bytes(n), 1, world_size).predict({"net": link})
             for n in schedule.parts]
 

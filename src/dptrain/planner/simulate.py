@@ -39,8 +39,8 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   copies), per micro-step that accumulates without reducing (and per byte it adds into
   a buffer of the engine's own), per bucket a gradient codec reduces (and per byte it
   encodes), per byte on the network (that crosses hosts; on one host, every collective's),
-  and the computation slowed by the bytes communicated beside it (gloo's TCP copies take the cores compute runs on). Added to the step after
-  the timeline; zero by default.
+  and the computation slowed by the bytes communicated beside it (gloo's TCP copies take
+  the cores compute runs on). Added to the step after the timeline; zero by default.
 
 Compute comes from a :class:`ComputeProfile`: measured on the real model
 (:func:`measure_profile`: forward, backward and optimizer times, and when each
@@ -345,7 +345,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
                          full / (setup.shards if setup.stage else 1),
                          accum * (F + B) + O, accum, full if own_buffer else 0.0,
                          full if compression > 1 else 0.0,  # a codec encodes and decodes even alone
-                         _network_bytes(setup, network, shard_link, replica_link))
+                         network_bytes=_network_bytes(setup, network, shard_link, replica_link))
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
@@ -364,7 +364,7 @@ def _rounds_share(setup: Setup, network: Network) -> float:
     where the group runs, not only its size.
     """
     g, n = setup.shards, setup.world_size
-    if g < n and -(-g // network.per_node) == 1:
+    if g < n and network.hosts(g) == 1:
         return (g - 1) / (n - 1)
     return 1.0
 
@@ -379,25 +379,22 @@ def _network_bytes(setup: Setup, network: Network, shard_link: _Link, replica_li
     2 x 2 cluster at 100 Mbit/s was over-predicted in every row (1.02-1.27 in six calibrations), plain ZeRO under:
     the fitted term (3 ns a byte) was mostly the cross-host link's rate in training runs below the link probe's
     fit (0.90-0.97 of the line against 0.995, ``docs/repro/cross_host_flows.py``), and hybrid sharding's buffers
-    inside a host, four times its buffer across, paid it too. Charged so, the six calibrations' mean errors fell from 3.7-8.0% to
-    1.6-2.0% (docs/tune.md, the twelfth pass).
+    inside a host, four times its buffer across, paid it too. Charged so, the six calibrations' mean errors fell
+    from 3.7-8.0% to 1.6-2.0% (docs/tune.md, the twelfth pass).
     """
-    if setup.world_size <= network.per_node:
-        links = [shard_link, replica_link]
-    else:
-        links = [replica_link] + ([shard_link] if -(-setup.shards // network.per_node) > 1 else [])
+    one_host = network.hosts(setup.world_size) == 1
+    links = [replica_link] + ([shard_link] if one_host or network.hosts(setup.shards) > 1 else [])
     return float(sum(c.nbytes for link in links if link is not None for c in link.log))
 
 
 def _features(log: list[Collective], calls: float, windows: list[tuple[float, float]], stage: int,
               stepped_bytes: float, compute_s: float, accum: int = 1,
-              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0,
-              network_bytes: float | None = None) -> tuple[float, ...]:
+              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0, *, network_bytes: float) -> tuple[float, ...]:
     """What :class:`Overheads`' terms multiply: 1 step; ``calls``, the collectives of the shard group (DDP's
     all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters, each counted by :func:`_rounds_share`; hybrid
     sharding's replica all-reduces run on a thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
     collective's bytes times the share of its time inside a window); the bytes that cross hosts (``network_bytes``,
-    :func:`_network_bytes`; by default every collective's); the bytes of the
+    :func:`_network_bytes`); the bytes of the
     parameters this rank steps; the profile's compute seconds; the micro-steps that accumulate without reducing,
     and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each); the buckets a
     codec reduces and their bytes before encoding (``coded_bytes``: none without a codec)."""
@@ -409,8 +406,7 @@ def _features(log: list[Collective], calls: float, windows: list[tuple[float, fl
             overlapped += c.nbytes * inside / span
     count = float(calls)
     return (1.0, count if stage == 0 else 0.0, count if stage in (1, 2) else 0.0, count if stage == 3 else 0.0,
-            overlapped, float(sum(c.nbytes for c in log) if network_bytes is None else network_bytes),
-            float(stepped_bytes), float(compute_s),
+            overlapped, float(network_bytes), float(stepped_bytes), float(compute_s),
             float(accum - 1), float((accum - 1) * accumulated_bytes),
             count if coded_bytes else 0.0, float(coded_bytes))
 
@@ -425,7 +421,7 @@ def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard
     host runs its own replica all-reduce at once, so where the hosts' devices share one
     ``net`` link (``network.shared_net``) they divide its bandwidth.
     """
-    hosts = -(-ranks * (1 if shard else setup.shards) // network.per_node)
+    hosts = network.hosts(ranks * (1 if shard else setup.shards))
     if not shard and network.shared_net:
         flows = min(setup.shards, network.per_node)
         net = Link(network.net.alpha, network.net.beta / flows, network.net.gamma, duplex=network.net.duplex)
