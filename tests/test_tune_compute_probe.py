@@ -63,3 +63,33 @@ def test_the_calibrations_one_job_times_the_links_then_profiles_each_model(tmp_p
     assert all(s > 0 for kind in timed["seconds"].values() for s in kind.values())
     profile = json.loads(out.read_text())["2"]
     assert profile["forward_s"] > 0 and profile["backward_s"] > 0 and "2 ranks" in profile["source"]
+
+
+class _SlowClock:
+    """A clock whose every reading is one second after the last: each timed collective lasts exactly 1 s."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        self.now += 1.0
+        return self.now
+
+
+def _probe_with_a_slow_rank(rank: int, world_size: int, out: str) -> None:
+    import types
+
+    import dptrain.tune.link_probe as link_probe
+    if rank == 1:  # this rank reads each collective at 1 s; rank 0 at its real milliseconds
+        link_probe.time = types.SimpleNamespace(perf_counter=_SlowClock().perf_counter)
+    link_probe.time_links(out, reps=3)
+
+
+def test_the_link_probe_writes_the_slowest_ranks_times_not_rank_zeros(tmp_path: Path) -> None:
+    """A ring's ranks finish at different times and a step waits for the last: rank 0 writes, for every size of
+    each collective, the time of the rank that read it slowest (here rank 1's 1 s, not its own milliseconds)."""
+    out = tmp_path / "links.json"
+    run_on_ranks(_probe_with_a_slow_rank, 2, str(out), timeout=120)
+    timed = json.loads(out.read_text())
+    assert timed["timed"] == "slowest rank"
+    assert [s for kind in timed["seconds"].values() for s in kind.values()] == [1.0] * (2 * len(SIZES))
