@@ -158,6 +158,42 @@ def test_hybrid_sharding_keeps_gathers_in_the_host_and_all_reduces_shards_across
     assert hsdp.exposed_s < zero3.exposed_s and hsdp.comm_s < zero3.comm_s / 2
 
 
+def test_hybrid_sharding_across_hosts_is_also_replayed_with_both_groups_taking_turns_on_one_link() -> None:
+    # 4 hosts x 1 rank, hybrid groups of 2: the shard group's collectives and the replica all-reduces leave a rank
+    # over its host's one link. The timeline gives each group a clock of its own; the feature is what one clock for
+    # both adds to the step, and shared_wire's share of it is charged.
+    from dptrain.planner.simulate import Overheads
+
+    model, slow = _model(), Network("4x1", LINK, Link(1e-4, 1e7), 1, "hand-made")  # communication outlasts compute
+    prof, setup = _profile(model), Setup("zero2", 4, shard_size=2)
+    apart = simulate_step(model, setup, prof, slow)
+    turns = apart.features[12]
+    replica = [c for c in apart.collectives if c.name.startswith("all_reduce")]
+    shard = [c for c in apart.collectives if not c.name.startswith("all_reduce")]
+    assert any(r.start_s < s.end_s and s.start_s < r.end_s for r in replica for s in shard)  # apart, they overlap
+    one_wire = simulate_step(model, setup, prof, slow, overheads=Overheads(shared_wire=1.0))
+    assert turns > 0 and one_wire.step_s == pytest.approx(apart.step_s + turns)
+    half = simulate_step(model, setup, prof, slow, overheads=Overheads(shared_wire=0.5))
+    assert half.step_s == pytest.approx(apart.step_s + turns / 2)
+    # where the groups do not share a link: pairs inside a host, plain ZeRO, DDP
+    assert simulate_step(model, setup, prof, Network("2x2", LINK, Link(1e-4, 1e7), 2, "hand-made")).features[12] == 0
+    assert simulate_step(model, Setup("zero2", 4), prof, slow).features[12] == 0
+    assert simulate_step(model, Setup("ddp", 4), prof, slow).features[12] == 0
+
+
+def test_two_link_clocks_on_one_wire_take_turns() -> None:
+    from dptrain.planner.layout import Unit
+    from dptrain.planner.timeline import LinkClock
+
+    unit = Unit(1000, torch.float32, names=("w",))
+    first = LinkClock(lambda kind, u: (1.0, 4000))
+    own, shared = LinkClock(lambda kind, u: (2.0, 2000)), LinkClock(lambda kind, u: (2.0, 2000), wire=first)
+    assert first.run("reduce_scatter", unit, 0, 0.0) == 1.0
+    assert own.run("all_reduce", unit, 0, 0.5) == 2.5  # a link of its own: starts when launched
+    assert shared.run("all_reduce", unit, 0, 0.5) == 3.0  # one wire: after the other group's collective
+    assert first.free == shared.free == 3.0 and first.run("all_gather", unit, 1, 0.0) == 4.0
+
+
 def test_flops_profile_counts_the_forward() -> None:
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 8)).to("meta")
     x = torch.empty(10, 64, device="meta")
@@ -240,7 +276,7 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     assert 0 < bare.features[4] < sum(c.nbytes for c in bare.collectives)  # the overlapped bytes: not all of them
     assert bare.features[6] == 8 * 65_792 * 4  # DDP steps every parameter
     assert bare.features[5] == sum(c.nbytes for c in bare.collectives) and bare.features[7] == pytest.approx(0.31)
-    assert bare.features[8:] == (0.0, 0.0, 0.0, 0.0)  # no micro-step accumulates, no codec
+    assert bare.features[8:] == (0.0, 0.0, 0.0, 0.0, 0.0)  # no micro-step accumulates, no codec, no hybrid groups
     o = Overheads(per_step_s=1e-3, per_bucket_s=1e-4, contention_s_per_byte=1e-9, state_s_per_byte=1e-10,
                   compute_slowdown=0.1, per_micro_step_s=1e-2, micro_step_s_per_byte=1e-11)
     with_o = simulate_step(model, setup, prof, NET, overheads=o)
@@ -256,7 +292,7 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     ddp4 = simulate_step(model, setup, prof, NET, accum=4, overheads=o)
     assert ddp4.features[8:10] == (3.0, 0.0) and ddp4.features[7] == pytest.approx(4 * 0.3 + 0.01)
     z2a = simulate_step(model, Setup("zero2", 4), prof, NET, accum=4, overheads=o)
-    assert z2a.features[8:] == (3.0, 3.0 * bare.features[6], 0.0, 0.0)
+    assert z2a.features[8:12] == (3.0, 3.0 * bare.features[6], 0.0, 0.0)
     z1a = simulate_step(model, Setup("zero1", 4), prof, NET, accum=4)  # fp32 ZeRO-1 accumulates in place
     assert z1a.features[8:10] == (3.0, 0.0)
     z1bf = simulate_step(model, Setup("zero1", 4, precision="bf16"), prof, NET, accum=4)  # into fp32 of its own
@@ -285,10 +321,10 @@ def test_calibrated_overheads_add_their_terms_times_the_step_s_features() -> Non
     # a codec: every bucket coded, the bytes before encoding (the wire's are half)
     coded = simulate_step(model, setup, prof, NET, compression=2, overheads=Overheads(per_coded_bucket_s=1e-4,
                                                                                       coded_s_per_byte=1e-10))
-    assert coded.features[10:] == (n, bare.features[6]) and coded.features[5] == pytest.approx(bare.features[5] / 2)
+    assert coded.features[10:12] == (n, bare.features[6]) and coded.features[5] == pytest.approx(bare.features[5] / 2)
     assert coded.overhead_s == pytest.approx(n * 1e-4 + 1e-10 * bare.features[6])
     alone = simulate_step(model, Setup("ddp", 1, bucket_cap_mb=0.2), prof, NET, compression=2)
-    assert alone.features[10:] == (n, bare.features[6])  # one rank still encodes and decodes every bucket
+    assert alone.features[10:12] == (n, bare.features[6])  # one rank still encodes and decodes every bucket
     z2o = simulate_step(model, Setup("zero2", 4), prof, NET, overheads=o)
     extra = z2a.overhead_s - z2o.overhead_s - 0.1 * 3 * 0.3 - 1e-9 * (z2a.features[4] - z2o.features[4])
     assert extra == pytest.approx(3e-2 + 3e-11 * bare.features[6])

@@ -169,6 +169,7 @@ def _probes(true: Overheads, count: int, seed: int = 0, unprobed: tuple[int, ...
                     float(rng.uniform(0.01, 0.3)), accum, accum * float(rng.uniform(1e6, 3e7))]
         coded = float(rng.integers(0, 2)) * float(rng.integers(1, 30))  # buckets a codec reduces, or none
         features += [coded, coded * float(rng.uniform(2e5, 3e6))]
+        features.append(float(rng.integers(0, 2)) * float(rng.uniform(0.01, 0.5)))  # hybrid's turns on one link
         for k in unprobed:
             features[k] = 0.0
         timeline = float(rng.uniform(0.02, 0.2))
@@ -178,18 +179,18 @@ def _probes(true: Overheads, count: int, seed: int = 0, unprobed: tuple[int, ...
 
 
 def test_the_overheads_fit_recovers_known_terms_and_never_goes_negative() -> None:
-    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10, 2e-4, 4e-10)
+    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10, 2e-4, 4e-10, 0.6)
     probes = _probes(true, 24)
     assert unidentified(probes) == []
     fitted = fit_overheads(probes)
     assert fitted.terms() == pytest.approx(true.terms(), rel=1e-6, abs=1e-12)
     # residuals that a term could only explain with a negative value leave it at zero
     fast = [ProbeRun("p", 0.9 * p.timeline_s, p.timeline_s, p.features) for p in probes]
-    assert fit_overheads(fast).terms() == (0.0,) * 12
+    assert fit_overheads(fast).terms() == (0.0,) * 13
 
 
 def test_a_term_the_probes_cannot_tell_apart_is_named_and_held_at_zero_not_fitted_to_noise() -> None:
-    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10, 2e-4, 4e-10)
+    true = Overheads(2e-3, 5e-4, 3e-4, 1e-3, 1e-9, 0.0, 3e-10, 0.15, 4e-3, 2e-10, 2e-4, 4e-10, 0.6)
     # no probe accumulates or runs a codec: those four terms are not exercised; the rest are still recovered
     probes = _probes(true, 24, unprobed=(8, 9, 10, 11))
     unprobed = ["per_micro_step_s", "micro_step_s_per_byte", "per_coded_bucket_s", "coded_s_per_byte"]
@@ -211,7 +212,7 @@ def test_a_calibration_round_trips_and_a_damaged_one_is_named(tmp_path) -> None:
 
     cal = Calibration("the emulated cluster", "2026-11-28", 2, 2, "gloo", True, Link(1e-3, 1e9), Link(2e-4, 1.2e8),
                       Overheads(1e-3, 2e-4, 0.0, 3e-4, 4e-10, 5e-10, 6e-10, 0.1),
-                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 0.0, 1e6, 0.0, 1e6, 0.05, 0.0, 0.0, 0.0, 0.0))])
+                      [ProbeRun("ddp", 0.1, 0.08, (1.0, 2.0, 0.0, 0.0, 1e6, 0.0, 1e6, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0))])
     path = tmp_path / "calibration.json"
     cal.save(path)
     back = Calibration.load(path)
@@ -225,9 +226,9 @@ def test_a_calibration_round_trips_and_a_damaged_one_is_named(tmp_path) -> None:
     d["overheads"]["per_step_s"] = 1e-3
     d["probes"][0]["features"] = d["probes"][0]["features"][:10]  # a probe of fewer terms
     path.write_text(json.dumps(d))
-    with pytest.raises(CalibrationError, match="damaged.*10 features, not 12"):
+    with pytest.raises(CalibrationError, match="damaged.*10 features, not 13"):
         Calibration.load(path)
-    path.write_text('{"version": 2}')  # ten terms, before the codec's: not read as if it had twelve
+    path.write_text('{"version": 2}')  # ten terms, before the codec's: not read as if it had thirteen
     with pytest.raises(CalibrationError, match="version 2.*measure a new one"):
         Calibration.load(path)
     path.write_text('{"version": 99}')
@@ -336,3 +337,16 @@ def test_a_calibration_that_fails_on_the_machine_ends_dptrain_tune_with_one_line
     err = capsys.readouterr().err
     assert stopped.value.code == 1 and "Traceback" not in err
     assert "compute_probe exited with 1: MemoryError: x" in err and f"kept in {tmp_path / 'out2'}" in err
+
+
+def test_the_probes_run_hybrid_sharding_wherever_the_cluster_allows_a_shard_group_of_several_hosts_or_one() -> None:
+    from dptrain.tune.calibrate import probe_variants
+
+    def hybrid(world: int, per_host: int) -> set[str]:
+        return {o for variant, overrides in probe_variants(world, per_host).items() if "/hybrid" in variant
+                for o in overrides if o.startswith("zero.shard_size=")}
+
+    assert hybrid(4, 2) == {"zero.shard_size=2"}  # a shard group per host
+    assert hybrid(8, 4) == {"zero.shard_size=4"}
+    assert hybrid(4, 1) == hybrid(8, 1) == {"zero.shard_size=2"}  # one rank per host: pairs across hosts
+    assert hybrid(2, 1) == hybrid(3, 1) == hybrid(4, 4) == set()  # no replicate group of 2, or no second host

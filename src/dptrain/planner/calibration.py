@@ -3,18 +3,19 @@
 The α-β model of a collective prices the link; a real step also pays for what runs on
 the compute thread around each collective and for communication that shares the cores
 with compute, and the run's compute is slower than the bare model's. Those are
-:class:`~dptrain.planner.simulate.Overheads`' twelve terms: a fixed time per step, per
+:class:`~dptrain.planner.simulate.Overheads`' thirteen terms: a fixed time per step, per
 DDP bucket, per ZeRO-1/2 bucket, per ZeRO-3 unit collective, per byte communicated
 while the device computes, per byte communicated at all, per byte of the parameters a
 rank steps, a share of the profiled compute, per micro-step that accumulates
 without reducing (fixed, and per byte accumulated into a buffer of the engine's own),
-and per bucket a gradient codec reduces (fixed, and per byte it encodes).
+and per bucket a gradient codec reduces (fixed, and per byte it encodes), and the share of
+the time hybrid sharding's two groups would lose taking turns on one link where both cross hosts.
 :func:`fit_overheads` fits them to probe runs, each a measured step time beside the
 simulator's timeline for the same run without overheads
 (:attr:`~dptrain.planner.simulate.StepPrediction.features`): non-negative least squares
 on the residuals (measured - timeline), relative to the measured step so that a short
-step counts as much as a long one. Twelve unknowns, solved exactly by trying every
-subset of terms held at zero (4,096 small least-squares problems) and keeping the best with no
+step counts as much as a long one. Thirteen unknowns, solved exactly by trying every
+subset of terms held at zero (8,192 small least-squares problems) and keeping the best with no
 negative term, as Lawson and Hanson's active-set NNLS would find. A term the probes
 cannot tell apart (its feature zero in every probe, or all but 5% of it a combination of
 the earlier terms' features) is not fitted but held at zero and named
@@ -43,8 +44,9 @@ from dptrain.utils.atomic import write_text_atomic
 
 __all__ = ["ProbeRun", "Calibration", "fit_overheads", "unidentified", "CalibrationError"]
 
-VERSION = 4  # 2: ten terms (ZeRO-1/2 apart from ZeRO-3, the micro-steps); 3: twelve (a codec's buckets); 4: per byte
-# communicated, the bytes that cross hosts (hybrid sharding's inside a host no longer)
+VERSION = 5  # 2: ten terms (ZeRO-1/2 apart from ZeRO-3, the micro-steps); 3: twelve (a codec's buckets); 4: per byte
+# communicated, the bytes that cross hosts (hybrid sharding's inside a host no longer); 5: thirteen (one wire for
+# hybrid sharding's two groups)
 
 
 class CalibrationError(ValueError):

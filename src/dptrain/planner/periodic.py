@@ -70,7 +70,7 @@ def simulate_periodic(model: nn.Module, strategy: str, schedule: SyncSchedule, w
     step = inner + exposed / round_steps
     stepped = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     features = (1.0, 0.0, 0.0, 0.0, overlapped / round_steps, sum(c.nbytes for c in log) / round_steps,
-                float(stepped), inner, float(accum - 1), 0.0, 0.0, 0.0)
+                float(stepped), inner, float(accum - 1), 0.0, 0.0, 0.0, 0.0)
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     comm = sum(c.end_s - c.start_s for c in log) / round_steps
     return StepPrediction(strategy, world_size, F, B, O, step + overhead, comm, step + overhead - inner, log, accum,

@@ -27,7 +27,10 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   reduce-scatter has been waited for, its shard's all-reduce over the replicate group
   starts on a second link (that group's own process group and thread), across hosts.
   Where a host's ranks share one link to the others (``Network.shared_net``), their
-  concurrent all-reduces divide its bandwidth.
+  concurrent all-reduces divide its bandwidth. Where the shard group spans hosts, both
+  groups' collectives leave a rank over its host's one link: the step is also replayed
+  with one clock for both, and a fitted share of what it gains is added
+  (``Overheads.shared_wire``).
 
 - **Gradient accumulation** (``accum``): the micro-steps before the last compute without
   reducing (``no_sync``); ZeRO-3 still gathers its units in each of them; ZeRO-1/2
@@ -63,6 +66,7 @@ from dptrain.comm.collectives import native_scatter_is_all_reduce
 from dptrain.comm.cost import Link, collective_cost
 from dptrain.planner.layout import Setup, Unit, units
 from dptrain.planner.network import Network
+from dptrain.planner.timeline import Collective, LinkClock, replay
 
 __all__ = ["ComputeProfile", "measure_profile", "flops_profile", "Collective", "StepPrediction", "Overheads",
            "simulate_step"]
@@ -142,15 +146,6 @@ def flops_profile(model: nn.Module, batch: Any, loss_fn: Callable[[nn.Module, An
 
 
 @dataclass(frozen=True)
-class Collective:
-    name: str
-    launched_s: float
-    start_s: float
-    end_s: float
-    nbytes: int = 0  # the rank's buffer: what it sends and receives, in the dtype on the wire
-
-
-@dataclass(frozen=True)
 class Overheads:
     """The step's time the link's α-β cost does not account for, on the compute thread (seconds).
 
@@ -186,7 +181,12 @@ class Overheads:
     beside ``per_bucket_s``; ``coded_s_per_byte``: per byte of those buckets before encoding
     (the passes a codec makes over each bucket: the division, the cast, error feedback's
     residual; docs/tune.md measured DDP with bf16 at 1 MiB buckets 0.69-0.83 of its
-    measured step with neither). The per-collective terms count the shard group's collectives (a group inside one
+    measured step with neither); ``shared_wire``: the share of the seconds hybrid sharding's step would gain
+    if its replica all-reduces and its shard group's collectives took turns on one link, where the shard group
+    spans hosts and both leave a rank over its host's one link (the timeline gives each group a link of its own;
+    1 where the wire paces both, 0 where neither waits for the other: on 4 emulated hosts of 1 rank hybrid
+    sharding at 100 Mbit/s stepped in the time of plain ZeRO's, the same bytes on each host's link, and the
+    calibrated simulator without this term predicted 0.78-0.96 of it). The per-collective terms count the shard group's collectives (a group inside one
     host smaller than the world's each by its ring rounds' share, ``_rounds_share``); hybrid sharding's
     replica all-reduces, launched on a thread of their own, count by their bytes. Fitted by
     :func:`dptrain.planner.calibration.fit_overheads`.
@@ -204,6 +204,7 @@ class Overheads:
     micro_step_s_per_byte: float = 0.0
     per_coded_bucket_s: float = 0.0
     coded_s_per_byte: float = 0.0
+    shared_wire: float = 0.0
 
     def terms(self) -> tuple[float, ...]:
         """The terms' values, in the fields' order (what :attr:`StepPrediction.features` multiplies)."""
@@ -229,60 +230,12 @@ class StepPrediction:
     exposed_s: float  # step time beyond compute alone
     collectives: list[Collective] = field(repr=False)
     accum: int = 1  # micro-steps per step: forward_s and backward_s are per micro-step
-    features: tuple[float, ...] = (0.0,) * 12  # what Overheads' terms multiply
+    features: tuple[float, ...] = (0.0,) * 13  # what Overheads' terms multiply
     overhead_s: float = 0.0  # the Overheads' share of step_s
 
     @property
     def compute_s(self) -> float:
         return self.accum * (self.forward_s + self.backward_s) + self.optimizer_s
-
-
-class _Link:
-    """One collective at a time, in launch order."""
-
-    def __init__(self, duration: Callable[[str, Unit], tuple[float, int]]):
-        self.free, self.duration, self.log = 0.0, duration, []
-
-    def run(self, kind: str, unit: Unit, index: int, launched: float) -> float:
-        start = max(launched, self.free)
-        seconds, nbytes = self.duration(kind, unit)
-        self.free = start + seconds
-        self.log.append(Collective(f"{kind} {index}", launched, start, self.free, nbytes))
-        return self.free
-
-
-class _Reductions:
-    """ZeRO's reduce-scatters, at most one in flight (``ReductionQueue(1)``), and HSDP's replica all-reduces.
-
-    Before a unit's reduce-scatter is launched, the engine waits, on the compute thread,
-    for the previous one; then that unit's shard starts its all-reduce over the replicate
-    group, on the replicate group's own link. :meth:`launch` returns when compute can go
-    on; :meth:`finish` when the last reduction is done (end of backward's callback).
-    """
-
-    def __init__(self, shard_link: _Link, replica_link: _Link | None, sync: bool = True):
-        self.shard_link, self.replica_link, self.sync = shard_link, replica_link, sync
-        self._previous: tuple[Unit, int, float] | None = None  # (unit, index, its reduce-scatter's end)
-
-    def launch(self, unit: Unit, index: int, t: float) -> float:
-        if not self.sync:  # a no_sync micro-step accumulates locally
-            return t
-        t = self._settle(t)
-        self._previous = (unit, index, self.shard_link.run("reduce_scatter", unit, index, t))
-        return t
-
-    def finish(self, t: float) -> float:
-        t = self._settle(t)
-        return max(t, self.replica_link.free if self.replica_link is not None else 0.0)
-
-    def _settle(self, t: float) -> float:
-        if self._previous is None:
-            return t
-        unit, index, end = self._previous
-        t, self._previous = max(t, end), None
-        if self.replica_link is not None:
-            self.replica_link.run("all_reduce", unit, index, t)
-        return t
 
 
 def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, network: Network,
@@ -303,41 +256,28 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
     if setup.stage and (compression != 1 or not overlap):
         raise ValueError("overlap=False and compression apply to DDP (strategy 'ddp'); ZeRO's schedule is fixed")
     shapes = units(model, setup)
-    shard_link = _Link(_durations(setup, network, algorithm, setup.shards, shard=True, compression=compression))
-    replica_link = _Link(_durations(setup, network, algorithm, setup.replicas, shard=False)) \
-        if setup.replicas > 1 else None
     F, B = profile.forward_s, profile.backward_s
     O = profile.optimizer_s / (setup.shards if setup.stage else 1)  # ZeRO steps this rank's shard
 
     def ready(unit: Unit) -> float:
         return max((profile.ready.get(name, 1.0) for name in unit.names), default=1.0)
 
-    t, windows = 0.0, []  # windows: when the device computes (forward to backward's end, per micro-step)
-    for micro in range(accum):
-        sync, start = micro == accum - 1, t
-        if setup.stage == 0:  # the DDP engine launches each bucket when it is ready, in bucket order, without waiting
-            launched = 0.0
-            for i, unit in enumerate(shapes if sync else []):
-                launched = max(launched, t + F + B * (ready(unit) if overlap else 1.0))
-                shard_link.run("all_reduce", unit, i, launched)
-            t = t + F + B
-        elif setup.stage < 3:
-            if micro == 0:
-                for i, unit in enumerate(shapes):  # the updated parameters are gathered before the next forward
-                    start = shard_link.run("all_gather", unit, i, t)
-                t = start
-            reductions = _Reductions(shard_link, replica_link, sync)
-            delay = launched = 0.0  # compute held back by the waits for earlier reductions
-            for i, unit in enumerate(shapes):
-                launched = reductions.launch(unit, i, max(launched, t + F + B * ready(unit) + delay))
-                delay = max(delay, launched - (t + F + B * ready(unit)))
-            t = reductions.finish(t + F + B + delay)
-        else:
-            t = _stage3(shapes, t, F, B, shard_link, _Reductions(shard_link, replica_link, sync))
-        windows.append((start, t))
-    links = [shard_link] + ([replica_link] if replica_link is not None else [])
-    step = max(t, *(link.free for link in links)) + O
-    log = sorted((c for link in links for c in link.log), key=lambda c: c.start_s)
+    def links(one_wire: bool) -> tuple[LinkClock, LinkClock | None]:
+        shard = LinkClock(_durations(setup, network, algorithm, setup.shards, shard=True, compression=compression))
+        return shard, LinkClock(_durations(setup, network, algorithm, setup.replicas, shard=False),
+                                wire=shard if one_wire else None) if setup.replicas > 1 else None
+
+    def step_end(t: float, *clocks: LinkClock | None) -> float:
+        return max(t, *(c.free for c in clocks if c is not None)) + O
+
+    shard_link, replica_link = links(one_wire=False)
+    t, windows = replay(shapes, setup, F, B, ready, shard_link, replica_link, accum, overlap)
+    step, turns = step_end(t, shard_link, replica_link), 0.0
+    if replica_link is not None and network.hosts(setup.shards) > 1:  # both groups leave a rank over one link
+        shared = links(one_wire=True)
+        turns = step_end(replay(shapes, setup, F, B, ready, *shared, accum, overlap)[0], *shared) - step
+    log = sorted((c for link in (shard_link, replica_link) if link is not None for c in link.log),
+                 key=lambda c: c.start_s)
     comm = sum(c.end_s - c.start_s for c in log)
     full = sum(u.numel * u.dtype.itemsize for u in shapes)
     own_buffer = setup.stage >= 2 or (setup.stage == 1 and setup.compute_dtype not in (None, setup.reduce_dtype))
@@ -345,7 +285,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
                          full / (setup.shards if setup.stage else 1),
                          accum * (F + B) + O, accum, full if own_buffer else 0.0,
                          full if compression > 1 else 0.0,  # a codec encodes and decodes even alone
-                         network_bytes=_network_bytes(setup, network, shard_link, replica_link))
+                         network_bytes=_network_bytes(setup, network, shard_link, replica_link), turns=turns)
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     return StepPrediction(setup.strategy, setup.world_size, F, B, O, step + overhead, comm,
                           step + overhead - (accum * (F + B) + O), log, accum, features, overhead)
@@ -369,7 +309,7 @@ def _rounds_share(setup: Setup, network: Network) -> float:
     return 1.0
 
 
-def _network_bytes(setup: Setup, network: Network, shard_link: _Link, replica_link: _Link | None) -> float:
+def _network_bytes(setup: Setup, network: Network, shard_link: LinkClock, replica_link: LinkClock | None) -> float:
     """The bytes of this rank's collectives that cross hosts: the shard group's where it spans several hosts,
     hybrid sharding's replica all-reduces (their ranks a shard group apart, spanning the hosts); on one host,
     every collective's (its one link is the job's network). Bytes as :class:`Collective` counts them: the rank's
@@ -389,7 +329,8 @@ def _network_bytes(setup: Setup, network: Network, shard_link: _Link, replica_li
 
 def _features(log: list[Collective], calls: float, windows: list[tuple[float, float]], stage: int,
               stepped_bytes: float, compute_s: float, accum: int = 1,
-              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0, *, network_bytes: float) -> tuple[float, ...]:
+              accumulated_bytes: float = 0.0, coded_bytes: float = 0.0, *, network_bytes: float,
+              turns: float = 0.0) -> tuple[float, ...]:
     """What :class:`Overheads`' terms multiply: 1 step; ``calls``, the collectives of the shard group (DDP's
     all-reduces, ZeRO-1/2's or ZeRO-3's gathers and reduce-scatters, each counted by :func:`_rounds_share`; hybrid
     sharding's replica all-reduces run on a thread of their own and count only by their bytes); the bytes of collectives while the device computes (each
@@ -397,7 +338,9 @@ def _features(log: list[Collective], calls: float, windows: list[tuple[float, fl
     :func:`_network_bytes`); the bytes of the
     parameters this rank steps; the profile's compute seconds; the micro-steps that accumulate without reducing,
     and the bytes an engine accumulates in them into a buffer of its own (``accumulated_bytes`` each); the buckets a
-    codec reduces and their bytes before encoding (``coded_bytes``: none without a codec)."""
+    codec reduces and their bytes before encoding (``coded_bytes``: none without a codec); ``turns``, the seconds
+    the step would gain if hybrid sharding's two groups took turns on one link (none but where the shard group
+    spans hosts)."""
     overlapped = 0.0
     for c in log:
         span = c.end_s - c.start_s
@@ -408,7 +351,7 @@ def _features(log: list[Collective], calls: float, windows: list[tuple[float, fl
     return (1.0, count if stage == 0 else 0.0, count if stage in (1, 2) else 0.0, count if stage == 3 else 0.0,
             overlapped, float(network_bytes), float(stepped_bytes), float(compute_s),
             float(accum - 1), float((accum - 1) * accumulated_bytes),
-            count if coded_bytes else 0.0, float(coded_bytes))
+            count if coded_bytes else 0.0, float(coded_bytes), float(turns))
 
 
 def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard: bool,
@@ -451,38 +394,3 @@ def _durations(setup: Setup, network: Network, algorithm: str, ranks: int, shard
         return seconds, numel * dtype.itemsize
 
     return duration
-
-
-def _stage3(shapes: list[Unit], t0: float, F: float, B: float, link: _Link, reductions: _Reductions) -> float:
-    """ZeRO-3's forward and backward from ``t0``, with prefetching; returns when backward's last reduction is done."""
-    blocks = [i for i, u in enumerate(shapes) if u.resharded]
-    kept = [i for i, u in enumerate(shapes) if not u.resharded]
-    total = sum(u.numel for u in shapes) or 1
-    share = {i: shapes[i].numel / total for i in range(len(shapes))}
-    root_ready = t0
-    for i in kept:  # the root unit: gathered for the whole step
-        root_ready = link.run("all_gather", shapes[i], i, t0)
-    gathered = {}
-    t = t0
-    for k, i in enumerate(blocks):  # forward
-        if k == 0:
-            gathered[i] = link.run("all_gather", shapes[i], i, t0)
-        start = max(t, gathered[i], root_ready)
-        if k + 1 < len(blocks):
-            nxt = blocks[k + 1]
-            gathered[nxt] = link.run("all_gather", shapes[nxt], nxt, start)
-        t = start + F * share[i]
-    t += F * sum(share[i] for i in kept)  # the root's compute (embeddings, head)
-    t += B * sum(share[i] for i in kept)  # the head's backward comes first
-    order = list(reversed(blocks))
-    if order:
-        gathered = {order[0]: link.run("all_gather", shapes[order[0]], order[0], t)}
-    for k, i in enumerate(order):  # backward
-        start = max(t, gathered[i])
-        if k + 1 < len(order):
-            nxt = order[k + 1]
-            gathered[nxt] = link.run("all_gather", shapes[nxt], nxt, start)
-        t = reductions.launch(shapes[i], i, start + B * share[i])
-    for i in kept:
-        t = reductions.launch(shapes[i], i, t)
-    return reductions.finish(t)

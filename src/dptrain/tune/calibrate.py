@@ -15,7 +15,7 @@
    all ranks at once
    (:mod:`dptrain.tune.compute_probe`), the simulator replays its step on the fitted
    links without overheads, and :func:`~dptrain.planner.calibration.fit_overheads`
-   fits the twelve terms to what the timeline misses (a term no probe can tell apart is
+   fits the thirteen terms to what the timeline misses (a term no probe can tell apart is
    held at zero and named). Each probe runs ``rounds`` times (``PROBE_ROUNDS``, one), interleaved (the median
    counts), for ``PROBE_STEPS`` steps; a probe whose one run's steps, or whose runs, deviate by over 5% of their
    median runs again, up to two more times (:func:`~dptrain.tune.probe_length.unsettled`; in a
@@ -82,7 +82,8 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
     micro-steps per step (``micro_batch`` samples each) under its strategy that shards the most (ZeRO-2 of ZeRO-1/2:
     the one that accumulates into a buffer of its own, so the probes see both micro-step terms), and, where that kind
     takes a gradient codec, with ``PROBE_CODEC`` at many and at few buckets; a sharded kind also hybrid where the
-    world allows (a shard group per host; a bucketed one at few buckets)."""
+    world allows (a bucketed one at few buckets): a shard group per host, or with one rank per host, groups of 2
+    across hosts (whose collectives share each rank's link with the replica all-reduces: ``shared_wire``)."""
     kinds: dict[tuple[bool, bool], str] = {}
     deepest: dict[tuple[bool, bool], str] = {}
     for name in strategy_names(lambda s: s.planned):
@@ -91,7 +92,8 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
         kinds.setdefault(kind, name)
         if kind not in deepest or entry.zero_stage > get_strategy(deepest[kind]).zero_stage:
             deepest[kind] = name
-    shard = per_host if 1 < per_host < world_size else None
+    shard = per_host if 1 < per_host < world_size else (2 if per_host == 1 and world_size >= 4 and world_size % 2 == 0
+                                                        else None)
     accum = [f"train.global_batch_size={micro_batch * world_size * PROBE_ACCUM}", f"train.micro_batch_size={micro_batch}",
              f"train.grad_accum_steps={PROBE_ACCUM}"]
     out = {}
