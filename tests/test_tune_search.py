@@ -342,11 +342,14 @@ def test_a_calibration_that_fails_on_the_machine_ends_dptrain_tune_with_one_line
 def test_the_probes_run_hybrid_sharding_wherever_the_cluster_allows_a_shard_group_of_several_hosts_or_one() -> None:
     from dptrain.tune.calibrate import probe_variants
 
-    def hybrid(world: int, per_host: int) -> set[str]:
+    def hybrid(world: int, per_host: int, setting: str = "zero.shard_size=") -> set[str]:
         return {o for variant, overrides in probe_variants(world, per_host).items() if "/hybrid" in variant
-                for o in overrides if o.startswith("zero.shard_size=")}
+                for o in overrides if o.startswith(setting)}
 
     assert hybrid(4, 2) == {"zero.shard_size=2"}  # a shard group per host
     assert hybrid(8, 4) == {"zero.shard_size=4"}
     assert hybrid(4, 1) == hybrid(8, 1) == {"zero.shard_size=2"}  # one rank per host: pairs across hosts
     assert hybrid(2, 1) == hybrid(3, 1) == hybrid(4, 4) == set()  # no replicate group of 2, or no second host
+    # across hosts, bucketed hybrid sharding at many buckets too, where its two groups' turns on one link add up
+    assert hybrid(4, 1, "ddp.bucket_cap_mb=") == {"ddp.bucket_cap_mb=25", "ddp.bucket_cap_mb=0.25"}
+    assert hybrid(4, 2, "ddp.bucket_cap_mb=") == {"ddp.bucket_cap_mb=25"}

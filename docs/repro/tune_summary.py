@@ -1,6 +1,7 @@
 """The tables of docs/tune.md from the study's results (docs/repro/tune_study.sh).
 
     python docs/repro/tune_summary.py bench_results/tune
+    python docs/repro/tune_summary.py TUNER_DIR:SEARCH_DIR ...     # tuner runs against searches of other directories
 
 Fidelity: every measured candidate of every exhaustive setting, predicted / measured (the median of its runs), its
 runs' spread ((max - min) / median) and whether it meets the goal: within 10% of the median, or within its own
@@ -85,7 +86,27 @@ def tuner(root: Path) -> None:
               f"{tw:.0f} ({tw + cal:.0f}) | {ew:.0f} ({ew + cal:.0f}) | {tw / ew:.3f} ({(tw + cal) / (ew + cal):.3f}) |")
 
 
+def against(pairs: list[str]) -> None:
+    """Each tuner run (its calibration counted) against a search measured elsewhere: the time the tuner spent and
+    the step its choice took in the search, over the search's best."""
+    print("| tuner <- search | calibration s | trials (runs) s | tuner s | search's trials s | tuner / search | choice "
+          "| / optimum |\n|---|---:|---:|---:|---:|---:|---|---:|")
+    for pair in pairs:
+        d, ex = (Path(p) for p in pair.split(":"))
+        t, e = load(d), load(ex)
+        measured = {r["candidate"]: r["measured_s"] for r in e["rows"] if r["measured_s"]}
+        cal, trials = t["seconds"]["calibration"], t["seconds"]["profile"] + t["seconds"]["search"]
+        searched = e["seconds"]["profile"] + e["seconds"]["search"]
+        runs = sum(len(r.get("measured_runs_s") or []) for r in t["rows"])
+        print(f"| {d.parent.name}/{d.name} <- {ex.parent.name}/{ex.name} | {cal:.1f} | {trials:.1f} ({runs}) | "
+              f"{cal + trials:.1f} | {searched:.1f} | {(cal + trials) / searched:.3f} | {t['best']} | "
+              f"{measured[t['best']] / min(measured.values()):.3f} |")
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and ":" in sys.argv[1]:
+        against(sys.argv[1:])
+        sys.exit(0)
     root = Path(sys.argv[1] if len(sys.argv) > 1 else "bench_results/tune")
     fidelity(root)
     tuner(root)

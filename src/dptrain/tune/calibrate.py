@@ -83,7 +83,8 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
     the one that accumulates into a buffer of its own, so the probes see both micro-step terms), and, where that kind
     takes a gradient codec, with ``PROBE_CODEC`` at many and at few buckets; a sharded kind also hybrid where the
     world allows (a bucketed one at few buckets): a shard group per host, or with one rank per host, groups of 2
-    across hosts (whose collectives share each rank's link with the replica all-reduces: ``shared_wire``)."""
+    across hosts, whose collectives share each rank's link with the replica all-reduces (``shared_wire``), a
+    bucketed one there at many buckets too."""
     kinds: dict[tuple[bool, bool], str] = {}
     deepest: dict[tuple[bool, bool], str] = {}
     for name in strategy_names(lambda s: s.planned):
@@ -112,8 +113,13 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
         else:
             out[name] = strategy
         if sharded and shard is not None:
-            cap = ["ddp.bucket_cap_mb=25"] if bucketed else []
-            out[f"{name}/hybrid{shard}{' 25MiB' if bucketed else ''}"] = [*strategy, *cap, f"zero.shard_size={shard}"]
+            hybrid = [*strategy, f"zero.shard_size={shard}"]
+            if not bucketed:
+                out[f"{name}/hybrid{shard}"] = hybrid
+                continue
+            out[f"{name}/hybrid{shard} 25MiB"] = [*hybrid, "ddp.bucket_cap_mb=25"]
+            if per_host == 1:  # many small reductions beside their all-reduces: where the two groups take turns
+                out[f"{name}/hybrid{shard} 0.25MiB"] = [*hybrid, "ddp.bucket_cap_mb=0.25"]
     return out
 
 
