@@ -18,18 +18,24 @@ from tune_rescore import refitted  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench_results"
 PAIRS = [f"{s}:{c}" for s, cs in (
-    ("tune20/space-4x1-0.1-exhaustive", ("tune20/space-4x1-0.1-tuner", "tune20/space-4x1-0.1-exhaustive")),
+    ("tune20/space-4x1-0.1-exhaustive", ("tune20/space-4x1-0.1-tuner", "tune20/space-4x1-0.1-exhaustive",
+                                         "tune21/space-4x1-0.1-tuner", "tune22/space-4x1-0.1-tuner",
+                                         "tune23/space-4x1-0.1-tuner")),
     ("tune19/space-2x2-0.1-exhaustive", ("tune19/space-2x2-0.1-tuner", "tune19/space-2x2-0.1-exhaustive",
-                                         "tune18/space-2x2-0.1-tuner", "tune15/space-2x2-0.1-tuner")),
+                                         "tune18/space-2x2-0.1-tuner", "tune15/space-2x2-0.1-tuner",
+                                         "tune21/space-2x2-0.1-tuner")),
     ("tune8/space-2x2-0.1-exhaustive", ("tune8/space-2x2-0.1-exhaustive", "tune10/space-2x2-0.1-tuner")),
-    ("tune16/space-2x2-1-exhaustive", ("tune16/space-2x2-1-tuner", "tune16/space-2x2-1-exhaustive")),
+    ("tune16/space-2x2-1-exhaustive", ("tune16/space-2x2-1-tuner", "tune16/space-2x2-1-exhaustive",
+                                       "tune21/space-2x2-1-tuner")),
     ("tune6/space-2x2-1-exhaustive", ("tune6/space-2x2-1-exhaustive", "tune7/space-2x2-1-tuner",
                                       "tune9/space-2x2-1-tuner")),
     ("tune2/space-2x2-10-exhaustive", ("tune5/space-2x2-10-tuner", "tune6/space-2x2-10-tuner")),
-    ("tune16/space-4x1-1-exhaustive", ("tune16/space-4x1-1-tuner", "tune16/space-4x1-1-exhaustive")),
+    ("tune16/space-4x1-1-exhaustive", ("tune16/space-4x1-1-tuner", "tune16/space-4x1-1-exhaustive",
+                                       "tune21/space-4x1-1-tuner", "tune22/space-4x1-1-tuner", "tune23/space-4x1-1-tuner")),
     ("tune2/space-4x1-1-exhaustive", ("tune6/space-4x1-1-tuner",)),
     ("tune13/space-4x1-10-exhaustive", ("tune13/space-4x1-10-tuner", "tune18/space-4x1-10-tuner",
-                                        "tune13/space-4x1-10-exhaustive")),
+                                        "tune13/space-4x1-10-exhaustive", "tune22/space-4x1-10-tuner",
+                                        "tune23/space-4x1-10-tuner")),
     ("tune3/space-4x1-10-exhaustive", ("tune6/space-4x1-10-tuner",)),
 ) for c in cs]
 

@@ -186,8 +186,10 @@ class Overheads:
     spans hosts and both leave a rank over its host's one link (the timeline gives each group a link of its own;
     1 where the wire paces both, 0 where neither waits for the other: on 4 emulated hosts of 1 rank hybrid
     sharding at 100 Mbit/s stepped in the time of plain ZeRO's, the same bytes on each host's link, and the
-    calibrated simulator without this term predicted 0.78-0.96 of it). The per-collective terms count the shard group's collectives (a group inside one
-    host smaller than the world's each by its ring rounds' share, ``_rounds_share``); hybrid sharding's
+    calibrated simulator without this term predicted 0.75-0.94 of it, with it 0.93-0.97, fitted at 0.96; at 1 Gbit/s
+    the two groups overlapped and it was fitted at 0.41: docs/tune.md, the thirteenth pass). The per-collective
+    terms count the shard group's collectives (a group inside one host smaller than the world's each by its ring
+    rounds' share, ``_rounds_share``); hybrid sharding's
     replica all-reduces, launched on a thread of their own, count by their bytes. Fitted by
     :func:`dptrain.planner.calibration.fit_overheads`.
     """
