@@ -185,8 +185,8 @@ class Overheads:
     if its replica all-reduces and its shard group's collectives took turns on one link, where the shard group
     spans hosts and both leave a rank over its host's one link (the timeline gives each group a link of its own;
     1 where the wire paces both, 0 where neither waits for the other: on 4 emulated hosts of 1 rank hybrid
-    sharding at 100 Mbit/s stepped in the time of plain ZeRO's, the same bytes on each host's link, and the
-    calibrated simulator without this term predicted 0.75-0.94 of it, with it 0.93-0.97, fitted at 0.96; at 1 Gbit/s
+    ZeRO-1/2 at 100 Mbit/s stepped in the time of plain ZeRO's, the same bytes on each host's link, and one
+    calibration predicted 0.83-1.02 of it with this term at zero, 0.93-0.97 with it fitted at 0.96; at 1 Gbit/s
     the two groups overlapped and it was fitted at 0.41: docs/tune.md, the thirteenth pass). The per-collective
     terms count the shard group's collectives (a group inside one host smaller than the world's each by its ring
     rounds' share, ``_rounds_share``); hybrid sharding's
