@@ -51,6 +51,19 @@ def test_the_step_is_compute_and_each_sync_points_wait_beyond_its_overlap_spread
     assert one.step_s == pytest.approx(inner)  # alone: nothing to reduce
 
 
+def test_the_features_name_the_terms_a_periodic_step_exercises_and_leave_every_other_at_zero():
+    from dptrain.planner.simulate import Overheads
+
+    schedule = SyncSchedule(3, (600, 400), 1, lambda n: 4 * n, 0, "fragment outer step")
+    got = dict(zip(Overheads.names(), simulate_periodic(nn.Linear(10, 100), "diloco", schedule, 2, PROFILE,
+                                                        _network(1e4), accum=2).features, strict=True))
+    assert got["per_step_s"] == 1.0 and got["per_micro_step_s"] == 1.0
+    assert got["comm_s_per_byte"] == pytest.approx((2400 + 1600) / 6) and got["contention_s_per_byte"] > 0
+    assert got["state_s_per_byte"] == 4 * 1100 and got["compute_slowdown"] == pytest.approx(2 * 0.03 + 0.005)
+    assert {k for k, v in got.items() if v} == {"per_step_s", "per_micro_step_s", "comm_s_per_byte",
+                                                "contention_s_per_byte", "state_s_per_byte", "compute_slowdown"}
+
+
 def test_the_schedule_is_refused_where_the_overlap_reaches_the_next_sync_point():
     with pytest.raises(ValueError, match="below the steps between two sync points"):
         simulate_periodic(nn.Linear(2, 2), "diloco", SyncSchedule(2, (6,), 2, lambda n: 4 * n, 0, "x"), 2, PROFILE,

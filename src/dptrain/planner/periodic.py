@@ -69,8 +69,10 @@ def simulate_periodic(model: nn.Module, strategy: str, schedule: SyncSchedule, w
         overlapped += payload * (beside / seconds if seconds else 0.0)
     step = inner + exposed / round_steps
     stepped = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    features = (1.0, 0.0, 0.0, 0.0, overlapped / round_steps, sum(c.nbytes for c in log) / round_steps,
-                float(stepped), inner, float(accum - 1), 0.0, 0.0, 0.0, 0.0)
+    counted = {"per_step_s": 1.0, "contention_s_per_byte": overlapped / round_steps,
+               "comm_s_per_byte": sum(c.nbytes for c in log) / round_steps, "state_s_per_byte": float(stepped),
+               "compute_slowdown": inner, "per_micro_step_s": float(accum - 1)}  # every other term: none
+    features = tuple(counted.get(name, 0.0) for name in Overheads.names())
     overhead = sum(k * x for k, x in zip((overheads or Overheads()).terms(), features, strict=True))
     comm = sum(c.end_s - c.start_s for c in log) / round_steps
     return StepPrediction(strategy, world_size, F, B, O, step + overhead, comm, step + overhead - inner, log, accum,

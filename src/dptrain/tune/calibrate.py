@@ -93,8 +93,11 @@ def probe_variants(world_size: int, per_host: int, micro_batch: int = 1) -> dict
         kinds.setdefault(kind, name)
         if kind not in deepest or entry.zero_stage > get_strategy(deepest[kind]).zero_stage:
             deepest[kind] = name
-    shard = per_host if 1 < per_host < world_size else (2 if per_host == 1 and world_size >= 4 and world_size % 2 == 0
-                                                        else None)
+    shard = None
+    if 1 < per_host < world_size:
+        shard = per_host  # a shard group per host
+    elif per_host == 1 and world_size >= 4 and world_size % 2 == 0:
+        shard = 2  # pairs across hosts, replicated over at least 2 pairs
     accum = [f"train.global_batch_size={micro_batch * world_size * PROBE_ACCUM}", f"train.micro_batch_size={micro_batch}",
              f"train.grad_accum_steps={PROBE_ACCUM}"]
     out = {}

@@ -72,6 +72,7 @@ def time_links(out: str, within_hosts: bool = False, reps: int = 5) -> None:
         with open(out, "w") as f:
             json.dump({"world_size": n, "seconds": medians, "timed": "slowest rank"}, f)
 
+
 if __name__ == "__main__":
     freeze_imports()  # this worker's exit walks none of torch's objects (dptrain.utils.collector)
     main(sys.argv[1], within_hosts="--within-hosts" in sys.argv[2:])
