@@ -159,3 +159,13 @@ def test_one_round_runs_again_a_probe_whose_own_steps_vary_and_takes_the_calibra
     assert {label: len(r) for label, r in runs.items() if len(r) != 1} == {
         "2x128_ddp_25MiB": 3, "6x320_zero3": 1 + calibrate_module.PROBE_EXTRA}  # 0.3 and 0.1 disagree: a third
     assert {p.label: p.measured_s for p in cal.probes}["2x128 ddp 25MiB"] == pytest.approx(0.1)
+
+
+def test_refit_without_the_probe_profiles_names_what_is_missing(tmp_path) -> None:
+    """A calibration.json copied without its calibration/ directory: one error naming the directory, not 'no probe'."""
+    raw = {"version": 5, "where": "a test machine", "taken": "2026-12-01", "hosts": 2, "per_host": 1,
+           "backend": "gloo", "shared_net": False, "inside": vars(Link(1e-4, 1e9)), "across": vars(Link(1e-4, 1e9)),
+           "probes": [{"label": "2x128 ddp 25MiB", "measured_s": 0.1, "timeline_s": 0.0, "features": [1.0] * 13}]}
+    (tmp_path / "calibration.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=r"calibration holds no probe model .*probe\*/model.toml"):
+        refit(tmp_path / "calibration.json", tmp_path / "work", log=lambda line: None)

@@ -306,6 +306,10 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print,
                       bool(d["shared_net"]), links["inside"], links["across"])
     steps = {str(p["label"]): float(p["measured_s"]) for p in d["probes"]}
     tomls = sorted((measured.parent / "calibration").glob("probe*/model.toml"), key=_gpt_shape)
+    if not tomls:
+        raise ValueError(f"{measured.parent / 'calibration'} holds no probe model (probe*/model.toml beside its "
+                         "profile.json): refit times the probes again on the compute profiles that calibration "
+                         "measured, kept in its tune directory; copy that directory whole, calibration/ included")
     earlier = {_gpt_shape(toml): toml.parent for toml in tomls}
     if models is None:
         models = [_probe_model(toml) for toml in tomls] or PROBE_MODELS
