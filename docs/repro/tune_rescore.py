@@ -1,13 +1,16 @@
 """An exhaustive search's measured medians against another calibration's predictions (docs/tune.md).
 
-    python docs/repro/tune_rescore.py EXHAUSTIVE_DIR CALIBRATION.json [--markdown]
+    python docs/repro/tune_rescore.py EXHAUSTIVE_DIR CALIBRATION.json [--markdown] [--own-profiles]
 
 The runs of an exhaustive search (``dptrain tune --exhaustive --rounds 3``) stand; the simulator predicts every
 measured candidate again with ``CALIBRATION`` (the same setting's links and overheads measured anew, e.g. by a tuner
 run without ``--calibration``) and the search's own compute profiles. Prints each candidate's new prediction /
 measured median and whether it meets the goal (within 10% of the median, or within its own spread where larger),
 beside the search's original prediction, then the summary. It reads the search's model.toml, profiles.json and
-tune.json only.
+tune.json only. ``--own-profiles``: the compute profiles measured with CALIBRATION (the profiles.json beside it, the
+tuned model's, timed in the calibration's job) in place of the search's, so that the links, the overheads and the
+profile they were fitted with are one measurement, as the tuner predicts: where the machine's speed moved between
+the two jobs, the search's profile and another calibration's overheads disagree by that much.
 """
 
 from __future__ import annotations
@@ -23,11 +26,13 @@ from dptrain.tune.space import candidates
 from dptrain.tune.tuner import predictor
 
 
-def searched(search_dir: Path) -> tuple[dict, dict, dict]:
-    """A search's tune.json, its compute profiles by micro-batch, and its candidates by label."""
+def searched(search_dir: Path, profiles_dir: Path | None = None) -> tuple[dict, dict, dict]:
+    """A search's tune.json, its compute profiles by micro-batch (``profiles_dir``'s where given), and its
+    candidates by label."""
     t = json.loads((search_dir / "tune.json").read_text())
     o = t["options"]
-    profiles = {int(m): profile_from_dict(p) for m, p in json.loads((search_dir / "profiles.json").read_text()).items()}
+    raw = json.loads(((profiles_dir or search_dir) / "profiles.json").read_text())
+    profiles = {int(m): profile_from_dict(p) for m, p in raw.items()}
     shard_sizes = None if o["shard_sizes"] is None else [int(k) for k in str(o["shard_sizes"]).split(",") if k != "0"]
     space = candidates(t["world_size"], o["global_batch"], o["strategies"].split(","),
                        [int(m) for m in o["micro_batches"].split(",")] if o["micro_batches"] else None,
@@ -35,8 +40,8 @@ def searched(search_dir: Path) -> tuple[dict, dict, dict]:
     return t, profiles, {c.label: c for c in space}
 
 
-def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
-    t, profiles, by_label = searched(search_dir)
+def rescore(search_dir: Path, calibration_path: Path, profiles_dir: Path | None = None) -> list[dict]:
+    t, profiles, by_label = searched(search_dir, profiles_dir)
     predict = predictor(search_dir / "model.toml", [], t["world_size"], Calibration.load(calibration_path), profiles)
     out = []
     for r in t["rows"]:
@@ -50,17 +55,18 @@ def rescore(search_dir: Path, calibration_path: Path) -> list[dict]:
     return out
 
 
-def refitted(search_dir: Path, tuned_dir: Path, models=None) -> tuple:
+def refitted(search_dir: Path, tuned_dir: Path, models=None, own_profiles: bool = False) -> tuple:
     """``tuned_dir``'s calibration refitted by today's simulator (``dptrain.tune.calibrate.refit``: nothing measured
     again) and the exhaustive search in ``search_dir`` scored against it: the calibration and :func:`rescore`'s rows.
-    ``models``: the probe models whose runs count (default the ones that calibration probed)."""
+    ``models``: the probe models whose runs count (default the ones that calibration probed); ``own_profiles``: the
+    tuned model's profiles measured with that calibration (``tuned_dir``'s), not the search's."""
     import tempfile
 
     from dptrain.tune.calibrate import refit
     with tempfile.TemporaryDirectory() as work:
         cal = refit(tuned_dir / "calibration.json", Path(work), log=lambda s: None, models=models)
         cal.save(Path(work) / "c.json")
-        return cal, rescore(search_dir, Path(work) / "c.json")
+        return cal, rescore(search_dir, Path(work) / "c.json", tuned_dir if own_profiles else None)
 
 
 def probes_choose(pairs: list[str], values: list[float], apply, describe, unit: str = "") -> None:
@@ -92,7 +98,8 @@ def summary(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> None:
-    rows = rescore(Path(argv[0]), Path(argv[1]))
+    calibration = Path(argv[1])
+    rows = rescore(Path(argv[0]), calibration, calibration.parent if "--own-profiles" in argv else None)
     print("| candidate | measured ms (median) | spread | predicted / measured, before | now | goal |\n"
           "|---|---:|---:|---:|---:|---|")
     for r in rows:
