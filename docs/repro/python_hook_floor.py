@@ -7,7 +7,8 @@ registered Python hook is called from the C++ reducer with the GIL taken. The sa
 the same work in a C++ hook and in a Python one differs only by the Python call per bucket, made
 at the point in backward where dptrain's Python hooks run (right after a bucket's gradients
 passed through the cache). Variants, on issue 38's feed-forward MLP (width 512, depth 8, 16.8M
-parameters; or the model named), forward and backward only, rounds in an order rotated every round:
+parameters; or the model named), forward and backward only, every cap's variants in one order rotated every
+round:
 
 - ``floor``: no DDP;
 - ``torch``: torch's DDP as it comes (C++, the division fused into the copy in);
@@ -20,9 +21,10 @@ Per cap, the median step of each and the medians (90% bootstrap intervals) of pe
 Python hook / C++ hook (the price of the Python call alone), dptrain / torch, dptrain / Python
 hook (what dptrain's bookkeeping costs beyond the minimal Python hook).
 
-    python docs/repro/python_hook_floor.py [WORLD_SIZE] [ROUNDS] [MODEL WIDTH DEPTH]   # defaults 2, 12, mlp-ffn 512 8
+    [BUILD=reversed] python docs/repro/python_hook_floor.py [WORLD_SIZE] [ROUNDS] [MODEL WIDTH DEPTH]   # defaults 2, 12, mlp-ffn 512 8
 """
 
+import os
 import statistics
 import sys
 import time
@@ -68,22 +70,26 @@ def _build(variant: str, cap: float, shape: tuple[str, int, int]) -> torch.nn.Mo
 def _rank(rank: int, world_size: int, rounds: int, shape: tuple[str, int, int]) -> dict:
     torch.set_num_threads(1)
     x = torch.randn(32, shape[1], generator=torch.Generator().manual_seed(rank))
-    out = {}
-    for cap in CAPS:
-        models = {v: _build(v, cap, shape) for v in VARIANTS}
-        for m in models.values():
-            for _ in range(3):
-                m(x).sum().backward()
-        times = {v: [] for v in VARIANTS}
-        for r in range(rounds):
-            shift = r % len(VARIANTS)
-            for v in VARIANTS[shift:] + VARIANTS[:shift]:
-                dist.barrier()
-                t0 = time.perf_counter()
-                for _ in range(STEPS):
-                    models[v](x).sum().backward()
-                times[v].append((time.perf_counter() - t0) / STEPS)
-        out[cap] = times
+    # every (cap, variant) built and warmed first, then each round runs them all in an order rotated by one: the
+    # caps interleaved too, so that no cap is the one measured first in the process (until 2026-12-07 the caps ran
+    # one after another, and the first, 1 MiB, came out dptrain / torch 1.07-1.08 in three runs of four)
+    keys = [(cap, v) for cap in CAPS for v in VARIANTS]
+    # the order they are built in places their memory, and that moved dptrain / torch by about 9 points between
+    # identical engines (BUILD=reversed builds the last cap's first; docs/benchmarks.md)
+    built = list(reversed(keys)) if os.environ.get("BUILD") == "reversed" else keys
+    models = {(cap, v): _build(v, cap, shape) for cap, v in built}
+    for m in models.values():
+        for _ in range(3):
+            m(x).sum().backward()
+    out = {cap: {v: [] for v in VARIANTS} for cap in CAPS}
+    for r in range(rounds):
+        shift = r % len(keys)
+        for cap, v in keys[shift:] + keys[:shift]:
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(STEPS):
+                models[cap, v](x).sum().backward()
+            out[cap][v].append((time.perf_counter() - t0) / STEPS)
     return out
 
 
