@@ -91,7 +91,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
     torch.manual_seed(0)
     reference = build_model(args["width"], args["depth"], args["model"])
     models, opts = {}, {}
-    for variant in variants:
+    for variant in reversed(variants) if args.get("reverse_build") else variants:  # where each one's memory lies
         module = build_model(args["width"], args["depth"], args["model"])
         module.load_state_dict(reference.state_dict())
         models[variant] = _wrap(variant, module, args.get("last_bucket_mb"))
@@ -120,7 +120,7 @@ def _bench_rank(rank: int, world_size: int, args: dict) -> dict:
 def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[float], rounds: int,
         steps: int, warmup: int, threads: int, views: bool = False, tune_allocator: bool = True,
         check_every: bool = False, model: str = "mlp", last_bucket_mb: float | None = None,
-        in_backward: bool = False) -> dict:
+        in_backward: bool = False, reverse_build: bool = False) -> dict:
     variants = ["no_comm", "naive"]
     pairs = [("dptrain_ddp", "torch_ddp")] + ([("dptrain_ddp_view", "torch_ddp_view")] if views else [])
     pairs += [("dptrain_ddp_every", "dptrain_ddp")] if check_every else []
@@ -130,7 +130,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
             variants += [v for v in (f"{theirs}/{cap:g}", f"{ours}/{cap:g}") if v not in variants]
     args = dict(variants=variants, width=width, depth=depth, micro_batch=micro_batch,
                 rounds=rounds, steps=steps, warmup=warmup, model=model, last_bucket_mb=last_bucket_mb,
-                in_backward=in_backward)
+                in_backward=in_backward, reverse_build=reverse_build)
     per_rank = run_on_ranks(_bench_rank, world_size, args, timeout=7200, threads_per_rank=threads,
                             tune_allocator=tune_allocator)
     # A step takes as long as its slowest rank.
@@ -151,6 +151,7 @@ def run(world_size: int, width: int, depth: int, micro_batch: int, caps: list[fl
                        model=model, tensors=len(list(built.parameters())),
                        rounds=rounds, steps_per_round=steps, threads_per_rank=threads, backend="gloo",
                        tuned_allocator=tune_allocator, last_bucket_mb=last_bucket_mb, in_backward=in_backward,
+                       built="reversed" if reverse_build else "listed",
                        torch=torch.__version__, cpus=os.cpu_count(), machine=platform.machine()),
         "median_step_s": medians,
         "ratios": ratios,
@@ -214,11 +215,16 @@ def to_markdown(result: dict) -> str:
 @click.option("--in-backward", is_flag=True, help="dptrain_ddp_sched: optimizer_in_backward, timed against torch")
 @click.option("--check-every", is_flag=True, help="also time check_collectives='every' against the default (first)")
 @click.option("--default-malloc", is_flag=True, help="keep glibc's default malloc settings (see dptrain.allocator)")
+@click.option("--reverse-build", is_flag=True,
+              help="build the variants last to first (each cap's dptrain engine before torch's): which engine is "
+              "built first places its memory and moved a ratio by about 9 points (docs/benchmarks.md); run both "
+              "(not with --pairs, which builds one pair at a time)")
 @click.option("--out", type=click.Path(path_type=Path), default=Path("bench_results/ddp.json"),
               help="the JSON result (raw step times) to write")
 def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str, width: int, depth: int,
          micro_batch: int, caps: tuple[float, ...], rounds: int, steps: int, warmup: int, threads: int, views: bool,
-         check_every: bool, last_bucket: float | None, in_backward: bool, default_malloc: bool, out: Path) -> None:
+         check_every: bool, last_bucket: float | None, in_backward: bool, default_malloc: bool, reverse_build: bool,
+         out: Path) -> None:
     if held_out or pairs:
         from dptrain.bench import ddp_pairs
 
@@ -235,7 +241,7 @@ def main(world_size: int, held_out: bool, pairs: bool, between: str, model: str,
         out = out.with_name("ddp_pairs.json") if out == Path("bench_results/ddp.json") else out
     else:
         result = run(world_size, width, depth, micro_batch, list(caps), rounds, steps, warmup, threads,
-                     views, not default_malloc, check_every, model, last_bucket, in_backward)
+                     views, not default_malloc, check_every, model, last_bucket, in_backward, reverse_build)
         text = to_markdown(result)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
