@@ -1,6 +1,7 @@
 """The simulator's overhead terms fitted to an exhaustive search's trials themselves: the form's ceiling (docs/tune.md).
 
-    python docs/repro/tune_form_ceiling.py [--form base|inside|after|rounds|hosts] EXHAUSTIVE_DIR:CALIBRATION_DIR ...
+    python docs/repro/tune_form_ceiling.py [--own-profiles] [--form base|inside|after|rounds|hosts] \
+        EXHAUSTIVE_DIR:CALIBRATION_DIR ...
 
 A calibration fits the twelve terms to its probes and is scored against trials it never saw. When the trials miss,
 either the probes do not identify the terms (a term's feature moves with another's across the probes, but apart in
@@ -10,7 +11,8 @@ terms fitted to them by the calibration's own rule (``fit_overheads``): in sampl
 reaches on these trials; leaving each trial out in turn, what a fit to the other 27 predicts for it. Beside each,
 the probes' own fit (the calibration's terms) and what the trials' fit would do to the probes. Nothing is measured.
 Without ``--form`` the simulator's twelve terms; with it, a thirteenth of docs/repro/tune_contention_form.py's (the
-calibration then refitted with it first).
+calibration then refitted with it first). ``--own-profiles``: the trials replayed on the tuned model's compute profile
+timed with ``CALIBRATION_DIR``'s calibration (tune_rescore.py's flag), not the search's own.
 """
 
 import dataclasses
@@ -28,9 +30,10 @@ import dptrain.tune.tuner as tunermod  # noqa: E402
 from dptrain.planner.calibration import Calibration, ProbeRun, fit_overheads  # noqa: E402
 
 
-def trial_runs(search: Path, calibration: Path, work: Path) -> tuple[list[ProbeRun], list[float]]:
+def trial_runs(search: Path, calibration: Path, work: Path,
+               profiles: Path | None = None) -> tuple[list[ProbeRun], list[float]]:
     """Each measured candidate of ``search`` as a probe (its median, its timeline without overheads, its features),
-    and each one's own spread between repeats."""
+    and each one's own spread between repeats; ``profiles``: the directory whose profiles.json replays them."""
     captured = []
     original = tunermod.simulate_step
 
@@ -43,7 +46,7 @@ def trial_runs(search: Path, calibration: Path, work: Path) -> tuple[list[ProbeR
     bare.save(bare_path)
     tunermod.simulate_step = capture
     try:
-        rows = rescore(search, bare_path)
+        rows = rescore(search, bare_path, profiles)
     finally:
         tunermod.simulate_step = original
     if len(captured) != len(rows):
@@ -66,7 +69,8 @@ def line(name: str, errs: list[float], spreads: list[float] | None = None) -> st
 
 
 def main(argv: list[str]) -> None:
-    form = None
+    form, own = None, "--own-profiles" in argv
+    argv = [a for a in argv if a != "--own-profiles"]
     if argv[:1] == ["--form"]:
         form, argv = argv[1], argv[2:]
         forms.use_form(form)
@@ -78,10 +82,10 @@ def main(argv: list[str]) -> None:
             cal, _ = refitted(search, tuned)
         with tempfile.TemporaryDirectory() as work:
             cal.save(Path(work) / "calibration.json")
-            trials, spreads = trial_runs(search, Path(work) / "calibration.json", Path(work))
+            trials, spreads = trial_runs(search, Path(work) / "calibration.json", Path(work), tuned if own else None)
         inside = fit_overheads(trials)
         left_out = [errors(cal, [t], fit_overheads(trials[:i] + trials[i + 1:]))[0] for i, t in enumerate(trials)]
-        print(f"{search.name} on {tuned}{'' if form is None else f', form {form}'}:")
+        print(f"{search.name} on {tuned}{'' if form is None else f', form {form}'}{', its own profile' if own else ''}:")
         print("  " + line("probes' fit on the trials", errors(cal, trials, cal.overheads), spreads))
         print("  " + line("trials' fit on the trials (in sample)", errors(cal, trials, inside), spreads))
         print("  " + line("trials' fit, each trial left out", left_out, spreads))
