@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import tune_contention_form as forms  # noqa: E402
-from tune_rescore import refitted, rescore  # noqa: E402
+from tune_rescore import own_profiles_flag, refitted, rescore  # noqa: E402
 
 import dptrain.planner.simulate as sim  # noqa: E402
 import dptrain.tune.tuner as tunermod  # noqa: E402
@@ -69,8 +69,8 @@ def line(name: str, errs: list[float], spreads: list[float] | None = None) -> st
 
 
 def main(argv: list[str]) -> None:
-    form, own = None, "--own-profiles" in argv
-    argv = [a for a in argv if a != "--own-profiles"]
+    form = None
+    own, argv = own_profiles_flag(argv)
     if argv[:1] == ["--form"]:
         form, argv = argv[1], argv[2:]
         forms.use_form(form)

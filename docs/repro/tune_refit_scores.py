@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_rescore import refitted  # noqa: E402
+from tune_rescore import own_profiles_flag, refitted  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parents[2] / "bench_results"
 # The calibrations whose probe-model profiles are kept (bench_results' calibration/probe*/, since tune25): those of
@@ -47,6 +47,6 @@ def score(pair: str, own_profiles: bool = False) -> str:
 
 
 if __name__ == "__main__":
-    own = "--own-profiles" in sys.argv
-    for pair in [a for a in sys.argv[1:] if a != "--own-profiles"] or PAIRS:
+    own, pairs = own_profiles_flag(sys.argv[1:])
+    for pair in pairs or PAIRS:
         print(score(pair, own), flush=True)

@@ -97,9 +97,15 @@ def summary(rows: list[dict]) -> str:
             + "; ".join(f"{r['candidate']} {r['now']:.3f}" for r in worst))
 
 
+def own_profiles_flag(argv: list[str]) -> tuple[bool, list[str]]:
+    """Whether ``--own-profiles`` is among ``argv``, and the arguments without it (the study scripts' shared flag)."""
+    return "--own-profiles" in argv, [a for a in argv if a != "--own-profiles"]
+
+
 def main(argv: list[str]) -> None:
+    own, argv = own_profiles_flag(argv)
     calibration = Path(argv[1])
-    rows = rescore(Path(argv[0]), calibration, calibration.parent if "--own-profiles" in argv else None)
+    rows = rescore(Path(argv[0]), calibration, calibration.parent if own else None)
     print("| candidate | measured ms (median) | spread | predicted / measured, before | now | goal |\n"
           "|---|---:|---:|---:|---:|---|")
     for r in rows:

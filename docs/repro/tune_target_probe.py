@@ -14,14 +14,14 @@ every *other* row of the search scored. Nothing is measured: the added runs stan
 make, here taken from the search (so they carry its two runs' median, not a 6-step probe's noise).
 """
 
-import dataclasses
 import statistics
 import sys
 import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tune_form_ceiling import errors, trial_runs  # noqa: E402
+from tune_form_ceiling import errors, line, trial_runs  # noqa: E402
+from tune_rescore import own_profiles_flag  # noqa: E402
 
 from dptrain.planner.calibration import Calibration, fit_overheads  # noqa: E402
 
@@ -47,15 +47,8 @@ def targets(labels: list[str], which: str) -> list[str]:
     return out
 
 
-def summary(errs: list[float], spreads: list[float]) -> str:
-    a = [abs(e) for e in errs]
-    return (f"mean {100 * statistics.mean(a):4.1f}% max {100 * max(a):4.1f}% within 10% {sum(e <= 0.1 for e in a):2d}/"
-            f"{len(a)}, goal met {sum(e <= max(0.1, s) for e, s in zip(a, spreads, strict=True)):2d}")
-
-
 def main(argv: list[str]) -> None:
-    own = "--own-profiles" in argv
-    argv = [a for a in argv if a != "--own-profiles"]
+    own, argv = own_profiles_flag(argv)
     weight, which = 1, "ddp"
     while argv and argv[0] in ("--weight", "--set"):
         if argv[0] == "--weight":
@@ -76,9 +69,11 @@ def main(argv: list[str]) -> None:
         held, held_spreads = [t for t, _ in rest], [s for _, s in rest]
         print(f"{search.parent.name}/{search.name} <- {tuned.parent.name}/{tuned.name}"
               f"{', own profile' if own else ''}; probed: {', '.join(chosen)} (x{weight})")
-        print(f"  the other {len(held)} rows, the calibration as fitted: {summary(errors(cal, held, cal.overheads), held_spreads)}")
-        print(f"  the other {len(held)} rows, with the tuned model probed:  {summary(errors(cal, held, fitted), held_spreads)}")
-        probe_errs = errors(dataclasses.replace(cal), cal.probes, fitted)
+        print("  " + line(f"the other {len(held)} rows, the calibration as fitted",
+                          errors(cal, held, cal.overheads), held_spreads))
+        print("  " + line(f"the other {len(held)} rows, with the tuned model probed",
+                          errors(cal, held, fitted), held_spreads))
+        probe_errs = errors(cal, cal.probes, fitted)
         print(f"  the probe models' runs, refitted: mean {100 * statistics.mean(abs(e) for e in probe_errs):.1f}%; "
               f"the tuned model's probes: {', '.join(f'{1 + e:.3f}' for e in errors(cal, probed, fitted))}")
 

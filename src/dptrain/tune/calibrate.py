@@ -295,7 +295,7 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print,
     probes' measured steps (``measured``: a tune directory's calibration.json, of any version) and compute profiles
     (the ``calibration/probe*/profile.json`` beside it, found by the model in the ``model.toml`` beside each, whatever
     its index then). ``models``: the probe models whose runs count, by default the ones that calibration probed
-    (its ``model.toml`` files, smallest first; ``PROBE_MODELS`` where it kept none), so that a study of an earlier
+    (its ``model.toml`` files, smallest first; without them refit says what is missing), so that a study of an earlier
     calibration refits what it ran, whatever dptrain probes today. A probe that run did not have is left out; a
     term no probe left identifies is held at zero and named. For studies of the terms' form: nothing is measured
     again."""
@@ -312,7 +312,7 @@ def refit(measured: Path, work: Path, log: Callable[[str], None] = print,
                          "measured, kept in its tune directory; copy that directory whole, calibration/ included")
     earlier = {_gpt_shape(toml): toml.parent for toml in tomls}
     if models is None:
-        models = [_probe_model(toml) for toml in tomls] or PROBE_MODELS
+        models = [_probe_model(toml) for toml in tomls]
     world = cal.hosts * cal.per_host
     bases = [b for b in probe_bases(work, world, models) if _gpt_shape(b[1]) in earlier]
 
