@@ -123,6 +123,32 @@ def test_zero_waits_for_the_previous_reduction_before_launching_the_next() -> No
     assert p.step_s == pytest.approx(scatters[-1].end_s + 0.01 / 2)
 
 
+def test_zero1_in_place_launches_each_reduction_when_ready_the_others_wait() -> None:
+    # ZeRO-1 accumulating in its own buffer holds no temporary gradient: its reduce-scatters queue on the link as
+    # their units are ready and backward runs on; ZeRO-2 and a bf16 ZeRO-1 (its gradients cast: temporaries) wait.
+    model = _model()
+    slow = Network("slow", Link(1e-4, 1e6), Link(1e-4, 1e6), 1, "hand-made")  # each reduction outlasts backward
+
+    def scatters(setup: Setup) -> tuple[list, float]:
+        p = simulate_step(model, setup, _profile(model), slow)
+        return [c for c in p.collectives if c.name.startswith("reduce_scatter")], p.step_s
+
+    free, step = scatters(Setup("zero1", 2, bucket_cap_mb=0.3))
+    assert Setup("zero1", 2).accumulates_in_place and len(free) > 2
+    assert any(b.launched_s < a.end_s - 1e-9 for a, b in pairwise(free))  # launched while the one before runs
+    for a, b in pairwise(free):
+        assert b.start_s == pytest.approx(max(b.launched_s, a.end_s))
+    assert step == pytest.approx(free[-1].end_s + 0.01 / 2)
+    for held in (Setup("zero2", 2, bucket_cap_mb=0.3), Setup("zero1", 2, "bf16", bucket_cap_mb=0.3)):
+        assert not held.accumulates_in_place
+        bounded, _ = scatters(held)
+        for a, b in pairwise(bounded):
+            assert b.launched_s >= a.end_s - 1e-12
+    hybrid, _ = scatters(Setup("zero1", 4, bucket_cap_mb=0.3, shard_size=2))
+    for a, b in pairwise(hybrid):
+        assert b.launched_s >= a.end_s - 1e-12
+
+
 def test_gloos_native_reduce_scatter_costs_an_all_reduce() -> None:
     model = _model()
     setup = Setup("zero2", 4, bucket_cap_mb=100)

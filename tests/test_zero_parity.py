@@ -21,7 +21,7 @@ from _models import Layer, build, global_batch, loss_fn
 from dptrain import DistributedDataParallel
 from dptrain.models.gpt import Block
 from dptrain.testing import run_on_ranks
-from dptrain.zero import ZeRO
+from dptrain.zero import MixedPrecision, ZeRO
 
 STEPS, MICRO, TOLERANCE = 10, 3, 1e-5
 
@@ -143,3 +143,35 @@ def test_the_trainers_optimizer_decays_zeros_matrix_shards_and_not_the_others(st
     was once read after flattening, when every parameter is 1-D, and no ZeRO run decayed anything."""
     decayed, matrices = run_on_ranks(_decayed_numel, 1, stage, timeout=60)[0]
     assert decayed == matrices > 0
+
+
+def _waits_before_launching(rank: int, world_size: int) -> dict[str, int]:
+    """How often one backward waited for an earlier reduction before launching the next, per configuration."""
+    from dptrain.zero.reduction import UnitReduction
+    counted, settle = [0], UnitReduction.settle_oldest
+
+    def counting(self):
+        counted[0] += 1
+        settle(self)
+
+    UnitReduction.settle_oldest = counting
+    out = {}
+    for name, kw in {"stage 1": dict(stage=1), "stage 1, bf16": dict(stage=1, mixed_precision=MixedPrecision(reduce_dtype=torch.float32)),
+                     "stage 2": dict(stage=2), "stage 1, hybrid": dict(stage=1, shard_size=1)}.items():
+        torch.manual_seed(0)
+        model = ZeRO(build("stack13"), bucket_cap_mb=0.0004, **kw)
+        x, y = global_batch("stack13", 0, MICRO)
+        counted[0] = 0
+        loss_fn("stack13", model(x), y).backward()
+        out[name] = (counted[0], len(model.units))
+    return out
+
+
+def test_stage1_in_place_launches_every_reduction_without_waiting_for_the_one_before() -> None:
+    # A reduction of a temporary gradient (stage 2, a cast stage-1 gradient) waits for the one before it (at most one
+    # full-size temporary in flight); stage 1's lasting buffer costs nothing in flight, so none waits (docs/tune.md, the
+    # sixteenth pass), except under hybrid sharding, whose settling starts the replicas' all-reduce.
+    counts = run_on_ranks(_waits_before_launching, 2, timeout=120)[0]
+    assert counts["stage 1"][0] == 0 and counts["stage 1"][1] > 2, counts
+    for held in ("stage 1, bf16", "stage 2", "stage 1, hybrid"):
+        assert counts[held][0] >= counts[held][1] - 1, (held, counts)

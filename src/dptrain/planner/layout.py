@@ -94,6 +94,12 @@ class Setup:
         """ZeRO's parameter dtype for compute (None: the model's own)."""
         return torch.bfloat16 if self.precision == "bf16" and self.stage else None
 
+    @property
+    def accumulates_in_place(self) -> bool:
+        """ZeRO-1 whose gradients land in its own lasting buffer (computed in the dtype it reduces in): its
+        reductions hold no temporary gradient, so none waits for an earlier one (zero/reduction.py)."""
+        return self.stage == 1 and self.compute_dtype in (None, self.reduce_dtype)
+
 
 @dataclass(frozen=True)
 class Unit:

@@ -20,7 +20,9 @@ link, across hosts the ``net`` link (or both tiers for ``hierarchical``).
   (prefetch), in forward and, for units that reshard, again in backward; each unit's
   reduce-scatter is launched when its backward ends.
 - Every ZeRO stage keeps one reduce-scatter in flight (``ReductionQueue(1)``): before
-  launching one it waits for the previous, holding compute back; the optimizer steps
+  launching one it waits for the previous, holding compute back; except ZeRO-1 without
+  hybrid sharding that accumulates in its own buffer (``Setup.accumulates_in_place``),
+  whose reduce-scatters all queue on the link as they are launched. The optimizer steps
   only this rank's shard (the profile's optimizer time over the shard group's size).
 - **Hybrid sharding** (``Setup.shard_size``): gathers and reduce-scatters run over the
   shard group, on the link inside a host while the group fits in one; when a unit's
@@ -282,7 +284,7 @@ def simulate_step(model: nn.Module, setup: Setup, profile: ComputeProfile, netwo
                  key=lambda c: c.start_s)
     comm = sum(c.end_s - c.start_s for c in log)
     full = sum(u.numel * u.dtype.itemsize for u in shapes)
-    own_buffer = setup.stage >= 2 or (setup.stage == 1 and setup.compute_dtype not in (None, setup.reduce_dtype))
+    own_buffer = setup.stage >= 2 or (setup.stage == 1 and not setup.accumulates_in_place)
     features = _features(log, len(shard_link.log) * _rounds_share(setup, network), windows, setup.stage,
                          full / (setup.shards if setup.stage else 1),
                          accum * (F + B) + O, accum, full if own_buffer else 0.0,

@@ -56,14 +56,20 @@ class Reductions:
     for the previous one; then that unit's shard starts its all-reduce over the replicate
     group, on the replicate group's own link. :meth:`launch` returns when compute can go
     on; :meth:`finish` when the last reduction is done (end of backward's callback).
+    ``bounded=False``: none waits for another (ZeRO-1 accumulating in place, without
+    replicas: ``Setup.accumulates_in_place``); they queue on the link.
     """
 
-    def __init__(self, shard_link: LinkClock, replica_link: LinkClock | None, sync: bool = True):
-        self.shard_link, self.replica_link, self.sync = shard_link, replica_link, sync
+    def __init__(self, shard_link: LinkClock, replica_link: LinkClock | None, sync: bool = True,
+                 bounded: bool = True):
+        self.shard_link, self.replica_link, self.sync, self.bounded = shard_link, replica_link, sync, bounded
         self._previous: tuple[Unit, int, float] | None = None  # (unit, index, its reduce-scatter's end)
 
     def launch(self, unit: Unit, index: int, t: float) -> float:
         if not self.sync:  # a no_sync micro-step accumulates locally
+            return t
+        if not self.bounded:
+            self.shard_link.run("reduce_scatter", unit, index, t)
             return t
         t = self._settle(t)
         self._previous = (unit, index, self.shard_link.run("reduce_scatter", unit, index, t))
@@ -71,7 +77,8 @@ class Reductions:
 
     def finish(self, t: float) -> float:
         t = self._settle(t)
-        return max(t, self.replica_link.free if self.replica_link is not None else 0.0)
+        return max(t, self.shard_link.free if self.sync and not self.bounded else 0.0,
+                   self.replica_link.free if self.replica_link is not None else 0.0)
 
     def _settle(self, t: float) -> float:
         if self._previous is None:
@@ -103,7 +110,8 @@ def replay(shapes: list[Unit], setup: Setup, F: float, B: float, ready: Callable
                 for i, unit in enumerate(shapes):  # the updated parameters are gathered before the next forward
                     start = shard_link.run("all_gather", unit, i, t)
                 t = start
-            reductions = Reductions(shard_link, replica_link, sync)
+            reductions = Reductions(shard_link, replica_link, sync,
+                                    bounded=not (setup.accumulates_in_place and replica_link is None))
             delay = launched = 0.0  # compute held back by the waits for earlier reductions
             for i, unit in enumerate(shapes):
                 launched = reductions.launch(unit, i, max(launched, t + F + B * ready(unit) + delay))

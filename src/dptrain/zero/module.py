@@ -226,11 +226,13 @@ class ZeRO(ShardedState, nn.Module):
         if self.broadcast_buffers and self.world_size > 1 and self._buffers_to_sync:
             broadcast_coalesced(self._buffers_to_sync, 0, self.group)
         self._ran, self._gathered = [], 0
-        for unit in self.units:
-            if unit.owner is None:
-                # Stages 1-2: plain views now, so that every attribute exists; autograd views
-                # when a holder module first runs (see _make_first_use_hook).
-                unit.materialize(differentiable=self.stage == 3)
+        outside = [unit for unit in self.units if unit.owner is None]
+        for unit in outside:  # every all-gather in flight before the first is waited for, not one at a time
+            unit.gather(async_op=True)
+        for unit in outside:
+            # Stages 1-2: plain views now, so that every attribute exists; autograd views
+            # when a holder module first runs (see _make_first_use_hook).
+            unit.materialize(differentiable=self.stage == 3)
         if self.stage < 3 and torch.is_grad_enabled():
             self._lazy = set(self.units)
         if self.stage == 3 and self.prefetch and self._order:

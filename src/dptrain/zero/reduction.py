@@ -56,7 +56,11 @@ class ReductionQueue:
     the whole unsharded gradient at once, which stage 3 exists to avoid. Before a unit
     launches, the oldest reductions are waited for and their inputs dropped, as torch's
     FSDP2 does (one in flight): a reduction still overlaps the backward of the next
-    unit, the one whose gradient is being computed while it runs.
+    unit, the one whose gradient is being computed while it runs. Only reductions of a
+    temporary gradient count (and, under hybrid sharding, every one: settling it starts
+    the replicas' all-reduce): stage 1's accumulation buffer lives on whatever is in
+    flight, so its reductions are not held back (each waited for before the next, 1 MiB
+    units spent most of a 4-rank backward waiting; docs/tune.md, the sixteenth pass).
     """
 
     def __init__(self, limit: int = 1):
@@ -138,7 +142,11 @@ class UnitReduction:
         ([Note: a finished collective's input]); False for a buffer that outlives it.
         """
         context = self.context
-        context.reductions.make_room()  # bound the full-size gradients alive at once (see ReductionQueue)
+        # bound the full-size gradients alive at once (see ReductionQueue); a lasting buffer costs none, unless
+        # its settling starts the replicas' all-reduce (hybrid sharding), which must not wait for backward's end
+        queued = owned or self.replicated
+        if queued:
+            context.reductions.make_room()
         self._pieces_due = max(0, self._pieces_due - 1)
         out = home if home is not None and not self.pending else \
             torch.empty(self.hi - self.lo, dtype=self.dtype, device=self.device)
@@ -157,12 +165,14 @@ class UnitReduction:
             work = comm.reduce_scatter(out, grad_full, "avg", async_op=True, consume_input=True, **self._comm)
         work = start_timing(work, stats, "reduce-scatter", self.index, grad_full, launched)
         self.pending.append((work, out, grad_full, owned))  # the input stays alive until the reduction is done
-        context.reductions.add(self)
+        if queued:
+            context.reductions.add(self)
 
     def settle_oldest(self) -> None:
-        """Wait for the oldest unfinished reduce-scatter and drop its full-size input (HSDP: start the replicas')."""
-        for i, (_, _, grad_full, _) in enumerate(self.pending):
-            if grad_full is not None:
+        """Wait for the oldest unfinished reduce-scatter of a temporary gradient and drop that input (HSDP: start the
+        replicas')."""
+        for i, (_, _, grad_full, owned) in enumerate(self.pending):
+            if grad_full is not None and (owned or self.replicated):
                 self._settle(i)
                 return
 
